@@ -1,0 +1,1 @@
+"""commvol — see DESIGN.md."""

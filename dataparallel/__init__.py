@@ -1,0 +1,1 @@
+"""dataparallel — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""hsadmm — see DESIGN.md."""

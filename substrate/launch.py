@@ -1,0 +1,150 @@
+"""The launcher behind ``run_mpi.sh`` (after it has bootstrapped ``.venv``) and the MPI tests.
+
+``python -m substrate.launch [-n NP] [--ranks-per-node R] [--hostfile F] [--dry-run] MODULE
+[ARGS...]`` runs ``python -m mpi4py -m MODULE ARGS`` under ``mpiexec -n NP`` (or ``srun`` inside
+a Slurm allocation; ``SPARDIST_LAUNCHER`` overrides, e.g. ``mpirun`` or ``srun --mpi=pmix``).
+With no arguments it runs the project's main job on the embedded default; with ``--test`` it runs
+the test suite.
+
+Which ``mpiexec``: ``SPARDIST_MPIEXEC`` if set, else the one installed in this Python's
+environment (the ``mpich`` wheel from PyPI), else the first on ``PATH``.  Oversubscription is
+enabled automatically when NP exceeds the cores (Open MPI needs a flag; MPICH's Hydra allows it by
+default); Open MPI run as root also gets ``--allow-run-as-root``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB"]
+
+#: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).
+DEFAULT_JOB = ["-n", "4", "--ranks-per-node", "2", "substrate.probe"]
+DEFAULT_NP = 4
+
+
+def find_mpiexec() -> str:
+    """Path of the ``mpiexec`` matching this environment's MPI library."""
+    env = os.environ.get("SPARDIST_MPIEXEC")
+    if env:
+        return env
+    local = Path(sys.prefix) / "bin" / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError(
+            "no mpiexec found: run ./run_mpi.sh once (it installs the mpich wheel into .venv), "
+            "load your site's MPI module, or set SPARDIST_MPIEXEC=/path/to/mpiexec")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_flavor(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"``, ``"intel"`` or ``"unknown"`` from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([*shlex.split(mpiexec), "--version"], capture_output=True,
+                             text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    low = out.lower()
+    if "open mpi" in low or "openrte" in low or "open-mpi" in low:
+        return "openmpi5" if "(open mpi) 5" in low or "prte" in low else "openmpi"
+    if "intel" in low:
+        return "intel"
+    if "hydra" in low or "mpich" in low:
+        return "mpich"
+    return "unknown"
+
+
+def launch_command(np_: int, module: str | None, args: list[str] = (), *,
+                   script: str | None = None, hostfile: str | None = None,
+                   python: str | None = None, launcher: str | None = None) -> list[str]:
+    """The exact command line that runs ``python -m mpi4py -m module args`` (or
+    ``python -m mpi4py script args``) on ``np_`` ranks.  ``python -m mpi4py`` makes an uncaught
+    exception on any rank abort the whole job instead of leaving the others waiting."""
+    if np_ < 1:
+        raise ValueError(f"-n must be >= 1, got {np_}")
+    if (module is None) == (script is None):
+        raise ValueError("give exactly one of module or script")
+    python = python or sys.executable
+    target = ["-m", module] if module is not None else [script]
+    payload = [python, "-m", "mpi4py", *target, *args]
+    launcher = launcher if launcher is not None else os.environ.get("SPARDIST_LAUNCHER")
+    if launcher is None and os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
+        launcher = "srun"
+    if launcher is not None and Path(shlex.split(launcher)[0]).name == "srun":
+        cmd = [*shlex.split(launcher), "-n", str(np_)]
+        if hostfile:
+            print("spardist: --hostfile is ignored under srun (Slurm places the ranks)",
+                  file=sys.stderr)
+        return cmd + payload
+    mpiexec = launcher or find_mpiexec()
+    cmd = [*shlex.split(mpiexec), "-n", str(np_)]
+    flavor = mpi_flavor(mpiexec)
+    if flavor.startswith("openmpi"):
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if np_ > (os.cpu_count() or 1):
+            cmd += ["--map-by", ":OVERSUBSCRIBE"] if flavor == "openmpi5" else ["--oversubscribe"]
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+    elif hostfile:
+        cmd += ["-f", hostfile] if flavor == "mpich" else ["-hostfile", hostfile]
+    return cmd + payload
+
+
+def mpi_env(np_: int, base: dict | None = None) -> dict:
+    """Environment for ``np_`` ranks on this host: BLAS/OpenMP/Numba threads are capped at
+    ``cores // np_`` (at least 1) unless already set, so oversubscribed ranks do not thrash."""
+    env = dict(os.environ if base is None else base)
+    threads = str(max(1, (os.cpu_count() or 1) // max(np_, 1)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                "NUMBA_NUM_THREADS"):
+        env.setdefault(var, threads)
+    return env
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="run_mpi.sh",
+        description="Run a spardist module under MPI, or the tests. With no arguments: the main "
+                    "job on the embedded default (" + " ".join(DEFAULT_JOB) + ").")
+    p.add_argument("-n", "--np", type=int, default=DEFAULT_NP, dest="np",
+                   help="number of ranks (default %(default)s)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
+                   help="simulate nodes of R ranks (passed to the module on every rank)")
+    p.add_argument("--hostfile", default=None, help="MPI hostfile (mpiexec only)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    p.add_argument("module", help="module to run, e.g. substrate.probe or hsadmm")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the module")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--test":
+        cmd = [sys.executable, "-m", "pytest", *argv[1:]]
+        return subprocess.call(cmd)
+    if not argv:
+        argv = list(DEFAULT_JOB)
+    ns = _parse(argv)
+    args = list(ns.args)
+    if ns.ranks_per_node is not None:
+        args += ["--ranks-per-node", str(ns.ranks_per_node)]
+    cmd = launch_command(ns.np, ns.module, args, hostfile=ns.hostfile)
+    if ns.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    return subprocess.call(cmd, env=mpi_env(ns.np))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

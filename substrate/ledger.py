@@ -1,0 +1,147 @@
+"""The traffic ledger: every byte a wrapped call sends is recorded here, per phase.
+
+Each rank records what *it* sends: payload bytes (its input buffer), wire bytes per link class
+under the named algorithm (see :mod:`substrate.costmodel`), messages, and the modeled time of the
+call.  :meth:`Ledger.totals` reduces the entries over the ranks at the end of a run: bytes and
+messages are summed (so a collective's wire total is counted once), ``calls`` and ``modeled_s``
+take the maximum over ranks (a collective is one call that every member waits for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .costmodel import INTER, INTRA
+
+__all__ = ["Ledger", "PhaseEntry"]
+
+
+@dataclass
+class PhaseEntry:
+    """Running totals of one phase label on one rank."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    intra_bytes: int = 0
+    inter_bytes: int = 0
+    messages: int = 0
+    modeled_s: float = 0.0
+    links: set = field(default_factory=set)
+
+    @property
+    def link(self) -> str:
+        if not self.links:
+            return "none"
+        if self.links == {INTRA}:
+            return INTRA
+        if self.links == {INTER}:
+            return INTER
+        return "mixed"
+
+    def as_dict(self) -> dict:
+        return {
+            "link": self.link,
+            "bytes": self.intra_bytes + self.inter_bytes,
+            "intra_bytes": self.intra_bytes,
+            "inter_bytes": self.inter_bytes,
+            "payload_bytes": self.payload_bytes,
+            "calls": self.calls,
+            "messages": self.messages,
+            "modeled_s": self.modeled_s,
+        }
+
+
+class Ledger:
+    """Per-rank record of communication, keyed by phase label."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, PhaseEntry] = {}
+
+    def record(self, phase: str, *, payload: int, intra: int = 0, inter: int = 0,
+               messages: int = 0, modeled_s: float = 0.0, links=(), calls: int = 1) -> None:
+        """Add one call's accounting to ``phase``."""
+        if not isinstance(phase, str) or not phase:
+            raise ValueError("every communication call needs a non-empty phase label, "
+                             "e.g. phase='inter_allreduce'")
+        e = self.entries.get(phase)
+        if e is None:
+            e = self.entries[phase] = PhaseEntry()
+        e.calls += calls
+        e.payload_bytes += int(payload)
+        e.intra_bytes += int(intra)
+        e.inter_bytes += int(inter)
+        e.messages += int(messages)
+        e.modeled_s += float(modeled_s)
+        e.links.update(links)
+
+    # -- local views ----------------------------------------------------------------------------
+    @property
+    def modeled_s(self) -> float:
+        return sum(e.modeled_s for e in self.entries.values())
+
+    def local(self) -> dict:
+        """This rank's entries as plain dicts."""
+        return {k: v.as_dict() for k, v in self.entries.items()}
+
+    def snapshot(self) -> dict:
+        """Copy of the local per-phase counters, for per-iteration deltas (see :meth:`since`)."""
+        return {k: v.as_dict() for k, v in self.entries.items()}
+
+    def since(self, snap: dict) -> dict:
+        """Local per-phase counters accumulated after ``snap`` was taken."""
+        out = {}
+        for k, v in self.local().items():
+            old = snap.get(k)
+            if old is None:
+                out[k] = v
+                continue
+            d = {f: v[f] - old[f] for f in ("bytes", "intra_bytes", "inter_bytes",
+                                             "payload_bytes", "calls", "messages", "modeled_s")}
+            if d["calls"]:
+                d["link"] = v["link"]
+                out[k] = d
+        return out
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    # -- global view ---------------------------------------------------------------------------
+    def totals(self, comm) -> dict:
+        """Reduce every rank's entries over ``comm`` (a :class:`substrate.comm.Comm` or an
+        mpi4py communicator).  Collective.  The reduction itself is bookkeeping and is not
+        recorded.
+
+        Returns
+        -------
+        dict
+            ``{"inter_node_bytes", "intra_node_bytes", "messages", "modeled_s", "by_phase"}``
+            in the ``traffic.measured`` schema of DESIGN.md.
+        """
+        mpi = getattr(comm, "mpi", comm)
+        gathered = mpi.allgather(self.local())
+        return merge_phase_dicts(gathered)
+
+
+def merge_phase_dicts(per_rank: list[dict]) -> dict:
+    """Merge per-rank ``{phase: entry}`` dicts: bytes/messages summed, calls/time maxed."""
+    by_phase: dict[str, dict] = {}
+    for entries in per_rank:
+        for phase, e in entries.items():
+            t = by_phase.get(phase)
+            if t is None:
+                by_phase[phase] = dict(e)
+                continue
+            for f in ("bytes", "intra_bytes", "inter_bytes", "payload_bytes", "messages"):
+                t[f] += e[f]
+            t["calls"] = max(t["calls"], e["calls"])
+            t["modeled_s"] = max(t["modeled_s"], e["modeled_s"])
+            if t["link"] != e["link"]:
+                links = {t["link"], e["link"]} - {"none"}
+                t["link"] = links.pop() if len(links) == 1 else "mixed"
+    by_phase = dict(sorted(by_phase.items()))
+    return {
+        "inter_node_bytes": sum(e["inter_bytes"] for e in by_phase.values()),
+        "intra_node_bytes": sum(e["intra_bytes"] for e in by_phase.values()),
+        "messages": sum(e["messages"] for e in by_phase.values()),
+        "by_phase": by_phase,
+    }

@@ -1,0 +1,202 @@
+"""Cluster topology: nodes, node leaders, and the communicators of each level.
+
+Built once per run with :meth:`Topology.from_comm`:
+
+* real nodes: ``comm.Split_type(MPI.COMM_TYPE_SHARED)`` groups the ranks that share memory;
+* virtual nodes (simulation on one host): ``ranks_per_node=R`` groups ranks ``rank // R``.
+
+Every node must hold the same number of ranks (H-SADMM assumes homogeneous nodes).  A world size
+that is not a multiple of ``R``, or nodes of unequal size, raise :class:`TopologyError` on every
+rank (every rank reaches the same verdict from the same data, so nothing hangs).
+
+The hierarchy is a list of :class:`Level` objects, bottom-up: level 0 is the node level (``intra``
+= the node's ranks, ``inter`` = the node leaders).  ``nodes_per_rack=K`` adds a rack level above
+it (the leaders of K consecutive nodes, and the rack leaders).  Link classes for the cost model
+stay intra-node / inter-node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import Backend
+from .comm import Comm
+from .costmodel import CostModel
+from .ledger import Ledger
+
+__all__ = ["Topology", "TopologyError", "Level"]
+
+
+class TopologyError(ValueError):
+    """Bad topology input (raised identically on every rank)."""
+
+
+@dataclass
+class Level:
+    """One level of the hierarchy.
+
+    Attributes
+    ----------
+    name : str
+        ``"node"`` or ``"rack"``.
+    group : Comm or None
+        Communicator of the members of my unit at this level (``None`` if I am not a member,
+        e.g. a follower at the rack level).
+    leaders : Comm or None
+        Communicator of the unit leaders (``None`` unless I lead my unit).
+    unit_of : numpy.ndarray
+        Unit id of every world rank.
+    """
+
+    name: str
+    group: Comm | None
+    leaders: Comm | None
+    unit_of: np.ndarray
+
+
+def _check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class Topology:
+    """Ranks, nodes and the communicators of a run (see the module docstring).
+
+    Attributes
+    ----------
+    world, intra, inter : Comm
+        All ranks; my node's ranks; the node leaders (``None`` on followers).
+    rank, size, node, num_nodes, ranks_per_node, local_rank : int
+    is_leader : bool
+    node_of : numpy.ndarray
+        Node id of every world rank.
+    gpu_index : int
+        Device to bind: the node-local rank (never ``rank % ngpus``).
+    levels : list of Level
+    virtual : bool
+        True when nodes were formed with ``ranks_per_node`` instead of shared memory.
+    """
+
+    def __init__(self) -> None:  # use from_comm
+        self.levels: list[Level] = []
+
+    @classmethod
+    def from_comm(cls, comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None, *,
+                  nodes_per_rack: int | None = None, ledger: Ledger | None = None,
+                  cost: CostModel | None = None, backend: Backend | None = None) -> "Topology":
+        """Discover (or simulate) the node structure of ``comm`` (collective).
+
+        Parameters
+        ----------
+        comm : mpi4py communicator, optional
+            Duplicated once here; defaults to ``MPI.COMM_WORLD``.
+        ranks_per_node : int, optional
+            Virtual nodes of ``R`` consecutive ranks; ``None`` uses shared-memory nodes.
+        nodes_per_rack : int, optional
+            Adds a rack level of ``K`` consecutive nodes.
+        ledger, cost, backend :
+            Shared by every communicator created here.
+
+        Raises
+        ------
+        TopologyError
+            On every rank, when the world cannot be cut into equal nodes (or racks).
+        """
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self = cls()
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.cost = cost if cost is not None else CostModel()
+        self.backend = backend
+        world = comm.Dup()
+        rank, size = world.Get_rank(), world.Get_size()
+        self.rank, self.size = rank, size
+
+        if ranks_per_node is not None:
+            r = _check_positive_int(ranks_per_node, "--ranks-per-node")
+            if size % r:
+                raise TopologyError(
+                    f"world size {size} is not a multiple of --ranks-per-node {r}: all nodes "
+                    f"must hold the same number of ranks; launch with -n {r * max(1, size // r)} "
+                    f"or -n {r * (size // r + 1)}, or pick a ranks-per-node that divides {size}")
+            intra_mpi = world.Split(rank // r, rank)
+            self.virtual = True
+        else:
+            intra_mpi = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            self.virtual = False
+        # node id of every rank = index of its node's lowest world rank among all nodes
+        node_root = intra_mpi.bcast(rank, root=0)
+        roots = np.array(world.allgather(node_root), dtype=np.int64)
+        uniq = np.unique(roots)
+        node_of = np.searchsorted(uniq, roots)
+        counts = np.bincount(node_of)
+        if counts.min() != counts.max():
+            intra_mpi.Free()
+            world.Free()
+            raise TopologyError(
+                f"nodes hold unequal rank counts {counts.tolist()}: H-SADMM assumes homogeneous "
+                "nodes; launch the same number of ranks on every node (e.g. srun "
+                "--ntasks-per-node) or simulate with --ranks-per-node")
+        self.node_of = node_of
+        self.node = int(node_of[rank])
+        self.num_nodes = int(uniq.size)
+        self.ranks_per_node = int(counts[0])
+        self.local_rank = intra_mpi.Get_rank()
+        self.is_leader = self.local_rank == 0
+        self.gpu_index = self.local_rank
+
+        ranks = np.arange(size)
+        mk = lambda c, members: Comm(c, node_of, members, self.ledger, self.cost,  # noqa: E731
+                                     self.backend)
+        self.world = mk(world, ranks)
+        self.intra = mk(intra_mpi, ranks[node_of == self.node])
+        inter_mpi = world.Split(0 if self.is_leader else MPI.UNDEFINED, rank)
+        leaders = uniq  # the lowest world rank of each node leads it (node ids sort by it)
+        self.inter = mk(inter_mpi, leaders) if inter_mpi != MPI.COMM_NULL else None
+        self.levels = [Level("node", self.intra, self.inter, node_of)]
+
+        if nodes_per_rack is not None:
+            k = _check_positive_int(nodes_per_rack, "--nodes-per-rack")
+            if self.num_nodes % k:
+                raise TopologyError(
+                    f"{self.num_nodes} nodes cannot be cut into racks of {k}: pick a "
+                    f"nodes-per-rack that divides {self.num_nodes}")
+            rack_of = node_of // k
+            group = rack_leaders = None
+            if self.inter is not None:  # only node leaders take part in the rack level
+                group = self.inter.sub(int(rack_of[rank]))
+                rack_leaders = self.inter.sub(0 if group.rank == 0 else -1)
+            self.levels.append(Level("rack", group, rack_leaders, rack_of))
+        return self
+
+    # -- conveniences ----------------------------------------------------------------------------
+    def bind_backend(self, backend: Backend) -> None:
+        """Use ``backend`` to hand arrays to MPI on every communicator of this topology."""
+        self.backend = backend
+        for c in self.communicators():
+            c.backend = backend
+
+    def communicators(self) -> list[Comm]:
+        out = [self.world, self.intra]
+        for lv in self.levels:
+            out += [lv.group, lv.leaders]
+        seen, uniq = set(), []
+        for c in out:
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                uniq.append(c)
+        return uniq
+
+    def describe(self) -> dict:
+        """The ``topology`` block of ``summary.json``."""
+        return {
+            "world": self.size,
+            "nodes": self.num_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "virtual_nodes": self.virtual,
+            "levels": [lv.name for lv in self.levels],
+            "node_of": self.node_of.tolist(),
+        }
