@@ -1,0 +1,178 @@
+"""MPI checks of the substrate; run as ``python -m mpi4py substrate_checks.py CHECK [R]``.
+
+Every check compares against an independent reference computed on every rank and against the
+closed-form volumes; verdicts are collective (all ranks fail together).
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from substrate import Ledger, Topology, bucketed_allreduce, collective_check
+from substrate import costmodel as cm
+
+
+def topo_2x2(R):
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    p = t.size
+    ok = (t.num_nodes == p // R and t.ranks_per_node == R and t.node == t.rank // R
+          and t.local_rank == t.rank % R and t.is_leader == (t.rank % R == 0)
+          and (t.inter is not None) == t.is_leader and t.intra.size == R
+          and np.array_equal(t.node_of, np.arange(p) // R) and t.gpu_index == t.rank % R)
+    if t.inter is not None:
+        ok = ok and t.inter.size == p // R and t.inter.rank == t.node
+        ok = ok and t.inter.link == ("inter" if p // R > 1 else "none")
+    ok = ok and t.intra.link == ("intra" if R > 1 else "none")
+    collective_check(t.world, ok, f"topology wrong: {t.describe()} local={t.local_rank}")
+
+
+def ring_inter(R):
+    """Ring all-reduce of n float32 on the leaders records exactly 2(M-1)*4n inter bytes."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    M = t.num_nodes
+    for n in (1000, 1001, 7):  # also counts the ring cannot split evenly: the total is exact
+        t.ledger.reset()
+        if t.inter is not None:
+            x = np.full(n, t.node + 1.0, dtype=np.float32)
+            t.inter.allreduce(x, phase="inter_allreduce")
+            collective_check(t.inter, np.all(x == M * (M + 1) / 2), "wrong sum")
+        tot = t.ledger.totals(t.world)
+        e = tot["by_phase"].get("inter_allreduce", {})
+        want = 2 * (M - 1) * 4 * n
+        ok = (tot["inter_node_bytes"] == want and tot["intra_node_bytes"] == 0
+              and e.get("calls") == 1 and e.get("messages") == 2 * (M - 1) * M
+              and e.get("payload_bytes") == 4 * n * M)
+        collective_check(t.world, ok, f"n={n}: measured {tot}, want inter {want}")
+    # the same over all p = M*P ranks (node-major ring): M * 2(p-1)/p * n across nodes
+    t.ledger.reset()
+    p = t.size
+    n = 64 * p
+    x = np.ones(n, dtype=np.float32)
+    t.world.allreduce(x, "avg", phase="world_allreduce")
+    tot = t.ledger.totals(t.world)
+    want = cm.ring_allreduce_wire_bytes(4 * n, p, M if M > 1 else 0)
+    collective_check(t.world, np.all(x == 1) and tot["inter_node_bytes"] == want["inter"]
+                     and tot["intra_node_bytes"] == want["intra"]
+                     and want["inter"] == (M * 2 * (p - 1) * 4 * n // p if M > 1 else 0),
+                     f"world ring: {tot} vs {want}")
+
+
+def p2p(R):
+    """Point-to-point bytes and message counts exact, per link class."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    w, p, r = t.world, t.size, t.rank
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 500, size=(p, p))  # sizes[i, j] float64 from i to j (same everywhere)
+    reqs, bufs = [], {}
+    for j in range(p):
+        if j != r:
+            bufs[j] = np.empty(sizes[j, r], dtype=np.float64)
+            reqs.append(w.irecv(bufs[j], j, tag=5, phase="p2p"))
+    for j in range(p):
+        if j != r:
+            reqs.append(w.isend(np.full(sizes[r, j], r * 100.0 + j), j, tag=5, phase="p2p"))
+    w.waitall(reqs)
+    ok = all(np.all(bufs[j] == j * 100.0 + r) for j in bufs)
+    tot = t.ledger.totals(w)
+    node = np.arange(p) // R
+    inter = sum(8 * sizes[i, j] for i in range(p) for j in range(p) if node[i] != node[j])
+    intra = sum(8 * sizes[i, j] for i in range(p) for j in range(p)
+                if i != j and node[i] == node[j])
+    e = tot["by_phase"].get("p2p", {"inter_bytes": 0, "intra_bytes": 0, "messages": 0})
+    ok = ok and e["inter_bytes"] == inter and e["intra_bytes"] == intra
+    ok = ok and e["messages"] == p * (p - 1)
+    collective_check(w, ok, f"p2p: measured {e}, want inter {inter} intra {intra}")
+
+
+def mask_or(R):
+    """Bitwise-OR all-reduce of packed uint8 masks equals the OR of every rank's mask."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    nbits = 1237
+    masks = [np.random.default_rng(100 + i).random(nbits) < 0.1 for i in range(t.size)]
+    want = np.logical_or.reduce(masks)
+    packed = np.packbits(masks[t.rank])
+    t.world.allreduce(packed, "bor", phase="mask_or")
+    got = np.unpackbits(packed, count=nbits).astype(bool)
+    tot = t.ledger.totals(t.world)
+    ok = np.array_equal(got, want)
+    # 155 bytes do not split evenly over p ranks: the wire total is still exactly 2(p-1)n
+    ok = ok and tot["inter_node_bytes"] + tot["intra_node_bytes"] == 2 * (t.size - 1) * packed.size
+    collective_check(t.world, ok, f"mask OR wrong: {tot}")
+    try:
+        t.world.allreduce(np.zeros(3, np.float32), "bor", phase="x")
+        collective_check(t.world, False, "bor on float32 did not raise")
+    except ValueError as exc:
+        collective_check(t.world, "packbits" in str(exc), str(exc))
+
+
+def bucketed(R):
+    """Bucketed all-reduce equals per-tensor all-reduce; plan and buffers reused."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    rng = np.random.default_rng(t.rank)
+    shapes = [(3, 5), (1000,), (7, 7, 3), (1,), (4096,), (2, 2)] * 5
+    ts = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    ref = [x.copy() for x in ts]
+    for x in ref:
+        t.world.allreduce(x, phase="per_tensor")
+    bucket_bytes = 8192
+    bucketed_allreduce(ts, t.world, bucket_bytes, phase="bucketed")
+    ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(ts, ref))
+    plan = next(iter(t.world._bucket_plans.values()))
+    nb = len(plan.buckets)
+    ok = ok and all(sum(s for _, _, s in b) * 4 <= bucket_bytes or len(b) == 1
+                    for b in plan.buckets)
+    ids = [id(b) for b in plan.buffers]
+    bucketed_allreduce(ts, t.world, bucket_bytes, phase="bucketed")
+    plan2 = next(iter(t.world._bucket_plans.values()))
+    ok = ok and plan2 is plan and [id(b) for b in plan2.buffers] == ids
+    ok = ok and len(t.world._bucket_plans) == 1
+    tot = t.ledger.totals(t.world)["by_phase"]
+    ok = ok and tot["bucketed"]["calls"] == 2 * nb and tot["per_tensor"]["calls"] == len(shapes)
+    # the ring's wire total is 2(p-1) n per call whatever the cut, so two bucketed rounds move
+    # exactly twice the per-tensor bytes, in far fewer calls
+    ok = ok and tot["bucketed"]["bytes"] == 2 * tot["per_tensor"]["bytes"]
+    collective_check(t.world, ok, f"bucketed mismatch: {nb} buckets, {tot}")
+
+
+def gathers(R):
+    """allgather / allgatherv / alltoallv / bcast against explicit references."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
+    w, p, r = t.world, t.size, t.rank
+    g = w.allgather(np.array([r, r * r], dtype=np.int64), phase="ag")
+    ok = np.array_equal(g, np.array([[i, i * i] for i in range(p)]))
+    v, counts = w.allgatherv(np.arange(r + 2, dtype=np.float64) + 10 * r, phase="agv")
+    ok = ok and np.array_equal(counts, np.arange(p) + 2) and np.array_equal(
+        v, np.concatenate([np.arange(i + 2) + 10.0 * i for i in range(p)]))
+    sc = np.array([(r + j) % 3 for j in range(p)])
+    send = np.concatenate([np.full(sc[j], 1000 * r + j, dtype=np.int32) for j in range(p)])
+    out, rc = w.alltoallv(send, sc, phase="a2a")
+    ok = ok and np.array_equal(rc, [(i + r) % 3 for i in range(p)]) and np.array_equal(
+        out, np.concatenate([np.full((i + r) % 3, 1000 * i + r, dtype=np.int32)
+                             for i in range(p)]))
+    for root in range(p):
+        b = np.arange(10.0) * (root + 1) if r == root else np.zeros(10)
+        w.bcast(b, root, phase="bcast")
+        ok = ok and np.array_equal(b, np.arange(10.0) * (root + 1))
+    tot = t.ledger.totals(w)["by_phase"]
+    # binomial bcast: p-1 tree edges of 80 bytes per call, whatever the root
+    ok = ok and tot["bcast"]["bytes"] == p * (p - 1) * 80 and tot["bcast"]["messages"] == p * (p - 1)
+    ok = ok and tot["ag"]["bytes"] == (p - 1) * p * 16
+    collective_check(w, ok, f"gathers wrong: {tot}")
+
+
+def collective_fail(R):
+    """A check failing on rank 1 only must fail on every rank (not hang)."""
+    comm = MPI.COMM_WORLD
+    collective_check(comm, comm.rank != 1, "deliberate failure on rank 1")
+
+
+CHECKS = {f.__name__: f for f in (topo_2x2, ring_inter, p2p, mask_or, bucketed, gathers,
+                                   collective_fail)}
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    R = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    CHECKS[name](R)
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"OK {name}")

@@ -1,0 +1,49 @@
+"""Launch MPI test scripts with a timeout and fail with the ranks' own messages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from substrate.launch import launch_command, mpi_env
+
+ROOT = Path(__file__).resolve().parents[1]
+MPI_DIR = Path(__file__).resolve().parent / "mpi"
+
+
+def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = False,
+            module: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python -m mpi4py SCRIPT ARGS`` (or ``-m MODULE``) from the repo root.
+
+    ``script`` is a path, or a file name under ``tests/mpi/``.  Fails the test with every rank's
+    stdout/stderr on a non-zero exit (or, with ``expect_fail``, on a zero exit) and kills the
+    whole process group on timeout, so a hung rank never hangs the suite.
+    """
+    args = [str(a) for a in args]
+    if module is not None:
+        cmd = launch_command(n, module, args)
+    else:
+        path = Path(script)
+        if not path.is_absolute():
+            path = MPI_DIR / path
+        cmd = launch_command(n, None, args, script=str(path))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(n), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s (a rank hung)\n"
+                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if expect_fail and proc.returncode == 0:
+        pytest.fail(f"{' '.join(cmd)} was expected to fail but exited 0\n{out}\n{err}")
+    if not expect_fail and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{out}\n"
+                    f"--- stderr ---\n{err}")
+    return res

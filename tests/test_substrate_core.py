@@ -1,0 +1,251 @@
+"""Substrate pieces that need no MPI launch: cost-model math, ledger, buckets, results, launcher."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from substrate import (
+    Checkpointer,
+    CostModel,
+    Ledger,
+    RunWriter,
+    Topology,
+    TopologyError,
+    atomic_write_json,
+)
+from substrate import costmodel as cm
+from substrate import launch
+from substrate.comm import BucketPlan
+from substrate.ledger import merge_phase_dicts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- cost model ------------------------------------------------------------------------------
+@given(count=st.integers(0, 10_000), p=st.integers(1, 64), itemsize=st.sampled_from([1, 4, 8]))
+def test_ring_allreduce_per_rank_bytes_sum_to_2_p_minus_1_n(count, p, itemsize):
+    sent = [cm.ring_allreduce_sent(count, itemsize, p, i) for i in range(p)]
+    assert sum(sent) == 2 * (p - 1) * count * itemsize
+    assert all(s >= 0 for s in sent)
+
+
+@given(p=st.integers(2, 32), k=st.integers(1, 50))
+def test_ring_allreduce_divisible_every_link_carries_2_p_minus_1_over_p(p, k):
+    count = p * k
+    for i in range(p):
+        assert cm.ring_allreduce_sent(count, 4, p, i) == 2 * (p - 1) * k * 4
+
+
+def test_ring_allreduce_closed_form_hierarchical_and_node_major():
+    n, M, P = 4000, 4, 2
+    assert cm.ring_allreduce_wire_bytes(n, M, M) == {"intra": 0, "inter": 2 * (M - 1) * n}
+    p = M * P
+    w = cm.ring_allreduce_wire_bytes(n, p, M)
+    assert w["inter"] == M * 2 * (p - 1) * n // p
+    assert w["inter"] + w["intra"] == 2 * (p - 1) * n
+
+
+@given(blocks=st.lists(st.integers(0, 1000), min_size=1, max_size=20))
+def test_ring_allgatherv_bytes_total(blocks):
+    p = len(blocks)
+    assert sum(cm.ring_allgatherv_sent(blocks, i) for i in range(p)) == (p - 1) * sum(blocks)
+
+
+@pytest.mark.parametrize("p", range(1, 40))
+def test_binomial_tree_spans_every_rank_once_with_log_depth(p):
+    parent = {}
+    for r in range(p):
+        for c in cm.binomial_children(r, p):
+            assert c not in parent and 0 < c < p
+            parent[c] = r
+    assert sorted(parent) == list(range(1, p))
+
+    # rounds: a rank that has the data at round t sends to its children one per round, largest
+    # subtree first; the last rank is reached after ceil(log2 p) rounds
+    have = {0: 0}
+    for r in range(p):  # parents precede children in rank order
+        for k, c in enumerate(sorted(cm.binomial_children(r, p), reverse=True)):
+            have[c] = have[r] + k + 1
+    assert max(have.values()) == cm.binomial_depth(p)
+
+
+@pytest.mark.parametrize("M,P", [(1, 4), (2, 2), (4, 1), (3, 4), (5, 8)])
+def test_bcast_closed_form_counts_node_crossing_tree_edges(M, P):
+    p = M * P
+    node = np.arange(p) // P
+    inter = sum(node[r] != node[c] for r in range(p) for c in cm.binomial_children(r, p))
+    assert cm.bcast_wire_bytes(10, M, P) == {"intra": (p - 1 - inter) * 10, "inter": inter * 10}
+
+
+def test_cost_model_times_and_units():
+    c = CostModel.from_cli(intra_gbps=800, inter_gbps=80, intra_lat_us=1, inter_lat_us=10)
+    assert c.inter_bw == 10e9 and c.intra_bw == 100e9
+    assert c.p2p_time(1e6, "inter") == pytest.approx(10e-6 + 1e6 / 10e9)
+    assert c.ring_allreduce_time(8e6, 4, "inter") == pytest.approx(6 * (10e-6 + 2e6 / 10e9))
+    assert c.bcast_time(1e3, 5, "intra") == pytest.approx(3 * (1e-6 + 1e3 / 100e9))
+    assert c.ring_allgather_time(4e6, 4, "inter") == pytest.approx(3 * 10e-6 + 3e6 / 10e9)
+    assert c.ring_allreduce_time(1e9, 1, "inter") == 0.0
+    assert c.describe()["inter_gbps"] == pytest.approx(80)
+
+
+@pytest.mark.parametrize("kw", [{"inter_bw": 0}, {"intra_bw": -1}, {"inter_lat": -1e-6}])
+def test_cost_model_rejects_bad_values(kw):
+    with pytest.raises(ValueError, match="must be"):
+        CostModel(**kw)
+
+
+# -- ledger ------------------------------------------------------------------------------------
+def test_ledger_records_and_merges_sum_bytes_max_calls():
+    a, b = Ledger(), Ledger()
+    a.record("x", payload=10, inter=30, messages=2, modeled_s=1.0, links=("inter",))
+    a.record("x", payload=10, inter=30, messages=2, modeled_s=1.0, links=("inter",))
+    b.record("x", payload=10, intra=5, messages=1, modeled_s=3.0, links=("intra",))
+    tot = merge_phase_dicts([a.local(), b.local()])
+    e = tot["by_phase"]["x"]
+    assert (e["inter_bytes"], e["intra_bytes"], e["bytes"]) == (60, 5, 65)
+    assert e["calls"] == 2 and e["messages"] == 5 and e["modeled_s"] == 3.0
+    assert e["link"] == "mixed" and e["payload_bytes"] == 30
+    assert tot["inter_node_bytes"] == 60 and tot["intra_node_bytes"] == 5
+    snap = a.snapshot()
+    a.record("x", payload=1, inter=7, links=("inter",))
+    assert a.since(snap)["x"]["inter_bytes"] == 7 and a.since(snap)["x"]["calls"] == 1
+    with pytest.raises(ValueError, match="phase label"):
+        a.record("", payload=0)
+
+
+# -- buckets -----------------------------------------------------------------------------------
+def test_bucket_plan_respects_budget_and_dtype_boundaries():
+    shapes = [((100,), "<f4"), ((100,), "<f4"), ((1000,), "<f4"), ((10,), "<f8"), ((3,), "<f8")]
+    plan = BucketPlan(shapes, bucket_bytes=800, xp=np)
+    assert [[i for i, _, _ in b] for b in plan.buckets] == [[0, 1], [2], [3, 4]]
+    assert [b.dtype for b in plan.buffers] == [np.float32, np.float32, np.float64]
+    assert [b.size for b in plan.buffers] == [200, 1000, 13]
+    assert [off for _, off, _ in plan.buckets[0]] == [0, 100]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        BucketPlan(shapes, 0, np)
+
+
+def test_single_rank_topology_and_bad_inputs():
+    t = Topology.from_comm(MPI.COMM_SELF, ranks_per_node=1)
+    assert (t.num_nodes, t.ranks_per_node, t.is_leader, t.inter.size) == (1, 1, True, 1)
+    with pytest.raises(TopologyError, match="not a multiple"):
+        Topology.from_comm(MPI.COMM_SELF, ranks_per_node=2)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(TopologyError, match="positive integer"):
+            Topology.from_comm(MPI.COMM_SELF, ranks_per_node=bad)
+
+
+def test_comm_rejects_bad_arguments():
+    t = Topology.from_comm(MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="unknown all-reduce op"):
+        t.world.allreduce(np.zeros(2), "prod", phase="x")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        t.world.allreduce(np.zeros((4, 4))[:, 0], phase="x")
+    with pytest.raises(ValueError, match="floating-point"):
+        t.world.allreduce(np.zeros(2, dtype=np.int64), "avg", phase="x")
+    with pytest.raises(ValueError, match="phase label"):
+        t.world.allreduce(np.zeros(2), phase="")
+
+
+# -- results -----------------------------------------------------------------------------------
+def test_atomic_json_keeps_old_file_when_serialization_fails(tmp_path):
+    path = tmp_path / "summary.json"
+    atomic_write_json(path, {"a": 1})
+    with pytest.raises(TypeError):
+        atomic_write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_atomic_json_keeps_old_file_when_rename_fails(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    atomic_write_json(path, {"v": "old"})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_json(path, {"v": "new"})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"v": "old"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_run_writer_publishes_only_on_finish(tmp_path):
+    old = RunWriter(tmp_path)
+    old.log({"it": 0})
+    old.finish({"run": "old"})
+    failed = RunWriter(tmp_path)
+    failed.log({"it": 0, "new": True})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"it": 0}\n'  # not yet replaced
+    failed.abandon()
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"run": "old"}
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"it": 0}\n'
+    assert not (tmp_path / ".metrics.jsonl.part").exists()
+    # a summary that cannot be serialized fails before any file is touched
+    bad = RunWriter(tmp_path)
+    bad.log({"it": 1})
+    with pytest.raises(TypeError):
+        bad.finish({"x": object()})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"run": "old"}
+
+
+def test_checkpointer_roundtrip_keep_and_missing(tmp_path):
+    ck = Checkpointer(tmp_path / "ck", rank=3, keep=2)
+    assert ck.load_latest() is None
+    for step in (1, 5, 9):
+        ck.save({"w": np.arange(4) * step, "it": step}, step)
+    assert ck.steps() == [5, 9]
+    step, state = ck.load_latest()
+    assert step == 9 and np.array_equal(state["w"], np.arange(4) * 9) and state["it"] == 9
+    with pytest.raises(FileNotFoundError, match="available steps"):
+        ck.load(1)
+    assert not list((tmp_path / "ck").glob("*.tmp"))
+
+
+# -- launcher ----------------------------------------------------------------------------------
+def test_launch_command_mpich_and_openmpi_oversubscribe(monkeypatch):
+    monkeypatch.delenv("SPARDIST_LAUNCHER", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "/x/mpiexec")
+    many = (os.cpu_count() or 1) + 2
+    monkeypatch.setattr(launch, "mpi_flavor", lambda m: "mpich")
+    cmd = launch.launch_command(many, "hsadmm", ["train"], hostfile="hosts")
+    assert cmd[:3] == ["/x/mpiexec", "-n", str(many)] and "-f" in cmd
+    assert cmd[-5:] == ["-m", "mpi4py", "-m", "hsadmm", "train"]
+    monkeypatch.setattr(launch, "mpi_flavor", lambda m: "openmpi")
+    cmd = launch.launch_command(many, "hsadmm")
+    assert "--oversubscribe" in cmd
+    assert "--oversubscribe" not in launch.launch_command(1, "hsadmm")
+    monkeypatch.setattr(launch, "mpi_flavor", lambda m: "openmpi5")
+    assert ":OVERSUBSCRIBE" in launch.launch_command(many, "hsadmm")
+    monkeypatch.setenv("SPARDIST_LAUNCHER", "srun --mpi=pmix")
+    assert launch.launch_command(8, "hsadmm")[:4] == ["srun", "--mpi=pmix", "-n", "8"]
+    with pytest.raises(ValueError, match="-n must be"):
+        launch.launch_command(0, "hsadmm")
+
+
+def test_run_mpi_sh_dry_run_passes_ranks_per_node():
+    out = subprocess.run([str(ROOT / "run_mpi.sh"), "--dry-run", "-n", "4", "--ranks-per-node",
+                          "2", "substrate.probe", "--seed", "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert " -n 4 " in line
+    assert line.endswith("-m mpi4py -m substrate.probe --seed 3 --ranks-per-node 2")
+
+
+def test_mpi_env_caps_threads_per_rank(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = launch.mpi_env(4, {})
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
+    assert launch.mpi_env(4, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    assert int(env["NUMBA_NUM_THREADS"]) >= 1
