@@ -39,7 +39,7 @@ from .costmodel import (
 )
 from .ledger import Ledger
 
-__all__ = ["Comm", "Request", "bucketed_allreduce", "BucketPlan"]
+__all__ = ["Comm", "Request", "bucketed_allreduce", "BucketPlan", "bucket_groups"]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 
@@ -343,35 +343,41 @@ class Comm:
         return bucketed_allreduce(tensors, self, bucket_bytes, op, phase=phase)
 
 
+def bucket_groups(nbytes, bucket_bytes: int, keys=None) -> list[list[int]]:
+    """Greedy, order-preserving grouping of items of ``nbytes[i]`` bytes into buckets of at most
+    ``bucket_bytes`` (an item larger than a bucket gets one of its own; a change of ``keys[i]``,
+    e.g. the dtype, starts a new bucket).  Returns lists of item indices."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i, nb in enumerate(nbytes):
+        if cur and (cur_bytes + nb > bucket_bytes or (keys is not None and keys[i] != keys[cur[0]])):
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += nb
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 class BucketPlan:
-    """Assignment of tensors to contiguous buckets of at most ``bucket_bytes`` (a tensor larger
-    than a bucket gets one of its own; a dtype change starts a new bucket), with the flat bucket
+    """Assignment of tensors to contiguous buckets (:func:`bucket_groups`) with the flat bucket
     buffers allocated once."""
 
     def __init__(self, shapes_dtypes, bucket_bytes: int, xp) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes_dtypes]
+        dtypes = [np.dtype(d) for _, d in shapes_dtypes]
+        groups = bucket_groups([s * d.itemsize for s, d in zip(sizes, dtypes)], bucket_bytes,
+                               dtypes)
         self.buckets: list[list[tuple[int, int, int]]] = []  # (tensor idx, offset, size)
         self.buffers = []
-        cur: list[tuple[int, int, int]] = []
-        cur_bytes = 0
-        cur_dtype = None
-        for i, (shape, dtype) in enumerate(shapes_dtypes):
-            size = int(np.prod(shape, dtype=np.int64))
-            nbytes = size * np.dtype(dtype).itemsize
-            if cur and (cur_bytes + nbytes > bucket_bytes or dtype != cur_dtype):
-                self._close(cur, cur_dtype, xp)
-                cur, cur_bytes = [], 0
-            off = sum(s for _, _, s in cur)
-            cur.append((i, off, size))
-            cur_bytes += nbytes
-            cur_dtype = dtype
-        if cur:
-            self._close(cur, cur_dtype, xp)
-
-    def _close(self, cur, dtype, xp) -> None:
-        self.buckets.append(cur)
-        self.buffers.append(xp.empty(sum(s for _, _, s in cur), dtype=dtype))
+        for g in groups:
+            offs = np.concatenate(([0], np.cumsum([sizes[i] for i in g])[:-1]))
+            self.buckets.append([(i, int(o), sizes[i]) for i, o in zip(g, offs)])
+            self.buffers.append(xp.empty(sum(sizes[i] for i in g), dtype=dtypes[g[0]]))
 
 
 def bucketed_allreduce(tensors, comm: Comm, bucket_bytes: int = 32 << 20, op: str = "sum", *,

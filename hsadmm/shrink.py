@@ -1,0 +1,145 @@
+"""Bitwise mask synchronization (PruneX §4.3, eq. 14) and physical shrinkage/recovery (§4.4,
+eq. 15).
+
+* :class:`MaskCodec` packs the boolean masks of every pruned layer into one ``uint8`` bit buffer
+  (planned once), so the leaders' OR-sync is a single ``allreduce(op="bor")`` of
+  ``ceil(sum(numel) / 8)`` bytes; unpacking restores per-layer boolean masks.
+* :class:`ShrinkPlan` derives the kept index sets ``K_out`` / ``K_in`` of every layer from the
+  global mask (``any`` over the complementary axes), lays the compact slices
+  ``c[K_out, K_in, :, :]`` of all layers out back to back in one contiguous buffer (allocated once
+  per mask; reused while masks are frozen), and cuts that buffer into ~32 MiB buckets at layer
+  boundaries for the inter-node all-reduce.  :meth:`ShrinkPlan.expand` scatters the compact values
+  back into zero-filled full tensors.  Layers without a mask (FC, biases, BN) travel whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from substrate.backend import array_module
+from substrate.comm import bucket_groups
+
+__all__ = ["MaskCodec", "ShrinkPlan", "kept_indices"]
+
+
+class MaskCodec:
+    """Pack/unpack the boolean masks of layers with fixed shapes into one bit buffer.
+
+    Parameters
+    ----------
+    shapes : sequence of tuple
+        Mask shape of each pruned layer, in a fixed order shared by every rank.
+    """
+
+    def __init__(self, shapes) -> None:
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.offsets = np.concatenate(([0], np.cumsum(self.sizes))).astype(np.int64)
+        self.nbits = int(self.offsets[-1])
+        self._bits = np.empty(self.nbits, dtype=bool)
+        self.nbytes = (self.nbits + 7) // 8
+
+    def pack(self, masks) -> np.ndarray:
+        """One ``uint8`` buffer holding every mask's bits (a fresh array: it is reduced in place)."""
+        if len(masks) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} masks, got {len(masks)}")
+        for m, s, o, n in zip(masks, self.shapes, self.offsets, self.sizes):
+            if tuple(m.shape) != s:
+                raise ValueError(f"mask of shape {tuple(m.shape)} does not match the planned {s}")
+            self._bits[o:o + n] = _host(m).reshape(-1)
+        return np.packbits(self._bits)
+
+    def unpack(self, packed: np.ndarray) -> list[np.ndarray]:
+        bits = np.unpackbits(packed, count=self.nbits).astype(bool)
+        return [bits[o:o + n].reshape(s) for s, o, n in zip(self.shapes, self.offsets,
+                                                           self.sizes)]
+
+
+def _host(a) -> np.ndarray:
+    return a if array_module(a) is np else a.get()
+
+
+def kept_indices(mask) -> tuple[np.ndarray, np.ndarray]:
+    """``(K_out, K_in)`` of a 4-D (or 2-D) mask: filters / input channels with any kept entry."""
+    m = _host(mask)
+    m4 = m.reshape(m.shape[0], m.shape[1], -1)
+    return (np.flatnonzero(m4.any(axis=(1, 2))).astype(np.int64),
+            np.flatnonzero(m4.any(axis=(0, 2))).astype(np.int64))
+
+
+class ShrinkPlan:
+    """Compact layout of ``[K_out, K_in]`` slices for one set of global masks (eq. 15).
+
+    Parameters
+    ----------
+    shapes : sequence of tuple
+        Full shape of every tensor that travels between leaders, in a fixed order.
+    masks : sequence of (bool array or None)
+        Global mask per tensor; ``None`` sends the tensor whole.
+    dtype, xp :
+        Dtype and array module of the compact buffer.
+    bucket_bytes : int
+        Bucket size for the inter-node all-reduce (PruneX: ~32 MiB).
+    """
+
+    def __init__(self, shapes, masks, dtype=np.float32, xp=np, bucket_bytes: int = 32 << 20):
+        if len(shapes) != len(masks):
+            raise ValueError("one mask (or None) per tensor is needed")
+        self.shapes = [tuple(s) for s in shapes]
+        self.index = []  # (K_out, K_in) on the array module, or None for whole tensors
+        sizes = []
+        for s, m in zip(self.shapes, masks):
+            if m is None:
+                self.index.append(None)
+                sizes.append(int(np.prod(s, dtype=np.int64)))
+                continue
+            if tuple(m.shape) != s:
+                raise ValueError(f"mask shape {tuple(m.shape)} does not match tensor {s}")
+            k_out, k_in = kept_indices(m)
+            inner = int(np.prod(s[2:], dtype=np.int64))
+            sizes.append(k_out.size * k_in.size * inner)
+            self.index.append((xp.asarray(k_out), xp.asarray(k_in)))
+        self.sizes = sizes
+        self.offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        self.dense_size = int(sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes))
+        self.compact_size = int(self.offsets[-1])
+        self.dtype = np.dtype(dtype)
+        self.buffer = xp.empty(self.compact_size, dtype=self.dtype)  # allocated once
+        groups = bucket_groups([n * self.dtype.itemsize for n in sizes], bucket_bytes)
+        self.buckets = [(int(self.offsets[g[0]]), int(self.offsets[g[-1] + 1])) for g in groups]
+
+    @property
+    def ratio(self) -> float:
+        """Compact payload / dense payload."""
+        return self.compact_size / self.dense_size if self.dense_size else 1.0
+
+    def compact_shape(self, i: int) -> tuple:
+        s = self.shapes[i]
+        if self.index[i] is None:
+            return s
+        k_out, k_in = self.index[i]
+        return (int(k_out.size), int(k_in.size), *s[2:])
+
+    def shrink(self, tensors):
+        """Pack ``c[K_out, K_in, ...]`` of every tensor into :attr:`buffer` and return it."""
+        for i, t in enumerate(tensors):
+            o, n = self.offsets[i], self.sizes[i]
+            dst = self.buffer[o:o + n]
+            if self.index[i] is None:
+                dst[...] = t.reshape(-1)
+            else:
+                k_out, k_in = self.index[i]
+                dst.reshape(self.compact_shape(i))[...] = t[k_out[:, None], k_in[None, :]]
+        return self.buffer
+
+    def expand(self, buffer, out) -> None:
+        """Scatter the compact ``buffer`` into the full tensors ``out`` (zero elsewhere)."""
+        for i, t in enumerate(out):
+            o, n = self.offsets[i], self.sizes[i]
+            src = buffer[o:o + n]
+            if self.index[i] is None:
+                t.reshape(-1)[...] = src
+            else:
+                k_out, k_in = self.index[i]
+                t[...] = 0
+                t[k_out[:, None], k_in[None, :]] = src.reshape(self.compact_shape(i))
