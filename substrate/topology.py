@@ -27,7 +27,7 @@ from .comm import Comm
 from .costmodel import CostModel
 from .ledger import Ledger
 
-__all__ = ["Topology", "TopologyError", "Level"]
+__all__ = ["Topology", "TopologyError", "Level", "assign_nodes"]
 
 
 class TopologyError(ValueError):
@@ -55,6 +55,36 @@ class Level:
     group: Comm | None
     leaders: Comm | None
     unit_of: np.ndarray
+
+
+def assign_nodes(node_roots) -> tuple[np.ndarray, np.ndarray]:
+    """Node id of every rank from the lowest world rank of its node (pure; same on every rank).
+
+    Parameters
+    ----------
+    node_roots : array_like of int
+        For each world rank, the world rank of its node's leader.
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        ``node_of`` (ids ``0..M-1`` ordered by leader rank) and the leaders' world ranks.
+
+    Raises
+    ------
+    TopologyError
+        If the nodes hold unequal numbers of ranks.
+    """
+    roots = np.asarray(node_roots, dtype=np.int64)
+    leaders = np.unique(roots)
+    node_of = np.searchsorted(leaders, roots)
+    counts = np.bincount(node_of)
+    if counts.min() != counts.max():
+        raise TopologyError(
+            f"nodes hold unequal rank counts {counts.tolist()}: H-SADMM assumes homogeneous "
+            "nodes; launch the same number of ranks on every node (e.g. srun "
+            "--ntasks-per-node) or simulate with --ranks-per-node")
+    return node_of, leaders
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -127,19 +157,15 @@ class Topology:
         else:
             intra_mpi = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             self.virtual = False
-        # node id of every rank = index of its node's lowest world rank among all nodes
         node_root = intra_mpi.bcast(rank, root=0)
         roots = np.array(world.allgather(node_root), dtype=np.int64)
-        uniq = np.unique(roots)
-        node_of = np.searchsorted(uniq, roots)
-        counts = np.bincount(node_of)
-        if counts.min() != counts.max():
+        try:
+            node_of, uniq = assign_nodes(roots)
+        except TopologyError:
             intra_mpi.Free()
             world.Free()
-            raise TopologyError(
-                f"nodes hold unequal rank counts {counts.tolist()}: H-SADMM assumes homogeneous "
-                "nodes; launch the same number of ranks on every node (e.g. srun "
-                "--ntasks-per-node) or simulate with --ranks-per-node")
+            raise
+        counts = np.bincount(node_of)
         self.node_of = node_of
         self.node = int(node_of[rank])
         self.num_nodes = int(uniq.size)

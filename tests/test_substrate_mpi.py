@@ -20,6 +20,11 @@ def test_substrate_check(check, n, R):
     assert f"OK {check}" in res.stdout
 
 
+@pytest.mark.parametrize("n,R", [(4, 1), (4, 2)])
+def test_rack_level(n, R):
+    assert "OK racks" in run_mpi("substrate_checks.py", n, "racks", R, timeout=60).stdout
+
+
 def test_collective_check_fails_every_rank_without_hanging():
     res = run_mpi("substrate_checks.py", 4, "collective_fail", 2, timeout=60, expect_fail=True)
     assert "deliberate failure on rank 1" in res.stderr

@@ -161,6 +161,26 @@ def gathers(R):
     collective_check(w, ok, f"gathers wrong: {tot}")
 
 
+def racks(R):
+    """nodes_per_rack=2 adds a rack level: rack groups of 2 node leaders and rack leaders."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, nodes_per_rack=2)
+    rack = t.levels[1]
+    ok = [lv.name for lv in t.levels] == ["node", "rack"]
+    ok = ok and np.array_equal(rack.unit_of, (np.arange(t.size) // R) // 2)
+    if t.is_leader:
+        ok = ok and rack.group is not None and rack.group.size == 2
+        is_rack_leader = t.node % 2 == 0
+        ok = ok and (rack.leaders is not None) == is_rack_leader
+        if is_rack_leader:
+            ok = ok and rack.leaders.size == t.num_nodes // 2
+            x = np.ones(4)
+            rack.leaders.allreduce(x, phase="rack")
+            ok = ok and np.all(x == t.num_nodes // 2)
+    else:
+        ok = ok and rack.group is None and rack.leaders is None
+    collective_check(t.world, ok, f"rack level wrong on rank {t.rank}")
+
+
 def collective_fail(R):
     """A check failing on rank 1 only must fail on every rank (not hang)."""
     comm = MPI.COMM_WORLD
@@ -168,7 +188,7 @@ def collective_fail(R):
 
 
 CHECKS = {f.__name__: f for f in (topo_2x2, ring_inter, p2p, mask_or, bucketed, gathers,
-                                   collective_fail)}
+                                   racks, collective_fail)}
 
 if __name__ == "__main__":
     name = sys.argv[1]
