@@ -43,6 +43,7 @@ __all__ = [
     "binomial_children",
     "binomial_depth",
     "ring_allreduce_wire_bytes",
+    "ring_allreduce_split",
     "ring_allgather_wire_bytes",
     "bcast_wire_bytes",
 ]
@@ -192,6 +193,21 @@ def ring_allreduce_wire_bytes(nbytes: int, p: int, inter_links: int) -> dict:
         return {INTRA: 0, INTER: 0}
     per_link = 2 * (p - 1) * nbytes // p
     return {INTRA: (p - inter_links) * per_link, INTER: inter_links * per_link}
+
+
+def ring_allreduce_split(count: int, itemsize: int, ring_nodes) -> dict:
+    """Exact intra/inter wire bytes of one ring all-reduce of ``count`` elements whose ring
+    visits ranks on nodes ``ring_nodes`` (in ring order), for any ``count``: link ``i -> i+1``
+    carries ``2n - c_{(i+1)%p} - c_{(i+2)%p}`` bytes (chunks from :func:`ring_chunk_counts`)."""
+    nodes = np.asarray(ring_nodes)
+    p = nodes.size
+    out = {INTRA: 0, INTER: 0}
+    if p <= 1:
+        return out
+    crosses = nodes != np.roll(nodes, -1)
+    for i in range(p):
+        out[INTER if crosses[i] else INTRA] += ring_allreduce_sent(count, itemsize, p, i)
+    return out
 
 
 def ring_allgather_wire_bytes(block_bytes: int, p: int, inter_links: int) -> dict:

@@ -1,0 +1,91 @@
+"""Closed-form communication volume of H-SADMM and flat ADMM (PruneX Algorithm 1).
+
+One outer iteration of H-SADMM on ``M`` nodes × ``P`` ranks (node-major) with ``T`` float32
+parameters, per-layer compact sizes from the global masks, and ``B`` packed mask bytes:
+
+=============  ==========================  ===========================================
+phase          call                        bytes on the wire (per iteration)
+=============  ==========================  ===========================================
+intra_allreduce  ring all-reduce of θ+u     ``M · 2 (P-1) · 4T``  (intra)
+mask_sync      ring OR all-reduce, leaders  ``2 (M-1) · B``        (inter; until frozen)
+mask_bcast     binomial bcast in each node  ``M (P-1) · B``        (intra; until frozen)
+inter_allreduce  ring all-reduce per bucket  ``2 (M-1) · 4C``       (inter; C = compact size)
+bcast_z        binomial bcast of compact z  ``M (P-1) · 4C``       (intra)
+residuals      ring all-reduce (world)      ``2 (p-1) · 8·9L`` total (9 float64 per layer)
+=============  ==========================  ===========================================
+
+The ring totals are exact for any element count (``2 (p-1) n``); world-level rings are split
+into intra/inter exactly with the node-major ring's chunking (``M`` of ``p`` links cross nodes;
+``M · 2(p-1)/p · n`` inter bytes when ``p`` divides the element count).
+
+Flat ADMM ("PruneX (AR)") all-reduces θ+u densely over all ``p = M P`` ranks every iteration:
+``M · 2(p-1)/p · 4T`` inter-node bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from substrate import costmodel as cm
+
+__all__ = ["hsadmm_iteration_bytes", "flat_admm_iteration_bytes", "add_bytes",
+           "RESIDUALS_PER_LAYER"]
+
+#: float64 sums of squares reduced per layer and iteration for residuals and stopping thresholds
+RESIDUALS_PER_LAYER = 9
+
+
+def add_bytes(*parts: dict) -> dict:
+    """Sum ``{"intra": .., "inter": ..}`` dicts."""
+    return {cm.INTRA: sum(p[cm.INTRA] for p in parts), cm.INTER: sum(p[cm.INTER] for p in parts)}
+
+
+def _world_ring(count: int, itemsize: int, M: int, P: int) -> dict:
+    """Node-major ring over all ``M P`` ranks: exact per-class split for any ``count``."""
+    return cm.ring_allreduce_split(count, itemsize, np.arange(M * P) // P)
+
+
+def hsadmm_iteration_bytes(*, M: int, P: int, total_params: int, compact_sizes,
+                           mask_bytes: int, mask_synced: bool, num_layers: int,
+                           itemsize: int = 4) -> dict[str, dict]:
+    """Per-phase wire bytes of one H-SADMM iteration (see the module table).
+
+    Parameters
+    ----------
+    M, P : int
+        Nodes and ranks per node.
+    total_params : int
+        ``T``, the length of the flat parameter vector.
+    compact_sizes : sequence of int
+        Element count of each bucket of the compact inter-node buffer (their sum is ``C``).
+    mask_bytes : int
+        Packed global-mask bytes ``B`` (0 when no layer is pruned).
+    mask_synced : bool
+        Whether this iteration still synchronizes masks (before freezing).
+    num_layers : int
+        Tensors whose residuals are reduced (:data:`RESIDUALS_PER_LAYER` float64 each).
+
+    Returns
+    -------
+    dict
+        ``{phase: {"intra": bytes, "inter": bytes}}``; phases with no traffic are omitted.
+    """
+    out: dict[str, dict] = {}
+    intra_one = cm.ring_allreduce_wire_bytes(total_params * itemsize, P, 0)
+    out["intra_allreduce"] = {cm.INTRA: M * intra_one[cm.INTRA], cm.INTER: 0}
+    if mask_synced and mask_bytes:
+        out["mask_sync"] = {cm.INTRA: 0, cm.INTER: 2 * (M - 1) * mask_bytes}
+        out["mask_bcast"] = {cm.INTRA: M * (P - 1) * mask_bytes, cm.INTER: 0}
+    C = int(sum(compact_sizes))
+    out["inter_allreduce"] = {cm.INTRA: 0, cm.INTER: 2 * (M - 1) * itemsize * C}
+    out["bcast_z"] = {cm.INTRA: M * (P - 1) * itemsize * C, cm.INTER: 0}
+    out["residuals"] = _world_ring(RESIDUALS_PER_LAYER * num_layers, 8, M, P)
+    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}
+
+
+def flat_admm_iteration_bytes(*, M: int, P: int, total_params: int, num_layers: int,
+                              itemsize: int = 4) -> dict[str, dict]:
+    """Per-phase wire bytes of one flat-ADMM iteration (dense world all-reduce of θ+u)."""
+    out = {"world_allreduce": _world_ring(total_params, itemsize, M, P)}
+    out["residuals"] = _world_ring(RESIDUALS_PER_LAYER * num_layers, 8, M, P)
+    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}

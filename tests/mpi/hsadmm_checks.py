@@ -1,0 +1,156 @@
+"""MPI checks of the H-SADMM solver: ``python -m mpi4py hsadmm_checks.py CHECK``.
+
+``one_iteration`` runs the real solver on 2 virtual nodes x 2 ranks and compares every rank's
+theta, u, z_i, v and z with a serial NumPy re-implementation of eqs. 8-13 (written here from the
+paper, sharing no code with the solver except the model's forward/backward for gradients).
+"""
+
+import sys
+from argparse import Namespace
+
+import numpy as np
+from mpi4py import MPI
+
+from hsadmm.solver import HSADMM
+from hsadmm.train import HSADMMConfig
+from models import build_model, iterate_batches, load_digits, shard
+from substrate import collective_check, start_run
+
+R = 2
+
+
+def _setup(**kw):
+    cfg = HSADMMConfig(**kw)
+    args = Namespace(out=None, seed=cfg.seed, device="cpu", ranks_per_node=R, intra_bw=2400.0,
+                     inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
+    run = start_run(args, system="hsadmm", method="test", config=cfg)
+    run.writer.enabled = False
+    data = load_digits()
+    train = shard(data.train, run.rank, run.size, seed=cfg.seed)
+    model = build_model(cfg.model, data.train.input_shape, 10, seed=cfg.seed)
+    return cfg, run, data, model, HSADMM(run, cfg, model, train)
+
+
+def _reference_channel_projection(w, keep):
+    """Keep the round(keep * C_in) input channels of largest Frobenius norm (ties: lower index)."""
+    norms = np.sqrt((w.astype(np.float64) ** 2).sum(axis=(0, 2, 3)))
+    alpha = max(1, int(round(keep * w.shape[1])))
+    keep_idx = np.argsort(-norms, kind="stable")[:alpha]
+    mask = np.zeros(w.shape, bool)
+    mask[:, keep_idx] = True
+    return np.where(mask, w, 0).astype(w.dtype), mask
+
+
+def reference(cfg, data, size, M):
+    """Serial re-implementation of one H-SADMM iteration for all ranks (eqs. 8-13)."""
+    P = size // M
+    models = [build_model(cfg.model, data.train.input_shape, 10, seed=cfg.seed)
+              for _ in range(size)]
+    layout = models[0].layout
+    theta0 = models[0].params.flat.copy()
+    rho1 = np.float32(cfg.rho1)
+    rho2 = np.float32(cfg.rho2)
+    decay = layout.expand({n: cfg.weight_decay if layout.kind(n) in ("conv", "fc") else 0.0
+                           for n in layout.names}, dtype=np.float32)
+    thetas, us = [], []
+    for r, m in enumerate(models):  # eq. 8: SGD with momentum + wd + proximal term
+        train = shard(data.train, r, size, seed=cfg.seed)
+        z_i, u = theta0.copy(), np.zeros_like(theta0)
+        b = np.zeros_like(theta0)
+        steps = 0
+        for x, y in iterate_batches(train, cfg.batch_size, seed=cfg.seed, rank=r, epoch=0):
+            m.loss_and_grad(x, y)
+            th = m.params.flat
+            d = m.grads.flat + decay * th + rho1 * (th - z_i + u)
+            b = cfg.momentum * b + d
+            th -= np.float32(cfg.lr) * b
+            steps += 1
+            if steps == cfg.local_steps:
+                break
+        thetas.append(m.params.flat.copy())
+        us.append(u)
+    z = theta0.copy()
+    v = [np.zeros_like(theta0) for _ in range(M)]
+    gamma = np.float32(cfg.weight_decay / M) + P * rho1 + rho2
+    z_i, masks = [], []
+    for i in range(M):  # eqs. 9-10 per node
+        s = sum(thetas[r] + us[r] for r in range(i * P, (i + 1) * P))
+        zt = (rho1 * s + rho2 * (z - v[i])) / gamma
+        zi = zt.copy()
+        node_masks = {}
+        for n in layout.names:
+            if layout.kind(n) == "conv":
+                sl = layout.slice(n)
+                w = zt[sl].reshape(layout.shape(n))
+                proj, mk = _reference_channel_projection(w, cfg.keep)
+                zi[sl] = proj.ravel()
+                node_masks[n] = mk
+        z_i.append(zi)
+        masks.append(node_masks)
+    # eq. 14 (OR), eq. 15 (compaction), eq. 11 (average), recovery with zeros
+    z_new = np.zeros_like(theta0)
+    c = [z_i[i] + v[i] for i in range(M)]
+    for n in layout.names:
+        sl = layout.slice(n)
+        if layout.kind(n) != "conv":
+            z_new[sl] = sum(ci[sl] for ci in c) / np.float32(M)
+            continue
+        mg = np.logical_or.reduce([masks[i][n] for i in range(M)])
+        k_out = np.flatnonzero(mg.any(axis=(1, 2, 3)))
+        k_in = np.flatnonzero(mg.any(axis=(0, 2, 3)))
+        full = np.zeros(layout.shape(n), np.float32)
+        ix = np.ix_(k_out, k_in)
+        full[ix] = sum(ci[sl].reshape(layout.shape(n))[ix] for ci in c) / np.float32(M)
+        z_new[sl] = full.ravel()
+    v_new = [v[i] + z_i[i] - z_new for i in range(M)]  # eq. 13
+    u_new = [us[r] + thetas[r] - z_i[r // P] for r in range(size)]  # eq. 12
+    return thetas, u_new, z_i, v_new, z_new
+
+
+def one_iteration():
+    cfg, run, data, model, solver = _setup(local_steps=4, adaptive_rho=False, freeze_iter=0,
+                                           freeze_patience=0)
+    solver.iterate(0)
+    th, u, zi, v, z = reference(cfg, data, run.size, run.topo.num_nodes)
+    s, r, node = solver.state, run.rank, run.topo.node
+    errs = {"theta": np.abs(s.theta - th[r]).max(), "u": np.abs(s.u - u[r]).max(),
+            "z_i": np.abs(s.z_i - zi[node]).max(), "v": np.abs(s.v - v[node]).max(),
+            "z": np.abs(s.z - z).max()}
+    scale = max(1.0, float(np.abs(th[r]).max()))
+    collective_check(run.world, all(e <= 1e-5 * scale for e in errs.values()),
+                     f"rank {r} differs from the serial reference: {errs}")
+    # the consensus z is identical on every rank
+    zs = run.world.mpi.allgather(s.z)
+    collective_check(run.world, all(np.array_equal(zs[0], x) for x in zs), "z differs by rank")
+
+
+def freezing():
+    cfg, run, data, model, solver = _setup(local_steps=2, freeze_iter=2, iters=5)
+    solver.iterate(0)
+    solver.iterate(1)
+    ok = solver.frozen
+    masks = [m.copy() for m in solver.m_global]
+    builds, buf_id, plan = solver.plan_builds, id(solver.plan.buffer), solver.plan
+    for k in range(2, 5):
+        out = solver.iterate(k)
+        ok = ok and out["mask_drift"] == 0 and not out["mask_synced"]
+    ok = ok and all(np.array_equal(a, b) for a, b in zip(masks, solver.m_global))
+    ok = ok and solver.plan is plan and solver.plan_builds == builds
+    ok = ok and id(solver.plan.buffer) == buf_id
+    # the frozen support holds on z: nothing outside the global mask
+    for j, i in enumerate(solver.pruned):
+        w = solver.state.z[solver.slices[i]].reshape(masks[j].shape)
+        ok = ok and not np.any(w[~masks[j]])
+    phases = run.ledger.local()
+    calls_sync = phases.get("mask_sync", {}).get("calls", 0)
+    ok = ok and calls_sync == (2 if run.topo.is_leader else 0)
+    collective_check(run.world, ok, f"freezing broken on rank {run.rank}: builds "
+                     f"{solver.plan_builds}, mask_sync calls {calls_sync}")
+
+
+CHECKS = {"one_iteration": one_iteration, "freezing": freezing}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"OK {sys.argv[1]}")
