@@ -1,0 +1,8 @@
+"""``python -m models train ...``: serial training (see :mod:`models.train`)."""
+
+from substrate.cli import main_guard
+
+from .train import main
+
+if __name__ == "__main__":
+    main_guard(main)()

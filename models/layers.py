@@ -1,0 +1,829 @@
+"""Layers with explicit forward/backward on NumPy or CuPy arrays.
+
+Conventions
+-----------
+* Activations are ``NCHW`` (images) or ``(N, features)``; conv weights ``[C_out, C_in, kH, kW]``,
+  fc weights ``[d_out, d_in]`` (``y = x W^T + b``).
+* A layer *declares* its parameters (name, kind, shape, initializer); :class:`models.network.Model`
+  allocates one flat parameter vector and one flat gradient vector for the whole model and binds
+  views into them (``layer.P[local_name]``, ``layer.G[local_name]``).  ``backward`` **writes**
+  (does not accumulate) the parameter gradients and returns the input gradient.
+* The array module ``xp`` is taken from the input array (:func:`substrate.backend.array_module`),
+  so the same code runs on NumPy and CuPy.  The dtype follows the parameters (float32 by default,
+  float64 for gradient checks).
+* ``output_shape(in_shape)`` and ``macs(in_shape)`` work on per-sample shapes without arrays, so a
+  layer tree doubles as a shape-only model specification (:mod:`models.specs`).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Callable, Iterator, Sequence
+
+from substrate.backend import array_module
+
+__all__ = [
+    "Layer", "Linear", "Conv2d", "ReLU", "MaxPool2d", "GlobalAvgPool2d", "BatchNorm2d", "Flatten",
+    "Sequential", "BasicBlock", "Bottleneck", "softmax_cross_entropy", "SoftmaxCrossEntropy",
+    "im2col", "col2im", "im2col_rows", "col2im_rows", "conv_output_size", "Workspace",
+]
+
+
+def _pair(v, what: str) -> tuple[int, int]:
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ValueError(f"{what} must be an int or a pair of ints, got {v!r}")
+        a, b = int(v[0]), int(v[1])
+    else:
+        a = b = int(v)
+    return a, b
+
+
+def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """Spatial output size ``floor((size + 2 padding - kernel) / stride) + 1``."""
+    out = (size + 2 * padding - kernel) // stride + 1
+    if out <= 0:
+        raise ValueError(
+            f"input size {size} is too small for kernel {kernel} with padding {padding} "
+            f"and stride {stride}; use a larger input or more padding"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# im2col / col2im
+# ---------------------------------------------------------------------------------------------
+class Workspace:
+    """Scratch arrays reused across calls (plan once, run many).
+
+    A conv layer allocates its im2col matrix and temporaries once per input shape instead of
+    every step, which avoids allocator churn (fresh pages for every multi-MB temporary).  An
+    array handed out under a key stays valid until the next request for that key.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+
+    def get(self, key: str, shape: tuple[int, ...], dtype, xp, *, zero: bool = False):
+        """Array ``key`` of ``shape``/``dtype`` (zeros when new, or when ``zero``)."""
+        buf = self._bufs.get(key)
+        if (buf is None or buf.shape != tuple(shape) or buf.dtype != dtype
+                or array_module(buf) is not xp):
+            buf = xp.zeros(shape, dtype=dtype)
+            self._bufs[key] = buf
+        elif zero:
+            buf.fill(0)
+        return buf
+
+    def clear(self) -> None:
+        """Drop every scratch array."""
+        self._bufs.clear()
+
+
+def _scratch(ws: Workspace | None, key: str, shape, dtype, xp, zero: bool = False):
+    if ws is None:
+        return xp.zeros(shape, dtype=dtype)
+    return ws.get(key, shape, dtype, xp, zero=zero)
+
+
+def _padded(x, ph: int, pw: int, extra_rows: int, ws: Workspace | None):
+    """``x`` inside a zero border (plus ``extra_rows`` zero rows at the bottom).
+
+    A reused buffer keeps its zero border: only the interior is ever written.
+    """
+    xp = array_module(x)
+    N, C, H, W = x.shape
+    if ph == 0 and pw == 0 and extra_rows == 0:
+        return x
+    buf = _scratch(ws, "xpad", (N, C, H + 2 * ph + extra_rows, W + 2 * pw), x.dtype, xp)
+    buf[:, :, ph:ph + H, pw:pw + W] = x
+    return buf
+
+
+def im2col(x, kh: int, kw: int, stride: tuple[int, int], padding: tuple[int, int],
+           ws: Workspace | None = None):
+    """Unfold ``(N, C, H, W)`` (zero-padded by ``padding``) into a ``(C*kh*kw, N*Ho*Wo)`` matrix.
+
+    Row ``(c, i, j)`` and column ``(n, ho, wo)`` hold ``xpad[n, c, ho*sh + i, wo*sw + j]``.  The
+    window view is built with ``as_strided`` (no copy) and copied once into the result.
+
+    Returns
+    -------
+    cols : array (C*kh*kw, N*Ho*Wo)
+    out_hw : (Ho, Wo)
+    """
+    xp = array_module(x)
+    N, C, H, W = x.shape
+    sh, sw = stride
+    ph, pw = padding
+    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    xpad = _padded(x, ph, pw, 0, ws)
+    bN, bC, bH, bW = xpad.strides
+    win = xp.lib.stride_tricks.as_strided(
+        xpad, shape=(C, kh, kw, N, Ho, Wo), strides=(bC, bH, bW, bN, bH * sh, bW * sw))
+    cols = _scratch(ws, "cols", (C * kh * kw, N * Ho * Wo), x.dtype, xp)
+    xp.copyto(cols.reshape(C, kh, kw, N, Ho, Wo), win)
+    return cols, (Ho, Wo)
+
+
+def col2im(dcols, in_shape: tuple[int, int, int, int], kh: int, kw: int,
+           stride: tuple[int, int], padding: tuple[int, int], ws: Workspace | None = None):
+    """Adjoint of :func:`im2col`: ``(C*kh*kw, N*Ho*Wo)`` → ``(N, C, H, W)``, overlaps summed.
+
+    The loop runs over the ``kh*kw`` kernel offsets only; each iteration is one vectorised
+    strided add over all batch elements, channels and pixels.
+    """
+    xp = array_module(dcols)
+    N, C, H, W = in_shape
+    sh, sw = stride
+    ph, pw = padding
+    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    d = dcols.reshape(C, kh, kw, N, Ho, Wo)
+    # accumulate in (C, N, Hp, Wp) so each add reads d[:, i, j] contiguously
+    acc = _scratch(ws, "acc", (C, N, H + 2 * ph, W + 2 * pw), dcols.dtype, xp, zero=True)
+    for i in range(kh):
+        for j in range(kw):
+            acc[:, :, i:i + sh * (Ho - 1) + 1:sh, j:j + sw * (Wo - 1) + 1:sw] += d[:, i, j]
+    return xp.ascontiguousarray(acc[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3))
+
+
+def im2col_rows(x, kh: int, kw: int, padding: tuple[int, int], ws: Workspace | None = None):
+    """Stride-1 im2col on the *row-extended* grid: ``(C*kh*kw, N*Ho*Wp)``.
+
+    With the padded image flattened row by row (row length ``Wp``), the window offset ``(i, j)``
+    is a plain shift by ``i*Wp + j``, so every copied run is ``Ho*Wp`` contiguous values instead
+    of ``Wo``.  Column ``(n, h, w)`` for ``w >= Wo`` wraps into the next row: those outputs are
+    computed and discarded (a ``Wp/Wo`` GEMM overhead, 1.06 for 32x32 3x3 convs), in exchange
+    for long vectorised copies in both :func:`im2col_rows` and :func:`col2im_rows`.
+
+    Returns
+    -------
+    cols : array (C*kh*kw, N*Ho*Wp)
+    geometry : tuple (Hp, Wp, Ho, Wo)
+    """
+    xp = array_module(x)
+    N, C, H, W = x.shape
+    ph, pw = padding
+    Hp, Wp = H + 2 * ph, W + 2 * pw
+    Ho, Wo = conv_output_size(H, kh, 1, ph), conv_output_size(W, kw, 1, pw)
+    # one spare zero row so the last shifted run (offset (kh-1)*Wp + kw-1) stays in bounds
+    buf = _padded(x, ph, pw, 1, ws)
+    L = Ho * Wp
+    bN, bC, bH, bW = buf.strides
+    win = xp.lib.stride_tricks.as_strided(
+        buf, shape=(C, kh, kw, N, L), strides=(bC, bH, bW, bN, bW))
+    cols = _scratch(ws, "cols", (C * kh * kw, N * L), x.dtype, xp)
+    xp.copyto(cols.reshape(C, kh, kw, N, L), win)
+    return cols, (Hp, Wp, Ho, Wo)
+
+
+def col2im_rows(dcols, in_shape: tuple[int, int, int, int], kh: int, kw: int,
+                padding: tuple[int, int], geometry: tuple[int, int, int, int],
+                ws: Workspace | None = None):
+    """Adjoint of :func:`im2col_rows` (columns with ``w >= Wo`` must hold zeros)."""
+    xp = array_module(dcols)
+    N, C, H, W = in_shape
+    ph, pw = padding
+    Hp, Wp, Ho, _ = geometry
+    L = Ho * Wp
+    d = dcols.reshape(C, kh, kw, N, L)
+    acc = _scratch(ws, "acc", (C, N, (Hp + 1) * Wp), dcols.dtype, xp, zero=True)
+    for i in range(kh):
+        for j in range(kw):
+            off = i * Wp + j
+            acc[:, :, off:off + L] += d[:, i, j]
+    img = acc.reshape(C, N, Hp + 1, Wp)[:, :, ph:ph + H, pw:pw + W]
+    return xp.ascontiguousarray(img.transpose(1, 0, 2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# base class
+# ---------------------------------------------------------------------------------------------
+class Layer:
+    """Base class: parameter declarations, children, views bound by the model.
+
+    Subclasses call :meth:`declare_param` / :meth:`declare_buffer` / :meth:`add_child` in their
+    constructor, in **forward execution order**, and implement ``forward``, ``backward``,
+    ``output_shape`` and ``macs``.
+    """
+
+    def __init__(self) -> None:
+        self._param_decls: list[tuple[str, str, tuple[int, ...], str]] = []
+        self._buffer_decls: list[tuple[str, tuple[int, ...], float]] = []
+        self._children: list[tuple[str, Layer]] = []
+        #: parameter views (local name -> array), bound by the model
+        self.P: dict = {}
+        #: gradient views (local name -> array), bound by the model
+        self.G: dict = {}
+        #: buffers (local name -> array), bound by the model
+        self.B: dict = {}
+        self._ready: Callable[[str], None] | None = None
+        self._ready_names: tuple[str, ...] = ()
+
+    # -- declarations ---------------------------------------------------------------------------
+    def declare_param(self, local: str, kind: str, shape: Sequence[int], init: str) -> None:
+        """Declare a trainable tensor (``init`` in ``{"he", "zeros", "ones"}``)."""
+        if init not in ("he", "zeros", "ones"):
+            raise ValueError(f"unknown initializer {init!r}; use 'he', 'zeros' or 'ones'")
+        self._param_decls.append((local, kind, tuple(int(s) for s in shape), init))
+
+    def declare_buffer(self, local: str, shape: Sequence[int], fill: float) -> None:
+        """Declare a non-trainable state tensor (e.g. BatchNorm running statistics)."""
+        self._buffer_decls.append((local, tuple(int(s) for s in shape), float(fill)))
+
+    def add_child(self, local: str, layer: "Layer") -> "Layer":
+        """Register ``layer`` as a child named ``local`` (forward execution order)."""
+        if not isinstance(layer, Layer):
+            raise ValueError(f"child {local!r} must be a Layer, got {type(layer).__name__}")
+        if any(n == local for n, _ in self._children):
+            raise ValueError(f"duplicate child name {local!r}")
+        self._children.append((local, layer))
+        return layer
+
+    def children(self) -> list[tuple[str, "Layer"]]:
+        return list(self._children)
+
+    def walk(self, prefix: str = "") -> Iterator[tuple[str, "Layer"]]:
+        """Pre-order traversal yielding ``(dotted_prefix, layer)``; own params before children."""
+        yield prefix, self
+        for local, child in self._children:
+            yield from child.walk(f"{prefix}{local}.")
+
+    # -- gradient-ready notification ------------------------------------------------------------
+    def _emit_ready(self) -> None:
+        """Tell the model this layer's gradients are written (backward order within the layer)."""
+        if self._ready is not None:
+            for name in self._ready_names:
+                self._ready(name)
+
+    # -- interface ------------------------------------------------------------------------------
+    def forward(self, x, training: bool = True):  # pragma: no cover - abstract
+        """Compute the output for a batch ``x`` and cache what backward needs.
+
+        Parameters
+        ----------
+        x : array (N, ...)
+            NumPy or CuPy; the layer computes with the same module.
+        training : bool
+            Training mode (BatchNorm uses and updates batch statistics).
+        """
+        raise NotImplementedError
+
+    def backward(self, dy):  # pragma: no cover - abstract
+        """Given ``dL/dy`` of the last forward, write parameter gradients into ``G``
+        (overwrite, not accumulate) and return ``dL/dx``."""
+        raise NotImplementedError
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sample output shape (batch dimension excluded)."""
+        return tuple(in_shape)
+
+    def macs(self, in_shape: tuple[int, ...]) -> int:
+        """Multiply-accumulates of the forward pass per sample (conv and fc only)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# ---------------------------------------------------------------------------------------------
+# parametric layers
+# ---------------------------------------------------------------------------------------------
+class Linear(Layer):
+    """Fully connected layer ``y = x W^T + b`` with ``W`` of shape ``(out_features, in_features)``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool, default True
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"Linear needs positive sizes, got in={in_features}, out={out_features}")
+        self.in_features, self.out_features, self.bias = int(in_features), int(out_features), bias
+        self.declare_param("weight", "fc", (out_features, in_features), "he")
+        if bias:
+            self.declare_param("bias", "bias", (out_features,), "zeros")
+
+    def forward(self, x, training: bool = True):
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
+        self._x = x
+        y = x @ self.P["weight"].T
+        if self.bias:
+            y += self.P["bias"]
+        return y
+
+    def backward(self, dy):
+        x = self._x
+        xp = array_module(dy)
+        xp.matmul(dy.T, x, out=self.G["weight"])
+        if self.bias:
+            self.G["bias"][...] = dy.sum(axis=0)
+        self._emit_ready()
+        return dy @ self.P["weight"]
+
+    def output_shape(self, in_shape):
+        if prod(in_shape) != self.in_features:
+            raise ValueError(f"Linear expects {self.in_features} features, got shape {in_shape}")
+        return (self.out_features,)
+
+    def macs(self, in_shape):
+        return self.in_features * self.out_features
+
+    def __repr__(self):
+        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
+
+
+class Conv2d(Layer):
+    """2-D cross-correlation (PyTorch ``Conv2d`` semantics) via im2col + one GEMM.
+
+    Forward: ``Y = W_mat @ cols`` with ``W_mat`` of shape ``(C_out, C_in*kH*kW)`` and ``cols``
+    from :func:`im2col` (strided convs) or :func:`im2col_rows` (stride 1).  Backward:
+    ``dW = dY @ cols^T``, ``dcols = W_mat^T @ dY``, then the matching col2im.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+    kernel_size : int or (int, int)
+    stride : int or (int, int), default 1
+    padding : int or (int, int), default 0
+        Zero padding on each side.
+    bias : bool, default True
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 bias: bool = True):
+        super().__init__()
+        if in_channels <= 0 or out_channels <= 0:
+            raise ValueError(
+                f"Conv2d needs positive channel counts, got {in_channels}->{out_channels}")
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = _pair(stride, "stride")
+        self.padding = _pair(padding, "padding")
+        if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
+            raise ValueError(
+                f"Conv2d needs kernel_size >= 1, stride >= 1, padding >= 0; got "
+                f"{self.kernel_size}, {self.stride}, {self.padding}")
+        self.bias = bias
+        kh, kw = self.kernel_size
+        self._ws = Workspace()
+        self.declare_param("weight", "conv", (out_channels, in_channels, kh, kw), "he")
+        if bias:
+            self.declare_param("bias", "bias", (out_channels,), "zeros")
+
+    def _out_hw(self, H: int, W: int) -> tuple[int, int]:
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        return conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+
+    def forward(self, x, training: bool = True):
+        if x.ndim != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"Conv2d expects input (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
+        xp = array_module(x)
+        N, _, H, W = x.shape
+        kh, kw = self.kernel_size
+        c_out = self.out_channels
+        ws = self._ws
+        if self.stride == (1, 1):
+            cols, geom = im2col_rows(x, kh, kw, self.padding, ws)
+            Ho, Wo, Wg = geom[2], geom[3], geom[1]           # Wg: row length of the grid
+        else:
+            cols, (Ho, Wo) = im2col(x, kh, kw, self.stride, self.padding, ws)
+            geom, Wg = None, Wo
+        w_mat = self.P["weight"].reshape(c_out, -1)
+        y = ws.get("y", (c_out, cols.shape[1]), x.dtype, xp)
+        xp.matmul(w_mat, cols, out=y)                       # (C_out, N*Ho*Wg)
+        if self.bias:
+            y += self.P["bias"][:, None]
+        self._cache = (cols, x.shape, (Ho, Wo), geom)
+        y = y.reshape(c_out, N, Ho, Wg)[:, :, :, :Wo]
+        return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
+
+    def backward(self, dy):
+        xp = array_module(dy)
+        cols, in_shape, (Ho, Wo), geom = self._cache
+        c_out = self.out_channels
+        N = in_shape[0]
+        ws = self._ws
+        Wg = Wo if geom is None else geom[1]
+        # dY on the same column grid as cols; the discarded columns (w >= Wo) stay zero
+        d_y = ws.get("dy", (c_out, N, Ho, Wg), dy.dtype, xp)
+        d_y[:, :, :, :Wo] = dy.transpose(1, 0, 2, 3)
+        d_y = d_y.reshape(c_out, -1)
+        xp.matmul(d_y, cols.T, out=self.G["weight"].reshape(c_out, -1))
+        if self.bias:
+            self.G["bias"][...] = dy.sum(axis=(0, 2, 3))
+        self._emit_ready()
+        kh, kw = self.kernel_size
+        dcols = ws.get("dcols", cols.shape, dy.dtype, xp)
+        xp.matmul(self.P["weight"].reshape(c_out, -1).T, d_y, out=dcols)
+        self._cache = None
+        if geom is None:
+            return col2im(dcols, in_shape, kh, kw, self.stride, self.padding, ws)
+        return col2im_rows(dcols, in_shape, kh, kw, self.padding, geom, ws)
+
+    def output_shape(self, in_shape):
+        C, H, W = in_shape
+        if C != self.in_channels:
+            raise ValueError(f"Conv2d expects {self.in_channels} channels, got shape {in_shape}")
+        return (self.out_channels, *self._out_hw(H, W))
+
+    def macs(self, in_shape):
+        _, Ho, Wo = self.output_shape(in_shape)
+        kh, kw = self.kernel_size
+        return Ho * Wo * self.out_channels * self.in_channels * kh * kw
+
+    def __repr__(self):
+        return (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias})")
+
+
+class BatchNorm2d(Layer):
+    """Batch normalization over ``(N, H, W)`` per channel.
+
+    Training: normalize with the batch mean and the biased batch variance, then update
+    ``running = (1 - momentum) * running + momentum * batch_stat`` with the *unbiased* variance
+    ``var * M / (M - 1)``, ``M = N*H*W`` (PyTorch semantics).  Evaluation: normalize with the
+    running statistics.
+
+    Parameters
+    ----------
+    num_features : int
+    momentum : float, default 0.1
+    eps : float, default 1e-5
+    """
+
+    def __init__(self, num_features: int, momentum: float = 0.1, eps: float = 1e-5):
+        super().__init__()
+        if num_features <= 0:
+            raise ValueError(f"BatchNorm2d needs num_features > 0, got {num_features}")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNorm2d momentum must be in [0, 1], got {momentum}")
+        if eps <= 0:
+            raise ValueError(f"BatchNorm2d eps must be > 0, got {eps}")
+        self.num_features, self.momentum, self.eps = int(num_features), float(momentum), float(eps)
+        self.declare_param("weight", "bn", (num_features,), "ones")
+        self.declare_param("bias", "bn", (num_features,), "zeros")
+        self.declare_buffer("running_mean", (num_features,), 0.0)
+        self.declare_buffer("running_var", (num_features,), 1.0)
+
+    def forward(self, x, training: bool = True):
+        if x.ndim != 4 or x.shape[1] != self.num_features:
+            raise ValueError(
+                f"BatchNorm2d expects (N, {self.num_features}, H, W), got {tuple(x.shape)}")
+        xp = array_module(x)
+        gamma, beta = self.P["weight"], self.P["bias"]
+        if training:
+            m = x.shape[0] * x.shape[2] * x.shape[3]
+            if m < 2:
+                raise ValueError("BatchNorm2d in training mode needs more than one value per "
+                                 "channel (batch*H*W >= 2); use a larger batch or eval mode")
+            mean = x.mean(axis=(0, 2, 3))
+            xc = x - mean[:, None, None]
+            var = (xc * xc).mean(axis=(0, 2, 3))
+            inv_std = 1.0 / xp.sqrt(var + self.eps)
+            mom = self.momentum
+            rm, rv = self.B["running_mean"], self.B["running_var"]
+            rm *= 1.0 - mom
+            rm += mom * mean
+            rv *= 1.0 - mom
+            rv += (mom * m / (m - 1)) * var
+        else:
+            xc = x - self.B["running_mean"][:, None, None]
+            inv_std = 1.0 / xp.sqrt(self.B["running_var"] + self.eps)
+        x_hat = xc * inv_std[:, None, None]
+        self._cache = (x_hat, inv_std, training)
+        return x_hat * gamma[:, None, None] + beta[:, None, None]
+
+    def backward(self, dy):
+        x_hat, inv_std, training = self._cache
+        gamma = self.P["weight"]
+        d_beta = dy.sum(axis=(0, 2, 3))
+        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3))
+        self.G["bias"][...] = d_beta
+        self.G["weight"][...] = d_gamma
+        self._emit_ready()
+        self._cache = None
+        if not training:
+            return dy * (gamma * inv_std)[:, None, None]
+        m = dy.shape[0] * dy.shape[2] * dy.shape[3]
+        scale = (gamma * inv_std / m)[:, None, None]
+        return scale * (m * dy - d_beta[:, None, None] - x_hat * d_gamma[:, None, None])
+
+    def __repr__(self):
+        return f"BatchNorm2d({self.num_features}, momentum={self.momentum}, eps={self.eps})"
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter-free layers
+# ---------------------------------------------------------------------------------------------
+class ReLU(Layer):
+    """``y = max(x, 0)``; the subgradient at 0 is 0."""
+
+    def forward(self, x, training: bool = True):
+        self._mask = x > 0
+        return x * self._mask
+
+    def backward(self, dy):
+        out = dy * self._mask
+        self._mask = None
+        return out
+
+
+class MaxPool2d(Layer):
+    """Max pooling over ``kernel_size`` windows with ``stride`` (default = kernel_size), no padding.
+
+    Gradient goes to the first maximum of each window (ties broken by window position).
+    """
+
+    def __init__(self, kernel_size, stride=None):
+        super().__init__()
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = self.kernel_size if stride is None else _pair(stride, "stride")
+        if min(self.kernel_size) < 1 or min(self.stride) < 1:
+            raise ValueError(f"MaxPool2d needs kernel_size, stride >= 1, got "
+                             f"{self.kernel_size}, {self.stride}")
+
+    def _out_hw(self, H, W):
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride
+        return conv_output_size(H, kh, sh, 0), conv_output_size(W, kw, sw, 0)
+
+    def forward(self, x, training: bool = True):
+        if x.ndim != 4:
+            raise ValueError(f"MaxPool2d expects (N, C, H, W), got {tuple(x.shape)}")
+        xp = array_module(x)
+        N, C, H, W = x.shape
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride
+        Ho, Wo = self._out_hw(H, W)
+        bN, bC, bH, bW = x.strides
+        win = xp.lib.stride_tricks.as_strided(
+            x, shape=(N, C, Ho, Wo, kh, kw), strides=(bN, bC, bH * sh, bW * sw, bH, bW)
+        ).reshape(N, C, Ho, Wo, kh * kw)
+        arg = win.argmax(axis=-1)
+        self._cache = (arg, x.shape)
+        return xp.take_along_axis(win, arg[..., None], axis=-1)[..., 0]
+
+    def backward(self, dy):
+        xp = array_module(dy)
+        arg, (N, C, H, W) = self._cache
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride
+        Ho, Wo = dy.shape[2], dy.shape[3]
+        dx = xp.zeros((N, C, H, W), dtype=dy.dtype)
+        zero = dy.dtype.type(0)
+        for i in range(kh):
+            for j in range(kw):
+                dx[:, :, i:i + sh * (Ho - 1) + 1:sh, j:j + sw * (Wo - 1) + 1:sw] += xp.where(
+                    arg == i * kw + j, dy, zero)
+        self._cache = None
+        return dx
+
+    def output_shape(self, in_shape):
+        C, H, W = in_shape
+        return (C, *self._out_hw(H, W))
+
+    def __repr__(self):
+        return f"MaxPool2d(kernel_size={self.kernel_size}, stride={self.stride})"
+
+
+class GlobalAvgPool2d(Layer):
+    """Mean over the spatial dimensions: ``(N, C, H, W) -> (N, C)``."""
+
+    def forward(self, x, training: bool = True):
+        if x.ndim != 4:
+            raise ValueError(f"GlobalAvgPool2d expects (N, C, H, W), got {tuple(x.shape)}")
+        self._shape = x.shape
+        return x.mean(axis=(2, 3))
+
+    def backward(self, dy):
+        xp = array_module(dy)
+        N, C, H, W = self._shape
+        return xp.broadcast_to((dy / (H * W))[:, :, None, None], (N, C, H, W)).copy()
+
+    def output_shape(self, in_shape):
+        return (in_shape[0],)
+
+
+class Flatten(Layer):
+    """``(N, d1, d2, ...) -> (N, d1*d2*...)``."""
+
+    def forward(self, x, training: bool = True):
+        self._shape = x.shape
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, dy):
+        return dy.reshape(self._shape)
+
+    def output_shape(self, in_shape):
+        return (prod(in_shape),)
+
+
+# ---------------------------------------------------------------------------------------------
+# containers and residual blocks
+# ---------------------------------------------------------------------------------------------
+class Sequential(Layer):
+    """Run children in order.
+
+    Parameters
+    ----------
+    layers : sequence of Layer or of (name, Layer)
+        Unnamed layers are named by their index.
+    """
+
+    def __init__(self, layers: Sequence):
+        super().__init__()
+        for idx, item in enumerate(layers):
+            if isinstance(item, tuple):
+                name, layer = item
+            else:
+                name, layer = str(idx), item
+            self.add_child(name, layer)
+
+    def forward(self, x, training: bool = True):
+        for _, layer in self._children:
+            x = layer.forward(x, training)
+        return x
+
+    def backward(self, dy):
+        for _, layer in reversed(self._children):
+            dy = layer.backward(dy)
+        return dy
+
+    def output_shape(self, in_shape):
+        for _, layer in self._children:
+            in_shape = layer.output_shape(in_shape)
+        return in_shape
+
+    def macs(self, in_shape):
+        total = 0
+        for _, layer in self._children:
+            total += layer.macs(in_shape)
+            in_shape = layer.output_shape(in_shape)
+        return total
+
+    def __repr__(self):
+        inner = ",\n  ".join(f"({n}) {layer!r}".replace("\n", "\n  ")
+                              for n, layer in self._children)
+        return f"Sequential(\n  {inner}\n)"
+
+
+class _Residual(Layer):
+    """``relu(main(x) + shortcut(x))``; the shortcut is identity or 1x1 conv (stride) + BN.
+
+    Children are registered main branch first, then the shortcut; backward runs the shortcut
+    first, so gradients become ready in exactly the reverse of the registration order.
+    """
+
+    def _finish_init(self, main: list[tuple[str, Layer]], in_ch: int, out_ch: int, stride: int):
+        for name, layer in main:
+            self.add_child(name, layer)
+        self._main = [layer for _, layer in main]
+        self.projection = stride != 1 or in_ch != out_ch
+        if self.projection:
+            self.shortcut = self.add_child("shortcut", Sequential([
+                ("conv", Conv2d(in_ch, out_ch, 1, stride=stride, bias=False)),
+                ("bn", BatchNorm2d(out_ch)),
+            ]))
+        self._relu = ReLU()
+
+    def forward(self, x, training: bool = True):
+        h = x
+        for layer in self._main:
+            h = layer.forward(h, training)
+        s = self.shortcut.forward(x, training) if self.projection else x
+        return self._relu.forward(h + s, training)
+
+    def backward(self, dy):
+        d = self._relu.backward(dy)
+        dx = self.shortcut.backward(d) if self.projection else d
+        for layer in reversed(self._main):
+            d = layer.backward(d)
+        return dx + d
+
+    def output_shape(self, in_shape):
+        for layer in self._main:
+            in_shape = layer.output_shape(in_shape)
+        return in_shape
+
+    def macs(self, in_shape):
+        total, shape = 0, in_shape
+        for layer in self._main:
+            total += layer.macs(shape)
+            shape = layer.output_shape(shape)
+        if self.projection:
+            total += self.shortcut.macs(in_shape)
+        return total
+
+
+class BasicBlock(_Residual):
+    """ResNet basic block: conv3x3(stride)-BN-ReLU-conv3x3-BN, plus shortcut, then ReLU.
+
+    The shortcut is a 1x1 conv (with ``stride``) + BN when the shape changes
+    (``stride != 1`` or ``in_channels != out_channels``), identity otherwise.
+    """
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.in_channels, self.out_channels, self.stride = in_channels, out_channels, stride
+        self._finish_init([
+            ("conv1", Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)),
+            ("bn1", BatchNorm2d(out_channels)),
+            ("relu1", ReLU()),
+            ("conv2", Conv2d(out_channels, out_channels, 3, stride=1, padding=1, bias=False)),
+            ("bn2", BatchNorm2d(out_channels)),
+        ], in_channels, out_channels, stride)
+
+    def __repr__(self):
+        return f"BasicBlock({self.in_channels}, {self.out_channels}, stride={self.stride})"
+
+
+class Bottleneck(_Residual):
+    """ResNet bottleneck (v1.5: stride on the 3x3 conv): 1x1-BN-ReLU-3x3-BN-ReLU-1x1-BN + shortcut.
+
+    Parameters
+    ----------
+    in_channels : int
+    planes : int
+        Output channels are ``planes * 4``.
+    stride : int
+    width : int, optional
+        Inner width (default ``planes``; WideResNet-50-2 uses ``2 * planes``).
+    """
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1, width: int | None = None):
+        super().__init__()
+        width = planes if width is None else int(width)
+        out_ch = planes * self.expansion
+        self.in_channels, self.out_channels, self.width, self.stride = (
+            in_channels, out_ch, width, stride)
+        self._finish_init([
+            ("conv1", Conv2d(in_channels, width, 1, bias=False)),
+            ("bn1", BatchNorm2d(width)),
+            ("relu1", ReLU()),
+            ("conv2", Conv2d(width, width, 3, stride=stride, padding=1, bias=False)),
+            ("bn2", BatchNorm2d(width)),
+            ("relu2", ReLU()),
+            ("conv3", Conv2d(width, out_ch, 1, bias=False)),
+            ("bn3", BatchNorm2d(out_ch)),
+        ], in_channels, out_ch, stride)
+
+    def __repr__(self):
+        return (f"Bottleneck({self.in_channels}, {self.out_channels}, width={self.width}, "
+                f"stride={self.stride})")
+
+
+# ---------------------------------------------------------------------------------------------
+# loss
+# ---------------------------------------------------------------------------------------------
+def softmax_cross_entropy(logits, labels):
+    """Mean softmax cross-entropy and its gradient with respect to the logits.
+
+    Parameters
+    ----------
+    logits : array (N, K)
+    labels : integer array (N,) with values in ``[0, K)``
+
+    Returns
+    -------
+    loss : float
+        ``mean_n [logsumexp(logits_n) - logits_n[labels_n]]``.
+    dlogits : array (N, K)
+        ``(softmax(logits) - onehot(labels)) / N``.
+    """
+    xp = array_module(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (N, K), got shape {tuple(logits.shape)}")
+    N, K = logits.shape
+    if labels.shape != (N,):
+        raise ValueError(f"labels must have shape ({N},), got {tuple(labels.shape)}")
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = xp.exp(shifted)
+    sum_exp = exp.sum(axis=1, keepdims=True)
+    rows = xp.arange(N)
+    log_p_true = shifted[rows, labels] - xp.log(sum_exp[:, 0])
+    loss = float(-log_p_true.mean())
+    grad = exp / sum_exp
+    grad[rows, labels] -= 1.0
+    grad /= N
+    return loss, grad
+
+
+class SoftmaxCrossEntropy:
+    """Object form of :func:`softmax_cross_entropy`: ``forward`` returns the loss, ``backward``
+    the logits gradient of the last call."""
+
+    def forward(self, logits, labels) -> float:
+        loss, self._grad = softmax_cross_entropy(logits, labels)
+        return loss
+
+    def backward(self):
+        return self._grad

@@ -1,0 +1,398 @@
+"""SGD with momentum on the flat buffers, learning-rate schedules, and gradient hooks.
+
+One optimizer step is a handful of vectorised operations on the whole flat vector (no per-tensor
+loop), in this order::
+
+    d  = g + wd ⊙ θ                      (g = grads.flat, never modified; wd per element or scalar)
+    for hook in hooks: hook(d, opt)      (in place: proximal term, gradient mask, ...)
+    b  = μ b + d                         (momentum buffer, PyTorch convention, no dampening)
+    d  = d + μ b   if nesterov else  b
+    θ  = θ − η_t d                       (η_t = schedule(step))
+
+Hooks are callables ``hook(d, opt) -> None`` that modify the flat update direction ``d`` in place;
+``opt`` gives access to ``opt.params``, ``opt.momentum_buffer``, ``opt.step_count``, ``opt.lr``.
+Two are provided: :class:`ProximalHook` (H-SADMM, paper 000 eq. 8: ``d += ρ ⊙ (θ − z + u)`` with
+one ρ per tensor) and :class:`MaskHook` (PacTrain, paper 002: ``d ← m ⊙ d``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import numpy as np
+
+from substrate.backend import array_module
+
+from .params import PARAM_KINDS, FlatTensors, ParamLayout
+
+__all__ = [
+    "SGDConfig", "SGD", "GradHook", "ProximalHook", "MaskHook",
+    "ConstantLR", "StepLR", "CosineLR", "SCHEDULES", "make_schedule",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate schedules: frozen dataclasses, callable(step) -> lr
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConstantLR:
+    """``η_t = lr``."""
+
+    lr: float
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {self.lr}")
+
+    def __call__(self, step: int) -> float:
+        return float(self.lr)
+
+
+@dataclass(frozen=True)
+class StepLR:
+    """``η_t = lr · gamma^floor(t / step_size)`` (t counts optimizer steps)."""
+
+    lr: float
+    step_size: int
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {self.lr}")
+        if self.step_size < 1:
+            raise ValueError(f"step_size must be >= 1 optimizer step, got {self.step_size}")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+
+    def __call__(self, step: int) -> float:
+        return float(self.lr * self.gamma ** (step // self.step_size))
+
+
+@dataclass(frozen=True)
+class CosineLR:
+    """Linear warm-up then cosine decay to ``min_lr`` at ``total_steps``.
+
+    ``η_t = min_lr + (lr − min_lr) · (1 + cos(π (t − w) / (T − w))) / 2`` for ``w <= t < T``,
+    ``η_t = lr (t + 1) / w`` for ``t < w``, and ``min_lr`` for ``t >= T``.
+    """
+
+    lr: float
+    total_steps: int
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {self.lr}")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr], got {self.min_lr}")
+        if not 0 <= self.warmup_steps < self.total_steps:
+            raise ValueError(
+                f"warmup_steps must be in [0, total_steps), got {self.warmup_steps}")
+
+    def __call__(self, step: int) -> float:
+        w, T = self.warmup_steps, self.total_steps
+        if step < w:
+            return float(self.lr * (step + 1) / w)
+        if step >= T:
+            return float(self.min_lr)
+        frac = (step - w) / (T - w)
+        return float(self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+#: ``--lr-schedule`` name -> schedule class
+SCHEDULES = {"constant": ConstantLR, "step": StepLR, "cosine": CosineLR}
+
+
+def make_schedule(name: str, lr: float, total_steps: int, *, step_size: int | None = None,
+                  gamma: float = 0.1, min_lr: float = 0.0, warmup_steps: int = 0):
+    """Build a schedule by name.
+
+    Parameters
+    ----------
+    name : {"constant", "step", "cosine"}
+    lr : float
+        Base learning rate.
+    total_steps : int
+        Optimizer steps of the whole run (cosine horizon; default step size is a third of it).
+    step_size, gamma : StepLR parameters.
+    min_lr, warmup_steps : CosineLR parameters.
+    """
+    if name == "constant":
+        return ConstantLR(lr)
+    if name == "step":
+        return StepLR(lr, step_size if step_size is not None else max(1, total_steps // 3), gamma)
+    if name == "cosine":
+        return CosineLR(lr, total_steps, min_lr, warmup_steps)
+    raise ValueError(f"unknown lr schedule {name!r}; valid names: {sorted(SCHEDULES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks
+# ---------------------------------------------------------------------------------------------
+class GradHook(Protocol):
+    """``hook(d, opt)`` modifies the flat update direction ``d`` in place."""
+
+    def __call__(self, d, opt: "SGD") -> None: ...
+
+
+def _per_element(layout: ParamLayout, value, xp, dtype, what: str):
+    """Scalar stays scalar; dict / per-tensor sequence / flat vector becomes a flat xp vector."""
+    if np.isscalar(value):
+        return float(value)
+    if isinstance(value, dict):
+        return xp.asarray(layout.expand(value, dtype=dtype))
+    arr = np.asarray(value.get() if hasattr(value, "get") else value)
+    if arr.shape == (layout.total,):
+        return xp.asarray(arr, dtype=dtype)
+    if arr.shape == (len(layout),):
+        return xp.asarray(layout.expand(list(arr), dtype=dtype))
+    raise ValueError(
+        f"{what} must be a scalar, a dict name -> value, {len(layout)} per-tensor values in "
+        f"layout.names order, or a flat vector of length {layout.total}; got shape {arr.shape}")
+
+
+class ProximalHook:
+    """H-SADMM proximal term (paper 000, eq. 8): ``d += ρ ⊙ (θ − z + u)``.
+
+    Parameters
+    ----------
+    layout : ParamLayout
+    rho : float, dict name -> float, sequence or flat vector
+        The per-layer penalty ρ₁ broadcast over each tensor (a sequence has one value per
+        tensor in ``layout.names`` order).
+    center : flat array, optional
+        ``c = z − u`` (so the term is ``ρ ⊙ (θ − c)``); set later with :meth:`set_center`.
+
+    Notes
+    -----
+    Buffers are allocated once (plan once, run many); :meth:`set_rho` and :meth:`set_center` copy
+    into them.  Until a center is set the hook is inactive.
+    """
+
+    def __init__(self, layout: ParamLayout, rho, center=None, *, xp=np, dtype=np.float32):
+        self.layout, self.xp, self.dtype = layout, xp, np.dtype(dtype)
+        self.rho = _per_element(layout, rho, xp, self.dtype, "rho")
+        self._center = xp.zeros(layout.total, dtype=self.dtype)
+        self._tmp = xp.empty(layout.total, dtype=self.dtype)
+        self.active = False
+        if center is not None:
+            self.set_center(center)
+
+    def set_rho(self, rho) -> None:
+        """Replace ρ (scalar, dict, per-tensor sequence or flat vector)."""
+        self.rho = _per_element(self.layout, rho, self.xp, self.dtype, "rho")
+
+    def set_center(self, z, u=None) -> None:
+        """Set the anchor to ``z − u`` (``u`` optional), both flat vectors of length ``total``."""
+        if tuple(z.shape) != (self.layout.total,):
+            raise ValueError(f"z must be a flat vector of length {self.layout.total}, "
+                             f"got shape {tuple(z.shape)}")
+        self._center[...] = z
+        if u is not None:
+            if tuple(u.shape) != (self.layout.total,):
+                raise ValueError(f"u must be a flat vector of length {self.layout.total}, "
+                                 f"got shape {tuple(u.shape)}")
+            self._center -= u
+        self.active = True
+
+    @property
+    def center(self):
+        """The current anchor ``z − u`` (flat)."""
+        return self._center
+
+    def __call__(self, d, opt: "SGD") -> None:
+        if not self.active:
+            return
+        tmp = self._tmp
+        self.xp.subtract(opt.params.flat, self._center, out=tmp)
+        tmp *= self.rho
+        d += tmp
+
+
+class MaskHook:
+    """PacTrain gradient sparsity enforcement (paper 002): ``d ← m ⊙ d``.
+
+    Parameters
+    ----------
+    mask : flat array (bool or 0/1) of length ``total``
+    freeze_momentum : bool, default True
+        Also zero the momentum buffer where ``m = 0`` so masked weights stay exactly where they
+        are (without it, momentum accumulated before masking would keep moving them).
+    """
+
+    def __init__(self, mask, *, freeze_momentum: bool = True):
+        self.freeze_momentum = freeze_momentum
+        self._mask = None
+        self.set_mask(mask)
+
+    def set_mask(self, mask) -> None:
+        """Replace the mask (copied into a float vector of the same dtype as the update)."""
+        if mask.ndim != 1:
+            raise ValueError(f"mask must be a flat 1-D vector, got shape {tuple(mask.shape)}")
+        xp = array_module(mask)
+        m = mask.astype(np.float32) if mask.dtype == bool else mask
+        if self._mask is not None and self._mask.shape == m.shape:
+            self._mask[...] = m
+        else:
+            self._mask = xp.array(m, copy=True)
+
+    @property
+    def mask(self):
+        return self._mask
+
+    def __call__(self, d, opt: "SGD") -> None:
+        if d.shape != self._mask.shape:
+            raise ValueError(f"mask has length {self._mask.shape[0]} but the model has "
+                             f"{d.shape[0]} parameters; build the mask from model.layout")
+        d *= self._mask
+        if self.freeze_momentum and opt.momentum_buffer is not None:
+            opt.momentum_buffer *= self._mask
+
+
+# ---------------------------------------------------------------------------------------------
+# SGD
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SGDConfig:
+    """SGD hyper-parameters.
+
+    Attributes
+    ----------
+    lr : float
+        Learning rate when no schedule is given.
+    momentum : float
+        μ in ``b = μ b + d``; 0 disables the buffer.
+    nesterov : bool
+        Nesterov momentum (needs ``momentum > 0``).
+    weight_decay : float
+        λ in ``d = g + λ θ``.
+    decay_kinds : tuple of str or None
+        Parameter kinds that get weight decay (``None``: all).  The paper's objective (000 eq. 1)
+        decays weights only: ``("conv", "fc")``.
+    """
+
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    decay_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.decay_kinds is not None:
+            bad = [k for k in self.decay_kinds if k not in PARAM_KINDS]
+            if bad:
+                raise ValueError(f"decay_kinds {bad} unknown; valid kinds are {PARAM_KINDS}")
+            object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
+
+
+class SGD:
+    """SGD with momentum / Nesterov / weight decay on flat buffers, with gradient hooks.
+
+    Parameters
+    ----------
+    params, grads : FlatTensors
+        ``model.params`` and ``model.grads`` (same layout).
+    config : SGDConfig
+    schedule : callable(step) -> lr, optional
+        Default ``ConstantLR(config.lr)``.  ``step`` counts calls to :meth:`step`.
+    hooks : iterable of GradHook
+        Applied in order after weight decay, before momentum.
+    """
+
+    def __init__(self, params: FlatTensors, grads: FlatTensors, config: SGDConfig = SGDConfig(),
+                 schedule: Callable[[int], float] | None = None,
+                 hooks: Iterable[GradHook] = ()):
+        if params.layout is not grads.layout and params.layout.names != grads.layout.names:
+            raise ValueError("params and grads must share one layout (use model.params, "
+                             "model.grads)")
+        self.params, self.grads, self.config = params, grads, config
+        self.schedule = schedule if schedule is not None else ConstantLR(config.lr)
+        self.hooks: list[GradHook] = list(hooks)
+        xp = array_module(params.flat)
+        self.xp = xp
+        self.step_count = 0
+        self.momentum_buffer = xp.zeros_like(params.flat) if config.momentum > 0 else None
+        self._d = xp.empty_like(params.flat)
+        self._tmp = xp.empty_like(params.flat)
+        if config.weight_decay == 0:
+            self._wd = 0.0
+        elif config.decay_kinds is None:
+            self._wd = float(config.weight_decay)
+        else:
+            vals = {n: (config.weight_decay if params.layout.kind(n) in config.decay_kinds else 0.0)
+                    for n in params.layout.names}
+            self._wd = xp.asarray(params.layout.expand(vals, dtype=params.dtype))
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next :meth:`step` will use."""
+        return self.schedule(self.step_count)
+
+    def add_hook(self, hook: GradHook) -> None:
+        """Append a hook (runs after the existing ones)."""
+        self.hooks.append(hook)
+
+    def remove_hook(self, hook: GradHook) -> None:
+        """Remove a previously added hook."""
+        self.hooks.remove(hook)
+
+    def zero_grad(self) -> None:
+        """Zero ``grads.flat`` (not needed between steps: backward overwrites gradients)."""
+        self.grads.zero_()
+
+    def step(self) -> float:
+        """Apply one update to ``params.flat`` in place; returns the learning rate used."""
+        lr = self.schedule(self.step_count)
+        theta, d, tmp = self.params.flat, self._d, self._tmp
+        d[...] = self.grads.flat
+        if not (isinstance(self._wd, float) and self._wd == 0.0):
+            self.xp.multiply(theta, self._wd, out=tmp)
+            d += tmp
+        for hook in self.hooks:
+            hook(d, self)
+        mu = self.config.momentum
+        if self.momentum_buffer is not None:
+            b = self.momentum_buffer
+            b *= mu
+            b += d
+            if self.config.nesterov:
+                self.xp.multiply(b, mu, out=tmp)
+                d += tmp
+            else:
+                d = b
+        self.xp.multiply(d, lr, out=tmp)
+        theta -= tmp
+        self.step_count += 1
+        return lr
+
+    def state_dict(self) -> dict:
+        """``{"step_count": int, "momentum_buffer": numpy array or None}`` (host copies)."""
+        b = self.momentum_buffer
+        host = None if b is None else (b.get() if hasattr(b, "get") else b.copy())
+        return {"step_count": self.step_count, "momentum_buffer": host}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (in place)."""
+        self.step_count = int(state["step_count"])
+        b = state.get("momentum_buffer")
+        if (b is None) != (self.momentum_buffer is None):
+            raise ValueError("optimizer state and config disagree on momentum (buffer present in "
+                             "one but not the other)")
+        if b is not None:
+            if tuple(b.shape) != tuple(self.momentum_buffer.shape):
+                raise ValueError(f"momentum buffer has shape {tuple(b.shape)}, expected "
+                                 f"{tuple(self.momentum_buffer.shape)}")
+            self.momentum_buffer[...] = self.xp.asarray(b)

@@ -1,0 +1,239 @@
+"""Serial training: ``python -m models train --model cnn --dataset digits``.
+
+The loop is also a library function (:func:`fit`) so tests and other packages can train a model
+without the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .data import DATASETS, Dataset, iterate_batches, load_dataset, num_batches
+from .layers import softmax_cross_entropy
+from .network import Model
+from .optim import SCHEDULES, SGD, SGDConfig, make_schedule
+from .zoo import MODELS, build_model
+
+__all__ = ["TrainConfig", "evaluate", "fit", "build_parser", "main"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Configuration of a serial training run (written into ``summary.json``).
+
+    Attributes
+    ----------
+    model : str
+        Key of :data:`models.zoo.MODELS`.
+    dataset : str
+        Key of :data:`models.data.DATASETS`.
+    data_dir : str or None
+        Directory for ``mnist`` / ``cifar10``.
+    epochs, batch_size : int
+    lr, momentum, weight_decay : float
+    nesterov : bool
+    lr_schedule : {"constant", "step", "cosine"}
+    dtype : {"float32", "float64"}
+    arch : tuple of (str, value) pairs
+        Extra keyword arguments of the model factory, e.g. ``(("depths", (1, 1, 1)),)``.
+    seed : int
+        Initialization and shuffling seed.
+    """
+
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 1e-4
+    lr_schedule: str = "cosine"
+    dtype: str = "float32"
+    arch: tuple = field(default_factory=tuple)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; valid names: {sorted(MODELS)}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; valid names: {sorted(DATASETS)}")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, "
+                             f"{self.batch_size}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; valid names: "
+                             f"{sorted(SCHEDULES)}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        SGDConfig(self.lr, self.momentum, self.nesterov, self.weight_decay)  # validates
+
+    def sgd_config(self) -> SGDConfig:
+        return SGDConfig(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
+                         weight_decay=self.weight_decay)
+
+
+def evaluate(model: Model, data: Dataset, batch_size: int = 512) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``data`` in evaluation mode."""
+    total_loss, correct, n = 0.0, 0, 0
+    for x, y in iterate_batches(data, batch_size, shuffle=False):
+        logits = model.forward(x, training=False)
+        loss, _ = softmax_cross_entropy(logits, y)
+        total_loss += loss * len(y)
+        correct += int((logits.argmax(axis=1) == y).sum())
+        n += len(y)
+    return total_loss / n, correct / n
+
+
+def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, batch_size: int,
+        seed: int = 0, rank: int = 0, progress: bool = False,
+        on_epoch: Callable[[dict], None] | None = None, compute=None) -> dict:
+    """Train ``model`` with ``opt`` for ``epochs`` epochs; evaluate on ``test`` after each.
+
+    Parameters
+    ----------
+    model, opt : Model, SGD
+    train, test : Dataset
+        Arrays on the model's device.
+    epochs, batch_size : int
+    seed, rank : int
+        Shuffling stream ``default_rng([seed, rank, epoch])``.
+    progress : bool
+        Show a tqdm bar over all steps.
+    on_epoch : callable(record), optional
+        Receives one dict per epoch (epoch, step, loss, train_accuracy, test_loss,
+        test_accuracy, lr, time_s).
+    compute : callable returning a context manager, optional
+        Wraps each step (e.g. ``run.clock.compute``) so compute time is measured.
+
+    Returns
+    -------
+    dict with ``final_test_accuracy``, ``final_loss`` (mean training loss of the last epoch),
+    ``final_test_loss``, ``train_time_s``, ``steps``.
+    """
+    from contextlib import nullcontext  # noqa: PLC0415
+
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    steps_per_epoch = num_batches(len(train), batch_size)
+    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step",
+               desc=f"{model.name}", leave=False)
+    wrap = compute if compute is not None else nullcontext
+    t0 = time.perf_counter()
+    record: dict = {}
+    train_s = 0.0
+    for epoch in range(epochs):
+        loss_sum, correct, n = 0.0, 0, 0
+        t_epoch = time.perf_counter()
+        for x, y in iterate_batches(train, batch_size, seed=seed, rank=rank, epoch=epoch):
+            with wrap():
+                loss, logits = model.loss_and_grad(x, y)
+                lr = opt.step()
+            loss_sum += loss * len(y)
+            correct += int((logits.argmax(axis=1) == y).sum())
+            n += len(y)
+            bar.update(1)
+        train_s += time.perf_counter() - t_epoch
+        test_loss, test_acc = evaluate(model, test)
+        record = {"epoch": epoch, "step": opt.step_count, "loss": loss_sum / n,
+                  "train_accuracy": correct / n, "test_loss": test_loss,
+                  "test_accuracy": test_acc, "lr": lr, "time_s": time.perf_counter() - t0}
+        bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{test_acc:.4f}")
+        if on_epoch is not None:
+            on_epoch(record)
+    bar.close()
+    return {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
+            "final_test_loss": record["test_loss"], "train_time_s": train_s,
+            "steps": opt.step_count}
+
+
+def _parse_arch(items: list[str] | None) -> tuple:
+    out = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--arch takes KEY=VALUE (e.g. depths=2,2,2), got {item!r}")
+        parts = [p for p in value.split(",") if p]
+        try:
+            vals = tuple(int(p) for p in parts)
+        except ValueError:
+            vals = tuple(parts)
+        out.append((key, vals if ("," in value or len(vals) != 1) else vals[0]))
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser of ``python -m models``."""
+    from substrate.cli import add_common_args  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m models",
+                                     description="Serial training of the spardist models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model serially")
+    d = TrainConfig.__dataclass_fields__
+    p.add_argument("--model", default=d["model"].default, choices=sorted(MODELS))
+    p.add_argument("--dataset", default=d["dataset"].default, choices=sorted(DATASETS))
+    p.add_argument("--data-dir", default=None, help="directory of the MNIST / CIFAR-10 files")
+    p.add_argument("--epochs", type=int, default=d["epochs"].default)
+    p.add_argument("--batch-size", type=int, default=d["batch_size"].default)
+    p.add_argument("--lr", type=float, default=d["lr"].default)
+    p.add_argument("--momentum", type=float, default=d["momentum"].default)
+    p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"].default)
+    p.add_argument("--lr-schedule", default=d["lr_schedule"].default, choices=sorted(SCHEDULES))
+    p.add_argument("--dtype", default=d["dtype"].default, choices=("float32", "float64"))
+    p.add_argument("--arch", action="append", metavar="KEY=VALUE",
+                   help="model factory argument, e.g. --arch depths=2,2 --arch planes=16,32")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common_args(p)
+    return parser
+
+
+def main(argv=None) -> dict:
+    """Entry point of ``python -m models train``; returns the summary dict."""
+    from substrate.cli import start_run  # noqa: PLC0415
+
+    args = build_parser().parse_args(argv)
+    config = TrainConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
+                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                         momentum=args.momentum, nesterov=args.nesterov,
+                         weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+                         dtype=args.dtype, arch=_parse_arch(args.arch), seed=args.seed)
+    run = start_run(args, system="models", method=f"{config.model}_{config.dataset}",
+                    config=config)
+    if run.size != 1:
+        raise ValueError("python -m models train is serial (world size 1); for multi-rank "
+                         "training use python -m dataparallel train")
+    split = load_dataset(config.dataset, config.data_dir)
+    train, test = split.train.to(run.xp), split.test.to(run.xp)
+    model = build_model(config.model, train.input_shape, train.num_classes, xp=run.xp,
+                        dtype=np.dtype(config.dtype), seed=config.seed, **dict(config.arch))
+    steps = config.epochs * num_batches(len(train), config.batch_size)
+    opt = SGD(model.params, model.grads, config.sgd_config(),
+              schedule=make_schedule(config.lr_schedule, config.lr, steps))
+    progress = not args.quiet and sys.stderr.isatty()
+
+    def log(record: dict) -> None:
+        run.log(iteration=record["epoch"], **record)
+        if args.quiet or progress:
+            return
+        print(f"epoch {record['epoch'] + 1}/{config.epochs}  loss {record['loss']:.4f}  "
+              f"test_acc {record['test_accuracy']:.4f}", flush=True)
+
+    result = fit(model, opt, train, test, epochs=config.epochs, batch_size=config.batch_size,
+                 seed=config.seed, progress=progress, on_epoch=log, compute=run.clock.compute)
+    summary = run.finish(metrics={**result, "num_params": model.num_params},
+                         extra={"model": {"name": model.name, "num_params": model.num_params,
+                                          "layout": model.layout.describe()}})
+    if not args.quiet:
+        print(f"final test accuracy {result['final_test_accuracy']:.4f}, final loss "
+              f"{result['final_loss']:.4f}; results in {run.out}", flush=True)
+    return summary
+
