@@ -1,0 +1,8 @@
+"""Entry point: ``python -m sparse_sgd {train,infer,generate} ...``."""
+
+import sys
+
+from sparse_sgd.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

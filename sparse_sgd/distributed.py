@@ -1,0 +1,225 @@
+"""Distributed SpFF (Alg. 2) and SpBP (Alg. 3) on a row-partitioned sparse DNN.
+
+Processor m stores, for every layer k, the row block W^k_m (split by :mod:`partition.maps` into
+the columns it owns and the columns it receives), the bias entries b^k_m and its entries x^k_m.
+Mini-batches are columns of X (§5.1), stored row-major ``(neurons, batch)`` so every message is a
+contiguous block of rows.  All messages go through :class:`substrate.Comm` under the ledger
+phases ``"spff"`` and ``"spbp"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from partition.maps import LayerMaps, build_maps
+from partition.partitioners import Partition
+from sparse_sgd.activations import ACTIVATIONS
+from sparse_sgd.kernels import sddmm_update, spmm_add, spmm_add_challenge
+
+__all__ = ["DistributedSparseNet", "PHASE_SPFF", "PHASE_SPBP"]
+
+PHASE_SPFF = "spff"
+PHASE_SPBP = "spbp"
+
+
+class _Buffers:
+    """Message buffers of one batch size, allocated once (plan once, run many)."""
+
+    def __init__(self, maps: list[LayerMaps], B: int, dtype) -> None:
+        self.xrecv = [np.empty((mp.recv_ptr[-1], B), dtype=dtype) for mp in maps]
+        self.xsend = [[np.empty((ix.size, B), dtype=dtype) for ix in mp.send_index]
+                      for mp in maps]
+        self.srecv = [[np.empty((ix.size, B), dtype=dtype) for ix in mp.send_index]
+                      for mp in maps]
+
+
+class DistributedSparseNet:
+    """One processor's part of a sparse DNN trained with SpFF + SpBP.
+
+    Parameters
+    ----------
+    weights : list of scipy.sparse matrices
+        The full W^1 .. W^L (every rank builds its plan from the full sparsity; values of the
+        rows it owns are copied).
+    partition : Partition
+        Row partition with ``parts == comm.size``.
+    comm : substrate.Comm
+        Communicator of the processors (world).
+    biases : list of np.ndarray, optional
+        Full b^1 .. b^L (zeros if omitted).
+    activation : str
+        ``"sigmoid"`` (paper, §6.1) or ``"relu"``.
+    dtype : numpy dtype
+        Floating type of weights and activations.
+    """
+
+    def __init__(self, weights, partition: Partition, comm, *, biases=None,
+                 activation: str = "sigmoid", dtype=np.float64) -> None:
+        if partition.parts != comm.size:
+            raise ValueError(f"partition has {partition.parts} parts but the communicator has "
+                             f"{comm.size} ranks; partition for {comm.size} processors")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.comm = comm
+        self.rank = comm.rank
+        self.dtype = np.dtype(dtype)
+        self.f = ACTIVATIONS[activation]
+        self.L = len(weights)
+        self.partition = partition
+        self.maps = build_maps(weights, partition, comm.rank)  # Xsend/Xrecv, once
+        for mp in self.maps:
+            for M in (mp.W_local, mp.W_remote):
+                M.data = M.data.astype(self.dtype)
+                M.indices = M.indices.astype(np.int64)
+                M.indptr = M.indptr.astype(np.int64)
+        if biases is None:
+            self.b = [np.zeros(mp.rows.size, dtype=self.dtype) for mp in self.maps]
+        else:
+            self.b = [np.asarray(b, dtype=self.dtype)[mp.rows].copy()
+                      for b, mp in zip(biases, self.maps)]
+        self._buffers: dict[int, _Buffers] = {}
+        self.X: list = []
+        self.delta: list = []
+
+    # -- data layout ---------------------------------------------------------------------------
+    @property
+    def input_rows(self) -> np.ndarray:
+        """Global indices of x^0_m."""
+        return self.maps[0].prev_rows
+
+    @property
+    def output_rows(self) -> np.ndarray:
+        """Global indices of x^L_m."""
+        return self.maps[-1].rows
+
+    def rows_of_layer(self, k: int) -> np.ndarray:
+        """Global indices of x^k_m (k = 0..L)."""
+        return self.maps[0].prev_rows if k == 0 else self.maps[k - 1].rows
+
+    def local_weights(self, k: int) -> sp.coo_matrix:
+        """W^k_m in global coordinates (for checks): a COO matrix of the full W^k shape."""
+        mp = self.maps[k - 1]
+        n_cols = self.partition.owners[k - 1].size
+        parts = []
+        for M, cols in ((mp.W_local, mp.prev_rows), (mp.W_remote, mp.recv_global)):
+            c = M.tocoo()
+            parts.append((mp.rows[c.row], cols[c.col], c.data))
+        r, c, v = (np.concatenate(a) for a in zip(*parts))
+        return sp.coo_matrix((v, (r, c)), shape=(self.partition.owners[k].size, n_cols))
+
+    def _bufs(self, B: int) -> _Buffers:
+        buf = self._buffers.get(B)
+        if buf is None:
+            buf = self._buffers[B] = _Buffers(self.maps, B, self.dtype)
+        return buf
+
+    # -- Alg. 2 --------------------------------------------------------------------------------
+    def _post_x_exchange(self, k: int, x_prev: np.ndarray, buf: _Buffers) -> tuple[list, list]:
+        """Lines 3-5 of Alg. 2 (and the matching receives of line 8), tag k."""
+        mp = self.maps[k - 1]
+        recv = buf.xrecv[k - 1]
+        rreq = [self.comm.irecv(recv[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n), tag=k,
+                                phase=PHASE_SPFF)
+                for i, n in enumerate(mp.recv_ranks)]
+        sreq = []
+        for n, ix, sbuf in zip(mp.send_ranks, mp.send_index, buf.xsend[k - 1]):
+            np.take(x_prev, ix, axis=0, out=sbuf)  # line 4: update x̄ with entries of x^{k-1}_m
+            sreq.append(self.comm.isend(sbuf, int(n), tag=k, phase=PHASE_SPFF))
+        return rreq, sreq
+
+    def forward(self, X0: np.ndarray) -> np.ndarray:
+        """SpFF (Alg. 2) on a mini-batch: ``X0`` holds x^0_m, shape (len(input_rows), B).
+
+        Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP.
+        """
+        X0 = np.ascontiguousarray(X0, dtype=self.dtype)
+        if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
+            raise ValueError(f"X0 must have shape ({self.input_rows.size}, batch) on rank "
+                             f"{self.rank}, got {X0.shape}")
+        buf = self._bufs(X0.shape[1])
+        self.X = [X0]
+        for k, mp in enumerate(self.maps, start=1):
+            x_prev = self.X[-1]
+            rreq, sreq = self._post_x_exchange(k, x_prev, buf)
+            z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
+            z += self.b[k - 1][:, None]
+            self.comm.waitall(rreq)  # line 8
+            if mp.recv_ptr[-1]:
+                z += mp.W_remote @ buf.xrecv[k - 1]  # line 9
+            self.X.append(self.f.apply(np.ascontiguousarray(z, dtype=self.dtype)))  # line 10
+            self.comm.waitall(sreq)
+        return self.X[-1]
+
+    # -- Alg. 3 --------------------------------------------------------------------------------
+    def backward(self, Y: np.ndarray, lr: float) -> float:
+        """SpBP (Alg. 3) with the weight update, after :meth:`forward`.
+
+        ``Y`` holds the targets of x^L_m, shape (len(output_rows), B).  Loss J = 1/(2B) sum of
+        squared errors; returns this rank's share of it (sum over ranks = J).
+        """
+        XL = self.X[-1]
+        Y = np.asarray(Y, dtype=self.dtype)
+        if Y.shape != XL.shape:
+            raise ValueError(f"Y must have shape {XL.shape} on rank {self.rank}, got {Y.shape}")
+        B = XL.shape[1]
+        buf = self._bufs(B)
+        loss = float(0.5 * np.sum((XL - Y) ** 2) / B)
+        delta = np.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))  # line 2, eq. 6
+        self.delta = [None] * (self.L + 1)
+        self.delta[self.L] = delta
+        for k in range(self.L, 0, -1):
+            mp = self.maps[k - 1]
+            x_prev = self.X[k - 1]
+            xrecv = buf.xrecv[k - 1]
+            tag = self.L + k
+            exchange = k > 1  # s^1 would only give delta^0: nothing to send
+            if exchange:
+                rreq = [self.comm.irecv(rb, int(n), tag=tag, phase=PHASE_SPBP)
+                        for n, rb in zip(mp.send_ranks, buf.srecv[k - 1])]
+                s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
+                sreq = [self.comm.isend(s_remote[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n),
+                                        tag=tag, phase=PHASE_SPBP)
+                        for i, n in enumerate(mp.recv_ranks)]  # lines 5-7 (Ssend = Xrecv rows)
+                s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
+            # lines 8-9: outer-product update on the sparsity, overlapped with the messages
+            sddmm_update(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, delta, x_prev,
+                         lr)
+            if mp.recv_ptr[-1]:
+                sddmm_update(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data, delta,
+                             xrecv, lr)
+            self.b[k - 1] -= lr * delta.sum(axis=1)
+            if exchange:
+                self.comm.waitall(rreq)  # lines 10-12
+                for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
+                    s[ix] += rb
+                delta = np.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
+                self.delta[k - 1] = delta
+                self.comm.waitall(sreq)
+        return loss
+
+    def step(self, X0: np.ndarray, Y: np.ndarray, lr: float) -> float:
+        """One SGD iteration (SpFF then SpBP); returns this rank's share of the loss."""
+        self.forward(X0)
+        return self.backward(Y, lr)
+
+    # -- H-SpFF inference (§6.3) -----------------------------------------------------------------
+    def infer_challenge(self, X0: np.ndarray, bias: float, ymax: float) -> np.ndarray:
+        """H-SpFF with Graph Challenge semantics: x^k = min(max(W^k x^{k-1} + b, 0), ymax).
+
+        The bias is added only where W^k x^{k-1} != 0; local and remote products use the fused
+        Numba kernels.  ``X0`` is x^0_m for a batch, shape (len(input_rows), B).
+        """
+        X0 = np.ascontiguousarray(X0, dtype=self.dtype)
+        buf = self._bufs(X0.shape[1])
+        x_prev = X0
+        for k, mp in enumerate(self.maps, start=1):
+            rreq, sreq = self._post_x_exchange(k, x_prev, buf)
+            z = np.zeros((mp.rows.size, X0.shape[1]), dtype=self.dtype)
+            spmm_add(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, x_prev, z)
+            self.comm.waitall(rreq)
+            spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
+                               buf.xrecv[k - 1], z, self.dtype.type(bias), self.dtype.type(ymax))
+            self.comm.waitall(sreq)
+            x_prev = z
+        return x_prev

@@ -1,0 +1,78 @@
+"""Local sparse kernels (Numba) for SpFF/SpBP on one processor.
+
+Dense operands are row-major ``(rows, batch)`` arrays: row i of X holds x(i) for every vector of
+the mini-batch (§5.1, SpMM instead of SpMV), so one CSR row streams contiguous batch rows.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["spmm_add", "spmm_add_challenge", "sddmm_update", "challenge_layer"]
+
+
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def spmm_add(indptr, indices, data, X, out):
+    """out += A @ X for CSR A (rows of ``out``) and dense row-major X."""
+    n_rows = indptr.size - 1
+    B = X.shape[1]
+    for r in numba.prange(n_rows):
+        for p in range(indptr[r], indptr[r + 1]):
+            w = data[p]
+            c = indices[p]
+            for b in range(B):
+                out[r, b] += w * X[c, b]
+
+
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def spmm_add_challenge(indptr, indices, data, X, out, bias, ymax):
+    """out = min(max(out + A @ X + bias * [out + A X != 0], 0), ymax)  (Graph Challenge layer).
+
+    The bias is added only where the product is nonzero (the challenge's sparse semantics).
+    """
+    n_rows = indptr.size - 1
+    B = X.shape[1]
+    for r in numba.prange(n_rows):
+        for p in range(indptr[r], indptr[r + 1]):
+            w = data[p]
+            c = indices[p]
+            for b in range(B):
+                out[r, b] += w * X[c, b]
+        for b in range(B):
+            v = out[r, b]
+            if v != 0.0:
+                v += bias
+                if v < 0.0:
+                    v = 0.0
+                elif v > ymax:
+                    v = ymax
+                out[r, b] = v
+
+
+def challenge_layer(A, X, bias, ymax, out=None):
+    """Y = min(max(A X + b, 0), ymax) with bias only where A X != 0, fused in one pass."""
+    if out is None:
+        out = np.zeros((A.shape[0], X.shape[1]), dtype=X.dtype)
+    else:
+        out[...] = 0
+    spmm_add_challenge(A.indptr, A.indices, A.data, X, out, X.dtype.type(bias),
+                       X.dtype.type(ymax))
+    return out
+
+
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def sddmm_update(indptr, indices, data, delta, X, lr):
+    """W <- W - lr * (delta X^T) on the sparsity of W (eqs. 4-5 for a mini-batch, Alg. 3 l. 8-9).
+
+    ``delta`` has one row per row of W, ``X`` one row per column of W.
+    """
+    n_rows = indptr.size - 1
+    B = X.shape[1]
+    for r in numba.prange(n_rows):
+        for p in range(indptr[r], indptr[r + 1]):
+            c = indices[p]
+            g = 0.0
+            for b in range(B):
+                g += delta[r, b] * X[c, b]
+            data[p] -= lr * g

@@ -1,0 +1,202 @@
+"""RadiX-Net sparse DNN generator and the Sparse DNN Graph Challenge network family.
+
+A RadiX-Net (Kepner & Robinett, ref. [37] of the H-SGD paper, §6.1) is built from a mixed-radix
+system r_1, ..., r_k with product n.  The radix r_t at place value pv_t = r_1 ... r_{t-1} gives the
+n x n 0/1 matrix
+
+    M_t[i, (i - j * pv_t) mod n] = 1      for j = 0, ..., r_t - 1,
+
+so every neuron of one layer is connected to r_t neurons of the previous one and the product of the
+k layers connects every input to every output exactly once.  Each M_t is then widened by a
+Kronecker product with a dense block of ones, ``kron(ones(B_{k+1}, B_k), M_t)``, which gives B*r_t
+connections per neuron.
+
+Convention (the paper's, eq. 3): ``W[k]`` maps layer k-1 to layer k, rows are the neurons of layer
+k (outputs) and columns the neurons of layer k-1 (inputs), ``z^k = W^k x^{k-1}``.  The Graph
+Challenge TSV files store the transpose (``Y W`` with row vectors); :mod:`sparse_sgd.io` converts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "CHALLENGE_BIAS",
+    "CHALLENGE_YMAX",
+    "ChallengeNetwork",
+    "RadixNetConfig",
+    "challenge_config",
+    "graph_challenge_network",
+    "mixed_radix_layer",
+    "place_values",
+    "radixnet",
+]
+
+#: Graph Challenge bias per neuron count (constant over all neurons and layers).
+CHALLENGE_BIAS = {1024: -0.3, 4096: -0.35, 16384: -0.4, 65536: -0.45}
+#: Graph Challenge ReLU clamp: Y <- min(max(Y W + b, 0), YMAX).
+CHALLENGE_YMAX = 32.0
+#: Graph Challenge dense block size (32 connections per neuron = B * radix 2).
+CHALLENGE_BLOCK = 16
+
+
+def place_values(radices) -> np.ndarray:
+    """Place values pv_t = r_1 r_2 ... r_{t-1} of a mixed-radix system (pv_1 = 1)."""
+    r = np.asarray(radices, dtype=np.int64)
+    if r.ndim != 1 or r.size == 0 or np.any(r < 1):
+        raise ValueError(f"radices must be a non-empty list of positive integers, got {radices!r}")
+    return np.concatenate(([1], np.cumprod(r)[:-1]))
+
+
+def mixed_radix_layer(radices, t: int) -> sp.csr_matrix:
+    """The n x n 0/1 matrix M_t of radix ``radices[t]`` (RadiX-Net, ref. [37]).
+
+    Row i (output neuron) has its nonzeros in columns ``(i - j * pv_t) mod n`` for j < r_t, where
+    pv_t is the place value of radix t and n the product of all radices.
+
+    Parameters
+    ----------
+    radices : sequence of int
+        The mixed-radix system r_1, ..., r_k.
+    t : int
+        0-based index of the radix whose layer is built.
+
+    Returns
+    -------
+    scipy.sparse.csr_matrix of shape (n, n), dtype float64, entries 1.
+    """
+    pv = place_values(radices)
+    if not 0 <= t < len(pv):
+        raise ValueError(f"radix index t={t} out of range: choose 0 <= t < {len(pv)}")
+    n = int(np.prod(radices))
+    r = int(radices[t])
+    i = np.repeat(np.arange(n, dtype=np.int64), r)
+    j = np.tile(np.arange(r, dtype=np.int64), n)
+    cols = (i - j * pv[t]) % n
+    M = sp.csr_matrix((np.ones(n * r), (i, cols)), shape=(n, n))
+    M.sum_duplicates()
+    M.data[:] = 1.0
+    return M
+
+
+@dataclass(frozen=True)
+class RadixNetConfig:
+    """Configuration of a RadiX-Net sparse DNN.
+
+    Attributes
+    ----------
+    radices : tuple of int
+        Mixed-radix system; layer k uses radix ``radices[k mod len(radices)]``.
+    num_layers : int
+        Number of weight matrices L.
+    blocks : tuple of int
+        Dense Kronecker block sizes B_0, ..., B_L (layer k has B_k * n neurons); a single value
+        means every layer has the same width.
+    weight : float
+        Value of every connection (the Graph Challenge uses 1/16).
+    permute : bool
+        Draw one random row permutation per block of ``len(radices)`` consecutive layers and
+        apply it to the rows of every layer of that block.
+    seed : int
+        Seed of the permutation generator.
+    """
+
+    radices: tuple = (2, 2, 2, 2, 2, 2)
+    num_layers: int = 6
+    blocks: tuple = (CHALLENGE_BLOCK,)
+    weight: float = 1.0 / CHALLENGE_BLOCK
+    permute: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        place_values(self.radices)  # validates
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if len(self.blocks) not in (1, self.num_layers + 1) or min(self.blocks) < 1:
+            raise ValueError(
+                f"blocks must hold one positive size or num_layers+1 = {self.num_layers + 1} "
+                f"sizes, got {self.blocks!r}"
+            )
+
+    def block(self, k: int) -> int:
+        """Kronecker block size B_k of layer k (k = 0 is the input layer)."""
+        return int(self.blocks[0] if len(self.blocks) == 1 else self.blocks[k])
+
+
+def radixnet(config: RadixNetConfig) -> list[sp.csr_matrix]:
+    """Generate the weight matrices W^1, ..., W^L of a RadiX-Net.
+
+    ``W^k = P_b kron(ones(B_k, B_{k-1}), M_t) * weight`` with t = (k-1) mod len(radices) and P_b
+    the row permutation of block b = (k-1) // len(radices) (identity when ``permute`` is False).
+
+    Returns
+    -------
+    list of scipy.sparse.csr_matrix, ``W[k-1]`` of shape (B_k n, B_{k-1} n), sorted indices.
+    """
+    radices = tuple(int(r) for r in config.radices)
+    kr = len(radices)
+    base = [mixed_radix_layer(radices, t) for t in range(kr)]
+    rng = np.random.default_rng(config.seed)
+    weights = []
+    perm = None
+    for k in range(1, config.num_layers + 1):
+        t = (k - 1) % kr
+        Bo, Bi = config.block(k), config.block(k - 1)
+        W = sp.kron(np.ones((Bo, Bi)), base[t], format="csr") * config.weight
+        if config.permute:
+            if t == 0:
+                perm = rng.permutation(W.shape[0])
+            if perm.size != W.shape[0]:
+                raise ValueError("permute=True needs equal widths within a block of layers; "
+                                 "use equal blocks or permute=False")
+            W = W[perm]
+        W = sp.csr_matrix(W)
+        W.sort_indices()
+        weights.append(W)
+    return weights
+
+
+def challenge_config(neurons: int, layers: int, *, permute: bool = True, seed: int = 0
+                     ) -> RadixNetConfig:
+    """RadiX-Net configuration of the Graph Challenge network with ``neurons`` per layer.
+
+    N = 16 * n with n = 2^m (radices [2]*m), 32 connections per neuron, weights 1/16.
+    """
+    if neurons not in CHALLENGE_BIAS:
+        raise ValueError(f"Graph Challenge networks have N in {sorted(CHALLENGE_BIAS)}, got "
+                         f"{neurons}; use RadixNetConfig directly for other sizes")
+    n = neurons // CHALLENGE_BLOCK
+    m = int(round(np.log2(n)))
+    return RadixNetConfig(radices=(2,) * m, num_layers=layers, blocks=(CHALLENGE_BLOCK,),
+                          weight=1.0 / CHALLENGE_BLOCK, permute=permute, seed=seed)
+
+
+@dataclass
+class ChallengeNetwork:
+    """A Graph Challenge sparse DNN: weights in paper orientation, constant bias, clamp."""
+
+    weights: list
+    bias: float
+    ymax: float = CHALLENGE_YMAX
+    neurons: int = field(init=False)
+
+    def __post_init__(self):
+        self.neurons = int(self.weights[0].shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights)
+
+    @property
+    def nnz(self) -> int:
+        return int(sum(W.nnz for W in self.weights))
+
+
+def graph_challenge_network(neurons: int, layers: int, *, permute: bool = True, seed: int = 0
+                            ) -> ChallengeNetwork:
+    """Generate the Graph Challenge network N=``neurons`` with ``layers`` layers (§6.1)."""
+    cfg = challenge_config(neurons, layers, permute=permute, seed=seed)
+    return ChallengeNetwork(weights=radixnet(cfg), bias=CHALLENGE_BIAS[neurons])

@@ -1,0 +1,121 @@
+"""Graph Challenge TSV, category and IDX I/O: round trips, streaming, malformed input."""
+
+import gzip
+
+import numpy as np
+import pytest
+
+from sparse_sgd.data import (class_targets, digits_dataset, images_to_features, mnist_dataset,
+                             read_idx)
+from sparse_sgd.io import (layer_path, read_categories, read_challenge_layer,
+                           read_challenge_network, read_input_tsv, read_triples,
+                           write_categories, write_challenge_network, write_input_tsv,
+                           write_triples)
+from sparse_sgd.radixnet import graph_challenge_network
+
+
+def test_network_round_trip_and_orientation(tmp_path):
+    W = graph_challenge_network(1024, 3, seed=2).weights
+    write_challenge_network(tmp_path, W)
+    assert layer_path(tmp_path, 1024, 2).name == "n1024-l2.tsv"
+    back = read_challenge_network(tmp_path, 1024, 3)
+    for a, b in zip(W, back):
+        assert (a != b).nnz == 0
+    # the file holds the challenge orientation (row = input neuron, col = output neuron)
+    r, c, v = read_triples(layer_path(tmp_path, 1024, 1))
+    i = 5
+    np.testing.assert_array_equal(np.sort(r[c == i]), W[0].indices[W[0].indptr[i]:
+                                                                  W[0].indptr[i + 1]])
+    first = layer_path(tmp_path, 1024, 1).read_text().splitlines()[0].split("\t")
+    assert int(first[0]) >= 1 and int(first[1]) >= 1 and float(first[2]) == 1 / 16
+
+
+def test_streaming_reads_in_chunks(tmp_path):
+    rng = np.random.default_rng(0)
+    r, c, v = rng.integers(0, 50, 1000), rng.integers(0, 40, 1000), rng.normal(size=1000)
+    write_triples(tmp_path / "t.tsv", r, c, v)
+    for chunk in (1, 7, 1000, 5000):
+        rr, cc, vv = read_triples(tmp_path / "t.tsv", chunk_lines=chunk)
+        np.testing.assert_array_equal(rr, r)
+        np.testing.assert_array_equal(cc, c)
+        np.testing.assert_array_equal(vv, v)  # %.17g round-trips exactly
+
+
+def test_inputs_and_categories_round_trip(tmp_path):
+    Y0 = (np.random.default_rng(1).random((20, 1024)) < 0.1).astype(np.float32)
+    Y0[3] = 0
+    write_input_tsv(tmp_path / "in.tsv", Y0)
+    back = read_input_tsv(tmp_path / "in.tsv", 1024, num_inputs=20).toarray()
+    np.testing.assert_array_equal(back, Y0)
+    write_categories(tmp_path / "cat.tsv", [0, 4, 19])
+    assert (tmp_path / "cat.tsv").read_text() == "1\n5\n20\n"
+    np.testing.assert_array_equal(read_categories(tmp_path / "cat.tsv"), [0, 4, 19])
+
+
+@pytest.mark.parametrize("bad,what", [
+    ("3\t4\n", "expected 3"),
+    ("3\t4\tx\n", "integers"),
+    ("0\t4\t1\n", "1-based"),
+    ("3 4 1\n", "expected 3"),
+    ("3\t4.5\t1\n", "integers"),
+    ("3\t4\t1\t9\n", "expected 3"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, what):
+    p = tmp_path / "bad.tsv"
+    good = "".join(f"{i}\t{i}\t1\n" for i in range(1, 8))
+    p.write_text(good + "\n" + bad + good)  # the bad line is line 9 (after a blank line)
+    for chunk in (3, 1 << 16):
+        with pytest.raises(ValueError, match=rf"bad\.tsv:9: .*{what}"):
+            read_triples(p, chunk_lines=chunk)
+
+
+def test_malformed_category_file(tmp_path):
+    p = tmp_path / "c.tsv"
+    p.write_text("1\n2\nthree\n")
+    with pytest.raises(ValueError, match=r"c\.tsv:3"):
+        read_categories(p)
+
+
+def test_layer_index_out_of_range(tmp_path):
+    write_triples(tmp_path / "l.tsv", [0, 2000], [1, 1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="exceeds N=1024"):
+        read_challenge_layer(tmp_path / "l.tsv", 1024)
+
+
+def _write_idx(path, arr, code):
+    header = bytes([0, 0, code, arr.ndim]) + np.array(arr.shape, ">u4").tobytes()
+    data = header + arr.astype({0x08: ">u1"}[code]).tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as fh:
+        fh.write(data)
+
+
+def test_idx_reader_and_mnist_features(tmp_path):
+    rng = np.random.default_rng(3)
+    imgs = rng.integers(0, 256, (5, 28, 28)).astype(np.uint8)
+    labels = np.array([0, 1, 9, 3, 3], dtype=np.uint8)
+    _write_idx(tmp_path / "img.gz", imgs, 0x08)
+    _write_idx(tmp_path / "lab", labels, 0x08)
+    np.testing.assert_array_equal(read_idx(tmp_path / "img.gz"), imgs)
+    ds = mnist_dataset(tmp_path / "img.gz", tmp_path / "lab", 1024)
+    assert ds.features.shape == (5, 1024)
+    # nearest-neighbour scaling: pixel (i, j) of the 32x32 image is (i*28//32, j*28//32)
+    i, j = 31, 17
+    assert ds.features[2, i * 32 + j] == float(imgs[2, i * 28 // 32, j * 28 // 32] / 255 > 0.5)
+    (tmp_path / "junk").write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="IDX"):
+        read_idx(tmp_path / "junk")
+
+
+def test_digits_features_and_targets():
+    ds = digits_dataset(1024)
+    assert ds.features.shape == (1797, 1024)
+    assert set(np.unique(ds.features)) <= {0.0, 1.0}
+    img = np.zeros((1, 8, 8))
+    img[0, 2, 3] = 1.0
+    f = images_to_features(img, 1024, 0.5).reshape(32, 32)
+    assert f.sum() == 16 and f[8:12, 12:16].all()  # upscaled 4x, thresholded, flattened
+    T = class_targets(np.array([3, 0]), 1024)
+    assert T[0, 3] == 1 and T[0, 13] == 1 and T[0, 4] == 0 and T[1].sum() == 103
+    with pytest.raises(ValueError, match="square"):
+        images_to_features(img, 1000, 0.5)

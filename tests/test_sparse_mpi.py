@@ -1,0 +1,91 @@
+"""Distributed SpFF/SpBP under MPI on 1, 2 and 4 ranks against the serial SciPy reference,
+the ledger against the partition metrics, and the ``sparse_sgd`` CLI end to end."""
+
+import json
+
+import pytest
+
+from mpi_helpers import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("method", ["hypergraph", "random"])
+@pytest.mark.parametrize("n,R", [(1, 1), (2, 1), (4, 2)], ids=["1x1", "2x1", "4x2"])
+def test_train_matches_serial_and_ledger_matches_metrics(method, n, R, tmp_path):
+    res = run_mpi("sparse_checks.py", n, "train", method, R, tmp_path / "out", timeout=180)
+    assert f"OK train {method} P={n}" in res.stdout
+
+
+@pytest.mark.parametrize("method", ["hypergraph", "random"])
+def test_infer_matches_serial_challenge_reference(method, tmp_path):
+    res = run_mpi("sparse_checks.py", 4, "infer", method, 2, tmp_path / "out", timeout=180)
+    assert f"OK infer {method} P=4" in res.stdout
+
+
+def _summary(tmp_path, method):
+    out = tmp_path / method
+    run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 6, "--partition", method,
+            "--iterations", 12, "--batch", 16, "--lr", 0.05, "--ranks-per-node", 2,
+            "--log-every", 4, "--out", out, module="sparse_sgd", timeout=240)
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_cli_train_measured_equals_predicted_and_hypergraph_moves_less(tmp_path):
+    sh, sr = _summary(tmp_path, "hypergraph"), _summary(tmp_path, "random")
+    for s in (sh, sr):
+        meas, pred = s["traffic"]["measured"], s["traffic"]["predicted"]
+        for f in ("inter_node_bytes", "intra_node_bytes", "messages"):
+            assert meas[f] == pred[f], (f, meas[f], pred[f])
+        for phase, e in pred["by_phase"].items():
+            for f in ("bytes", "intra_bytes", "inter_bytes", "messages"):
+                assert meas["by_phase"][phase][f] == e[f], (phase, f)
+        losses = s["metrics"]["loss_trajectory"]
+        assert sum(losses[-3:]) < sum(losses[:3])  # the loss goes down
+    # same seed, same mini-batches, same math: only the traffic differs between partitions
+    assert sh["metrics"]["loss_trajectory"] == pytest.approx(sr["metrics"]["loss_trajectory"],
+                                                            rel=1e-9)
+
+    def p2p(s):
+        bp = s["traffic"]["measured"]["by_phase"]
+        return bp["spff"]["bytes"] + bp["spbp"]["bytes"]
+
+    assert p2p(sr) >= 3 * p2p(sh)
+
+
+def test_cli_infer_generated_network_categories(tmp_path):
+    net = tmp_path / "net"
+    run_mpi(None, 1, "generate", "--neurons", 1024, "--layers", 4, "--dir", net,
+            "--num-inputs", 60, module="sparse_sgd", timeout=120)
+    out = tmp_path / "infer"
+    res = run_mpi(None, 2, "infer", "--neurons", 1024, "--layers", 4, "--network-dir", net,
+                  "--inputs", net / "sparse-images-1024.tsv", "--categories",
+                  net / "neuron1024-l4-categories.tsv", "--batch", 25, "--out", out,
+                  "--check", module="sparse_sgd", timeout=180)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["metrics"]["categories_match"] is True, res.stdout
+    assert s["metrics"]["serial_reference_match"] is True
+    assert s["traffic"]["measured"]["messages"] == s["traffic"]["predicted"]["messages"]
+    assert (s["traffic"]["measured"]["intra_node_bytes"] + s["traffic"]["measured"][
+        "inter_node_bytes"]) == (s["traffic"]["predicted"]["intra_node_bytes"]
+                                 + s["traffic"]["predicted"]["inter_node_bytes"])
+
+
+def test_cli_train_with_saved_partition_file(tmp_path):
+    from partition.cli import main as partition_main
+
+    pfile = tmp_path / "h2.npz"
+    assert partition_main(["radixnet", "--neurons", "1024", "--layers", "4", "--parts", "2",
+                           "--method", "hypergraph", "--save", str(pfile)]) == 0
+    out = tmp_path / "run"
+    run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
+            "--iterations", 3, "--batch", 8, "--out", out, module="sparse_sgd", timeout=180)
+    s = json.loads((out / "summary.json").read_text())
+    meas, pred = s["traffic"]["measured"], s["traffic"]["predicted"]
+    assert "partition" not in pred["by_phase"]  # read from the file on every rank: no bcast
+    assert s["metrics"]["partition_method"] == "hypergraph"
+    for f in ("inter_node_bytes", "intra_node_bytes", "messages"):
+        assert meas[f] == pred[f]
+    run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
+            "--iterations", 1, "--out", tmp_path / "bad", module="sparse_sgd", timeout=120,
+            expect_fail=True)
