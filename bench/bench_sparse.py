@@ -74,7 +74,7 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
     except ImportError:
         print("  python-graphblas not importable: GraphBLAS comparison skipped")
         return
-    Ag = gb.Matrix.from_scipy_sparse(A)
+    Ag = gb.io.from_scipy_sparse(A)
     Xg = gb.Matrix.from_dense(X, missing_value=0)
 
     def graphblas():
