@@ -18,6 +18,7 @@ import gzip
 import io
 import os
 import pickle
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -166,14 +167,15 @@ def load_digits(*, test_fraction: float = 0.2, split_seed: int = 0,
 # MNIST (IDX files, raw or gzip)
 # ---------------------------------------------------------------------------------------------
 def _read_bytes(path: Path) -> bytes:
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                return f.read()
+    """File contents, gunzipped for ``.gz``; errors name the file."""
+    if not path.is_file():
+        raise DatasetNotFoundError(f"{path}: file not found")
+    if path.suffix != ".gz":
         return path.read_bytes()
-    except FileNotFoundError as exc:
-        raise DatasetNotFoundError(f"{path}: file not found") from exc
-    except (EOFError, gzip.BadGzipFile, OSError, ValueError) as exc:
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise DatasetFormatError(
             f"{path}: cannot decompress ({exc}); expected a complete gzip file, re-download it"
         ) from exc

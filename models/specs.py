@@ -78,11 +78,17 @@ class ModelSpec:
         return [(p.name, p.kind, p.shape) for p in self.params]
 
 
-def spec_from_layers(name: str, root: Layer, input_shape, num_classes: int) -> ModelSpec:
-    """Build a :class:`ModelSpec` from a layer tree (declarations only, nothing allocated)."""
+def spec_from_layers(name: str, root: Layer, input_shape, num_classes: int | None) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a layer tree (declarations only, nothing allocated).
+
+    ``num_classes=None`` skips the output-width check (a bare block); the spec then records
+    the width of a 1-D output, or 0.
+    """
     input_shape = tuple(int(s) for s in input_shape)
     out = root.output_shape(input_shape)
-    if out != (int(num_classes),):
+    if num_classes is None:
+        num_classes = out[0] if len(out) == 1 else 0
+    elif out != (int(num_classes),):
         raise ValueError(f"layer tree output {out} does not match num_classes={num_classes}")
     return ModelSpec(name, input_shape, int(num_classes), tuple(layer_tree_specs(root)),
                      int(root.macs(input_shape)))
