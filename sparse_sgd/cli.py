@@ -35,8 +35,8 @@ NUM_CLASSES = 10
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Configuration of ``sparse_sgd train`` (§6.1 defaults)."""
+class NetworkConfig:
+    """Network and partition options shared by ``train`` and ``infer``."""
 
     neurons: int = 1024
     layers: int = 12
@@ -44,6 +44,16 @@ class TrainConfig:
     partition_file: str | None = None
     preset: str = "default"
     epsilon: float = 0.01
+
+    def __post_init__(self):
+        if self.partition not in PARTITIONERS:
+            raise ValueError(f"--partition must be one of {sorted(PARTITIONERS)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig(NetworkConfig):
+    """Configuration of ``sparse_sgd train`` (§6.1 defaults)."""
+
     batch: int = 32
     iterations: int = 100
     lr: float = 0.01
@@ -59,8 +69,7 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self):
-        if self.partition not in PARTITIONERS:
-            raise ValueError(f"--partition must be one of {sorted(PARTITIONERS)}")
+        super().__post_init__()
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"--activation must be one of {sorted(ACTIVATIONS)}")
         if self.init not in ("uniform", "challenge"):
@@ -74,15 +83,9 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class InferConfig:
+class InferConfig(NetworkConfig):
     """Configuration of ``sparse_sgd infer`` (Graph Challenge semantics, §6.3)."""
 
-    neurons: int = 1024
-    layers: int = 12
-    partition: str = "hypergraph"
-    partition_file: str | None = None
-    preset: str = "default"
-    epsilon: float = 0.01
     batch: int = 1000
     network_dir: str | None = None
     inputs: str | None = None
@@ -95,8 +98,7 @@ class InferConfig:
     check: bool = False
 
     def __post_init__(self):
-        if self.partition not in PARTITIONERS:
-            raise ValueError(f"--partition must be one of {sorted(PARTITIONERS)}")
+        super().__post_init__()
         if self.batch < 1:
             raise ValueError("--batch must be >= 1")
 

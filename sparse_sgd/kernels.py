@@ -12,17 +12,22 @@ import numpy as np
 __all__ = ["spmm_add", "spmm_add_challenge", "sddmm_update", "challenge_layer"]
 
 
+@numba.njit(inline="always", cache=True)
+def _row_spmm_add(r, indptr, indices, data, X, out):
+    """out[r] += A[r] @ X for one CSR row (inlined into the parallel kernels)."""
+    B = X.shape[1]
+    for p in range(indptr[r], indptr[r + 1]):
+        w = data[p]
+        c = indices[p]
+        for b in range(B):
+            out[r, b] += w * X[c, b]
+
+
 @numba.njit(parallel=True, cache=True, fastmath=False)
 def spmm_add(indptr, indices, data, X, out):
     """out += A @ X for CSR A (rows of ``out``) and dense row-major X."""
-    n_rows = indptr.size - 1
-    B = X.shape[1]
-    for r in numba.prange(n_rows):
-        for p in range(indptr[r], indptr[r + 1]):
-            w = data[p]
-            c = indices[p]
-            for b in range(B):
-                out[r, b] += w * X[c, b]
+    for r in numba.prange(indptr.size - 1):
+        _row_spmm_add(r, indptr, indices, data, X, out)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
@@ -31,14 +36,9 @@ def spmm_add_challenge(indptr, indices, data, X, out, bias, ymax):
 
     The bias is added only where the product is nonzero (the challenge's sparse semantics).
     """
-    n_rows = indptr.size - 1
     B = X.shape[1]
-    for r in numba.prange(n_rows):
-        for p in range(indptr[r], indptr[r + 1]):
-            w = data[p]
-            c = indices[p]
-            for b in range(B):
-                out[r, b] += w * X[c, b]
+    for r in numba.prange(indptr.size - 1):
+        _row_spmm_add(r, indptr, indices, data, X, out)
         for b in range(B):
             v = out[r, b]
             if v != 0.0:

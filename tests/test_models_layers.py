@@ -46,26 +46,21 @@ def fd_check(model, x, *, training=True, n_param=40, n_input=40, seed=0, eps=1e-
         restore(model, snap)
         return val
 
-    theta = model.params.flat
-    errs = []
-    if model.num_params:
-        for i in rng.choice(model.num_params, min(n_param, model.num_params), replace=False):
-            old = theta[i]
-            theta[i] = old + eps
+    def central_differences(vec, grad, n):
+        """(finite difference, analytic) pairs at ``n`` random coordinates of ``vec``."""
+        pairs = []
+        for i in rng.choice(vec.size, min(n, vec.size), replace=False):
+            old = vec[i]
+            vec[i] = old + eps
             lp = loss()
-            theta[i] = old - eps
+            vec[i] = old - eps
             lm = loss()
-            theta[i] = old
-            errs.append(((lp - lm) / (2 * eps), g[i]))
-    xf = x.reshape(-1)
-    for i in rng.choice(xf.size, min(n_input, xf.size), replace=False):
-        old = xf[i]
-        xf[i] = old + eps
-        lp = loss()
-        xf[i] = old - eps
-        lm = loss()
-        xf[i] = old
-        errs.append(((lp - lm) / (2 * eps), dx.reshape(-1)[i]))
+            vec[i] = old
+            pairs.append(((lp - lm) / (2 * eps), grad[i]))
+        return pairs
+
+    errs = central_differences(model.params.flat, g, n_param) if model.num_params else []
+    errs += central_differences(x.reshape(-1), dx.reshape(-1), n_input)
     fd, an = np.array(errs).T
     scale = np.maximum(np.abs(fd).max(), 1e-3)
     np.testing.assert_allclose(an, fd, rtol=0, atol=rtol * scale * 10 + 1e-7)
