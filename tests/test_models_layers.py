@@ -27,6 +27,17 @@ def restore(model, snap):
         model.buffers[k][...] = v
 
 
+def central_difference(vec, i, loss, eps):
+    """``(loss(vec + eps e_i) - loss(vec - eps e_i)) / 2 eps``, restoring ``vec[i]``."""
+    old = vec[i]
+    vec[i] = old + eps
+    lp = loss()
+    vec[i] = old - eps
+    lm = loss()
+    vec[i] = old
+    return (lp - lm) / (2 * eps)
+
+
 def fd_check(model, x, *, training=True, n_param=40, n_input=40, seed=0, eps=1e-6, rtol=1e-6):
     """Compare analytic gradients of L = sum(R * f(x)) with central differences.
 
@@ -48,16 +59,8 @@ def fd_check(model, x, *, training=True, n_param=40, n_input=40, seed=0, eps=1e-
 
     def central_differences(vec, grad, n):
         """(finite difference, analytic) pairs at ``n`` random coordinates of ``vec``."""
-        pairs = []
-        for i in rng.choice(vec.size, min(n, vec.size), replace=False):
-            old = vec[i]
-            vec[i] = old + eps
-            lp = loss()
-            vec[i] = old - eps
-            lm = loss()
-            vec[i] = old
-            pairs.append(((lp - lm) / (2 * eps), grad[i]))
-        return pairs
+        return [(central_difference(vec, i, loss, eps), grad[i])
+                for i in rng.choice(vec.size, min(n, vec.size), replace=False)]
 
     errs = central_differences(model.params.flat, g, n_param) if model.num_params else []
     errs += central_differences(x.reshape(-1), dx.reshape(-1), n_input)
@@ -219,23 +222,12 @@ def test_whole_small_resnet_gradients():
     picks = [m.layout.offsets[n] for n in m.layout.names[::3]]
     picks += list(rng.choice(m.num_params, 30, replace=False))
     for i in picks:
-        old = theta[i]
-        theta[i] = old + eps
-        lp = loss()
-        theta[i] = old - eps
-        lm = loss()
-        theta[i] = old
-        assert g[i] == pytest.approx((lp - lm) / (2 * eps), rel=1e-5, abs=1e-9), \
-            f"param coordinate {i}"
+        assert g[i] == pytest.approx(central_difference(theta, i, loss, eps), rel=1e-5,
+                                     abs=1e-9), f"param coordinate {i}"
     xf = x.reshape(-1)
     for i in rng.choice(xf.size, 20, replace=False):
-        old = xf[i]
-        xf[i] = old + eps
-        lp = loss()
-        xf[i] = old - eps
-        lm = loss()
-        xf[i] = old
-        assert dx.reshape(-1)[i] == pytest.approx((lp - lm) / (2 * eps), rel=1e-5, abs=1e-9)
+        assert dx.reshape(-1)[i] == pytest.approx(central_difference(xf, i, loss, eps),
+                                                  rel=1e-5, abs=1e-9)
 
 
 # --------------------------------------------------------------------------- BatchNorm semantics
