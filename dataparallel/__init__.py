@@ -1,1 +1,11 @@
-"""dataparallel — see DESIGN.md."""
+"""Data-parallel training with pluggable gradient-sync strategies (DESIGN.md convention 4).
+
+``python -m dataparallel train --method NAME``; the strategies register themselves in
+:data:`STRATEGIES` on import: ``ddp`` (dense, bucketed ring or hierarchical all-reduce) and
+``topk`` (per-tensor Top-K with error feedback, all-gather of values and indices).
+"""
+
+from . import ddp, topk  # noqa: F401  (register the strategies)
+from .strategy import (STRATEGIES, NoOptions, StepState, Strategy, SyncContext, register)
+
+__all__ = ["STRATEGIES", "NoOptions", "StepState", "Strategy", "SyncContext", "register"]

@@ -1,0 +1,183 @@
+"""The gradient-sync strategy interface and registry (DESIGN.md convention 4).
+
+Every data-parallel method is a :class:`Strategy`: built once from a :class:`SyncContext` and
+its own frozen options dataclass (plan once: buckets, masks, index sets, sub-communicators), then
+called every step as ``sync(state, buffers) -> synced`` where ``buffers`` is the model's flat
+gradient (:class:`models.FlatTensors`, backward order) holding this rank's local gradient and
+``synced`` is the gradient the optimizer applies (usually ``buffers.flat`` overwritten in place).
+The trainer has no per-method branches: it looks the class up in :data:`STRATEGIES` by the
+``--method`` name.
+
+Adding a method::
+
+    @register
+    class MyStrategy(Strategy):
+        name = "mine"
+        Options = MyOptions          # frozen dataclass; fields become CLI flags
+        def sync(self, state, buffers): ...
+        def step_bytes(self): ...    # closed form of the last sync, from commvol
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
+           "add_options_args", "options_from_args"]
+
+
+@dataclass
+class SyncContext:
+    """What a strategy may use when it plans (built once by the trainer).
+
+    Attributes
+    ----------
+    run : substrate.cli.Run
+        Topology (``run.topo``: world / intra / inter communicators), ledger, clock, backend.
+    model : models.Model
+        The rank's model (``model.layout`` is the flat layout in backward order).
+    opt : models.SGD
+        The optimizer (strategies may add gradient hooks, e.g. masks).
+    train : models.Dataset
+        This rank's shard (for warm-up, pruning scores or profiling).
+    config : object
+        The trainer's frozen configuration (batch size, lr, seed, ...).
+    """
+
+    run: Any
+    model: Any
+    opt: Any
+    train: Any
+    config: Any
+
+    @property
+    def topo(self):
+        return self.run.topo
+
+    @property
+    def xp(self):
+        return self.run.xp
+
+    @property
+    def layout(self):
+        return self.model.layout
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.seed)
+
+
+@dataclass
+class StepState:
+    """Per-step state handed to :meth:`Strategy.sync`."""
+
+    step: int
+    epoch: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A strategy without options of its own."""
+
+
+class Strategy:
+    """Base class of gradient-sync strategies; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, ctx: SyncContext, options) -> None:
+        self.ctx = ctx
+        self.options = options
+        self.run = ctx.run
+        self.topo = ctx.run.topo
+        self.xp = ctx.run.xp
+        self.layout = ctx.model.layout
+        self.M, self.P = self.topo.num_nodes, self.topo.ranks_per_node
+
+    def on_ready(self, name: str) -> None:
+        """Called during backward as soon as tensor ``name``'s gradient is written (backward
+        order), for strategies that start work per tensor.  Default: nothing."""
+
+    def sync(self, state: StepState, buffers):
+        """Turn this rank's local gradient ``buffers`` into the synchronized gradient."""
+        raise NotImplementedError
+
+    def after_step(self, state: StepState) -> None:
+        """Called after the optimizer applied the synchronized gradient (e.g. to re-apply a
+        weight mask or to track a mask's stability).  Default: nothing."""
+
+    def step_bytes(self) -> dict[str, dict]:
+        """Closed-form ``{phase: {"intra": bytes, "inter": bytes}}`` of the last :meth:`sync`
+        (from :mod:`commvol`); the trainer checks it against the ledger."""
+        raise NotImplementedError
+
+    def eval_params(self):
+        """The flat parameter vector to evaluate (default: the model's own)."""
+        return self.ctx.model.params.flat
+
+    def report(self) -> dict:
+        """Strategy-specific summary metrics (e.g. payload ratio, memory)."""
+        return {}
+
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: add ``cls`` to :data:`STRATEGIES` under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if cls.name in STRATEGIES and STRATEGIES[cls.name] is not cls:
+        raise ValueError(f"strategy name {cls.name!r} registered twice")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def add_options_args(parser: argparse.ArgumentParser, options_cls: type, title: str) -> None:
+    """Add one flag per field of the frozen dataclass ``options_cls``.
+
+    Field metadata: ``help`` (text), ``type`` (a callable for optional or union types), and
+    ``flag`` (default ``--field-name``).  A flag another strategy already added is shared (the
+    two fields must mean the same thing and have the same default).
+    """
+    fields = dataclasses.fields(options_cls)
+    if not fields:
+        return
+    existing = {a.dest: a for a in parser._actions}
+    hints = typing.get_type_hints(options_cls)
+    group = parser.add_argument_group(title)
+    for f in fields:
+        if f.name in existing:
+            if existing[f.name].default != f.default:
+                raise ValueError(f"option {_flag(f)} declared with defaults "
+                                 f"{existing[f.name].default!r} and {f.default!r}")
+            continue
+        kw = {"dest": f.name, "default": f.default, "help": f.metadata.get("help", "")}
+        if kw["help"]:
+            kw["help"] += " (default %(default)s)"
+        if hints[f.name] is bool:
+            kw["action"] = "store_false" if f.default else "store_true"
+            flag = _flag(f) if not f.default else "--no-" + _flag(f)[2:]
+        else:
+            kw["type"] = f.metadata.get("type", hints[f.name])
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            flag = _flag(f)
+        group.add_argument(flag, **kw)
+
+
+def options_from_args(options_cls: type, args: argparse.Namespace):
+    """Build the frozen options of a strategy from parsed arguments (its constructor
+    validates)."""
+    return options_cls(**{f.name: getattr(args, f.name)
+                          for f in dataclasses.fields(options_cls) if hasattr(args, f.name)})

@@ -1,0 +1,192 @@
+"""``python -m dataparallel train --method NAME``: one data-parallel trainer for every
+gradient-sync strategy in :data:`dataparallel.strategy.STRATEGIES`.
+
+Every rank trains the same model (same seed) on its own shard of the data; each step it computes
+its local gradient, the strategy turns it into the synchronized gradient (``sync(state, buffers)
+-> synced``), and the optimizer applies it.  Data, shards, model, optimizer and topology are the
+ones ``hsadmm train`` uses, so the systems are compared on equal terms: the default budget of 8
+epochs equals H-SADMM's default of 8 outer iterations of one local epoch.
+
+Per evaluation interval (``--eval-every`` steps, and the last step) ``metrics.jsonl`` holds the
+rank-0 training loss, test accuracy of the synchronized model, the interval's inter/intra-node
+bytes, modeled communication time per phase and the simulated clock.  ``summary.json`` holds
+measured (ledger) and predicted (closed form, :mod:`commvol.dataparallel`) traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from models import SGD, SGDConfig, build_model, iterate_batches, load_dataset, shard
+from models.train import evaluate
+from substrate.cli import add_common_args, start_run
+
+from .strategy import (STRATEGIES, StepState, SyncContext, add_options_args,
+                       options_from_args)
+
+__all__ = ["DPConfig", "build_parser", "train", "main"]
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """Trainer configuration shared by every strategy (frozen; written into ``summary.json``)."""
+
+    method: str = "ddp"
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    epochs: float = 8.0
+    steps: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    eval_every: int = 0
+    target_accuracy: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in STRATEGIES:
+            raise ValueError(f"unknown --method {self.method!r}; valid: {sorted(STRATEGIES)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if not self.epochs > 0:
+            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: once per epoch), got "
+                             f"{self.eval_every}")
+        if not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
+
+    def total_steps(self, shard_size: int) -> int:
+        """``--steps`` or ``ceil(epochs * batches per epoch)``."""
+        if self.steps is not None:
+            return self.steps
+        return max(1, math.ceil(self.epochs * math.ceil(shard_size / self.batch_size)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dataparallel train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = DPConfig()
+    p.add_argument("--method", default=d.method, help=f"one of {sorted(STRATEGIES)}")
+    p.add_argument("--model", default=d.model, help="models/ name: cnn, resnet, mlp")
+    p.add_argument("--dataset", default=d.dataset,
+                   help="digits (embedded), mnist, cifar10, synthetic")
+    p.add_argument("--data-dir", default=None, help="directory of MNIST/CIFAR-10 files")
+    p.add_argument("--epochs", type=float, default=d.epochs, help="passes over each shard")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between test evaluations (0: once per epoch)")
+    p.add_argument("--target-accuracy", type=float, default=d.target_accuracy,
+                   help="accuracy for the simulated time-to-accuracy metric")
+    for name, cls in sorted(STRATEGIES.items()):
+        add_options_args(p, cls.Options, f"--method {name}")
+    add_common_args(p)
+    return p
+
+
+def train(args) -> dict:
+    """Train with the configured strategy; returns the summary (every rank)."""
+    values = {k: getattr(args, k) for k in DPConfig.__dataclass_fields__ if hasattr(args, k)}
+    cfg = DPConfig(**values)
+    cls = STRATEGIES[cfg.method]
+    options = options_from_args(cls.Options, args)
+    run = start_run(args, system="dataparallel", method=cfg.method,
+                    config={**vars(cfg), "options": vars(options) if vars(options) else {}})
+    xp = run.xp
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
+    test = data.test.to(xp)
+    shape, classes = data.train.input_shape, data.train.num_classes
+    model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
+    opt = SGD(model.params, model.grads,
+              SGDConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                        decay_kinds=("conv", "fc")))
+    strategy = cls(SyncContext(run=run, model=model, opt=opt, train=train_shard, config=cfg),
+                   options)
+    eval_model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
+
+    steps_per_epoch = math.ceil(len(train_shard) / cfg.batch_size)
+    total = cfg.total_steps(len(train_shard))
+    eval_every = cfg.eval_every or steps_per_epoch
+    predicted: dict[str, dict] = {}
+    acc = float("nan")
+    time_to_target = None
+    step, epoch, losses = 0, 0, []
+    snap = run.ledger.snapshot()
+    interval = {"intra": 0, "inter": 0}
+    while step < total:
+        for x, y in iterate_batches(train_shard, cfg.batch_size, seed=cfg.seed, rank=run.rank,
+                                    epoch=epoch):
+            with run.clock.compute():
+                loss, _ = model.loss_and_grad(x, y, ready=strategy.on_ready)
+            state = StepState(step=step, epoch=epoch, loss=float(loss))
+            strategy.sync(state, model.grads)
+            with run.clock.compute():
+                opt.step()
+            strategy.after_step(state)
+            for phase, b in strategy.step_bytes().items():  # == measured (tested)
+                e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
+                e["intra_bytes"] += b["intra"]
+                e["inter_bytes"] += b["inter"]
+                interval["intra"] += b["intra"]
+                interval["inter"] += b["inter"]
+            losses.append(float(loss))
+            step += 1
+            if step % eval_every == 0 or step == total:
+                if run.rank == 0:
+                    eval_model.params.flat[...] = strategy.eval_params()
+                    for name, buf in model.buffers.items():
+                        eval_model.buffers[name][...] = buf
+                    _, acc = evaluate(eval_model, test)
+                    if time_to_target is None and acc >= cfg.target_accuracy:
+                        time_to_target = run.clock.sim_s
+                delta = run.ledger.since(snap)
+                snap = run.ledger.snapshot()
+                run.log(step=step, epoch=step / steps_per_epoch, loss=float(np.mean(losses)),
+                        test_accuracy=acc, sim_s=run.clock.sim_s,
+                        compute_s=run.clock.compute_s,
+                        comm_modeled_s=run.clock.comm_modeled_s,
+                        phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
+                        inter_node_bytes=interval["inter"], intra_node_bytes=interval["intra"])
+                losses, interval = [], {"intra": 0, "inter": 0}
+            if step == total:
+                break
+        epoch += 1
+    metrics = {"final_test_accuracy": float(acc), "steps": step,
+               "epochs": step / steps_per_epoch, "target_accuracy": cfg.target_accuracy,
+               "sim_s_to_target": time_to_target, **strategy.report()}
+    pred = {"inter_node_bytes": sum(e["inter_bytes"] for e in predicted.values()),
+            "intra_node_bytes": sum(e["intra_bytes"] for e in predicted.values()),
+            "by_phase": predicted}
+    summary = run.finish(metrics=metrics, predicted=pred)
+    return {**summary, "_rank": run.rank}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataparallel")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", parents=[build_parser()], add_help=False,
+                   help="data-parallel training with one gradient-sync strategy")
+    args = p.parse_args(argv)
+    summary = train(args)
+    if summary["_rank"] == 0:
+        m, t = summary["metrics"], summary["traffic"]
+        print(f"{summary['method']}: test accuracy {m['final_test_accuracy']:.4f} after "
+              f"{m['steps']} steps, inter-node bytes {t['measured']['inter_node_bytes']} "
+              f"(predicted {t['predicted']['inter_node_bytes']}), simulated "
+              f"{summary['timing']['sim_s']:.2f} s")
+    return 0
