@@ -47,3 +47,22 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{out}\n"
                     f"--- stderr ---\n{err}")
     return res
+
+
+def read_summary(out_dir) -> dict:
+    """``summary.json`` of a finished run directory."""
+    import json  # noqa: PLC0415
+
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+def assert_measured_equals_predicted(summary: dict) -> None:
+    """Ledger totals equal the closed-form prediction in total and per phase and link class."""
+    measured, predicted = summary["traffic"]["measured"], summary["traffic"]["predicted"]
+    assert measured["inter_node_bytes"] == predicted["inter_node_bytes"]
+    assert measured["intra_node_bytes"] == predicted["intra_node_bytes"]
+    assert set(measured["by_phase"]) == set(predicted["by_phase"])
+    for phase, want in predicted["by_phase"].items():
+        got = measured["by_phase"][phase]
+        assert (got["intra_bytes"], got["inter_bytes"]) == (want["intra_bytes"],
+                                                            want["inter_bytes"]), phase
