@@ -1,6 +1,11 @@
 """H-SADMM (PruneX): hierarchical structured ADMM on leader/follower communicators.
 
-Landed so far: structured projections (eq. 10), bitwise mask codec for the OR-sync (eq. 14),
-physical shrinkage/recovery plans (eq. 15, §4.4), residual balancing of layer-wise penalties
-(§3.4).  The solver loop (Algorithm 1) builds on these and on ``models/``.
+* :mod:`hsadmm.projection` — structured projections onto filter / channel / shape sets (eq. 10);
+* :mod:`hsadmm.shrink` — bitwise mask codec for the OR-sync (eq. 14), physical shrinkage and
+  recovery plans (eq. 15, §4.4);
+* :mod:`hsadmm.penalty` — residual balancing of layer-wise penalties (§3.4);
+* :mod:`hsadmm.solver` — Algorithm 1 (:class:`~hsadmm.solver.HSADMM`) and flat consensus ADMM,
+  with checkpointable state;
+* :mod:`hsadmm.export` — physically compact export of the trained model and its loader;
+* :mod:`hsadmm.train` — ``python -m hsadmm train`` (``--checkpoint-every`` / ``--resume``).
 """

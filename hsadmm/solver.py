@@ -23,9 +23,20 @@ One outer iteration (:meth:`HSADMM.iterate`):
 
 Flat ADMM ("PruneX (AR)") replaces steps 2–4 by a dense SUM all-reduce of ``theta + u`` over all
 ranks, ``z = Pi_S(rho1 Σ(theta + u) / (lambda + N rho1))``, with no hierarchy and no shrinkage.
+
+Local SGD reads one endless mini-batch stream per rank (epoch after epoch, each shuffled by
+``(seed, rank, epoch)``); an outer iteration continues where the previous one stopped.
+:meth:`_Base.state_dict` / :meth:`_Base.load_state_dict` capture everything an outer iteration
+reads (variables, penalties, masks, freezing state, the stream position ``(epoch, batch)``,
+the SGD momentum and step count, BatchNorm buffers), so a run resumed at an iteration boundary
+continues bit for bit.  ``phase_s`` accumulates the wall seconds of each phase (benchmarks).
 """
 
 from __future__ import annotations
+
+import itertools
+import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -84,31 +95,115 @@ class _Base:
                                  weight_decay=cfg.weight_decay, decay_kinds=("conv", "fc")),
                        hooks=[self.prox])
         self.local_steps = cfg.local_steps_for(len(train_shard))
-        self.epoch = 0
+        self.epoch = 0  # mini-batch stream position: epoch and batches consumed in it
+        self.batch_pos = 0
+        self._stream = None
+        self.phase_s: dict[str, float] = {}
         self._buf = self.xp.empty_like(self.state.theta)
         self._tmp = self.xp.empty_like(self.state.theta)
         self._segment = self.xp.asarray(self.layout.segment_ids())
         self.converged = False
 
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the wall seconds of the enclosed block to ``phase_s[phase]``."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t
+
     # -- phase 1 ---------------------------------------------------------------------------------
+    def _next_batch(self):
+        """Next mini-batch of this rank's endless stream; advances ``(epoch, batch_pos)``."""
+        while True:
+            if self._stream is None:
+                it = iterate_batches(self.train, self.cfg.batch_size, seed=self.cfg.seed,
+                                     rank=self.topo.rank, epoch=self.epoch)
+                # resumed mid-epoch: skip the batches already consumed (once per resume)
+                self._stream = itertools.islice(it, self.batch_pos, None)
+            batch = next(self._stream, None)
+            if batch is not None:
+                self.batch_pos += 1
+                return batch
+            self._stream = None
+            self.epoch += 1
+            self.batch_pos = 0
+
     def local_sgd(self) -> float:
-        """``local_steps`` SGD steps on this rank's shard with the proximal term (eq. 8)."""
+        """``local_steps`` SGD steps on this rank's shard with the proximal term (eq. 8).
+
+        The steps continue this rank's mini-batch stream (epoch ``e`` shuffled by
+        ``(seed, rank, e)``) where the previous outer iteration left it.
+        """
         s = self.state
         self.prox.set_rho(s.rho1)
         self.prox.set_center(s.z_i, s.u)
-        losses, done = [], 0
-        while done < self.local_steps:
-            for x, y in iterate_batches(self.train, self.cfg.batch_size, seed=self.cfg.seed,
-                                        rank=self.topo.rank, epoch=self.epoch):
-                loss, _ = self.model.loss_and_grad(x, y)
-                self.opt.step()
-                losses.append(float(loss))
-                done += 1
-                if done == self.local_steps:
-                    break
-            else:
-                self.epoch += 1
+        losses = []
+        for _ in range(self.local_steps):
+            x, y = self._next_batch()
+            loss, _ = self.model.loss_and_grad(x, y)
+            self.opt.step()
+            losses.append(float(loss))
         return float(np.mean(losses))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Host copies of this rank's complete solver state (for :class:`Checkpointer`).
+
+        Keys: ``theta``, ``u``, ``z_i``, ``v``, ``z`` (flat vectors), ``rho1``, ``rho2`` (per
+        layer), ``epoch`` and ``batch_pos`` (mini-batch stream), ``sgd_step_count`` and
+        ``sgd_momentum`` (when momentum is on), ``converged``, and ``buffer/<name>`` for every
+        model buffer (BatchNorm running statistics).
+        """
+        s, host = self.state, self.run.backend.asnumpy
+        out = {k: np.array(host(getattr(s, k)), copy=True) for k in ("theta", "u", "z_i", "v", "z")}
+        out.update(rho1=s.rho1.copy(), rho2=s.rho2.copy(), epoch=np.int64(self.epoch),
+                   batch_pos=np.int64(self.batch_pos), converged=np.bool_(self.converged))
+        opt = self.opt.state_dict()
+        out["sgd_step_count"] = np.int64(opt["step_count"])
+        if opt["momentum_buffer"] is not None:
+            out["sgd_momentum"] = opt["momentum_buffer"]
+        for name, buf in self.model.buffers.items():
+            out[f"buffer/{name}"] = np.array(host(buf), copy=True)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output in place (views into the model stay valid).
+
+        Raises
+        ------
+        ValueError
+            If a key is missing or an array has the wrong shape (a checkpoint of another model
+            or configuration).
+        """
+        s, xp = self.state, self.xp
+        want = {k: getattr(s, k).shape for k in ("theta", "u", "z_i", "v", "z")}
+        want.update(rho1=s.rho1.shape, rho2=s.rho2.shape)
+        want.update({f"buffer/{n}": b.shape for n, b in self.model.buffers.items()})
+        for key, shape in want.items():
+            if key not in state:
+                raise ValueError(f"checkpoint has no {key!r}; it was not written by this solver "
+                                 "version/model: start a fresh run without --resume")
+            if tuple(np.shape(state[key])) != tuple(shape):
+                raise ValueError(f"checkpoint {key!r} has shape {tuple(np.shape(state[key]))}, "
+                                 f"this model needs {tuple(shape)}: resume with the model and "
+                                 "configuration of the run that wrote it")
+        for k in ("theta", "u", "z_i", "v", "z"):
+            getattr(s, k)[...] = xp.asarray(state[k])
+        s.rho1 = np.array(state["rho1"], dtype=np.float64)
+        s.rho2 = np.array(state["rho2"], dtype=np.float64)
+        self.epoch, self.batch_pos = int(state["epoch"]), int(state["batch_pos"])
+        self._stream = None
+        self.converged = bool(state["converged"])
+        self.opt.load_state_dict({"step_count": int(state["sgd_step_count"]),
+                                  "momentum_buffer": state.get("sgd_momentum")})
+        for name, buf in self.model.buffers.items():
+            buf[...] = xp.asarray(state[f"buffer/{name}"])
+
+    def global_masks(self) -> dict | None:
+        """Global conv masks by weight name, or ``None`` when ``z``'s support defines them."""
+        return None
 
     # -- phase 3 ---------------------------------------------------------------------------------
     def project_into(self, z_tilde, out) -> list:
@@ -200,83 +295,134 @@ class HSADMM(_Base):
         return ShrinkPlan(shapes, masks, dtype=self.state.theta.dtype, xp=self.xp,
                           bucket_bytes=int(self.cfg.bucket_mib * (1 << 20)))
 
+    def state_dict(self) -> dict:
+        """:meth:`_Base.state_dict` plus the packed global masks (eq. 14), ``frozen``,
+        ``stable_iters`` and ``plan_builds``."""
+        out = super().state_dict()
+        out.update(masks=self.codec.pack(self.m_global), frozen=np.bool_(self.frozen),
+                   stable_iters=np.int64(self.stable_iters), plan_builds=np.int64(self.plan_builds))
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output; the shrink plan is rebuilt from the masks."""
+        super().load_state_dict(state)
+        packed = np.asarray(state.get("masks", np.empty(0, np.uint8)), dtype=np.uint8)
+        if packed.shape != (self.codec.nbytes,):
+            raise ValueError(f"checkpoint masks hold {packed.size} bytes, this model needs "
+                             f"{self.codec.nbytes}: resume with the model of the run that wrote it")
+        self.m_global = [self.xp.asarray(m) for m in self.codec.unpack(packed)]
+        self.frozen = bool(state["frozen"])
+        self.stable_iters = int(state["stable_iters"])
+        self.plan = self._make_plan()
+        self.plan_builds = int(state["plan_builds"])
+
+    def global_masks(self) -> dict:
+        """``{conv weight name: global mask}`` (eq. 14), e.g. for :func:`hsadmm.export`."""
+        return {self.names[i]: self.m_global[j] for j, i in enumerate(self.pruned)}
+
     def _views(self, flat):
         return [flat[sl].reshape(self.layout.shape(n)) for sl, n in zip(self.slices, self.names)]
 
     def iterate(self, k: int) -> dict:
-        """One outer iteration; returns the metrics of this iteration (identical on all ranks)."""
+        """One outer iteration; returns the metrics of this iteration (identical on all ranks).
+
+        Wall seconds per phase accumulate in ``phase_s``: ``local_sgd`` (eq. 8),
+        ``intra_allreduce``, ``z_update`` (eq. 9), ``projection`` (eq. 10 or the frozen mask),
+        ``mask_sync`` (pack, OR all-reduce, broadcast, unpack, plan rebuild; eq. 14),
+        ``shrink`` (eq. 15), ``inter_allreduce`` (bucketed average and broadcast of the compact
+        ``z``, eq. 11), ``expand`` (zero-fill recovery, §4.4.3) and ``duals_residuals``
+        (eqs. 12-13, residuals, penalties).
+        """
         run, s, xp, topo = self.run, self.state, self.xp, self.topo
-        clock = run.clock
+        clock, timed = run.clock, self.timed
         cfg = self.cfg
         rho1, rho2 = self.rho_flat(s.rho1), self.rho_flat(s.rho2)
         # Phase 1: local computation
         with clock.compute():
-            loss = self.local_sgd()
+            with timed("local_sgd"):
+                loss = self.local_sgd()
             buf = self._buf
             xp.add(s.theta, s.u, out=buf)
         # Phase 2: intra-node consensus (eq. 9)
-        topo.intra.allreduce(buf, "sum", phase="intra_allreduce")
+        with timed("intra_allreduce"):
+            topo.intra.allreduce(buf, "sum", phase="intra_allreduce")
         with clock.compute():
-            gamma = cfg.weight_decay / self.M + self.P * rho1 + rho2
-            z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
-            self._zi_old[...] = s.z_i
-            self._z_old[...] = s.z
+            with timed("z_update"):
+                gamma = cfg.weight_decay / self.M + self.P * rho1 + rho2
+                z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
+                self._zi_old[...] = s.z_i
+                self._z_old[...] = s.z
             # Phase 3: projection or frozen mask
-            if self.frozen:
-                s.z_i[...] = z_tilde
-                for j, i in enumerate(self.pruned):
-                    w = s.z_i[self.slices[i]].reshape(self.m_global[j].shape)
-                    w *= self.m_global[j]
-                local_masks = None
-            else:
-                local_masks = self.project_into(z_tilde, s.z_i)
+            with timed("projection"):
+                if self.frozen:
+                    s.z_i[...] = z_tilde
+                    for j, i in enumerate(self.pruned):
+                        w = s.z_i[self.slices[i]].reshape(self.m_global[j].shape)
+                        w *= self.m_global[j]
+                    local_masks = None
+                else:
+                    local_masks = self.project_into(z_tilde, s.z_i)
         # Phase 4: mask OR-sync (leaders), broadcast of the global mask to followers
         drift = 0.0
         mask_synced = not self.frozen
         if mask_synced:
-            packed = (self.codec.pack(local_masks) if topo.is_leader
-                      else np.empty(self.codec.nbytes, dtype=np.uint8))
-            if topo.is_leader:
-                topo.inter.allreduce(packed, "bor", phase="mask_sync")
-            topo.intra.bcast(packed, 0, phase="mask_bcast")
-            with clock.compute():
-                new = [xp.asarray(m) for m in self.codec.unpack(packed)]
-                changed = sum(int((a != b).sum()) for a, b in zip(new, self.m_global))
-                drift = changed / max(1, self.codec.nbits)
-                self.m_global = new
-                if changed:
-                    self.plan = self._make_plan()
-                    self.plan_builds += 1
-                self.stable_iters = 0 if changed else self.stable_iters + 1
+            with timed("mask_sync"):
+                drift = self._sync_masks(local_masks)
         plan = self.plan
         with clock.compute():
             xp.add(s.z_i, s.v, out=buf)  # c = z_i + v
+            with timed("shrink"):
+                if topo.is_leader:
+                    plan.shrink(self._views(buf))
+        with timed("inter_allreduce"):
             if topo.is_leader:
-                plan.shrink(self._views(buf))
-        if topo.is_leader:
-            for a, b in plan.buckets:
-                topo.inter.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce")
-        topo.intra.bcast(plan.buffer, 0, phase="bcast_z")
+                for a, b in plan.buckets:
+                    topo.inter.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce")
+            topo.intra.bcast(plan.buffer, 0, phase="bcast_z")
         with clock.compute():
-            plan.expand(plan.buffer, self._views(s.z))
-            s.v += s.z_i
-            s.v -= s.z  # eq. 13
-            # Phase 5: dual update (eq. 12)
-            s.u += s.theta
-            s.u -= s.z_i
-            lead = 1.0 if topo.is_leader else 0.0  # node-level rows: one rank per node
-            sq = self.per_layer_sq
-            res = np.stack([sq(s.theta, s.z_i), sq(s.z_i, self._zi_old),
-                            lead * sq(s.z_i, s.z), lead * sq(s.z, self._z_old),
-                            sq(s.theta), sq(s.u), sq(s.z_i), lead * sq(s.v), lead * sq(s.z)])
-        topo.world.allreduce(res, "sum", phase="residuals")
+            with timed("expand"):
+                plan.expand(plan.buffer, self._views(s.z))
+            with timed("duals_residuals"):
+                s.v += s.z_i
+                s.v -= s.z  # eq. 13
+                # Phase 5: dual update (eq. 12)
+                s.u += s.theta
+                s.u -= s.z_i
+                lead = 1.0 if topo.is_leader else 0.0  # node-level rows: one rank per node
+                sq = self.per_layer_sq
+                res = np.stack([sq(s.theta, s.z_i), sq(s.z_i, self._zi_old),
+                                lead * sq(s.z_i, s.z), lead * sq(s.z, self._z_old),
+                                sq(s.theta), sq(s.u), sq(s.z_i), lead * sq(s.v),
+                                lead * sq(s.z)])
+        with timed("duals_residuals"):
+            topo.world.allreduce(res, "sum", phase="residuals")
         with clock.compute():
-            out = self.penalties_and_stop(res, self.M, self.P)
-            self._maybe_freeze(k)
+            with timed("duals_residuals"):
+                out = self.penalties_and_stop(res, self.M, self.P)
+                self._maybe_freeze(k)
         out.update(loss=loss, mask_drift=drift, mask_synced=mask_synced, frozen=self.frozen,
                    compact_elems=plan.compact_size, dense_elems=plan.dense_size,
                    compact_buckets=[b - a for a, b in plan.buckets])
         return out
+
+    def _sync_masks(self, local_masks) -> float:
+        """Leaders OR-reduce the packed masks (eq. 14) and broadcast them in their node; the
+        shrink plan is rebuilt when the global mask changed.  Returns the mask drift."""
+        topo, xp = self.topo, self.xp
+        packed = (self.codec.pack(local_masks) if topo.is_leader
+                  else np.empty(self.codec.nbytes, dtype=np.uint8))
+        if topo.is_leader:
+            topo.inter.allreduce(packed, "bor", phase="mask_sync")
+        topo.intra.bcast(packed, 0, phase="mask_bcast")
+        with self.run.clock.compute():
+            new = [xp.asarray(m) for m in self.codec.unpack(packed)]
+            changed = sum(int((a != b).sum()) for a, b in zip(new, self.m_global))
+            self.m_global = new
+            if changed:
+                self.plan = self._make_plan()
+                self.plan_builds += 1
+            self.stable_iters = 0 if changed else self.stable_iters + 1
+        return changed / max(1, self.codec.nbits)
 
     def _maybe_freeze(self, k: int) -> None:
         cfg = self.cfg
@@ -312,7 +458,8 @@ class FlatADMM(_Base):
         clock, cfg = run.clock, self.cfg
         rho1 = self.rho_flat(s.rho1)
         with clock.compute():
-            loss = self.local_sgd()
+            with self.timed("local_sgd"):
+                loss = self.local_sgd()
             buf = self._buf
             xp.add(s.theta, s.u, out=buf)
         w.allreduce(buf, "sum", phase="world_allreduce")

@@ -7,20 +7,40 @@ rho1 = 1.5e-3, rho2 = 1.5e-4, lr 1e-3, for ResNets trained many epochs) the prox
 weak for so few local steps and the channel masks oscillate between two supports until frozen.
 ``--paper-defaults`` selects §5.1.5's values (keep 0.5 channel, momentum 0.9 and weight decay
 1e-4 are the paper's in both).
+
+At the end rank 0 writes ``OUT/compact_model.npz`` (:mod:`hsadmm.export`: the consensus model
+with pruned filters and channels physically removed), evaluates it, and records
+``compact_test_accuracy`` (equal to ``final_test_accuracy``), ``compact_conv_params`` and
+``dense_conv_params`` in the summary's metrics and the export's manifest under
+``compact_export``.
+
+Checkpoints: ``--checkpoint-every N`` saves every rank's complete solver state at the end of every
+N-th outer iteration to ``OUT/checkpoints/ckpt-r{rank}-s{iterations done:08d}.npz``
+(:class:`substrate.results.Checkpointer`, newest two kept).  ``--resume`` continues the run in
+``--out`` from the newest iteration every rank has a checkpoint for, up to ``--iters`` iterations
+in total, and produces the same ``z`` as an uninterrupted run (runs resume at iteration boundaries;
+the mini-batch stream position is part of the state).  The earlier lines of ``metrics.jsonl``
+are kept; ``traffic`` and ``timing`` in the summary cover the resumed part only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from models import build_model, load_dataset, shard
 from models.train import evaluate
+from substrate import costmodel as cm
 from substrate.cli import add_common_args, start_run
+from substrate.results import Checkpointer
 
+from .export import export_compact, load_compact_model
 from .projection import keep_count, parse_sparsity
 from .solver import SOLVERS
 
@@ -54,6 +74,8 @@ class HSADMMConfig:
     freeze_iter: int | None = 4
     freeze_patience: int = 3
     bucket_mib: float = 32.0
+    checkpoint_every: int = 0
+    resume: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,6 +95,9 @@ class HSADMMConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
                                  f"{getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
+                             f"{self.checkpoint_every}")
         if self.freeze_iter is not None and self.freeze_iter < 0:
             raise ValueError(f"--freeze-iter must be >= 0 (0: never), got {self.freeze_iter}")
 
@@ -119,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-patience", type=int, default=d.freeze_patience,
                    help="freeze masks after this many iterations without change (0: never)")
     p.add_argument("--bucket-mib", type=float, default=d.bucket_mib)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="checkpoint every rank's solver state after every N-th outer iteration "
+                        "into OUT/checkpoints (default 0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest common checkpoint up to "
+                        "--iters iterations in total")
     p.add_argument("--paper-defaults", action="store_true",
                    help="PruneX §5.1.5 values: lr 1e-3, rho1 1.5e-3, rho2 1.5e-4")
     add_common_args(p)
@@ -149,6 +180,58 @@ def _read_keep_file(path) -> dict:
     return data
 
 
+#: configuration fields a resumed run may change (everything else must match the checkpoint)
+RESUMABLE = ("iters", "checkpoint_every", "resume")
+
+
+def _fingerprint(cfg: HSADMMConfig, run) -> dict:
+    """What a checkpoint must agree on to be resumed: the configuration and the topology."""
+    fp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
+    fp.update(world=run.size, ranks_per_node=run.topo.ranks_per_node)
+    return json.loads(json.dumps(fp))  # tuples -> lists, as they come back from the file
+
+
+def _earlier_metrics(out_dir: Path) -> list[dict]:
+    """Metric lines of the run in ``out_dir``, by iteration (the in-progress file of a run that
+    stopped overrides the published one).  Read before :func:`start_run`, whose writer starts a
+    fresh in-progress file."""
+    lines: dict[int, dict] = {}
+    for name in ("metrics.jsonl", ".metrics.jsonl.part"):
+        path = out_dir / name
+        if not path.is_file():
+            continue
+        for text in path.read_text().splitlines():
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("iteration"), int):
+                lines[rec["iteration"]] = rec
+    return [lines[k] for k in sorted(lines)]
+
+
+def _resume(run, solver, ckpt: Checkpointer, fingerprint: dict) -> int:
+    """Load the newest checkpoint every rank has (collective); returns the iterations done."""
+    latest = np.array([ckpt.latest_step()], dtype=np.int64)
+    run.world.allreduce(latest, "min", phase="resume")
+    step = int(latest[0])
+    if step < 0:
+        raise ValueError(f"--resume: no checkpoint of every rank in {ckpt.dir} (rank {run.rank} "
+                         f"has steps {ckpt.steps()}); run without --resume to start afresh, or "
+                         "pass the --out of a run that used --checkpoint-every N")
+    state = ckpt.load(step)
+    saved = json.loads(str(state.pop("fingerprint", "{}")))
+    diff = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
+    if diff:
+        raise ValueError(f"--resume: the checkpoint in {ckpt.dir} was written with different "
+                         + ", ".join(f"{k}={saved.get(k)!r} (now {fingerprint.get(k)!r})"
+                                     for k in diff)
+                         + f"; resume with the same options (only {', '.join(RESUMABLE)} may "
+                         "change) or start a fresh run without --resume")
+    solver.load_state_dict(state)
+    return step
+
+
 def train(args) -> dict:
     """Run the configured solver; returns the summary (every rank)."""
     fields = HSADMMConfig.__dataclass_fields__
@@ -157,6 +240,10 @@ def train(args) -> dict:
         values.update(PAPER_DEFAULTS)
     cfg = HSADMMConfig(**values)
     overrides = _read_keep_file(cfg.keep_file)
+    earlier = []
+    if cfg.resume:  # same default directory as start_run
+        out = getattr(args, "out", None)
+        earlier = _earlier_metrics(Path(out) if out else Path("results") / f"hsadmm_{cfg.method}")
     run = start_run(args, system="hsadmm", method=cfg.method, config=cfg)
     xp = run.xp
     data = load_dataset(cfg.dataset, cfg.data_dir)
@@ -168,22 +255,51 @@ def train(args) -> dict:
     eval_model = build_model(cfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                              seed=cfg.seed)
     predicted: dict[str, dict] = {}
-    acc = loss = float("nan")
-    for k in range(cfg.iters):
+
+    def add_predicted(phase, b):
+        e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
+        e["intra_bytes"] += b["intra"]
+        e["inter_bytes"] += b["inter"]
+
+    ckpt = Checkpointer(Path(run.out) / "checkpoints", rank=run.rank)
+    fingerprint = _fingerprint(cfg, run)
+    start = 0
+    if cfg.resume:
+        start = _resume(run, solver, ckpt, fingerprint)
+        add_predicted("resume", cm.ring_allreduce_split(1, 8, run.topo.node_of))
+        for rec in earlier:
+            if rec["iteration"] < start:
+                run.writer.log(rec)
+    elif cfg.checkpoint_every and ckpt.steps():
+        raise ValueError(f"{ckpt.dir} holds checkpoints {ckpt.steps()} of an earlier run: pass "
+                         "--resume to continue it, or choose another --out (or delete the "
+                         "directory) to start afresh")
+
+    def load_z():
+        """The consensus model z with this rank's BN statistics, in ``eval_model``."""
+        eval_model.params.flat[...] = solver.state.z
+        for name, buf in model.buffers.items():
+            eval_model.buffers[name][...] = buf
+
+    def evaluate_z():
+        # test accuracy of the consensus model z (rank 0; BN statistics from rank 0's model)
+        if run.rank != 0:
+            return float("nan")
+        load_z()
+        return evaluate(eval_model, test)[1]
+
+    acc = float("nan")
+    loss = next((r["loss"] for r in earlier if r["iteration"] == start - 1), float("nan"))
+    done = start
+    while done < cfg.iters and not solver.converged:
+        k = done
         snap = run.ledger.snapshot()
         out = solver.iterate(k)
         it_bytes = solver.predicted_phase_bytes(out["mask_synced"])  # == measured (tested)
         for phase, b in it_bytes.items():
-            e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
-            e["intra_bytes"] += b["intra"]
-            e["inter_bytes"] += b["inter"]
+            add_predicted(phase, b)
         delta = run.ledger.since(snap)
-        # test accuracy of the consensus model z (rank 0; BN statistics from rank 0's model)
-        if run.rank == 0:
-            eval_model.params.flat[...] = solver.state.z
-            for name, buf in model.buffers.items():
-                eval_model.buffers[name][...] = buf
-            _, acc = evaluate(eval_model, test)
+        acc = evaluate_z()
         loss = out["loss"]
         run.log(iteration=k, loss=loss, test_accuracy=acc,
                 sim_s=run.clock.sim_s, compute_s=run.clock.compute_s,
@@ -194,20 +310,37 @@ def train(args) -> dict:
                 **{key: out[key] for key in (
                     "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
                     "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2", "converged")})
-        if out["converged"]:
-            break
+        done = k + 1
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            ckpt.save({**solver.state_dict(), "fingerprint": json.dumps(fingerprint)}, done)
+    if done == start:  # resumed with nothing left to do: evaluate the loaded z
+        acc = evaluate_z()
     z = solver.state.z
     pruned = getattr(solver, "pruned", [])
     kept = sum(int(xp.count_nonzero(z[solver.slices[i]])) for i in pruned)
     total = sum(int(solver.layout.sizes[solver.names[i]]) for i in pruned)
+    # physically compact export of z (every rank builds it; rank 0 writes and evaluates it)
+    load_z()
+    export = export_compact(eval_model, solver.global_masks())
+    compact_acc = float("nan")
+    if run.rank == 0:
+        path = export.save(Path(run.out) / "compact_model.npz")
+        compact_acc = evaluate(load_compact_model(path, xp=xp), test)[1]
     # test accuracy is evaluated on rank 0, which writes the summary (NaN on other ranks)
     metrics = {"final_test_accuracy": float(acc),
-               "final_loss": loss, "iterations": k + 1,
-               "conv_density": kept / total if total else 1.0}
+               "final_loss": loss, "iterations": done,
+               "conv_density": kept / total if total else 1.0,
+               "compact_test_accuracy": compact_acc,
+               "compact_conv_params": export.compact_conv_params,
+               "dense_conv_params": export.dense_conv_params}
+    if cfg.resume:
+        metrics["resumed_from_iteration"] = start
     pred = {"inter_node_bytes": sum(e["inter_bytes"] for e in predicted.values()),
             "intra_node_bytes": sum(e["intra_bytes"] for e in predicted.values()),
             "by_phase": predicted}
-    summary = run.finish(metrics=metrics, predicted=pred)
+    manifest = {"file": "compact_model.npz",
+                **{k: v for k, v in export.manifest.items() if k != "format"}}
+    summary = run.finish(metrics=metrics, predicted=pred, extra={"compact_export": manifest})
     return {**summary, "_rank": run.rank}
 
 

@@ -1,42 +1,29 @@
-"""H-SADMM under MPI (2 virtual nodes x 2 ranks): serial reference, freezing, traffic, errors."""
+"""H-SADMM under MPI (2 virtual nodes x 2 ranks): serial reference, freezing, traffic, errors,
+compact export, checkpoint/resume."""
 
 import json
 
+import numpy as np
 import pytest
 
-from mpi_helpers import run_mpi
+from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("check", ["one_iteration", "freezing"])
+@pytest.mark.parametrize("check", ["one_iteration", "freezing", "checkpoint"])
 def test_solver_check(check):
     assert f"OK {check}" in run_mpi("hsadmm_checks.py", 4, check, timeout=180).stdout
-
-
-def _summary(path):
-    return json.loads((path / "summary.json").read_text())
-
-
-def _assert_measured_equals_predicted(s):
-    measured, predicted = s["traffic"]["measured"], s["traffic"]["predicted"]
-    assert measured["inter_node_bytes"] == predicted["inter_node_bytes"] > 0
-    assert measured["intra_node_bytes"] == predicted["intra_node_bytes"] > 0
-    for phase, want in predicted["by_phase"].items():
-        got = measured["by_phase"][phase]
-        assert (got["intra_bytes"], got["inter_bytes"]) == (want["intra_bytes"],
-                                                            want["inter_bytes"]), phase
-    assert set(measured["by_phase"]) == set(predicted["by_phase"])
 
 
 def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
     out = tmp_path / "hs"
     run_mpi(None, 4, "train", "--ranks-per-node", 2, "--out", out, module="hsadmm",
             timeout=240)
-    s = _summary(out)
+    s = read_summary(out)
     assert s["metrics"]["final_test_accuracy"] >= 0.90
     assert s["config"]["keep"] == 0.5 and s["config"]["sparsity"] == "channel"
-    _assert_measured_equals_predicted(s)
+    assert_measured_equals_predicted(s)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == s["config"]["iters"]
     # masks are synchronized until the freeze (default: after iteration 4), never after
@@ -44,13 +31,66 @@ def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
     assert all(x["mask_drift"] == 0 for x in lines if not x["mask_synced"])
     # the compact inter-node payload is smaller than the dense one
     assert all(x["compact_elems"] < x["dense_elems"] for x in lines)
+    # the physically compact export evaluates to the masked model's accuracy
+    m = s["metrics"]
+    assert m["compact_test_accuracy"] == m["final_test_accuracy"]
+    assert 0 < m["compact_conv_params"] < m["dense_conv_params"]
+    assert s["compact_export"]["compact_conv_params"] == m["compact_conv_params"]
+    assert (out / "compact_model.npz").is_file()
 
 
 def test_flat_admm_traffic_matches_closed_form(tmp_path):
     out = tmp_path / "flat"
     run_mpi(None, 4, "train", "--method", "flat-admm", "--iters", 2, "--ranks-per-node", 2,
             "--out", out, module="hsadmm", timeout=240)
-    _assert_measured_equals_predicted(_summary(out))
+    assert_measured_equals_predicted(read_summary(out))
+
+
+def _train(out, *args, expect_fail=False, n=4):
+    return run_mpi(None, n, "train", "--ranks-per-node", 2, "--local-steps", 5,
+                   "--out", out, *args, module="hsadmm", timeout=180, expect_fail=expect_fail)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    """4 iterations in one go == 2 iterations, then --resume to 4 (5 local steps per iteration
+    do not divide the 12-batch epoch, so the run resumes mid-epoch)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, "--iters", 4, "--checkpoint-every", 2)
+    _train(b, "--iters", 2, "--checkpoint-every", 2)
+    _train(b, "--iters", 4, "--checkpoint-every", 2, "--resume")
+    for r in range(4):  # every rank's full solver state after iteration 4, bit for bit
+        with np.load(a / "checkpoints" / f"ckpt-r{r}-s00000004.npz") as x, \
+                np.load(b / "checkpoints" / f"ckpt-r{r}-s00000004.npz") as y:
+            assert x.files == y.files
+            assert [k for k in x.files if not np.array_equal(x[k], y[k])] == [], r
+    with np.load(a / "compact_model.npz") as x, np.load(b / "compact_model.npz") as y:
+        assert all(np.array_equal(x[k], y[k]) for k in x.files)
+    la, lb = ([json.loads(t) for t in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (a, b))
+    assert [x["iteration"] for x in lb] == [0, 1, 2, 3]  # earlier lines kept
+    for x, y in zip(la, lb):
+        assert (x["loss"], x["test_accuracy"], x["rho1"]) == (y["loss"], y["test_accuracy"],
+                                                              y["rho1"])
+    sa, sb = read_summary(a), read_summary(b)
+    assert sb["metrics"]["resumed_from_iteration"] == 2
+    assert sb["metrics"]["final_test_accuracy"] == sa["metrics"]["final_test_accuracy"]
+    assert_measured_equals_predicted(sb)
+
+
+def test_resume_without_checkpoint_errors_on_every_rank(tmp_path):
+    res = _train(tmp_path / "x", "--resume", expect_fail=True, n=2)
+    for r in range(2):
+        assert f"spardist: error on rank {r}: ValueError: --resume: no checkpoint" in res.stderr
+    assert str(tmp_path / "x" / "checkpoints") in res.stderr
+    assert not (tmp_path / "x" / "summary.json").exists()
+
+
+def test_fresh_run_refuses_stale_checkpoints(tmp_path):
+    ck = tmp_path / "x" / "checkpoints"
+    ck.mkdir(parents=True)
+    (ck / "ckpt-r0-s00000002.npz").write_bytes(b"")
+    res = _train(tmp_path / "x", "--checkpoint-every", 2, expect_fail=True, n=2)
+    assert "pass --resume to continue it" in res.stderr
 
 
 @pytest.mark.parametrize("args,message", [
@@ -58,6 +98,7 @@ def test_flat_admm_traffic_matches_closed_form(tmp_path):
     (["--keep", "0"], "keep rate must be in (0, 1]"),
     (["--sparsity", "chanel"], "unknown sparsity 'chanel'"),
     (["--method", "admm"], "unknown --method 'admm'"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
 ])
 def test_bad_input_errors_on_every_rank(tmp_path, args, message):
     res = run_mpi(None, 2, "train", *args, "--out", tmp_path / "x", module="hsadmm",
