@@ -1,0 +1,298 @@
+"""PacTrain (paper 002): serial pieces against NumPy references, MPI checks, trainer runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from commvol.dataparallel import ddp_step_bytes
+from commvol.pactrain import (dense_allreduce_bytes, packed_allreduce_bytes, packed_chunks,
+                              pactrain_step_bytes, ternary_bytes)
+from dataparallel.pactrain import (MaskTracker, PacTrainOptions, grasp_score, hessian_vector_fd,
+                                   pack_2bit, prune_mask, save_init, ternarize, ternary_uniforms,
+                                   unpack_2bit)
+from dataparallel.strategy import options_from_args
+from dataparallel.train import build_parser
+from models.params import ParamLayout, ParamSpec
+from mpi_helpers import run_mpi
+
+LAYOUT = ParamLayout([
+    ParamSpec("conv.weight", "conv", (4, 2, 3, 3)),
+    ParamSpec("conv.bias", "bias", (4,)),
+    ParamSpec("bn.weight", "bn", (4,)),
+    ParamSpec("fc.weight", "fc", (5, 7)),
+    ParamSpec("fc.bias", "bias", (5,)),
+])
+
+
+# -- ternary quantizer and 2-bit codes ----------------------------------------------------------
+def test_ternarize_is_unbiased_with_the_seeded_streams():
+    g = np.random.default_rng(0).standard_normal(40).astype(np.float32)
+    g[:3] = 0.0
+    s = float(np.abs(g).max())
+    n = 4000
+    draws = np.stack([ternarize(g, s, ternary_uniforms(11, 2, t, g.size)) for t in range(n)])
+    assert set(np.unique(draws)) <= {-1, 0, 1} and draws.dtype == np.int8
+    est = s * draws.mean(axis=0)
+    sigma = np.sqrt(np.maximum(s * np.abs(g) - g.astype(np.float64) ** 2, 0) / n)
+    assert np.all(np.abs(est - g) <= 5 * sigma + 1e-12)         # E[s·t] = g (eq. 3)
+    assert not draws[:, :3].any()                                # zero stays zero
+    # the entry with |g| = s is always sent
+    top = int(np.argmax(np.abs(g)))
+    assert np.all(draws[:, top] == np.sign(g[top]))
+
+
+def test_ternarize_per_element_scale_and_zero_scale():
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal(30)
+    s = np.repeat([np.abs(g[:10]).max(), np.abs(g[10:]).max(), 0.0], 10)
+    g[20:] = 0.0
+    u = rng.random((20000, 30))
+    est = (s * ternarize(g, s, u)).mean(axis=0)
+    sigma = np.sqrt(np.maximum(s * np.abs(g) - g ** 2, 0) / 20000)
+    assert np.all(np.abs(est - g) <= 5 * sigma + 1e-12)
+    assert not ternarize(g, 0.0, u[0]).any()
+
+
+def test_ternary_streams_are_reproducible_and_distinct():
+    a = ternary_uniforms(5, 1, 7, 100)
+    assert np.array_equal(a, ternary_uniforms(5, 1, 7, 100)) and a.dtype == np.float32
+    assert not np.array_equal(a, ternary_uniforms(5, 2, 7, 100))      # other rank
+    assert not np.array_equal(a, ternary_uniforms(5, 1, 8, 100))      # other step
+    assert not np.array_equal(a, ternary_uniforms(6, 1, 7, 100))      # other run seed
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 7, 8, 9, 1001])
+def test_pack_2bit_round_trip(n):
+    codes = np.random.default_rng(n).integers(-1, 2, n).astype(np.int8)
+    packed = pack_2bit(codes)
+    assert packed.dtype == np.uint8 and packed.shape == (math.ceil(n / 4),)
+    assert np.array_equal(unpack_2bit(packed, n), codes)
+    out = np.empty_like(packed)
+    assert pack_2bit(codes, out=out) is out and np.array_equal(out, packed)
+    rows = np.stack([packed, pack_2bit(-codes)])                  # 2-D: one row per rank
+    assert np.array_equal(unpack_2bit(rows, n), np.stack([codes, -codes]))
+
+
+def test_pack_2bit_layout():
+    # value i at bits 2(i % 4) of byte i // 4; 0 -> 00, +1 -> 01, -1 -> 11
+    packed = pack_2bit(np.array([1, -1, 0, 1, -1], dtype=np.int8))
+    assert packed.tolist() == [0b01_00_11_01, 0b11]
+
+
+# -- mask tracker ---------------------------------------------------------------------------------
+def test_mask_tracker_switches_after_window_and_back_on_change():
+    a = np.array([1, 0, 1, 1], dtype=bool)
+    b = np.array([1, 0, 0, 1], dtype=bool)
+    seq = [a] * 6 + [b] * 5 + [a] * 2
+    t = MaskTracker(3)
+    got = [t.observe(m.copy()) for m in seq]
+    assert got == ([False] * 3 + [True] * 3      # stable after 3 unchanged comparisons
+                   + [False] * 3 + [True] * 2    # change -> dense, then stable again
+                   + [False] * 2)
+    assert t.version == 3
+    t0 = MaskTracker(0)
+    assert [t0.observe(m) for m in (a, a, b)] == [True, True, True]
+    assert t0.version == 2
+    with pytest.raises(ValueError, match="--stable-window must be >= 0"):
+        MaskTracker(-1)
+
+
+# -- pruning --------------------------------------------------------------------------------------
+def test_prune_mask_is_per_layer_on_conv_and_fc_only():
+    rng = np.random.default_rng(3)
+    imp = rng.random(LAYOUT.total)
+    zero = np.zeros(LAYOUT.total, dtype=bool)
+    zero[LAYOUT.offsets["fc.weight"] + 2] = True        # an exact zero goes first
+    m = prune_mask(imp, LAYOUT, 0.3, zero)
+    for name in LAYOUT.names:
+        sl = LAYOUT.slice(name)
+        if LAYOUT.kind(name) in ("bias", "bn"):
+            assert m[sl].all()
+            continue
+        n = sl.stop - sl.start
+        seg_imp = np.where(zero[sl], -np.inf, imp[sl])
+        assert m[sl].sum() == n - math.floor(0.3 * n)
+        assert seg_imp[m[sl]].min() > seg_imp[~m[sl]].max()
+    assert not m[LAYOUT.offsets["fc.weight"] + 2]
+    assert prune_mask(imp, LAYOUT, 0.0).all()
+
+
+def test_hessian_vector_fd_is_exact_on_a_quadratic():
+    rng = np.random.default_rng(4)
+    B = rng.standard_normal((20, 20))
+    A = B + B.T
+    c = rng.standard_normal(20)
+    theta, v = rng.standard_normal(20), rng.standard_normal(20)
+    hv = hessian_vector_fd(lambda th: A @ th + c, theta, v, 1e-2)   # ∇(½θᵀAθ + cᵀθ)
+    assert np.allclose(hv, A @ v, rtol=1e-9, atol=1e-9)
+    assert np.allclose(grasp_score(theta, hv), -theta * (A @ v))     # eq. 4
+    with pytest.raises(ValueError, match="step must be > 0"):
+        hessian_vector_fd(lambda th: th, theta, v, 0.0)
+
+
+# -- options and CLI ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,message", [
+    ({"prune_ratio": 1.0}, r"--prune-ratio must be in \[0, 1\)"),
+    ({"prune_ratio": -0.1}, r"--prune-ratio must be in \[0, 1\)"),
+    ({"stable_window": -1}, "--stable-window must be >= 0"),
+    ({"warmup_steps": -2}, "--warmup-steps must be >= 0"),
+    ({"prune_score": "snip"}, "--prune-score 'snip' unknown"),
+    ({"ternary_scale": "row"}, "--ternary-scale 'row' unknown"),
+    ({"init": "/nonexistent/x.npz"}, "--init /nonexistent/x.npz: no such file"),
+    ({"bucket_mib": 0}, "--bucket-mib must be > 0"),
+])
+def test_bad_options_raise_with_the_flag(kw, message):
+    with pytest.raises(ValueError, match=message):
+        PacTrainOptions(**kw)
+
+
+def test_options_become_cli_flags(tmp_path):
+    init = tmp_path / "w.npz"
+    np.savez(init, params=np.zeros(3))
+    args = build_parser().parse_args([
+        "--method", "pactrain", "--prune-ratio", "0.7", "--prune-score", "grasp",
+        "--stable-window", "2", "--warmup-steps", "3", "--ternary", "--init", str(init)])
+    o = options_from_args(PacTrainOptions, args)
+    assert (o.prune_ratio, o.prune_score, o.stable_window, o.warmup_steps, o.ternary,
+            o.init, o.ternary_scale) == (0.7, "grasp", 2, 3, True, str(init), "tensor")
+    assert options_from_args(PacTrainOptions, build_parser().parse_args([])) == PacTrainOptions()
+
+
+# -- closed forms ---------------------------------------------------------------------------------
+def test_closed_forms():
+    M, P, p = 2, 2, 4
+    assert packed_chunks(10, 4) == [4, 4, 2] and packed_chunks(0, 4) == []
+    K = 1000                                              # p divides K: the canonical forms
+    pk = packed_allreduce_bytes(M=M, P=P, kept=K, bucket_elems=1 << 20)
+    assert pk["intra"] + pk["inter"] == 2 * (p - 1) * 4 * K
+    assert pk["inter"] == M * 2 * (p - 1) * 4 * K // p
+    # chunking does not change the total of a ring all-reduce
+    chunked = packed_allreduce_bytes(M=M, P=P, kept=K, bucket_elems=300)
+    assert chunked["intra"] + chunked["inter"] == 2 * (p - 1) * 4 * K
+    t = ternary_bytes(M=M, P=P, kept=K + 1, scales=5)
+    assert t["ternary_allgather"] == {"intra": (p - M) * (p - 1) * 251,
+                                      "inter": M * (p - 1) * 251}
+    assert sum(t["ternary_scale"].values()) == 2 * (p - 1) * 4 * 5
+    sizes = [650, 37632]
+    dense = pactrain_step_bytes(M=M, P=P, mode="dense", bucket_sizes=sizes, kept=0,
+                                bucket_elems=1)
+    assert dense == {"dense_allreduce": ddp_step_bytes(M=M, P=P,
+                                                       bucket_sizes=sizes)["grad_allreduce"]}
+    assert dense["dense_allreduce"] == dense_allreduce_bytes(M=M, P=P, bucket_sizes=sizes)
+    g = pactrain_step_bytes(M=M, P=P, mode="packed", bucket_sizes=sizes, kept=K,
+                            bucket_elems=1 << 20, grasp_total=400)
+    assert g["grasp_allreduce"]["inter"] == 2 * (M * 2 * (p - 1) * 4 * 400 // p)
+    with pytest.raises(ValueError, match="unknown PacTrain step mode"):
+        pactrain_step_bytes(M=M, P=P, mode="sparse", bucket_sizes=sizes, kept=K,
+                            bucket_elems=1)
+
+
+# -- MPI ------------------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("check", ["packed", "ternary", "grasp"])
+def test_mpi_check(check):
+    assert f"OK {check}" in run_mpi("dp_pactrain_checks.py", 4, check, timeout=180).stdout
+
+
+def _train(tmp_path, name, *args, timeout=240):
+    out = tmp_path / name
+    run_mpi(None, 4, "train", "--ranks-per-node", 2, "--out", out, *args, module="dataparallel",
+            timeout=timeout)
+    return json.loads((out / "summary.json").read_text())
+
+
+def _assert_measured_equals_predicted(s):
+    measured, predicted = s["traffic"]["measured"], s["traffic"]["predicted"]
+    assert measured["inter_node_bytes"] == predicted["inter_node_bytes"] > 0
+    assert measured["intra_node_bytes"] == predicted["intra_node_bytes"] > 0
+    assert set(measured["by_phase"]) == set(predicted["by_phase"])
+    for phase, want in predicted["by_phase"].items():
+        got = measured["by_phase"][phase]
+        assert (got["intra_bytes"], got["inter_bytes"]) == (want["intra_bytes"],
+                                                            want["inter_bytes"]), phase
+
+
+@pytest.mark.mpi
+def test_short_run_bytes_match_closed_form(tmp_path):
+    s = _train(tmp_path, "p", "--method", "pactrain", "--steps", 14, "--warmup-steps", 2,
+               "--stable-window", 3)
+    _assert_measured_equals_predicted(s)
+    m = s["metrics"]
+    assert set(s["traffic"]["measured"]["by_phase"]) == {"dense_allreduce", "packed_allreduce"}
+    assert s["traffic"]["measured"]["by_phase"]["packed_allreduce"]["calls"] == 14 - 5
+    assert (m["prune_step"], m["mask_stable_step"], m["mask_changes"]) == (2, 5, 0)
+    assert m["packed_fraction"] == pytest.approx(9 / 14)
+    assert m["prunable_density"] == 0.5 and m["payload_ratio"] == pytest.approx(m["density"])
+    assert 0.5 < m["density"] < 0.51
+    assert s["config"]["options"]["prune_ratio"] == 0.5
+
+
+@pytest.mark.mpi
+def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
+    s = _train(tmp_path, "t", "--method", "pactrain", "--steps", 8, "--warmup-steps", 1,
+               "--stable-window", 2, "--ternary", "--prune-score", "grasp")
+    _assert_measured_equals_predicted(s)
+    phases = s["traffic"]["measured"]["by_phase"]
+    assert set(phases) == {"dense_allreduce", "grasp_allreduce", "ternary_scale",
+                           "ternary_allgather"}
+    assert phases["grasp_allreduce"]["calls"] == 2 and phases["ternary_allgather"]["calls"] == 5
+    m = s["metrics"]
+    assert (m["prune_step"], m["mask_stable_step"]) == (1, 3)
+    assert m["payload_ratio"] < 0.05 and m["wire_ratio"] < 0.1
+
+
+@pytest.mark.mpi
+def test_init_checkpoint_is_the_starting_point(tmp_path):
+    from models import build_model, load_digits  # noqa: PLC0415
+
+    data = load_digits()
+    model = build_model("cnn", data.train.input_shape, 10, seed=0)
+    sl = model.layout.slice("fc1.weight")
+    n = sl.stop - sl.start
+    model.params.flat[sl.start:sl.start + int(0.8 * n)] = 0.0   # 80 % of fc1 already zero
+    save_init(tmp_path / "w.npz", model)
+    s = _train(tmp_path, "i", "--method", "pactrain", "--steps", 4, "--stable-window", 0,
+               "--init", tmp_path / "w.npz")
+    _assert_measured_equals_predicted(s)
+    m = s["metrics"]
+    layout = model.layout
+    kept = sum(layout.sizes[k] - math.floor(0.5 * layout.sizes[k]) for k in layout.names
+               if layout.kind(k) in ("conv", "fc") and k != "fc1.weight")
+    kept += n - int(0.8 * n) + sum(layout.sizes[k] for k in layout.names
+                                   if layout.kind(k) not in ("conv", "fc"))
+    assert m["kept"] == kept and m["packed_fraction"] == 1.0 and m["mask_stable_step"] == 0
+
+
+@pytest.mark.mpi
+def test_digits_accuracy_close_to_ddp(tmp_path):
+    ddp = _train(tmp_path, "ddp", "--method", "ddp")
+    pac = _train(tmp_path, "pac", "--method", "pactrain")
+    _assert_measured_equals_predicted(pac)
+    a_ddp = ddp["metrics"]["final_test_accuracy"]
+    a_pac = pac["metrics"]["final_test_accuracy"]
+    assert a_pac >= a_ddp - 0.03 and a_pac >= 0.9, (a_pac, a_ddp)
+    # after stabilization the packed all-reduce moves about half of DDP's bytes
+    per_step_ddp = ddp["traffic"]["measured"]["inter_node_bytes"] / ddp["metrics"]["steps"]
+    packed = pac["traffic"]["measured"]["by_phase"]["packed_allreduce"]
+    assert packed["inter_bytes"] / packed["calls"] / per_step_ddp == pytest.approx(
+        pac["metrics"]["inter_wire_ratio"])
+    assert pac["metrics"]["inter_wire_ratio"] < 0.51
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args,message", [
+    (["--prune-ratio", "1.0"], "--prune-ratio must be in [0, 1)"),
+    (["--stable-window", "-1"], "--stable-window must be >= 0"),
+    (["--warmup-steps", "-3"], "--warmup-steps must be >= 0"),
+    (["--init", "/nonexistent/w.npz"], "--init /nonexistent/w.npz: no such file"),
+])
+def test_bad_flags_error_on_every_rank(tmp_path, args, message):
+    res = run_mpi(None, 2, "train", "--method", "pactrain", *args, "--out", tmp_path / "x",
+                  module="dataparallel", timeout=120, expect_fail=True)
+    assert message in res.stderr
+    assert "spardist: error on rank" in res.stderr
+    assert not (tmp_path / "x" / "summary.json").exists()
