@@ -5,7 +5,7 @@
 ``topk`` (per-tensor Top-K with error feedback, all-gather of values and indices).
 """
 
-from . import ddp, pactrain, topk  # noqa: F401  (register the strategies)
+from . import ddp, pactrain, sdp, topk  # noqa: F401  (register the strategies)
 from .strategy import (STRATEGIES, NoOptions, StepState, Strategy, SyncContext, register)
 
 __all__ = ["STRATEGIES", "NoOptions", "StepState", "Strategy", "SyncContext", "register"]

@@ -108,6 +108,16 @@ class Strategy:
         """Turn this rank's local gradient ``buffers`` into the synchronized gradient."""
         raise NotImplementedError
 
+    def total_steps(self, base_steps: int) -> int:
+        """Optimizer steps of the run given the trainer's budget ``base_steps`` (e.g. more
+        steps for FLOP-matched schedules).  Default: ``base_steps``."""
+        return base_steps
+
+    def before_eval(self) -> None:
+        """Collective, on every rank, before rank 0 evaluates :meth:`eval_params` (e.g. to
+        assemble the full model on rank 0; its bytes belong to the step just finished).
+        Default: nothing."""
+
     def after_step(self, state: StepState) -> None:
         """Called after the optimizer applied the synchronized gradient (e.g. to re-apply a
         weight mask or to track a mask's stability).  Default: nothing."""

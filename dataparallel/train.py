@@ -120,7 +120,8 @@ def train(args) -> dict:
     eval_model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
 
     steps_per_epoch = math.ceil(len(train_shard) / cfg.batch_size)
-    total = cfg.total_steps(len(train_shard))
+    budget = cfg.total_steps(len(train_shard))
+    total = strategy.total_steps(budget)
     eval_every = cfg.eval_every or steps_per_epoch
     predicted: dict[str, dict] = {}
     acc = float("nan")
@@ -138,6 +139,10 @@ def train(args) -> dict:
             with run.clock.compute():
                 opt.step()
             strategy.after_step(state)
+            step += 1
+            evaluating = step % eval_every == 0 or step == total
+            if evaluating:
+                strategy.before_eval()
             for phase, b in strategy.step_bytes().items():  # == measured (tested)
                 e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
                 e["intra_bytes"] += b["intra"]
@@ -145,8 +150,7 @@ def train(args) -> dict:
                 interval["intra"] += b["intra"]
                 interval["inter"] += b["inter"]
             losses.append(float(loss))
-            step += 1
-            if step % eval_every == 0 or step == total:
+            if evaluating:
                 if run.rank == 0:
                     eval_model.params.flat[...] = strategy.eval_params()
                     for name, buf in model.buffers.items():
@@ -166,7 +170,7 @@ def train(args) -> dict:
             if step == total:
                 break
         epoch += 1
-    metrics = {"final_test_accuracy": float(acc), "steps": step,
+    metrics = {"final_test_accuracy": float(acc), "steps": step, "budget_steps": budget,
                "epochs": step / steps_per_epoch, "target_accuracy": cfg.target_accuracy,
                "sim_s_to_target": time_to_target, **strategy.report()}
     pred = {"inter_node_bytes": sum(e["inter_bytes"] for e in predicted.values()),

@@ -225,3 +225,18 @@ def bcast_wire_bytes(nbytes: int, nodes: int, ranks_per_node: int) -> dict:
     """
     p = nodes * ranks_per_node
     return {INTRA: (p - nodes) * nbytes, INTER: (nodes - 1) * nbytes}
+
+
+def bcast_split(nbytes: int, nodes, root: int = 0) -> dict:
+    """Exact intra/inter wire bytes of a binomial-tree broadcast of ``nbytes`` from ``root``
+    over ranks on ``nodes`` (node id per rank, in communicator order), for any layout: every
+    tree edge (:func:`binomial_children`) carries ``nbytes``."""
+    nodes = np.asarray(nodes)
+    p = nodes.size
+    out = {INTRA: 0, INTER: 0}
+    for rel in range(p):
+        src = (rel + root) % p
+        for kid in binomial_children(rel, p):
+            dst = (kid + root) % p
+            out[INTRA if nodes[src] == nodes[dst] else INTER] += int(nbytes)
+    return out
