@@ -1,0 +1,35 @@
+"""``python -m commvol {predict,partition-table,scale,report}``: one sub-command per module
+(:mod:`commvol.predict`, :mod:`commvol.partition_table`, :mod:`commvol.scale`,
+:mod:`commvol.report`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import partition_table, predict, report, scale  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(prog="python -m commvol",
+                                description="closed-form communication volumes, the H-SGD "
+                                            "partition table, strong scaling and run reports")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for mod in (predict, partition_table, scale, report):
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    """Parse ``argv`` and run the sub-command (errors are ``ValueError`` naming the flag)."""
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    from substrate.cli import main_guard  # noqa: PLC0415
+
+    sys.exit(main_guard(main)())

@@ -1,0 +1,291 @@
+"""``python -m commvol predict``: per-iteration and total bytes of a system against its baseline.
+
+    python -m commvol predict --system hsadmm --model resnet152 --nodes 16 --gpus-per-node 4 \\
+        --keep 0.5 --sparsity channel --iters 60
+
+Models are the shape-only specs of :mod:`models.specs` (``resnet18``, ``resnet152``,
+``wide_resnet50_2`` alias ``wrn50_2``: CIFAR-10 shapes) or the trainable models of
+:data:`models.MODELS` (``cnn``, ``resnet``, ``mlp``) built for ``--dataset``'s shapes (default
+``digits``, as the trainers), so a prediction from the model name and the topology reproduces a
+run's measured bytes.  The sparse-DNN systems (``hsgd``, ``sgd``) take ``--neurons``/``--layers``.
+
+Units.  An H-SADMM/flat-ADMM **iteration** is one outer ADMM iteration; a data-parallel iteration
+is ``--ddp-steps-per-iter`` optimizer steps (default 1: one synchronization of the whole model per
+iteration, the convention of PruneX Fig. 6b, whose Dense DDP bar is 60 x the dense model =
+13.00 GiB for ResNet-152).  ``wire`` bytes are the ledger's: every byte on every link, summed over
+links of a class.  ``payload`` is what one sender contributes to the main exchange per iteration
+(PruneX Fig. 6a's "message size": a leader's compact buffer; the dense model for DDP).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from models import MODELS, SPECS, build_model, get_spec
+from substrate import costmodel as cm
+from substrate.costmodel import CostModel
+
+from .systems import SYSTEMS, Prediction, get_system
+
+__all__ = ["MODEL_ALIASES", "DATASET_SHAPES", "model_names", "resolve_model", "resolve_spec",
+           "predict", "format_prediction", "add_cost_args", "cost_from_args", "add_parser",
+           "run", "fmt_bytes"]
+
+#: other spellings of the spec names
+MODEL_ALIASES = {"wrn50_2": "wide_resnet50_2", "wrn-50-2": "wide_resnet50_2",
+                 "wideresnet50_2": "wide_resnet50_2", "resnet-18": "resnet18",
+                 "resnet-152": "resnet152"}
+
+#: ``(input_shape, num_classes)`` of the trainers' datasets (checked against
+#: :func:`models.load_dataset` in the tests)
+DATASET_SHAPES = {"digits": ((1, 8, 8), 10), "synthetic": ((1, 8, 8), 10),
+                  "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
+
+
+def model_names() -> list[str]:
+    """Every valid ``--model`` name."""
+    return sorted(set(SPECS) | set(MODEL_ALIASES) | set(MODELS))
+
+
+def resolve_model(name: str, dataset: str = "digits"):
+    """Shape-only :class:`models.ModelSpec` of ``name``.
+
+    Spec names (``resnet18``, ``resnet152``, ``wide_resnet50_2`` and aliases) have CIFAR-10
+    shapes; trainable models (``cnn``, ``resnet``, ``mlp``) are built with their trainer defaults
+    for ``dataset``'s input shape (so the layout is the one a run uses).
+
+    Raises
+    ------
+    ValueError
+        For an unknown model or dataset name (the message lists the valid ones).
+    """
+    canon = MODEL_ALIASES.get(name, name)
+    if canon in SPECS:
+        return get_spec(canon)
+    if name in MODELS:
+        if dataset not in DATASET_SHAPES:
+            raise ValueError(f"unknown --dataset {dataset!r}; valid: {sorted(DATASET_SHAPES)}")
+        shape, classes = DATASET_SHAPES[dataset]
+        return build_model(name, shape, classes).spec()
+    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
+
+
+def resolve_spec(system: str, model: str | None = None, *, dataset: str = "digits",
+                 neurons: int = 1024, layers: int = 12, seed: int = 0):
+    """The spec a system's ``predict`` takes: a model spec, or a RadiX-Net for sparse SGD."""
+    sm = get_system(system)
+    if sm.spec_kind == "radixnet":
+        from .hsgd import RadixNetSpec  # noqa: PLC0415
+
+        return RadixNetSpec(int(neurons), int(layers), seed=int(seed))
+    if model is None:
+        raise ValueError(f"--system {system} needs --model (one of {', '.join(model_names())})")
+    return resolve_model(model, dataset)
+
+
+def predict(system: str, model: str | None = None, *, nodes: int, gpus_per_node: int,
+            dataset: str = "digits", neurons: int = 1024, layers: int = 12, seed: int = 0,
+            cost: CostModel | None = None, spec=None, **options) -> Prediction:
+    """Predict ``system`` on ``model`` (or ``spec``) over ``nodes`` x ``gpus_per_node`` ranks.
+
+    ``options`` are fields of the system's options dataclass (e.g. ``keep=0.5``,
+    ``sparsity="channel"`` for ``hsadmm``; ``density=0.01`` for ``topk``).
+
+    Raises
+    ------
+    ValueError
+        For unknown system/model names or options (the message lists the valid ones).
+    """
+    sm = get_system(system)
+    fields = set(sm.Options.__dataclass_fields__)
+    bad = sorted(set(options) - fields)
+    if bad:
+        raise ValueError(f"--system {system} has no option(s) {bad}; its options are "
+                         f"{sorted(fields)}")
+    if spec is None:
+        spec = resolve_spec(system, model, dataset=dataset, neurons=neurons, layers=layers,
+                            seed=seed)
+    return sm.predict(spec, nodes, gpus_per_node, sm.Options(**options), cost)
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    """``1.23 GiB`` style (binary prefixes, as PruneX's GB figures are)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def _phase_rows(label: str, iters: str, cost) -> list[str]:
+    rows = []
+    for p in sorted(set(cost.phases) | set(cost.messages)):
+        b = cost.phases.get(p, {cm.INTRA: 0, cm.INTER: 0})
+        rows.append(f"| {label} | {iters} | {p} | {b[cm.INTRA]:,} | {b[cm.INTER]:,} | "
+                    f"{cost.messages.get(p, 0):,} | {cost.modeled_s.get(p, 0.0):.6f} |")
+    rows.append(f"| {label} | {iters} | **all** | {cost.intra:,} | {cost.inter:,} | "
+                f"{cost.total_messages:,} | {cost.time_s:.6f} |")
+    return rows
+
+
+def format_prediction(pred: Prediction, iters: int, baseline: Prediction | None = None,
+                      cost: CostModel | None = None) -> str:
+    """Markdown report: per-iteration phases, totals against the baseline, assumptions."""
+    cost = cost or CostModel()
+    preds = [pred] + ([baseline] if baseline is not None else [])
+    d = cost.describe()
+    out = [f"# {pred.system} on {pred.model} ({pred.num_params:,} parameters), {pred.nodes} "
+           f"nodes x {pred.gpus_per_node} ranks = {pred.nodes * pred.gpus_per_node} ranks, "
+           f"{iters} iterations",
+           "",
+           f"cost model: intra {d['intra_gbps']:g} Gbit/s, {d['intra_lat_us']:g} us; inter "
+           f"{d['inter_gbps']:g} Gbit/s, {d['inter_lat_us']:g} us; ring all-reduce, ring "
+           "all-gather, binomial broadcast (a ring that crosses nodes runs at the inter-node "
+           "rate)",
+           "",
+           "## per iteration (wire bytes summed over all links; messages summed over ranks; "
+           "modeled seconds on the busiest rank)",
+           "",
+           "| system | iterations | phase | intra bytes | inter bytes | messages | modeled s |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for p in preds:
+        if p.setup is not None:
+            out += _phase_rows(p.system, "setup (once)", p.setup)
+        for first, last, c in p.schedule(iters):
+            out += _phase_rows(f"{p.system} ({p.unit})",
+                               f"{first}" if first == last else f"{first}-{last}", c)
+    out += ["", f"## totals over {iters} iterations", "",
+            "| system | unit | inter-node | intra-node | inter / iter | inter vs "
+            f"{baseline.system if baseline else 'baseline'} | messages | modeled comm s | "
+            "payload / sender | payload ratio |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base_inter = baseline.total(iters).inter if baseline is not None else None
+    for p in preds:
+        t = p.total(iters)
+        ratio = f"{t.inter / base_inter:.3f}" if base_inter else "-"
+        pay = (f"{t.payload_bytes / t.dense_payload_bytes:.4f}" if t.dense_payload_bytes
+               else "-")
+        out.append(f"| {p.system} | {p.unit} | {fmt_bytes(t.inter)} | {fmt_bytes(t.intra)} | "
+                   f"{fmt_bytes(t.inter / iters)} | {ratio} | {t.total_messages:,} | "
+                   f"{t.time_s:.4f} | {fmt_bytes(t.payload_bytes)} | {pay} |")
+    out += ["", "## assumptions", ""]
+    for p in preds:
+        out += [f"- {p.system}: {n}" for n in p.notes]
+    out += ["- wire bytes: ring all-reduce of n bytes over g ranks puts 2(g-1)/g n on each of "
+            "its g links (node-major world ring: M of the p links cross nodes); binomial "
+            "broadcast: one copy per tree edge",
+            "- payload / sender: bytes one leader (H-SADMM), rank (DDP, Top-K) or processor "
+            "(sparse SGD, average) contributes per iteration, summed over the iterations "
+            "(PruneX Fig. 6 plots this quantity in GiB: 60 x 232.6 MB = 13.00 GiB for dense "
+            "ResNet-152)",
+            "- GiB = 2^30 bytes"]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def add_cost_args(p) -> None:
+    """The cost-model flags of every spardist command (``--intra-bw`` ... ``--inter-lat``), taken
+    from :func:`substrate.cli.add_common_args` so names, units and defaults stay one."""
+    import argparse  # noqa: PLC0415
+
+    from substrate.cli import add_common_args  # noqa: PLC0415
+
+    scratch = add_common_args(argparse.ArgumentParser(add_help=False))
+    group = p.add_argument_group("cost model (alpha-beta per link class)")
+    for action in scratch._actions:
+        if action.dest in _COST_FIELDS:
+            group._add_action(action)
+
+
+_COST_FIELDS = ("intra_bw", "inter_bw", "intra_lat", "inter_lat")
+
+
+def cost_from_args(args) -> CostModel:
+    """:class:`CostModel` from the parsed cost flags (Gbit/s and microseconds)."""
+    from substrate.cli import CommonConfig  # noqa: PLC0415
+
+    return CommonConfig(**{f: getattr(args, f) for f in _COST_FIELDS}).cost_model()
+
+
+def add_system_option_args(p) -> None:
+    """One flag per field of every registered system's options (shared fields share a flag)."""
+    from dataparallel.strategy import add_options_args  # noqa: PLC0415
+
+    for name, sm in sorted(SYSTEMS.items()):
+        add_options_args(p, sm.Options, f"--system {name}")
+
+
+def system_options(system: str, args) -> dict:
+    """The options of ``system`` from parsed arguments, as keyword arguments."""
+    sm = get_system(system)
+    return {f: getattr(args, f) for f in sm.Options.__dataclass_fields__ if hasattr(args, f)}
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="resnet18, resnet152, wide_resnet50_2 (wrn50_2): CIFAR-10 specs; cnn, "
+                        "resnet, mlp: trainable models on --dataset's shapes")
+    p.add_argument("--dataset", default="digits", help=f"one of {sorted(DATASET_SHAPES)} "
+                   "(shapes of the trainable models; default %(default)s)")
+    p.add_argument("--neurons", type=int, default=1024, help="hsgd/sgd: neurons per layer")
+    p.add_argument("--layers", type=int, default=12, help="hsgd/sgd: layers")
+    p.add_argument("--seed", type=int, default=0, help="network / partition seed (hsgd/sgd)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("predict", help="closed-form bytes of one system against its baseline",
+                       description=__doc__, formatter_class=_raw())
+    p.add_argument("--system", required=True, help=f"one of {', '.join(sorted(SYSTEMS))}")
+    add_model_args(p)
+    p.add_argument("--nodes", type=int, default=16, help="nodes M (default %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=4,
+                   help="ranks per node P (default %(default)s)")
+    p.add_argument("--iters", type=int, default=60,
+                   help="iterations (default %(default)s: PruneX §5.1.5's up to 60 outer "
+                        "iterations)")
+    p.add_argument("--baseline", default=None,
+                   help="system to compare with (default: the system's own, dense DDP for the "
+                        "data-parallel family; 'none' for none)")
+    p.add_argument("--out", type=Path, default=None, help="also write the prediction as JSON")
+    add_system_option_args(p)
+    add_cost_args(p)
+    p.set_defaults(func=run)
+
+
+def _raw():
+    import argparse  # noqa: PLC0415
+
+    return argparse.RawDescriptionHelpFormatter
+
+
+def run(args) -> str:
+    """Run ``predict`` from parsed arguments; prints and returns the report."""
+    sm = get_system(args.system)
+    cost = cost_from_args(args)
+    kw = {"dataset": args.dataset, "neurons": args.neurons, "layers": args.layers,
+          "seed": args.seed, "cost": cost}
+    pred = predict(args.system, args.model, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   **kw, **system_options(args.system, args))
+    base_name = sm.baseline if args.baseline is None else (
+        None if args.baseline == "none" else args.baseline)
+    base = None
+    if base_name and base_name != args.system:
+        base = predict(base_name, args.model, nodes=args.nodes,
+                       gpus_per_node=args.gpus_per_node, **kw,
+                       **system_options(base_name, args))
+    text = format_prediction(pred, args.iters, base, cost)
+    print(text)
+    if args.out:
+        doc = {"prediction": pred.as_dict(args.iters),
+               "baseline": base.as_dict(args.iters) if base else None,
+               "cost_model": cost.describe()}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return text

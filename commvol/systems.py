@@ -1,0 +1,700 @@
+"""Registry of per-system communication models: bytes per link class, messages and α–β time.
+
+Every entry of :data:`SYSTEMS` is a :class:`SystemModel` whose ``predict`` has one signature::
+
+    predict(spec, nodes, gpus_per_node, options, cost=None) -> Prediction
+
+``spec`` is a shape-only model (:class:`models.ModelSpec`; :class:`commvol.hsgd.RadixNetSpec` for
+the sparse-DNN systems), ``options`` the system's frozen options dataclass (``SystemModel.Options``;
+its fields become ``python -m commvol predict`` flags) and ``cost`` a
+:class:`substrate.costmodel.CostModel`.  A :class:`Prediction` holds the per-iteration
+``{phase: {"intra": bytes, "inter": bytes}}`` (as stages: H-SADMM synchronizes masks only until
+the freeze), the messages of every phase summed over ranks and the modeled time of every phase on
+its busiest rank — the ledger's conventions, so a run's ``traffic.measured`` and
+``timing.comm_modeled_s`` are reproduced exactly (bytes, messages) and to rounding (time).
+
+The **bytes** come from the very functions the systems use for their ``summary.json``
+``predicted`` blocks (:mod:`commvol.hsadmm`, :mod:`commvol.dataparallel`,
+:mod:`sparse_sgd.traffic` via :mod:`commvol.hsgd`).  Messages and time are derived here from the
+same list of collective calls with :class:`substrate.costmodel.CostModel`.
+
+Adding a system (e.g. ``pactrain``) is one :func:`register` call::
+
+    register(SystemModel("pactrain", predict_pactrain, PacTrainPredictOptions,
+                         description="..."))
+
+Assumptions of the H-SADMM model (printed by ``predict``):
+
+* masks from keep rates on the spec shapes, following eq. 15 literally: ``K_out`` = filters with
+  any kept entry, ``K_in`` = input channels with any kept entry *of the same layer's mask*
+  (:func:`keep_rate_mask`).  Channel sparsity at keep ``k`` keeps all filters and
+  ``keep_count(k, C_in)`` channels; filter sparsity the converse; ``filter+channel`` both.
+  A filter whose output channel the *next* layer prunes is not removed (eq. 15 does not look
+  across layers).  Shape sparsity keeps ``alpha`` kernel columns spread over the live channels
+  first (``K_in = min(live channels, alpha)``, the largest ``K_in`` a shape mask can have).
+* all nodes agree on the masks (the OR of eq. 14 adds nothing).  A real run's OR over nodes can
+  keep more; pass its measured sizes as ``compact_elems`` (``--compact-elems``).
+* masks are synchronized in iterations ``0 .. freeze_iter - 1`` (the trainer's ``--freeze-iter``;
+  the data-dependent ``--freeze-patience`` is not modeled).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from hsadmm.projection import keep_count, parse_sparsity
+from hsadmm.shrink import MaskCodec, ShrinkPlan
+from hsadmm.train import HSADMMConfig
+from substrate import costmodel as cm
+from substrate.costmodel import CostModel
+
+from .dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k, topk_step_bytes)
+from .hsadmm import RESIDUALS_PER_LAYER, flat_admm_iteration_bytes, hsadmm_iteration_bytes
+
+__all__ = ["IterCost", "Prediction", "SystemModel", "SYSTEMS", "register", "get_system",
+           "CallCost", "keep_rate_mask", "hsadmm_plan", "HSADMMPredictOptions",
+           "FlatADMMPredictOptions", "DPPredictOptions", "TopKPredictOptions",
+           "predict_hsadmm", "predict_flat_admm", "predict_ddp", "predict_ddp_hierarchical",
+           "predict_topk", "predict_hsgd", "predict_sgd", "ITEMSIZE"]
+
+#: float32 parameters/gradients, as every trainer of the project builds its models
+ITEMSIZE = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# result types
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IterCost:
+    """Communication of one iteration of a system (all ranks together).
+
+    Attributes
+    ----------
+    phases : dict
+        ``{phase: {"intra": wire bytes, "inter": wire bytes}}`` (phases without bytes omitted).
+    messages : dict
+        ``{phase: messages}`` summed over ranks (a ring all-reduce over ``g`` ranks is
+        ``g · 2 (g-1)``, a binomial broadcast ``g - 1``, a ring all-gather ``g (g-1)``).
+    modeled_s : dict
+        ``{phase: seconds}``: α–β time of the phase's calls on the rank that takes part in all of
+        them (the ledger's maximum over ranks).
+    payload_bytes, dense_payload_bytes : int
+        Bytes one sender contributes to the main exchange (PruneX Fig. 6's "message size": the
+        compact buffer of one leader; the dense model for DDP; ``8K`` for Top-K) and the dense
+        equivalent.
+    """
+
+    phases: dict
+    messages: dict
+    modeled_s: dict
+    payload_bytes: int = 0
+    dense_payload_bytes: int = 0
+
+    @property
+    def intra(self) -> int:
+        return int(sum(v[cm.INTRA] for v in self.phases.values()))
+
+    @property
+    def inter(self) -> int:
+        return int(sum(v[cm.INTER] for v in self.phases.values()))
+
+    @property
+    def total_messages(self) -> int:
+        return int(sum(self.messages.values()))
+
+    @property
+    def time_s(self) -> float:
+        """Modeled communication time of the iteration (the busiest rank: sum of its phases)."""
+        return float(sum(self.modeled_s.values()))
+
+    def times(self, k: int) -> "IterCost":
+        """``k`` repetitions (e.g. ``k`` DDP steps per iteration)."""
+        return IterCost({p: {cm.INTRA: k * v[cm.INTRA], cm.INTER: k * v[cm.INTER]}
+                         for p, v in self.phases.items()},
+                        {p: k * m for p, m in self.messages.items()},
+                        {p: k * t for p, t in self.modeled_s.items()},
+                        k * self.payload_bytes, k * self.dense_payload_bytes)
+
+    @staticmethod
+    def sum(costs) -> "IterCost":
+        """Phase-wise sum of several costs."""
+        phases: dict = {}
+        msgs: dict = {}
+        secs: dict = {}
+        pay = dense = 0
+        for c in costs:
+            for p, v in c.phases.items():
+                e = phases.setdefault(p, {cm.INTRA: 0, cm.INTER: 0})
+                e[cm.INTRA] += v[cm.INTRA]
+                e[cm.INTER] += v[cm.INTER]
+            for p, m in c.messages.items():
+                msgs[p] = msgs.get(p, 0) + m
+            for p, t in c.modeled_s.items():
+                secs[p] = secs.get(p, 0.0) + t
+            pay += c.payload_bytes
+            dense += c.dense_payload_bytes
+        return IterCost(phases, msgs, secs, pay, dense)
+
+    def as_dict(self) -> dict:
+        """JSON-ready view in the ``traffic`` schema (``by_phase`` with bytes/messages/time)."""
+        names = sorted(set(self.phases) | set(self.messages) | set(self.modeled_s))
+        by_phase = {p: {"intra_bytes": int(self.phases.get(p, {}).get(cm.INTRA, 0)),
+                        "inter_bytes": int(self.phases.get(p, {}).get(cm.INTER, 0)),
+                        "messages": int(self.messages.get(p, 0)),
+                        "modeled_s": float(self.modeled_s.get(p, 0.0))} for p in names}
+        return {"inter_node_bytes": self.inter, "intra_node_bytes": self.intra,
+                "messages": self.total_messages, "modeled_s": self.time_s,
+                "payload_bytes": int(self.payload_bytes),
+                "dense_payload_bytes": int(self.dense_payload_bytes), "by_phase": by_phase}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A system's predicted communication, iteration by iteration.
+
+    Attributes
+    ----------
+    system, model : str
+    nodes, gpus_per_node : int
+    unit : str
+        What one iteration is (e.g. ``"iteration"``, ``"1 step"``).
+    stages : tuple of (int or None, IterCost)
+        Consecutive runs of identical iterations; ``None`` (last stage only) means "every
+        remaining iteration".
+    setup : IterCost or None
+        One-off traffic before the first iteration (e.g. the partition broadcast of sparse SGD).
+    notes : tuple of str
+        Assumptions behind the numbers.
+    num_params : int
+        Parameters (or weights) of the model.
+    """
+
+    system: str
+    model: str
+    nodes: int
+    gpus_per_node: int
+    unit: str
+    stages: tuple
+    setup: IterCost | None = None
+    notes: tuple = ()
+    num_params: int = 0
+
+    def schedule(self, iters: int) -> list[tuple[int, int, IterCost]]:
+        """``[(first, last, cost), ...]`` covering iterations ``0 .. iters-1``."""
+        if iters < 1:
+            raise ValueError(f"--iters must be >= 1, got {iters}")
+        out, k = [], 0
+        for count, cost in self.stages:
+            n = iters - k if count is None else min(count, iters - k)
+            if n > 0:
+                out.append((k, k + n - 1, cost))
+                k += n
+            if k >= iters:
+                break
+        if k < iters:  # the last stage repeats
+            out.append((k, iters - 1, self.stages[-1][1]))
+        return out
+
+    def per_iteration(self, k: int) -> IterCost:
+        """Cost of iteration ``k`` (0-based)."""
+        for first, last, cost in self.schedule(k + 1):
+            if first <= k <= last:
+                return cost
+        raise AssertionError("unreachable")
+
+    @property
+    def steady(self) -> IterCost:
+        """Cost of the iterations of the last stage (e.g. after the mask freeze)."""
+        return self.stages[-1][1]
+
+    def total(self, iters: int, setup: bool = True) -> IterCost:
+        """Sum over ``iters`` iterations (plus the one-off setup traffic)."""
+        parts = [cost.times(last - first + 1) for first, last, cost in self.schedule(iters)]
+        if setup and self.setup is not None:
+            parts.append(self.setup)
+        return IterCost.sum(parts)
+
+    def as_dict(self, iters: int) -> dict:
+        return {"system": self.system, "model": self.model, "nodes": self.nodes,
+                "gpus_per_node": self.gpus_per_node, "unit": self.unit,
+                "num_params": self.num_params, "iterations": iters,
+                "schedule": [{"first": a, "last": b, **c.as_dict()}
+                             for a, b, c in self.schedule(iters)],
+                "setup": self.setup.as_dict() if self.setup else None,
+                "total": self.total(iters).as_dict(), "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------------------------------------
+# messages and α–β time of the collective calls (ledger conventions)
+# ---------------------------------------------------------------------------------------------
+class CallCost:
+    """Accumulates messages and modeled time of one iteration's collective calls.
+
+    Groups are ``"world"`` (all ``p = M P`` ranks, node-major), ``"intra"`` (the ``M`` node
+    communicators of ``P`` ranks, calling in parallel) and ``"inter"`` (the ``M`` leaders).
+    A communicator whose ring crosses nodes is timed at the inter-node link (the ledger's
+    ``slowest``), as :mod:`substrate.comm` does.
+    """
+
+    def __init__(self, nodes: int, gpus_per_node: int, cost: CostModel | None = None) -> None:
+        self.M, self.P = int(nodes), int(gpus_per_node)
+        self.cost = cost or CostModel()
+        self.messages: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def _group(self, group: str) -> tuple[int, int, str]:
+        """(size, parallel groups, slowest link)."""
+        M, P = self.M, self.P
+        if group == "world":
+            return M * P, 1, cm.INTER if M > 1 else cm.INTRA
+        if group == "intra":
+            return P, M, cm.INTRA
+        if group == "inter":
+            return M, 1, cm.INTER if M > 1 else cm.INTRA
+        raise ValueError(f"unknown group {group!r}; use world, intra or inter")
+
+    def _add(self, phase: str, messages: int, seconds: float) -> None:
+        self.messages[phase] = self.messages.get(phase, 0) + int(messages)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + float(seconds)
+
+    def allreduce(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
+        """Ring all-reduce of ``nbytes`` per rank: ``2 (g-1)`` messages per rank."""
+        g, n, link = self._group(group)
+        self._add(phase, calls * n * g * 2 * (g - 1),
+                  calls * self.cost.ring_allreduce_time(nbytes, g, link))
+
+    def bcast(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
+        """Binomial broadcast of ``nbytes``: ``g - 1`` messages per group."""
+        g, n, link = self._group(group)
+        self._add(phase, calls * n * (g - 1), calls * self.cost.bcast_time(nbytes, g, link))
+
+    def allgather(self, phase: str, block_bytes: int, group: str, calls: int = 1) -> None:
+        """Ring all-gather of one ``block_bytes`` block per rank: ``g - 1`` messages per rank."""
+        g, n, link = self._group(group)
+        self._add(phase, calls * n * g * (g - 1),
+                  calls * self.cost.ring_allgather_time(g * block_bytes, g, link))
+
+    def add(self, phase: str, messages: int, seconds: float) -> None:
+        """Messages and time computed elsewhere (e.g. point-to-point patterns)."""
+        self._add(phase, messages, seconds)
+
+    def finish(self, phases: dict, payload: int = 0, dense: int = 0) -> IterCost:
+        """Bind the calls to the phase bytes of the closed form."""
+        return IterCost(dict(phases), dict(self.messages), dict(self.seconds), int(payload),
+                        int(dense))
+
+
+def _check_topology(nodes: int, gpus_per_node: int) -> None:
+    for name, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+# ---------------------------------------------------------------------------------------------
+def _dp_units_per_epoch(options, samples_per_rank: float, batch_size: int) -> float:
+    """Data-parallel: one iteration is ``steps_per_iter`` optimizer steps of ``batch_size``."""
+    steps = math.ceil(samples_per_rank / batch_size)
+    return steps / getattr(options, "steps_per_iter", 1)
+
+
+def _admm_units_per_epoch(options, samples_per_rank: float, batch_size: int) -> float:
+    """ADMM: one outer iteration runs ``local_epochs`` epochs of local SGD."""
+    return 1.0 / options.local_epochs
+
+
+@dataclass(frozen=True)
+class SystemModel:
+    """One registered system.
+
+    Attributes
+    ----------
+    name : str
+        ``--system`` name.
+    predict : callable
+        ``predict(spec, nodes, gpus_per_node, options, cost=None) -> Prediction``.
+    Options : type
+        Frozen dataclass of the system's options (defaults = the system's trainer defaults).
+    spec_kind : str
+        ``"model"`` (a :class:`models.ModelSpec`) or ``"radixnet"``
+        (:class:`commvol.hsgd.RadixNetSpec`).
+    description : str
+    units_per_epoch : callable
+        ``(options, samples_per_rank, batch_size) -> iterations per pass over the data`` (used by
+        ``scale``); default: data-parallel steps.
+    baseline : str or None
+        System ``predict`` compares against (dense DDP for the data-parallel family).
+    """
+
+    name: str
+    predict: Callable
+    Options: type
+    spec_kind: str = "model"
+    description: str = ""
+    units_per_epoch: Callable = _dp_units_per_epoch
+    baseline: str | None = "ddp"
+
+
+SYSTEMS: dict[str, SystemModel] = {}
+
+
+def register(model: SystemModel) -> SystemModel:
+    """Add ``model`` to :data:`SYSTEMS` (a name may be registered once)."""
+    if not model.name:
+        raise ValueError("a SystemModel needs a non-empty name")
+    if model.name in SYSTEMS and SYSTEMS[model.name] is not model:
+        raise ValueError(f"system {model.name!r} registered twice")
+    SYSTEMS[model.name] = model
+    return model
+
+
+def get_system(name: str) -> SystemModel:
+    """``SYSTEMS[name]``; ValueError listing the valid names for an unknown one."""
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; valid systems: {', '.join(sorted(SYSTEMS))}")
+    return SYSTEMS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# H-SADMM and flat ADMM (PruneX)
+# ---------------------------------------------------------------------------------------------
+def _int_list(text):
+    """``"1,2 3"`` or a sequence of integers -> tuple of int (``None`` stays ``None``)."""
+    if text is None:
+        return None
+    items = str(text).replace(",", " ").split() if isinstance(text, str) else list(text)
+    try:
+        return tuple(int(x) for x in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"--compact-elems takes comma-separated integers, got {text!r}") from None
+
+
+_HS = HSADMMConfig()
+
+
+@dataclass(frozen=True)
+class HSADMMPredictOptions:
+    """Options of the H-SADMM model (defaults: ``python -m hsadmm train``'s)."""
+
+    keep: float = field(default=_HS.keep, metadata={"help": "H-SADMM keep rate in (0, 1]"})
+    sparsity: str = field(default=_HS.sparsity, metadata={
+        "help": "H-SADMM sparsity: channel, filter, shape or an intersection like filter+channel"})
+    freeze_iter: int = field(default=_HS.freeze_iter, metadata={
+        "help": "H-SADMM: masks are synchronized in iterations < this (0: never frozen)"})
+    bucket_mib: float = field(default=_HS.bucket_mib, metadata={
+        "help": "all-reduce bucket size in MiB"})
+    compact_elems: tuple | None = field(default=None, metadata={
+        "type": _int_list, "help": "H-SADMM: measured compact elements per iteration (a run's "
+        "metrics.jsonl compact_elems, comma-separated) instead of keep-rate masks"})
+    local_epochs: float = field(default=_HS.local_epochs, metadata={
+        "help": "ADMM: local epochs per outer iteration (scale only)"})
+
+    def __post_init__(self) -> None:
+        keep_count(self.keep, 1)
+        parse_sparsity(self.sparsity)
+        if self.freeze_iter is None or self.freeze_iter < 0:
+            raise ValueError(f"--freeze-iter must be >= 0 (0: never), got {self.freeze_iter}")
+        if not self.bucket_mib > 0:
+            raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
+        if not self.local_epochs > 0:
+            raise ValueError(f"--local-epochs must be > 0, got {self.local_epochs}")
+        if self.compact_elems is not None:
+            ce = _int_list(self.compact_elems)
+            if not ce or min(ce) < 1:
+                raise ValueError("--compact-elems needs positive integers, one per iteration")
+            object.__setattr__(self, "compact_elems", ce)
+
+
+@dataclass(frozen=True)
+class FlatADMMPredictOptions:
+    """Options of flat consensus ADMM ("PruneX (AR)")."""
+
+    local_epochs: float = field(default=_HS.local_epochs, metadata={
+        "help": "ADMM: local epochs per outer iteration (scale only)"})
+
+    def __post_init__(self) -> None:
+        if not self.local_epochs > 0:
+            raise ValueError(f"--local-epochs must be > 0, got {self.local_epochs}")
+
+
+def keep_rate_mask(shape, kinds: tuple[str, ...], keep: float) -> np.ndarray:
+    """A structured mask with the support sizes the projection of eq. 10 keeps at ``keep``.
+
+    Which groups are kept does not matter for the volume, only how many: filter ``alpha_out``
+    filters, channel ``alpha_in`` input channels (``keep_count``), applied in the projection order
+    (filter, channel, shape).  Shape sparsity keeps ``alpha_kern`` of the ``C_in K_H K_W`` kernel
+    columns, dealt over the live channels position by position (the widest ``K_in``).
+
+    Parameters
+    ----------
+    shape : tuple
+        ``(C_out, C_in, K_H, K_W)`` (or ``(d_out, d_in)``).
+    kinds : tuple of str
+        From :func:`hsadmm.projection.parse_sparsity`.
+    keep : float
+        Keep rate in ``(0, 1]``.
+    """
+    shape = tuple(int(s) for s in shape)
+    s4 = shape if len(shape) == 4 else (shape[0], shape[1], 1, 1)
+    co, ci, kh, kw = s4
+    mask = np.ones(s4, dtype=bool)
+    if "filter" in kinds:
+        mask[keep_count(keep, co):] = False
+    if "channel" in kinds:
+        mask[:, keep_count(keep, ci):] = False
+    if "shape" in kinds:
+        alpha = keep_count(keep, ci * kh * kw)
+        live = np.flatnonzero(mask.any(axis=(0, 2, 3)))
+        cols = np.zeros((ci, kh * kw), dtype=bool)
+        order = [(c, q) for q in range(kh * kw) for c in live][:alpha]
+        for c, q in order:
+            cols[c, q] = True
+        mask &= cols.reshape(1, ci, kh, kw)
+    return mask.reshape(shape)
+
+
+def hsadmm_plan(spec, keep: float, sparsity: str, bucket_mib: float):
+    """The solver's compact layout for keep-rate masks on ``spec``'s conv weights.
+
+    Returns ``(plan, mask_bytes, num_layers, has_masks)``: the :class:`hsadmm.shrink.ShrinkPlan`
+    (compact buckets exactly as :class:`hsadmm.solver.HSADMM` cuts them), the packed mask bytes
+    ``B`` of :class:`hsadmm.shrink.MaskCodec`, the tensor count ``L`` and whether any layer is
+    pruned.
+    """
+    layout = spec.layout
+    kinds = parse_sparsity(sparsity)
+    names = list(layout.names)
+    shapes = [layout.shape(n) for n in names]
+    pruned = [i for i, n in enumerate(names) if layout.kind(n) == "conv"]  # as the solver
+    masks: list = [None] * len(names)
+    for i in pruned:
+        masks[i] = keep_rate_mask(shapes[i], kinds, keep)
+    plan = ShrinkPlan(shapes, masks, dtype=np.float32, xp=np,
+                      bucket_bytes=int(bucket_mib * (1 << 20)))
+    mask_bytes = MaskCodec([shapes[i] for i in pruned]).nbytes if pruned else 0
+    return plan, mask_bytes, len(names), bool(pruned)
+
+
+def _hsadmm_cost(M, P, T, buckets, mask_bytes, has_masks, synced, L, cost) -> IterCost:
+    phases = hsadmm_iteration_bytes(M=M, P=P, total_params=T, compact_sizes=buckets,
+                                    mask_bytes=mask_bytes if has_masks else 0,
+                                    mask_synced=synced, num_layers=L, itemsize=ITEMSIZE)
+    C = int(sum(buckets))
+    calls = CallCost(M, P, cost)
+    calls.allreduce("intra_allreduce", ITEMSIZE * T, "intra")
+    if synced:  # the solver packs and syncs even an empty mask buffer
+        calls.allreduce("mask_sync", mask_bytes, "inter")
+        calls.bcast("mask_bcast", mask_bytes, "intra")
+    for n in buckets:
+        calls.allreduce("inter_allreduce", ITEMSIZE * n, "inter")
+    calls.bcast("bcast_z", ITEMSIZE * C, "intra")
+    calls.allreduce("residuals", 8 * RESIDUALS_PER_LAYER * L, "world")
+    return calls.finish(phases, ITEMSIZE * C, ITEMSIZE * T)
+
+
+def predict_hsadmm(spec, nodes: int, gpus_per_node: int, options: HSADMMPredictOptions,
+                   cost: CostModel | None = None) -> Prediction:
+    """H-SADMM (PruneX Algorithm 1): bytes from :func:`commvol.hsadmm.hsadmm_iteration_bytes`
+    with the compact sizes of eq. 15 for keep-rate masks (see the module docstring)."""
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    plan, B, L, has_masks = hsadmm_plan(spec, options.keep, options.sparsity, options.bucket_mib)
+    T = spec.layout.total
+    notes = [f"compact [K_out, K_in] slices of eq. 15 from keep-rate masks ({options.sparsity}, "
+             f"keep {options.keep}): compact/dense = {plan.compact_size}/{plan.dense_size} = "
+             f"{plan.ratio:.4f} (conv layers pruned; FC, BN and biases travel whole)",
+             "all nodes agree on the masks (the OR of eq. 14 keeps nothing extra)",
+             f"masks synchronized in iterations 0..{options.freeze_iter - 1}, frozen after"
+             if options.freeze_iter else "masks never frozen (synchronized every iteration)",
+             f"{len(plan.buckets)} compact bucket(s) of <= {options.bucket_mib:g} MiB",
+             "PruneX Fig. 6 reports compact ~ 0.40 of dense at keep 0.5 (ResNet-18/152, "
+             "WRN-50-2); eq. 15 with per-layer masks gives 0.50 at keep 0.5 and 0.40 at keep 0.4 "
+             "(channel), which reproduces Fig. 6b's totals (e.g. ResNet-152 13.00 -> 5.21 GiB)"]
+    buckets = [b - a for a, b in plan.buckets]
+
+    def one(synced, bk=buckets):
+        return _hsadmm_cost(M, P, T, bk, B, has_masks, synced, L, cost)
+
+    if options.compact_elems is not None:
+        nb = len(buckets)
+        stages = []
+        for k, c in enumerate(options.compact_elems):
+            bk = [int(c) // nb + (1 if j < int(c) % nb else 0) for j in range(nb)]
+            synced = not options.freeze_iter or k < options.freeze_iter
+            stages.append((1, one(synced, bk)))
+        notes[0] = (f"compact sizes given per iteration ({len(stages)} values; the last repeats); "
+                    f"split over the keep-rate plan's {nb} bucket(s) for messages and time")
+        notes[1] = "measured compact sizes include the OR of the nodes' masks (eq. 14)"
+    elif options.freeze_iter:
+        stages = [(options.freeze_iter, one(True)), (None, one(False))]
+    else:
+        stages = [(None, one(True))]
+    return Prediction("hsadmm", spec.name, M, P, "iteration", tuple(stages), notes=tuple(notes),
+                      num_params=T)
+
+
+def predict_flat_admm(spec, nodes: int, gpus_per_node: int, options: FlatADMMPredictOptions,
+                      cost: CostModel | None = None) -> Prediction:
+    """Flat consensus ADMM: one dense world all-reduce of ``θ + u`` per iteration
+    (:func:`commvol.hsadmm.flat_admm_iteration_bytes`)."""
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    T, L = spec.layout.total, len(spec.layout)
+    phases = flat_admm_iteration_bytes(M=M, P=P, total_params=T, num_layers=L,
+                                       itemsize=ITEMSIZE)
+    calls = CallCost(M, P, cost)
+    calls.allreduce("world_allreduce", ITEMSIZE * T, "world")
+    calls.allreduce("residuals", 8 * RESIDUALS_PER_LAYER * L, "world")
+    it = calls.finish(phases, ITEMSIZE * T, ITEMSIZE * T)
+    return Prediction("flat-admm", spec.name, M, P, "iteration", ((None, it),),
+                      notes=("dense world all-reduce of theta+u, no hierarchy, no shrinkage",),
+                      num_params=T)
+
+
+# ---------------------------------------------------------------------------------------------
+# data parallel: DDP (ring / hierarchical), Top-K
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DPPredictOptions:
+    """Options of the dense DDP models (defaults: ``python -m dataparallel train``'s)."""
+
+    bucket_mib: float = field(default=32.0, metadata={"help": "all-reduce bucket size in MiB"})
+    steps_per_iter: int = field(default=1, metadata={
+        "flag": "--ddp-steps-per-iter",
+        "help": "data-parallel optimizer steps per iteration: 1 = one synchronization of the "
+                "model per iteration (PruneX Fig. 6b's Dense DDP), or the steps of the local "
+                "epochs of one ADMM iteration (ceil(samples per rank / batch) x local epochs)"})
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mib > 0:
+            raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
+        if not isinstance(self.steps_per_iter, (int, np.integer)) or self.steps_per_iter < 1:
+            raise ValueError(f"--ddp-steps-per-iter must be an integer >= 1, got "
+                             f"{self.steps_per_iter}")
+
+
+@dataclass(frozen=True)
+class TopKPredictOptions(DPPredictOptions):
+    """Options of the Top-K model (default density: ``dataparallel``'s 1 %)."""
+
+    density: float = field(default=0.01, metadata={
+        "help": "Top-K: fraction of each tensor's entries sent per step"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.density <= 1:
+            raise ValueError(f"--density must be in (0, 1] (e.g. 0.01 for 1 %), got "
+                             f"{self.density}")
+
+
+def _unit(steps: int) -> str:
+    return f"{steps} step" + ("s" if steps > 1 else "")
+
+
+def _ddp_buckets(spec, bucket_mib: float) -> list[int]:
+    from dataparallel.ddp import flat_buckets  # noqa: PLC0415 (dataparallel imports commvol)
+
+    return [b - a for a, b in flat_buckets(spec.layout, int(bucket_mib * (1 << 20)), ITEMSIZE)]
+
+
+def _predict_ddp(spec, nodes, gpus_per_node, options, cost, hierarchical: bool) -> Prediction:
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    buckets = _ddp_buckets(spec, options.bucket_mib)
+    T = spec.layout.total
+    calls = CallCost(M, P, cost)
+    if hierarchical:
+        phases = hierarchical_step_bytes(M=M, P=P, bucket_sizes=buckets, itemsize=ITEMSIZE)
+        for n in buckets:
+            calls.allreduce("intra_allreduce", ITEMSIZE * n, "intra")
+            calls.allreduce("inter_allreduce", ITEMSIZE * n, "inter")
+            calls.bcast("intra_bcast", ITEMSIZE * n, "intra")
+        name = "ddp-hierarchical"
+        how = "per bucket: SUM ring all-reduce in each node, leaders' ring, binomial bcast"
+    else:
+        phases = ddp_step_bytes(M=M, P=P, bucket_sizes=buckets, itemsize=ITEMSIZE)
+        for n in buckets:
+            calls.allreduce("grad_allreduce", ITEMSIZE * n, "world")
+        name = "ddp"
+        how = "per bucket: one ring all-reduce over all ranks (node-major)"
+    step = calls.finish(phases, ITEMSIZE * T, ITEMSIZE * T)
+    s = options.steps_per_iter
+    notes = (f"{len(buckets)} gradient bucket(s) of <= {options.bucket_mib:g} MiB; {how}",
+             f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
+    return Prediction(name, spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
+                      num_params=T)
+
+
+def predict_ddp(spec, nodes, gpus_per_node, options: DPPredictOptions, cost=None) -> Prediction:
+    """Dense DDP with a ring all-reduce per bucket (:func:`commvol.dataparallel.ddp_step_bytes`)."""
+    return _predict_ddp(spec, nodes, gpus_per_node, options, cost, hierarchical=False)
+
+
+def predict_ddp_hierarchical(spec, nodes, gpus_per_node, options: DPPredictOptions,
+                             cost=None) -> Prediction:
+    """DDP with the two-level all-reduce (:func:`commvol.dataparallel.hierarchical_step_bytes`)."""
+    return _predict_ddp(spec, nodes, gpus_per_node, options, cost, hierarchical=True)
+
+
+def predict_topk(spec, nodes, gpus_per_node, options: TopKPredictOptions,
+                 cost=None) -> Prediction:
+    """Top-K: ring all-gather of ``K`` values + indices (:func:`commvol.dataparallel.topk_k`,
+    :func:`commvol.dataparallel.topk_step_bytes`)."""
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    layout = spec.layout
+    K = int(sum(topk_k([layout.sizes[n] for n in layout.names], options.density)))
+    phases = topk_step_bytes(M=M, P=P, k_total=K)
+    calls = CallCost(M, P, cost)
+    calls.allgather("topk_allgather", 8 * K, "world")
+    step = calls.finish(phases, 8 * K, ITEMSIZE * layout.total)
+    s = options.steps_per_iter
+    notes = (f"K = sum_l max(1, ceil({options.density:g} n_l)) = {K} of {layout.total} "
+             f"(float32 value + int32 index each: payload ratio {2 * K / layout.total:.4f})",
+             f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
+    return Prediction("topk", spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
+                      num_params=layout.total)
+
+
+register(SystemModel("hsadmm", predict_hsadmm, HSADMMPredictOptions,
+                     description="PruneX H-SADMM: intra all-reduce, mask OR-sync, compact "
+                                 "inter-node all-reduce, bcast",
+                     units_per_epoch=_admm_units_per_epoch))
+register(SystemModel("flat-admm", predict_flat_admm, FlatADMMPredictOptions,
+                     description="flat consensus ADMM (PruneX (AR)): dense world all-reduce",
+                     units_per_epoch=_admm_units_per_epoch))
+register(SystemModel("ddp", predict_ddp, DPPredictOptions,
+                     description="dense DDP, ring all-reduce per bucket"))
+register(SystemModel("ddp-hierarchical", predict_ddp_hierarchical, DPPredictOptions,
+                     description="dense DDP, two-level all-reduce per bucket"))
+register(SystemModel("topk", predict_topk, TopKPredictOptions,
+                     description="Top-K (DGC) gradient sparsification, all-gather"))
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse SGD on RadiX-Nets (H-SGD paper): hypergraph (H-SGD) vs random (SGD) row partitions
+# ---------------------------------------------------------------------------------------------
+from . import hsgd as _hsgd  # noqa: E402  (hsgd imports the result types above lazily)
+
+
+def predict_hsgd(spec, nodes, gpus_per_node, options, cost=None) -> Prediction:
+    """H-SGD: SpFF/SpBP under the multi-phase hypergraph partition (Mt-KaHyPar)."""
+    _check_topology(nodes, gpus_per_node)
+    return _hsgd.predict_partitioned(spec, nodes, gpus_per_node, options, cost, "hypergraph")
+
+
+def predict_sgd(spec, nodes, gpus_per_node, options, cost=None) -> Prediction:
+    """SGD: SpFF/SpBP under the uniformly random row partition."""
+    _check_topology(nodes, gpus_per_node)
+    return _hsgd.predict_partitioned(spec, nodes, gpus_per_node, options, cost, "random")
+
+
+register(SystemModel("hsgd", predict_hsgd, _hsgd.HSGDPredictOptions, spec_kind="radixnet",
+                     description="H-SGD: SpFF/SpBP, hypergraph row partition", baseline="sgd"))
+register(SystemModel("sgd", predict_sgd, _hsgd.HSGDPredictOptions, spec_kind="radixnet",
+                     description="SGD: SpFF/SpBP, random row partition", baseline=None))
