@@ -26,7 +26,7 @@ from pathlib import Path
 __all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB"]
 
 #: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).
-DEFAULT_JOB = ["-n", "4", "--ranks-per-node", "2", "substrate.probe"]
+DEFAULT_JOB = ["-n", "4", "--ranks-per-node", "2", "commvol.compare"]
 DEFAULT_NP = 4
 
 

@@ -90,3 +90,21 @@ def test_report_of_the_runs(runs, tmp_path):
     assert {p.name for p in paths} == {"payload.png", "accuracy_vs_bytes.png",
                                        "comm_breakdown.png", "residuals.png"}
     assert all(p.stat().st_size > 5000 for p in paths)
+
+
+def test_headline_comparison(tmp_path):
+    """The default job (``./run_mpi.sh`` = ``commvol.compare`` on 2 virtual nodes x 2): every
+    system runs with its defaults and appears in one table with measured = predicted."""
+    from commvol.compare import SYSTEM_RUNS  # noqa: PLC0415
+    from substrate.launch import DEFAULT_JOB  # noqa: PLC0415
+
+    assert DEFAULT_JOB[-1] == "commvol.compare"
+    res = run_mpi(None, 4, "--ranks-per-node", 2, "--out", tmp_path, module="commvol.compare",
+                  timeout=300)
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+            for ln in res.stdout.splitlines() if ln.startswith("| ") and "---" not in ln}
+    rows.pop("method")
+    assert set(rows) == set(SYSTEM_RUNS)
+    assert all(r[-1] == "yes" for r in rows.values())
+    for method in SYSTEM_RUNS:
+        assert read_summary(tmp_path / method)["metrics"]["final_test_accuracy"] >= 0.85, method
