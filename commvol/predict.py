@@ -90,7 +90,8 @@ def predict(system: str, model: str | None = None, *, nodes: int, gpus_per_node:
     """Predict ``system`` on ``model`` (or ``spec``) over ``nodes`` x ``gpus_per_node`` ranks.
 
     ``options`` are fields of the system's options dataclass (e.g. ``keep=0.5``,
-    ``sparsity="channel"`` for ``hsadmm``; ``density=0.01`` for ``topk``).
+    ``sparsity="channel"`` for ``hsadmm``; ``density=0.01`` for ``topk``).  ``seed`` is also
+    the run seed of a system whose options have one (SDP's block order).
 
     Raises
     ------
@@ -103,6 +104,8 @@ def predict(system: str, model: str | None = None, *, nodes: int, gpus_per_node:
     if bad:
         raise ValueError(f"--system {system} has no option(s) {bad}; its options are "
                          f"{sorted(fields)}")
+    if "seed" in fields:
+        options = {"seed": seed, **options}
     if spec is None:
         spec = resolve_spec(system, model, dataset=dataset, neurons=neurons, layers=layers,
                             seed=seed)
@@ -228,6 +231,11 @@ def system_options(system: str, args) -> dict:
     return {f: getattr(args, f) for f in sm.Options.__dataclass_fields__ if hasattr(args, f)}
 
 
+def _options_beside(kw: dict, system: str, args) -> dict:
+    """:func:`system_options` less those ``predict`` takes itself (``seed``: one flag)."""
+    return {k: v for k, v in system_options(system, args).items() if k not in kw}
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", default=None,
                    help="resnet18, resnet152, wide_resnet50_2 (wrn50_2): CIFAR-10 specs; cnn, "
@@ -236,7 +244,8 @@ def add_model_args(p) -> None:
                    "(shapes of the trainable models; default %(default)s)")
     p.add_argument("--neurons", type=int, default=1024, help="hsgd/sgd: neurons per layer")
     p.add_argument("--layers", type=int, default=12, help="hsgd/sgd: layers")
-    p.add_argument("--seed", type=int, default=0, help="network / partition seed (hsgd/sgd)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="network / partition seed (hsgd/sgd), run seed (sdp: block order)")
 
 
 def add_parser(sub) -> None:
@@ -272,14 +281,14 @@ def run(args) -> str:
     kw = {"dataset": args.dataset, "neurons": args.neurons, "layers": args.layers,
           "seed": args.seed, "cost": cost}
     pred = predict(args.system, args.model, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                   **kw, **system_options(args.system, args))
+                   **kw, **_options_beside(kw, args.system, args))
     base_name = sm.baseline if args.baseline is None else (
         None if args.baseline == "none" else args.baseline)
     base = None
     if base_name and base_name != args.system:
         base = predict(base_name, args.model, nodes=args.nodes,
                        gpus_per_node=args.gpus_per_node, **kw,
-                       **system_options(base_name, args))
+                       **_options_beside(kw, base_name, args))
     text = format_prediction(pred, args.iters, base, cost)
     print(text)
     if args.out:

@@ -18,10 +18,27 @@ The **bytes** come from the very functions the systems use for their ``summary.j
 :mod:`sparse_sgd.traffic` via :mod:`commvol.hsgd`).  Messages and time are derived here from the
 same list of collective calls with :class:`substrate.costmodel.CostModel`.
 
-Adding a system (e.g. ``pactrain``) is one :func:`register` call::
+Adding a system is one :func:`register` call::
 
     register(SystemModel("pactrain", predict_pactrain, PacTrainPredictOptions,
                          description="..."))
+
+Assumptions of the PacTrain model (printed by ``predict``):
+
+* ``K`` from ``--prune-ratio`` as the strategy prunes, per layer: every conv/fc weight tensor
+  keeps ``n - floor(r n)`` entries, biases and BatchNorm parameters are dense
+  (:func:`pactrain_kept`);
+* the mask is stable from the pruning on (pruned weights stay exactly zero), so steps
+  ``0 .. warmup_steps + stable_window - 1`` are dense and packing starts at step
+  ``warmup_steps + stable_window`` (the run's ``mask_stable_step``); GraSP's two all-reduces of
+  ``T`` belong to step ``max(warmup_steps - 1, 0)``.
+
+Assumptions of the SDP model: the masks of :func:`dataparallel.sdp.plan_masks` for the model
+named by the spec (built from its name: the masks follow its layers) and the run seed
+(``--seed``, block order); the sub-communicators the strategy builds; the model is assembled on
+rank 0 at the trainer's evaluations only (``--eval-every`` steps and the last step;
+:attr:`Prediction.evaluation`), and since ranks sit in different holder sets the modeled time is
+the busiest rank's over all phases (:attr:`IterCost.rank_s`).
 
 Assumptions of the H-SADMM model (printed by ``predict``):
 
@@ -52,14 +69,17 @@ from hsadmm.train import HSADMMConfig
 from substrate import costmodel as cm
 from substrate.costmodel import CostModel
 
-from .dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k, topk_step_bytes)
+from .dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k, topk_step_bytes,
+                           world_ring_bytes)
 from .hsadmm import RESIDUALS_PER_LAYER, flat_admm_iteration_bytes, hsadmm_iteration_bytes
 
 __all__ = ["IterCost", "Prediction", "SystemModel", "SYSTEMS", "register", "get_system",
            "CallCost", "keep_rate_mask", "hsadmm_plan", "HSADMMPredictOptions",
            "FlatADMMPredictOptions", "DPPredictOptions", "TopKPredictOptions",
            "predict_hsadmm", "predict_flat_admm", "predict_ddp", "predict_ddp_hierarchical",
-           "predict_topk", "predict_hsgd", "predict_sgd", "ITEMSIZE"]
+           "predict_topk", "PacTrainPredictOptions", "pactrain_kept", "predict_pactrain",
+           "SDPPredictOptions", "sdp_plan", "predict_sdp", "predict_hsgd", "predict_sgd",
+           "ITEMSIZE"]
 
 #: float32 parameters/gradients, as every trainer of the project builds its models
 ITEMSIZE = 4
@@ -86,6 +106,12 @@ class IterCost:
         Bytes one sender contributes to the main exchange (PruneX Fig. 6's "message size": the
         compact buffer of one leader; the dense model for DDP; ``8K`` for Top-K) and the dense
         equivalent.
+    rank_s : tuple of float
+        Modeled seconds of every world rank (all phases), when the calls involve different
+        ranks (SDP's holder groups): the run's ``timing.comm_modeled_s`` is the maximum over
+        ranks of their sums, which differs from the sum of the phases' maxima when no rank takes
+        part in every call.  Empty: some rank takes part in all calls (:attr:`time_s` is then the
+        sum of the phases).
     """
 
     phases: dict
@@ -93,6 +119,7 @@ class IterCost:
     modeled_s: dict
     payload_bytes: int = 0
     dense_payload_bytes: int = 0
+    rank_s: tuple = ()
 
     @property
     def intra(self) -> int:
@@ -108,7 +135,10 @@ class IterCost:
 
     @property
     def time_s(self) -> float:
-        """Modeled communication time of the iteration (the busiest rank: sum of its phases)."""
+        """Modeled communication time of the iteration on the busiest rank: the maximum of
+        :attr:`rank_s` when tracked, else the sum of the phases."""
+        if self.rank_s:
+            return float(max(self.rank_s))
         return float(sum(self.modeled_s.values()))
 
     def times(self, k: int) -> "IterCost":
@@ -117,15 +147,21 @@ class IterCost:
                          for p, v in self.phases.items()},
                         {p: k * m for p, m in self.messages.items()},
                         {p: k * t for p, t in self.modeled_s.items()},
-                        k * self.payload_bytes, k * self.dense_payload_bytes)
+                        k * self.payload_bytes, k * self.dense_payload_bytes,
+                        tuple(k * t for t in self.rank_s))
 
     @staticmethod
     def sum(costs) -> "IterCost":
-        """Phase-wise sum of several costs."""
+        """Phase-wise sum of several costs (:attr:`rank_s` rank-wise when every cost tracks it
+        for the same ranks, else dropped)."""
+        costs = list(costs)
         phases: dict = {}
         msgs: dict = {}
         secs: dict = {}
         pay = dense = 0
+        widths = {len(c.rank_s) for c in costs}
+        rank_s = (tuple(float(sum(t)) for t in zip(*(c.rank_s for c in costs)))
+                  if len(widths) == 1 and 0 not in widths else ())
         for c in costs:
             for p, v in c.phases.items():
                 e = phases.setdefault(p, {cm.INTRA: 0, cm.INTER: 0})
@@ -137,7 +173,7 @@ class IterCost:
                 secs[p] = secs.get(p, 0.0) + t
             pay += c.payload_bytes
             dense += c.dense_payload_bytes
-        return IterCost(phases, msgs, secs, pay, dense)
+        return IterCost(phases, msgs, secs, pay, dense, rank_s)
 
     def as_dict(self) -> dict:
         """JSON-ready view in the ``traffic`` schema (``by_phase`` with bytes/messages/time)."""
@@ -171,6 +207,13 @@ class Prediction:
         Assumptions behind the numbers.
     num_params : int
         Parameters (or weights) of the model.
+    evaluation : IterCost or None
+        Traffic of one evaluation of the data-parallel trainer (SDP assembles the model on
+        rank 0), added to the iterations :meth:`eval_iterations` names; not part of
+        :attr:`steady` (training traffic only).
+    eval_every : int
+        The trainer's rule (``dataparallel.train``): it evaluates after every
+        ``eval_every``-th step and after the last one; 0: after the last one only.
     """
 
     system: str
@@ -182,9 +225,51 @@ class Prediction:
     setup: IterCost | None = None
     notes: tuple = ()
     num_params: int = 0
+    evaluation: IterCost | None = None
+    eval_every: int = 0
+
+    def eval_iterations(self, iters: int) -> list[int]:
+        """0-based iterations of a run of ``iters`` after which the trainer evaluates:
+        ``k`` with ``(k + 1) % eval_every == 0``, and ``iters - 1`` (none without
+        :attr:`evaluation`)."""
+        if self.evaluation is None or iters < 1:
+            return []
+        ks = list(range(self.eval_every - 1, iters, self.eval_every)) if self.eval_every else []
+        if not ks or ks[-1] != iters - 1:
+            ks.append(iters - 1)
+        return ks
 
     def schedule(self, iters: int) -> list[tuple[int, int, IterCost]]:
-        """``[(first, last, cost), ...]`` covering iterations ``0 .. iters-1``."""
+        """``[(first, last, cost), ...]`` covering iterations ``0 .. iters-1`` (an iteration
+        followed by an evaluation carries :attr:`evaluation` too)."""
+        ranges = self._stage_ranges(iters)
+        evals = self.eval_iterations(iters)
+        if not evals:
+            return ranges
+        out: list = []
+
+        def push(a, b, c):
+            if out and out[-1][2] is c and out[-1][1] == a - 1:
+                out[-1] = (out[-1][0], b, c)
+            else:
+                out.append((a, b, c))
+
+        i = 0
+        for first, last, cost in ranges:
+            with_eval = IterCost.sum([cost, self.evaluation])
+            k = first
+            while i < len(evals) and evals[i] <= last:
+                e = evals[i]
+                if e > k:
+                    push(k, e - 1, cost)
+                push(e, e, with_eval)
+                k, i = e + 1, i + 1
+            if k <= last:
+                push(k, last, cost)
+        return out
+
+    def _stage_ranges(self, iters: int) -> list[tuple[int, int, IterCost]]:
+        """:attr:`stages` laid over iterations ``0 .. iters-1``."""
         if iters < 1:
             raise ValueError(f"--iters must be >= 1, got {iters}")
         out, k = [], 0
@@ -200,9 +285,13 @@ class Prediction:
         return out
 
     def per_iteration(self, k: int) -> IterCost:
-        """Cost of iteration ``k`` (0-based)."""
-        for first, last, cost in self.schedule(k + 1):
+        """Cost of iteration ``k`` (0-based) of a longer run (with its periodic evaluation; the
+        evaluation after a run's last iteration is in :meth:`schedule` and :meth:`total`)."""
+        for first, last, cost in self._stage_ranges(k + 1):
             if first <= k <= last:
+                if self.evaluation is not None and self.eval_every and \
+                        (k + 1) % self.eval_every == 0:
+                    return IterCost.sum([cost, self.evaluation])
                 return cost
         raise AssertionError("unreachable")
 
@@ -225,6 +314,8 @@ class Prediction:
                 "schedule": [{"first": a, "last": b, **c.as_dict()}
                              for a, b, c in self.schedule(iters)],
                 "setup": self.setup.as_dict() if self.setup else None,
+                "evaluation": self.evaluation.as_dict() if self.evaluation else None,
+                "eval_iterations": self.eval_iterations(iters),
                 "total": self.total(iters).as_dict(), "notes": list(self.notes)}
 
 
@@ -238,54 +329,103 @@ class CallCost:
     communicators of ``P`` ranks, calling in parallel) and ``"inter"`` (the ``M`` leaders).
     A communicator whose ring crosses nodes is timed at the inter-node link (the ledger's
     ``slowest``), as :mod:`substrate.comm` does.
+
+    With ``per_rank=True`` the time of every call is charged to the world ranks that make it,
+    so the calls may also run on arbitrary member sets (:meth:`allreduce_ranks`,
+    :meth:`bcast_ranks`, :meth:`send`): a phase's time is then its busiest rank's and the
+    iteration keeps every rank's total (:attr:`IterCost.rank_s`).
     """
 
-    def __init__(self, nodes: int, gpus_per_node: int, cost: CostModel | None = None) -> None:
+    def __init__(self, nodes: int, gpus_per_node: int, cost: CostModel | None = None,
+                 per_rank: bool = False) -> None:
         self.M, self.P = int(nodes), int(gpus_per_node)
         self.cost = cost or CostModel()
         self.messages: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        self._rank_s: dict[str, np.ndarray] | None = {} if per_rank else None
 
-    def _group(self, group: str) -> tuple[int, int, str]:
-        """(size, parallel groups, slowest link)."""
+    def _group(self, group: str) -> tuple[int, int, str, object]:
+        """(size, parallel groups, slowest link, world ranks taking part)."""
         M, P = self.M, self.P
         if group == "world":
-            return M * P, 1, cm.INTER if M > 1 else cm.INTRA
+            return M * P, 1, cm.INTER if M > 1 else cm.INTRA, slice(None)
         if group == "intra":
-            return P, M, cm.INTRA
+            return P, M, cm.INTRA, slice(None)
         if group == "inter":
-            return M, 1, cm.INTER if M > 1 else cm.INTRA
+            return M, 1, cm.INTER if M > 1 else cm.INTRA, np.arange(M) * P
         raise ValueError(f"unknown group {group!r}; use world, intra or inter")
 
-    def _add(self, phase: str, messages: int, seconds: float) -> None:
+    def _add(self, phase: str, messages: int, seconds: float, ranks=None) -> None:
         self.messages[phase] = self.messages.get(phase, 0) + int(messages)
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + float(seconds)
+        if self._rank_s is None:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + float(seconds)
+            return
+        if ranks is None:
+            raise ValueError(f"phase {phase!r}: a per-rank CallCost needs the ranks of every "
+                             "call; pass ranks=")
+        v = self._rank_s.setdefault(phase, np.zeros(self.M * self.P))
+        v[ranks] += float(seconds)
+
+    def _members_link(self, ranks) -> str:
+        """Slowest link of a communicator of these world ranks: its ring (or any spanning
+        tree) crosses nodes iff the members live on more than one node."""
+        nodes = {int(r) // self.P for r in ranks}
+        return cm.INTER if len(nodes) > 1 else cm.INTRA
 
     def allreduce(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
         """Ring all-reduce of ``nbytes`` per rank: ``2 (g-1)`` messages per rank."""
-        g, n, link = self._group(group)
+        g, n, link, ranks = self._group(group)
         self._add(phase, calls * n * g * 2 * (g - 1),
-                  calls * self.cost.ring_allreduce_time(nbytes, g, link))
+                  calls * self.cost.ring_allreduce_time(nbytes, g, link), ranks)
 
     def bcast(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
         """Binomial broadcast of ``nbytes``: ``g - 1`` messages per group."""
-        g, n, link = self._group(group)
-        self._add(phase, calls * n * (g - 1), calls * self.cost.bcast_time(nbytes, g, link))
+        g, n, link, ranks = self._group(group)
+        self._add(phase, calls * n * (g - 1), calls * self.cost.bcast_time(nbytes, g, link),
+                  ranks)
 
     def allgather(self, phase: str, block_bytes: int, group: str, calls: int = 1) -> None:
         """Ring all-gather of one ``block_bytes`` block per rank: ``g - 1`` messages per rank."""
-        g, n, link = self._group(group)
+        g, n, link, ranks = self._group(group)
         self._add(phase, calls * n * g * (g - 1),
-                  calls * self.cost.ring_allgather_time(g * block_bytes, g, link))
+                  calls * self.cost.ring_allgather_time(g * block_bytes, g, link), ranks)
 
-    def add(self, phase: str, messages: int, seconds: float) -> None:
-        """Messages and time computed elsewhere (e.g. point-to-point patterns)."""
-        self._add(phase, messages, seconds)
+    def allreduce_ranks(self, phase: str, nbytes: int, ranks) -> None:
+        """Ring all-reduce of ``nbytes`` on a sub-communicator of the world ranks ``ranks``."""
+        ranks = sorted(int(r) for r in ranks)
+        g = len(ranks)
+        self._add(phase, g * 2 * (g - 1),
+                  self.cost.ring_allreduce_time(nbytes, g, self._members_link(ranks)), ranks)
+
+    def bcast_ranks(self, phase: str, nbytes: int, ranks, root: int) -> None:
+        """Binomial broadcast of ``nbytes`` from world rank ``root`` to the world ranks
+        ``ranks`` (``g - 1`` messages; every member waits for the whole tree)."""
+        ranks = sorted(int(r) for r in ranks)
+        if int(root) not in ranks:
+            raise ValueError(f"bcast root {root} is not one of the ranks {ranks}")
+        g = len(ranks)
+        self._add(phase, g - 1,
+                  self.cost.bcast_time(nbytes, g, self._members_link(ranks)), ranks)
+
+    def send(self, phase: str, nbytes: int, src: int, dst: int) -> None:
+        """One point-to-point message of ``nbytes`` (timed on the sender, as the ledger)."""
+        link = cm.INTRA if int(src) // self.P == int(dst) // self.P else cm.INTER
+        self._add(phase, 1, self.cost.p2p_time(nbytes, link), [int(src)])
+
+    def add(self, phase: str, messages: int, seconds: float, ranks=None) -> None:
+        """Messages and time computed elsewhere (e.g. point-to-point patterns); ``ranks``:
+        the world ranks that spend ``seconds`` (needed with ``per_rank``)."""
+        self._add(phase, messages, seconds, ranks)
 
     def finish(self, phases: dict, payload: int = 0, dense: int = 0) -> IterCost:
         """Bind the calls to the phase bytes of the closed form."""
-        return IterCost(dict(phases), dict(self.messages), dict(self.seconds), int(payload),
-                        int(dense))
+        if self._rank_s is None:
+            return IterCost(dict(phases), dict(self.messages), dict(self.seconds),
+                            int(payload), int(dense))
+        secs = {p: float(v.max()) for p, v in self._rank_s.items()}
+        total = sum(self._rank_s.values(), np.zeros(self.M * self.P))
+        return IterCost(dict(phases), dict(self.messages), secs, int(payload), int(dense),
+                        tuple(float(t) for t in total))
 
 
 def _check_topology(nodes: int, gpus_per_node: int) -> None:
@@ -674,6 +814,299 @@ register(SystemModel("ddp-hierarchical", predict_ddp_hierarchical, DPPredictOpti
                      description="dense DDP, two-level all-reduce per bucket"))
 register(SystemModel("topk", predict_topk, TopKPredictOptions,
                      description="Top-K (DGC) gradient sparsification, all-gather"))
+
+
+# ---------------------------------------------------------------------------------------------
+# data parallel: PacTrain (paper 002), SDP (paper 003)
+# ---------------------------------------------------------------------------------------------
+#: ``dataparallel.pactrain.PRUNE_SCORES`` / ``TERNARY_SCALES`` (literal here: ``dataparallel``
+#: imports ``commvol``, so this module imports it lazily; a test keeps them equal)
+_PRUNE_SCORES = ("magnitude", "grasp")
+_TERNARY_SCALES = ("tensor", "global")
+
+
+@dataclass(frozen=True)
+class PacTrainPredictOptions:
+    """Options of the PacTrain model (names and defaults: ``dataparallel.pactrain``'s
+    :class:`~dataparallel.pactrain.PacTrainOptions`, which validates them)."""
+
+    prune_ratio: float = field(default=0.5, metadata={
+        "help": "PacTrain: fraction of every conv/fc weight tensor pruned, in [0, 1)"})
+    prune_score: str = field(default="magnitude", metadata={
+        "help": "PacTrain: pruning importance (grasp adds the score's two all-reduces of T)",
+        "choices": _PRUNE_SCORES})
+    stable_window: int = field(default=5, metadata={
+        "help": "PacTrain: steps the mask must stay unchanged before the packed all-reduce"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "PacTrain: dense steps on the unpruned model before pruning"})
+    ternary: bool = field(default=False, metadata={
+        "help": "PacTrain: TernGrad on the packed gradient (scale MAX all-reduce + 2-bit "
+                "all-gather)"})
+    ternary_scale: str = field(default="tensor", metadata={
+        "help": "PacTrain: TernGrad scales, one per tensor or one in all",
+        "choices": _TERNARY_SCALES})
+    bucket_mib: float = field(default=32.0, metadata={"help": "all-reduce bucket size in MiB"})
+
+    def __post_init__(self) -> None:
+        from dataparallel.pactrain import PacTrainOptions  # noqa: PLC0415
+
+        for flag, v in (("--stable-window", self.stable_window),
+                        ("--warmup-steps", self.warmup_steps)):
+            if not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{flag} takes a whole number of steps, got {v!r}")
+        PacTrainOptions(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+
+
+def pactrain_kept(layout, prune_ratio: float) -> int:
+    """``K``: entries PacTrain's per-layer pruning keeps (:func:`dataparallel.pactrain.
+    prune_mask`): every conv/fc weight tensor of ``n`` entries keeps ``n - floor(r n)``, biases
+    and BatchNorm parameters are kept whole (``r`` = ``prune_ratio``)."""
+    from dataparallel.pactrain import PRUNABLE_KINDS  # noqa: PLC0415
+
+    return int(sum(n - math.floor(prune_ratio * n) if layout.kind(name) in PRUNABLE_KINDS else n
+                   for name, n in ((nm, layout.sizes[nm]) for nm in layout.names)))
+
+
+def predict_pactrain(spec, nodes, gpus_per_node, options: PacTrainPredictOptions,
+                     cost=None) -> Prediction:
+    """PacTrain: dense all-reduce of DDP's buckets until the pruning mask is stable, then the
+    packed all-reduce of the ``K`` survivors or TernGrad's scale all-reduce + 2-bit all-gather
+    (:func:`commvol.pactrain.pactrain_step_bytes`).
+
+    The strategy prunes before step ``w`` (``--warmup-steps``; in its constructor when
+    ``w = 0``) and its mask tracker declares the mask stable after ``W`` (``--stable-window``)
+    unchanged comparisons, the first made at step ``w``: steps ``0 .. w + W - 1`` are dense,
+    packing starts at step ``w + W`` (the run's ``mask_stable_step``).  GraSP's two all-reduces
+    of ``T`` are charged to step ``max(w - 1, 0)``, as the strategy does.
+    """
+    from commvol.pactrain import (packed_chunks, packed_payload_ratio,  # noqa: PLC0415
+                                  pactrain_step_bytes, ternary_code_bytes)
+
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    layout = spec.layout
+    T = layout.total
+    buckets = _ddp_buckets(spec, options.bucket_mib)
+    bucket_elems = max(1, int(options.bucket_mib * (1 << 20)) // ITEMSIZE)
+    K = pactrain_kept(layout, options.prune_ratio)
+    L = len(layout) if options.ternary_scale == "tensor" else 1
+    mode = "ternary" if options.ternary else "packed"
+    chunks = packed_chunks(K, bucket_elems)
+
+    def step(m: str, grasp: bool) -> IterCost:
+        phases = pactrain_step_bytes(M=M, P=P, mode=m, bucket_sizes=buckets, kept=K,
+                                     bucket_elems=bucket_elems, itemsize=ITEMSIZE, scales=L,
+                                     grasp_total=T if grasp else None)
+        calls = CallCost(M, P, cost)
+        if m == "dense":
+            for n in buckets:
+                calls.allreduce("dense_allreduce", ITEMSIZE * n, "world")
+        elif m == "packed":
+            for n in chunks:
+                calls.allreduce("packed_allreduce", ITEMSIZE * n, "world")
+        else:
+            calls.allreduce("ternary_scale", ITEMSIZE * L, "world")
+            calls.allgather("ternary_allgather", ternary_code_bytes(K), "world")
+        if grasp:
+            calls.allreduce("grasp_allreduce", ITEMSIZE * T, "world", calls=2)
+        ratio = 1.0 if m == "dense" else packed_payload_ratio(
+            kept=K, total=T, ternary=m == "ternary", scales=L, itemsize=ITEMSIZE)
+        return calls.finish(phases, round(ratio * ITEMSIZE * T), ITEMSIZE * T)
+
+    w, W = options.warmup_steps, options.stable_window
+    D = w + W                                        # dense steps
+    grasp_at = max(w - 1, 0) if options.prune_score == "grasp" else None
+    dense, packed = step("dense", False), step(mode, False)
+    if grasp_at is None:
+        stages = [(D, dense), (None, packed)]
+    elif grasp_at < D:
+        stages = [(grasp_at, dense), (1, step("dense", True)), (D - grasp_at - 1, dense),
+                  (None, packed)]
+    else:                                            # w = W = 0: packed from the first step
+        stages = [(1, step(mode, True)), (None, packed)]
+    stages = [(c, s) for c, s in stages if c != 0]
+    how = (f"packed ring all-reduce of the K survivors in {len(chunks)} chunk(s) of <= "
+           f"{options.bucket_mib:g} MiB (no indices: every rank packs the same index set)"
+           if mode == "packed" else
+           f"TernGrad: ring MAX all-reduce of {L} scale(s) (--ternary-scale "
+           f"{options.ternary_scale}) + ring all-gather of ceil(K/4) = {ternary_code_bytes(K)} "
+           f"code bytes per rank")
+    notes = [f"K = {K} of T = {T} entries kept ({K / T:.4f}): every conv/fc weight tensor keeps "
+             f"n - floor({options.prune_ratio:g} n) (per-layer pruning), biases and BatchNorm "
+             "parameters travel whole",
+             f"dense all-reduce of DDP's {len(buckets)} bucket(s) in steps 0..{D - 1} "
+             f"({w} warm-up step(s) + --stable-window {W} steps of mask tracking)"
+             if D else "no dense step (--warmup-steps 0, --stable-window 0)",
+             f"from step {D} (the run's mask_stable_step): {how}",
+             "the mask stays stable once pruned (pruned weights stay exactly zero); a surviving "
+             "weight that reaches exactly 0 would re-plan and fall back to dense for "
+             "--stable-window steps (not modeled), and --init weights that are already zero "
+             "would lower K"]
+    if grasp_at is not None:
+        notes.append(f"GraSP score (eq. 4): two ring all-reduces of the T-element gradient "
+                     f"(grad and H grad) in step {grasp_at}")
+    return Prediction("pactrain", spec.name, M, P, "1 step", tuple(stages), notes=tuple(notes),
+                      num_params=T)
+
+
+@dataclass(frozen=True)
+class SDPPredictOptions:
+    """Options of the SDP model (names and defaults of ``dataparallel.sdp``'s
+    :class:`~dataparallel.sdp.SDPOptions`, which validates them, plus the run seed and the
+    trainer's evaluation interval)."""
+
+    sdp_mode: str = field(default="neuron", metadata={
+        "help": "SDP: neuron (N-SDP), block (B-SDP) or block-backward (B_b-SDP)"})
+    coverage: str = field(default="3/4", metadata={
+        "help": "SDP: coverage p/n, every neuron/channel on p of the n workers (neuron mode; "
+                "block modes: b = round(C d) without --active-blocks)"})
+    active_blocks: str = field(default="", metadata={
+        "help": "SDP: b/d residual blocks kept per worker (block modes)"})
+    eval_every: int = field(default=0, metadata={
+        "help": "SDP: the trainer's --eval-every; every evaluation assembles the full model on "
+                "rank 0 (after every eval-every-th step and after the last). 0 here: after the "
+                "last step only (the trainer's 0 means once per epoch: pass ceil(shard / "
+                "batch-size))"})
+    seed: int = field(default=0, metadata={"help": "run seed (SDP: block order)"})
+
+    def __post_init__(self) -> None:
+        from dataparallel.sdp import SDPOptions  # noqa: PLC0415
+
+        SDPOptions(sdp_mode=self.sdp_mode, coverage=self.coverage,
+                   active_blocks=self.active_blocks)
+        if not isinstance(self.eval_every, (int, np.integer)) or self.eval_every < 0:
+            raise ValueError(f"--eval-every must be an integer >= 0 (steps between evaluations; "
+                             f"0: only after the last step), got {self.eval_every!r}")
+
+
+def _planning_model(spec):
+    """The trainable model of ``spec``'s name (SDP's masks follow the layer tree, which a
+    shape-only spec lacks); its layout must be the spec's."""
+    from models import MODELS, build_model  # noqa: PLC0415
+
+    from .scale import SPEC_ARCH, build_trainable  # noqa: PLC0415
+
+    if spec.name in SPEC_ARCH:
+        model = build_trainable(spec.name)
+    elif spec.name in MODELS:
+        model = build_model(spec.name, spec.input_shape, spec.num_classes)
+    else:
+        names = sorted(set(MODELS) | set(SPEC_ARCH))
+        raise ValueError(f"--system sdp plans its masks on the model's layers; model "
+                         f"{spec.name!r} has none: use one of {names}")
+    if [(n, model.layout.shape(n)) for n in model.layout.names] != \
+            [(n, spec.layout.shape(n)) for n in spec.layout.names]:
+        raise ValueError(f"model {spec.name!r} built from its name does not match the given "
+                         "spec; pass the spec of the trainer's model (resolve_model)")
+    return model
+
+
+def sdp_plan(spec, n: int, options: SDPPredictOptions):
+    """SDP's mask for ``n`` workers (:func:`dataparallel.sdp.plan_masks`, as the strategy
+    plans it from its options and the run seed)."""
+    from dataparallel.sdp import parse_active_blocks, parse_fraction, plan_masks  # noqa: PLC0415
+
+    return plan_masks(_planning_model(spec), options.sdp_mode, n,
+                      coverage=parse_fraction(options.coverage, "--coverage"),
+                      active_blocks=parse_active_blocks(options.active_blocks),
+                      seed=int(options.seed))
+
+
+def predict_sdp(spec, nodes, gpus_per_node, options: SDPPredictOptions,
+                cost=None) -> Prediction:
+    """SDP: per step a ring all-reduce of every holder set with ``>= 2`` holders on its own
+    sub-communicator (:func:`commvol.sdp.gated_allreduce_bytes`), B_b-SDP's parameter
+    broadcasts (:func:`commvol.sdp.param_bcast_bytes`) and, at the trainer's evaluations, the
+    assembly of the model on rank 0 (:func:`commvol.sdp.assemble_bytes`), with the communicators
+    the strategy builds from :func:`sdp_plan`."""
+    from commvol.sdp import (ASSEMBLE, BCAST, GATED, assemble_bytes,  # noqa: PLC0415
+                             gated_allreduce_bytes, param_bcast_bytes, sdp_step_bytes)
+
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    n = M * P
+    node_of = np.arange(n) // P
+    plan = sdp_plan(spec, n, options)
+    T = plan.total
+    counts, degrees = plan.counts, plan.degrees
+    everyone = set(range(n))
+
+    # gated average: one ring all-reduce per holder set with >= 2 holders and >= 1 coordinate
+    reduce_sets = [s for s in range(len(plan.sets)) if counts[s] > 0 and degrees[s] >= 2]
+    members = [plan.members(s) for s in reduce_sets]
+    calls = CallCost(M, P, cost, per_rank=True)
+    for s, ms in zip(reduce_sets, members):
+        calls.allreduce_ranks(GATED, ITEMSIZE * int(counts[s]), ms)
+    gated = gated_allreduce_bytes(members, counts[reduce_sets], node_of, ITEMSIZE)
+    # B_b-SDP: each set's lowest holder broadcasts the updated parameters to the non-holders
+    bcast = None
+    if options.sdp_mode == "block-backward":
+        bsets = [s for s in range(len(plan.sets)) if counts[s] > 0 and degrees[s] < n]
+        groups = [(sorted({plan.members(s)[0]} | (everyone - set(plan.members(s)))),
+                   plan.members(s)[0]) for s in bsets]
+        for s, (ranks, root) in zip(bsets, groups):
+            calls.bcast_ranks(BCAST, ITEMSIZE * int(counts[s]), ranks, root)
+        bcast = param_bcast_bytes(groups, counts[bsets], node_of, ITEMSIZE)
+    held = ITEMSIZE * sum(int(counts[s] * degrees[s]) for s in reduce_sets)
+    step = calls.finish(sdp_step_bytes(gated=gated, bcast=bcast), round(held / n), ITEMSIZE * T)
+
+    # evaluation (forward masking): each set rank 0 lacks comes from its lowest holder
+    senders: dict[int, int] = {}
+    if options.sdp_mode != "block-backward":
+        held0 = plan.holds(0)
+        lacking: dict[int, list[int]] = {}
+        for s in range(len(plan.sets)):
+            if not held0[s]:
+                lacking.setdefault(plan.members(s)[0], []).append(s)
+        for r, ss in sorted(lacking.items()):
+            size = int(counts[ss].sum()) + sum(int(np.isin(ids, ss).sum())
+                                               for ids in plan.buffer_ids.values())
+            if size:
+                senders[r] = size
+    evaluation = None
+    if senders:
+        ecalls = CallCost(M, P, cost, per_rank=True)
+        for r, size in senders.items():
+            ecalls.send(ASSEMBLE, ITEMSIZE * size, r, 0)
+        evaluation = ecalls.finish(sdp_step_bytes(gated=gated, syncs=0,
+                                                  assemble=assemble_bytes(senders, node_of, 0,
+                                                                          ITEMSIZE)))
+    what = (f"coverage {plan.coverage} (p = {plan.detail['p']} of n = {n} per neuron, "
+            f"{plan.detail['masked_layers']} masked layer(s))" if plan.mode == "neuron" else
+            f"{plan.detail['b']}/{plan.detail['d']} residual blocks per worker, block degrees "
+            f"{plan.detail['block_degrees']} (order from --seed {options.seed})")
+    gated_wire = gated[cm.INTRA] + gated[cm.INTER]
+    ddp_wire = sum(world_ring_bytes(T, ITEMSIZE, M, P).values())
+    notes = [f"--sdp-mode {plan.mode}: {what}; masks of dataparallel.sdp.plan_masks",
+             f"{len(reduce_sets)} holder set(s) with >= 2 holders, each one ring all-reduce of "
+             f"its coordinates on its own sub-communicator per step (gated average): "
+             f"{gated_wire:,} wire bytes"
+             + (f" = {gated_wire / ddp_wire:.4f} of DDP's world ring" if ddp_wire else ""),
+             "payload / sender: mean bytes a rank feeds into the gated all-reduces"]
+    if bcast is not None:
+        notes.append(f"B_b-SDP: {len(groups)} binomial broadcast(s) per step of the updated "
+                     "parameters from each set's lowest holder to its non-holders")
+    if evaluation is not None:
+        when = (f"every {options.eval_every} step(s) and after the last" if options.eval_every
+                else "after the last step only (--eval-every 0)")
+        notes.append(f"evaluation: {len(senders)} rank(s) send rank 0 the parameters and "
+                     f"BatchNorm statistics it lacks (one message each), {when}")
+    elif plan.mode != "block-backward":
+        notes.append("evaluation: rank 0 holds every coordinate, no assembly")
+    notes.append(f"--flop-match multiplies the steps by f = {float(plan.flop_factor()):.4f}, not "
+                 "a step's traffic: pass --iters accordingly")
+    notes.append("modeled time: busiest rank over all phases (ranks sit in different holder "
+                 "sets)")
+    return Prediction("sdp", spec.name, M, P, "1 step", ((None, step),), notes=tuple(notes),
+                      num_params=T, evaluation=evaluation, eval_every=options.eval_every)
+
+
+register(SystemModel("pactrain", predict_pactrain, PacTrainPredictOptions,
+                     description="PacTrain: prune, dense all-reduce until the mask is stable, "
+                                 "then packed (or ternary all-gather) survivors"))
+register(SystemModel("sdp", predict_sdp, SDPPredictOptions,
+                     description="SDP: gated all-reduce of every holder set on its own "
+                                 "sub-communicator (+ B_b-SDP bcast, evaluation assembly)"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ import pytest
 
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, load_run, write_plots
-from commvol.systems import hsadmm_plan
+from commvol.systems import hsadmm_plan, pactrain_kept
 from mpi_helpers import read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi
 
-# one MPI launch for the four runs (as commvol.compare does), 2 virtual nodes x 2 ranks
+# one MPI launch for all runs (as commvol.compare does), 2 virtual nodes x 2 ranks
 SCRIPT = """
 import sys
 from dataparallel.train import build_parser as dp_parser, train as dp_train
@@ -26,7 +26,27 @@ for name, extra in (("ddp", []), ("topk", ["--method", "topk"]),
                     ("ddp-hierarchical", ["--allreduce", "hierarchical"])):
     dp_train(dp_parser().parse_args([*extra, "--steps", "3", "--eval-every", "1", *shared,
                                      "--out", out + "/" + name]))
+for name, extra in (
+        ("pactrain", ["--steps", "4", "--eval-every", "1", "--stable-window", "2",
+                      "--prune-score", "grasp"]),
+        ("pactrain-ternary", ["--steps", "4", "--eval-every", "1", "--ternary",
+                              "--warmup-steps", "1", "--stable-window", "1"]),
+        ("sdp", ["--steps", "3", "--eval-every", "2"]),
+        ("sdp-block", ["--steps", "2", "--model", "resnet", "--sdp-mode", "block"]),
+        ("sdp-block-backward", ["--steps", "2", "--model", "resnet",
+                                "--sdp-mode", "block-backward"])):
+    method = name.split("-")[0]
+    dp_train(dp_parser().parse_args(["--method", method, *extra, *shared,
+                                     "--out", out + "/" + name]))
 """
+
+#: the predict options of the runs above: (system, model, options)
+RUNS = {"pactrain": ("pactrain", "cnn", {"stable_window": 2, "prune_score": "grasp"}),
+        "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "warmup_steps": 1,
+                                                 "stable_window": 1}),
+        "sdp": ("sdp", "cnn", {"eval_every": 2}),
+        "sdp-block": ("sdp", "resnet", {"sdp_mode": "block"}),  # digits' epoch > 2 steps
+        "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward"})}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +75,30 @@ def test_data_parallel_runs_are_reproduced(runs, system):
     s = read_summary(runs / system)
     pred = predict(system, "cnn", nodes=2, gpus_per_node=2).total(s["metrics"]["steps"])
     _assert_reproduced(s, pred)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_pactrain_sdp_runs_are_reproduced(runs, name):
+    """From the model name, the topology and the strategy's options: the run's bytes per phase
+    and link class, messages and modeled time, and the bytes of every logged interval."""
+    system, model, options = RUNS[name]
+    s = read_summary(runs / name)
+    n = s["metrics"]["steps"]
+    pred = predict(system, model, nodes=2, gpus_per_node=2, **options)
+    _assert_reproduced(s, pred.total(n))
+    per_step = [c for a, b, c in pred.schedule(n) for _ in range(a, b + 1)]
+    done = 0
+    for line in load_run(runs / name).lines:  # one line per evaluation
+        k = line["step"]
+        assert line["inter_node_bytes"] == sum(c.inter for c in per_step[done:k]), (name, k)
+        assert line["intra_node_bytes"] == sum(c.intra for c in per_step[done:k]), (name, k)
+        done = k
+    assert done == n
+    if system == "pactrain":  # packing starts where the strategy's mask tracker says
+        first_packed = next(k for k in range(n)
+                            if "dense_allreduce" not in pred.per_iteration(k).phases)
+        assert s["metrics"]["mask_stable_step"] == first_packed
+        assert s["metrics"]["kept"] == pactrain_kept(resolve_model(model).layout, 0.5)
 
 
 def test_hsadmm_run_is_reproduced(runs):

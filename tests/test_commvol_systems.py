@@ -162,3 +162,155 @@ def test_predict_cli_every_system(system, capsys, tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     assert doc["prediction"]["total"]["inter_node_bytes"] > 0
     assert math.isfinite(doc["prediction"]["total"]["modeled_s"])
+
+
+# ---------------------------------------------------------------------------------------------
+# PacTrain and SDP
+# ---------------------------------------------------------------------------------------------
+def test_pactrain_hand_computed_steps():
+    pred = _p("pactrain", prune_ratio=0.5, warmup_steps=1, stable_window=2, prune_score="grasp")
+    # dense in steps 0 .. w + W - 1 = 2; GraSP's two all-reduces of T at step max(w - 1, 0) = 0
+    assert [(a, b) for a, b, _ in pred.schedule(6)] == [(0, 0), (1, 2), (3, 5)]
+    first, packed = pred.per_iteration(0), pred.per_iteration(3)
+    assert first.phases == {"dense_allreduce": {"intra": 4 * 726, "inter": 4 * 726},
+                            "grasp_allreduce": {"intra": 8 * 726, "inter": 8 * 726}}
+    assert first.messages == {"dense_allreduce": 24, "grasp_allreduce": 48}
+    assert pred.per_iteration(2).phases == {"dense_allreduce": first.phases["dense_allreduce"]}
+    # K = 72 of the conv's 144 + 40 of the fc's 80 + 4 + 4 (BN) + 10 (bias) = 130: a ring of
+    # 130 floats over 4 ranks, chunks (33, 33, 32, 32): ranks send 195, 196, 195, 194
+    assert packed.phases == {"packed_allreduce": {"intra": 4 * (195 + 195),
+                                                  "inter": 4 * (196 + 194)}}
+    assert packed.messages == {"packed_allreduce": 24}
+    assert packed.time_s == pytest.approx(6 * (A_X + 520 / 4 * B_X), rel=1e-12)
+    assert (packed.payload_bytes, packed.dense_payload_bytes) == (520, 968)
+    tern = _p("pactrain", ternary=True, stable_window=0)
+    assert len(tern.stages) == 1  # packed from the first step
+    # 5 scales, chunks (2, 1, 1, 1): ranks send 8, 8, 7, 7 floats; ceil(130 / 4) = 33 code
+    # bytes per rank, (p - 1) 33 = 99 bytes on each of the 2 intra and 2 inter ring links
+    assert tern.steady.phases == {"ternary_scale": {"intra": 4 * 15, "inter": 4 * 15},
+                                  "ternary_allgather": {"intra": 198, "inter": 198}}
+    assert tern.steady.messages == {"ternary_scale": 24, "ternary_allgather": 12}
+    assert tern.steady.modeled_s == pytest.approx(
+        {"ternary_scale": 6 * (A_X + 20 / 4 * B_X), "ternary_allgather": 3 * (A_X + 33 * B_X)},
+        rel=1e-12)
+    assert tern.steady.payload_bytes == 33 + 4 * 5
+    # a global scale is one float; grasp without warm-up is charged to the first step
+    glob = _p("pactrain", ternary=True, ternary_scale="global", stable_window=1,
+              prune_score="grasp")
+    assert glob.steady.phases["ternary_scale"]["inter"] + \
+        glob.steady.phases["ternary_scale"]["intra"] == 2 * 3 * 4
+    assert "grasp_allreduce" in glob.per_iteration(0).phases
+    assert "grasp_allreduce" not in glob.per_iteration(1).phases
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 0.97])
+def test_pactrain_kept_matches_the_pruning(ratio):
+    from dataparallel.pactrain import prune_mask
+    from commvol.systems import pactrain_kept
+
+    for name in ("cnn", "resnet"):
+        layout = build_model(name, *DATASET_SHAPES["digits"]).layout
+        imp = np.random.default_rng(0).random(layout.total)
+        assert pactrain_kept(layout, ratio) == int(prune_mask(imp, layout, ratio).sum())
+
+
+def test_predict_options_mirror_the_strategies():
+    """Shared names mean the same flag: defaults equal the strategies' option defaults."""
+    import dataclasses
+
+    from commvol import systems
+    from dataparallel import pactrain, sdp
+
+    for ours, theirs in ((systems.PacTrainPredictOptions, pactrain.PacTrainOptions),
+                         (systems.SDPPredictOptions, sdp.SDPOptions)):
+        mine = {f.name: f.default for f in dataclasses.fields(ours)}
+        for f in dataclasses.fields(theirs):
+            if f.name in mine:
+                assert mine[f.name] == f.default, f.name
+    assert systems._PRUNE_SCORES == pactrain.PRUNE_SCORES
+    assert systems._TERNARY_SCALES == pactrain.TERNARY_SCALES
+
+
+@pytest.mark.parametrize("model,kw", [("cnn", {"coverage": "4/4"}),
+                                      ("resnet", {"sdp_mode": "block", "active_blocks": "3/3"})])
+def test_sdp_full_coverage_is_ddp(model, kw):
+    """Every coordinate on every worker: the gated average is DDP's world ring all-reduce."""
+    pred = predict("sdp", model, nodes=2, gpus_per_node=2, cost=COST, **kw)
+    ddp = predict("ddp", model, nodes=2, gpus_per_node=2, cost=COST).steady
+    step = pred.steady
+    assert step.phases == {"sdp_gated_allreduce": ddp.phases["grad_allreduce"]}
+    assert step.messages == {"sdp_gated_allreduce": ddp.messages["grad_allreduce"]}
+    assert step.time_s == pytest.approx(ddp.time_s, rel=1e-12)
+    assert pred.evaluation is None and step.payload_bytes == step.dense_payload_bytes
+
+
+def test_sdp_evaluations_follow_the_trainer():
+    pred = predict("sdp", "cnn", nodes=2, gpus_per_node=2, eval_every=2)
+    step, ev = pred.steady, pred.evaluation
+    # dataparallel.train evaluates after steps k + 1 = 2, 4 and after the last one
+    assert pred.eval_iterations(5) == [1, 3, 4] and pred.eval_iterations(4) == [1, 3]
+    assert [(a, b) for a, b, _ in pred.schedule(5)] == [(0, 0), (1, 1), (2, 2), (3, 4)]
+    total = pred.total(5)
+    assert (total.inter, total.intra) == (5 * step.inter + 3 * ev.inter,
+                                          5 * step.intra + 3 * ev.intra)
+    assert total.messages["sdp_assemble"] == 3 * ev.messages["sdp_assemble"]
+    assert "sdp_assemble" in pred.per_iteration(3).phases
+    assert pred.per_iteration(4).phases == step.phases  # of a longer run: no evaluation
+    assert predict("sdp", "cnn", nodes=2, gpus_per_node=2).eval_iterations(5) == [4]
+    # one message per sending rank; rank 0 receives (the sender records)
+    senders = [r for r, t in enumerate(ev.rank_s) if t > 0]
+    assert ev.rank_s[0] == 0 and ev.messages == {"sdp_assemble": len(senders)} and senders
+    assert set(step.phases) == {"sdp_gated_allreduce"}  # steady (scale): training only
+
+
+def test_sdp_time_is_the_busiest_ranks():
+    """B-SDP: ranks sit in different holder sets and only the senders spend time at the
+    assembly, so the run's time (the maximum over ranks of their sums, as ``timing``) is below
+    the sum of the phases' maxima; B_b-SDP adds the parameter broadcasts, assembles nothing."""
+    pred = predict("sdp", "resnet", nodes=2, gpus_per_node=2, sdp_mode="block")
+    total = pred.total(3)
+    assert total.time_s == pytest.approx(max(total.rank_s), rel=1e-12)
+    assert total.time_s < sum(total.modeled_s.values())
+    back = predict("sdp", "resnet", nodes=2, gpus_per_node=2, sdp_mode="block-backward")
+    assert back.evaluation is None
+    assert set(back.steady.phases) == {"sdp_gated_allreduce", "sdp_param_bcast"}
+    assert back.steady.phases["sdp_gated_allreduce"] == pred.steady.phases["sdp_gated_allreduce"]
+
+
+def test_sdp_seed_reaches_the_block_order(tmp_path, capsys):
+    import json
+
+    kw = dict(nodes=2, gpus_per_node=2, sdp_mode="block")
+    by_seed = {s: predict("sdp", "resnet", seed=s, **kw).steady.inter for s in range(6)}
+    assert len(set(by_seed.values())) > 1  # which block two workers share moves the bytes
+    main(["predict", "--system", "sdp", "--model", "resnet", "--sdp-mode", "block", "--seed",
+          "3", "--nodes", "2", "--gpus-per-node", "2", "--iters", "1", "--out",
+          str(tmp_path / "p.json")])
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["prediction"]["schedule"][0]["by_phase"]["sdp_gated_allreduce"][
+        "inter_bytes"] == by_seed[3]
+
+
+def test_pactrain_and_sdp_bad_options():
+    def bad(system, match, model="cnn", **kw):
+        with pytest.raises(ValueError, match=match):
+            predict(system, model, nodes=2, gpus_per_node=2, **kw)
+
+    bad("pactrain", r"--prune-ratio must be in \[0, 1\)", prune_ratio=1.0)
+    bad("pactrain", "--prune-score 'bogus' unknown; use one of", prune_score="bogus")
+    bad("pactrain", "--ternary-scale 'layer' unknown", ternary_scale="layer")
+    bad("pactrain", "--stable-window must be >= 0", stable_window=-1)
+    bad("pactrain", "--warmup-steps takes a whole number", warmup_steps=1.5)
+    bad("sdp", "--sdp-mode 'bogus' unknown; use one of", sdp_mode="bogus")
+    bad("sdp", "--coverage 'x' is malformed", coverage="x")
+    bad("sdp", "--coverage 1/4 is too low", coverage="1/4")
+    bad("sdp", "--active-blocks applies to --sdp-mode block", active_blocks="2/3")
+    bad("sdp", "model 'cnn' has none; use --model resnet", sdp_mode="block")
+    bad("sdp", "has d = 3 residual blocks", model="resnet", sdp_mode="block",
+        active_blocks="2/4")
+    bad("sdp", "--eval-every must be an integer >= 0", eval_every=-1)
+    with pytest.raises(ValueError, match="plans its masks on the model's layers"):
+        _p("sdp")
+    with pytest.raises(ValueError, match="--sdp-mode 'bogus' unknown"):
+        main(["predict", "--system", "sdp", "--model", "cnn", "--sdp-mode", "bogus"])
