@@ -1,0 +1,161 @@
+"""DGC-style top-k selection with a sampled threshold (Lin et al. 2018; SSFusion §III, §V-A).
+
+The exact top-``k`` of a tensor costs a full selection (``argpartition``) per tensor.  DGC
+estimates the magnitude threshold from a small random sample instead:
+
+1. **sample** ``s = max(SAMPLE_MIN, ⌈r n⌉)`` magnitudes (``--sample-ratio r``, default 1 %),
+   uniformly with replacement, from a generator seeded by the run seed, the rank, the step and
+   the segment (:func:`segment_rng`), and take the ``⌈k s / n⌉``-th largest as threshold
+   estimate ``τ̂`` (:func:`sample_threshold`);
+2. **refine** ``τ`` toward the target count: count ``c(τ) = #{|x| ≥ τ}``, keep ``τ`` when
+   ``k ≤ c ≤ (1 + slack) k``, otherwise move to another order statistic of the sorted sample,
+   rescaling its rank by ``k / c``, for at most ``max_refine`` passes (:func:`refine_threshold`);
+   the returned threshold always satisfies ``c(τ) ≥ k`` (``τ = 0`` in the worst case);
+3. **trim** the candidates ``{|x| ≥ τ}`` (a superset of the exact top-``k``) to exactly ``k``
+   with a selection over the few candidates only (:func:`dgc_topk`).
+
+The result is the exact top-``k`` set (up to ties) at the cost of a few linear passes, and the
+count is exactly ``k``, so the all-gather payload is fixed and predicted in closed form.
+Works on NumPy and CuPy arrays alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from substrate.backend import array_module
+
+__all__ = ["SAMPLE_MIN", "segment_rng", "sample_magnitudes", "sample_rank", "sample_threshold",
+           "refine_threshold", "dgc_topk"]
+
+#: Smallest sample; tensors with at most this many entries are selected exactly.
+SAMPLE_MIN = 256
+
+
+def segment_rng(seed: int, rank: int, step: int, segment: int) -> np.random.Generator:
+    """Sampling generator of one segment (tensor or fused buffer) on one rank in one step,
+    seeded from the run seed (DESIGN.md convention 6): reproducible and independent of the
+    order in which segments are processed (the offload worker runs them out of order)."""
+    return np.random.default_rng([int(seed), int(rank), int(step), int(segment)])
+
+
+def sample_magnitudes(mag, sample_ratio: float, rng: np.random.Generator):
+    """``s = max(SAMPLE_MIN, ⌈r n⌉)`` magnitudes drawn uniformly with replacement, sorted in
+    descending order (``None`` when ``s ≥ n``: select exactly)."""
+    xp = array_module(mag)
+    n = int(mag.size)
+    s = max(SAMPLE_MIN, math.ceil(sample_ratio * n))
+    if s >= n:
+        return None
+    sample = mag[xp.asarray(rng.integers(0, n, size=s))]
+    return xp.sort(sample)[::-1]
+
+
+def sample_rank(k: int, n: int, s: int) -> int:
+    """Rank (1-based, descending) in an ``s``-sample whose value estimates the ``k``-th largest
+    of ``n``: ``⌈k s / n⌉``."""
+    return min(s, max(1, math.ceil(k * s / n)))
+
+
+def sample_threshold(mag, k: int, sample_ratio: float, rng: np.random.Generator) -> float:
+    """Threshold estimate ``τ̂``: the ``⌈k s / n⌉``-th largest of ``s`` sampled magnitudes.
+
+    Parameters
+    ----------
+    mag : array (n,)
+        Magnitudes ``|x|`` (NumPy or CuPy).
+    k : int
+        Target count, ``1 ≤ k ≤ n``.
+    sample_ratio : float
+        ``r`` in ``s = max(SAMPLE_MIN, ⌈r n⌉)``; with ``s ≥ n`` the exact ``k``-th largest.
+    rng : numpy.random.Generator
+
+    Returns
+    -------
+    float
+    """
+    xp = array_module(mag)
+    desc = sample_magnitudes(mag, sample_ratio, rng)
+    if desc is None:
+        n = int(mag.size)
+        return float(xp.partition(mag, n - k)[n - k])
+    return float(desc[sample_rank(k, int(mag.size), int(desc.size)) - 1])
+
+
+def refine_threshold(mag, k: int, sample_desc, r: int, *, slack: float = 0.25,
+                     max_refine: int = 8) -> tuple[float, int, int]:
+    """Move the threshold along the sorted sample until ``k ≤ c(τ) ≤ (1 + slack) k``.
+
+    Starting from ``τ = sample_desc[r-1]``, each counting pass ``c = #{|x| ≥ τ}`` rescales the
+    sample rank by the observed ratio, ``r ← r (1 + slack/2) k / c`` (rounded away from the
+    current rank), so a poor first estimate is fixed in one or two passes.
+
+    Returns
+    -------
+    (tau, count, passes)
+        The highest threshold seen with ``c(tau) = count ≥ k`` (``tau = 0``, every entry, when
+        none was found) and the number of counting passes made.
+    """
+    xp = array_module(mag)
+    n, s = int(mag.size), int(sample_desc.size)
+    lo, lo_count, passes = 0.0, n, 0
+    tried: set[int] = set()
+    while passes <= max_refine and r not in tried:
+        tried.add(r)
+        tau = float(sample_desc[r - 1])
+        c = int(xp.count_nonzero(mag >= tau))
+        passes += 1
+        if c >= k:
+            if c < lo_count:
+                lo, lo_count = tau, c
+            if c <= (1 + slack) * k:
+                break
+            r = max(1, min(r - 1, math.floor(r * (1 + slack / 2) * k / c)))
+        else:
+            if r == s:
+                break
+            r = min(s, max(r + 1, math.ceil(r * (1 + slack / 2) * k / max(c, 1))))
+    return lo, lo_count, passes
+
+
+def dgc_topk(x, k: int, rng: np.random.Generator, sample_ratio: float = 0.01, *,
+             slack: float = 0.25, max_refine: int = 8):
+    """Positions of the ``k`` largest ``|x|`` (unordered, int64) via sample → refine → trim.
+
+    Parameters
+    ----------
+    x : array (n,)
+        One tensor (or fused buffer), NumPy or CuPy.
+    k : int
+        ``1 ≤ k ≤ n``; ``k = n`` returns every position.
+    rng : numpy.random.Generator or tuple
+        From :func:`segment_rng`, or its ``(seed, rank, step, segment)`` key (the generator is
+        then built only when the tensor is large enough to be sampled).
+    sample_ratio, slack, max_refine
+        See :func:`sample_threshold` and :func:`refine_threshold`.
+    """
+    xp = array_module(x)
+    n = int(x.size)
+    if not 1 <= k <= n:
+        raise ValueError(f"top-k needs 1 <= k <= n, got k={k}, n={n}")
+    if k == n:
+        return xp.arange(n, dtype=np.int64)
+    mag = xp.abs(x)
+    if max(SAMPLE_MIN, math.ceil(sample_ratio * n)) >= n:  # small: exact selection
+        return xp.argpartition(mag, n - k)[n - k:].astype(np.int64, copy=False)
+    if not isinstance(rng, np.random.Generator):
+        rng = segment_rng(*rng)
+    desc = sample_magnitudes(mag, sample_ratio, rng)
+    if desc is None:
+        return xp.argpartition(mag, n - k)[n - k:].astype(np.int64, copy=False)
+    tau, count, _ = refine_threshold(mag, k, desc, sample_rank(k, n, int(desc.size)),
+                                     slack=slack, max_refine=max_refine)
+    if count == n:
+        cand = xp.arange(n, dtype=np.int64)
+    else:
+        cand = xp.flatnonzero(mag >= tau)
+    if cand.size > k:
+        cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+    return cand.astype(np.int64, copy=False)

@@ -1,0 +1,221 @@
+"""MPI checks of SSFusion: ``python -m mpi4py dp_ssfusion_checks.py CHECK OUTDIR``.
+
+``reference``: 4 ranks on 2 virtual nodes.  For each fusion mode (selective from a real warm-up
+profile, a hand-made selective plan with dense tensors in both Buffer_AR and Buffer_AG,
+per-tensor, multi-tensor) every rank writes a gradient whose tensors have very different scales,
+the strategy synchronizes it, and every rank's gradient and residual before and after are
+gathered and compared with a serial NumPy reference written from the paper: ``a = g + e``,
+exact top-``k`` per sparse tensor (per buffer for multi-tensor) by a full sort, dense tensors
+summed as they are, the sum divided by ``p``; the new residual is ``a`` with the sent entries
+zeroed.  It also recomputes the tensor-missing rate (Table I) and checks that the ledger's
+``ssf_*`` phases equal the sum of ``step_bytes()``.
+
+``traffic CONFIGS``: ``dataparallel.train`` for selective (with and without interleaving,
+with offload), per-tensor and multi-tensor; measured bytes == the trainer's per-step prediction ==
+:func:`commvol.ssfusion.run_bytes` for the whole run, per phase.
+"""
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from commvol import ssfusion as cv
+from dataparallel import StepState, SyncContext
+from dataparallel.ssfusion import FusionPlan, SSFusion, SSFusionOptions
+from dataparallel.train import DPConfig, build_parser, train
+from models import build_model, load_digits
+from substrate import collective_check, start_run
+
+R = 2
+OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/ssfusion_checks")
+
+
+def _setup(tag, **opts):
+    cfg = DPConfig(method="ssfusion", seed=3)
+    args = Namespace(out=str(OUT / tag), seed=cfg.seed, device="cpu", ranks_per_node=R,
+                     intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
+    run = start_run(args, system="dataparallel", method="ssfusion-test", config=cfg)
+    data = load_digits()
+    model = build_model("cnn", data.train.input_shape, 10, seed=cfg.seed)
+    strat = SSFusion(SyncContext(run=run, model=model, opt=None, train=None, config=cfg),
+                     SSFusionOptions(**opts))
+    return run, model, strat
+
+
+def _gradient(layout, rank, step):
+    """Tensors alternate between scale 1 and 1e-4 (biases large, weights small), so a
+    buffer-wide top-k can miss whole weight tensors."""
+    rng = np.random.default_rng([11, rank, step])
+    parts = [rng.standard_normal(layout.sizes[n]) * (1.0 if i % 2 == 0 else 1e-4)
+             for i, n in enumerate(layout.names)]
+    return np.concatenate(parts).astype(np.float32)
+
+
+def _exact_topk(a, k):
+    return np.argsort(-np.abs(a), kind="stable")[:k]
+
+
+def _reference(strat, gs, es):
+    """Synchronized gradient, new residuals and per-rank missing counts, from the plan alone."""
+    off, plan, p = strat.offsets, strat.plan, len(gs)
+    multi = strat.options.fusion == "multi-tensor"
+    total = np.zeros(off[-1])
+    new_res, missing = [], []
+    any_sent = np.zeros(off[-1], dtype=bool)
+    for g, e in zip(gs, es):
+        a = g + e
+        sent = np.zeros(off[-1], dtype=bool)
+        if multi:
+            for t0, t1 in plan.buffers:
+                lo, hi = off[t0], off[t1]
+                sent[lo + _exact_topk(a[lo:hi], sum(plan.k[t0:t1]))] = True
+        else:
+            for l, k in enumerate(plan.k):
+                lo, hi = off[l], off[l + 1]
+                if k < 0:
+                    sent[lo:hi] = True
+                else:
+                    sent[lo + _exact_topk(a[lo:hi], k)] = True
+        total += np.where(sent, a, 0.0)
+        new_res.append(np.where(sent, 0.0, a).astype(np.float32))
+        missing.append(sum(not sent[off[l]:off[l + 1]].any() for l in range(len(plan.k))))
+        any_sent |= sent
+    missing_global = sum(not any_sent[off[l]:off[l + 1]].any() for l in range(len(plan.k)))
+    return total / p, new_res, missing + [missing_global]
+
+
+def _check_mode(tag, plan=None, **opts):
+    run, model, strat = _setup(tag, **opts)
+    g = model.grads.flat
+    layout = model.layout
+    steps = 3
+    warm = strat.warmup
+    bytes_pred: dict = {}
+    ok, msgs = True, []
+    ref_missing = []
+    for step in range(warm + steps):
+        g[...] = _gradient(layout, run.rank, step)
+        e = strat.residual.copy()
+        gs = run.world.allgather(g.copy(), phase="test_gather")
+        es = run.world.allgather(e, phase="test_gather")
+        if plan is not None and step == warm:
+            strat._install(plan)
+        strat.sync(StepState(step=step, epoch=0, loss=0.0), model.grads)
+        strat.after_step(StepState(step=step, epoch=0, loss=0.0))
+        for ph, b in strat.step_bytes().items():
+            acc = bytes_pred.setdefault(ph, {"intra": 0, "inter": 0})
+            acc["intra"] += b["intra"]
+            acc["inter"] += b["inter"]
+        if step < warm:
+            want = gs.astype(np.float64).mean(axis=0)
+            err = np.abs(g - want).max()
+            ok &= bool(err <= 1e-6 * np.abs(want).max())
+            msgs.append(f"warm-up step {step}: |err| {err:.3g}")
+            continue
+        want, res, missing = _reference(strat, list(gs), list(es))
+        ref_missing.append(missing)
+        for l, n in enumerate(layout.names):
+            sl = layout.slice(n)
+            scale = np.abs(want[sl]).max() + 1e-30
+            err = np.abs(g[sl] - want[sl]).max()
+            if not err <= 1e-5 * scale:
+                ok = False
+                msgs.append(f"step {step} tensor {n}: synced error {err:.3g} (scale {scale:.3g})")
+        if not np.array_equal(strat.residual, res[run.rank]):
+            ok = False
+            bad = np.flatnonzero(strat.residual != res[run.rank])
+            msgs.append(f"step {step}: residual differs at {bad.size} entries")
+    rep = strat.report()
+    ref = np.array(ref_missing, dtype=float) / strat.L  # steps x (ranks + global)
+    for key, want_rate in (("tensor_missing_rate", ref[:, run.rank].mean()),
+                           ("tensor_missing_rate_global", ref[:, -1].mean())):
+        if not np.isclose(rep[key], want_rate):
+            ok = False
+            msgs.append(f"{key} {rep[key]} != reference {want_rate}")
+    # the ledger's ssf_* phases equal the sum of step_bytes() (over all ranks)
+    meas = run.ledger.totals(run.world)["by_phase"]
+    meas = {ph: {"intra": v["intra_bytes"], "inter": v["inter_bytes"]} for ph, v in meas.items()
+            if ph.startswith("ssf_")}
+    if meas != bytes_pred:
+        ok = False
+        msgs.append(f"ledger {meas} != step_bytes {bytes_pred}")
+    collective_check(run.world, ok, f"{tag} on rank {run.rank}: " + "; ".join(msgs[-4:]))
+    return rep
+
+
+def reference():
+    reps = {}
+    reps["selective"] = _check_mode("selective", fusion="selective", profile_steps=2)
+    # a hand-made plan: fc1.bias dense in Buffer_AR (split 1), conv2.weight dense in Buffer_AG
+    # (split 0), conv1.bias dense in Buffer_AR (split 2), the rest sparse
+    _, model, probe = _setup("probe", fusion="per-tensor", profile_steps=0)
+    names = list(model.layout.names)
+    k = list(probe.plan.k)
+    for n in ("fc1.bias", "conv2.weight", "conv1.bias"):
+        k[names.index(n)] = -1
+    plan = FusionPlan(tuple(probe.buffers), tuple(k), (False,) * len(k), (0, 1, 0, 2))
+    reps["hand"] = _check_mode("hand", plan=plan, fusion="selective", profile_steps=1)
+    reps["per-tensor"] = _check_mode("per-tensor", fusion="per-tensor", profile_steps=1)
+    reps["multi-tensor"] = _check_mode("multi-tensor", fusion="multi-tensor", profile_steps=0)
+    hand = reps["hand"]["selection"]
+    ok = (hand["allreduce_elements"][1] == 64 and hand["allgather_dense_elements"][2] == 4608
+          and hand["allreduce_elements"][3] == 16)
+    # Table I: no tensor missing without multi-tensor fusion; multi-tensor misses fc2.weight
+    # and conv1.weight (scale 1e-4 next to a bias of scale 1 in a buffer of too small a K)
+    ok &= all(reps[m]["tensor_missing_rate"] == 0 for m in ("selective", "hand", "per-tensor"))
+    ok &= reps["multi-tensor"]["tensor_missing_rate"] > 0
+    ok &= set(reps["multi-tensor"]["missing_by_tensor"]) >= {"fc2.weight", "conv1.weight"}
+    rates = {m: r.get("tensor_missing_rate") for m, r in reps.items()}
+    collective_check(MPI.COMM_WORLD, ok, f"missing rates {rates}, hand-made plan {hand}")
+
+
+TRAFFIC_CONFIGS = {"selective": [], "naive": ["--no-interleave"], "offload": ["--offload"],
+                   "per-tensor": ["--fusion", "per-tensor"],
+                   "multi-tensor": ["--fusion", "multi-tensor", "--buffers", "2"]}
+STEPS, WARM = 5, 2
+
+
+def traffic():
+    """Configurations from ``sys.argv[3]`` (comma-separated keys of TRAFFIC_CONFIGS)."""
+    base = ["--method", "ssfusion", "--steps", str(STEPS), "--profile-steps", str(WARM),
+            "--ranks-per-node", str(R), "--eval-every", str(STEPS), "--batch-size", "8"]
+    msgs, ok = [], True
+    for tag in sys.argv[3].split(","):
+        extra = TRAFFIC_CONFIGS[tag]
+        args = build_parser().parse_args(base + extra + ["--out", str(OUT / f"train_{tag}")])
+        s = train(args)
+        meas, pred = s["traffic"]["measured"], s["traffic"]["predicted"]
+        m = {ph: {"intra": v["intra_bytes"], "inter": v["inter_bytes"]}
+             for ph, v in meas["by_phase"].items()}
+        pr = {ph: {"intra": v["intra_bytes"], "inter": v["inter_bytes"]}
+              for ph, v in pred["by_phase"].items()}
+        sel = s["metrics"]["selection"]
+        L = sum(len(t) for t in s["metrics"]["buffer_tensors"])
+        sizes = [int(v) for v in _buffer_sizes(s["metrics"]["buffer_tensors"])]
+        whole = cv.run_bytes(M=2, P=R, steps=STEPS, warmup_steps=WARM, buffer_sizes=sizes,
+                             ar_counts=sel["allreduce_elements"],
+                             ag_dense_counts=sel["allgather_dense_elements"],
+                             ag_sparse_counts=sel["sparse_elements"], num_tensors=L,
+                             selection=s["metrics"]["fusion"] == "selective")
+        good = (m == pr == whole and meas["inter_node_bytes"] == pred["inter_node_bytes"] > 0
+                and meas["intra_node_bytes"] == pred["intra_node_bytes"] > 0)
+        ok &= good
+        if not good:
+            msgs.append(f"{tag}: measured {m} predicted {pr} closed form {whole}")
+    collective_check(MPI.COMM_WORLD, ok, "; ".join(msgs))
+
+
+def _buffer_sizes(buffer_tensors):
+    model = build_model("cnn", load_digits().train.input_shape, 10, seed=0)
+    return [sum(model.layout.sizes[n] for n in names) for names in buffer_tensors]
+
+
+CHECKS = {"reference": reference, "traffic": traffic}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"OK {sys.argv[1]}")
