@@ -2,8 +2,8 @@
 data, shards and topology, one table.
 
 Runs under MPI (``python -m commvol.compare`` on 4 ranks as 2 virtual nodes x 2 by default):
-H-SADMM and flat ADMM (``hsadmm train``) and the data-parallel strategies (``dataparallel
-train``), each with its own defaults for the embedded digits CNN and the same data budget
+H-SADMM and flat ADMM (``hsadmm train``) and the data-parallel strategies DDP, Top-K, PacTrain,
+SDP and SSFusion (``dataparallel train``), each with its own defaults for the embedded digits CNN and the same data budget
 (8 passes over each rank's shard: 8 ADMM iterations of one local epoch, or 8 epochs of
 synchronous steps), writes every run to ``OUT/<method>/`` and prints
 :func:`commvol.report.comparison_table` of the runs on rank 0.
@@ -39,7 +39,7 @@ def _dataparallel(method):
 
 #: method name -> runner taking the shared argv (``--out``, ``--ranks-per-node``, ...)
 SYSTEM_RUNS = {"hsadmm": _hsadmm("hsadmm"), "flat-admm": _hsadmm("flat-admm"),
-               "ddp": _dataparallel("ddp"), "topk": _dataparallel("topk")}
+               **{m: _dataparallel(m) for m in ("ddp", "topk", "pactrain", "sdp", "ssfusion")}}
 
 
 def build_parser() -> argparse.ArgumentParser:

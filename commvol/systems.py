@@ -40,6 +40,14 @@ rank 0 at the trainer's evaluations only (``--eval-every`` steps and the last st
 :attr:`Prediction.evaluation`), and since ranks sit in different holder sets the modeled time is
 the busiest rank's over all phases (:attr:`IterCost.rank_s`).
 
+Assumptions of the SSFusion model (printed by ``predict``): fusion buffers, counts and splits
+from the strategy's own planning helpers (:func:`ssfusion_plan`); ``--fusion per-tensor`` and
+``multi-tensor`` are fully determined by the options.  The selective mode fixes its dense/sparse
+selection from timings profiled during warm-up, which a prediction cannot know: by default it
+applies the strategy's eq. 2 rule and T1+T2 split to an assumed profile (``--backward-ns``,
+``--sparsify-ns`` per parameter, α–β communication times); ``--selection-from RUN`` (or
+``--dense-tensors`` with ``--interleave-split``) reproduces a run's recorded selection exactly.
+
 Assumptions of the H-SADMM model (printed by ``predict``):
 
 * masks from keep rates on the spec shapes, following eq. 15 literally: ``K_out`` = filters with
@@ -78,7 +86,8 @@ __all__ = ["IterCost", "Prediction", "SystemModel", "SYSTEMS", "register", "get_
            "FlatADMMPredictOptions", "DPPredictOptions", "TopKPredictOptions",
            "predict_hsadmm", "predict_flat_admm", "predict_ddp", "predict_ddp_hierarchical",
            "predict_topk", "PacTrainPredictOptions", "pactrain_kept", "predict_pactrain",
-           "SDPPredictOptions", "sdp_plan", "predict_sdp", "predict_hsgd", "predict_sgd",
+           "SDPPredictOptions", "sdp_plan", "predict_sdp", "SSFusionPredictOptions",
+           "ssfusion_plan", "predict_ssfusion", "predict_hsgd", "predict_sgd",
            "ITEMSIZE"]
 
 #: float32 parameters/gradients, as every trainer of the project builds its models
@@ -503,15 +512,17 @@ def get_system(name: str) -> SystemModel:
 # ---------------------------------------------------------------------------------------------
 # H-SADMM and flat ADMM (PruneX)
 # ---------------------------------------------------------------------------------------------
-def _int_list(text):
-    """``"1,2 3"`` or a sequence of integers -> tuple of int (``None`` stays ``None``)."""
+def _int_list(text, flag: str = "--compact-elems",
+              what: str = "comma-separated integers"):
+    """``"1,2 3"`` or a sequence of integers -> tuple of int (``None`` stays ``None``);
+    ValueError naming ``flag`` otherwise."""
     if text is None:
         return None
     items = str(text).replace(",", " ").split() if isinstance(text, str) else list(text)
     try:
         return tuple(int(x) for x in items)
     except (TypeError, ValueError):
-        raise ValueError(f"--compact-elems takes comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{flag} takes {what}, got {text!r}") from None
 
 
 _HS = HSADMMConfig()
@@ -1131,3 +1142,299 @@ register(SystemModel("hsgd", predict_hsgd, _hsgd.HSGDPredictOptions, spec_kind="
                      description="H-SGD: SpFF/SpBP, hypergraph row partition", baseline="sgd"))
 register(SystemModel("sgd", predict_sgd, _hsgd.HSGDPredictOptions, spec_kind="radixnet",
                      description="SGD: SpFF/SpBP, random row partition", baseline=None))
+
+
+# ---------------------------------------------------------------------------------------------
+# data parallel: SSFusion (paper 004)
+# ---------------------------------------------------------------------------------------------
+#: ``dataparallel.ssfusion.FUSION_MODES`` (literal: ``dataparallel`` imports ``commvol``; a test
+#: keeps them equal)
+_FUSION_MODES = ("selective", "per-tensor", "multi-tensor")
+
+
+def _name_list(text):
+    """``"a,b c"`` or a sequence of names -> tuple of str (``None`` stays ``None``)."""
+    if text is None:
+        return None
+    items = str(text).replace(",", " ").split() if isinstance(text, str) else list(text)
+    return tuple(str(x) for x in items)
+
+
+def _split_list(text):
+    """``--interleave-split``: one integer ``l'_i`` per fusion buffer."""
+    return _int_list(text, "--interleave-split",
+                     "one integer l'_i per fusion buffer (comma-separated)")
+
+
+@dataclass(frozen=True)
+class SSFusionPredictOptions:
+    """Options of the SSFusion model: the strategy's traffic-relevant options (names and
+    defaults of :class:`dataparallel.ssfusion.SSFusionOptions`, which validates them) plus the
+    selective mode's selection, which a run profiles and a prediction has to assume."""
+
+    density: float = field(default=0.01, metadata={
+        "help": "Top-K: fraction of each tensor's entries sent per step"})
+    density_floor: float = field(default=0.001, metadata={
+        "help": "ssfusion: lowest density the density-aware adjustment may give a tensor"})
+    fusion: str = field(default="selective", metadata={
+        "help": "ssfusion: selective | per-tensor | multi-tensor sparsification"})
+    buffers: int = field(default=4, metadata={
+        "help": "ssfusion: number of fusion buffers (equal tensor counts, backward order)"})
+    buffer_mib: float = field(default=0.0, metadata={
+        "help": "ssfusion: fusion-buffer byte budget in MiB (> 0 overrides --buffers)"})
+    profile_steps: int = field(default=5, metadata={
+        "help": "ssfusion: dense warm-up steps (selective: profiling, then the selection)"})
+    interleave: bool = field(default=True, metadata={
+        "help": "ssfusion: all-reduce the dense part, all-gather the sparse part "
+                "(disable with --no-interleave)"})
+    dense_tensors: tuple | None = field(default=None, metadata={
+        "type": _name_list,
+        "help": "ssfusion selective: the tensors left dense (comma-separated names, e.g. a "
+                "run's summary.json metrics.selection.dense) instead of the eq. 2 rule on "
+                "assumed timings"})
+    interleave_split: tuple | None = field(default=None, metadata={
+        "type": _split_list,
+        "help": "ssfusion selective: l'_i per fusion buffer (a run's metrics.selection.split; "
+                "with --dense-tensors) instead of the T1+T2 split on assumed timings"})
+    selection_from: str = field(default="", metadata={
+        "help": "ssfusion selective: a run directory or its summary.json whose recorded "
+                "selection (dense tensors and splits) to reproduce"})
+    backward_ns: float = field(default=2.0, metadata={
+        "help": "ssfusion selective, assumed profile: backward time T_b per parameter in ns "
+                "(eq. 2 stand-in for the run's profiled timings)"})
+    sparsify_ns: float = field(default=5.0, metadata={
+        "help": "ssfusion selective, assumed profile: sparsification time T_sp per parameter "
+                "in ns"})
+
+    def __post_init__(self) -> None:
+        from dataparallel.ssfusion import SSFusionOptions  # noqa: PLC0415
+
+        for flag, v in (("--buffers", self.buffers), ("--profile-steps", self.profile_steps)):
+            if not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{flag} takes a whole number, got {v!r}")
+        SSFusionOptions(density=self.density, density_floor=self.density_floor,
+                        fusion=self.fusion, buffers=self.buffers, buffer_mib=self.buffer_mib,
+                        profile_steps=self.profile_steps, interleave=self.interleave)
+        for flag, v in (("--backward-ns", self.backward_ns),
+                        ("--sparsify-ns", self.sparsify_ns)):
+            if not (isinstance(v, (int, float, np.number)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} must be a finite time >= 0 in ns per parameter, "
+                                 f"got {v!r}")
+        object.__setattr__(self, "dense_tensors", _name_list(self.dense_tensors))
+        object.__setattr__(self, "interleave_split", _split_list(self.interleave_split))
+        given = [f for f, v in (("--dense-tensors", self.dense_tensors),
+                                ("--interleave-split", self.interleave_split),
+                                ("--selection-from", self.selection_from)) if v]
+        if given and self.fusion != "selective":
+            raise ValueError(f"{', '.join(given)} set(s) the selective mode's selection; use "
+                             f"--fusion selective or drop them (got --fusion {self.fusion})")
+        if self.selection_from and (self.dense_tensors is not None
+                                    or self.interleave_split is not None):
+            raise ValueError("--selection-from takes the dense tensors and splits from the run; "
+                             "drop --dense-tensors / --interleave-split, or --selection-from")
+        if self.interleave_split is not None and self.dense_tensors is None:
+            raise ValueError("--interleave-split needs --dense-tensors (the split places the "
+                             "dense tensors); pass both, or --selection-from a run")
+        if self.interleave_split is not None and not self.interleave and \
+                any(self.interleave_split):
+            raise ValueError("--no-interleave all-gathers whole buffers (l'_i = 0); drop "
+                             "--interleave-split or its non-zero entries")
+
+
+def _recorded_selection(path: str) -> tuple[dict, list]:
+    """``(metrics.selection, metrics.buffer_tensors)`` of a run directory or summary.json."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "summary.json"
+    if not p.is_file():
+        raise ValueError(f"--selection-from {path}: no summary.json there; pass a run directory "
+                         "of `dataparallel train --method ssfusion` or its summary.json")
+    metrics = json.loads(p.read_text()).get("metrics", {})
+    sel = metrics.get("selection")
+    if metrics.get("fusion") != "selective" or not isinstance(sel, dict):
+        raise ValueError(f"--selection-from {path}: not a finished --fusion selective ssfusion "
+                         "run (its summary.json metrics has no selection)")
+    return sel, metrics.get("buffer_tensors", [])
+
+
+def ssfusion_plan(spec, p: int, link: str, options: SSFusionPredictOptions, cost=None) -> dict:
+    """SSFusion's fixed per-buffer communication layout for ``spec`` on ``p`` ranks.
+
+    The strategy's pure planning helpers, as it plans: :func:`dataparallel.ssfusion.
+    fusion_buffers`; per-tensor / multi-tensor counts of :func:`~dataparallel.ssfusion.
+    per_tensor_plan`; selective: the dense tensors and splits given (``--dense-tensors``,
+    ``--interleave-split``, ``--selection-from``) or :func:`~dataparallel.ssfusion.
+    plan_selective` (eq. 2 and the T1+T2 split, §IV-B/D) on the assumed profile ``T_b^l =
+    backward_ns · n_l``, ``T_sp^l = T_cpu^l = sparsify_ns · n_l`` with the α–β times of
+    :func:`~dataparallel.ssfusion.alpha_beta_times`; counts of the sparse tensors from
+    :func:`commvol.ssfusion.density_aware_counts` (a given dense set that is infeasible at the
+    floor raises).
+
+    Returns
+    -------
+    dict
+        ``names, sizes, buffers, buffer_sizes, dense`` (tensor indices), ``split``, ``k`` (per
+        tensor, -1 dense) and per buffer ``ar, agd, ks`` (all-reduced, all-gathered dense and
+        sparse elements), ``source`` (how the selection was obtained).
+    """
+    from dataparallel.ssfusion import (alpha_beta_times, fusion_buffers,  # noqa: PLC0415
+                                       interleave_split, per_tensor_plan, plan_selective)
+    from .ssfusion import density_aware_counts  # noqa: PLC0415
+
+    o = options
+    layout = spec.layout
+    names = list(layout.names)
+    sizes = [int(layout.sizes[n]) for n in names]
+    L = len(names)
+    buffers = fusion_buffers(sizes, buffers=int(o.buffers),
+                             buffer_bytes=int(o.buffer_mib * (1 << 20)), itemsize=ITEMSIZE)
+    T_b = o.backward_ns * 1e-9 * np.asarray(sizes, dtype=np.float64)
+    T_sp = o.sparsify_ns * 1e-9 * np.asarray(sizes, dtype=np.float64)
+    times = alpha_beta_times(cost or CostModel(), p, link)
+    dense_names, split, source = o.dense_tensors, o.interleave_split, "given"
+    if o.selection_from:
+        sel, recorded_buffers = _recorded_selection(o.selection_from)
+        mine = [names[t0:t1] for t0, t1 in buffers]
+        if recorded_buffers and [list(b) for b in recorded_buffers] != mine:
+            raise ValueError(f"--selection-from {o.selection_from}: the run's fusion buffers "
+                             f"{recorded_buffers} differ from {mine}; pass the run's --model, "
+                             "--buffers / --buffer-mib")
+        dense_names, split = tuple(sel["dense"]), tuple(int(v) for v in sel["split"])
+        source = f"recorded by the run ({o.selection_from})"
+    if o.fusion != "selective":
+        k = list(per_tensor_plan(sizes, buffers, o.density).k)
+        split, source = [0] * len(buffers), f"--fusion {o.fusion}: every tensor sparse"
+    elif dense_names is None:
+        plan = plan_selective(sizes, buffers, T_b, T_sp, T_sp, density=o.density,
+                              density_floor=o.density_floor, comm_times=times,
+                              interleave=o.interleave)
+        k, split = list(plan.k), list(plan.split)
+        source = (f"eq. 2 rule on an assumed profile (T_b = {o.backward_ns:g} ns, T_sp = "
+                  f"{o.sparsify_ns:g} ns per parameter) and the alpha-beta model")
+    else:
+        index = {n: i for i, n in enumerate(names)}
+        unknown = [n for n in dense_names if n not in index]
+        if unknown:
+            raise ValueError(f"--dense-tensors: {unknown} are not tensors of model "
+                             f"{spec.name!r}; its tensors are {names}")
+        if split is not None and (len(split) != len(buffers) or any(
+                not 0 <= lp <= t1 - t0 for lp, (t0, t1) in zip(split, buffers))):
+            raise ValueError(f"--interleave-split {list(split)} needs one l'_i in 0..n_i per "
+                             f"fusion buffer (tensors per buffer: "
+                             f"{[t1 - t0 for t0, t1 in buffers]})")
+        dense = {index[n] for n in dense_names}
+        k, lps = [0] * L, []
+        for i, (t0, t1) in enumerate(buffers):
+            sz = sizes[t0:t1]
+            d = {l - t0 for l in dense if t0 <= l < t1}
+            kb = density_aware_counts(sz, d, o.density, o.density_floor)
+            if split is not None:
+                lps.append(split[i])
+            elif o.interleave:
+                lps.append(interleave_split(sz, d, kb, T_b[t0:t1], T_sp[t0:t1], times)[0])
+            else:
+                lps.append(0)
+            for j in range(t1 - t0):
+                k[t0 + j] = -1 if j in d else kb[j]
+        if split is None and o.interleave:
+            source += (f"; splits l'_i by the T1+T2 rule on an assumed profile (T_b = "
+                       f"{o.backward_ns:g} ns, T_sp = {o.sparsify_ns:g} ns per parameter)")
+        split = lps
+        if o.selection_from and {nm: kk for nm, kk in sel.get("k", {}).items()} != \
+                {names[l]: k[l] for l in range(L) if k[l] >= 0}:
+            raise ValueError(f"--selection-from {o.selection_from}: the run's counts "
+                             f"{sel.get('k')} differ from density-aware ones; pass the run's "
+                             "--density and --density-floor")
+    ar, agd, ks = [], [], []
+    for i, (t0, t1) in enumerate(buffers):
+        ar.append(sum(sizes[l] for l in range(t0, t1) if k[l] < 0 and l - t0 < split[i]))
+        agd.append(sum(sizes[l] for l in range(t0, t1) if k[l] < 0 and l - t0 >= split[i]))
+        ks.append(sum(k[l] for l in range(t0, t1) if k[l] >= 0))
+    return {"names": names, "sizes": sizes, "buffers": buffers,
+            "buffer_sizes": [sum(sizes[t0:t1]) for t0, t1 in buffers],
+            "dense": [l for l in range(L) if k[l] < 0], "split": list(split), "k": k,
+            "ar": ar, "agd": agd, "ks": ks, "source": source}
+
+
+def predict_ssfusion(spec, nodes, gpus_per_node, options: SSFusionPredictOptions,
+                     cost=None) -> Prediction:
+    """SSFusion: ``--profile-steps`` dense steps (a ring all-reduce per fusion buffer,
+    :func:`commvol.ssfusion.warmup_step_bytes`), selective only: the one-off profile MAX
+    all-reduce and plan broadcast at the end of warm-up (:func:`commvol.ssfusion.
+    selection_bytes`), then per buffer the all-reduce of ``Buffer_AR`` and the all-gather of
+    ``Buffer_AG`` (:func:`commvol.ssfusion.sparse_step_bytes`) with the layout of
+    :func:`ssfusion_plan`."""
+    from . import ssfusion as cv  # noqa: PLC0415
+
+    _check_topology(nodes, gpus_per_node)
+    M, P = int(nodes), int(gpus_per_node)
+    o = options
+    link = cm.INTER if M > 1 else cm.INTRA
+    plan = ssfusion_plan(spec, M * P, link, o, cost)
+    T, L, NB = spec.layout.total, len(plan["names"]), len(plan["buffers"])
+    dense_payload = ITEMSIZE * T
+
+    def warm(select: bool) -> IterCost:
+        phases = cv.warmup_step_bytes(M=M, P=P, buffer_sizes=plan["buffer_sizes"],
+                                      itemsize=ITEMSIZE)
+        calls = CallCost(M, P, cost)
+        for n in plan["buffer_sizes"]:
+            calls.allreduce(cv.WARMUP, ITEMSIZE * n, "world")
+        if select:
+            phases.update(cv.selection_bytes(M=M, P=P, num_tensors=L, num_buffers=NB))
+            calls.allreduce(cv.PROFILE, 8 * cv.profile_length(L), "world")
+            calls.bcast(cv.SELECT, 8 * cv.plan_length(L, NB), "world")
+        return calls.finish(phases, dense_payload, dense_payload)
+
+    ar, agd, ks = plan["ar"], plan["agd"], plan["ks"]
+    calls = CallCost(M, P, cost)
+    for n_ar, n_agd, k in zip(ar, agd, ks):
+        if n_ar:
+            calls.allreduce(cv.DENSE, ITEMSIZE * n_ar, "world")
+        if n_agd + k:
+            calls.allgather(cv.SPARSE, ITEMSIZE * n_agd + 8 * k, "world")
+    ratio = cv.payload_ratio(T, ar, agd, ks)
+    sparse = calls.finish(cv.sparse_step_bytes(M=M, P=P, ar_counts=ar, ag_dense_counts=agd,
+                                               ag_sparse_counts=ks),
+                          round(ratio * dense_payload), dense_payload)
+    w = int(o.profile_steps)
+    if o.fusion == "selective":
+        stages = [(w - 1, warm(False)), (1, warm(True)), (None, sparse)]
+    else:
+        stages = [(w, warm(False)), (None, sparse)]
+    stages = [(c, s) for c, s in stages if c != 0]
+    names = plan["names"]
+    dense = [names[l] for l in plan["dense"]]
+    notes = [f"{NB} fusion buffer(s) of {[t1 - t0 for t0, t1 in plan['buffers']]} tensors "
+             f"({plan['buffer_sizes']} elements; "
+             + (f"--buffer-mib {o.buffer_mib:g})" if o.buffer_mib > 0 else
+                f"--buffers {o.buffers})"),
+             f"steps 0..{w - 1}: dense ring all-reduce (avg) of every buffer (--profile-steps "
+             f"{w})" if w else "no warm-up step (--profile-steps 0)",
+             f"from step {w}: per buffer a ring all-reduce of Buffer_AR ({ar} elements) and a "
+             f"ring all-gather of Buffer_AG ({agd} dense float32 + {ks} sparse float32 values "
+             f"with int32 indices per rank); payload ratio {ratio:.4f} of dense",
+             f"selection: {plan['source']}"]
+    if o.fusion == "selective":
+        notes += [f"dense tensors {dense or 'none'}, splits l'_i = {plan['split']}; the sparse "
+                  f"ones sent at density-aware counts (--density {o.density:g}, "
+                  f"--density-floor {o.density_floor:g}: every buffer sends K_i = "
+                  f"sum ceil(d n_l) elements)",
+                  f"step {w - 1}: + MAX all-reduce of the {cv.profile_length(L)} float64 "
+                  f"timings and binomial broadcast of the {cv.plan_length(L, NB)} int64 plan",
+                  "the run's selection follows its profiled timings (not predictable): pass "
+                  "--selection-from RUN (or --dense-tensors and --interleave-split from its "
+                  "summary.json metrics.selection) to reproduce it; --offload, "
+                  "--sample-ratio and --no-error-feedback do not change the traffic"]
+    elif o.fusion == "multi-tensor":
+        notes.append("multi-tensor: one top-K_i per buffer, the same bytes as per-tensor")
+    return Prediction("ssfusion", spec.name, M, P, "1 step", tuple(stages), notes=tuple(notes),
+                      num_params=T)
+
+
+register(SystemModel("ssfusion", predict_ssfusion, SSFusionPredictOptions,
+                     description="SSFusion: fusion buffers, selective sparsification, "
+                                 "all-reduce of the dense part + all-gather of the sparse part"))

@@ -8,7 +8,7 @@ import pytest
 
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, load_run, write_plots
-from commvol.systems import hsadmm_plan, pactrain_kept
+from commvol.systems import SYSTEMS, hsadmm_plan, pactrain_kept, ssfusion_plan
 from mpi_helpers import read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -34,7 +34,12 @@ for name, extra in (
         ("sdp", ["--steps", "3", "--eval-every", "2"]),
         ("sdp-block", ["--steps", "2", "--model", "resnet", "--sdp-mode", "block"]),
         ("sdp-block-backward", ["--steps", "2", "--model", "resnet",
-                                "--sdp-mode", "block-backward"])):
+                                "--sdp-mode", "block-backward"]),
+        ("ssfusion-per-tensor", ["--steps", "3", "--fusion", "per-tensor",
+                                 "--profile-steps", "1"]),
+        ("ssfusion-multi-tensor", ["--steps", "2", "--fusion", "multi-tensor",
+                                   "--profile-steps", "0", "--buffers", "3"]),
+        ("ssfusion-selective", ["--steps", "4", "--profile-steps", "2", "--density", "0.05"])):
     method = name.split("-")[0]
     dp_train(dp_parser().parse_args(["--method", method, *extra, *shared,
                                      "--out", out + "/" + name]))
@@ -46,7 +51,14 @@ RUNS = {"pactrain": ("pactrain", "cnn", {"stable_window": 2, "prune_score": "gra
                                                  "stable_window": 1}),
         "sdp": ("sdp", "cnn", {"eval_every": 2}),
         "sdp-block": ("sdp", "resnet", {"sdp_mode": "block"}),  # digits' epoch > 2 steps
-        "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward"})}
+        "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward"}),
+        "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1}),
+        "ssfusion-multi-tensor": ("ssfusion", "cnn", {"fusion": "multi-tensor",
+                                                      "profile_steps": 0, "buffers": 3}),
+        # the selective run's dense/sparse selection follows its profiled timings: reproduced
+        # from the selection it recorded (selection_from is filled in with the run directory)
+        "ssfusion-selective": ("ssfusion", "cnn", {"profile_steps": 2, "density": 0.05,
+                                                   "selection_from": True})}
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +90,14 @@ def test_data_parallel_runs_are_reproduced(runs, system):
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_pactrain_sdp_runs_are_reproduced(runs, name):
+def test_pactrain_sdp_ssfusion_runs_are_reproduced(runs, name):
     """From the model name, the topology and the strategy's options: the run's bytes per phase
     and link class, messages and modeled time, and the bytes of every logged interval."""
     system, model, options = RUNS[name]
     s = read_summary(runs / name)
     n = s["metrics"]["steps"]
+    if options.get("selection_from"):
+        options = {**options, "selection_from": str(runs / name)}
     pred = predict(system, model, nodes=2, gpus_per_node=2, **options)
     _assert_reproduced(s, pred.total(n))
     per_step = [c for a, b, c in pred.schedule(n) for _ in range(a, b + 1)]
@@ -99,6 +113,15 @@ def test_pactrain_sdp_runs_are_reproduced(runs, name):
                             if "dense_allreduce" not in pred.per_iteration(k).phases)
         assert s["metrics"]["mask_stable_step"] == first_packed
         assert s["metrics"]["kept"] == pactrain_kept(resolve_model(model).layout, 0.5)
+    if system == "ssfusion":  # the run's own closed form (its summary's predicted block) too
+        pb = s["traffic"]["predicted"]["by_phase"]
+        assert {p: (e["intra_bytes"], e["inter_bytes"]) for p, e in pb.items()} == \
+            {p: (v["intra"], v["inter"]) for p, v in pred.total(n).phases.items()}
+        sel = s["metrics"]["selection"]
+        plan = ssfusion_plan(resolve_model(model), 4, "inter", SYSTEMS["ssfusion"].Options(
+            **options))
+        assert (plan["ar"], plan["agd"], plan["ks"]) == (
+            sel["allreduce_elements"], sel["allgather_dense_elements"], sel["sparse_elements"])
 
 
 def test_hsadmm_run_is_reproduced(runs):

@@ -314,3 +314,140 @@ def test_pactrain_and_sdp_bad_options():
         _p("sdp")
     with pytest.raises(ValueError, match="--sdp-mode 'bogus' unknown"):
         main(["predict", "--system", "sdp", "--model", "cnn", "--sdp-mode", "bogus"])
+
+
+# ---------------------------------------------------------------------------------------------
+# SSFusion
+# ---------------------------------------------------------------------------------------------
+def test_ssfusion_per_tensor_hand_computed():
+    # TINY in backward order: fc.bias 10, fc.weight 80, bn.bias 4, bn.weight 4, conv 144;
+    # --buffers 2: [fc.bias, fc.weight, bn.bias] (94) and [bn.weight, conv.weight] (148);
+    # k_l = max(1, ceil(0.01 n_l)) = 1, 1, 1 | 1, 2: K = 3 and 3
+    pred = _p("ssfusion", fusion="per-tensor", buffers=2, profile_steps=2)
+    assert [(a, b) for a, b, _ in pred.schedule(5)] == [(0, 1), (2, 4)]
+    warm, step = pred.per_iteration(0), pred.steady
+    assert warm.messages == {"ssf_warmup_allreduce": 2 * 24}
+    assert sum(warm.phases["ssf_warmup_allreduce"].values()) == 2 * 3 * 4 * (94 + 148)
+    assert warm.modeled_s["ssf_warmup_allreduce"] == pytest.approx(
+        6 * (A_X + 4 * 94 / 4 * B_X) + 6 * (A_X + 4 * 148 / 4 * B_X), rel=1e-12)
+    # all-gather of 8 K = 24 bytes per rank per buffer: (p - 1) 24 on every one of the 2 intra
+    # and 2 inter ring links
+    assert step.phases == {"ssf_sparse_allgather": {"intra": 2 * 2 * 3 * 24,
+                                                    "inter": 2 * 2 * 3 * 24}}
+    assert step.messages == {"ssf_sparse_allgather": 2 * 12}
+    assert step.modeled_s["ssf_sparse_allgather"] == pytest.approx(2 * 3 * (A_X + 24 * B_X),
+                                                                   rel=1e-12)
+    assert (step.payload_bytes, step.dense_payload_bytes) == (48, 968)
+    # multi-tensor: one top-K_i per buffer, the same K_i: the same traffic
+    multi = _p("ssfusion", fusion="multi-tensor", buffers=2, profile_steps=2)
+    assert multi.steady == step and multi.per_iteration(1) == pred.per_iteration(1)
+    # the whole run equals commvol.ssfusion.run_bytes (no selection outside selective)
+    from commvol.ssfusion import run_bytes
+
+    assert pred.total(5).phases == run_bytes(
+        M=2, P=2, steps=5, warmup_steps=2, buffer_sizes=[94, 148], ar_counts=[0, 0],
+        ag_dense_counts=[0, 0], ag_sparse_counts=[3, 3], num_tensors=5, selection=False)
+
+
+def test_ssfusion_selective_given_selection_hand_computed():
+    # --density 0.2: k = 2, 16, 1 | 1, 29 (K = 19, 30); fc.bias and bn.bias dense: fc.weight
+    # absorbs them (k' = 19 - 14 = 5); l'_0 = 1 puts fc.bias into Buffer_AR, bn.bias into
+    # Buffer_AG
+    pred = _p("ssfusion", buffers=2, profile_steps=3, density=0.2,
+              dense_tensors="fc.bias,bn.bias", interleave_split="1,0")
+    assert [(a, b) for a, b, _ in pred.schedule(6)] == [(0, 1), (2, 2), (3, 5)]
+    decide, step = pred.per_iteration(2), pred.steady
+    # profile: 3L + 2 = 17 float64 MAX all-reduce; plan: 2L + N_B = 12 int64 from rank 0
+    # (binomial tree 0 -> 2 over the inter link, 0 -> 1 and 2 -> 3 intra)
+    assert sum(decide.phases["ssf_profile_allreduce"].values()) == 2 * 3 * 8 * 17
+    assert decide.phases["ssf_select_bcast"] == {"intra": 2 * 96, "inter": 96}
+    assert decide.messages["ssf_select_bcast"] == 3
+    assert "ssf_profile_allreduce" not in pred.per_iteration(1).phases
+    # AR: 10 floats, 2 (p-1) 40 / p = 60 B per rank; AG blocks 4 * 4 + 8 * 5 = 56 and
+    # 8 * 30 = 240 B per rank
+    assert sum(step.phases["ssf_dense_allreduce"].values()) == 4 * 60
+    assert step.phases["ssf_sparse_allgather"] == {"intra": 2 * 3 * (56 + 240),
+                                                   "inter": 2 * 3 * (56 + 240)}
+    assert step.messages == {"ssf_dense_allreduce": 24, "ssf_sparse_allgather": 24}
+    assert step.modeled_s == pytest.approx(
+        {"ssf_dense_allreduce": 6 * (A_X + 10 * B_X),
+         "ssf_sparse_allgather": 3 * (A_X + 56 * B_X) + 3 * (A_X + 240 * B_X)}, rel=1e-12)
+    from commvol.ssfusion import run_bytes
+
+    assert pred.total(6).phases == run_bytes(
+        M=2, P=2, steps=6, warmup_steps=3, buffer_sizes=[94, 148], ar_counts=[10, 0],
+        ag_dense_counts=[4, 0], ag_sparse_counts=[5, 30], num_tensors=5)
+    # --no-interleave all-gathers the dense tensors too
+    naive = _p("ssfusion", buffers=2, profile_steps=3, density=0.2, interleave=False,
+               dense_tensors=("fc.bias", "bn.bias")).steady
+    assert naive.phases == {"ssf_sparse_allgather": {"intra": 2 * 3 * (96 + 240),
+                                                     "inter": 2 * 3 * (96 + 240)}}
+
+
+def test_ssfusion_default_selection_is_the_eq2_rule():
+    """Without a recorded selection the eq. 2 rule runs on the assumed profile: with no
+    compute at all eq. 2 holds at once (nothing to hide), every tensor is sparse and the
+    traffic is per-tensor's; the chosen selection, passed back explicitly, gives the same."""
+    free = _p("ssfusion", buffers=2, backward_ns=0, sparsify_ns=0)
+    assert free.steady == _p("ssfusion", buffers=2, fusion="per-tensor").steady
+    assert any("assumed profile" in n for n in free.notes)
+    from commvol.systems import ssfusion_plan
+
+    o = SYSTEMS["ssfusion"].Options(buffers=2, density=0.1, backward_ns=1e4, sparsify_ns=1e4)
+    plan = ssfusion_plan(TINY, 4, "inter", o, COST)
+    assert plan["dense"]  # slow compute: small tensors stay dense to shorten the backward
+    names = [TINY.layout.names[l] for l in plan["dense"]]
+    again = _p("ssfusion", buffers=2, density=0.1, dense_tensors=names,
+               interleave_split=plan["split"])
+    assert again.steady == _p("ssfusion", buffers=2, density=0.1, backward_ns=1e4,
+                              sparsify_ns=1e4).steady
+
+
+def test_ssfusion_predict_options_mirror_the_strategy():
+    import dataclasses
+
+    from commvol import systems
+    from dataparallel import ssfusion
+
+    mine = {f.name: f.default for f in dataclasses.fields(systems.SSFusionPredictOptions)}
+    theirs = {f.name: f.default for f in dataclasses.fields(ssfusion.SSFusionOptions)}
+    for name in ("density", "density_floor", "fusion", "buffers", "buffer_mib",
+                 "profile_steps", "interleave"):
+        assert mine[name] == theirs[name], name
+    assert systems._FUSION_MODES == ssfusion.FUSION_MODES
+
+
+def test_ssfusion_bad_options(tmp_path):
+    def bad(match, **kw):
+        with pytest.raises(ValueError, match=match):
+            _p("ssfusion", **kw)
+
+    bad("--fusion 'bogus' unknown; use one of", fusion="bogus")
+    bad("--buffers must be an integer >= 1", buffers=0)
+    bad("--buffers takes a whole number", buffers=1.5)
+    bad("--buffers 9 must be between 1 and the model's 5 tensors", buffers=9)
+    bad("below --density-floor", density=0.0005)
+    bad("--profile-steps must be >= 1", profile_steps=0)
+    bad("--backward-ns must be a finite time >= 0", backward_ns=-1.0)
+    bad(r"--dense-tensors: \['conv.w'\] are not tensors of model 'tiny'",
+        dense_tensors="conv.w")
+    bad("cannot be compensated at --density-floor", dense_tensors="fc.weight")
+    bad("use --fusion selective or drop them", fusion="per-tensor", dense_tensors="bn.bias")
+    bad("--interleave-split needs --dense-tensors", interleave_split="0,0,0,0")
+    bad(r"--interleave-split \[0\] needs one l'_i in 0..n_i per fusion buffer",
+        dense_tensors="bn.bias", interleave_split="0")
+    bad("--interleave-split takes one integer", dense_tensors="bn.bias", interleave_split="a")
+    bad("no summary.json there", selection_from=str(tmp_path))
+    with pytest.raises(ValueError, match="--fusion 'bogus' unknown; use one of"):
+        main(["predict", "--system", "ssfusion", "--model", "cnn", "--fusion", "bogus"])
+
+
+def test_ssfusion_cli_selection_flags(capsys):
+    # the embedded CNN's buffers: [fc2.*], [fc1.bias, fc1.weight], [conv2.*], [conv1.*]
+    main(["predict", "--system", "ssfusion", "--model", "cnn", "--nodes", "2",
+          "--gpus-per-node", "2", "--iters", "7", "--dense-tensors", "fc1.bias",
+          "--interleave-split", "0,1,0,0", "--density", "0.05"])
+    out = capsys.readouterr().out
+    assert "dense tensors ['fc1.bias'], splits l'_i = [0, 1, 0, 0]" in out
+    assert "| ssfusion (1 step) | 5-6 | ssf_dense_allreduce |" in out
+    assert "selection: given" in out
