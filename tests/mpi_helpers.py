@@ -66,3 +66,14 @@ def assert_measured_equals_predicted(summary: dict) -> None:
         got = measured["by_phase"][phase]
         assert (got["intra_bytes"], got["inter_bytes"]) == (want["intra_bytes"],
                                                             want["inter_bytes"]), phase
+
+
+def assert_fails_on_every_rank(module: str, args, message: str, out_dir, n: int = 2) -> None:
+    """``module`` run with ``args`` on ``n`` ranks fails with ``message`` reported by every rank,
+    and writes no ``summary.json`` into ``out_dir`` (nothing half-done)."""
+    res = run_mpi(None, n, *args, "--out", out_dir, module=module, timeout=120,
+                  expect_fail=True)
+    assert message in res.stderr, res.stderr
+    for r in range(n):
+        assert f"spardist: error on rank {r}" in res.stderr, res.stderr
+    assert not (Path(out_dir) / "summary.json").exists()

@@ -14,7 +14,8 @@ from commvol.sdp import (assemble_bytes, gated_allreduce_bytes,
                          param_bcast_bytes, sdp_step_bytes)
 from dataparallel.sdp import (SDPOptions, SDPPlan, parse_active_blocks, parse_fraction,
                               plan_masks, spectral_gap, strided_sets, window_sets, worker_memory)
-from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
+from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
+                         read_summary, run_mpi)
 from models import build_model
 from substrate import costmodel as cm
 
@@ -290,8 +291,5 @@ def test_cli_measured_bytes_equal_closed_form(tmp_path, args):
     (["--sdp-mode", "block"], "has none; use --model resnet or --sdp-mode neuron"),
 ])
 def test_bad_flags_fail_on_every_rank(tmp_path, args, message):
-    res = run_mpi(None, 2, "train", "--method", "sdp", *args, "--out", tmp_path / "x",
-                  module="dataparallel", timeout=120, expect_fail=True)
-    assert message in res.stderr
-    assert "spardist: error on rank 0" in res.stderr and "error on rank 1" in res.stderr
-    assert not (tmp_path / "x" / "summary.json").exists()
+    assert_fails_on_every_rank("dataparallel", ["train", "--method", "sdp", *args], message,
+                               tmp_path / "x")
