@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from . import collectives as coll
 from . import costmodel as cm
 from .backend import Backend, get_backend
 from .clock import SimClock
@@ -43,6 +44,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
                    help="simulate nodes of R consecutive ranks (default: real shared-memory "
                         "nodes)")
+    g.add_argument("--collectives", choices=coll.MODES, default=None,
+                   help="exact: spardist's own point-to-point collectives, the bytes booked are "
+                        "the bytes sent on any MPI; native: the MPI library's, pinned to the "
+                        "booked algorithm where known (default: $SPARDIST_COLLECTIVES or exact)")
     c = parser.add_argument_group("cost model (alpha-beta per link class)")
     c.add_argument("--intra-bw", type=float, default=cm.DEFAULT_INTRA_GBPS, metavar="GBPS",
                    help="intra-node bandwidth in Gbit/s (default %(default)s: NVLink-class)")
@@ -63,6 +68,7 @@ class CommonConfig:
     seed: int = 0
     device: str = "cpu"
     ranks_per_node: int | None = None
+    collectives: str | None = None
     intra_bw: float = cm.DEFAULT_INTRA_GBPS
     inter_bw: float = cm.DEFAULT_INTER_GBPS
     intra_lat: float = cm.DEFAULT_INTRA_LAT_US
@@ -74,6 +80,8 @@ class CommonConfig:
               if hasattr(args, f.name)}
         if kw.get("out") is not None:
             kw["out"] = str(kw["out"])
+        if kw.get("collectives") is None:
+            kw["collectives"] = coll.default_mode()
         return cls(**kw)
 
     def cost_model(self) -> CostModel:
@@ -118,6 +126,8 @@ class Run:
         self.out = writer.out
         self._t0 = time.time()
         self.finished = False
+        #: which collectives ran and whether the wire carries what the ledger books (collective)
+        self.collectives = coll.describe(self.world.mode, self.world.mpi)
 
     def log(self, **record) -> None:
         """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced)."""
@@ -140,6 +150,7 @@ class Run:
             "versions": versions(),
             "topology": self.topo.describe(),
             "cost_model": self.cost.describe(),
+            "collectives": self.collectives,
             "traffic": {"measured": measured, "predicted": predicted or {}},
             "metrics": metrics or {},
             "timing": timing,
@@ -148,6 +159,9 @@ class Run:
             summary.update(extra)
         summary = to_jsonable(summary)
         self.writer.finish(summary)
+        if self.rank == 0 and not self.collectives["verified"]:
+            print(f"spardist: warning: traffic is {self.collectives['status']}", file=sys.stderr,
+                  flush=True)
         self.finished = True
         return summary
 
@@ -168,7 +182,8 @@ def start_run(args, *, system: str, method: str, config=None, comm=None) -> Run:
     common = args if isinstance(args, CommonConfig) else CommonConfig.from_args(args)
     cost = common.cost_model()
     topo = Topology.from_comm(comm if comm is not None else MPI.COMM_WORLD,
-                              ranks_per_node=common.ranks_per_node, cost=cost)
+                              ranks_per_node=common.ranks_per_node, cost=cost,
+                              collectives=common.collectives)
     backend = get_backend(common.device, topo.gpu_index)
     topo.bind_backend(backend)
     out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"

@@ -1,9 +1,12 @@
 """Ledger-recording wrappers around the mpi4py calls spardist needs.
 
 No module outside ``substrate`` calls an mpi4py communication method; they call a :class:`Comm`
-method with a ``phase`` label, which performs the real MPI call and records what this rank sent
+method with a ``phase`` label, which performs the communication and records what this rank sent
 into the run's :class:`~substrate.ledger.Ledger` under the named algorithm of
-:mod:`substrate.costmodel`:
+:mod:`substrate.costmodel`.  In the default ``exact`` mode the collectives are
+:mod:`substrate.collectives`' own point-to-point implementations of exactly these algorithms and
+the ledger records the bytes they handed to MPI; in ``native`` mode the MPI library's collective
+runs (pinned where spardist knows how) and the ledger books the algorithm's bytes:
 
 ============  ============================  ==============================================
 call          algorithm (accounting)        bytes this rank sends per call
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from . import collectives as coll
 from .backend import Backend, array_module, get_backend
 from .costmodel import (
     INTER,
@@ -73,11 +77,17 @@ class Comm:
         Shared by every communicator of the run.
     backend : Backend, optional
         Array backend used to hand buffers to MPI (CPU by default).
+    collectives : {"exact", "native"}, optional
+        How collectives run (:mod:`substrate.collectives`); default ``SPARDIST_COLLECTIVES`` or
+        ``exact``.
     """
 
     def __init__(self, mpi: MPI.Intracomm, node_of_world: np.ndarray, world_ranks: np.ndarray,
-                 ledger: Ledger, cost: CostModel, backend: Backend | None = None) -> None:
+                 ledger: Ledger, cost: CostModel, backend: Backend | None = None,
+                 collectives: str | None = None) -> None:
         self.mpi = mpi
+        self.mode = coll.check_mode(collectives) if collectives else coll.default_mode()
+        self._coll_mpi: MPI.Intracomm | None = None
         self.rank = mpi.Get_rank()
         self.size = mpi.Get_size()
         self.node_of_world = np.asarray(node_of_world)
@@ -120,7 +130,35 @@ class Comm:
         if c == MPI.COMM_NULL:
             return None
         members = np.array(c.allgather(int(self.world_ranks[self.rank])), dtype=np.int64)
-        return Comm(c, self.node_of_world, members, self.ledger, self.cost, self.backend)
+        return Comm(c, self.node_of_world, members, self.ledger, self.cost, self.backend,
+                    self.mode)
+
+    @property
+    def exact(self) -> bool:
+        """True when collectives run on spardist's own point-to-point algorithms."""
+        return self.mode == "exact" and self.size > 1
+
+    def _cmpi(self) -> MPI.Intracomm:
+        """Private duplicate for the exact collectives (created on the first collective call,
+        which every member makes in the same order), so their messages never match user ones."""
+        if self._coll_mpi is None:
+            self._coll_mpi = self.mpi.Dup()
+        return self._coll_mpi
+
+    def _record_sent(self, phase: str, payload: int, sent, modeled_s: float) -> None:
+        """Record the messages an exact collective handed to MPI: ``(dest, nbytes)`` pairs."""
+        intra = inter = 0
+        links = set()
+        for dest, nb in sent:
+            link = self.link_to(dest)
+            if link == INTRA:
+                intra += nb
+            else:
+                inter += nb
+            if nb:
+                links.add(link)
+        self.ledger.record(phase, payload=payload, intra=intra, inter=inter, messages=len(sent),
+                           modeled_s=modeled_s, links=links)
 
     # -- collectives -----------------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", *, phase: str):
@@ -137,13 +175,20 @@ class Comm:
                              f"{buf.dtype}; pack masks with numpy.packbits first")
         if op == "avg" and buf.dtype.kind != "f":
             raise ValueError(f"'avg' all-reduce needs floating-point data, got {buf.dtype}")
-        if self.size > 1:
+        if self.exact:
             view = self.backend.mpi_view(buf)
-            self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
+            sent = coll.ring_allreduce(self._cmpi(), view.reshape(-1), op, array_module(view))
             self.backend.mpi_done(buf, view)
+            self._record_sent(phase, buf.nbytes, sent, self.cost.ring_allreduce_time(
+                buf.nbytes, self.size, self.slowest))
+        else:
+            if self.size > 1:
+                view = self.backend.mpi_view(buf)
+                self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
+                self.backend.mpi_done(buf, view)
+            self._record_allreduce(phase, buf.size, buf.itemsize)
         if op == "avg" and self.size > 1:
             buf /= self.size
-        self._record_allreduce(phase, buf.size, buf.itemsize)
         return buf
 
     def _record_allreduce(self, phase: str, count: int, itemsize: int) -> None:
@@ -161,12 +206,18 @@ class Comm:
         self._check(buf, "bcast")
         if not 0 <= root < self.size:
             raise ValueError(f"bcast root {root} outside communicator of size {self.size}")
+        intra_kids, inter_kids, slow = self._bcast_plan(root)
+        n = buf.nbytes
+        if self.exact:
+            view = self.backend.mpi_view(buf, fill=self.rank == root)
+            sent = coll.binomial_bcast(self._cmpi(), view, root)
+            self.backend.mpi_done(buf, view)
+            self._record_sent(phase, n, sent, self.cost.bcast_time(n, self.size, slow))
+            return buf
         if self.size > 1:
             view = self.backend.mpi_view(buf, fill=self.rank == root)
             self.mpi.Bcast(view, root=root)
             self.backend.mpi_done(buf, view)
-        intra_kids, inter_kids, slow = self._bcast_plan(root)
-        n = buf.nbytes
         links = tuple(x for x, k in ((INTRA, intra_kids), (INTER, inter_kids)) if k)
         self.ledger.record(phase, payload=n, intra=intra_kids * n, inter=inter_kids * n,
                            messages=intra_kids + inter_kids,
@@ -192,6 +243,11 @@ class Comm:
         self._check(buf, "allgather")
         xp = array_module(buf)
         out = xp.empty((self.size, *buf.shape), dtype=buf.dtype)
+        if self.exact:
+            out[self.rank] = buf
+            counts = np.full(self.size, buf.size, dtype=np.int64)
+            self._exact_allgatherv(out.reshape(-1), counts, buf.nbytes, phase)
+            return out
         if self.size > 1:
             sview = self.backend.mpi_view(buf)
             rview = self.backend.mpi_view(out, fill=False)
@@ -201,6 +257,15 @@ class Comm:
             out[0] = buf
         self._record_allgather(phase, [buf.nbytes] * self.size, buf.nbytes)
         return out
+
+    def _exact_allgatherv(self, flat, counts: np.ndarray, payload: int, phase: str) -> None:
+        """Ring all-gather(v) in place on ``flat`` (own block already at its offset)."""
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        view = self.backend.mpi_view(flat)
+        sent = coll.ring_allgatherv(self._cmpi(), view, counts, displs)
+        self.backend.mpi_done(flat, view)
+        self._record_sent(phase, payload, sent, self.cost.ring_allgather_time(
+            int(counts.sum()) * flat.itemsize, self.size, self.slowest))
 
     def _record_allgather(self, phase: str, block_bytes: Sequence[int], payload: int) -> None:
         p = self.size
@@ -234,6 +299,11 @@ class Comm:
                              f"buffer of {buf.size} elements")
         xp = array_module(buf)
         out = xp.empty(int(counts.sum()), dtype=buf.dtype)
+        if self.exact:
+            start = int(counts[:self.rank].sum())
+            out[start:start + buf.size] = buf
+            self._exact_allgatherv(out, counts, buf.nbytes, phase)
+            return out, counts
         if self.size > 1:
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
             sview = self.backend.mpi_view(buf)
@@ -258,17 +328,31 @@ class Comm:
             raise ValueError(f"alltoallv: sendcounts {sendcounts.tolist()} must have one entry "
                              f"per rank ({p}) summing to the 1-D buffer length {sendbuf.size}")
         if recvcounts is None:
-            rc = np.empty(p, dtype=np.int64)
-            self.mpi.Alltoall(sendcounts, rc)
-            self._record_pairwise(phase, np.full(p, 8, dtype=np.int64), p * 8)
-            recvcounts = rc
+            if self.exact:
+                recvcounts, _ = self.alltoallv(sendcounts.copy(), np.ones(p, dtype=np.int64),
+                                               np.ones(p, dtype=np.int64), phase=phase)
+            else:
+                rc = np.empty(p, dtype=np.int64)
+                self.mpi.Alltoall(sendcounts, rc)
+                self._record_pairwise(phase, np.full(p, 8, dtype=np.int64), p * 8)
+                recvcounts = rc
         recvcounts = np.asarray(recvcounts, dtype=np.int64)
+        if recvcounts.shape != (p,) or (recvcounts < 0).any():
+            raise ValueError(f"alltoallv: recvcounts {recvcounts.tolist()} must have one "
+                             f"non-negative entry per rank ({p})")
         xp = array_module(sendbuf)
         out = xp.empty(int(recvcounts.sum()), dtype=sendbuf.dtype)
         sd = np.concatenate(([0], np.cumsum(sendcounts)[:-1]))
         rd = np.concatenate(([0], np.cumsum(recvcounts)[:-1]))
         sview = self.backend.mpi_view(sendbuf)
         rview = self.backend.mpi_view(out, fill=False)
+        if self.mode == "exact":
+            sent = coll.pairwise_alltoallv(self._cmpi() if p > 1 else self.mpi, sview, sendcounts,
+                                           sd, rview, recvcounts, rd, array_module(sview))
+            self.backend.mpi_done(out, rview)
+            self._record_sent(phase, sendbuf.nbytes, sent,
+                              sum(self.cost.p2p_time(nb, self.link_to(d)) for d, nb in sent))
+            return out, recvcounts
         self.mpi.Alltoallv([sview, (sendcounts, sd)], [rview, (recvcounts, rd)])
         self.backend.mpi_done(out, rview)
         self._record_pairwise(phase, sendcounts * sendbuf.itemsize, sendbuf.nbytes)
@@ -294,6 +378,11 @@ class Comm:
 
     def barrier(self, *, phase: str) -> None:
         """Barrier (dissemination algorithm in the ledger: messages, no bytes)."""
+        if self.exact:
+            sent = coll.dissemination_barrier(self._cmpi())
+            self.ledger.record(phase, payload=0, messages=len(sent),
+                               modeled_s=self.cost.barrier_time(self.size, self.slowest))
+            return
         self.mpi.Barrier()
         d = binomial_depth(self.size)
         self.ledger.record(phase, payload=0, messages=d,

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .pinning import pinning_env
+
 __all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB"]
 
 #: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).
@@ -101,14 +103,34 @@ def launch_command(np_: int, module: str | None, args: list[str] = (), *,
     return cmd + payload
 
 
-def mpi_env(np_: int, base: dict | None = None) -> dict:
-    """Environment for ``np_`` ranks on this host: BLAS/OpenMP/Numba threads are capped at
-    ``cores // np_`` (at least 1) unless already set, so oversubscribed ranks do not thrash."""
+def mpi_env(np_: int, base: dict | None = None, flavor: str | None = None) -> dict:
+    """Environment for ``np_`` ranks on this host.
+
+    * BLAS/OpenMP/Numba threads are capped at ``cores // np_`` (at least 1) unless already set,
+      so oversubscribed ranks do not thrash.
+    * The MPI library's collectives are pinned to the algorithms the ledger books
+      (:func:`substrate.collectives.pinning_env`) unless the user set those variables: this must
+      happen before ``MPI_Init``, so only a launcher can do it.  It matters for
+      ``--collectives native``; in the default exact mode only spardist's unbooked bookkeeping
+      (ledger gathering) uses the library's collectives.  ``flavor`` defaults to the family of
+      :func:`find_mpiexec`; MPICH's variables are set for any launcher (other libraries ignore
+      them), Open MPI's only when the launcher is Open MPI's.
+    """
     env = dict(os.environ if base is None else base)
     threads = str(max(1, (os.cpu_count() or 1) // max(np_, 1)))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "NUMBA_NUM_THREADS"):
         env.setdefault(var, threads)
+    if flavor is None:
+        try:
+            flavor = mpi_flavor(find_mpiexec())
+        except FileNotFoundError:
+            flavor = "unknown"
+    pins = pinning_env("mpich")
+    if flavor.startswith("openmpi"):
+        pins.update(pinning_env(flavor))
+    for var, value in pins.items():
+        env.setdefault(var, value)
     return env
 
 

@@ -117,7 +117,8 @@ class Topology:
     @classmethod
     def from_comm(cls, comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None, *,
                   nodes_per_rack: int | None = None, ledger: Ledger | None = None,
-                  cost: CostModel | None = None, backend: Backend | None = None) -> "Topology":
+                  cost: CostModel | None = None, backend: Backend | None = None,
+                  collectives: str | None = None) -> "Topology":
         """Discover (or simulate) the node structure of ``comm`` (collective).
 
         Parameters
@@ -130,6 +131,9 @@ class Topology:
             Adds a rack level of ``K`` consecutive nodes.
         ledger, cost, backend :
             Shared by every communicator created here.
+        collectives : {"exact", "native"}, optional
+            How every communicator runs its collectives (:mod:`substrate.collectives`); default
+            ``SPARDIST_COLLECTIVES`` or ``exact``.
 
         Raises
         ------
@@ -176,7 +180,7 @@ class Topology:
 
         ranks = np.arange(size)
         mk = lambda c, members: Comm(c, node_of, members, self.ledger, self.cost,  # noqa: E731
-                                     self.backend)
+                                     self.backend, collectives)
         self.world = mk(world, ranks)
         self.intra = mk(intra_mpi, ranks[node_of == self.node])
         inter_mpi = world.Split(0 if self.is_leader else MPI.UNDEFINED, rank)

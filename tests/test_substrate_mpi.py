@@ -61,3 +61,70 @@ def test_bad_ranks_per_node_value_errors(tmp_path):
     res = run_mpi(None, 2, "--ranks-per-node", 0, "--out", tmp_path / "x",
                   module="substrate.probe", timeout=60, expect_fail=True)
     assert "--ranks-per-node must be a positive integer" in res.stderr
+
+
+# -- collectives modes (issue 11): exact point-to-point algorithms vs the library's -------------
+MODE_LAYOUTS = [(4, 2), (6, 3), (3, 3), (5, 1)]  # 2x2, 2 nodes x 3, one node of 3, 5 x 1
+
+
+@pytest.mark.parametrize("n,R", MODE_LAYOUTS, ids=[f"{n}x{R}" for n, R in MODE_LAYOUTS])
+def test_exact_collectives_match_library_and_booking(n, R):
+    """Same results as the library's collectives; exact mode's per-destination sends equal the
+    native mode's closed-form booking on every rank, phase and field."""
+    assert "OK exact_vs_native" in run_mpi("substrate_checks.py", n, "exact_vs_native", R,
+                                           timeout=120).stdout
+
+
+@pytest.mark.parametrize("n,R", [(4, 2), (6, 3), (5, 1)], ids=["4x2", "6x3", "5x1"])
+def test_exact_ring_sends_what_the_ring_books(n, R):
+    assert "OK exact_sent_equals_formula" in run_mpi(
+        "substrate_checks.py", n, "exact_sent_equals_formula", R, timeout=90).stdout
+
+
+def _collectives_block(tmp_path, *extra, env_drop=()):
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from substrate.launch import launch_command, mpi_env  # noqa: PLC0415
+
+    out = tmp_path / "probe"
+    cmd = launch_command(4, "substrate.probe", ["--ranks-per-node", "2", "--out", str(out),
+                                                *extra])
+    env = mpi_env(4)
+    for k in env_drop:
+        env.pop(k, None)
+    env.pop("SPARDIST_COLLECTIVES", None)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    return json.loads((out / "summary.json").read_text())["collectives"], res.stderr
+
+
+def test_summary_says_exact_mode_by_default(tmp_path):
+    block, err = _collectives_block(tmp_path)
+    assert block["mode"] == "exact" and block["verified"] is True
+    assert "warning" not in err
+
+
+def test_native_mode_unpinned_is_booked_not_verified(tmp_path):
+    from substrate.pinning import MPICH_PINNING  # noqa: PLC0415
+
+    block, err = _collectives_block(tmp_path, "--collectives", "native",
+                                    env_drop=tuple(MPICH_PINNING))
+    assert block["mode"] == "native" and block["verified"] is False
+    assert block["status"].startswith("booked, not verified")
+    assert "booked, not verified" in err  # said on stderr too, not only in the file
+
+
+def test_native_mode_pinned_by_the_launcher(tmp_path):
+    block, _ = _collectives_block(tmp_path, "--collectives", "native")
+    assert block["mode"] == "native" and block["pinned"] is True
+    if block["family"] == "mpich" and block["library"].split()[-1].startswith("5.0"):
+        assert block["verified"] is True
+
+
+def test_bad_collectives_mode_is_a_clear_error(tmp_path):
+    res = run_mpi(None, 2, "--collectives", "ring", "--out", tmp_path / "x",
+                  module="substrate.probe", timeout=60, expect_fail=True)
+    assert "--collectives" in res.stderr and "exact" in res.stderr
+    assert not (tmp_path / "x").exists()

@@ -161,6 +161,130 @@ def gathers(R):
     collective_check(w, ok, f"gathers wrong: {tot}")
 
 
+def _exercise(t, rng_seed=3):
+    """Every collective the project uses, on uneven sizes, zero blocks and every root; returns
+    the results (to compare between modes) and checks them against mpi4py's own collectives on
+    COMM_WORLD (the library's algorithms: an independent reference)."""
+    w, p, r = t.world, t.size, t.rank
+    ref = MPI.COMM_WORLD
+    res, ok, why = [], True, []
+    for count in (1, p - 1 if p > 1 else 1, 7, 1001, 4099):
+        for dtype, op, mop in ((np.float64, "sum", MPI.SUM), (np.int32, "sum", MPI.SUM),
+                               (np.float32, "max", MPI.MAX), (np.int64, "min", MPI.MIN),
+                               (np.uint8, "bor", MPI.BOR), (np.float64, "avg", MPI.SUM)):
+            rng = np.random.default_rng(1000 * r + count)
+            x = (rng.integers(0, 250, count) if dtype in (np.uint8, np.int32, np.int64)
+                 else rng.standard_normal(count)).astype(dtype)
+            want = np.empty_like(x)
+            ref.Allreduce(x, want, op=mop)
+            if op == "avg":
+                want = want / p
+            w.allreduce(x, op, phase=f"ar_{op}")
+            same = (np.allclose(x, want, rtol=1e-12, atol=1e-12) if x.dtype.kind == "f"
+                    else np.array_equal(x, want))
+            # every rank must hold bitwise the same result (the ring reduces each chunk once)
+            allsame = all(np.array_equal(x, y) for y in ref.allgather(x))
+            if not (same and allsame):
+                ok = False
+                why.append(f"allreduce {op} {dtype.__name__} n={count}: same={same} "
+                           f"identical={allsame}")
+            res.append(x.copy())
+    counts = np.array([(3 * i + 1) % 4 for i in range(p)], dtype=np.int64)  # zeros included
+    mine = np.arange(counts[r], dtype=np.float32) + 100 * r
+    v, c = w.allgatherv(mine, counts, phase="agv")
+    want = np.concatenate([np.arange(counts[i], dtype=np.float32) + 100 * i for i in range(p)])
+    if not np.array_equal(v, want):
+        ok = False
+        why.append(f"allgatherv {v} != {want}")
+    res.append(v)
+    g = w.allgather(np.array([[r, -r], [r * r, 7]], dtype=np.int16), phase="ag")
+    if not np.array_equal(g, np.array([[[i, -i], [i * i, 7]] for i in range(p)])):
+        ok = False
+        why.append("allgather wrong")
+    sc = np.array([(r * 5 + 3 * j) % 4 for j in range(p)], dtype=np.int64)
+    send = np.concatenate([np.full(sc[j], 1000 * r + j, dtype=np.int64) for j in range(p)])
+    out, rc = w.alltoallv(send, sc, phase="a2a")  # counts exchanged first (recorded)
+    want = np.concatenate([np.full((i * 5 + 3 * r) % 4, 1000 * i + r, dtype=np.int64)
+                           for i in range(p)])
+    if not (np.array_equal(out, want) and np.array_equal(rc, [(i * 5 + 3 * r) % 4
+                                                             for i in range(p)])):
+        ok = False
+        why.append("alltoallv wrong")
+    res.append(out)
+    for root in range(p):
+        b = (np.arange(13, dtype=np.float64) * (root + 1) if r == root
+             else np.full(13, np.nan))
+        w.bcast(b, root, phase="bcast")
+        if not np.array_equal(b, np.arange(13, dtype=np.float64) * (root + 1)):
+            ok = False
+            why.append(f"bcast root {root} wrong")
+        res.append(b)
+    for _ in range(3):
+        w.barrier(phase="barrier")
+    if t.intra.size > 1:
+        y = np.full(5, float(t.local_rank))
+        t.intra.allreduce(y, phase="intra")
+        res.append(y)
+    if t.inter is not None and t.inter.size > 1:
+        z = np.packbits(np.random.default_rng(t.node).random(99) < 0.3)
+        t.inter.allreduce(z, "bor", phase="inter_or")
+        res.append(z)
+    return res, ok, "; ".join(why)
+
+
+def exact_vs_native(R):
+    """Both collective modes give the library's results, and the exact mode's ledger (the bytes
+    it really handed to MPI, per destination) equals the native mode's booking (closed-form
+    per-rank accounting of :mod:`substrate.costmodel`) entry by entry, on every rank."""
+    out = {}
+    for mode in ("exact", "native"):
+        t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, collectives=mode)
+        collective_check(t.world, t.world.mode == mode and t.intra.mode == mode,
+                         f"mode not propagated: {t.world.mode}, {t.intra.mode}")
+        res, ok, why = _exercise(t)
+        collective_check(t.world, ok, f"{mode}: {why}")
+        out[mode] = (res, t.ledger.local())
+    (rx, lx), (rn, ln) = out["exact"], out["native"]
+    same_res = all(a.dtype == b.dtype and np.allclose(a, b, rtol=1e-12, atol=1e-12)
+                   for a, b in zip(rx, rn)) and len(rx) == len(rn)
+    diffs = []
+    for phase in sorted(set(lx) | set(ln)):
+        a, b = lx.get(phase), ln.get(phase)
+        if a is None or b is None:
+            diffs.append(f"{phase}: only in one mode")
+            continue
+        for f in ("intra_bytes", "inter_bytes", "payload_bytes", "calls", "messages"):
+            if a[f] != b[f]:
+                diffs.append(f"{phase}.{f}: exact {a[f]} native {b[f]}")
+        if not np.isclose(a["modeled_s"], b["modeled_s"], rtol=1e-12, atol=0):
+            diffs.append(f"{phase}.modeled_s differs")
+    collective_check(MPI.COMM_WORLD, same_res and not diffs,
+                     f"results equal: {same_res}; ledger differences: {diffs[:6]}")
+
+
+def exact_sent_equals_formula(R):
+    """Per rank, the exact ring all-reduce hands MPI ``2n - c_(i+1) - c_(i+2)`` elements, all to
+    the right neighbour (second source: the chunk arithmetic written out here)."""
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, collectives="exact")
+    w, p, i = t.world, t.size, t.rank
+    ok, why = True, ""
+    for count in (1, 5, 1000, 1001, 1003):
+        t.ledger.reset()
+        x = np.ones(count, dtype=np.float32)
+        w.allreduce(x, phase="ar")
+        base, extra = divmod(count, p)
+        c = [base + (j < extra) for j in range(p)]
+        want = 0 if p == 1 else 4 * (2 * count - c[(i + 1) % p] - c[(i + 2) % p])
+        e = t.ledger.local()["ar"]
+        right_is_other_node = (i + 1) % p // R != i // R
+        got = e["inter_bytes"] if right_is_other_node else e["intra_bytes"]
+        other = e["intra_bytes"] if right_is_other_node else e["inter_bytes"]
+        if not (got == want and other == 0 and np.all(x == p)):
+            ok, why = False, f"count {count}: sent {e}, want {want}"
+            break
+    collective_check(w, ok, why)
+
+
 def racks(R):
     """nodes_per_rack=2 adds a rack level: rack groups of 2 node leaders and rack leaders."""
     t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, nodes_per_rack=2)
@@ -188,7 +312,8 @@ def collective_fail(R):
 
 
 CHECKS = {f.__name__: f for f in (topo_2x2, ring_inter, p2p, mask_or, bucketed, gathers,
-                                   racks, collective_fail)}
+                                   racks, collective_fail, exact_vs_native,
+                                   exact_sent_equals_formula)}
 
 if __name__ == "__main__":
     name = sys.argv[1]
