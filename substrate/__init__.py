@@ -1,23 +1,42 @@
 """spardist substrate: topology, ledger-recording communicators, α–β cost model, simulated clock,
 array backend and results.  Everything else in spardist stands on this package; nothing outside
 it calls an mpi4py communication method directly.
+
+Names are resolved lazily (PEP 562): importing ``substrate`` or ``substrate.launch`` does not
+import ``mpi4py.MPI``, so the launcher never initialises MPI itself (an MPI singleton in the
+launcher would leak its environment into the ``mpiexec`` it starts).
 """
 
-from .backend import Backend, array_module, cupy_available, get_backend
-from .cli import CommonConfig, Run, add_common_args, main_guard, start_run
-from .clock import SimClock
-from .comm import BucketPlan, Comm, Request, bucketed_allreduce
-from .costmodel import INTER, INTRA, CostModel
-from .ledger import Ledger
-from .results import Checkpointer, RunWriter, atomic_write_json
-from .testing import collective_check
-from .topology import Level, Topology, TopologyError
+from __future__ import annotations
 
-__all__ = [
-    "Backend", "array_module", "cupy_available", "get_backend",
-    "CommonConfig", "Run", "add_common_args", "main_guard", "start_run",
-    "SimClock", "BucketPlan", "Comm", "Request", "bucketed_allreduce",
-    "INTER", "INTRA", "CostModel", "Ledger",
-    "Checkpointer", "RunWriter", "atomic_write_json", "collective_check",
-    "Level", "Topology", "TopologyError",
-]
+import importlib
+
+#: public name -> submodule that defines it
+_EXPORTS = {
+    "Backend": "backend", "array_module": "backend", "cupy_available": "backend",
+    "get_backend": "backend",
+    "CommonConfig": "cli", "Run": "cli", "add_common_args": "cli", "main_guard": "cli",
+    "start_run": "cli",
+    "SimClock": "clock",
+    "BucketPlan": "comm", "Comm": "comm", "Request": "comm", "bucketed_allreduce": "comm",
+    "INTER": "costmodel", "INTRA": "costmodel", "CostModel": "costmodel",
+    "Ledger": "ledger",
+    "Checkpointer": "results", "RunWriter": "results", "atomic_write_json": "results",
+    "collective_check": "testing",
+    "Level": "topology", "Topology": "topology", "TopologyError": "topology",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'substrate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
