@@ -30,7 +30,8 @@ from .ledger import Ledger
 from .results import RunWriter, to_jsonable
 from .topology import Topology
 
-__all__ = ["add_common_args", "CommonConfig", "Run", "start_run", "main_guard", "versions"]
+__all__ = ["add_common_args", "CommonConfig", "Run", "start_run", "main_guard", "versions",
+           "check_world_size", "expected_world_size"]
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -174,12 +175,56 @@ def _config_dict(config) -> dict:
     return dict(config)
 
 
+def expected_world_size(env=None) -> tuple[int, str] | None:
+    """The rank count the launcher asked for, and who said so, or ``None`` when unknown.
+
+    In order: ``SPARDIST_NP`` (set by ``run_mpi.sh`` / ``substrate.launch``), the process
+    manager's own size (``PMI_SIZE``: Hydra and PMI-1/2 launchers; ``OMPI_COMM_WORLD_SIZE``:
+    Open MPI's mpirun), and last the Slurm step's task count (``SLURM_STEP_NUM_TASKS``), read only when no process manager variable is set:
+    under Hydra's Slurm launcher the step's tasks are the per-node proxies, not the ranks.
+    """
+    import os  # noqa: PLC0415
+
+    env = os.environ if env is None else env
+    for var in ("SPARDIST_NP", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if env.get(var, "").isdigit():
+            return int(env[var]), var
+    if env.get("SLURM_STEP_NUM_TASKS", "").isdigit() and not any(
+            k.startswith(("PMI_", "PMIX_", "OMPI_")) for k in env):
+        return int(env["SLURM_STEP_NUM_TASKS"]), "SLURM_STEP_NUM_TASKS"
+    return None
+
+
+def check_world_size(size: int, env=None) -> None:
+    """Stop when MPI's world is not the one the launcher started (e.g. ``srun`` without a PMI
+    the MPI library speaks starts N single-rank worlds that would race on one results folder).
+
+    Raises
+    ------
+    ValueError
+        Naming the expected and actual size and the fix.
+    """
+    want = expected_world_size(env)
+    if want is None or want[0] == size:
+        return
+    n, var = want
+    raise ValueError(
+        f"the launcher started {n} ranks ({var}={n}) but MPI sees a world of {size}: the ranks "
+        f"did not find each other (singletons). Under Slurm with the MPICH wheel use "
+        f"SPARDIST_LAUNCHER='srun --mpi=pmi2' (or plain mpiexec inside the allocation); with a "
+        f"site MPI use the srun --mpi plugin it was built for (srun --mpi=list); make sure "
+        f"mpiexec and mpi4py come from the same MPI library")
+
+
 def start_run(args, *, system: str, method: str, config=None, comm=None) -> Run:
     """Build the run context from parsed common args (collective over ``comm``).
 
-    Works serially too: without ``mpiexec`` the world has one rank.
+    Works serially too: without ``mpiexec`` the world has one rank.  Stops with a clear error
+    (:func:`check_world_size`) when the launcher started more ranks than MPI connected.
     """
     common = args if isinstance(args, CommonConfig) else CommonConfig.from_args(args)
+    if comm is None:
+        check_world_size(MPI.COMM_WORLD.Get_size())
     cost = common.cost_model()
     topo = Topology.from_comm(comm if comm is not None else MPI.COMM_WORLD,
                               ranks_per_node=common.ranks_per_node, cost=cost,

@@ -131,6 +131,7 @@ def mpi_env(np_: int, base: dict | None = None, flavor: str | None = None) -> di
         pins.update(pinning_env(flavor))
     for var, value in pins.items():
         env.setdefault(var, value)
+    env["SPARDIST_NP"] = str(np_)  # every rank checks MPI's world against it (no singletons)
     return env
 
 
