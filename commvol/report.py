@@ -128,7 +128,12 @@ def _matches(r: RunData) -> str:
     if not p or "inter_node_bytes" not in p:
         return "-"
     same = all(m.get(k) == p.get(k) for k in ("inter_node_bytes", "intra_node_bytes"))
-    return "yes" if same else "NO"
+    verdict = "yes" if same else "NO"
+    coll = r.summary.get("collectives")
+    if coll is not None and not coll.get("verified", False):
+        # the ledger booked the bytes, nothing showed the wire carried them (native, unpinned)
+        verdict += " (booked, not verified)"
+    return verdict
 
 
 def _gb(n) -> str:
