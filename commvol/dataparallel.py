@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from substrate import costmodel as cm
 
 from .hsadmm import add_bytes
@@ -35,8 +33,11 @@ __all__ = ["ddp_step_bytes", "hierarchical_step_bytes", "topk_k", "topk_step_byt
 
 def world_ring_bytes(count: int, itemsize: int, M: int, P: int) -> dict:
     """Ring all-reduce of ``count`` elements over all ``M P`` ranks (node-major), exact for any
-    ``count`` (:func:`substrate.costmodel.ring_allreduce_split`)."""
-    return cm.ring_allreduce_split(int(count), int(itemsize), np.arange(M * P) // P)
+    ``count``: ``2 (p-1) · itemsize · count`` in total, of which the ``M`` node-crossing links
+    ``mP - 1`` carry ``Σ_m (2 count - c_{mP%p} - c_{(mP+1)%p})`` elements
+    (:func:`substrate.costmodel.ring_allreduce_wire_bytes`)."""
+    return cm.ring_allreduce_wire_bytes(int(count) * int(itemsize), M * P, M if M > 1 else 0,
+                                        int(itemsize))
 
 
 def world_allgather_bytes(block_bytes: int, M: int, P: int) -> dict:
@@ -69,17 +70,22 @@ def ddp_step_bytes(*, M: int, P: int, bucket_sizes, itemsize: int = 4) -> dict[s
 def hierarchical_step_bytes(*, M: int, P: int, bucket_sizes,
                             itemsize: int = 4) -> dict[str, dict]:
     """Hierarchical all-reduce, one step: per bucket a SUM ring all-reduce inside each node,
-    a ring all-reduce over the ``M`` node leaders, and a binomial broadcast in each node."""
+    a ring all-reduce over the ``M`` node leaders, and a binomial broadcast in each node.  The
+    three phases are listed whenever there is a bucket, with zero bytes on a one-rank
+    communicator (one node, or one rank per node), as the ledger lists them."""
     intra = inter = bcast = 0
     for n in bucket_sizes:
         nbytes = int(n) * itemsize
-        intra += M * cm.ring_allreduce_split(int(n), itemsize, np.zeros(P))[cm.INTRA]
-        inter += cm.ring_allreduce_split(int(n), itemsize, np.arange(M))[cm.INTER]
+        # a ring's total is 2 (g-1) n for any element count: each node's ring is all intra,
+        # the leaders' ring (one rank per node) all inter; the tree has P - 1 intra edges
+        intra += M * cm.ring_allreduce_wire_bytes(nbytes, P, 0, itemsize)[cm.INTRA]
+        inter += cm.ring_allreduce_wire_bytes(nbytes, M, M, itemsize)[cm.INTER]
         bcast += M * (P - 1) * nbytes
-    out = {"intra_allreduce": {cm.INTRA: intra, cm.INTER: 0},
-           "inter_allreduce": {cm.INTRA: 0, cm.INTER: inter},
-           "intra_bcast": {cm.INTRA: bcast, cm.INTER: 0}}
-    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}
+    if not len(bucket_sizes):
+        return {}
+    return {"intra_allreduce": {cm.INTRA: intra, cm.INTER: 0},
+            "inter_allreduce": {cm.INTRA: 0, cm.INTER: inter},
+            "intra_bcast": {cm.INTRA: bcast, cm.INTER: 0}}
 
 
 def topk_k(sizes, density: float) -> list[int]:

@@ -6,7 +6,7 @@ parameters, per-layer compact sizes from the global masks, and ``B`` packed mask
 =============  ==========================  ===========================================
 phase          call                        bytes on the wire (per iteration)
 =============  ==========================  ===========================================
-intra_allreduce  ring all-reduce of θ+u     ``M · 2 (P-1) · 4T``  (intra)
+intra_allreduce  ring all-reduce of θ+u     ``M · 2 (P-1) · 4T``  (intra, any T and P)
 mask_sync      ring OR all-reduce, leaders  ``2 (M-1) · B``        (inter; until frozen)
 mask_bcast     binomial bcast in each node  ``M (P-1) · B``        (intra; until frozen)
 inter_allreduce  ring all-reduce per bucket  ``2 (M-1) · 4C``       (inter; C = compact size)
@@ -14,12 +14,15 @@ bcast_z        binomial bcast of compact z  ``M (P-1) · 4C``       (intra)
 residuals      ring all-reduce (world)      ``2 (p-1) · 8·9L`` total (9 float64 per layer)
 =============  ==========================  ===========================================
 
-The ring totals are exact for any element count (``2 (p-1) n``); world-level rings are split
-into intra/inter exactly with the node-major ring's chunking (``M`` of ``p`` links cross nodes;
-``M · 2(p-1)/p · n`` inter bytes when ``p`` divides the element count).
+The ring totals are exact for any element count (``2 (p-1) n``: every rank sends all chunks
+but two, and each chunk is left out twice); world-level rings are split into intra/inter exactly
+with the node-major ring's chunking: the ``M`` links ``i = mP - 1`` cross nodes and link ``i``
+carries ``2n - c_{(i+1)%p} - c_{(i+2)%p}`` elements (``numpy.array_split`` chunk sizes ``c``),
+which is ``M · 2(p-1)/p · n`` inter bytes only when ``p`` divides the element count.
 
 Flat ADMM ("PruneX (AR)") all-reduces θ+u densely over all ``p = M P`` ranks every iteration:
-``M · 2(p-1)/p · 4T`` inter-node bytes.
+``Σ_m (2T - c_{mP%p} - c_{(mP+1)%p}) · 4`` inter-node bytes (``M · 2(p-1)/p · 4T`` when ``p``
+divides ``T``).
 """
 
 from __future__ import annotations
@@ -68,24 +71,30 @@ def hsadmm_iteration_bytes(*, M: int, P: int, total_params: int, compact_sizes,
     Returns
     -------
     dict
-        ``{phase: {"intra": bytes, "inter": bytes}}``; phases with no traffic are omitted.
+        ``{phase: {"intra": bytes, "inter": bytes}}`` for every phase the iteration calls, as
+        the ledger lists them: with zero bytes where the communicator has one rank (one node:
+        the leaders' all-reduces; one rank per node: the node rings and broadcasts).
     """
     out: dict[str, dict] = {}
-    intra_one = cm.ring_allreduce_wire_bytes(total_params * itemsize, P, 0)
+    # one ring per node, all links intra: 2 (P-1) · itemsize · T exactly, for any T and P
+    intra_one = cm.ring_allreduce_wire_bytes(total_params * itemsize, P, 0, itemsize)
     out["intra_allreduce"] = {cm.INTRA: M * intra_one[cm.INTRA], cm.INTER: 0}
-    if mask_synced and mask_bytes:
+    if mask_synced:  # a ring of M leaders (one per node): all links inter; the solver syncs
+        # even an empty mask buffer (no pruned layer: B = 0)
         out["mask_sync"] = {cm.INTRA: 0, cm.INTER: 2 * (M - 1) * mask_bytes}
         out["mask_bcast"] = {cm.INTRA: M * (P - 1) * mask_bytes, cm.INTER: 0}
     C = int(sum(compact_sizes))
-    out["inter_allreduce"] = {cm.INTRA: 0, cm.INTER: 2 * (M - 1) * itemsize * C}
+    if len(compact_sizes):  # one leaders' ring per bucket
+        out["inter_allreduce"] = {cm.INTRA: 0, cm.INTER: 2 * (M - 1) * itemsize * C}
     out["bcast_z"] = {cm.INTRA: M * (P - 1) * itemsize * C, cm.INTER: 0}
     out["residuals"] = _world_ring(RESIDUALS_PER_LAYER * num_layers, 8, M, P)
-    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}
+    return out
 
 
 def flat_admm_iteration_bytes(*, M: int, P: int, total_params: int, num_layers: int,
                               itemsize: int = 4) -> dict[str, dict]:
-    """Per-phase wire bytes of one flat-ADMM iteration (dense world all-reduce of θ+u)."""
+    """Per-phase wire bytes of one flat-ADMM iteration (dense world all-reduce of θ+u), both
+    phases listed (zero bytes on one rank), as the ledger lists them."""
     out = {"world_allreduce": _world_ring(total_params, itemsize, M, P)}
     out["residuals"] = _world_ring(RESIDUALS_PER_LAYER * num_layers, 8, M, P)
-    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}
+    return out

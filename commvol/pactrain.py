@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import math
 
-from substrate import costmodel as cm
-
 from .dataparallel import ddp_step_bytes, world_allgather_bytes, world_ring_bytes
 from .hsadmm import add_bytes
 
@@ -163,7 +161,9 @@ def pactrain_step_bytes(*, M: int, P: int, mode: str, bucket_sizes, kept: int,
     Returns
     -------
     dict
-        ``{phase: {"intra": bytes, "inter": bytes}}``; phases with no traffic are omitted.
+        ``{phase: {"intra": bytes, "inter": bytes}}`` for every phase the step calls (zero
+        bytes on one rank), as the ledger lists them; no all-reduce phase without a bucket or
+        chunk to reduce.
     """
     if mode not in STEP_MODES:
         raise ValueError(f"unknown PacTrain step mode {mode!r}; use one of {STEP_MODES}")
@@ -179,7 +179,9 @@ def pactrain_step_bytes(*, M: int, P: int, mode: str, bucket_sizes, kept: int,
     if grasp_total is not None:
         out["grasp_allreduce"] = grasp_score_bytes(M=M, P=P, total=grasp_total,
                                                    itemsize=itemsize)
-    return {k: v for k, v in out.items() if v[cm.INTRA] or v[cm.INTER]}
+    called = {"dense_allreduce": len(bucket_sizes) > 0,
+              "packed_allreduce": len(packed_chunks(kept, bucket_elems)) > 0}
+    return {k: v for k, v in out.items() if called.get(k, True)}
 
 
 def packed_payload_ratio(*, kept: int, total: int, ternary: bool, scales: int = 1,

@@ -17,8 +17,8 @@ phase                      call (per step)                            bytes on t
                            (max) of the ``3L + 2`` float64 timings
                            ``T_b, T_sp, T_cpu`` and two spans
 ``ssf_select_bcast``       end of warm-up, once: binomial broadcast   ``(p-1) · 8 (2L + N_B)``
-                           of the plan from rank 0 (``2L + N_B``      (``M-1`` of the tree's
-                           int64: ``k_l`` or -1, offload flag,        edges cross nodes for a
+                           of the plan from rank 0 (``2L + N_B``      (edges ``r & (r-1) -> r``;
+                           int64: ``k_l`` or -1, offload flag,        ``M-1`` cross nodes for a
                            ``l'_i``)                                  power-of-two ``P``)
 ``ssf_dense_allreduce``    ring all-reduce (avg) of ``Buffer_AR``     ``2 (p-1) · 4 n^AR_i``
                            (buffers with ``n^AR_i > 0``)

@@ -104,7 +104,9 @@ class IterCost:
     Attributes
     ----------
     phases : dict
-        ``{phase: {"intra": wire bytes, "inter": wire bytes}}`` (phases without bytes omitted).
+        ``{phase: {"intra": wire bytes, "inter": wire bytes}}``: the phases of the system's
+        closed form (a phase called on one-rank communicators only is listed with zero bytes
+        where the ledger lists it).
     messages : dict
         ``{phase: messages}`` summed over ranks (a ring all-reduce over ``g`` ranks is
         ``g · 2 (g-1)``, a binomial broadcast ``g - 1``, a ring all-gather ``g (g-1)``).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from partition.metrics import PartitionMetrics
-from substrate.costmodel import binomial_children, ring_allreduce_sent
+from substrate.costmodel import INTER, INTRA, bcast_split, ring_allreduce_split
 
 __all__ = ["TrafficPrediction", "p2p_phases", "bcast_phase", "allreduce_phase"]
 
@@ -44,39 +44,28 @@ def p2p_phases(metrics: PartitionMetrics, node_of: np.ndarray, *, batch: int, it
 
 
 def bcast_phase(nbytes: int, node_of: np.ndarray, root: int = 0, calls: int = 1) -> dict:
-    """Binomial-tree broadcast of ``nbytes`` from ``root``: one message per tree edge."""
+    """Binomial-tree broadcast of ``nbytes`` from ``root``: ``p - 1`` messages, one per tree edge
+    ``r & (r-1) -> r`` (relative ranks), each on its link class
+    (:func:`substrate.costmodel.bcast_split`, exact for any layout and rank count)."""
     node_of = np.asarray(node_of)
     p = node_of.size
-    intra = inter = msgs = 0
-    for rel in range(p):
-        src = (rel + root) % p
-        for kid in binomial_children(rel, p):
-            dst = (kid + root) % p
-            if node_of[src] == node_of[dst]:
-                intra += nbytes
-            else:
-                inter += nbytes
-            msgs += 1
-    return _entry(intra * calls, inter * calls, msgs * calls)
+    b = bcast_split(int(nbytes), node_of, root)
+    return _entry(b[INTRA] * calls, b[INTER] * calls, max(p - 1, 0) * calls)
 
 
 def allreduce_phase(count: int, itemsize: int, node_of: np.ndarray, calls: int = 1) -> dict:
     """Ring all-reduce of ``count`` elements over all ranks, ``calls`` times.
 
-    Rank i sends ``2 count - c_{i+1} - c_{i+2}`` elements to rank i+1 (chunks ``c`` as in
-    :func:`substrate.costmodel.ring_chunk_counts`), in ``2 (p - 1)`` messages.
+    ``2 (p-1) · count · itemsize`` bytes in ``p · 2 (p-1)`` messages; rank i sends
+    ``2 count - c_{i+1} - c_{i+2}`` elements to rank i+1 (``numpy.array_split`` chunk sizes
+    ``c``), so the node-crossing links carry exactly :func:`substrate.costmodel.
+    ring_allreduce_split` for any ``count`` and rank count.
     """
     node_of = np.asarray(node_of)
     p = node_of.size
-    intra = inter = msgs = 0
-    for i in range(p):
-        sent = ring_allreduce_sent(count, itemsize, p, i)
-        if p > 1 and node_of[i] == node_of[(i + 1) % p]:
-            intra += sent
-        else:
-            inter += sent
-        msgs += 2 * (p - 1) if p > 1 else 0
-    return _entry(intra * calls, inter * calls, msgs * calls)
+    b = ring_allreduce_split(int(count), int(itemsize), node_of)
+    msgs = p * 2 * (p - 1) if p > 1 else 0
+    return _entry(b[INTRA] * calls, b[INTER] * calls, msgs * calls)
 
 
 class TrafficPrediction:

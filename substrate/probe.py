@@ -20,7 +20,8 @@ from . import costmodel as cm
 from .cli import add_common_args, main_guard, start_run
 from .comm import bucketed_allreduce
 
-K = 1024  # elements per rank unit: every count below is divisible by every communicator size
+K = 1024  # elements per rank unit: the counts below are divisible by every communicator size,
+#            except probe_world_allreduce_uneven's K p + 1 (uneven ring chunks)
 
 
 def _exercise(run) -> dict[str, bool]:
@@ -38,6 +39,10 @@ def _exercise(run) -> dict[str, bool]:
     a = np.full(n, float(r), dtype=np.float32)
     w.allreduce(a, "max", phase="probe_world_allreduce_max")
     ok["probe_world_allreduce_max"] = bool(np.all(a == p - 1))
+
+    a = np.full(n + 1, float(r), dtype=np.float32)  # p does not divide n + 1: uneven chunks
+    w.allreduce(a, "sum", phase="probe_world_allreduce_uneven")
+    ok["probe_world_allreduce_uneven"] = bool(np.all(a == p * (p - 1) / 2))
 
     if topo.inter is not None:
         M = topo.inter.size
@@ -101,14 +106,16 @@ def _predicted(M: int, P: int) -> dict[str, dict]:
         return 2 * (q - 1) * q
 
     out = {}
-    intra = cm.ring_allreduce_wire_bytes(n * f32, P, 0)
+    intra = cm.ring_allreduce_wire_bytes(n * f32, P, 0, f32)
     out["probe_intra_allreduce"] = entry({k: M * v for k, v in intra.items()}, M * ring_msgs(P))
     out["probe_world_allreduce_max"] = entry(
-        cm.ring_allreduce_wire_bytes(n * f32, p, world_inter_links), ring_msgs(p))
-    out["probe_inter_allreduce_avg"] = entry(cm.ring_allreduce_wire_bytes(n * f64, M, M),
+        cm.ring_allreduce_wire_bytes(n * f32, p, world_inter_links, f32), ring_msgs(p))
+    out["probe_world_allreduce_uneven"] = entry(
+        cm.ring_allreduce_wire_bytes((n + 1) * f32, p, world_inter_links, f32), ring_msgs(p))
+    out["probe_inter_allreduce_avg"] = entry(cm.ring_allreduce_wire_bytes(n * f64, M, M, f64),
                                              ring_msgs(M))
-    out["probe_inter_mask_or"] = entry(cm.ring_allreduce_wire_bytes(n, M, M), ring_msgs(M))
-    out["probe_inter_bucketed"] = entry(cm.ring_allreduce_wire_bytes(200 * K * f32, M, M),
+    out["probe_inter_mask_or"] = entry(cm.ring_allreduce_wire_bytes(n, M, M, 1), ring_msgs(M))
+    out["probe_inter_bucketed"] = entry(cm.ring_allreduce_wire_bytes(200 * K * f32, M, M, f32),
                                         ring_msgs(M))
     out["probe_world_bcast"] = entry(cm.bcast_wire_bytes(n * f32, M, P), p - 1)
     out["probe_world_allgather"] = entry(

@@ -1,5 +1,7 @@
 """``commvol predict`` from model name + topology reproduces short MPI runs' measured traffic
-(bytes per phase and link class, messages, modeled time), and ``report`` summarizes them."""
+(bytes per phase and link class, messages, modeled time), and ``report`` summarizes them; with
+3 ranks per node (rings whose element counts the rank count does not divide) every system's
+summary has measured == predicted and ``commvol predict`` reproduces it."""
 
 import importlib.util
 import json
@@ -9,7 +11,7 @@ import pytest
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, load_run, write_plots
 from commvol.systems import SYSTEMS, hsadmm_plan, pactrain_kept, ssfusion_plan
-from mpi_helpers import read_summary, run_mpi
+from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -175,3 +177,99 @@ def test_headline_comparison(tmp_path):
     assert all(r[-1] == "yes" for r in rows.values())
     for method in SYSTEM_RUNS:
         assert read_summary(tmp_path / method)["metrics"]["final_test_accuracy"] >= 0.85, method
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 ranks per node: 2 nodes x 3 and 1 node x 3 (tests/mpi/uneven_checks.py, one launch each)
+# ---------------------------------------------------------------------------------------------
+#: (ranks, ranks per node)
+UNEVEN_LAYOUTS = [(6, 3), (3, 3)]
+
+#: run name in uneven_checks.py -> (system, model, predict options) matching its flags
+UNEVEN_RUNS = {
+    "hsadmm": ("hsadmm", "cnn", {"freeze_iter": 1}),
+    "flat-admm": ("flat-admm", "cnn", {}),
+    "ddp": ("ddp", "cnn", {}),
+    "ddp-hierarchical": ("ddp-hierarchical", "cnn", {}),
+    "topk": ("topk", "cnn", {}),
+    "pactrain": ("pactrain", "cnn", {"stable_window": 1, "warmup_steps": 1,
+                                     "prune_score": "grasp"}),
+    "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "stable_window": 1}),
+    "sdp": ("sdp", "cnn", {"coverage": "2/3", "eval_every": 1}),
+    "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward", "eval_every": 1}),
+    "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1}),
+    "ssfusion-selective": ("ssfusion", "cnn", {"profile_steps": 2, "density": 0.05,
+                                               "selection_from": True}),
+    "sparse_sgd": ("sgd", None, {"batch": 7}),
+}
+
+
+@pytest.fixture(scope="module", params=UNEVEN_LAYOUTS,
+                ids=[f"{n}x{R}" for n, R in UNEVEN_LAYOUTS])
+def uneven_runs(request, tmp_path_factory):
+    n, R = request.param
+    root = tmp_path_factory.mktemp(f"uneven_{n}x{R}")
+    run_mpi("uneven_checks.py", n, root, R, timeout=600)
+    return root, n // R, R
+
+
+def test_uneven_layout_really_has_uneven_rings(uneven_runs):
+    """The digits CNN's parameter count (one DDP bucket, the ADMM rings) is not a multiple of
+    3 or 6, so the rings' chunks differ: a ``2 (p-1) n // p`` per-link formula is off."""
+    from substrate import costmodel as cm  # noqa: PLC0415
+
+    root, M, P = uneven_runs
+    T = resolve_model("cnn").layout.total
+    assert T % 3 and T % 6
+    intra = read_summary(root / "hsadmm")["traffic"]["measured"]["by_phase"]["intra_allreduce"]
+    assert intra["intra_bytes"] == 2 * M * 2 * (P - 1) * 4 * T  # two iterations, exactly
+    assert intra["intra_bytes"] != 2 * M * P * (2 * (P - 1) * 4 * T // P)
+    if M > 1:
+        ddp = read_summary(root / "ddp")["traffic"]["measured"]["by_phase"]["grad_allreduce"]
+        p = M * P
+        assert ddp["inter_bytes"] == cm.ring_allreduce_wire_bytes(4 * T, p, M, 4)["inter"]
+        assert ddp["inter_bytes"] != M * (2 * (p - 1) * 4 * T // p)
+
+
+@pytest.mark.parametrize("name", sorted([*UNEVEN_RUNS, "probe"]))
+def test_uneven_layout_measured_equals_predicted(uneven_runs, name):
+    """Every system's own closed form (its summary's predicted block) equals the ledger, in
+    total and per phase and link class."""
+    root, M, P = uneven_runs
+    s = read_summary(root / name)
+    assert_measured_equals_predicted(s)
+    if name == "sparse_sgd":
+        assert s["traffic"]["measured"]["messages"] == s["traffic"]["predicted"]["messages"]
+    if name == "probe":  # also messages and calls of every wrapped call
+        assert s["metrics"] == {"collectives_correct": True, "ledger_matches_model": True}
+
+
+@pytest.mark.parametrize("name", sorted(UNEVEN_RUNS))
+def test_uneven_layout_is_reproduced_by_commvol_predict(uneven_runs, name):
+    """``commvol predict`` from the model name, the options and M x 3: bytes per phase and link
+    class and messages exactly, modeled time to rounding."""
+    root, M, P = uneven_runs
+    system, model, options = UNEVEN_RUNS[name]
+    s = read_summary(root / name)
+    lines = load_run(root / name).lines
+    if system in ("hsadmm", "flat-admm", "sgd"):
+        n = s["metrics"]["iterations"]
+    else:
+        n = s["metrics"]["steps"]
+    if system == "hsadmm":  # the run's own compact sizes (the OR of the nodes' masks)
+        options = {**options, "compact_elems": [ln["compact_elems"] for ln in lines]}
+    if options.get("selection_from"):
+        options = {**options, "selection_from": str(root / name)}
+    shape = {"neurons": 1024, "layers": 3} if model is None else {}
+    pred = predict(system, model, nodes=M, gpus_per_node=P, **shape, **options).total(n)
+    if system != "sgd":
+        _assert_reproduced(s, pred)
+        return
+    # sparse SGD: the model takes each phase's busiest rank, the run the busiest rank's sum
+    m = s["traffic"]["measured"]
+    assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == (
+        pred.inter, pred.intra, pred.total_messages)
+    for phase, e in m["by_phase"].items():
+        assert (e["intra_bytes"], e["inter_bytes"], e["messages"]) == (
+            pred.phases[phase]["intra"], pred.phases[phase]["inter"],
+            pred.messages[phase]), phase

@@ -260,3 +260,80 @@ def test_mpi_env_caps_threads_per_rank(monkeypatch):
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
     assert launch.mpi_env(4, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
     assert int(env["NUMBA_NUM_THREADS"]) >= 1
+
+
+# -- closed forms for uneven chunks (issue 11: rank counts that do not divide the count) -------
+from traffic_reference import simulated_bcast as _simulated_bcast  # noqa: E402
+from traffic_reference import simulated_ring as _simulated_ring  # noqa: E402
+
+
+UNEVEN = [(M, P, r) for M, P in [(1, 3), (2, 3), (3, 3), (1, 6), (2, 6), (4, 3), (3, 5), (5, 1),
+                                 (2, 7)] for r in (1, 2, M * P - 1) if r < M * P]
+
+
+@pytest.mark.parametrize("M,P,r", UNEVEN, ids=[f"{M}x{P}+{r}" for M, P, r in UNEVEN])
+@pytest.mark.parametrize("itemsize", [1, 4, 8])
+def test_ring_allreduce_closed_forms_uneven_counts(M, P, r, itemsize):
+    p = M * P
+    nodes = np.arange(p) // P
+    for count in (r, 7 * p + r, 38282 if 38282 % p else 38283):
+        want = _simulated_ring(count, itemsize, nodes)
+        assert want["intra"] + want["inter"] == 2 * (p - 1) * count * itemsize
+        # node-major world ring, one node's ring, the leaders' ring
+        assert cm.ring_allreduce_wire_bytes(count * itemsize, p, M if M > 1 else 0,
+                                            itemsize) == want
+        assert cm.ring_allreduce_split(count, itemsize, nodes) == want
+        assert cm.ring_allreduce_wire_bytes(count * itemsize, P, 0, itemsize) == \
+            {"intra": 2 * (P - 1) * count * itemsize, "inter": 0}
+        assert cm.ring_allreduce_wire_bytes(count * itemsize, M, M, itemsize) == \
+            {"intra": 0, "inter": 2 * (M - 1) * count * itemsize}
+        # the ledger's per-rank accounting agrees link by link
+        sent = {"intra": 0, "inter": 0}
+        for i in range(p):
+            link = "inter" if nodes[i] != nodes[(i + 1) % p] else "intra"
+            sent[link] += cm.ring_allreduce_sent(count, itemsize, p, i)
+        assert sent == want
+
+
+@given(nodes=st.lists(st.integers(0, 3), min_size=1, max_size=12), count=st.integers(0, 500),
+       itemsize=st.sampled_from([1, 2, 4, 8]))
+def test_ring_allreduce_split_any_ring_any_count(nodes, count, itemsize):
+    assert cm.ring_allreduce_split(count, itemsize, nodes) == \
+        _simulated_ring(count, itemsize, nodes)
+
+
+def test_ring_allreduce_closed_form_is_not_the_divisible_formula():
+    """The reproduction of issue 11 (digits CNN, T = 38,282 float32, 3 ranks per node): the old
+    ``P * (2 (P-1) n // P)`` booked 612,510 bytes per node's ring; the ring sends 612,512."""
+    T = 38282
+    assert cm.ring_allreduce_wire_bytes(4 * T, 3, 0, 4) == {"intra": 612512, "inter": 0}
+    assert 3 * (2 * 2 * 4 * T // 3) == 612510
+    # 2 nodes x 3, node-major: links 2 and 5 cross, carrying 2n - c_3 - c_4 and 2n - c_0 - c_1
+    c = [len(x) for x in np.array_split(np.arange(T), 6)]  # 6381 6381 6380 6380 6380 6380
+    inter = 4 * ((2 * T - c[3] - c[4]) + (2 * T - c[0] - c[1]))
+    assert cm.ring_allreduce_wire_bytes(4 * T, 6, 2, 4)["inter"] == inter == 510424
+    assert 2 * (2 * 5 * 4 * T // 6) != inter
+    # without itemsize the chunks are cut in bytes: still exact when p divides the count
+    assert cm.ring_allreduce_wire_bytes(4 * 600, 6, 2) == cm.ring_allreduce_wire_bytes(
+        4 * 600, 6, 2, 4)
+    with pytest.raises(ValueError, match="ring_allreduce_split"):
+        cm.ring_allreduce_wire_bytes(4 * T, 6, 4, 4)
+    with pytest.raises(ValueError, match="whole number"):
+        cm.ring_allreduce_wire_bytes(10, 3, 0, 4)
+
+
+@pytest.mark.parametrize("M,P", [(1, 3), (2, 3), (3, 3), (2, 5), (2, 6), (3, 7), (4, 3)])
+def test_bcast_closed_forms_any_ranks_per_node(M, P):
+    p = M * P
+    nodes = np.arange(p) // P
+    assert cm.bcast_wire_bytes(10, M, P) == _simulated_bcast(10, nodes, 0)
+    for root in range(p):
+        assert cm.bcast_split(10, nodes, root) == _simulated_bcast(10, nodes, root)
+    # 2 x 3: edges 0->1, 0->2, 0->4, 2->3, 4->5: two cross nodes, not M - 1 = 1
+    assert cm.bcast_wire_bytes(1, 2, 3) == {"intra": 3, "inter": 2}
+
+
+@given(nodes=st.lists(st.integers(0, 3), min_size=1, max_size=16), data=st.data())
+def test_bcast_split_any_layout_any_root(nodes, data):
+    root = data.draw(st.integers(0, len(nodes) - 1))
+    assert cm.bcast_split(3, nodes, root) == _simulated_bcast(3, nodes, root)
