@@ -27,8 +27,10 @@ from .pinning import pinning_env
 
 __all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB"]
 
-#: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).
-DEFAULT_JOB = ["-n", "4", "--ranks-per-node", "2", "commvol.compare"]
+#: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).  It replaces its own
+#: previous output in ``results/headline`` (``--overwrite``, said in the README): the demo is
+#: meant to be run again; every other command refuses to overwrite a finished run.
+DEFAULT_JOB = ["-n", "4", "--ranks-per-node", "2", "commvol.compare", "--overwrite"]
 DEFAULT_NP = 4
 
 
@@ -66,6 +68,44 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=None)
+def srun_mpi_plugins(srun: str = "srun") -> tuple[str, ...]:
+    """The PMI plugins this Slurm offers (``srun --mpi=list``), e.g. ``("pmix", "pmi2")``."""
+    try:
+        out = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    names = []
+    for line in (out.stdout + out.stderr).splitlines():
+        # "MPI plugin types are..." then one indented name per line, then "specific ..."
+        if line[:1].isspace() and line.strip() and ":" not in line:
+            names.append(line.strip())
+    return tuple(names)
+
+
+def slurm_launcher(flavor: str | None = None, plugins: tuple[str, ...] | None = None) -> str | None:
+    """How to start one MPI world inside a Slurm allocation, for the MPI library of this
+    environment (``flavor`` of :func:`find_mpiexec`).
+
+    ``srun`` alone starts N singletons unless its PMI plugin is one the library speaks: the
+    MPICH wheel speaks PMI-2 (``srun --mpi=pmi2``; it has no PMIx), Open MPI 5 speaks PMIx
+    (``srun --mpi=pmix``).  When Slurm offers no matching plugin, ``None``: use the library's own
+    ``mpiexec``, which starts its daemons inside the allocation (Hydra and PRRTE both do).
+    """
+    if flavor is None:
+        try:
+            flavor = mpi_flavor(find_mpiexec())
+        except FileNotFoundError:
+            flavor = "unknown"
+    plugins = srun_mpi_plugins() if plugins is None else plugins
+    if flavor == "mpich":
+        return "srun --mpi=pmi2" if "pmi2" in plugins else None
+    if flavor.startswith("openmpi"):
+        pmix = [x for x in plugins if x.startswith("pmix")]
+        return f"srun --mpi={pmix[0]}" if pmix else None
+    return "srun"
+
+
 def launch_command(np_: int, module: str | None, args: list[str] = (), *,
                    script: str | None = None, hostfile: str | None = None,
                    python: str | None = None, launcher: str | None = None) -> list[str]:
@@ -81,7 +121,7 @@ def launch_command(np_: int, module: str | None, args: list[str] = (), *,
     payload = [python, "-m", "mpi4py", *target, *args]
     launcher = launcher if launcher is not None else os.environ.get("SPARDIST_LAUNCHER")
     if launcher is None and os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
-        launcher = "srun"
+        launcher = slurm_launcher()
     if launcher is not None and Path(shlex.split(launcher)[0]).name == "srun":
         cmd = [*shlex.split(launcher), "-n", str(np_)]
         if hostfile:

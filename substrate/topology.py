@@ -152,10 +152,12 @@ class Topology:
         if ranks_per_node is not None:
             r = _check_positive_int(ranks_per_node, "--ranks-per-node")
             if size % r:
+                sizes = sorted({n for n in (r * (size // r), r * (size // r + 1)) if n > 0})
                 raise TopologyError(
                     f"world size {size} is not a multiple of --ranks-per-node {r}: all nodes "
-                    f"must hold the same number of ranks; launch with -n {r * max(1, size // r)} "
-                    f"or -n {r * (size // r + 1)}, or pick a ranks-per-node that divides {size}")
+                    f"must hold the same number of ranks; launch with "
+                    f"{' or '.join(f'-n {n}' for n in sizes)}, or pick a ranks-per-node that "
+                    f"divides {size}")
             intra_mpi = world.Split(rank // r, rank)
             self.virtual = True
         else:
