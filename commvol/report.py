@@ -83,17 +83,34 @@ def load_run(path) -> RunData:
     Raises
     ------
     ValueError
-        If ``path`` has no ``summary.json`` (not a finished run).
+        If ``path`` has no ``summary.json`` (not a finished run), or ``summary.json`` or a line
+        of ``metrics.jsonl`` is not valid JSON (naming the file).
     """
     path = Path(path)
     s = path / "summary.json"
     if not s.is_file():
         raise ValueError(f"{path} has no summary.json: pass finished run directories (the --out "
                          "of hsadmm/dataparallel/sparse_sgd train)")
-    summary = json.loads(s.read_text())
+    try:
+        summary = json.loads(s.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{s} is not valid JSON ({exc}): the file is damaged; run the command "
+                         "that wrote it again (with --overwrite)") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{s} holds a JSON {type(summary).__name__}, not a run summary "
+                         "object: run the command that wrote it again (with --overwrite)")
     m = path / "metrics.jsonl"
-    lines = ([json.loads(x) for x in m.read_text().splitlines() if x.strip()]
-             if m.is_file() else [])
+    lines = []
+    if m.is_file():
+        for lineno, text in enumerate(m.read_text().splitlines(), start=1):
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{m}:{lineno} is not valid JSON ({exc}): the file is "
+                                 "damaged; run the command that wrote it again (with "
+                                 "--overwrite)") from None
     return RunData(path, summary, lines)
 
 

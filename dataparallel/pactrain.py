@@ -45,8 +45,11 @@ Closed forms: :mod:`commvol.pactrain`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +118,18 @@ class MaskTracker:
     @property
     def stable(self) -> bool:
         return self._prev is not None and self.unchanged >= self.window
+
+    def state_dict(self, host) -> dict:
+        """Host copies of the last mask (empty when none was observed) and the counters;
+        ``host`` converts a device array to NumPy."""
+        return {"prev": host(self._prev).copy() if self._prev is not None
+                else np.zeros(0, bool), "has_prev": np.bool_(self._prev is not None),
+                "unchanged": np.int64(self.unchanged), "version": np.int64(self.version)}
+
+    def load_state_dict(self, state: dict, xp) -> None:
+        self._prev = xp.asarray(state["prev"]) if state["has_prev"] else None
+        self.unchanged = int(state["unchanged"])
+        self.version = int(state["version"])
 
 
 def prunable_flags(layout) -> np.ndarray:
@@ -251,23 +266,34 @@ def save_init(path, model) -> None:
              **{f"buffer:{k}": host(v) for k, v in model.buffers.items()})
 
 
+def _read_init(path) -> dict:
+    """Every array of an ``--init`` file (a damaged file is a ``ValueError`` naming it)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ValueError(f"--init {path} is not a readable .npz ({type(exc).__name__}: {exc}); "
+                         "pass a file written by dataparallel.pactrain.save_init(path, model)"
+                         ) from None
+
+
 def load_init(path, model) -> None:
     """Load an ``.npz`` of :func:`save_init` into ``model`` (in place; every rank loads the same
     file, so every rank starts from the same model)."""
-    with np.load(path) as f:
-        if "params" not in f.files:
-            raise ValueError(f"--init {path}: no 'params' array (the flat parameter vector); "
-                             "write the file with dataparallel.pactrain.save_init(path, model)")
-        flat = f["params"]
-        if flat.shape != (model.layout.total,):
-            raise ValueError(f"--init {path}: 'params' has shape {flat.shape} but the model has "
-                             f"{model.layout.total} parameters; save it from the same --model "
-                             "and --dataset")
-        model.params.flat[...] = model.xp.asarray(flat, dtype=model.params.flat.dtype)
-        for k, buf in model.buffers.items():
-            key = f"buffer:{k}"
-            if key in f.files:
-                buf[...] = model.xp.asarray(f[key], dtype=buf.dtype)
+    f = _read_init(path)
+    if "params" not in f:
+        raise ValueError(f"--init {path}: no 'params' array (the flat parameter vector); "
+                         "write the file with dataparallel.pactrain.save_init(path, model)")
+    flat = f["params"]
+    if flat.shape != (model.layout.total,):
+        raise ValueError(f"--init {path}: 'params' has shape {flat.shape} but the model has "
+                         f"{model.layout.total} parameters; save it from the same --model "
+                         "and --dataset")
+    model.params.flat[...] = model.xp.asarray(flat, dtype=model.params.flat.dtype)
+    for k, buf in model.buffers.items():
+        key = f"buffer:{k}"
+        if key in f:
+            buf[...] = model.xp.asarray(f[key], dtype=buf.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,6 +534,43 @@ class PacTrain(Strategy):
 
     def step_bytes(self) -> dict[str, dict]:
         return self._step_bytes
+
+    def state_dict(self) -> dict:
+        """Mask, pruning and mask-tracker state, step counters and the pruning bytes still to
+        charge (the packed plan is rebuilt from the mask)."""
+        host = self.run.backend.asnumpy
+        return {
+            "mask": host(self._m).copy(), "pruned": np.bool_(self.pruned),
+            "prune_step": np.int64(-1 if self.prune_step is None else self.prune_step),
+            "hook_mask": (host(self.hook.mask).copy() if self.hook is not None
+                          else np.zeros(0, np.float32)),
+            **{f"tracker/{k}": v for k, v in self.tracker.state_dict(host).items()},
+            "K": np.int64(self.K), "steps": np.int64(self.steps),
+            "packed_steps": np.int64(self.packed_steps),
+            "stable_steps": np.array(self.stable_steps, dtype=np.int64),
+            "was_packed": np.bool_(self._was_packed), "pending": json.dumps(self._pending),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        xp = self.xp
+        self._m[...] = xp.asarray(state["mask"])
+        self.pruned = bool(state["pruned"])
+        self.prune_step = None if int(state["prune_step"]) < 0 else int(state["prune_step"])
+        if self.pruned:
+            hook_mask = xp.asarray(state["hook_mask"])
+            if self.hook is None:  # pruned after a warm-up that this process did not run
+                self.hook = MaskHook(hook_mask)
+                self.opt.add_hook(self.hook)
+            else:
+                self.hook.set_mask(hook_mask)
+        self.tracker.load_state_dict({k[len("tracker/"):]: v for k, v in state.items()
+                                      if k.startswith("tracker/")}, xp)
+        self._plan_version = -1  # re-planned from the mask at the next packed step
+        self.K = int(state["K"])
+        self.steps, self.packed_steps = int(state["steps"]), int(state["packed_steps"])
+        self.stable_steps = state["stable_steps"].tolist()
+        self._was_packed = bool(state["was_packed"])
+        self._pending = json.loads(str(state["pending"]))
 
     def _closed_form(self, mode: str, kept: int | None = None) -> dict[str, dict]:
         return pactrain_step_bytes(M=self.M, P=self.P, mode=mode,

@@ -57,6 +57,7 @@ The sparsification in ``sync`` is timed as compute (``sparsify_s_per_step`` in t
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -737,6 +738,39 @@ class SSFusion(Strategy):
             return cv.sparse_step_bytes(M=M, P=P, ar_counts=ar, ag_dense_counts=agd,
                                         ag_sparse_counts=ks)
         return {}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Error-feedback residuals (the host-side ones of offloaded tensors on a GPU run), the
+        installed selection, the profile sums or the decided profile and offload guard, the
+        statistics and the step whose backward runs next."""
+        host = self.run.backend.asnumpy
+        state = {
+            "residual": host(self.residual).copy(),
+            "plan": self.plan.encode() if self.plan is not None else np.zeros(0, np.int64),
+            "profile": (self._profile.copy() if self._profile is not None
+                        else np.zeros((0, self.L))),
+            "offload_guard": json.dumps(self._offload_guard),
+            "counts_prof": json.dumps(self._counts_prof), "stats": json.dumps(self._stats),
+            "missing_by_tensor": self._missing_by_tensor.copy(), "step": np.int64(self._step),
+        }
+        state.update({f"sums/{k}": v.copy() for k, v in self._sums.items()})
+        state.update({f"host_res/{sid}": r.copy() for sid, r in self._host_res.items()})
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual[...] = self.xp.asarray(state["residual"])
+        if state["plan"].size:
+            self._install(FusionPlan.decode(state["plan"], self.buffers))
+        self._profile = state["profile"].copy() if state["profile"].size else None
+        self._offload_guard = json.loads(str(state["offload_guard"]))
+        self._counts_prof = json.loads(str(state["counts_prof"]))
+        self._stats = json.loads(str(state["stats"]))
+        self._missing_by_tensor = state["missing_by_tensor"].copy()
+        self._step = int(state["step"])
+        self._sums = {k: state[f"sums/{k}"].copy() for k in self._sums}
+        for sid, r in self._host_res.items():
+            r[...] = state[f"host_res/{sid}"]
 
     # -- summary ----------------------------------------------------------------------------------
     def report(self) -> dict:

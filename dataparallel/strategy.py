@@ -16,6 +16,8 @@ Adding a method::
         Options = MyOptions          # frozen dataclass; fields become CLI flags
         def sync(self, state, buffers): ...
         def step_bytes(self): ...    # closed form of the last sync, from commvol
+        def state_dict(self): ...    # state carried from step to step, for checkpoints
+        def load_state_dict(self, state): ...
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
-           "add_options_args", "options_from_args"]
+           "add_options_args", "options_from_args", "check_unused_options"]
 
 
 @dataclass
@@ -135,6 +137,17 @@ class Strategy:
         """Strategy-specific summary metrics (e.g. payload ratio, memory)."""
         return {}
 
+    def state_dict(self) -> dict:
+        """What this strategy carries from one step to the next, beyond the model and the
+        optimizer (error-feedback residuals, masks, statistics), as host arrays (JSON text for
+        nested values) for a checkpoint, taken after :meth:`after_step` and the evaluation.
+        Default: nothing (a stateless strategy)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output after construction, so the next step continues
+        exactly as in an uninterrupted run.  Default: nothing to restore."""
+
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -184,6 +197,37 @@ def add_options_args(parser: argparse.ArgumentParser, options_cls: type, title: 
                 kw["choices"] = f.metadata["choices"]
             flag = _flag(f)
         group.add_argument(flag, **kw)
+
+
+def _cli_flag(options_cls: type, f: dataclasses.Field) -> str:
+    """The flag :func:`add_options_args` gives a field (``--no-...`` for booleans on by
+    default)."""
+    if typing.get_type_hints(options_cls)[f.name] is bool and f.default:
+        return "--no-" + _flag(f)[2:]
+    return _flag(f)
+
+
+def check_unused_options(args: argparse.Namespace, method: str) -> None:
+    """Refuse options that only other strategies read (e.g. ``--init`` with ``--method ddp``),
+    recognised by a value other than their default.
+
+    Raises
+    ------
+    ValueError
+        Naming each such flag and the methods that use it.
+    """
+    own = {f.name for f in dataclasses.fields(STRATEGIES[method].Options)}
+    users: dict[str, tuple[str, object, list[str]]] = {}
+    for name, cls in sorted(STRATEGIES.items()):
+        for f in dataclasses.fields(cls.Options):
+            users.setdefault(f.name, (_cli_flag(cls.Options, f), f.default, []))[2].append(name)
+    unused = [f"{flag} (used by --method {' / '.join(methods)})"
+              for dest, (flag, default, methods) in users.items()
+              if dest not in own and hasattr(args, dest) and getattr(args, dest) != default]
+    if unused:
+        raise ValueError(f"--method {method} does not use {', '.join(unused)}: drop "
+                         f"{'it' if len(unused) == 1 else 'them'} or choose a method that "
+                         "uses it")
 
 
 def options_from_args(options_cls: type, args: argparse.Namespace):

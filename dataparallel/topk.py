@@ -108,3 +108,10 @@ class TopK(Strategy):
 
     def report(self) -> dict:
         return {"payload_ratio": 2 * self.K / self.layout.total, "k_total": self.K}
+
+    def state_dict(self) -> dict:
+        """The error-feedback residual ``e``."""
+        return {"residual": self.run.backend.asnumpy(self.residual).copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual[...] = self.xp.asarray(state["residual"])

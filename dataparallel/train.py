@@ -11,22 +11,37 @@ Per evaluation interval (``--eval-every`` steps, and the last step) ``metrics.js
 rank-0 training loss, test accuracy of the synchronized model, the interval's inter/intra-node
 bytes, modeled communication time per phase and the simulated clock.  ``summary.json`` holds
 measured (ledger) and predicted (closed form, :mod:`commvol.dataparallel`) traffic.
+
+Checkpoints: ``--checkpoint-every N`` saves every rank's state after every N-th step and at the
+end (:class:`substrate.cli.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
+(momentum), the strategy's own state (:meth:`Strategy.state_dict`: error-feedback residuals,
+masks, profiles, ...), the position in the mini-batch stream and the trainer's running
+accumulators.  ``--resume`` continues from the newest checkpoint intact on every rank up to
+``--steps`` (or ``--epochs``) in total; the result (parameters, metrics lines, traffic) equals an
+uninterrupted run's.  Strategy options of other methods (e.g. ``--init`` with ``--method ddp``)
+are refused.  Progress: rank 0 prints the step, loss, last test accuracy and inter-node bytes so
+far every ``--progress-every`` steps on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from models import SGD, SGDConfig, build_model, iterate_batches, load_dataset, shard
+from models.data import check_batch_size
 from models.train import evaluate
-from substrate.cli import add_common_args, start_run
+from substrate.cli import (Progress, RunCheckpoints, add_common_args, add_training_args,
+                           check_range, start_run)
 
 from .strategy import (STRATEGIES, StepState, SyncContext, add_options_args,
-                       options_from_args)
+                       check_unused_options, options_from_args)
 
 __all__ = ["DPConfig", "build_parser", "train", "main"]
 
@@ -47,6 +62,8 @@ class DPConfig:
     weight_decay: float = 1e-4
     eval_every: int = 0
     target_accuracy: float = 0.9
+    checkpoint_every: int = 0
+    resume: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,12 +71,15 @@ class DPConfig:
             raise ValueError(f"unknown --method {self.method!r}; valid: {sorted(STRATEGIES)}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if not self.epochs > 0:
-            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        check_range("--epochs", self.epochs, gt=0)
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        check_range("--lr", self.lr, gt=0)
+        check_range("--momentum", self.momentum, ge=0, lt=1)
+        check_range("--weight-decay", self.weight_decay, ge=0)
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
+                             f"{self.checkpoint_every}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0 (0: once per epoch), got "
                              f"{self.eval_every}")
@@ -94,8 +114,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accuracy for the simulated time-to-accuracy metric")
     for name, cls in sorted(STRATEGIES.items()):
         add_options_args(p, cls.Options, f"--method {name}")
+    add_training_args(p, "step", progress_every=20)
     add_common_args(p)
     return p
+
+
+#: configuration fields a resumed run may change (everything else must match the checkpoint)
+RESUMABLE = ("steps", "epochs", "checkpoint_every", "resume")
+
+
+def _host(run, a) -> np.ndarray:
+    return np.array(run.backend.asnumpy(a), copy=True)
+
+
+def _trainer_state(run, model, opt, strategy, acc) -> dict:
+    """This rank's model, optimizer and strategy state for a checkpoint (the trainer's own
+    accumulators are added by the caller)."""
+    state = {"model/params": _host(run, model.params.flat)}
+    state.update({f"model/buffer/{k}": _host(run, v) for k, v in model.buffers.items()})
+    opt_state = opt.state_dict()
+    state["opt/step_count"] = np.int64(opt_state["step_count"])
+    if opt_state["momentum_buffer"] is not None:
+        state["opt/momentum"] = opt_state["momentum_buffer"]
+    state.update({f"strategy/{k}": v for k, v in strategy.state_dict().items()})
+    state["train/acc"] = np.float64(acc)
+    return state
+
+
+def _load_trainer_state(run, model, opt, strategy, state: dict) -> None:
+    """Restore :func:`_trainer_state` output in place."""
+    xp = run.xp
+    params = state["model/params"]
+    if params.shape != model.params.flat.shape:
+        raise ValueError(f"--resume: the checkpoint holds {params.size} parameters, this model "
+                         f"has {model.params.flat.size}: resume with the model of the run that "
+                         "wrote it")
+    model.params.flat[...] = xp.asarray(params)
+    for k, v in model.buffers.items():
+        v[...] = xp.asarray(state[f"model/buffer/{k}"])
+    opt.load_state_dict({"step_count": int(state["opt/step_count"]),
+                         "momentum_buffer": state.get("opt/momentum")})
+    strategy.load_state_dict({k[len("strategy/"):]: v for k, v in state.items()
+                              if k.startswith("strategy/")})
 
 
 def train(args) -> dict:
@@ -103,12 +163,16 @@ def train(args) -> dict:
     values = {k: getattr(args, k) for k in DPConfig.__dataclass_fields__ if hasattr(args, k)}
     cfg = DPConfig(**values)
     cls = STRATEGIES[cfg.method]
+    check_unused_options(args, cfg.method)
     options = options_from_args(cls.Options, args)
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
     xp = run.xp
     data = load_dataset(cfg.dataset, cfg.data_dir)
     train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
+    check_batch_size(cfg.batch_size, len(train_shard),
+                     f"each rank's shard of the {len(data.train)} {cfg.dataset} training "
+                     f"samples split over {run.size} ranks")
     test = data.test.to(xp)
     shape, classes = data.train.input_shape, data.train.num_classes
     model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
@@ -123,15 +187,37 @@ def train(args) -> dict:
     budget = cfg.total_steps(len(train_shard))
     total = strategy.total_steps(budget)
     eval_every = cfg.eval_every or steps_per_epoch
+    fingerprint = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE},
+                   "options": dataclasses.asdict(options)}
+    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint, unit="step",
+                          flag="--steps")
     predicted: dict[str, dict] = {}
     acc = float("nan")
     time_to_target = None
-    step, epoch, losses = 0, 0, []
+    step, losses = 0, []
     snap = run.ledger.snapshot()
     interval = {"intra": 0, "inter": 0}
+    if cfg.resume:
+        step, state = ckpt.resume(total)
+        _load_trainer_state(run, model, opt, strategy, state)
+        acc = float(state["train/acc"])
+        losses = state["train/losses"].tolist()
+        interval, snap, predicted, time_to_target = (
+            json.loads(str(state[f"train/{k}"]))
+            for k in ("interval", "snap", "predicted", "time_to_target"))
+    start = step
+
+    def bytes_so_far(link):
+        return sum(e[f"{link}_bytes"] for e in predicted.values())
+
+    progress = Progress(run, total=total, unit="step", every=getattr(args, "progress_every", 0),
+                        start=start)
+    epoch = step // steps_per_epoch
     while step < total:
-        for x, y in iterate_batches(train_shard, cfg.batch_size, seed=cfg.seed, rank=run.rank,
-                                    epoch=epoch):
+        batches = iterate_batches(train_shard, cfg.batch_size, seed=cfg.seed, rank=run.rank,
+                                  epoch=epoch)
+        # a resumed run continues the epoch's stream after the batches already consumed
+        for x, y in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             with run.clock.compute():
                 loss, _ = model.loss_and_grad(x, y, ready=strategy.on_ready)
             state = StepState(step=step, epoch=epoch, loss=float(loss))
@@ -167,14 +253,26 @@ def train(args) -> dict:
                         phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
                         inter_node_bytes=interval["inter"], intra_node_bytes=interval["intra"])
                 losses, interval = [], {"intra": 0, "inter": 0}
+            progress.update(step, loss=float(loss), test_accuracy=acc,
+                            inter_bytes=bytes_so_far("inter"),
+                            total_bytes=bytes_so_far("inter") + bytes_so_far("intra"))
+            if ckpt.due(step, last=step == total):
+                ckpt.save(step, {
+                    **_trainer_state(run, model, opt, strategy, acc),
+                    "train/losses": np.array(losses, dtype=np.float64),
+                    **{f"train/{k}": json.dumps(v) for k, v in (
+                        ("interval", interval), ("snap", snap), ("predicted", predicted),
+                        ("time_to_target", time_to_target))}})
             if step == total:
                 break
         epoch += 1
+    progress.close()
     metrics = {"final_test_accuracy": float(acc), "steps": step, "budget_steps": budget,
                "epochs": step / steps_per_epoch, "target_accuracy": cfg.target_accuracy,
                "sim_s_to_target": time_to_target, **strategy.report()}
-    pred = {"inter_node_bytes": sum(e["inter_bytes"] for e in predicted.values()),
-            "intra_node_bytes": sum(e["intra_bytes"] for e in predicted.values()),
+    if cfg.resume:
+        metrics["resumed_from_step"] = start
+    pred = {"inter_node_bytes": bytes_so_far("inter"), "intra_node_bytes": bytes_so_far("intra"),
             "by_phase": predicted}
     summary = run.finish(metrics=metrics, predicted=pred)
     return {**summary, "_rank": run.rank}

@@ -14,13 +14,18 @@ with pruned filters and channels physically removed), evaluates it, and records
 ``dense_conv_params`` in the summary's metrics and the export's manifest under
 ``compact_export``.
 
-Checkpoints: ``--checkpoint-every N`` saves every rank's complete solver state at the end of every
-N-th outer iteration to ``OUT/checkpoints/ckpt-r{rank}-s{iterations done:08d}.npz``
-(:class:`substrate.results.Checkpointer`, newest two kept).  ``--resume`` continues the run in
-``--out`` from the newest iteration every rank has a checkpoint for, up to ``--iters`` iterations
-in total, and produces the same ``z`` as an uninterrupted run (runs resume at iteration boundaries;
-the mini-batch stream position is part of the state).  The earlier lines of ``metrics.jsonl``
-are kept; ``traffic`` and ``timing`` in the summary cover the resumed part only.
+Checkpoints: ``--checkpoint-every N`` saves every rank's complete solver state after every N-th
+outer iteration and at the end to ``OUT/checkpoints/ckpt-r{rank}-s{iterations done:08d}.npz``
+(:class:`substrate.cli.RunCheckpoints`, newest two kept).  ``--resume`` continues the run in
+``--out`` from the newest iteration every rank has an intact checkpoint for, up to ``--iters``
+iterations in total, and produces the same ``z`` as an uninterrupted run (runs resume at
+iteration boundaries; the mini-batch stream position is part of the state).  The metrics lines,
+traffic (measured and predicted) and compute time of the iterations before the checkpoint come
+from the checkpoint, so ``metrics.jsonl`` and the summary's traffic equal an uninterrupted run's.
+A finished run is continued only with a larger ``--iters``; a smaller one is refused.
+
+Progress: rank 0 prints the iteration, loss, test accuracy of ``z`` and inter-node bytes so far
+every ``--progress-every`` iterations (default 1) on stderr.
 """
 
 from __future__ import annotations
@@ -32,13 +37,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from models import build_model, load_dataset, shard
+from models.data import check_batch_size
 from models.train import evaluate
-from substrate import costmodel as cm
-from substrate.cli import add_common_args, start_run
-from substrate.results import Checkpointer
+from substrate.cli import (Progress, RunCheckpoints, add_common_args, add_training_args,
+                           check_range, start_run)
 
 from .export import export_compact, load_compact_model
 from .projection import keep_count, parse_sparsity
@@ -89,12 +92,11 @@ class HSADMMConfig:
                                  f"{getattr(self, name)}")
         if self.local_steps is not None and self.local_steps < 1:
             raise ValueError(f"--local-steps must be >= 1, got {self.local_steps}")
-        if not self.local_epochs > 0:
-            raise ValueError(f"--local-epochs must be > 0, got {self.local_epochs}")
-        for name in ("lr", "rho1", "rho2", "rho_max", "bucket_mib"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
-                                 f"{getattr(self, name)}")
+        for name in ("local_epochs", "lr", "rho1", "rho2", "rho_max", "bucket_mib"):
+            check_range(f"--{name.replace('_', '-')}", getattr(self, name), gt=0)
+        check_range("--momentum", self.momentum, ge=0, lt=1)
+        for name in ("weight_decay", "eps_abs", "eps_rel"):
+            check_range(f"--{name.replace('_', '-')}", getattr(self, name), ge=0)
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
@@ -144,14 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-patience", type=int, default=d.freeze_patience,
                    help="freeze masks after this many iterations without change (0: never)")
     p.add_argument("--bucket-mib", type=float, default=d.bucket_mib)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
-                   help="checkpoint every rank's solver state after every N-th outer iteration "
-                        "into OUT/checkpoints (default 0: never)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest common checkpoint up to "
-                        "--iters iterations in total")
     p.add_argument("--paper-defaults", action="store_true",
                    help="PruneX §5.1.5 values: lr 1e-3, rho1 1.5e-3, rho2 1.5e-4")
+    add_training_args(p, "iteration", progress_every=1)
     add_common_args(p)
     return p
 
@@ -184,54 +181,6 @@ def _read_keep_file(path) -> dict:
 RESUMABLE = ("iters", "checkpoint_every", "resume")
 
 
-def _fingerprint(cfg: HSADMMConfig, run) -> dict:
-    """What a checkpoint must agree on to be resumed: the configuration and the topology."""
-    fp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
-    fp.update(world=run.size, ranks_per_node=run.topo.ranks_per_node)
-    return json.loads(json.dumps(fp))  # tuples -> lists, as they come back from the file
-
-
-def _earlier_metrics(out_dir: Path) -> list[dict]:
-    """Metric lines of the run in ``out_dir``, by iteration (the in-progress file of a run that
-    stopped overrides the published one).  Read before :func:`start_run`, whose writer starts a
-    fresh in-progress file."""
-    lines: dict[int, dict] = {}
-    for name in ("metrics.jsonl", ".metrics.jsonl.part"):
-        path = out_dir / name
-        if not path.is_file():
-            continue
-        for text in path.read_text().splitlines():
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("iteration"), int):
-                lines[rec["iteration"]] = rec
-    return [lines[k] for k in sorted(lines)]
-
-
-def _resume(run, solver, ckpt: Checkpointer, fingerprint: dict) -> int:
-    """Load the newest checkpoint every rank has (collective); returns the iterations done."""
-    latest = np.array([ckpt.latest_step()], dtype=np.int64)
-    run.world.allreduce(latest, "min", phase="resume")
-    step = int(latest[0])
-    if step < 0:
-        raise ValueError(f"--resume: no checkpoint of every rank in {ckpt.dir} (rank {run.rank} "
-                         f"has steps {ckpt.steps()}); run without --resume to start afresh, or "
-                         "pass the --out of a run that used --checkpoint-every N")
-    state = ckpt.load(step)
-    saved = json.loads(str(state.pop("fingerprint", "{}")))
-    diff = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
-    if diff:
-        raise ValueError(f"--resume: the checkpoint in {ckpt.dir} was written with different "
-                         + ", ".join(f"{k}={saved.get(k)!r} (now {fingerprint.get(k)!r})"
-                                     for k in diff)
-                         + f"; resume with the same options (only {', '.join(RESUMABLE)} may "
-                         "change) or start a fresh run without --resume")
-    solver.load_state_dict(state)
-    return step
-
-
 def train(args) -> dict:
     """Run the configured solver; returns the summary (every rank)."""
     fields = HSADMMConfig.__dataclass_fields__
@@ -240,14 +189,13 @@ def train(args) -> dict:
         values.update(PAPER_DEFAULTS)
     cfg = HSADMMConfig(**values)
     overrides = _read_keep_file(cfg.keep_file)
-    earlier = []
-    if cfg.resume:  # same default directory as start_run
-        out = getattr(args, "out", None)
-        earlier = _earlier_metrics(Path(out) if out else Path("results") / f"hsadmm_{cfg.method}")
     run = start_run(args, system="hsadmm", method=cfg.method, config=cfg)
     xp = run.xp
     data = load_dataset(cfg.dataset, cfg.data_dir)
     train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
+    check_batch_size(cfg.batch_size, len(train_shard),
+                     f"each rank's shard of the {len(data.train)} {cfg.dataset} training "
+                     f"samples split over {run.size} ranks")
     test = data.test.to(xp)
     model = build_model(cfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                         seed=cfg.seed)
@@ -261,19 +209,19 @@ def train(args) -> dict:
         e["intra_bytes"] += b["intra"]
         e["inter_bytes"] += b["inter"]
 
-    ckpt = Checkpointer(Path(run.out) / "checkpoints", rank=run.rank)
-    fingerprint = _fingerprint(cfg, run)
-    start = 0
+    fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
+    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint,
+                          unit="iteration", flag="--iters")
+    start, loss = 0, float("nan")
     if cfg.resume:
-        start = _resume(run, solver, ckpt, fingerprint)
-        add_predicted("resume", cm.ring_allreduce_split(1, 8, run.topo.node_of))
-        for rec in earlier:
-            if rec["iteration"] < start:
-                run.writer.log(rec)
-    elif cfg.checkpoint_every and ckpt.steps():
-        raise ValueError(f"{ckpt.dir} holds checkpoints {ckpt.steps()} of an earlier run: pass "
-                         "--resume to continue it, or choose another --out (or delete the "
-                         "directory) to start afresh")
+        start, state = ckpt.resume(cfg.iters)
+        predicted.update(json.loads(str(state.pop("train/predicted"))))
+        loss = float(state.pop("train/loss"))
+        solver.load_state_dict(state)
+        if solver.converged and run.previous == "finished":
+            raise ValueError(f"--resume: the run in {run.out} converged after {start} "
+                             "iterations (summary.json): there is nothing to continue; start "
+                             "afresh with --overwrite")
 
     def load_z():
         """The consensus model z with this rank's BN statistics, in ``eval_model``."""
@@ -288,8 +236,13 @@ def train(args) -> dict:
         load_z()
         return evaluate(eval_model, test)[1]
 
+    def bytes_so_far(link):
+        return sum(e[f"{link}_bytes"] for e in predicted.values())
+
+    progress = Progress(run, total=cfg.iters, unit="iteration",
+                        every=getattr(args, "progress_every", 0),
+                        start=start)
     acc = float("nan")
-    loss = next((r["loss"] for r in earlier if r["iteration"] == start - 1), float("nan"))
     done = start
     while done < cfg.iters and not solver.converged:
         k = done
@@ -311,8 +264,12 @@ def train(args) -> dict:
                     "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
                     "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2", "converged")})
         done = k + 1
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            ckpt.save({**solver.state_dict(), "fingerprint": json.dumps(fingerprint)}, done)
+        progress.update(done, loss=loss, test_accuracy=acc, inter_bytes=bytes_so_far("inter"),
+                        total_bytes=bytes_so_far("inter") + bytes_so_far("intra"))
+        if ckpt.due(done, last=done == cfg.iters or solver.converged):
+            ckpt.save(done, {**solver.state_dict(), "train/predicted": json.dumps(predicted),
+                             "train/loss": loss})
+    progress.close()
     if done == start:  # resumed with nothing left to do: evaluate the loaded z
         acc = evaluate_z()
     z = solver.state.z
@@ -335,8 +292,7 @@ def train(args) -> dict:
                "dense_conv_params": export.dense_conv_params}
     if cfg.resume:
         metrics["resumed_from_iteration"] = start
-    pred = {"inter_node_bytes": sum(e["inter_bytes"] for e in predicted.values()),
-            "intra_node_bytes": sum(e["intra_bytes"] for e in predicted.values()),
+    pred = {"inter_node_bytes": bytes_so_far("inter"), "intra_node_bytes": bytes_so_far("intra"),
             "by_phase": predicted}
     manifest = {"file": "compact_model.npz",
                 **{k: v for k, v in export.manifest.items() if k != "format"}}

@@ -29,7 +29,7 @@ __all__ = [
     "Dataset", "DatasetSplit", "DatasetFormatError", "DatasetNotFoundError",
     "load_digits", "load_mnist", "load_cifar10", "make_synthetic", "DATASETS", "load_dataset",
     "read_idx", "channel_stats", "normalize", "shard", "iterate_batches", "num_batches",
-    "IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC",
+    "check_batch_size", "IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC",
 ]
 
 #: IDX magic number of an unsigned-byte 3-D array (MNIST images): 0x00000803.
@@ -447,6 +447,21 @@ def _to_module(like, idx: np.ndarray):
     from substrate.backend import array_module  # noqa: PLC0415
 
     return array_module(like).asarray(idx)
+
+
+def check_batch_size(batch_size: int, available: int, what: str,
+                     flag: str = "--batch-size") -> None:
+    """Refuse a mini-batch larger than the samples it is drawn from.
+
+    Raises
+    ------
+    ValueError
+        ``"{flag} B is larger than {what} (N samples): pass {flag} N or less"``, e.g. with
+        ``what = "each rank's shard of the 1438 digits training samples split over 4 ranks"``.
+    """
+    if batch_size > available:
+        raise ValueError(f"{flag} {batch_size} is larger than {what} ({available} samples): "
+                         f"pass {flag} {available} or less")
 
 
 def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:

@@ -7,6 +7,7 @@ without the CLI.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .data import DATASETS, Dataset, iterate_batches, load_dataset, num_batches
+from .data import DATASETS, Dataset, check_batch_size, iterate_batches, load_dataset, num_batches
 from .layers import softmax_cross_entropy
 from .network import Model
 from .optim import SCHEDULES, SGD, SGDConfig, make_schedule
@@ -73,6 +74,10 @@ class TrainConfig:
                              f"{sorted(SCHEDULES)}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        for name in ("lr", "momentum", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got "
+                                 f"{getattr(self, name)}")
         SGDConfig(self.lr, self.momentum, self.nesterov, self.weight_decay)  # validates
 
     def sgd_config(self) -> SGDConfig:
@@ -212,6 +217,8 @@ def main(argv=None) -> dict:
         raise ValueError("python -m models train is serial (world size 1); for multi-rank "
                          "training use python -m dataparallel train")
     split = load_dataset(config.dataset, config.data_dir)
+    check_batch_size(config.batch_size, len(split.train),
+                     f"the {config.dataset} training set")
     train, test = split.train.to(run.xp), split.test.to(run.xp)
     model = build_model(config.model, train.input_shape, train.num_classes, xp=run.xp,
                         dtype=np.dtype(config.dtype), seed=config.seed, **dict(config.arch))

@@ -11,13 +11,33 @@ totals); ``--method both`` also prints the H/R ratios.  ``--save file.npz`` keep
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import sys
+from pathlib import Path
 
 from partition.metrics import format_table, partition_metrics
 from partition.partitioners import PRESETS, HypergraphConfig, hypergraph_partition, \
     random_partition
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "partitioner_errors"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def partitioner_errors():
+    """Turn an error raised inside Mt-KaHyPar (ANSI-coloured, naming no input) into a
+    ``ValueError`` that says which tool failed and what to check."""
+    try:
+        yield
+    except Exception as exc:
+        if not type(exc).__module__.startswith("mtkahypar"):
+            raise
+        text = _ANSI.sub("", str(exc)).strip()
+        raise ValueError(f"Mt-KaHyPar rejected a layer's hypergraph ({type(exc).__name__}: "
+                         f"{text}); check the network (every layer needs nonzero weights) or "
+                         "use --method random / --partition random") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_args(args) -> None:
+    """Fail fast on arguments that would only fail after the partitioning."""
+    if args.parts < 1:
+        raise ValueError(f"--parts must be >= 1, got {args.parts}")
+    if args.parts > args.neurons:
+        raise ValueError(f"--parts {args.parts} is larger than the {args.neurons} neurons of a "
+                         f"layer: every part needs at least one row; pass --parts "
+                         f"{args.neurons} or less")
+    if args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    if args.save:
+        folder = Path(args.save).parent
+        if not folder.is_dir():
+            raise ValueError(f"--save {args.save}: the folder {folder} does not exist; create "
+                             "it first or choose another path")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_args(args)
         # the CLI (not the library) uses sparse_sgd's generator and readers
         from sparse_sgd.io import read_challenge_network  # noqa: PLC0415
         from sparse_sgd.radixnet import graph_challenge_network  # noqa: PLC0415
@@ -57,7 +95,8 @@ def main(argv=None) -> int:
         if args.method in ("hypergraph", "both"):
             cfg = HypergraphConfig(epsilon=args.epsilon, preset=args.preset,
                                    threads=args.threads, seed=args.seed, compress=args.compress)
-            h = hypergraph_partition(weights, args.parts, cfg)
+            with partitioner_errors():
+                h = hypergraph_partition(weights, args.parts, cfg)
             rows.append(("H (hypergraph)", partition_metrics(weights, h)))
             saved = h
             print(f"hypergraph partitioning time: {h.seconds:.2f} s "

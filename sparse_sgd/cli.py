@@ -2,11 +2,20 @@
 
 Run distributed as ``./run_mpi.sh -n 4 sparse_sgd train ...``
 (= ``mpiexec -n 4 python -m mpi4py -m sparse_sgd train ...``).
+
+``train`` checkpoints with ``--checkpoint-every N`` (every rank's rows of every W^k and b^k, the
+partition, the mini-batch generator's state and the loss/accuracy history, after every N-th
+iteration and at the end) and continues with ``--resume`` exactly as an uninterrupted run
+(:class:`substrate.cli.RunCheckpoints`); rank 0 reports the iteration, loss, batch accuracy and
+bytes so far every ``--progress-every`` iterations on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from partition.cli import partitioner_errors
 from partition.metrics import partition_metrics
 from partition.partitioners import PARTITIONERS, PRESETS, Partition, make_partition
 from sparse_sgd.activations import ACTIVATIONS
@@ -25,6 +35,7 @@ from sparse_sgd.radixnet import (CHALLENGE_BIAS, CHALLENGE_YMAX, graph_challenge
 from sparse_sgd.serial import challenge_inference_serial
 from sparse_sgd.traffic import TrafficPrediction, allreduce_phase, bcast_phase, p2p_phases
 from substrate import add_common_args, main_guard, start_run
+from substrate.cli import Progress, RunCheckpoints, add_training_args, check_range
 
 __all__ = ["TrainConfig", "InferConfig", "main", "distribute_partition", "load_network"]
 
@@ -48,6 +59,9 @@ class NetworkConfig:
     def __post_init__(self):
         if self.partition not in PARTITIONERS:
             raise ValueError(f"--partition must be one of {sorted(PARTITIONERS)}")
+        if self.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {self.layers}")
+        check_range("--epsilon", self.epsilon, ge=0, lt=1)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class TrainConfig(NetworkConfig):
     network_dir: str | None = None
     dtype: str = "float64"
     log_every: int = 10
+    checkpoint_every: int = 0
+    resume: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,8 +90,15 @@ class TrainConfig(NetworkConfig):
             raise ValueError(f"--activation must be one of {sorted(ACTIVATIONS)}")
         if self.init not in ("uniform", "challenge"):
             raise ValueError("--init must be 'uniform' (U[-1, 1], §6.1) or 'challenge' (1/16)")
-        if self.batch < 1 or self.iterations < 1 or self.layers < 1:
-            raise ValueError("--batch, --iterations and --layers must be >= 1")
+        for flag, value in (("--batch", self.batch), ("--iterations", self.iterations),
+                            ("--log-every", self.log_every)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        check_range("--lr", self.lr, gt=0)
+        check_threshold(self.threshold)
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
+                             f"{self.checkpoint_every}")
         if self.data == "mnist" and not (self.mnist_images and self.mnist_labels):
             raise ValueError("--data mnist needs --mnist-images and --mnist-labels (IDX files)")
         if self.dtype not in ("float32", "float64"):
@@ -100,7 +123,13 @@ class InferConfig(NetworkConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.batch < 1:
-            raise ValueError("--batch must be >= 1")
+            raise ValueError(f"--batch must be >= 1, got {self.batch}")
+        check_threshold(self.threshold)
+
+
+def check_threshold(threshold: float) -> None:
+    """``--threshold``: pixels (scaled to [0, 1]) above it become 1."""
+    check_range("--threshold", threshold, ge=0, lt=1)
 
 
 def set_kernel_threads(run) -> int:
@@ -108,9 +137,7 @@ def set_kernel_threads(run) -> int:
 
     Oversubscribed Numba thread pools spin against the MPI progress loops of the other ranks.
     """
-    import os  # noqa: PLC0415
-
-    import numba  # noqa: PLC0415
+    import numba  # noqa: PLC0415 - heavy, only where kernels run
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -148,7 +175,8 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
     flat = np.empty(sum(sizes) + 1, dtype=np.float64)
     kw = {"preset": preset, "epsilon": epsilon} if method == "hypergraph" else {}
     if run.rank == 0:
-        part = make_partition(method, weights, run.size, seed=seed, **kw)
+        with partitioner_errors():
+            part = make_partition(method, weights, run.size, seed=seed, **kw)
         flat[:-1] = np.concatenate(part.owners)
         flat[-1] = part.seconds
     run.world.bcast(flat, root=0, phase=PHASE_PARTITION)
@@ -164,6 +192,42 @@ def _require_cpu(args) -> None:
                          "use --device cpu")
 
 
+#: configuration fields a resumed run may change (everything else must match the checkpoint)
+RESUMABLE = ("iterations", "checkpoint_every", "resume", "log_every")
+
+
+def _net_state(net: DistributedSparseNet, part: Partition, part_bytes: int) -> dict:
+    """This rank's rows of every W^k and b^k and the partition, for a checkpoint."""
+    state = {"partition/parts": np.int64(part.parts), "partition/method": part.method,
+             "partition/seconds": np.float64(part.seconds),
+             "partition/bytes": np.int64(part_bytes)}
+    state.update({f"partition/owner_{k}": np.asarray(o) for k, o in enumerate(part.owners)})
+    for k, mp in enumerate(net.maps):
+        state[f"net/local_{k}"] = mp.W_local.data.copy()
+        state[f"net/remote_{k}"] = mp.W_remote.data.copy()
+        state[f"net/bias_{k}"] = net.b[k].copy()
+    return state
+
+
+def _saved_partition(state: dict) -> tuple[Partition, int]:
+    """The partition of a checkpoint (a resumed run keeps its rows) and its broadcast bytes."""
+    owners = []
+    while f"partition/owner_{len(owners)}" in state:
+        owners.append(state[f"partition/owner_{len(owners)}"].astype(np.int64))
+    part = Partition(owners=tuple(owners), parts=int(state["partition/parts"]),
+                     method=str(state["partition/method"]),
+                     seconds=float(state["partition/seconds"]))
+    return part, int(state["partition/bytes"])
+
+
+def _load_net_state(net: DistributedSparseNet, state: dict) -> None:
+    """Restore :func:`_net_state`'s weights and biases in place (same partition, same rows)."""
+    for k, mp in enumerate(net.maps):
+        mp.W_local.data[...] = state[f"net/local_{k}"]
+        mp.W_remote.data[...] = state[f"net/remote_{k}"]
+        net.b[k][...] = state[f"net/bias_{k}"]
+
+
 def _train(args) -> dict:
     _require_cpu(args)
     cfg = TrainConfig(**{f: getattr(args, f) for f in TrainConfig.__dataclass_fields__})
@@ -172,31 +236,58 @@ def _train(args) -> dict:
     dtype = np.dtype(cfg.dtype)
     set_kernel_threads(run)
     weights, _ = load_network(cfg.neurons, cfg.layers, cfg.network_dir, cfg.permute, args.seed)
+    if cfg.data == "mnist":
+        ds = mnist_dataset(cfg.mnist_images, cfg.mnist_labels, cfg.neurons)
+    else:
+        ds = digits_dataset(cfg.neurons, cfg.threshold)
+    if cfg.batch > ds.features.shape[0]:
+        raise ValueError(f"--batch {cfg.batch} is larger than the {ds.name} data set "
+                         f"({ds.features.shape[0]} images; a mini-batch draws without "
+                         f"replacement): pass --batch {ds.features.shape[0]} or less")
     rng = np.random.default_rng([args.seed, 1])
     if cfg.init == "uniform":  # §6.1: U[-1, 1] on the fixed sparsity pattern, same on all ranks
         weights = [W.copy() for W in weights]
         for W in weights:
             W.data = rng.uniform(-1.0, 1.0, W.nnz)
-    part, part_bytes = distribute_partition(run, weights, cfg.partition,
-                                            partition_file=cfg.partition_file, seed=args.seed,
-                                            preset=cfg.preset, epsilon=cfg.epsilon)
+    fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
+    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint,
+                          unit="iteration", flag="--iterations")
+    batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
+    start, losses, accs, train_s = 0, [], [], 0.0
+    if cfg.resume:
+        start, state = ckpt.resume(cfg.iterations)
+        part, part_bytes = _saved_partition(state)
+        part.check_network(weights)
+        batch_rng.bit_generator.state = json.loads(str(state["train/batch_rng"]))
+        losses, accs = state["train/losses"].tolist(), state["train/accs"].tolist()
+        train_s = float(state["train/train_s"])
+    else:
+        part, part_bytes = distribute_partition(run, weights, cfg.partition,
+                                                partition_file=cfg.partition_file,
+                                                seed=args.seed, preset=cfg.preset,
+                                                epsilon=cfg.epsilon)
     metrics = partition_metrics(weights, part)
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
                                    dtype=dtype)
-    if cfg.data == "mnist":
-        ds = mnist_dataset(cfg.mnist_images, cfg.mnist_labels, cfg.neurons)
-    else:
-        ds = digits_dataset(cfg.neurons, cfg.threshold)
+    if cfg.resume:
+        _load_net_state(net, state)
     targets = class_targets(ds.labels, cfg.neurons, NUM_CLASSES)
     in_rows, out_rows = net.input_rows, net.output_rows
     out_class = out_rows % NUM_CLASSES
     class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES)
-    batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
     red = np.zeros(1 + NUM_CLASSES * cfg.batch, dtype=np.float64)
-    losses, accs = [], []
+    # wire bytes of one iteration (closed form, == measured: tested), for the progress report
+    per_it = TrafficPrediction()
+    for phase, e in p2p_phases(metrics, run.topo.node_of, batch=cfg.batch,
+                               itemsize=dtype.itemsize, iterations=1).items():
+        per_it.add(phase, e)
+    per_it.add(PHASE_LOSS, allreduce_phase(red.size, red.itemsize, run.topo.node_of))
+    per_it = per_it.as_dict()
+    progress = Progress(run, total=cfg.iterations, unit="iteration",
+                        every=getattr(args, "progress_every", 0), start=start)
     t0 = time.perf_counter()
-    for it in range(cfg.iterations):
+    for it in range(start, cfg.iterations):
         idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch, replace=False)
         with run.clock.compute():
             X0 = np.ascontiguousarray(ds.features[idx][:, in_rows].T, dtype=dtype)
@@ -214,9 +305,18 @@ def _train(args) -> dict:
         accs.append(acc)
         if it % cfg.log_every == 0 or it == cfg.iterations - 1:
             run.log(iteration=it, loss=loss, batch_accuracy=acc)
-            if run.rank == 0:
-                print(f"iter {it:5d}  loss {loss:.6f}  batch acc {acc:.3f}", flush=True)
-    train_s = time.perf_counter() - t0
+        done = it + 1
+        progress.update(done, loss=loss, batch_accuracy=acc,
+                        inter_bytes=done * per_it["inter_node_bytes"],
+                        total_bytes=done * (per_it["inter_node_bytes"]
+                                            + per_it["intra_node_bytes"]))
+        if ckpt.due(done, last=done == cfg.iterations):
+            ckpt.save(done, {**_net_state(net, part, part_bytes),
+                             "train/batch_rng": json.dumps(batch_rng.bit_generator.state),
+                             "train/losses": np.array(losses), "train/accs": np.array(accs),
+                             "train/train_s": train_s + time.perf_counter() - t0})
+    progress.close()
+    train_s += time.perf_counter() - t0
     pred = TrafficPrediction()
     for phase, e in p2p_phases(metrics, run.topo.node_of, batch=cfg.batch,
                                itemsize=dtype.itemsize, iterations=cfg.iterations).items():
@@ -227,15 +327,16 @@ def _train(args) -> dict:
         pred.add(PHASE_PARTITION, bcast_phase(part_bytes, run.topo.node_of))
     nnz = sum(W.nnz for W in weights)
     tail = max(1, min(10, len(losses)))
-    out = run.finish(
-        metrics={"final_loss": losses[-1], "initial_loss": losses[0],
-                 "final_batch_accuracy": float(np.mean(accs[-tail:])),
-                 "loss_trajectory": losses, "iterations": cfg.iterations,
-                 "partition_method": part.method, "partition_seconds": part.seconds,
-                 "partition_table1": metrics.table1(),
-                 "train_seconds": train_s,
-                 "edges_per_second": 3 * nnz * cfg.batch * cfg.iterations / max(train_s, 1e-12)},
-        predicted=pred.as_dict())
+    result = {"final_loss": losses[-1], "initial_loss": losses[0],
+              "final_batch_accuracy": float(np.mean(accs[-tail:])),
+              "loss_trajectory": losses, "iterations": cfg.iterations,
+              "partition_method": part.method, "partition_seconds": part.seconds,
+              "partition_table1": metrics.table1(),
+              "train_seconds": train_s,
+              "edges_per_second": 3 * nnz * cfg.batch * cfg.iterations / max(train_s, 1e-12)}
+    if cfg.resume:
+        result["resumed_from_iteration"] = start
+    out = run.finish(metrics=result, predicted=pred.as_dict())
     if run.rank == 0:
         _print_traffic(out)
     return out
@@ -330,6 +431,7 @@ def _infer(args) -> dict:
 
 def _generate(args) -> None:
     """Write a generated challenge network, its inputs and the reference categories."""
+    check_threshold(args.threshold)
     out = Path(args.dir)
     net = graph_challenge_network(args.neurons, args.layers, permute=args.permute, seed=args.seed)
     write_challenge_network(out, net.weights)
@@ -377,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mnist-images", default=None)
     t.add_argument("--mnist-labels", default=None)
     t.add_argument("--dtype", choices=("float32", "float64"), default="float64")
-    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--log-every", type=int, default=10,
+                   help="iterations between metrics.jsonl lines (default %(default)s)")
+    add_training_args(t, "iteration", progress_every=10)
     add_common_args(t)
     i = sub.add_parser("infer", help="H-SpFF inference with Graph Challenge semantics")
     _add_network_args(i)

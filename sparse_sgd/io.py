@@ -165,9 +165,24 @@ def write_challenge_layer(path, W: sp.spmatrix) -> None:
 
 
 def read_challenge_network(directory, neurons: int, layers: int) -> list[sp.csr_matrix]:
-    """Read ``n{N}-l1.tsv .. n{N}-l{L}.tsv`` from ``directory``."""
-    return [read_challenge_layer(layer_path(directory, neurons, k), neurons)
-            for k in range(1, layers + 1)]
+    """Read ``n{N}-l1.tsv .. n{N}-l{L}.tsv`` from ``directory``.
+
+    Raises
+    ------
+    ValueError
+        When a layer file holds no weight (an empty layer disconnects the network; neither
+        training nor partitioning can use it).
+    """
+    weights = []
+    for k in range(1, layers + 1):
+        path = layer_path(directory, neurons, k)
+        W = read_challenge_layer(path, neurons)
+        if W.nnz == 0:
+            raise ValueError(f"{path}: layer {k} has no weights (an empty layer disconnects the "
+                             "network): fix or regenerate the file (python -m sparse_sgd "
+                             "generate), or pass fewer --layers")
+        weights.append(W)
+    return weights
 
 
 def write_challenge_network(directory, weights) -> None:

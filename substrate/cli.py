@@ -5,21 +5,40 @@
 >>> run = start_run(args, system="hsadmm", method="hsadmm", config=cfg)
 >>> run.log(iteration=0, loss=1.2)
 >>> summary = run.finish(metrics={"final_test_accuracy": 0.97})
+
+Results are never lost: :func:`start_run` refuses an ``--out`` that holds a finished run
+(``summary.json``) or the checkpoints of an interrupted one unless ``--overwrite`` (start afresh)
+or ``--resume`` (continue it) is given, and refuses an ``--out`` that is a file or not writable;
+rank 0 decides and every rank stops with the same message before any work.  Trainers add
+``--checkpoint-every`` / ``--resume`` / ``--progress-every`` with :func:`add_training_args`,
+save and resume with :class:`RunCheckpoints` and report progress on rank 0 with
+:class:`Progress`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import json
+import math
+import os
 import platform
+import signal
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import mpi4py
 import numpy as np
+import scipy
 from mpi4py import MPI
+from tqdm.auto import tqdm
 
 from . import collectives as coll
 from . import costmodel as cm
@@ -27,18 +46,23 @@ from .backend import Backend, get_backend
 from .clock import SimClock
 from .costmodel import CostModel
 from .ledger import Ledger
-from .results import RunWriter, to_jsonable
+from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
 
-__all__ = ["add_common_args", "CommonConfig", "Run", "start_run", "main_guard", "versions",
-           "check_world_size", "expected_world_size"]
+__all__ = ["add_common_args", "add_training_args", "check_range", "CommonConfig", "Run",
+           "start_run", "main_guard", "versions", "check_world_size", "expected_world_size",
+           "RunCheckpoints", "Progress"]
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every spardist command shares (results, seed, device, topology, cost)."""
     g = parser.add_argument_group("run (shared by every spardist command)")
     g.add_argument("--out", type=Path, default=None,
-                   help="results directory (default: results/<system>_<method>)")
+                   help="results directory (default: results/<system>_<method>); a directory "
+                        "holding a finished run is refused unless --overwrite is given")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out (its checkpoints are removed at the start, its "
+                        "summary and metrics when this run finishes)")
     g.add_argument("--seed", type=int, default=0, help="run seed (shared randomness)")
     g.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="array backend: NumPy (cpu) or CuPy (gpu)")
@@ -61,11 +85,47 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_training_args(parser: argparse.ArgumentParser, unit: str,
+                      progress_every: int) -> argparse.ArgumentParser:
+    """Add ``--checkpoint-every``, ``--resume`` and ``--progress-every`` (long MPI trainers).
+
+    ``unit`` names what is counted ("iteration", "step"); ``progress_every`` is the default
+    of ``--progress-every``.
+    """
+    g = parser.add_argument_group("checkpoints and progress")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help=f"checkpoint every rank's complete state after every N-th {unit} and at "
+                        "the end, into OUT/checkpoints (default 0: never)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint intact on every "
+                        "rank; the result equals an uninterrupted run")
+    g.add_argument("--progress-every", type=int, default=progress_every, metavar="N",
+                   help=f"rank 0 reports progress every N {unit}s on stderr (a progress bar when "
+                        "stderr is a terminal; default %(default)s, 0: quiet)")
+    return parser
+
+
+def check_range(flag: str, value: float, *, gt: float | None = None, ge: float | None = None,
+                lt: float | None = None, unit: str = "") -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``value`` is finite and within the bounds
+    (``gt < value``, ``ge <= value``, ``value < lt``); ``unit`` is echoed after the numbers."""
+    ok = math.isfinite(value) and (gt is None or value > gt) and (ge is None or value >= ge) \
+        and (lt is None or value < lt)
+    if not ok:
+        u = f" {unit}" if unit else ""
+        bounds = " and ".join(b for b in (
+            f"> {gt:g}{u}" if gt is not None else "", f">= {ge:g}{u}" if ge is not None else "",
+            f"< {lt:g}{u}" if lt is not None else "") if b)
+        raise ValueError(f"{flag} must be {bounds} (a finite number), got {value:g}{u}")
+
+
 @dataclass(frozen=True)
 class CommonConfig:
-    """The shared options, frozen (written into ``summary.json``)."""
+    """The shared options, frozen (written into ``summary.json``); validated on construction
+    (values are echoed in the units of the command line)."""
 
     out: str | None = None
+    overwrite: bool = False
     seed: int = 0
     device: str = "cpu"
     ranks_per_node: int | None = None
@@ -74,6 +134,14 @@ class CommonConfig:
     inter_bw: float = cm.DEFAULT_INTER_GBPS
     intra_lat: float = cm.DEFAULT_INTRA_LAT_US
     inter_lat: float = cm.DEFAULT_INTER_LAT_US
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        check_range("--intra-bw", self.intra_bw, gt=0, unit="Gbit/s")
+        check_range("--inter-bw", self.inter_bw, gt=0, unit="Gbit/s")
+        check_range("--intra-lat", self.intra_lat, ge=0, unit="microseconds")
+        check_range("--inter-lat", self.inter_lat, ge=0, unit="microseconds")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CommonConfig":
@@ -90,16 +158,10 @@ class CommonConfig:
 
 
 def versions() -> dict:
-    import scipy  # noqa: PLC0415
-
     try:
-        from importlib.metadata import version  # noqa: PLC0415
-
         spardist = version("spardist")
-    except Exception:
+    except PackageNotFoundError:
         spardist = "unknown"
-    import mpi4py  # noqa: PLC0415
-
     return {"spardist": spardist, "python": platform.python_version(), "numpy": np.__version__,
             "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip()}
@@ -107,10 +169,15 @@ def versions() -> dict:
 
 class Run:
     """Everything a command needs: topology, communicators, ledger, cost model, clock, backend,
-    results writer.  Built by :func:`start_run`."""
+    results writer.  Built by :func:`start_run`.
+
+    ``previous`` says what ``--out`` held when the run started: ``"new"`` (nothing to keep or
+    replaced with ``--overwrite``), ``"interrupted"`` or ``"finished"`` (with ``--resume``).
+    """
 
     def __init__(self, *, system: str, method: str, common: CommonConfig, config,
-                 topo: Topology, backend: Backend, writer: RunWriter) -> None:
+                 topo: Topology, backend: Backend, writer: RunWriter,
+                 previous: str = "new") -> None:
         self.system, self.method = system, method
         self.common = common
         self.config = config
@@ -125,6 +192,7 @@ class Run:
         self.clock = SimClock(self.ledger, sync=backend.synchronize if backend.is_gpu else None)
         self.writer = writer
         self.out = writer.out
+        self.previous = previous
         self._t0 = time.time()
         self.finished = False
         #: which collectives ran and whether the wire carries what the ledger books (collective)
@@ -180,11 +248,10 @@ def expected_world_size(env=None) -> tuple[int, str] | None:
 
     In order: ``SPARDIST_NP`` (set by ``run_mpi.sh`` / ``substrate.launch``), the process
     manager's own size (``PMI_SIZE``: Hydra and PMI-1/2 launchers; ``OMPI_COMM_WORLD_SIZE``:
-    Open MPI's mpirun), and last the Slurm step's task count (``SLURM_STEP_NUM_TASKS``), read only when no process manager variable is set:
-    under Hydra's Slurm launcher the step's tasks are the per-node proxies, not the ranks.
+    Open MPI's mpirun), and last the Slurm step's task count (``SLURM_STEP_NUM_TASKS``), read
+    only when no process manager variable is set: under Hydra's Slurm launcher the step's tasks
+    are the per-node proxies, not the ranks.
     """
-    import os  # noqa: PLC0415
-
     env = os.environ if env is None else env
     for var in ("SPARDIST_NP", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         if env.get(var, "").isdigit():
@@ -216,51 +283,400 @@ def check_world_size(size: int, env=None) -> None:
         f"mpiexec and mpi4py come from the same MPI library")
 
 
+# -- the results directory ---------------------------------------------------------------------
+def _writable_check(out: Path) -> str | None:
+    """Why ``out`` cannot hold results, or ``None``: create it (and its missing parents) and a
+    temporary file in it, then remove what was created."""
+    if out.exists() and not out.is_dir():
+        return (f"--out {out} is an existing file, not a directory: pass a directory path (it is "
+                "created when missing)")
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return (f"--out {out} is not writable ({exc.strerror or exc}): choose a directory you "
+                "can write to")
+    finally:
+        for d in missing:  # deepest first; the results writer creates them again
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return None
+
+
+def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str | None]:
+    """Rank 0's verdict on the results directory: ``(previous, error)`` (see :class:`Run`)."""
+    if resume and overwrite:
+        return "new", ("--resume continues the run in --out and --overwrite replaces it: pass "
+                       "one of them")
+    problem = _writable_check(out)
+    if problem:
+        return "new", problem
+    finished = (out / SUMMARY).is_file()
+    if finished:
+        recover_publish(out)
+    checkpoints = Checkpointer.files(out / CHECKPOINTS)
+    if overwrite:
+        for p in checkpoints:
+            p.unlink(missing_ok=True)
+        return "new", None
+    if resume:
+        return ("finished" if finished else "interrupted"), None
+    if finished:
+        return "new", (f"--out {out} already holds a finished run ({SUMMARY}): pass --overwrite "
+                       "to replace it, --resume to continue it from its checkpoints, or choose "
+                       "another --out")
+    if checkpoints:
+        return "new", (f"--out {out} holds checkpoints of an interrupted run "
+                       f"({out / CHECKPOINTS}): pass --resume to continue it, --overwrite to "
+                       "discard them and start afresh, or choose another --out")
+    return "new", None
+
+
+def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool) -> str:
+    """Collective: rank 0 inspects ``out``, every rank gets the verdict and raises the same
+    error (bookkeeping: not booked in the ledger)."""
+    verdict = _inspect_out(out, resume=resume, overwrite=overwrite) if topo.rank == 0 else None
+    previous, error = topo.world.mpi.bcast(verdict, root=0)
+    if error:
+        raise ValueError(error)
+    return previous
+
+
 def start_run(args, *, system: str, method: str, config=None, comm=None) -> Run:
     """Build the run context from parsed common args (collective over ``comm``).
 
     Works serially too: without ``mpiexec`` the world has one rank.  Stops with a clear error
-    (:func:`check_world_size`) when the launcher started more ranks than MPI connected.
+    (:func:`check_world_size`) when the launcher started more ranks than MPI connected, and on
+    every rank when ``--out`` cannot take the run (see the module docstring); ``--resume`` is
+    read from ``args`` when it has it.
     """
     common = args if isinstance(args, CommonConfig) else CommonConfig.from_args(args)
+    resume = bool(getattr(args, "resume", False))
     if comm is None:
         check_world_size(MPI.COMM_WORLD.Get_size())
     cost = common.cost_model()
     topo = Topology.from_comm(comm if comm is not None else MPI.COMM_WORLD,
                               ranks_per_node=common.ranks_per_node, cost=cost,
                               collectives=common.collectives)
+    out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
+    previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite)
     backend = get_backend(common.device, topo.gpu_index)
     topo.bind_backend(backend)
-    out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
     writer = RunWriter(out, enabled=topo.rank == 0)
     return Run(system=system, method=method, common=common, config=config, topo=topo,
-               backend=backend, writer=writer)
+               backend=backend, writer=writer, previous=previous)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+_LINKS = {"none": (), cm.INTRA: (cm.INTRA,), cm.INTER: (cm.INTER,),
+          "mixed": (cm.INTRA, cm.INTER)}
+
+
+def _restore_ledger(ledger: Ledger, entries: dict) -> None:
+    """Make ``ledger`` hold exactly ``entries`` (``Ledger.local()`` of a checkpoint)."""
+    ledger.reset()
+    for phase, e in entries.items():
+        ledger.record(phase, payload=e["payload_bytes"], intra=e["intra_bytes"],
+                      inter=e["inter_bytes"], messages=e["messages"], modeled_s=e["modeled_s"],
+                      links=_LINKS[e["link"]], calls=e["calls"])
+
+
+class RunCheckpoints:
+    """Checkpoint and resume a training loop (every trainer uses this one class).
+
+    A checkpoint holds the trainer's state (a dict of arrays; JSON text for nested values)
+    plus the run's own: the ledger of this rank (so the resumed run's traffic is the whole
+    run's), its measured compute time, rank 0's metrics lines up to the checkpoint (a resumed
+    run neither loses nor repeats a line) and a fingerprint of everything that must not change.
+    Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept), written after every
+    ``every``-th unit and at the end.
+
+    Parameters
+    ----------
+    run : Run
+    every : int
+        ``--checkpoint-every`` (0: never save).
+    fingerprint : dict
+        JSON-able values a resumed run must share (configuration without the resumable fields);
+        the common options but ``--out``/``--overwrite`` and the world size are added.
+    unit, flag : str
+        What is counted ("iteration") and the flag of the total ("--iters"), for messages.
+    """
+
+    def __init__(self, run: Run, *, every: int, fingerprint: dict, unit: str, flag: str) -> None:
+        if every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {every}")
+        self.run = run
+        self.every = every
+        self.unit, self.flag = unit, flag
+        common = {k: v for k, v in dataclasses.asdict(run.common).items()
+                  if k not in ("out", "overwrite")}
+        fp = {**fingerprint, **common, "world": run.size}
+        self.fingerprint = json.loads(json.dumps(to_jsonable(fp)))  # as it comes back
+        self.ckpt = Checkpointer(Path(run.out) / CHECKPOINTS, rank=run.rank)
+
+    def due(self, done: int, last: bool) -> bool:
+        """Whether to save after ``done`` units (``last``: the loop is over)."""
+        return bool(self.every) and (done % self.every == 0 or last)
+
+    def save(self, done: int, state: dict) -> None:
+        """Write this rank's checkpoint after ``done`` units (every rank calls it)."""
+        run = self.run
+        full = {**state,
+                "run/fingerprint": json.dumps(self.fingerprint),
+                "run/ledger": json.dumps(run.ledger.local()),
+                "run/compute_s": np.float64(run.clock.compute_s),
+                "run/metrics": json.dumps(run.writer.records)}
+        self.ckpt.save(full, done)
+
+    def resume(self, total: int) -> tuple[int, dict]:
+        """Load the newest checkpoint intact on every rank (collective).
+
+        Restores the ledger, the compute time and the metrics lines, checks the fingerprint and
+        ``total``; returns ``(units done, the trainer's state)``.
+
+        Raises
+        ------
+        ValueError
+            No checkpoint; none intact on every rank (naming the damaged files); a different
+            configuration; ``total`` below the units done; a finished run with nothing left.
+        """
+        run, ck = self.run, self.ckpt
+        intact, corrupt = ck.scan()
+        views = run.world.mpi.allgather((intact, corrupt))
+        common = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:]))
+        damaged = [f"{Checkpointer(ck.dir, r).path(s)} ({why})"
+                   for r, (_, bad) in enumerate(views) for s, why in sorted(bad.items())]
+        if not common:
+            if not damaged:
+                have = ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0])
+                raise ValueError(
+                    f"--resume: no checkpoint of every rank in {ck.dir} "
+                    f"({'steps per rank: ' + have if have else 'no checkpoint at all'}); run "
+                    "without --resume to start afresh, or pass the --out of a run that used "
+                    "--checkpoint-every N")
+            good = {r: v[0][-1] for r, v in enumerate(views) if v[0]}
+            last = ("; the last good checkpoint per rank: " + ", ".join(
+                str(Checkpointer(ck.dir, r).path(s)) for r, s in good.items())) if good else ""
+            raise ValueError(f"--resume: no checkpoint in {ck.dir} is intact on every rank: "
+                             f"damaged: {'; '.join(damaged)}{last}; restore the files or start "
+                             "afresh with --overwrite")
+        step = max(common)
+        newer_damaged = [(r, s) for r, (_, bad) in enumerate(views) for s in bad if s > step]
+        if newer_damaged:
+            for r, s in newer_damaged:
+                if r == run.rank:
+                    ck.set_aside(s)
+            if run.rank == 0:
+                print(f"spardist: warning: damaged checkpoint(s): {'; '.join(damaged)}; resuming "
+                      f"from {self.unit} {step}, the newest checkpoint intact on every rank "
+                      f"({ck.path(step)}): safe, the {self.unit}s after it are recomputed with "
+                      "the same result (damaged files renamed to *.corrupt)",
+                      file=sys.stderr, flush=True)
+        state = ck.load(step)
+        saved = json.loads(str(state.pop("run/fingerprint", "{}")))
+        diff = sorted(k for k in set(saved) | set(self.fingerprint)
+                      if saved.get(k) != self.fingerprint.get(k))
+        if diff:
+            raise ValueError(
+                f"--resume: the checkpoint in {ck.dir} was written with different "
+                + ", ".join(f"{k}={saved.get(k)!r} (now {self.fingerprint.get(k)!r})"
+                            for k in diff)
+                + f"; resume with the same options (only {self.flag}, --checkpoint-every and "
+                  "--progress-every may change) or start afresh with --overwrite")
+        if step > total:
+            raise ValueError(f"--resume: {self.flag} {total} is smaller than the {step} "
+                             f"{self.unit}s already done ({ck.path(step)}): pass {self.flag} "
+                             f"{step} or more to continue, or start afresh with --overwrite")
+        if step == total and run.previous == "finished":
+            raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
+                             f"{self.unit}s ({SUMMARY}): pass a larger {self.flag} to train "
+                             "further, or start afresh with --overwrite")
+        _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
+        run.clock.compute_s = float(state.pop("run/compute_s"))
+        for line in json.loads(str(state.pop("run/metrics"))):
+            run.writer.log(json.loads(line))
+        return step, state
+
+
+# -- progress ----------------------------------------------------------------------------------
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB"
+
+
+class Progress:
+    """Progress of a long run, on rank 0's stderr: a tqdm bar when stderr is a terminal,
+    otherwise one line every ``every`` units (and at the last); ``every = 0`` is quiet.
+
+    :meth:`update` takes the units done and named values, e.g. ``loss``, ``test_accuracy``:
+    floats are printed with 4 decimals, ``inter_bytes`` / ``total_bytes`` (wire bytes so far) in
+    MiB, NaN and ``None`` are left out (rank 0 alone evaluates, other ranks hold NaN).
+    """
+
+    def __init__(self, run: Run, *, total: int, unit: str, every: int, start: int = 0) -> None:
+        if every < 0:
+            raise ValueError(f"--progress-every must be >= 0 (0: quiet), got {every}")
+        self.total, self.unit, self.every = total, unit, every
+        self.enabled = run.rank == 0 and every > 0
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            self.bar = tqdm(total=total, initial=start, unit=unit, desc=run.method,
+                            file=sys.stderr, leave=False)
+
+    @staticmethod
+    def _fields(values: dict) -> dict[str, str]:
+        out = {}
+        for key, v in values.items():
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            if key in ("inter_bytes", "total_bytes"):
+                out[{"inter_bytes": "inter-node", "total_bytes": "total"}[key]] = _mib(v)
+            elif isinstance(v, float):
+                out[key] = f"{v:.4f}"
+            else:
+                out[key] = str(v)
+        return out
+
+    def update(self, done: int, **values) -> None:
+        """Report ``done`` units of :attr:`total` (rank 0; other ranks do nothing)."""
+        if not self.enabled:
+            return
+        fields = self._fields(values)
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(done - self.bar.n)  # redrawn at most every tqdm.mininterval
+        elif done % self.every == 0 or done == self.total:
+            text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"spardist: {self.unit} {done}/{self.total}  {text}", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# -- failures ----------------------------------------------------------------------------------
+#: seconds rank 0 waits for the other ranks' errors before it prints and aborts the job
+ERROR_GATHER_S = 3.0
+#: seconds another rank waits for rank 0 to print (and abort) before it prints its own error
+ERROR_FALLBACK_S = ERROR_GATHER_S + 3.0
+#: seconds between printing and aborting (the abort may cut the forwarding of the output)
+ERROR_FLUSH_S = 0.5
+_ERROR_TAG = 16
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 0-3`` or ``ranks 0, 2, 5``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _print_errors(errors: dict[int, tuple[str, str]]) -> None:
+    """One ``spardist: error on ...`` line per distinct message (with its traceback once)."""
+    by_text: dict[str, list[int]] = {}
+    details: dict[str, str] = {}
+    for rank, (text, detail) in sorted(errors.items()):
+        by_text.setdefault(text, []).append(rank)
+        details.setdefault(text, detail)
+    for text, ranks in by_text.items():
+        detail = details[text]
+        print(f"spardist: error on {_rank_list(ranks)}: {text}", file=sys.stderr, flush=True)
+        if detail:
+            print(detail, file=sys.stderr, end="", flush=True)
+
+
+def _fail(exc: BaseException, errors_comm) -> None:
+    """Report ``exc`` once per distinct message over the job, then end the job (no return).
+
+    Rank 0 gathers the errors the other ranks send within :data:`ERROR_GATHER_S` (all at once
+    when they fail alike), prints each distinct message once naming its ranks, and aborts the
+    job.  Another rank sends its error to rank 0 and waits; if rank 0 is not failing (it is
+    waiting in a collective), the rank prints its own message after :data:`ERROR_FALLBACK_S`
+    and aborts the job.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    detail = "" if isinstance(exc, ValueError) else traceback.format_exc()
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if errors_comm is None:
+        _print_errors({rank: (text, detail)})
+        sys.exit(1)
+    # the job's abort interrupts every rank: end quietly, not with a KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    size = errors_comm.Get_size()
+    if rank == 0:
+        errors = {0: (text, detail)}
+        deadline = time.monotonic() + ERROR_GATHER_S
+        status = MPI.Status()
+        while len(errors) < size and time.monotonic() < deadline:
+            if errors_comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ERROR_TAG, status=status):
+                src = status.Get_source()
+                errors[src] = errors_comm.recv(source=src, tag=_ERROR_TAG)
+            else:
+                time.sleep(0.01)
+        _print_errors(errors)
+        time.sleep(ERROR_FLUSH_S)  # let the launcher forward the message before the abort
+    else:
+        request = errors_comm.isend((text, detail), dest=0, tag=_ERROR_TAG)
+        deadline = time.monotonic() + ERROR_FALLBACK_S
+        while time.monotonic() < deadline:  # rank 0 prints and aborts the job meanwhile
+            try:
+                request.Test()  # drives MPI progress, so rank 0 can receive a long traceback
+            except MPI.Exception:  # the job is being aborted: rank 0 has printed
+                os._exit(1)
+            time.sleep(0.01)
+        _print_errors({rank: (text, detail)})
+        time.sleep(ERROR_FLUSH_S)
+    sys.stdout.flush()
+    world.Abort(1)
+    os._exit(1)  # MPI_Abort may return while the process manager ends the job
+
+
+@contextlib.contextmanager
+def _argparse_on_rank0_only(rank: int):
+    """Every rank parses the same command line: only rank 0 prints argparse's usage, help and
+    errors (the other ranks exit alike, silently)."""
+    if rank == 0:
+        yield
+        return
+    original = argparse.ArgumentParser._print_message
+    argparse.ArgumentParser._print_message = lambda self, message, file=None: None
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser._print_message = original
 
 
 def main_guard(main):
     """Wrap a CLI ``main(argv)`` so an exception on any rank ends the whole job cleanly.
 
-    The failing rank prints ``spardist: error on rank R: ...`` to stderr and, in a multi-rank
-    job, aborts the job (no rank is left waiting in a collective).  Exit status is non-zero.
+    A failed run's in-progress metrics are dropped (:meth:`RunWriter.abandon_open`); the error
+    is printed once per distinct message as ``spardist: error on rank R: ...`` or ``spardist:
+    error on ranks 0-3: ...`` (:func:`_fail`), with the traceback for errors other than
+    ``ValueError``; a multi-rank job is aborted (no rank is left waiting in a collective).
+    Exit status is non-zero.
     """
 
     @functools.wraps(main)
     def wrapped(argv=None):
+        world = MPI.COMM_WORLD
+        errors_comm = world.Dup() if world.Get_size() > 1 else None
         try:
-            return main(argv)
+            with _argparse_on_rank0_only(world.Get_rank()):
+                result = main(argv)
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001
-            world = MPI.COMM_WORLD
-            msg = f"spardist: error on rank {world.Get_rank()}: {type(exc).__name__}: {exc}"
-            print(msg, file=sys.stderr, flush=True)
-            if not isinstance(exc, ValueError):
-                import traceback  # noqa: PLC0415
-
-                traceback.print_exc()
-            if world.Get_size() > 1:
-                time.sleep(0.5)  # let ranks that fail the same way print their message too
-                world.Abort(1)
-            sys.exit(1)
+            RunWriter.abandon_open()
+            _fail(exc, errors_comm)
+        if errors_comm is not None:
+            errors_comm.Free()
+        return result
 
     return wrapped

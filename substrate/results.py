@@ -3,22 +3,53 @@
 Every run writes ``OUT/metrics.jsonl`` (one JSON line per iteration) and ``OUT/summary.json``.
 Nothing is ever half-written over earlier results: files are written to a temporary name in the
 same directory, flushed and fsynced, then renamed over the target (``os.replace`` is atomic on
-POSIX).  During a run the metrics go to ``OUT/.metrics.jsonl.part`` (tail it to follow a long run)
-and replace ``metrics.jsonl`` only when the run finishes; a run that fails leaves the previous
-``metrics.jsonl`` and ``summary.json`` untouched.
+POSIX).  Files get the mode ``0666`` minus the umask (``0644`` under the usual umask ``022``),
+whichever way they were written.
+
+**Publishing a run** (:meth:`RunWriter.finish`).  During a run the metrics go to
+``OUT/.metrics.jsonl.part`` (tail it to follow a long run).  When it finishes:
+
+1. the summary is serialized (an unserializable value fails here, before any file is touched);
+2. the ``.part`` file is flushed, fsynced and closed;
+3. ``summary.json`` is written atomically; it names the metrics it belongs to
+   (``metrics_file``: name, line count and SHA-256 of the ``.part`` contents);
+4. the ``.part`` file is renamed over ``metrics.jsonl``.
+
+A crash before 3 leaves the earlier ``summary.json`` and ``metrics.jsonl`` untouched (the earlier
+run stays published).  A crash between 3 and 4 leaves the new summary next to the earlier (or no)
+``metrics.jsonl`` and the new metrics, complete and fsynced, in the ``.part`` file: the summary
+never points to metrics that are missing, and :func:`recover_publish` (run by the next command
+started on the directory) completes step 4 by matching the SHA-256.  A run that fails
+(:meth:`RunWriter.abandon`, called by :func:`substrate.cli.main_guard`) removes its ``.part``
+file and the directories it created; a ``.part`` file or temporary file left by a killed run is
+removed when the next run starts in the directory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "RunWriter", "Checkpointer", "to_jsonable"]
+__all__ = ["atomic_write_bytes", "atomic_write_json", "RunWriter", "Checkpointer",
+           "CheckpointError", "to_jsonable", "file_mode", "recover_publish", "SUMMARY",
+           "METRICS", "METRICS_PART", "CHECKPOINTS"]
+
+#: file names inside a results directory
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+METRICS_PART = ".metrics.jsonl.part"
+CHECKPOINTS = "checkpoints"
+#: temporary files of :func:`atomic_write_bytes` (``.NAME.RANDOM.tmp``)
+_TMP_PATTERN = re.compile(r"^\..+\.tmp$")
 
 
 def to_jsonable(obj):
@@ -36,8 +67,30 @@ def to_jsonable(obj):
     return obj
 
 
+def file_mode() -> int:
+    """Mode of new result files: ``0666`` minus the process umask (as ``open`` would create)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename)."""
+    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename), with
+    mode :func:`file_mode`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -45,12 +98,14 @@ def atomic_write_bytes(path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), file_mode())  # mkstemp creates 0600
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
 
 
 def atomic_write_json(path, obj) -> None:
@@ -60,54 +115,156 @@ def atomic_write_json(path, obj) -> None:
     atomic_write_bytes(path, data)
 
 
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def recover_publish(out_dir) -> bool:
+    """Complete a publish that stopped between writing ``summary.json`` and renaming the
+    metrics (step 4 of the module docstring).
+
+    Returns ``True`` when ``.metrics.jsonl.part`` held the metrics the summary names and was
+    renamed over ``metrics.jsonl``; ``False`` when there was nothing to do.
+    """
+    out = Path(out_dir)
+    part = out / METRICS_PART
+    if not part.is_file():
+        return False
+    try:
+        want = json.loads((out / SUMMARY).read_text()).get("metrics_file", {}).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if want is None or _sha256(out / METRICS) == want or _sha256(part) != want:
+        return False
+    os.replace(part, out / METRICS)
+    _fsync_dir(out)
+    return True
+
+
 class RunWriter:
-    """Writes a run's ``metrics.jsonl`` and ``summary.json`` (rank 0 only when ``enabled``)."""
+    """Writes a run's ``metrics.jsonl`` and ``summary.json`` (rank 0 only when ``enabled``).
+
+    The lines logged so far are kept in :attr:`records` (checkpoints store them, so a resumed
+    run neither loses nor repeats a line).
+    """
+
+    #: writers whose run has neither finished nor been abandoned (see :meth:`abandon_open`);
+    #: held strongly, so a run dropped before it failed is still cleaned up
+    _open: "set[RunWriter]" = set()
 
     def __init__(self, out_dir, enabled: bool = True) -> None:
         self.out = Path(out_dir)
         self.enabled = enabled
-        self._part = self.out / ".metrics.jsonl.part"
+        self.records: list[str] = []
+        self._part = self.out / METRICS_PART
         self._fh = None
+        self._created: list[Path] = []
         if enabled:
+            missing = [p for p in (self.out, *self.out.parents) if not p.exists()]
             self.out.mkdir(parents=True, exist_ok=True)
+            self._created = missing  # deepest first
+            self._remove_stale()
             self._fh = open(self._part, "w")
+            RunWriter._open.add(self)
+
+    def _remove_stale(self) -> None:
+        """Remove what a killed run left behind: its ``.part`` file and temporary files."""
+        self._part.unlink(missing_ok=True)
+        for p in self.out.iterdir():
+            if _TMP_PATTERN.match(p.name) and p.is_file():
+                p.unlink(missing_ok=True)
 
     def log(self, record: dict) -> None:
         """Append one metrics line (flushed so a long run can be followed)."""
-        if self._fh is not None:
-            self._fh.write(json.dumps(to_jsonable(record)) + "\n")
+        if self.enabled:
+            line = json.dumps(to_jsonable(record))
+            self.records.append(line)
+            self._fh.write(line + "\n")
             self._fh.flush()
 
-    def finish(self, summary: dict) -> None:
-        """Publish the metrics and the summary atomically."""
+    def finish(self, summary: dict) -> dict:
+        """Publish the summary, then the metrics (module docstring: steps 1-4).
+
+        Returns the summary as written, with its ``metrics_file`` entry.
+        """
         if not self.enabled:
-            return
-        text = json.dumps(to_jsonable(summary), indent=2) + "\n"  # fail before touching files
+            return summary
+        contents = "".join(line + "\n" for line in self.records)
+        published = {**summary, "metrics_file": {
+            "name": METRICS, "lines": len(self.records),
+            "sha256": hashlib.sha256(contents.encode()).hexdigest()}}
+        text = json.dumps(to_jsonable(published), indent=2) + "\n"  # fail before touching files
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
         self._fh = None
-        os.replace(self._part, self.out / "metrics.jsonl")
-        atomic_write_bytes(self.out / "summary.json", text.encode())
+        atomic_write_bytes(self.out / SUMMARY, text.encode())
+        os.replace(self._part, self.out / METRICS)
+        _fsync_dir(self.out)
+        RunWriter._open.discard(self)
+        return published
 
     def abandon(self) -> None:
-        """Drop the in-progress metrics (a failed run); earlier results stay as they were."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-            self._part.unlink(missing_ok=True)
+        """Drop the in-progress metrics (a failed run) and the directories this writer created
+        if they are empty; earlier results stay as they were."""
+        RunWriter._open.discard(self)
+        if self._fh is None:
+            return
+        self._fh.close()
+        self._fh = None
+        self._part.unlink(missing_ok=True)
+        for d in self._created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (checkpoints, earlier files) or already gone
+                break
+
+    @classmethod
+    def abandon_open(cls) -> None:
+        """Abandon every writer of this process whose run has not finished (on failure)."""
+        for writer in list(cls._open):
+            writer.abandon()
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, bit-flipped, not a checkpoint).
+
+    ``path`` is the file, ``reason`` what reading it raised.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {path} is corrupt or truncated ({reason})")
+        self.path, self.reason = path, reason
+
+
+def _read_npz(path: Path) -> dict:
+    """Every array of an ``.npz`` (all members are read, so their CRC-32 is checked)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+        raise CheckpointError(path, f"{type(exc).__name__}: {exc}") from None
 
 
 class Checkpointer:
     """Atomic per-rank checkpoints ``DIR/ckpt-r{rank}-s{step:08d}.npz``.
 
     ``save(state, step)`` writes a dict of arrays/scalars atomically and keeps the newest
-    ``keep`` steps; ``load_latest()`` returns ``(step, state)`` of the newest complete checkpoint
-    or ``None``.  In a distributed run agree on the step first (e.g. the minimum of
-    ``latest_step()`` over ranks) and call ``load(step)``.
+    ``keep`` steps; ``load(step)`` reads one back (:class:`CheckpointError` naming the file when
+    it is damaged); :meth:`scan` sorts this rank's files into intact and corrupt ones.  In a
+    distributed run agree on the step first (:class:`substrate.cli.RunCheckpoints` does).
     """
 
     _pat = re.compile(r"ckpt-r(\d+)-s(\d+)\.npz$")
+
+    @classmethod
+    def files(cls, directory) -> list[Path]:
+        """Checkpoint files of every rank in ``directory`` (none when it does not exist)."""
+        d = Path(directory)
+        return sorted(p for p in d.iterdir() if cls._pat.match(p.name)) if d.is_dir() else []
 
     def __init__(self, directory, rank: int = 0, keep: int = 2) -> None:
         if keep < 1:
@@ -116,10 +273,12 @@ class Checkpointer:
         self.rank = rank
         self.keep = keep
 
-    def _path(self, step: int) -> Path:
+    def path(self, step: int) -> Path:
+        """File of this rank's checkpoint after ``step`` steps."""
         return self.dir / f"ckpt-r{self.rank}-s{step:08d}.npz"
 
     def steps(self) -> list[int]:
+        """Steps of this rank's checkpoint files, ascending."""
         if not self.dir.is_dir():
             return []
         out = []
@@ -134,26 +293,44 @@ class Checkpointer:
         return s[-1] if s else -1
 
     def save(self, state: dict, step: int) -> Path:
-        import io  # noqa: PLC0415
-
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         buf = io.BytesIO()
         np.savez(buf, **{k: np.asarray(v) for k, v in state.items()})
-        path = self._path(step)
+        path = self.path(step)
         atomic_write_bytes(path, buf.getvalue())
         for old in self.steps()[:-self.keep]:
-            self._path(old).unlink(missing_ok=True)
+            self.path(old).unlink(missing_ok=True)
         return path
 
     def load(self, step: int) -> dict:
-        path = self._path(step)
+        path = self.path(step)
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint for rank {self.rank} at step {step} in "
                                     f"{self.dir}; available steps: {self.steps()}")
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        return _read_npz(path)
 
     def load_latest(self):
         step = self.latest_step()
         return None if step < 0 else (step, self.load(step))
+
+    def scan(self) -> tuple[list[int], dict[int, str]]:
+        """Read every checkpoint of this rank: ``(intact steps ascending, {step: what reading
+        the damaged file raised})``."""
+        intact, corrupt = [], {}
+        for step in self.steps():
+            try:
+                _read_npz(self.path(step))
+            except CheckpointError as exc:
+                corrupt[step] = exc.reason
+            else:
+                intact.append(step)
+        return intact, corrupt
+
+    def set_aside(self, step: int) -> Path:
+        """Rename a corrupt checkpoint to ``*.npz.corrupt`` (kept for inspection, never loaded
+        or pruned again); returns the new path."""
+        path = self.path(step)
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        return aside

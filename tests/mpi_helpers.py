@@ -68,12 +68,27 @@ def assert_measured_equals_predicted(summary: dict) -> None:
                                                             want["inter_bytes"]), phase
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The ``spardist: error on ...`` lines of a job's stderr."""
+    return [x for x in stderr.splitlines() if x.startswith("spardist: error on ")]
+
+
+def assert_one_error_from_every_rank(stderr: str, message: str, n: int) -> None:
+    """Every one of the ``n`` ranks failed with ``message``, printed once (not interleaved)."""
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr
+    want = "spardist: error on " + (f"ranks 0-{n - 1}: " if n > 1 else "rank 0: ")
+    assert lines[0].startswith(want) and message in lines[0], stderr
+
+
 def assert_fails_on_every_rank(module: str, args, message: str, out_dir, n: int = 2) -> None:
-    """``module`` run with ``args`` on ``n`` ranks fails with ``message`` reported by every rank,
-    and writes no ``summary.json`` into ``out_dir`` (nothing half-done)."""
+    """``module`` run with ``args`` on ``n`` ranks fails with ``message`` reported by every rank
+    in one line, and writes nothing into ``out_dir`` (an earlier summary stays as it was, no
+    in-progress metrics are left)."""
+    summary = Path(out_dir) / "summary.json"
+    before = summary.read_bytes() if summary.is_file() else None
     res = run_mpi(None, n, *args, "--out", out_dir, module=module, timeout=120,
                   expect_fail=True)
-    assert message in res.stderr, res.stderr
-    for r in range(n):
-        assert f"spardist: error on rank {r}" in res.stderr, res.stderr
-    assert not (Path(out_dir) / "summary.json").exists()
+    assert_one_error_from_every_rank(res.stderr, message, n)
+    assert (summary.read_bytes() if summary.is_file() else None) == before
+    assert not (Path(out_dir) / ".metrics.jsonl.part").exists()

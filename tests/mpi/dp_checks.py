@@ -7,7 +7,9 @@ closed form.
 """
 
 import sys
+import tempfile
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -19,9 +21,12 @@ from substrate import collective_check, start_run
 
 R = 2
 
+#: results directory of the runs built here (never finished, so never published)
+CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "dp")
+
 
 def _setup(method, **options):
-    args = Namespace(out=None, seed=0, device="cpu", ranks_per_node=R, intra_bw=2400.0,
+    args = Namespace(out=CHECK_OUT, seed=0, device="cpu", ranks_per_node=R, intra_bw=2400.0,
                      inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="dataparallel", method=method, config=DPConfig(method=method))
     run.writer.enabled = False

@@ -15,6 +15,8 @@ paper (eqs. 2-4) without the strategy's helpers:
 
 import math
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -27,10 +29,14 @@ from substrate import collective_check, start_run
 
 SEED = 3
 
+#: results directory of the runs built here (never finished, so never published)
+CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "dp_pactrain")
+
 
 def _setup(**opts):
     cfg = DPConfig(method="pactrain", seed=SEED)
-    args = build_parser().parse_args(["--ranks-per-node", "2", "--seed", str(SEED)])
+    args = build_parser().parse_args(["--ranks-per-node", "2", "--seed", str(SEED),
+                                      "--out", CHECK_OUT])
     run = start_run(args, system="dataparallel", method="pactrain", config=cfg)
     run.writer.enabled = False
     data = load_digits()

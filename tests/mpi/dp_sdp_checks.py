@@ -13,7 +13,9 @@ On 2 virtual nodes x 2 ranks:
 """
 
 import sys
+import tempfile
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -28,10 +30,13 @@ from dp_checks import _check_ledger  # same folder: ledger delta == Σ step_byte
 R = 2
 COMM = MPI.COMM_WORLD
 
+#: results directory of the runs built here (never finished, so never published)
+CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "dp_sdp")
+
 
 def _setup(model_name, steps=3, **options):
     cfg = DPConfig(method="sdp", model=model_name, steps=steps, lr=0.05)
-    args = Namespace(out=None, seed=0, device="cpu", ranks_per_node=R, intra_bw=2400.0,
+    args = Namespace(out=CHECK_OUT, seed=0, device="cpu", ranks_per_node=R, intra_bw=2400.0,
                      inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="dataparallel", method="sdp", config=cfg)
     run.writer.enabled = False

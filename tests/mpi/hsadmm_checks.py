@@ -11,6 +11,7 @@ solver mid-epoch and before the mask freeze, and checks both continue bit for bi
 import sys
 import tempfile
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -22,11 +23,14 @@ from substrate import Checkpointer, collective_check, start_run
 
 R = 2
 
+#: results directory of the runs built here (never finished, so never published)
+CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "hsadmm")
+
 
 def _setup(**kw):
     cfg = HSADMMConfig(**kw)
-    args = Namespace(out=None, seed=cfg.seed, device="cpu", ranks_per_node=R, intra_bw=2400.0,
-                     inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
+    args = Namespace(out=CHECK_OUT, seed=cfg.seed, device="cpu", ranks_per_node=R,
+                     intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="hsadmm", method="test", config=cfg)
     run.writer.enabled = False
     data = load_digits()
