@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy for the simulated time-to-accuracy column")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace finished runs in OUT/<method> (otherwise a second comparison "
+                        "into the same OUT stops before any work)")
+    p.add_argument("--collectives", choices=("exact", "native"), default=None,
+                   help="collectives mode of every run (default: $SPARDIST_COLLECTIVES or exact)")
     return p
 
 
@@ -65,6 +70,10 @@ def main(argv=None) -> int:
     shared = ["--seed", str(args.seed)]
     if args.ranks_per_node is not None:
         shared += ["--ranks-per-node", str(args.ranks_per_node)]
+    if args.overwrite:
+        shared.append("--overwrite")
+    if args.collectives is not None:
+        shared += ["--collectives", args.collectives]
     dirs = []
     for method in args.methods:
         t0 = time.perf_counter()

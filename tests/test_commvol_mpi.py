@@ -167,7 +167,8 @@ def test_headline_comparison(tmp_path):
     from commvol.compare import SYSTEM_RUNS  # noqa: PLC0415
     from substrate.launch import DEFAULT_JOB  # noqa: PLC0415
 
-    assert DEFAULT_JOB[-1] == "commvol.compare"
+    assert DEFAULT_JOB[DEFAULT_JOB.index("commvol.compare") - 2:] == \
+        ["--ranks-per-node", "2", "commvol.compare", "--overwrite"]
     res = run_mpi(None, 4, "--ranks-per-node", 2, "--out", tmp_path, module="commvol.compare",
                   timeout=300)
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
@@ -183,7 +184,7 @@ def test_headline_comparison(tmp_path):
 # 3 ranks per node: 2 nodes x 3 and 1 node x 3 (tests/mpi/uneven_checks.py, one launch each)
 # ---------------------------------------------------------------------------------------------
 #: (ranks, ranks per node)
-UNEVEN_LAYOUTS = [(6, 3), (3, 3)]
+UNEVEN_LAYOUTS = [(6, 3), (3, 3), (6, 6)]  # 2 nodes x 3, 1 x 3, 1 x 6
 
 #: run name in uneven_checks.py -> (system, model, predict options) matching its flags
 UNEVEN_RUNS = {
