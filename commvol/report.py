@@ -198,7 +198,7 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
             "not reached" if ttt is None else f"{ttt:.3f}",
             f"{inter / ddp_inter:.3f}" if ddp_inter else "-", _matches(r)]) + " |")
     out.append("")
-    out.append("inter-node bytes: wire bytes over node-crossing links (ledger); payload ratio: "
+    out.append("inter-node bytes: bytes sent over node-crossing links (ledger); payload ratio: "
                "inter-node payload / dense payload (H-SADMM compact elements; Top-K 2K/T); sim "
                "s = measured compute + modeled communication; time to accuracy from the logged "
                "evaluations")
