@@ -88,9 +88,12 @@ def slurm_launcher(flavor: str | None = None, plugins: tuple[str, ...] | None = 
     environment (``flavor`` of :func:`find_mpiexec`).
 
     ``srun`` alone starts N singletons unless its PMI plugin is one the library speaks: the
-    MPICH wheel speaks PMI-2 (``srun --mpi=pmi2``; it has no PMIx), Open MPI 5 speaks PMIx
-    (``srun --mpi=pmix``).  When Slurm offers no matching plugin, ``None``: use the library's own
-    ``mpiexec``, which starts its daemons inside the allocation (Hydra and PRRTE both do).
+    MPICH wheel speaks PMI-2 (``srun --mpi=pmi2``; it has no PMIx).  Open MPI speaks PMIx, but
+    ``srun --mpi=pmix`` depends on the site's Slurm being built against a compatible PMIx (with
+    Debian's Slurm 22.05 and the Open MPI 5.0 wheel its task launch timed out), so Open MPI gets
+    ``None``: its own ``mpiexec`` (PRRTE), which reads the allocation and starts one world; sites
+    whose ``srun --mpi=pmix`` works can say so with ``SPARDIST_LAUNCHER``.  ``None`` also when
+    Slurm offers no matching plugin (Hydra starts its proxies inside the allocation).
     """
     if flavor is None:
         try:
@@ -101,8 +104,7 @@ def slurm_launcher(flavor: str | None = None, plugins: tuple[str, ...] | None = 
     if flavor == "mpich":
         return "srun --mpi=pmi2" if "pmi2" in plugins else None
     if flavor.startswith("openmpi"):
-        pmix = [x for x in plugins if x.startswith("pmix")]
-        return f"srun --mpi={pmix[0]}" if pmix else None
+        return None
     return "srun"
 
 

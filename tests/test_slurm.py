@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,15 @@ REASON = _slurm_reason()
 skip = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
+def _allocated(res) -> subprocess.CompletedProcess:
+    """Skip (not fail) when Slurm could not grant the allocation: a busy or draining node is
+    the cluster's state, not spardist's."""
+    if "Unable to allocate resources" in res.stderr or "revoked" in res.stderr and \
+            "Granted" not in res.stderr:
+        pytest.skip(f"Slurm granted no allocation: {res.stderr.strip()[:200]}")
+    return res
+
+
 def _env():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_", "SPARDIST_NP"))}
@@ -51,7 +61,7 @@ def test_run_mpi_inside_salloc_gives_one_world(tmp_path):
     res = subprocess.run(["salloc", "-N", "1", "-n", "4", "--immediate=60", str(ROOT / "run_mpi.sh"),
                           "-n", "4", "substrate.probe", "--out", str(out)],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr
+    assert _allocated(res).returncode == 0, res.stderr
     topo = json.loads((out / "summary.json").read_text())["topology"]
     assert topo["world"] == 4 and topo["nodes"] == 1
 
@@ -87,13 +97,13 @@ def test_sbatch_of_hsadmm_train_gives_one_world(tmp_path):
 @skip
 def test_plain_srun_without_pmi_stops_singletons_fast(tmp_path):
     out = tmp_path / "single"
-    py = ROOT / ".venv" / "bin" / "python"
+    py = sys.executable
     t0 = time.time()
     res = subprocess.run(["salloc", "-N", "1", "-n", "2", "--immediate=60", "srun", "--mpi=none",
                           "-n", "2", str(py), "-m", "mpi4py", "-m", "substrate.probe", "--out",
                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
-    assert res.returncode != 0
+    assert _allocated(res).returncode != 0
     assert "MPI sees a world of 1" in res.stderr and "srun --mpi=pmi2" in res.stderr
     assert time.time() - t0 < 60
     assert not out.exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from substrate.cli import check_world_size, expected_world_size
+from substrate.launch import slurm_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +42,13 @@ def test_singleton_run_stops_and_writes_nothing(tmp_path):
     assert res.returncode != 0
     assert "MPI sees a world of 1" in res.stderr and "singletons" in res.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flavor,plugins,want", [
+    ("mpich", ("pmix", "none", "pmi2"), "srun --mpi=pmi2"),
+    ("mpich", ("pmix", "none"), None),          # no PMI-2: hydra inside the allocation
+    ("openmpi5", ("pmix", "pmi2"), None),       # PRRTE's mpiexec reads the allocation
+    ("unknown", ("pmi2",), "srun"),
+])
+def test_slurm_launcher_per_library(flavor, plugins, want):
+    assert slurm_launcher(flavor, plugins) == want
