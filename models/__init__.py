@@ -1,4 +1,4 @@
-"""models — NumPy/CuPy layers, models (MLP, CNN, ResNet), datasets, SGD optimizer.
+"""models — NumPy/CuPy layers, models (MLP, CNN, ResNet, ViT, GPT), datasets, SGD / AdamW.
 
 See DESIGN.md.  Every model keeps all trainable parameters in one flat vector
 (``model.params.flat``) and all gradients in another (``model.grads.flat``); each named tensor
@@ -12,11 +12,17 @@ from .layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, Globa
                      Layer, Linear, MaxPool2d, ReLU, Sequential, SoftmaxCrossEntropy,
                      softmax_cross_entropy)
 from .network import Model
-from .optim import (SCHEDULES, SGD, ConstantLR, CosineLR, MaskHook, ProximalHook, SGDConfig,
-                    StepLR, make_schedule)
+from .optim import (OPTIMIZERS, SCHEDULES, SGD, AdamW, AdamWConfig, ConstantLR, CosineLR,
+                    MaskHook, ProximalHook, SGDConfig, StepLR, make_optimizer, make_schedule)
 from .params import PARAM_KINDS, FlatTensors, ParamLayout, ParamSpec
 from .specs import SPECS, ModelSpec, get_spec, resnet18_spec, resnet152_spec, wide_resnet50_2_spec
+from .text import TEXT_DATASETS, load_text, unigram_entropy
+from .transformer import TransformerModel, gpt, vit
 from .zoo import MODELS, build_model, cnn, mlp, resnet
+
+# the embedded text corpus joins the --dataset registry (its loader lives in models.text)
+for _name, _loader in TEXT_DATASETS.items():
+    DATASETS.setdefault(_name, _loader)
 
 __all__ = [
     "DATASETS", "Dataset", "DatasetFormatError", "DatasetNotFoundError", "DatasetSplit",
@@ -24,8 +30,10 @@ __all__ = [
     "load_mnist", "make_synthetic", "normalize", "num_batches", "read_idx", "shard",
     "BasicBlock", "BatchNorm2d", "Bottleneck", "Conv2d", "Flatten", "GlobalAvgPool2d", "Layer",
     "Linear", "MaxPool2d", "ReLU", "Sequential", "SoftmaxCrossEntropy", "softmax_cross_entropy",
-    "Model", "SCHEDULES", "SGD", "ConstantLR", "CosineLR", "MaskHook", "ProximalHook",
+    "Model", "OPTIMIZERS", "SCHEDULES", "SGD", "AdamW", "AdamWConfig", "make_optimizer",
+    "ConstantLR", "CosineLR", "MaskHook", "ProximalHook",
     "SGDConfig", "StepLR", "make_schedule", "PARAM_KINDS", "FlatTensors", "ParamLayout",
     "ParamSpec", "SPECS", "ModelSpec", "get_spec", "resnet18_spec", "resnet152_spec",
     "wide_resnet50_2_spec", "MODELS", "build_model", "cnn", "mlp", "resnet",
+    "TEXT_DATASETS", "load_text", "unigram_entropy", "TransformerModel", "gpt", "vit",
 ]

@@ -1,4 +1,8 @@
-"""SGD with momentum on the flat buffers, learning-rate schedules, and gradient hooks.
+"""SGD with momentum and AdamW on the flat buffers, learning-rate schedules, gradient hooks.
+
+:class:`AdamW` (decoupled weight decay, Loshchilov & Hutter 2019) has the same interface and
+hooks as :class:`SGD` (see its docstring for the update); :func:`make_optimizer` builds either by
+name.  :class:`CosineLR` has a linear warm-up, optionally starting from a fraction of the peak.
 
 One optimizer step is a handful of vectorised operations on the whole flat vector (no per-tensor
 loop), in this order::
@@ -28,7 +32,7 @@ from substrate.backend import array_module
 from .params import PARAM_KINDS, FlatTensors, ParamLayout
 
 __all__ = [
-    "SGDConfig", "SGD", "GradHook", "ProximalHook", "MaskHook",
+    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook", "ProximalHook", "MaskHook",
     "ConstantLR", "StepLR", "CosineLR", "SCHEDULES", "make_schedule",
 ]
 
@@ -76,16 +80,25 @@ class CosineLR:
 
     ``η_t = min_lr + (lr − min_lr) · (1 + cos(π (t − w) / (T − w))) / 2`` for ``w <= t < T``,
     ``η_t = lr (t + 1) / w`` for ``t < w``, and ``min_lr`` for ``t >= T``.
+
+    ``warmup_start = f > 0`` starts the warm-up from a fraction of the peak instead:
+    ``η_t = lr (f + (1 − f)(t + 1) / w)`` for ``t < w`` (SDP paper 003, App. D: "cosine learning
+    rate schedule with 10% warmup (from 10% of peak LR)" is ``warmup_steps = T / 10``,
+    ``warmup_start = 0.1``).  ``f = 0`` is the plain linear warm-up above.
     """
 
     lr: float
     total_steps: int
     min_lr: float = 0.0
     warmup_steps: int = 0
+    warmup_start: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"learning rate must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_start < 1:
+            raise ValueError(f"warmup_start (fraction of the peak lr the warm-up starts from) "
+                             f"must be in [0, 1), got {self.warmup_start}")
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
         if not 0 <= self.min_lr <= self.lr:
@@ -97,7 +110,8 @@ class CosineLR:
     def __call__(self, step: int) -> float:
         w, T = self.warmup_steps, self.total_steps
         if step < w:
-            return float(self.lr * (step + 1) / w)
+            f = self.warmup_start
+            return float(self.lr * (f + (1.0 - f) * (step + 1) / w))
         if step >= T:
             return float(self.min_lr)
         frac = (step - w) / (T - w)
@@ -109,7 +123,8 @@ SCHEDULES = {"constant": ConstantLR, "step": StepLR, "cosine": CosineLR}
 
 
 def make_schedule(name: str, lr: float, total_steps: int, *, step_size: int | None = None,
-                  gamma: float = 0.1, min_lr: float = 0.0, warmup_steps: int = 0):
+                  gamma: float = 0.1, min_lr: float = 0.0, warmup_steps: int = 0,
+                  warmup_start: float = 0.0):
     """Build a schedule by name.
 
     Parameters
@@ -120,14 +135,14 @@ def make_schedule(name: str, lr: float, total_steps: int, *, step_size: int | No
     total_steps : int
         Optimizer steps of the whole run (cosine horizon; default step size is a third of it).
     step_size, gamma : StepLR parameters.
-    min_lr, warmup_steps : CosineLR parameters.
+    min_lr, warmup_steps, warmup_start : CosineLR parameters.
     """
     if name == "constant":
         return ConstantLR(lr)
     if name == "step":
         return StepLR(lr, step_size if step_size is not None else max(1, total_steps // 3), gamma)
     if name == "cosine":
-        return CosineLR(lr, total_steps, min_lr, warmup_steps)
+        return CosineLR(lr, total_steps, min_lr, warmup_steps, warmup_start)
     raise ValueError(f"unknown lr schedule {name!r}; valid names: {sorted(SCHEDULES)}")
 
 
@@ -396,3 +411,179 @@ class SGD:
                 raise ValueError(f"momentum buffer has shape {tuple(b.shape)}, expected "
                                  f"{tuple(self.momentum_buffer.shape)}")
             self.momentum_buffer[...] = self.xp.asarray(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW hyper-parameters (Loshchilov & Hutter 2019, Algorithm 2; PyTorch ``AdamW``).
+
+    Attributes
+    ----------
+    lr : float
+        Peak learning rate η when no schedule is given.
+    beta1, beta2 : float
+        Decay rates of the first and second moment estimates.
+    eps : float
+        ε added to ``sqrt(v̂)``.
+    weight_decay : float
+        Decoupled decay λ: ``θ ← θ − η λ θ`` (not added to the gradient).
+    decay_kinds : tuple of str or None
+        Parameter kinds that get weight decay (``None``: all).  Transformers usually decay the
+        weight matrices only: ``("conv", "fc")`` (no decay of biases and norm gains).
+    """
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decay_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.decay_kinds is not None:
+            bad = [k for k in self.decay_kinds if k not in PARAM_KINDS]
+            if bad:
+                raise ValueError(f"decay_kinds {bad} unknown; valid kinds are {PARAM_KINDS}")
+            object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
+
+
+class AdamW:
+    """AdamW on flat buffers (Loshchilov & Hutter 2019, Algorithm 2, with η_t = schedule(t)).
+
+    One step, ``t = step_count + 1``, all element-wise on the whole flat vector::
+
+        d  = g;  for hook in hooks: hook(d, opt)
+        m  = β1 m + (1 − β1) d
+        v  = β2 v + (1 − β2) d²
+        θ  = θ − η_t λ ⊙ θ                          (decoupled weight decay, λ per element)
+        θ  = θ − η_t m / (1 − β1^t) / (sqrt(v / (1 − β2^t)) + ε)
+
+    Same interface as :class:`SGD` (``step``, ``lr``, ``step_count``, hooks, ``state_dict``);
+    ``momentum_buffer`` is the first moment ``m``, so :class:`MaskHook` (which zeros it where the
+    mask is 0) freezes masked weights under AdamW too.
+    """
+
+    def __init__(self, params: FlatTensors, grads: FlatTensors,
+                 config: AdamWConfig = AdamWConfig(),
+                 schedule: Callable[[int], float] | None = None,
+                 hooks: Iterable[GradHook] = ()):
+        if params.layout is not grads.layout and params.layout.names != grads.layout.names:
+            raise ValueError("params and grads must share one layout (use model.params, "
+                             "model.grads)")
+        self.params, self.grads, self.config = params, grads, config
+        self.schedule = schedule if schedule is not None else ConstantLR(config.lr)
+        self.hooks: list[GradHook] = list(hooks)
+        xp = array_module(params.flat)
+        self.xp = xp
+        self.step_count = 0
+        self.momentum_buffer = xp.zeros_like(params.flat)
+        self.exp_avg_sq = xp.zeros_like(params.flat)
+        self._d = xp.empty_like(params.flat)
+        self._tmp = xp.empty_like(params.flat)
+        if config.weight_decay == 0:
+            self._wd = 0.0
+        elif config.decay_kinds is None:
+            self._wd = float(config.weight_decay)
+        else:
+            vals = {n: (config.weight_decay if params.layout.kind(n) in config.decay_kinds else 0.0)
+                    for n in params.layout.names}
+            self._wd = xp.asarray(params.layout.expand(vals, dtype=params.dtype))
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next :meth:`step` will use."""
+        return self.schedule(self.step_count)
+
+    def add_hook(self, hook: GradHook) -> None:
+        self.hooks.append(hook)
+
+    def remove_hook(self, hook: GradHook) -> None:
+        self.hooks.remove(hook)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+
+    def step(self) -> float:
+        """Apply one update to ``params.flat`` in place; returns the learning rate used."""
+        xp, c = self.xp, self.config
+        lr = self.schedule(self.step_count)
+        t = self.step_count + 1
+        theta, d, tmp = self.params.flat, self._d, self._tmp
+        m, v = self.momentum_buffer, self.exp_avg_sq
+        d[...] = self.grads.flat
+        for hook in self.hooks:
+            hook(d, self)
+        m *= c.beta1
+        xp.multiply(d, 1.0 - c.beta1, out=tmp)
+        m += tmp
+        v *= c.beta2
+        xp.multiply(d, d, out=tmp)
+        tmp *= 1.0 - c.beta2
+        v += tmp
+        if not (isinstance(self._wd, float) and self._wd == 0.0):
+            xp.multiply(theta, self._wd, out=tmp)
+            tmp *= lr
+            theta -= tmp
+        bc1, bc2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t
+        xp.divide(v, bc2, out=tmp)
+        xp.sqrt(tmp, out=tmp)
+        tmp += c.eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= lr / bc1
+        theta -= tmp
+        self.step_count = t
+        return lr
+
+    def state_dict(self) -> dict:
+        """``{"step_count", "momentum_buffer" (m), "exp_avg_sq" (v)}`` (host copies)."""
+        def host(a):
+            return a.get() if hasattr(a, "get") else a.copy()
+        return {"step_count": self.step_count, "momentum_buffer": host(self.momentum_buffer),
+                "exp_avg_sq": host(self.exp_avg_sq)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (in place); both moments are required."""
+        missing = [k for k in ("step_count", "momentum_buffer", "exp_avg_sq") if
+                   state.get(k) is None]
+        if missing:
+            raise ValueError(f"AdamW state lacks {missing}; save it with AdamW.state_dict()")
+        for key, buf in (("momentum_buffer", self.momentum_buffer),
+                         ("exp_avg_sq", self.exp_avg_sq)):
+            if tuple(state[key].shape) != tuple(buf.shape):
+                raise ValueError(f"AdamW {key} has shape {tuple(state[key].shape)}, expected "
+                                 f"{tuple(buf.shape)}")
+            buf[...] = self.xp.asarray(state[key])
+        self.step_count = int(state["step_count"])
+
+
+#: ``--optimizer`` name -> config class
+OPTIMIZERS = {"sgd": SGDConfig, "adamw": AdamWConfig}
+
+
+def make_optimizer(name: str, params: FlatTensors, grads: FlatTensors, *, lr: float,
+                   weight_decay: float = 0.0, momentum: float = 0.9, nesterov: bool = False,
+                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   decay_kinds: tuple[str, ...] | None = None, schedule=None,
+                   hooks: Iterable[GradHook] = ()):
+    """:class:`SGD` (``"sgd"``) or :class:`AdamW` (``"adamw"``) on ``params`` / ``grads``."""
+    if name == "sgd":
+        cfg = SGDConfig(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        decay_kinds=decay_kinds)
+        return SGD(params, grads, cfg, schedule=schedule, hooks=hooks)
+    if name == "adamw":
+        cfg = AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                          weight_decay=weight_decay, decay_kinds=decay_kinds)
+        return AdamW(params, grads, cfg, schedule=schedule, hooks=hooks)
+    raise ValueError(f"unknown optimizer {name!r}; valid names: {sorted(OPTIMIZERS)}")

@@ -18,7 +18,7 @@ import numpy as np
 from .data import DATASETS, Dataset, check_batch_size, iterate_batches, load_dataset, num_batches
 from .layers import softmax_cross_entropy
 from .network import Model
-from .optim import SCHEDULES, SGD, SGDConfig, make_schedule
+from .optim import OPTIMIZERS, SCHEDULES, SGD, SGDConfig, make_optimizer, make_schedule
 from .zoo import MODELS, build_model
 
 __all__ = ["TrainConfig", "evaluate", "fit", "build_parser", "main"]
@@ -37,9 +37,15 @@ class TrainConfig:
     data_dir : str or None
         Directory for ``mnist`` / ``cifar10``.
     epochs, batch_size : int
+    steps : int or None
+        Optimizer steps (overrides ``epochs``; the last epoch may be partial).
     lr, momentum, weight_decay : float
     nesterov : bool
+    optimizer : {"sgd", "adamw"}
+        ``adamw`` uses ``momentum`` as β1 and decays only ``conv``/``fc`` weights (decoupled).
     lr_schedule : {"constant", "step", "cosine"}
+    warmup : float
+        Fraction of all steps spent in linear warm-up (cosine schedule only).
     dtype : {"float32", "float64"}
     arch : tuple of (str, value) pairs
         Extra keyword arguments of the model factory, e.g. ``(("depths", (1, 1, 1)),)``.
@@ -51,12 +57,15 @@ class TrainConfig:
     dataset: str = "digits"
     data_dir: str | None = None
     epochs: int = 10
+    steps: int | None = None
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 1e-4
+    optimizer: str = "sgd"
     lr_schedule: str = "cosine"
+    warmup: float = 0.0
     dtype: str = "float32"
     arch: tuple = field(default_factory=tuple)
     seed: int = 0
@@ -66,23 +75,44 @@ class TrainConfig:
             raise ValueError(f"unknown model {self.model!r}; valid names: {sorted(MODELS)}")
         if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r}; valid names: {sorted(DATASETS)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, "
                              f"{self.batch_size}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; valid names: "
                              f"{sorted(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; valid names: "
+                             f"{sorted(OPTIMIZERS)}")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"--warmup is a fraction of the run's steps in [0, 1), got "
+                             f"{self.warmup}")
+        if self.warmup > 0 and self.lr_schedule != "cosine":
+            raise ValueError("--warmup needs --lr-schedule cosine")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         for name in ("lr", "momentum", "weight_decay"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got "
                                  f"{getattr(self, name)}")
-        SGDConfig(self.lr, self.momentum, self.nesterov, self.weight_decay)  # validates
+        if self.optimizer == "sgd":
+            SGDConfig(self.lr, self.momentum, self.nesterov, self.weight_decay)  # validates
 
     def sgd_config(self) -> SGDConfig:
         return SGDConfig(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
                          weight_decay=self.weight_decay)
+
+    def make_optimizer(self, model: Model, total_steps: int):
+        """The configured optimizer and schedule over ``total_steps`` steps."""
+        schedule = make_schedule(self.lr_schedule, self.lr, total_steps,
+                                 warmup_steps=int(self.warmup * total_steps))
+        if self.optimizer == "sgd":
+            return SGD(model.params, model.grads, self.sgd_config(), schedule=schedule)
+        return make_optimizer("adamw", model.params, model.grads, lr=self.lr,
+                              weight_decay=self.weight_decay, betas=(self.momentum, 0.999),
+                              decay_kinds=("conv", "fc"), schedule=schedule)
 
 
 def evaluate(model: Model, data: Dataset, batch_size: int = 512) -> tuple[float, float]:
@@ -98,16 +128,19 @@ def evaluate(model: Model, data: Dataset, batch_size: int = 512) -> tuple[float,
 
 
 def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, batch_size: int,
-        seed: int = 0, rank: int = 0, progress: bool = False,
+        steps: int | None = None, seed: int = 0, rank: int = 0, progress: bool = False,
         on_epoch: Callable[[dict], None] | None = None, compute=None) -> dict:
     """Train ``model`` with ``opt`` for ``epochs`` epochs; evaluate on ``test`` after each.
 
     Parameters
     ----------
-    model, opt : Model, SGD
+    model, opt : Model, SGD or AdamW
     train, test : Dataset
         Arrays on the model's device.
     epochs, batch_size : int
+    steps : int, optional
+        Stop after this many optimizer steps (then ``epochs = ceil(steps / batches per epoch)``
+        and the last epoch is partial; evaluation still follows every epoch).
     seed, rank : int
         Shuffling stream ``default_rng([seed, rank, epoch])``.
     progress : bool
@@ -121,26 +154,35 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
     Returns
     -------
     dict with ``final_test_accuracy``, ``final_loss`` (mean training loss of the last epoch),
-    ``final_test_loss``, ``train_time_s``, ``steps``.
+    ``final_test_loss``, ``train_time_s``, ``steps``; for a language model also
+    ``final_test_lm_loss`` (held-out next-byte loss over every position, nats),
+    ``final_test_perplexity`` and ``final_test_bits_per_byte``.  (``final_test_accuracy`` /
+    ``final_test_loss`` of a language model score the byte after each held-out window.)
     """
     from contextlib import nullcontext  # noqa: PLC0415
 
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     steps_per_epoch = num_batches(len(train), batch_size)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step",
+    if steps is not None:
+        epochs = -(-int(steps) // steps_per_epoch)
+    total = epochs * steps_per_epoch if steps is None else int(steps)
+    bar = tqdm(total=total, disable=not progress, unit="step",
                desc=f"{model.name}", leave=False)
     wrap = compute if compute is not None else nullcontext
     t0 = time.perf_counter()
     record: dict = {}
-    train_s = 0.0
+    train_s, done = 0.0, 0
     for epoch in range(epochs):
         loss_sum, correct, n = 0.0, 0, 0
         t_epoch = time.perf_counter()
         for x, y in iterate_batches(train, batch_size, seed=seed, rank=rank, epoch=epoch):
+            if done >= total:
+                break
             with wrap():
                 loss, logits = model.loss_and_grad(x, y)
                 lr = opt.step()
+            done += 1
             loss_sum += loss * len(y)
             correct += int((logits.argmax(axis=1) == y).sum())
             n += len(y)
@@ -150,13 +192,22 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
         record = {"epoch": epoch, "step": opt.step_count, "loss": loss_sum / n,
                   "train_accuracy": correct / n, "test_loss": test_loss,
                   "test_accuracy": test_acc, "lr": lr, "time_s": time.perf_counter() - t0}
+        if getattr(model, "lm", False):
+            lm = model.evaluate_lm(test)
+            record.update(test_lm_loss=lm["loss"], test_perplexity=lm["perplexity"],
+                          test_bits_per_byte=lm["bits_per_byte"])
         bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{test_acc:.4f}")
         if on_epoch is not None:
             on_epoch(record)
     bar.close()
-    return {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
-            "final_test_loss": record["test_loss"], "train_time_s": train_s,
-            "steps": opt.step_count}
+    out = {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
+           "final_test_loss": record["test_loss"], "train_time_s": train_s,
+           "steps": opt.step_count}
+    if "test_perplexity" in record:
+        out.update(final_test_lm_loss=record["test_lm_loss"],
+                   final_test_perplexity=record["test_perplexity"],
+                   final_test_bits_per_byte=record["test_bits_per_byte"])
+    return out
 
 
 def _parse_arch(items: list[str] | None) -> tuple:
@@ -187,10 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=d["dataset"].default, choices=sorted(DATASETS))
     p.add_argument("--data-dir", default=None, help="directory of the MNIST / CIFAR-10 files")
     p.add_argument("--epochs", type=int, default=d["epochs"].default)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (overrides --epochs; the last epoch may be partial)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"].default)
     p.add_argument("--lr", type=float, default=d["lr"].default)
     p.add_argument("--momentum", type=float, default=d["momentum"].default)
     p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--optimizer", default=d["optimizer"].default, choices=sorted(OPTIMIZERS),
+                   help="sgd (momentum) or adamw (--momentum is beta1)")
+    p.add_argument("--warmup", type=float, default=d["warmup"].default,
+                   help="fraction of the steps in linear lr warm-up (cosine schedule)")
     p.add_argument("--weight-decay", type=float, default=d["weight_decay"].default)
     p.add_argument("--lr-schedule", default=d["lr_schedule"].default, choices=sorted(SCHEDULES))
     p.add_argument("--dtype", default=d["dtype"].default, choices=("float32", "float64"))
@@ -207,35 +264,49 @@ def main(argv=None) -> dict:
 
     args = build_parser().parse_args(argv)
     config = TrainConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
-                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                         lr=args.lr,
                          momentum=args.momentum, nesterov=args.nesterov,
-                         weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+                         weight_decay=args.weight_decay, optimizer=args.optimizer,
+                         warmup=args.warmup, lr_schedule=args.lr_schedule,
                          dtype=args.dtype, arch=_parse_arch(args.arch), seed=args.seed)
-    run = start_run(args, system="models", method=f"{config.model}_{config.dataset}",
+    run = start_run(args, system="models", unit="epoch", method=f"{config.model}_{config.dataset}",
                     config=config)
     if run.size != 1:
         raise ValueError("python -m models train is serial (world size 1); for multi-rank "
                          "training use python -m dataparallel train")
-    split = load_dataset(config.dataset, config.data_dir)
+    arch = dict(config.arch)
+    data_kw = {}
+    if config.dataset == "text" and "context" in arch:
+        data_kw["context"] = int(arch.pop("context"))
+    split = load_dataset(config.dataset, config.data_dir, **data_kw)
     check_batch_size(config.batch_size, len(split.train),
                      f"the {config.dataset} training set")
     train, test = split.train.to(run.xp), split.test.to(run.xp)
     model = build_model(config.model, train.input_shape, train.num_classes, xp=run.xp,
-                        dtype=np.dtype(config.dtype), seed=config.seed, **dict(config.arch))
-    steps = config.epochs * num_batches(len(train), config.batch_size)
-    opt = SGD(model.params, model.grads, config.sgd_config(),
-              schedule=make_schedule(config.lr_schedule, config.lr, steps))
+                        dtype=np.dtype(config.dtype), seed=config.seed, **arch)
+    per_epoch = num_batches(len(train), config.batch_size)
+    steps = config.steps if config.steps is not None else config.epochs * per_epoch
+    n_epochs = -(-steps // per_epoch)
+    opt = config.make_optimizer(model, steps)
     progress = not args.quiet and sys.stderr.isatty()
 
     def log(record: dict) -> None:
         run.log(iteration=record["epoch"], **record)
         if args.quiet or progress:
             return
-        print(f"epoch {record['epoch'] + 1}/{config.epochs}  loss {record['loss']:.4f}  "
-              f"test_acc {record['test_accuracy']:.4f}", flush=True)
+        lm = (f"  test_lm_loss {record['test_lm_loss']:.4f}  ppl {record['test_perplexity']:.3f}"
+              if "test_perplexity" in record else "")
+        print(f"epoch {record['epoch'] + 1}/{n_epochs}  loss {record['loss']:.4f}  "
+              f"test_acc {record['test_accuracy']:.4f}{lm}", flush=True)
 
-    result = fit(model, opt, train, test, epochs=config.epochs, batch_size=config.batch_size,
+    result = fit(model, opt, train, test, epochs=config.epochs, steps=config.steps,
+                 batch_size=config.batch_size,
                  seed=config.seed, progress=progress, on_epoch=log, compute=run.clock.compute)
+    if getattr(model, "lm", False):
+        from .text import unigram_entropy  # noqa: PLC0415
+
+        result["unigram_entropy"] = unigram_entropy()
     summary = run.finish(metrics={**result, "num_params": model.num_params},
                          extra={"model": {"name": model.name, "num_params": model.num_params,
                                           "layout": model.layout.describe()}})

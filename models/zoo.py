@@ -1,4 +1,5 @@
-"""Model factories (MLP, small CNN, ResNet) and the ``MODELS`` registry keyed by ``--model``.
+"""Model factories (MLP, small CNN, ResNet, ViT, GPT) and the ``MODELS`` registry keyed by
+``--model``.
 
 Every factory has the signature::
 
@@ -18,6 +19,7 @@ import numpy as np
 from .layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, GlobalAvgPool2d,
                      Layer, Linear, MaxPool2d, ReLU, Sequential)
 from .network import Model
+from .transformer import gpt, vit
 
 __all__ = ["mlp_layers", "cnn_layers", "resnet_layers", "mlp", "cnn", "resnet", "MODELS",
            "build_model"]
@@ -175,7 +177,9 @@ def resnet(input_shape, num_classes: int, *, xp=np, dtype=np.float32, seed: int 
 
 
 #: ``--model`` name -> factory ``(input_shape, num_classes, *, xp, dtype, seed, **arch) -> Model``
-MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
+#: (``vit``: images, e.g. the 8x8 digits; ``gpt``: byte windows of the ``text`` dataset)
+MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet,
+                                           "vit": vit, "gpt": gpt}
 
 
 def build_model(name: str, input_shape, num_classes: int, **kwargs) -> Model:

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from models.optim import (SGD, ConstantLR, CosineLR, MaskHook, ProximalHook, SGDConfig, StepLR,
-                          make_schedule)
+from models.optim import (SGD, AdamW, AdamWConfig, ConstantLR, CosineLR, MaskHook, ProximalHook,
+                          SGDConfig, StepLR, make_optimizer, make_schedule)
 from models.params import FlatTensors, ParamLayout, ParamSpec
 
 LAYOUT = ParamLayout([
@@ -207,3 +207,97 @@ def test_bad_configs_raise_with_fix():
     opt = SGD(params, grads, hooks=[MaskHook(np.ones(LAYOUT.total + 1, dtype=bool))])
     with pytest.raises(ValueError, match="model.layout"):
         opt.step()
+
+
+# --------------------------------------------------------------------------------------- AdamW
+def test_adamw_single_scalar_step_by_hand():
+    """θ0 = 1, g = 0.5, η = 0.1, λ = 0.1: m̂ = 0.5, v̂ = 0.25, so
+    θ1 = 1 − η λ θ0 − η m̂ / (sqrt(v̂) + ε) = 1 − 0.01 − 0.1 · 0.5 / 0.50000001."""
+    layout = ParamLayout([ParamSpec("w", "fc", (1,))])
+    params = FlatTensors(layout, np.array([1.0]), dtype=np.float64)
+    grads = FlatTensors(layout, np.array([0.5]), dtype=np.float64)
+    opt = AdamW(params, grads, AdamWConfig(lr=0.1, weight_decay=0.1))
+    assert opt.step() == 0.1
+    assert params.flat[0] == pytest.approx(1 - 0.01 - 0.1 * 0.5 / 0.50000001, rel=1e-15)
+    # second step, same gradient: m = 0.095, v = 0.00049975; bias corrections 0.19, 0.001999
+    theta1 = params.flat[0]
+    opt.step()
+    m_hat, v_hat = 0.095 / 0.19, 0.00049975 / 0.001999
+    expected = theta1 - 0.1 * 0.1 * theta1 - 0.1 * m_hat / (math.sqrt(v_hat) + 1e-8)
+    assert params.flat[0] == pytest.approx(expected, rel=1e-14)
+
+
+def adamw_reference(theta0, grad_seq, *, lr_fn, b1, b2, eps, wd, decay_kinds):
+    """Loshchilov & Hutter, Algorithm 2, scalar by scalar per tensor (plain Python floats)."""
+    theta = {n: [float(v) for v in t.ravel()] for n, t in theta0.items()}
+    m = {n: [0.0] * len(v) for n, v in theta.items()}
+    v2 = {n: [0.0] * len(v) for n, v in theta.items()}
+    for t, grads in enumerate(grad_seq, start=1):
+        lr = lr_fn(t - 1)
+        for n in theta:
+            lam = wd if (decay_kinds is None or LAYOUT.kind(n) in decay_kinds) else 0.0
+            for i, g in enumerate(grads[n].ravel()):
+                m[n][i] = b1 * m[n][i] + (1 - b1) * g
+                v2[n][i] = b2 * v2[n][i] + (1 - b2) * g * g
+                mh, vh = m[n][i] / (1 - b1 ** t), v2[n][i] / (1 - b2 ** t)
+                theta[n][i] -= lr * lam * theta[n][i]
+                theta[n][i] -= lr * mh / (math.sqrt(vh) + eps)
+    return {n: np.array(v).reshape(theta0[n].shape) for n, v in theta.items()}
+
+
+@pytest.mark.parametrize("decay_kinds", [None, ("conv", "fc")])
+def test_adamw_matches_scalar_reference_with_schedule(decay_kinds):
+    params, grads = make_buffers()
+    theta0 = {n: params[n].copy() for n in LAYOUT.names}
+    seq = grad_sequence(5)
+    sched = CosineLR(0.05, 5, min_lr=0.001, warmup_steps=2, warmup_start=0.1)
+    opt = AdamW(params, grads, AdamWConfig(lr=0.05, beta1=0.8, beta2=0.99, eps=1e-6,
+                                           weight_decay=0.2, decay_kinds=decay_kinds),
+                schedule=sched)
+    run_flat(opt, grads, seq)
+    ref = adamw_reference(theta0, seq, lr_fn=sched, b1=0.8, b2=0.99, eps=1e-6, wd=0.2,
+                          decay_kinds=decay_kinds)
+    for n in LAYOUT.names:
+        np.testing.assert_allclose(params[n], ref[n], rtol=1e-12, atol=1e-14, err_msg=n)
+    assert opt.step_count == 5
+
+
+def test_adamw_mask_hook_freezes_masked_weights_and_state_round_trips():
+    params, grads = make_buffers()
+    mask = np.ones(LAYOUT.total)
+    mask[LAYOUT.slice("fc.weight")] = 0
+    opt = AdamW(params, grads, AdamWConfig(lr=0.01, weight_decay=0.0), hooks=[MaskHook(mask)])
+    frozen = params["fc.weight"].copy()
+    run_flat(opt, grads, grad_sequence(3))
+    np.testing.assert_array_equal(params["fc.weight"], frozen)
+    assert not np.allclose(params["conv.weight"], make_buffers()[0]["conv.weight"])
+    state = opt.state_dict()
+    p2, g2 = make_buffers()
+    p2.flat[...] = params.flat
+    opt2 = AdamW(p2, g2, AdamWConfig(lr=0.01, weight_decay=0.0))
+    opt2.load_state_dict(state)
+    seq = grad_sequence(2, seed=5)
+    opt.hooks.clear()
+    run_flat(opt, grads, seq)
+    run_flat(opt2, g2, seq)
+    np.testing.assert_array_equal(params.flat, p2.flat)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt2.load_state_dict({"step_count": 1, "momentum_buffer": state["momentum_buffer"]})
+
+
+def test_warmup_start_and_make_optimizer():
+    s = CosineLR(1.0, 100, warmup_steps=10, warmup_start=0.1)
+    assert s(0) == pytest.approx(0.1 + 0.9 * 1 / 10)
+    assert s(9) == pytest.approx(1.0)
+    assert s(10) == pytest.approx(1.0)
+    # warmup_start = 0 keeps the old linear warm-up
+    assert CosineLR(1.0, 100, warmup_steps=10)(4) == pytest.approx(0.5)
+    params, grads = make_buffers()
+    assert isinstance(make_optimizer("adamw", params, grads, lr=0.1), AdamW)
+    assert isinstance(make_optimizer("sgd", params, grads, lr=0.1), SGD)
+    with pytest.raises(ValueError, match="valid names"):
+        make_optimizer("lamb", params, grads, lr=0.1)
+    with pytest.raises(ValueError, match="beta2"):
+        AdamWConfig(beta2=1.0)
+    with pytest.raises(ValueError, match="warmup_start"):
+        CosineLR(1.0, 10, warmup_start=1.0)

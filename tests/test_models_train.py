@@ -82,3 +82,78 @@ def test_cli_unknown_model_fails_cleanly(tmp_path):
     proc = _run_cli("train", "--model", "vgg", "--out", str(tmp_path / "x"))
     assert proc.returncode != 0
     assert "vgg" in proc.stderr and "cnn" in proc.stderr
+
+
+# ------------------------------------------------------------------------------- transformers
+def test_digits_vit_fits_a_batch_with_adamw():
+    """Optimizer and backward wired end to end: a small ViT (2x2 patches) with AdamW fits 64
+    digits.  (The full run, >= 0.95 test accuracy, is recorded in
+    docs/bench_out/transformers.md; too slow for the suite.)"""
+    from threadpoolctl import threadpool_limits
+
+    from models.optim import AdamW, AdamWConfig
+    from models.transformer import vit
+    train, _ = load_digits()
+    x, y = train.x[:64], train.y[:64]
+    model = vit(train.input_shape, 10, dim=32, depth=2, heads=4, seed=0)
+    opt = AdamW(model.params, model.grads, AdamWConfig(lr=5e-3, weight_decay=0.0))
+    with threadpool_limits(limits=1, user_api="blas"):
+        first, _ = model.loss_and_grad(x, y)
+        opt.step()
+        for _ in range(49):
+            loss, _ = model.loss_and_grad(x, y)
+            opt.step()
+    assert first == pytest.approx(np.log(10), abs=0.1)
+    assert loss < 0.5 * first
+    assert float(np.mean(model.predict(x) == y)) > 0.6
+
+
+def test_byte_lm_beats_unigram_entropy_and_reports_perplexity():
+    from threadpoolctl import threadpool_limits
+
+    from models.optim import AdamW, AdamWConfig
+    from models.text import corpus_bytes, cross_entropy_under, load_text, unigram_entropy
+    from models.transformer import gpt
+    split = load_text(context=32)
+    train = split.train.subset(np.arange(0, len(split.train), 4))
+    test = split.test.subset(np.arange(0, 200))
+    model = gpt(train.input_shape, 256, dim=32, depth=1, heads=2, seed=0)
+    before = model.evaluate_lm(test)
+    assert before["loss"] == pytest.approx(np.log(256), abs=0.05)
+    opt = AdamW(model.params, model.grads, AdamWConfig(lr=1e-2, weight_decay=0.01))
+    with threadpool_limits(limits=1, user_api="blas"):
+        result = fit(model, opt, train, test, epochs=1, steps=100, batch_size=32, seed=0)
+    after = model.evaluate_lm(test)
+    assert result["steps"] == 100
+    assert result["final_test_lm_loss"] == pytest.approx(after["loss"])
+    assert result["final_test_perplexity"] == pytest.approx(np.exp(after["loss"]))
+    # below the context-free predictor: the corpus's unigram entropy, and the held-out loss of
+    # the smoothed unigram model fitted on the training text
+    c = corpus_bytes()
+    cut = int(round(c.size * 0.9))
+    assert after["loss"] < unigram_entropy() - 0.2
+    assert after["loss"] < cross_entropy_under(c[:cut], c[cut:]) - 0.2
+
+
+def test_cli_trains_lm_on_text_with_steps(tmp_path):
+    out = tmp_path / "lm"
+    proc = _run_cli("train", "--model", "gpt", "--dataset", "text", "--steps", "3",
+                    "--batch-size", "8", "--optimizer", "adamw", "--lr", "1e-3", "--warmup",
+                    "0.3", "--arch", "context=16", "--arch", "dim=16", "--arch", "depth=1",
+                    "--arch", "heads=2", "--quiet", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]
+    assert m["steps"] == 3
+    assert m["final_test_perplexity"] == pytest.approx(np.exp(m["final_test_lm_loss"]))
+    assert 3.0 < m["unigram_entropy"] < np.log(256)
+    assert summary["config"]["optimizer"] == "adamw"
+
+
+def test_train_config_validates_optimizer_and_warmup():
+    with pytest.raises(ValueError, match="valid names"):
+        TrainConfig(optimizer="lamb")
+    with pytest.raises(ValueError, match="cosine"):
+        TrainConfig(warmup=0.1, lr_schedule="constant")
+    with pytest.raises(ValueError, match="--steps"):
+        TrainConfig(steps=0)
