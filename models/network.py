@@ -2,14 +2,90 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from .layers import Layer, softmax_cross_entropy
+from .layers import (BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Layer, Linear, MaxPool2d,
+                     ReLU, Sequential, _Residual, softmax_cross_entropy)
 from .params import FlatTensors, ParamLayout, ParamSpec
 
-__all__ = ["Model", "layer_tree_specs"]
+__all__ = ["Model", "layer_tree_specs", "ComputeUnit", "compute_units", "layer_flops",
+           "BACKWARD_FLOP_FACTOR"]
+
+#: Backward FLOPs per forward FLOP of a layer (input gradient + weight gradient, each about one
+#: forward's worth: the usual 2x of Kaplan et al. 2020, §2.1).  An assumption of the FLOP model.
+BACKWARD_FLOP_FACTOR = 2.0
+#: FLOPs per element of the elementwise layers in the forward pass (assumptions of the FLOP
+#: model): BatchNorm in training mode = mean + variance (3) + normalize (2) + scale/shift (2).
+ELEMENTWISE_FLOPS = {BatchNorm2d: 7, ReLU: 1, GlobalAvgPool2d: 1, Flatten: 0}
+#: The same for layers of other modules, by class name (no import: models.transformer builds on
+#: this module): LayerNorm = mean + variance (3) + normalize (2) + scale/shift (2) + 1;
+#: RMSNorm 5; GELU (tanh form) about 8; Tanh 4.
+ELEMENTWISE_FLOPS_BY_NAME = {"LayerNorm": 8, "RMSNorm": 5, "GELU": 8, "Tanh": 4}
+
+
+def layer_flops(layer: Layer, in_shape: tuple[int, ...]) -> int:
+    """Forward FLOPs per sample of ``layer`` on per-sample input ``in_shape``.
+
+    Convolution and fully connected layers: ``2 * macs`` (one multiply and one add per MAC, as
+    :meth:`models.specs.ModelSpec.flops_per_sample`); elementwise layers:
+    :data:`ELEMENTWISE_FLOPS` per input element; max pooling: one comparison per window element
+    of each output; residual blocks: their branches plus the addition and the ReLU; any other
+    layer (attention, transformer blocks, embeddings): ``2 * macs`` of its own ``macs()``.
+    """
+    if isinstance(layer, (Conv2d, Linear)):
+        return 2 * int(layer.macs(in_shape))
+    if isinstance(layer, Sequential):
+        total, shape = 0, in_shape
+        for _, child in layer.children():
+            total += layer_flops(child, shape)
+            shape = child.output_shape(shape)
+        return total
+    if isinstance(layer, _Residual):
+        total, shape = 0, in_shape
+        for child in layer._main:
+            total += layer_flops(child, shape)
+            shape = child.output_shape(shape)
+        if layer.projection:
+            total += layer_flops(layer.shortcut, in_shape)
+        return total + 2 * int(np.prod(shape))          # h + s, then ReLU
+    if isinstance(layer, MaxPool2d):
+        kh, kw = layer.kernel_size
+        return kh * kw * int(np.prod(layer.output_shape(in_shape)))
+    for cls, per_elem in ELEMENTWISE_FLOPS.items():
+        if isinstance(layer, cls):
+            return per_elem * int(np.prod(in_shape))
+    per_elem = ELEMENTWISE_FLOPS_BY_NAME.get(type(layer).__name__)
+    if per_elem is not None:
+        return per_elem * int(np.prod(in_shape))
+    # anything else (embeddings, attention, transformer blocks): 2 FLOPs per MAC of its
+    # ``macs()``, which for attention includes Q K^T and A V (2 T^2 d MACs)
+    return 2 * int(layer.macs(in_shape))
+
+
+@dataclass(frozen=True)
+class ComputeUnit:
+    """One top-level layer or block as the recorder sees it (nested ``Sequential`` containers
+    are opened, so a ResNet's units are its stem layers, its residual blocks and its head).
+
+    ``lo:hi`` is the slice of the flat parameter/gradient vector holding the unit's parameters
+    (contiguous: the layout is the reverse pre-order; ``lo == hi`` when it has none).  FLOPs and
+    bytes are per sample; bytes are the activations read and written plus the parameters read
+    (itemsize of the model's dtype), for a roofline's memory term.
+    """
+
+    name: str
+    layer: Layer
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    lo: int
+    hi: int
+    forward_flops: int
+    backward_flops: int
+    activation_bytes: int
+    param_bytes: int
 
 
 def layer_tree_specs(root: Layer) -> list[ParamSpec]:
@@ -19,6 +95,66 @@ def layer_tree_specs(root: Layer) -> list[ParamSpec]:
         for prefix, layer in root.walk()
         for local, kind, shape, _ in layer._param_decls
     ]
+
+
+def compute_units(root: Layer, input_shape, itemsize: int = 4,
+                  layout: ParamLayout | None = None) -> list[ComputeUnit]:
+    """The :class:`ComputeUnit` s of a layer tree on per-sample ``input_shape``, in forward order,
+    without allocating parameters (so a paper-scale tree, e.g. ResNet-152, costs only its
+    shapes): for the FLOP model of :mod:`substrate.timeline` at any scale."""
+    layout = layout if layout is not None else ParamLayout(layer_tree_specs(root))
+    units: list[ComputeUnit] = []
+
+    def visit(layer: Layer, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if isinstance(layer, Sequential) and layer.children():
+            for local, child in layer.children():
+                shape = visit(child, f"{name}.{local}" if name else local, shape)
+            return shape
+        prefix = f"{name}." if name else ""
+        names = [p + local for p, sub in layer.walk(prefix) for local, *_ in sub._param_decls]
+        offs = [(layout.offsets[n], layout.offsets[n] + layout.sizes[n]) for n in names]
+        lo = min((a for a, _ in offs), default=0)
+        hi = max((b for _, b in offs), default=0)
+        if offs and hi - lo != sum(b - a for a, b in offs):
+            raise RuntimeError(f"parameters of unit {name!r} are not contiguous")
+        out = layer.output_shape(shape)
+        fwd = layer_flops(layer, shape)
+        units.append(ComputeUnit(
+            name=name or type(layer).__name__, layer=layer, in_shape=shape, out_shape=out,
+            lo=lo, hi=hi, forward_flops=fwd, backward_flops=int(BACKWARD_FLOP_FACTOR * fwd),
+            activation_bytes=(int(np.prod(shape)) + int(np.prod(out))) * int(itemsize),
+            param_bytes=(hi - lo) * int(itemsize)))
+        return out
+
+    visit(root, "", tuple(int(s) for s in input_shape))
+    return units
+
+
+def _wrap_unit(u: ComputeUnit, rec) -> None:
+    """Shadow ``u.layer.forward``/``backward`` with instance attributes that report to ``rec``
+    (see :attr:`Model.recorder`)."""
+    layer = u.layer
+    fwd = type(layer).forward.__get__(layer)
+    bwd = type(layer).backward.__get__(layer)
+
+    def forward(x, training: bool = True):
+        if not training:
+            return fwd(x, training)
+        n = x.shape[0]
+        with rec.layer("forward", u.name, n * u.forward_flops,
+                       n * u.activation_bytes + u.param_bytes):
+            return fwd(x, training)
+
+    def backward(dy):
+        n = dy.shape[0]
+        with rec.layer("backward", u.name, n * u.backward_flops,
+                       2 * (n * u.activation_bytes + u.param_bytes)):
+            dx = bwd(dy)
+        rec.grads_ready(u.name, u.lo, u.hi)
+        return dx
+
+    layer.forward = forward
+    layer.backward = backward
 
 
 class Model:
@@ -99,6 +235,8 @@ class Model:
                 self.buffers[prefix + local] = buf
                 layer.B[local] = buf
         self._ready_cb: Callable[[str], None] | None = None
+        self._units: list[ComputeUnit] | None = None
+        self._recorder = None
 
     # -- basic info -----------------------------------------------------------------------------
     @property
@@ -115,6 +253,43 @@ class Model:
         from .specs import spec_from_layers  # noqa: PLC0415 (avoid a cycle at import time)
 
         return spec_from_layers(self.name, self.root, self.input_shape, self.num_classes)
+
+    @property
+    def recorder(self):
+        """Optional per-layer event recorder (e.g. :class:`substrate.timeline.LayerEvents`).
+
+        While one is set, the forward and backward of every :class:`ComputeUnit` report to it:
+        ``recorder.layer(phase, name, flops, nbytes)`` is a context manager around the unit's
+        ``forward`` (phase ``"forward"``, training mode only) and ``backward`` (``"backward"``),
+        with the unit's FLOPs and bytes for the whole batch, and
+        ``recorder.grads_ready(name, lo, hi)`` follows the backward of a unit whose gradients
+        are ``grads.flat[lo:hi]`` (so in backward order).  :meth:`loss_and_grad` also reports the
+        loss (``"forward", "loss"``).  The units' own ``forward``/``backward`` are wrapped on the
+        instances, so every caller (``Model.forward``, a subclass calling ``root.forward``)
+        is seen.  ``None`` (the default) removes the wrappers: the code path and the numerics
+        are then exactly those without a recorder.
+        """
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec) -> None:
+        if rec is None and self._recorder is None:
+            return
+        units = self.compute_units()
+        for u in units:
+            u.layer.__dict__.pop("forward", None)
+            u.layer.__dict__.pop("backward", None)
+        self._recorder = rec
+        if rec is not None:
+            for u in units:
+                _wrap_unit(u, rec)
+
+    def compute_units(self) -> list[ComputeUnit]:
+        """The units the recorder reports, in forward order (see :class:`ComputeUnit`)."""
+        if self._units is None:
+            self._units = compute_units(self.root, self.input_shape, self.dtype.itemsize,
+                                        self.layout)
+        return list(self._units)
 
     # -- compute --------------------------------------------------------------------------------
     def _on_ready(self, name: str) -> None:
@@ -159,7 +334,12 @@ class Model:
         logits : array (N, num_classes)
         """
         logits = self.forward(x, training=True)
-        loss, dlogits = softmax_cross_entropy(logits, y)
+        if self.recorder is None:
+            loss, dlogits = softmax_cross_entropy(logits, y)
+        else:  # max, exp, sum, log, gradient: about 5 FLOPs per logit
+            with self.recorder.layer("forward", "loss", 5 * logits.size,
+                                     2 * logits.size * self.dtype.itemsize):
+                loss, dlogits = softmax_cross_entropy(logits, y)
         self.backward(dlogits, ready=ready)
         return loss, logits
 

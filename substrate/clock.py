@@ -1,43 +1,213 @@
-"""Simulated clock: measured compute plus modeled communication, per rank.
+"""Simulated clock of one rank: additive (compute + α–β) or an event timeline.
 
-A run on one laptop reports the time the same run would take on the modeled cluster:
-``sim_s = compute_s + comm_modeled_s`` where ``compute_s`` is measured around the compute
-sections (``with clock.compute(): ...``) and ``comm_modeled_s`` is the α–β time of every call in
-the ledger.  Communication is not overlapped with compute in this accounting (an upper bound for
-systems that overlap, stated as such in reports).
+Two modes, one interface (``with clock.compute(): ...``, ``clock.sim_s``, ``compute_s``,
+``comm_modeled_s``, ``as_dict()``):
+
+**additive** (``SimClock(ledger)``, the default)
+    ``sim_s = compute_s + comm_modeled_s``: measured compute plus the α–β time of every call in
+    the ledger, nothing overlapped (an upper bound for systems that overlap).
+
+**timeline** (``SimClock(ledger, timeline=Timeline(cost))``)
+    Every ``compute()`` block and every per-layer event of a model whose ``recorder`` is
+    :attr:`SimClock.layers` is a compute event of a :class:`~substrate.timeline.Timeline`;
+    strategies declare their transfers on :attr:`SimClock.timeline` with dependencies;
+    :meth:`SimClock.step` closes a step and ``sim_s`` is the sum of the steps' critical paths.
+    Communication the ledger booked in a step but no strategy declared (per phase: ledger α–β
+    minus declared ``L + W``) is appended at the end of the step, serially, after every other
+    event: an undeclared strategy gets exactly the additive clock, never less.
+
+Compute is timed by a :class:`~substrate.timeline.ComputeSource` (``source=``): ``"wall"``
+(default, the old behaviour, grows with the host's load), ``"cpu"`` (per-thread CPU time; does
+not grow when ranks share cores), ``"cuda"`` (CUDA events), ``"flops"`` (roofline from the
+model's per-layer FLOP counts, ``device_tflops``).  :meth:`SimClock.describe` says which, for
+``summary.json``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 
+from .costmodel import INTER, INTRA
 from .ledger import Ledger
+from .timeline import ComputeSource, FlopSource, LayerEvents, StepTiming, Timeline, make_source
 
 __all__ = ["SimClock"]
 
 
 class SimClock:
-    """Per-rank measured compute and modeled communication time."""
+    """Per-rank simulated time (see the module docstring).
 
-    def __init__(self, ledger: Ledger, sync=None) -> None:
+    Parameters
+    ----------
+    ledger : Ledger
+    sync : callable, optional
+        Device synchronization (``Backend.synchronize``) for the ``wall`` source.
+    source : str or ComputeSource
+        ``wall`` (default), ``auto`` (``cuda`` on a GPU, else ``cpu``), ``cpu``,
+        ``cpu_thread``, ``cpu_process``, ``cuda``, ``flops``.
+    timeline : Timeline, optional
+        Switches to timeline mode.
+    device_tflops, device_gbs : float, optional
+        Peak of the modeled device for ``source="flops"``.
+    gpu : bool, optional
+        Whether compute runs on a GPU (for ``auto``); default: ``sync`` was given.
+    """
+
+    def __init__(self, ledger: Ledger, sync=None, *, source="wall",
+                 timeline: Timeline | None = None, device_tflops: float | None = None,
+                 device_gbs: float | None = None, gpu: bool | None = None) -> None:
         self.ledger = ledger
-        self.compute_s = 0.0
-        self._sync = sync  # e.g. Backend.synchronize so GPU kernels are timed, not launched
-        self._t0 = time.perf_counter()
+        self._sync = sync
+        gpu = (sync is not None) if gpu is None else gpu
+        self.source: ComputeSource = source if isinstance(source, ComputeSource) else \
+            make_source(source, sync=sync, gpu=gpu, device_tflops=device_tflops,
+                        device_gbs=device_gbs)
+        self.timeline = timeline
+        self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
+        self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
+        self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
+        self._depth = 0
+        self._snap = ledger.snapshot()
+        self.last_event = None
+        self.last_step: StepTiming | None = None
+        self._t0 = self._step_t0 = time.perf_counter()
+        self.step_wall_s = 0.0
+        self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
 
+    @property
+    def mode(self) -> str:
+        return "additive" if self.timeline is None else "timeline"
+
+    # -- compute ---------------------------------------------------------------------------------
     @contextmanager
-    def compute(self):
-        """Time the enclosed block as compute."""
-        if self._sync:
-            self._sync()
-        t = time.perf_counter()
+    def compute(self, label: str = "compute", *, flops: float | None = None, deps=(),
+                stream: str = "compute"):
+        """Time the enclosed block as compute (a block nested in another is part of the outer
+        one).  In timeline mode the block becomes an event ``label`` on ``stream`` after
+        ``deps`` (its handle is :attr:`last_event` afterwards); per-layer events the model
+        recorded inside the block are events of their own and only the rest of the block (loss,
+        Python) is added as ``label``.  ``flops`` gives the block's FLOP count to the ``flops``
+        source."""
+        if self._depth:
+            yield None
+            return
+        key = label
+        if label == "compute":          # unnamed block: its call site names it (calibration)
+            f = sys._getframe(2)
+            key = f"compute@{f.f_code.co_filename}:{f.f_lineno}"
+        self._depth += 1
+        inner0 = self.layers.recorded_s if self.layers is not None else 0.0
         try:
-            yield
+            with self.source.measure(flops, None, key) as m:
+                yield m
         finally:
-            if self._sync:
-                self._sync()
-            self.compute_s += time.perf_counter() - t
+            self._depth -= 1
+        if self.timeline is None:
+            self._compute_s += m.seconds
+            return
+        inner = self.layers.recorded_s - inner0
+        if inner > 0 and isinstance(self.source, FlopSource):
+            self.last_event = self.layers.last        # the layers' FLOPs are the block
+            return
+        rest = max(0.0, m.seconds - inner)
+        if rest > 0 or not inner:
+            self.last_event = self.timeline.compute(label, rest, deps=deps, stream=stream)
+        else:
+            self.last_event = self.layers.last
+
+    # -- dependencies for strategies ------------------------------------------------------------
+    def ready(self, lo: int, hi: int):
+        """Dependency for a transfer of gradients ``flat[lo:hi]``: the backward event after
+        which they are all written (:meth:`LayerEvents.ready_event`, when the model's
+        ``recorder`` is :attr:`layers`); without per-layer events this step, the last compute
+        block (the whole backward: conservative, never early); ``None`` in additive mode."""
+        if self.timeline is None:
+            return None
+        if self.layers.last is not None:
+            return self.layers.ready_event(lo, hi)
+        return self.last_event
+
+    def comm_events(self) -> list:
+        """The transfers declared so far in the open step (e.g. ``deps`` of the optimizer
+        step); ``[]`` in additive mode."""
+        if self.timeline is None:
+            return []
+        return [e for e in self.timeline.open_events if e.kind == "transfer"]
+
+    # -- steps -----------------------------------------------------------------------------------
+    def _undeclared(self) -> list[tuple[str, str, float]]:
+        """(phase, link, seconds) booked in the ledger this step but not declared."""
+        declared = self.timeline.declared_comm_s()
+        out = []
+        for phase, e in self.ledger.since(self._snap).items():
+            extra = e["modeled_s"] - declared.get(phase, 0.0)
+            if extra > 1e-12 * max(1.0, e["modeled_s"]):
+                out.append((phase, INTER if e["inter_bytes"] or e["link"] in (INTER, "mixed")
+                            else INTRA, extra))
+        return out
+
+    def mark(self) -> None:
+        """Restart the wall-time interval of the next :meth:`step` (call it after work that is
+        not part of a step, e.g. an evaluation)."""
+        self._step_t0 = time.perf_counter()
+
+    def step(self) -> StepTiming:
+        """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
+        time since the previous ``step()`` (or :meth:`mark`).
+
+        Timeline mode: append the undeclared communication serially at the end, schedule, and
+        start a new step.  Additive mode: the step's compute and ledger α–β, added (so trainers
+        call ``step()`` the same way in both modes)."""
+        now = time.perf_counter()
+        self.step_wall_s = now - self._step_t0
+        self._step_t0 = now
+        if self.timeline is None:
+            compute = self._compute_s - self._prev["compute_s"]
+            comm = self.ledger.modeled_s - self._prev["comm_s"]
+            self._prev = {"compute_s": self._compute_s, "comm_s": self.ledger.modeled_s}
+            self.last_step = StepTiming(step_s=compute + comm, compute_s=compute, offload_s=0.0,
+                                        comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
+                                        no_overlap_s=compute + comm)
+            return self.last_step
+        tail = self.timeline.open_events
+        for phase, link, seconds in self._undeclared():
+            ev = self.timeline.transfer_seconds(phase, link, 0.0, seconds, deps=tail,
+                                                label=f"{phase} (undeclared)")
+            tail = [ev]
+        self._snap = self.ledger.snapshot()
+        self.last_step = self.timeline.step()
+        return self.last_step
+
+    # -- readings --------------------------------------------------------------------------------
+    def _open(self) -> tuple[float, float, float]:
+        """(critical path, no-overlap sum, compute) of the open step, undeclared comm included."""
+        if self.timeline is None:
+            return 0.0, 0.0, 0.0
+        extra = sum(s for _, _, s in self._undeclared())
+        if not self.timeline.open_events:
+            return extra, extra, 0.0
+        t = self.timeline.schedule()
+        return t.step_s + extra, t.no_overlap_s + extra, t.compute_s + t.offload_s
+
+    @property
+    def compute_s(self) -> float:
+        if self.timeline is None:
+            return self._compute_s
+        tot = self.timeline.totals
+        return self._offset["compute_s"] + tot["compute_s"] + tot["offload_s"] + self._open()[2]
+
+    @compute_s.setter
+    def compute_s(self, value: float) -> None:
+        """Restore compute time (resume); in timeline mode it becomes an offset."""
+        if self.timeline is None:
+            self._compute_s = float(value)
+            self._resnap()
+        else:
+            self._resnap()
+            self._offset["compute_s"] = float(value) - (self.compute_s
+                                                        - self._offset["compute_s"])
 
     @property
     def comm_modeled_s(self) -> float:
@@ -45,12 +215,72 @@ class SimClock:
 
     @property
     def sim_s(self) -> float:
-        return self.compute_s + self.comm_modeled_s
+        if self.timeline is None:
+            return self.compute_s + self.comm_modeled_s
+        return self._offset["sim_s"] + self.timeline.totals["step_s"] + self._open()[0]
+
+    @property
+    def no_overlap_s(self) -> float:
+        """The additive clock's reading (``Σ compute + Σ α–β``)."""
+        if self.timeline is None:
+            return self.sim_s
+        return self._offset["no_overlap_s"] + self.timeline.totals["no_overlap_s"] + \
+            self._open()[1]
 
     @property
     def wall_s(self) -> float:
         return time.perf_counter() - self._t0
 
     def as_dict(self) -> dict:
-        return {"wall_s": self.wall_s, "compute_s": self.compute_s,
-                "comm_modeled_s": self.comm_modeled_s, "sim_s": self.sim_s}
+        """Floats only (``Run.finish`` reduces each with MAX over ranks)."""
+        d = {"wall_s": self.wall_s, "compute_s": self.compute_s,
+             "comm_modeled_s": self.comm_modeled_s, "sim_s": self.sim_s}
+        if self.timeline is not None:
+            d["no_overlap_s"] = self.no_overlap_s
+            d["exposed_comm_s"] = self.timeline.totals["exposed_comm_s"]
+            d["steps"] = float(self.timeline.steps)
+        return d
+
+    def describe(self, events: bool = False) -> dict:
+        """For ``summary.json``'s ``timeline`` block: mode, compute source, totals, and with
+        ``events`` the last closed step's schedule (label, kind, resource, start, finish: a
+        Gantt chart of this rank)."""
+        d = {"mode": self.mode, "compute_source": self.source.describe()}
+        if self.timeline is not None:
+            d["steps"] = self.timeline.steps
+            d["links"] = ("one resource per link class; a transfer waits its alpha terms, then "
+                          "shares the link's bandwidth equally with the transfers in flight")
+            d["totals"] = dict(self.timeline.totals)
+        if self.last_step is not None:
+            d["last_step"] = self.last_step.as_dict()
+            if events:
+                d["last_step"]["events"] = [
+                    {"label": e.label, "kind": e.kind, "resource": e.resource,
+                     "start": e.start, "finish": e.finish} for e in self.last_step.events]
+        return d
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Readings to restore with :meth:`load_state` on resume (timeline mode: call at a step
+        boundary)."""
+        return {"compute_s": self.compute_s, "sim_s": self.sim_s,
+                "no_overlap_s": self.no_overlap_s}
+
+    def _resnap(self) -> None:
+        """Start the step accounting from the ledger as it is now (after a resume restored it)."""
+        self._snap = self.ledger.snapshot()
+        self._prev = {"compute_s": self._compute_s, "comm_s": self.ledger.modeled_s}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state` on resume; call it after the ledger has been restored."""
+        if self.timeline is None:
+            self._compute_s = float(state["compute_s"])
+            self._resnap()
+            return
+        self._resnap()
+        for k in ("sim_s", "no_overlap_s", "compute_s"):
+            self._offset[k] = 0.0
+        cur = {"sim_s": self.sim_s, "no_overlap_s": self.no_overlap_s,
+               "compute_s": self.compute_s}
+        for k in cur:
+            self._offset[k] = float(state[k]) - cur[k]

@@ -55,6 +55,14 @@ the shim, the processes in the namespaces) is removed on exit, failure, timeout,
 ``SIGTERM``; labs left behind by a killed process are removed by the next lab (state files in
 ``/run/spardist-wirelab``).  Every subprocess runs under a timeout (``--timeout``).
 
+Step time (issue 12): ``--calibrate-cost`` measures alpha once with an MPI ping-pong on the lab
+(:meth:`Lab.ping_pong`, ``pingpong.json``) and passes the cost model to the command (beta from
+the ``--link`` rate as TCP payload, :func:`link_payload_gbps`); ``--compare-steps`` reads the
+run's per-step wall time (``step_wall_s`` in ``metrics.jsonl``) against its predicted step time
+(:func:`compare_steps`, ``steps.json``); ``python -m substrate.wirelab --compare-steps OUT`` does
+the same offline.  :func:`per_step_from_pair` gets the time per step from two runs that differ
+only in their step count.
+
 Python API: :func:`run_lab` (one measurement), :class:`Lab` (set up once, measure many runs).
 """
 
@@ -77,7 +85,9 @@ import time
 from pathlib import Path
 
 __all__ = ["LabError", "Lab", "run_lab", "check_root", "check_prerequisites", "main",
-           "parse_link", "stale_labs", "cleanup_stale", "lab_namespaces", "PREFIX"]
+           "parse_link", "stale_labs", "cleanup_stale", "lab_namespaces", "PREFIX",
+           "compare_steps", "format_steps", "per_step_from_pair", "link_payload_gbps",
+           "cost_flags", "PINGPONG_JSON"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "spwl-"                      # every namespace this module creates starts with it
@@ -92,10 +102,16 @@ CMD_TIMEOUT = 30.0                    # every set-up / teardown command
 CALIBRATION_BYTES = 4 << 20
 #: Per host namespace.  Tail-loss probes off: the links never drop (every veth end has a queue),
 #: so a probe is always a spurious duplicate of the last segment (seen on a loaded box as
-#: TCPLossProbes + D-SACKs without it).
-HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0",)
+#: TCPLossProbes + D-SACKs without it).  No congestion-window restart after idle (RFC 2861,
+#: Linux default on): a ring step sends one chunk after waiting for its neighbour, so every
+#: chunk restarted from 10 segments and waited for ACKs queued behind the reverse direction's
+#: data; a 2 x 2 ddp step on a 10 Mbit/s link took 1.19 s against 0.26 s without the restart
+#: (the alpha-beta model of the interconnects spardist models, RDMA, has no such window).
+HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_idle=0")
 QUEUE_PACKETS = 10000                 # pfifo limit on every veth end (backpressure, no drops)
 WIRE_JSON = "wire.json"
+PINGPONG_JSON = "pingpong.json"
+STEPS_JSON = "steps.json"
 #: TcpExt counters recorded beside RetransSegs (why segments were sent twice)
 TCPEXT_FIELDS = ("TCPLossProbes", "TCPFastRetrans", "TCPSlowStartRetrans", "TCPTimeouts",
                  "TCPSpuriousRTOs", "TCPDSACKRecv", "TCPDSACKRecvSegs", "TCPSACKReorder",
@@ -404,6 +420,243 @@ def _sendrecv_main(argv: list[str]) -> int:
     return 0
 
 
+def _pingpong_main(argv: list[str]) -> int:
+    """``--pingpong --out DIR [--reps N] [--sizes 8,1048576]``: world rank 0 ping-pongs messages
+    of each size with the first rank of the next node (inter-node) and, when its node has
+    another rank, with that rank (intra-node); every round trip is timed and rank 0 writes
+    ``DIR/pingpong.json`` with the median one-way time ``RTT / 2`` per size and link class.
+
+    ``alpha`` is the one-way time of the smallest size; ``beta`` (seconds per byte) is the
+    slope between the smallest and the largest size.  Each size is timed for at most
+    ``--budget-s`` seconds (at least 5 round trips), so large messages on slow links end in
+    time.  The other ranks wait without spinning."""
+    import numpy as np  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from substrate.results import atomic_write_json  # noqa: PLC0415
+    from substrate.topology import Topology  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(prog="substrate.wirelab --pingpong")
+    p.add_argument("--pingpong", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--sizes", default="8,1048576")
+    p.add_argument("--budget-s", type=float, default=3.0,
+                   help="stop timing a size after this many seconds (at least 5 round trips)")
+    p.add_argument("--overwrite", action="store_true", help="accepted like spardist commands")
+    a = p.parse_args(argv)
+    sizes = sorted({int(x) for x in a.sizes.split(",")})
+    if len(sizes) < 1 or sizes[0] < 1 or a.reps < 1:
+        raise SystemExit("--sizes needs positive byte counts and --reps >= 1")
+    topo = Topology.from_comm(MPI.COMM_WORLD)
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    node_of = np.asarray(topo.node_of)
+    peers = {}
+    others = np.flatnonzero(node_of != node_of[0])
+    if others.size:
+        peers["inter"] = int(others[0])
+    same = np.flatnonzero((node_of == node_of[0]) & (np.arange(node_of.size) != 0))
+    if same.size:
+        peers["intra"] = int(same[0])
+    def quiet_barrier() -> None:
+        # ranks outside the pair wait without spinning: on oversubscribed cores a rank busy-polling
+        # in MPI_Barrier steals the CPU the timed pair needs
+        req = world.Ibarrier()
+        while not req.Test():
+            time.sleep(0.002)
+
+    result = {}
+    for link, peer in peers.items():
+        quiet_barrier()
+        if rank not in (0, peer):
+            continue
+        other = peer if rank == 0 else 0
+        per_size = {}
+        for n in sizes:
+            buf = np.zeros(n, dtype=np.uint8)
+            times = []
+            start = MPI.Wtime()
+            for i in range(a.warmup + a.reps):
+                # both ends stop together: rank 0 decides and tells its partner in the ping
+                stop = rank == 0 and len(times) >= 5 and MPI.Wtime() - start > a.budget_s
+                if rank == 0:
+                    buf[:1] = 1 if stop else 0
+                t0 = MPI.Wtime()
+                if rank == 0:
+                    world.Send(buf, other, 21)
+                    world.Recv(buf, other, 21)
+                else:
+                    world.Recv(buf, other, 21)
+                    world.Send(buf, other, 21)
+                if buf[0]:
+                    break                           # the stop round trip is not timed
+                if i >= a.warmup or n > 65536:      # big messages: no separate warm-up
+                    times.append(MPI.Wtime() - t0)
+            one_way = np.asarray(times) / 2
+            per_size[str(n)] = {"round_trips": len(times), "median_s": float(np.median(one_way)),
+                                "p10_s": float(np.percentile(one_way, 10)),
+                                "p90_s": float(np.percentile(one_way, 90))}
+        lo, hi = str(sizes[0]), str(sizes[-1])
+        alpha = per_size[lo]["median_s"]
+        beta = ((per_size[hi]["median_s"] - alpha) / (sizes[-1] - sizes[0])
+                if len(sizes) > 1 else None)
+        result[link] = {"peer": peer, "sizes": per_size, "alpha_s": alpha, "beta_s_per_byte": beta,
+                        "bandwidth_gbps": (8e-9 / beta) if beta and beta > 0 else None}
+    quiet_barrier()
+    if rank == 0:
+        atomic_write_json(a.out / PINGPONG_JSON, {
+            "method": "MPI Send/Recv ping-pong, one-way = RTT/2, median over reps",
+            "reps": a.reps, "warmup": a.warmup, "sizes": sizes,
+            "topology": topo.describe(), "links": result})
+    return 0
+
+
+def link_payload_gbps(mbit: float) -> float:
+    """TCP payload rate (Gbit/s) of a link shaped to ``mbit`` Mbit/s: the shaper counts whole
+    frames, so each full segment of MSS 1448 bytes costs 1448 + 32 (TCP with timestamps) + 20 (IP)
+    + 14 (Ethernet) = 1514 bytes of rate.  Derived from the setting, not fitted."""
+    mss = MTU - IP_HDR - TCP_HDR
+    return mbit * 1e-3 * mss / (MTU + ETH_HDR)
+
+
+def cost_flags(link, pingpong: dict | None) -> list[str]:
+    """Cost-model flags for a run on the lab: ``--inter-bw`` from the ``--link`` rate
+    (:func:`link_payload_gbps`), ``--inter-lat`` / ``--intra-lat`` (and ``--intra-bw``) from
+    the ping-pong (``pingpong.json`` content), when given."""
+    flags = []
+    if link is not None:
+        flags += ["--inter-bw", f"{link_payload_gbps(float(link[0])):.9g}"]
+    links = (pingpong or {}).get("links", {})
+    if "inter" in links:
+        flags += ["--inter-lat", f"{links['inter']['alpha_s'] * 1e6:.6g}"]
+        if link is None and links["inter"].get("bandwidth_gbps"):
+            flags += ["--inter-bw", f"{links['inter']['bandwidth_gbps']:.6g}"]
+    if "intra" in links:
+        flags += ["--intra-lat", f"{links['intra']['alpha_s'] * 1e6:.6g}"]
+        if links["intra"].get("bandwidth_gbps"):
+            flags += ["--intra-bw", f"{links['intra']['bandwidth_gbps']:.6g}"]
+    return flags
+
+
+# -- predicted vs measured step time ---------------------------------------------------------------
+
+_STEP_KEYS = ("step", "iteration", "k", "epoch")
+
+
+def _read_metrics(out: Path) -> list[dict]:
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        raise LabError(f"{path} not found: --compare-steps needs a finished run's metrics.jsonl")
+    lines = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise LabError(f"{path}:{i + 1} is not JSON ({exc})") from None
+    return lines
+
+
+def compare_steps(out, *, skip: int = 1) -> dict:
+    """Predicted vs measured time per step from a run's ``metrics.jsonl``.
+
+    Each line must carry ``step_wall_s`` (measured wall seconds per step over the steps since
+    the previous line) and either ``step_sim_s`` (predicted seconds per step) or the cumulative
+    ``sim_s`` with a step counter (``step`` / ``iteration`` / ``k``), from which the predicted
+    time per step is the difference to the previous line over the steps between them; likewise
+    ``step_no_overlap_s`` or cumulative ``no_overlap_s`` for the additive clock, when present.
+    The first ``skip`` lines (warm-up) are left out of the medians.
+
+    Returns ``{"rows": [...], "median_ratio": predicted / measured, ...}``.
+    """
+    lines = _read_metrics(out)
+    rows = []
+    prev = None
+    for line in lines:
+        key = next((k for k in _STEP_KEYS if k in line), None)
+        if "step_wall_s" not in line:
+            raise LabError(f"{Path(out) / 'metrics.jsonl'}: a line has no step_wall_s (keys: "
+                           f"{sorted(line)}); the command must log the measured wall time per "
+                           "step")
+        k = line.get(key) if key else None
+        dk = (k - prev.get(key, 0)) if (prev is not None and key) else k
+        row = {"k": k, "measured_s": float(line["step_wall_s"])}
+        for name, per_step, cum in (("predicted_s", "step_sim_s", "sim_s"),
+                                    ("no_overlap_s", "step_no_overlap_s", "no_overlap_s")):
+            if per_step in line:
+                row[name] = float(line[per_step])
+            elif cum in line and dk:
+                row[name] = (line[cum] - (prev or {}).get(cum, 0.0)) / dk
+        if "predicted_s" not in row:
+            raise LabError(f"{Path(out) / 'metrics.jsonl'}: line {k} has neither step_sim_s nor "
+                           "a cumulative sim_s with a step counter")
+        row["ratio"] = row["predicted_s"] / row["measured_s"] if row["measured_s"] else None
+        rows.append(row)
+        prev = line
+    import statistics  # noqa: PLC0415
+
+    used = [r for r in rows[skip:] if r["ratio"] is not None]
+    if not used:
+        raise LabError(f"{out}: no step left after skipping {skip} warm-up line(s); run more "
+                       "steps or pass a smaller --skip")
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    res = {"out": str(out), "skip": skip, "rows": rows, "steps_compared": len(used),
+           "median_measured_s": med([r["measured_s"] for r in used]),
+           "median_predicted_s": med([r["predicted_s"] for r in used]),
+           "median_ratio": med([r["ratio"] for r in used])}
+    if all("no_overlap_s" in r for r in used):
+        res["median_no_overlap_s"] = med([r["no_overlap_s"] for r in used])
+        res["median_no_overlap_ratio"] = med([r["no_overlap_s"] / r["measured_s"] for r in used])
+    summary = Path(out) / "summary.json"
+    if summary.exists():
+        sm = json.loads(summary.read_text())
+        res["cost_model"] = sm.get("cost_model")
+        res["timeline"] = sm.get("timeline")
+    wire = Path(out) / WIRE_JSON
+    if wire.exists():
+        res["link"] = json.loads(wire.read_text()).get("link")
+    return res
+
+
+def format_steps(r: dict) -> str:
+    lines = [f"per-step time, {r['out']} ({r['steps_compared']} lines compared, first "
+             f"{r['skip']} skipped)",
+             f"  {'k':>6s} {'measured s':>12s} {'predicted s':>12s} {'pred/meas':>10s} "
+             f"{'no-overlap s':>13s}"]
+    for row in r["rows"]:
+        no = row.get("no_overlap_s")
+        lines.append(f"  {row['k']!s:>6s} {row['measured_s']:12.5f} {row['predicted_s']:12.5f} "
+                     f"{row['ratio']:10.3f} {'-' if no is None else f'{no:.5f}':>13s}")
+    lines.append(f"  median: measured {r['median_measured_s']:.5f} s, predicted "
+                 f"{r['median_predicted_s']:.5f} s, ratio {r['median_ratio']:.3f}")
+    if "median_no_overlap_ratio" in r:
+        lines.append(f"  additive (no overlap) median {r['median_no_overlap_s']:.5f} s, ratio "
+                     f"{r['median_no_overlap_ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def per_step_from_pair(short: dict, long: dict) -> dict:
+    """Per-step time from two lab runs that differ only in their step count: measured
+    ``(wall_long - wall_short) / Δsteps`` (set-up, evaluation at the end and teardown cancel)
+    against predicted ``(sim_long - sim_short) / Δsteps``.  ``short``/``long`` are
+    ``{"steps": N, "wire": wire.json dict, "summary": summary.json dict}``."""
+    ds = long["steps"] - short["steps"]
+    if ds <= 0:
+        raise LabError("per_step_from_pair: the long run needs more steps than the short one")
+    meas = (long["wire"]["wall_s"] - short["wire"]["wall_s"]) / ds
+    t_s, t_l = short["summary"]["timing"], long["summary"]["timing"]
+    out = {"steps": [short["steps"], long["steps"]], "measured_s": meas,
+           "predicted_s": (t_l["sim_s"] - t_s["sim_s"]) / ds,
+           "compute_s": (t_l["compute_s"] - t_s["compute_s"]) / ds,
+           "comm_modeled_s": (t_l["comm_modeled_s"] - t_s["comm_modeled_s"]) / ds}
+    if "no_overlap_s" in t_l and "no_overlap_s" in t_s:
+        out["no_overlap_s"] = (t_l["no_overlap_s"] - t_s["no_overlap_s"]) / ds
+    out["ratio"] = out["predicted_s"] / meas if meas > 0 else None
+    return out
+
+
 # -- the lab ---------------------------------------------------------------------------------------
 
 class _Signals:
@@ -502,6 +755,7 @@ class Lab:
         self.shaping: dict | None = None
         self.calibration: dict | None = None
         self.baselines: dict = {}
+        self.pingpong: dict | None = None
         self.teardown_problems: list[str] = []
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -935,6 +1189,23 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
             self.baselines[launch] = job
         return self.baselines[launch]
 
+    def ping_pong(self, *, reps: int = 200, sizes=(8, 1 << 20), launch: str = "mpiexec",
+                  out: Path | None = None) -> dict:
+        """One-off MPI ping-pong on the lab (:func:`_pingpong_main`): one-way time per size for
+        an inter-host pair and, with ``ranks_per_host > 1``, an intra-host pair.  Cached: the
+        alpha of the lab is measured once."""
+        if self.pingpong is not None:
+            return self.pingpong
+        if not self.up:
+            raise LabError("the lab is not set up (use it as a context manager)")
+        d = Path(out) if out is not None else self.tmp / "pingpong"
+        d.mkdir(parents=True, exist_ok=True)
+        self._job(["substrate.wirelab", "--pingpong", "--out", str(d), "--reps", str(reps),
+                   "--sizes", ",".join(str(int(x)) for x in sizes)], launch, d / "pingpong.log")
+        self.pingpong = json.loads((d / PINGPONG_JSON).read_text())
+        self.pingpong["link_setting"] = self.shaping
+        return self.pingpong
+
     def measure(self, module_args, *, out=None, launch: str = "mpiexec",
                 force: bool = False) -> dict:
         """Run ``python -m mpi4py -m MODULE ARGS --out OUT`` across the hosts and write
@@ -1067,6 +1338,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
             "per_host": per_host,
             "qdisc": job["qdisc"],
             "wall_s": job["wall_s"],
+            "pingpong": self.pingpong,
             "warnings": warnings,
         }
         return result
@@ -1161,14 +1433,32 @@ def format_table(r: dict) -> str:
 def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: str = "mpiexec",
             out=None, timeout: float = DEFAULT_TIMEOUT, force: bool = False,
             netmod: str = "ucx", offload: bool = False, env: dict | None = None,
-            verbose: bool = False) -> dict:
+            verbose: bool = False, calibrate_cost: bool = False, compare: bool = False) -> dict:
     """Set up a lab, measure one run (after its start-up baseline), tear down.
+
+    ``calibrate_cost``: ping-pong first (:meth:`Lab.ping_pong`) and append the cost-model flags
+    of :func:`cost_flags` to the command (beta from ``--link``, alpha from the ping-pong).
+    ``compare``: read the run's per-step wall time back (:func:`compare_steps`), write
+    ``OUT/steps.json`` and put it under ``"steps"`` of the result.
 
     Returns the ``wire.json`` dict (also written to ``OUT/wire.json``).
     """
     with Lab(hosts, ranks_per_host, link=link, netmod=netmod, offload=offload, timeout=timeout,
              env=env, verbose=verbose) as lab:
-        return lab.measure(module_args, out=out, launch=launch, force=force)
+        module_args = list(module_args)
+        if calibrate_cost:
+            flags = cost_flags(lab.link, lab.ping_pong(launch=launch))
+            given = [f for f in flags[::2] if f in module_args]
+            if given:
+                raise LabError(f"--calibrate-cost sets {given} itself: drop them from the "
+                               "command")
+            module_args += flags
+        result = lab.measure(module_args, out=out, launch=launch, force=force)
+        if compare:
+            steps = compare_steps(result["out"])
+            _write_no_clobber(Path(result["out"]) / STEPS_JSON, steps, True)
+            result["steps"] = steps
+        return result
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -1204,6 +1494,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUT/wire.json (and pass --overwrite to the command "
                         "when OUT already holds its summary.json)")
+    p.add_argument("--calibrate-cost", action="store_true",
+                   help="ping-pong on the lab first and pass the cost model to the command: "
+                        "--inter-bw from --link (TCP payload rate), --inter-lat/--intra-lat "
+                        "(and --intra-bw) from the ping-pong")
+    p.add_argument("--compare-steps", action="store_true",
+                   help="after the run, compare predicted and measured time per step from its "
+                        "metrics.jsonl (step_wall_s) and write OUT/steps.json")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("module_args", nargs=argparse.REMAINDER,
                    help="-- MODULE ARGS... (the spardist command)")
@@ -1221,6 +1518,18 @@ def main(argv: list[str] | None = None) -> int:
         return _idle_main(argv)
     if argv[:1] == ["--sendrecv"]:
         return _sendrecv_main(argv)
+    if argv[:1] == ["--pingpong"]:
+        return _pingpong_main(argv)
+    if argv[:1] == ["--compare-steps"] and len(argv) >= 2 and not argv[1].startswith("-"):
+        # offline: python -m substrate.wirelab --compare-steps OUT [--skip N] (no root needed)
+        skip = int(argv[argv.index("--skip") + 1]) if "--skip" in argv else 1
+        try:
+            r = compare_steps(Path(argv[1]), skip=skip)
+        except LabError as exc:
+            print(f"wirelab: error: {exc}", file=sys.stderr)
+            return 2
+        print(format_steps(r))
+        return 0
     ns = _parse(argv)
     env = {}
     for kv in ns.env:
@@ -1233,7 +1542,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_lab(ns.hosts, ns.ranks_per_host, ns.module_args, link=ns.link,
                          launch=ns.launch, out=ns.out, timeout=ns.timeout, force=ns.force,
                          netmod=ns.netmod, offload=ns.offload == "on", env=env,
-                         verbose=ns.verbose)
+                         verbose=ns.verbose, calibrate_cost=ns.calibrate_cost,
+                         compare=ns.compare_steps)
     except LabError as exc:
         print(f"wirelab: error: {exc}", file=sys.stderr)
         return 2
@@ -1241,6 +1551,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{exc}; everything torn down", file=sys.stderr)
         return 128 + exc.signum
     print(format_table(result))
+    if result.get("pingpong"):
+        for link, v in result["pingpong"]["links"].items():
+            bw = v.get("bandwidth_gbps")
+            print(f"  ping-pong {link}: alpha {v['alpha_s'] * 1e6:.1f} us"
+                  + (f", {bw:.3f} Gbit/s" if bw else ""))
+    if result.get("steps"):
+        print(format_steps(result["steps"]))
     return 0
 
 

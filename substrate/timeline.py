@@ -1,0 +1,803 @@
+"""Event timeline of one rank: compute and communication events with dependencies, shared links,
+and the step time as the critical path.
+
+The additive clock (``sim = compute + Σ α–β``) cannot show overlap (DDP buckets all-reduced while
+the backward runs, SSFusion's interleaved fusion buffers, H-SGD's non-blocking messages, PruneX's
+pipelined intra/inter phases) nor contention (two collectives on one link at once).  A
+:class:`Timeline` takes the events of one step of one rank, each with the events it waits for,
+and schedules them on its resources:
+
+* **streams** ``"compute"`` and ``"offload"`` (a CPU thread that sparsifies or packs while the
+  compute stream goes on): each runs its events one at a time, **in declaration order** (an
+  in-order stream, like a CUDA stream or the one Python thread that executes them);
+* **links** ``"intra"`` and ``"inter"`` (:data:`substrate.costmodel.LINKS`): a transfer first
+  waits its latency part ``L`` (the α terms of its algorithm) and then moves its bandwidth part
+  ``W`` (the β terms: seconds at the full link rate).  The ``k`` transfers in their bandwidth
+  part on one link at the same time each progress at rate ``1/k`` (processor sharing, which is
+  the max–min fair share when every transfer uses one link), so two equal transfers that start
+  together both finish after ``2W`` (+ ``L``).  Alone, a transfer takes exactly the cost model's
+  time ``L + W``;
+* **joins** (no resource, no duration): markers such as "bucket 3's gradients are ready".
+
+``L`` and ``W`` of a collective come from :class:`substrate.costmodel.CostModel`'s own formulas
+(``ring_allreduce_time``, ``ring_allgather_time``, ``bcast_time``, ``barrier_time``,
+``p2p_time``) evaluated once with the bandwidths set to infinity (``L``) and once with the
+latencies set to zero (``W``); no formula is repeated here.
+
+Dependencies can only name events declared earlier in the same step, so every step is a DAG by
+construction.  :meth:`Timeline.step` schedules the step (event-driven simulation, every event
+starts as soon as its dependencies are done and its resource lets it) and returns a
+:class:`StepTiming`: the step time (the critical path: the finish of the last event), compute,
+link busy time, exposed communication and the no-overlap sum ``Σ compute + Σ (L + W)`` that the
+additive clock reported.  Hierarchical schemes chain their phases through dependencies
+(``inter = tl.transfer(..., deps=[intra])``); nothing in the engine knows a strategy.
+
+Compute sources (:class:`ComputeSource`) say how long a compute block takes, independently of
+how loaded the host is:
+
+``cpu`` (:class:`CpuTimeSource`)
+    CPU time of the measuring thread (``time.thread_time_ns``), which does not grow when ranks
+    share cores: a descheduled thread accrues none.  Multi-threaded BLAS spreads a block's work
+    over threads the calling thread's clock does not see, so the source checks the BLAS/OpenMP
+    pools (``threadpoolctl``): with one thread it uses thread time (``"cpu_thread"``), with more
+    it uses the CPU time of the whole process (``"cpu_process"``: the sum over threads, i.e.
+    single-core-equivalent seconds, which also counts any helper thread busy during the block).
+    Run several ranks per core with ``OMP_NUM_THREADS=1`` / ``OPENBLAS_NUM_THREADS=1`` (the
+    launchers and the wire lab set them) to get ``cpu_thread``.
+``wall`` (:class:`WallSource`)
+    ``time.perf_counter`` (the old clock; grows with the host's load).
+``calibrated`` (:class:`CalibratedSource`)
+    The least of the first few measurements of each event (by label), then fixed: a profiling
+    pass taken in place, which drops warm-up and interference bursts.
+``cuda`` (:class:`CudaEventSource`)
+    CUDA events on the current CuPy stream (GPU time of the kernels of the block).
+``flops`` (:class:`FlopSource`)
+    ``seconds = max(FLOPs / peak, bytes / memory bandwidth)`` (a roofline with peak
+    ``device_tflops`` and, optionally, ``device_gbs``) from the FLOP counts a model reports per
+    layer (:meth:`models.network.Model.compute_units`); blocks without a FLOP count fall back to
+    ``cpu`` and the fallback seconds are reported.
+
+Every source has a ``name`` and :meth:`ComputeSource.describe` for ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from .costmodel import INTER, INTRA, LINKS, CostModel
+
+__all__ = [
+    "STREAMS",
+    "ALGORITHMS",
+    "Event",
+    "EventRecord",
+    "StepTiming",
+    "Timeline",
+    "transfer_parts",
+    "ComputeSource",
+    "WallSource",
+    "CpuTimeSource",
+    "CudaEventSource",
+    "CalibratedSource",
+    "FlopSource",
+    "make_source",
+    "SOURCES",
+    "blas_threads",
+    "LayerEvents",
+]
+
+#: Serial resources: the compute stream and an offload thread.
+STREAMS = ("compute", "offload")
+#: Algorithms whose time a transfer can take from the cost model (``nbytes`` meaning in brackets):
+#: ring all-reduce [buffer], ring all-gather(v) [total gathered], binomial bcast [buffer],
+#: dissemination barrier [ignored], ``messages`` direct messages [their total].
+ALGORITHMS = ("allreduce", "allgather", "bcast", "barrier", "p2p")
+
+_TOL = 1e-12
+
+
+@lru_cache(maxsize=64)
+def _split_models(cost: CostModel) -> tuple[CostModel, CostModel]:
+    """``cost`` with infinite bandwidths (its α terms only) and with zero latencies (β only)."""
+    return (replace(cost, intra_bw=math.inf, inter_bw=math.inf),
+            replace(cost, intra_lat=0.0, inter_lat=0.0))
+
+
+def transfer_parts(cost: CostModel, algorithm: str, nbytes: float, link: str, *, p: int = 2,
+                   messages: int = 1) -> tuple[float, float]:
+    """``(L, W)``: the latency and bandwidth parts of one call under ``cost``.
+
+    ``L + W`` is exactly the cost model's time of the call (e.g.
+    ``ring_allreduce_time(n, p, link) = 2(p-1) α + 2(p-1)/p n β``): ``L`` is that formula with
+    infinite bandwidth, ``W`` with zero latency.
+
+    Parameters
+    ----------
+    algorithm : {"allreduce", "allgather", "bcast", "barrier", "p2p"}
+        See :data:`ALGORITHMS`.
+    nbytes : float
+        Buffer bytes (all-reduce, bcast), total gathered bytes (all-gather), total bytes of the
+        ``messages`` messages (p2p); ignored for a barrier.
+    link : {"intra", "inter"}
+        The link class (for a ring: its slowest link, as :class:`~substrate.comm.Comm` books it).
+    p : int
+        Ranks of the collective.
+    messages : int
+        Number of direct messages (p2p) sharing ``nbytes`` equally.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown transfer algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    if link not in LINKS:
+        raise ValueError(f"unknown link class {link!r}; use one of {LINKS}")
+    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p (ranks of the collective) must be an integer >= 1, got {p!r}")
+    if isinstance(messages, bool) or not isinstance(messages, int) or messages < 0:
+        raise ValueError(f"messages must be an integer >= 0, got {messages!r}")
+    lat_only, bw_only = _split_models(cost)
+
+    def t(c: CostModel) -> float:
+        if algorithm == "allreduce":
+            return c.ring_allreduce_time(nbytes, p, link)
+        if algorithm == "allgather":
+            return c.ring_allgather_time(nbytes, p, link)
+        if algorithm == "bcast":
+            return c.bcast_time(nbytes, p, link)
+        if algorithm == "barrier":
+            return c.barrier_time(p, link)
+        if messages == 0:
+            if nbytes:
+                raise ValueError(f"p2p transfer of {nbytes} bytes in 0 messages; pass "
+                                 "messages >= 1")
+            return 0.0
+        return messages * c.p2p_time(nbytes / messages, link)
+
+    return float(t(lat_only)), float(t(bw_only))
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Event:
+    """Handle of one declared event (pass it in ``deps`` of later events of the same step).
+
+    ``start`` and ``finish`` (seconds from the start of the step) are set when the step is
+    scheduled (:meth:`Timeline.schedule` / :meth:`Timeline.step`).
+    """
+
+    index: int
+    label: str
+    kind: str                 # "compute" | "transfer" | "join"
+    resource: str             # stream name, link class, or "none"
+    deps: tuple
+    seconds: float = 0.0      # compute duration
+    latency_s: float = 0.0    # transfer: L
+    work_s: float = 0.0       # transfer: W (seconds at the full link rate)
+    phase: str | None = None
+    nbytes: float = 0.0
+    start: float = math.nan
+    finish: float = math.nan
+    _owner: object = field(default=None, repr=False)
+
+    @property
+    def standalone_s(self) -> float:
+        """Duration with the resource to itself (``seconds`` or ``L + W``)."""
+        return self.seconds if self.kind == "compute" else self.latency_s + self.work_s
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One scheduled event (for Gantt charts): label, kind, resource, start, finish."""
+
+    label: str
+    kind: str
+    resource: str
+    start: float
+    finish: float
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Schedule of one step of one rank (seconds).
+
+    Attributes
+    ----------
+    step_s : float
+        Critical path: the finish of the last event.
+    compute_s, offload_s : float
+        Σ durations on the compute stream / the offload thread.
+    comm_s : float
+        Σ standalone transfer times ``L + W`` (what the additive clock charged).
+    comm_busy_s : dict
+        Per link class, the time during which the link carried at least one transfer.
+    exposed_comm_s : float
+        Time during which some transfer was in flight and the compute stream was idle.
+    no_overlap_s : float
+        ``compute_s + offload_s + comm_s``: the additive clock's step time.
+    events : tuple of EventRecord
+    """
+
+    step_s: float
+    compute_s: float
+    offload_s: float
+    comm_s: float
+    comm_busy_s: dict
+    exposed_comm_s: float
+    no_overlap_s: float
+    events: tuple = ()
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "offload_s": self.offload_s,
+                "comm_s": self.comm_s, "comm_busy_s": dict(self.comm_busy_s),
+                "exposed_comm_s": self.exposed_comm_s, "no_overlap_s": self.no_overlap_s}
+
+
+def _union_length(intervals) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _intersection_length(xs, ys) -> float:
+    """Length of (∪ xs) ∩ (∪ ys)."""
+    return _union_length(xs) + _union_length(ys) - _union_length(list(xs) + list(ys))
+
+
+def _check_seconds(what: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {v!r}")
+    return float(v)
+
+
+class Timeline:
+    """Events of one rank, scheduled step by step (see the module docstring).
+
+    Parameters
+    ----------
+    cost : CostModel, optional
+        Needed by :meth:`transfer` (not by :meth:`transfer_seconds`).
+    keep_events : bool
+        Keep the :class:`EventRecord` list in every :class:`StepTiming` (for plots).
+    keep_steps : int
+        How many of the last steps' :class:`StepTiming` to keep in :attr:`history`.
+    """
+
+    def __init__(self, cost: CostModel | None = None, *, keep_events: bool = True,
+                 keep_steps: int = 4) -> None:
+        self.cost = cost
+        self.keep_events = bool(keep_events)
+        self._events: list[Event] = []
+        self._token = object()        # identifies the open step
+        self.steps = 0
+        self.history: deque[StepTiming] = deque(maxlen=max(0, int(keep_steps)))
+        self.totals = {"step_s": 0.0, "compute_s": 0.0, "offload_s": 0.0, "comm_s": 0.0,
+                       "exposed_comm_s": 0.0, "no_overlap_s": 0.0}
+        self._cache: tuple[int, StepTiming] | None = None
+
+    # -- declaring events ------------------------------------------------------------------------
+    def _deps(self, deps, label: str) -> tuple:
+        if deps is None:
+            deps = ()
+        elif isinstance(deps, Event):
+            deps = (deps,)
+        out = []
+        for d in deps:
+            if d is None:
+                continue
+            if not isinstance(d, Event):
+                raise ValueError(f"event {label!r}: deps must be Event handles returned by this "
+                                 f"timeline, got {type(d).__name__}")
+            if d._owner is not self._token:
+                raise ValueError(f"event {label!r} depends on {d.label!r}, which belongs to "
+                                 "another timeline or to a step already closed with step(); "
+                                 "an event can only wait for events of its own step")
+            out.append(d)
+        return tuple(out)
+
+    def _add(self, **kw) -> Event:
+        label = kw["label"]
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"every event needs a non-empty string label, got {label!r}")
+        ev = Event(index=len(self._events), _owner=self._token, **kw)
+        self._events.append(ev)
+        self._cache = None
+        return ev
+
+    def compute(self, label: str, seconds: float, deps=(), stream: str = "compute") -> Event:
+        """A compute event of ``seconds`` on ``stream`` (``"compute"`` or ``"offload"``), after
+        every event in ``deps`` and after the earlier events of the same stream."""
+        if stream not in STREAMS:
+            raise ValueError(f"event {label!r}: unknown stream {stream!r}; use one of {STREAMS}")
+        seconds = _check_seconds(f"compute event {label!r}: seconds", seconds)
+        return self._add(label=label, kind="compute", resource=stream,
+                         deps=self._deps(deps, label), seconds=seconds)
+
+    def transfer(self, phase: str, link: str, nbytes: float, *, algorithm: str = "p2p",
+                 p: int = 2, messages: int = 1, deps=(), label: str | None = None) -> Event:
+        """A communication event on ``link`` whose time is the cost model's time of
+        ``algorithm`` (:func:`transfer_parts`); starts when ``deps`` are done."""
+        if self.cost is None:
+            raise ValueError("Timeline.transfer needs a cost model: Timeline(cost=run.cost), or "
+                             "use transfer_seconds(phase, link, latency_s, bandwidth_s)")
+        lat, work = transfer_parts(self.cost, algorithm, nbytes, link, p=p, messages=messages)
+        return self.transfer_seconds(phase, link, lat, work, deps=deps, label=label,
+                                     nbytes=nbytes)
+
+    def collective(self, comm, phase: str, nbytes: float, *, algorithm: str = "allreduce",
+                   deps=(), label: str | None = None) -> Event:
+        """:meth:`transfer` for a collective on ``comm`` (a :class:`substrate.comm.Comm`, used
+        duck-typed: its ``size`` and its ring's slowest link class ``slowest``), booked the way
+        the ledger books the same call."""
+        return self.transfer(phase, comm.slowest, nbytes, algorithm=algorithm, p=comm.size,
+                             deps=deps, label=label)
+
+    def transfer_seconds(self, phase: str, link: str, latency_s: float, bandwidth_s: float, *,
+                         deps=(), label: str | None = None, nbytes: float = 0.0) -> Event:
+        """A communication event with explicit latency part ``L`` and bandwidth part ``W``
+        (seconds at the full rate of ``link``)."""
+        if not isinstance(phase, str) or not phase:
+            raise ValueError(f"every transfer needs a non-empty phase label, got {phase!r}")
+        if link not in LINKS:
+            raise ValueError(f"transfer {phase!r}: unknown link class {link!r}; use one of "
+                             f"{LINKS}")
+        lat = _check_seconds(f"transfer {phase!r}: latency_s", latency_s)
+        work = _check_seconds(f"transfer {phase!r}: bandwidth_s", bandwidth_s)
+        label = label or phase
+        return self._add(label=label, kind="transfer", resource=link,
+                         deps=self._deps(deps, label), latency_s=lat, work_s=work, phase=phase,
+                         nbytes=float(nbytes))
+
+    def join(self, label: str, deps=()) -> Event:
+        """A zero-duration marker done when every event in ``deps`` is."""
+        return self._add(label=label, kind="join", resource="none", deps=self._deps(deps, label))
+
+    @property
+    def open_events(self) -> list[Event]:
+        """Events declared since the last :meth:`step`."""
+        return list(self._events)
+
+    def declared_comm_s(self) -> dict:
+        """Σ standalone transfer time per phase in the open step."""
+        out: dict[str, float] = {}
+        for e in self._events:
+            if e.kind == "transfer":
+                out[e.phase] = out.get(e.phase, 0.0) + e.standalone_s
+        return out
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def schedule(self) -> StepTiming:
+        """Schedule the open step (sets every event's ``start``/``finish``) without closing it."""
+        if self._cache is not None and self._cache[0] == len(self._events):
+            return self._cache[1]
+        timing = _simulate(self._events, self.keep_events)
+        self._cache = (len(self._events), timing)
+        return timing
+
+    def step(self) -> StepTiming:
+        """Schedule and close the open step; later events start a new step at time 0."""
+        timing = self.schedule()
+        self.steps += 1
+        for k in self.totals:
+            self.totals[k] += getattr(timing, k)
+        self.history.append(timing)
+        self._events = []
+        self._token = object()
+        self._cache = None
+        return timing
+
+    @property
+    def sim_s(self) -> float:
+        """Σ step times of the closed steps plus the open step's critical path."""
+        return self.totals["step_s"] + (self.schedule().step_s if self._events else 0.0)
+
+
+def _simulate(events: list[Event], keep: bool) -> StepTiming:
+    """Event-driven schedule of one step (see the module docstring for the rules)."""
+    n = len(events)
+    waiting = [len(e.deps) for e in events]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for e in events:
+        for d in e.deps:
+            dependents[d.index].append(e.index)
+    queues = {s: deque(e.index for e in events if e.kind == "compute" and e.resource == s)
+              for s in STREAMS}
+    running: dict[str, tuple[int, float]] = {}          # stream -> (event, end)
+    latency: dict[int, float] = {}                      # transfer in latency part -> its end
+    sharing: dict[str, dict[int, float]] = {link: {} for link in LINKS}  # remaining W
+    ready: list[int] = []
+    done = 0
+    t = 0.0
+
+    def finish(i: int) -> None:
+        nonlocal done
+        events[i].finish = t
+        done += 1
+        for j in dependents[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+
+    for e in events:
+        e.start = e.finish = math.nan
+        if not e.deps:
+            ready.append(e.index)
+
+    while True:
+        # start everything that can start at t (zero-length events finish at once)
+        progress = True
+        while progress:
+            progress = False
+            while ready:
+                i = ready.pop()
+                e = events[i]
+                if e.kind == "compute":
+                    continue                     # started from its stream queue below
+                e.start = t
+                if e.kind == "join":
+                    finish(i)
+                elif e.latency_s > 0:
+                    latency[i] = t + e.latency_s
+                elif e.work_s > 0:
+                    sharing[e.resource][i] = e.work_s
+                else:
+                    finish(i)
+                progress = True
+            for s, q in queues.items():
+                while s not in running and q and waiting[q[0]] == 0:
+                    i = q.popleft()
+                    events[i].start = t
+                    if events[i].seconds > 0:
+                        running[s] = (i, t + events[i].seconds)
+                    else:
+                        finish(i)
+                    progress = True
+        if done == n:
+            break
+        # the next moment something ends
+        t_next = math.inf
+        for _, end in running.values():
+            t_next = min(t_next, end)
+        for end in latency.values():
+            t_next = min(t_next, end)
+        for active in sharing.values():
+            if active:
+                t_next = min(t_next, t + min(active.values()) * len(active))
+        if t_next == math.inf:           # cannot happen: deps only point backwards
+            raise RuntimeError("timeline deadlock: events waiting with nothing running")
+        dt = t_next - t
+        for active in sharing.values():
+            k = len(active)
+            for i in active:
+                active[i] -= dt / k
+        t = t_next
+        tol = _TOL * max(1.0, t)
+        for s, (i, end) in list(running.items()):
+            if end <= t + tol:
+                del running[s]
+                finish(i)
+        for i, end in list(latency.items()):
+            if end <= t + tol:
+                del latency[i]
+                if events[i].work_s > 0:
+                    sharing[events[i].resource][i] = events[i].work_s
+                else:
+                    finish(i)
+        for active in sharing.values():
+            for i, rem in list(active.items()):
+                if rem <= tol:
+                    del active[i]
+                    finish(i)
+
+    step_s = max((e.finish for e in events), default=0.0)
+    compute = [(e.start, e.finish) for e in events if e.kind == "compute"
+               and e.resource == "compute"]
+    comm = {link: [(e.start, e.finish) for e in events if e.kind == "transfer"
+                   and e.resource == link and e.finish > e.start] for link in LINKS}
+    all_comm = comm[INTRA] + comm[INTER]
+    exposed = _union_length(all_comm) - _intersection_length(all_comm, compute)
+    compute_s = sum((e.seconds for e in events if e.kind == "compute"
+                     and e.resource == "compute"), 0.0)
+    offload_s = sum((e.seconds for e in events if e.kind == "compute"
+                     and e.resource == "offload"), 0.0)
+    comm_s = sum((e.standalone_s for e in events if e.kind == "transfer"), 0.0)
+    records = tuple(EventRecord(e.label, e.kind, e.resource, e.start, e.finish, e.phase)
+                    for e in events) if keep else ()
+    return StepTiming(step_s=step_s, compute_s=compute_s, offload_s=offload_s, comm_s=comm_s,
+                      comm_busy_s={link: _union_length(v) for link, v in comm.items()},
+                      exposed_comm_s=max(0.0, exposed),
+                      no_overlap_s=compute_s + offload_s + comm_s, events=records)
+
+
+# -- compute sources -------------------------------------------------------------------------------
+
+def blas_threads() -> int | None:
+    """Largest thread count of the BLAS/OpenMP pools loaded in this process (threadpoolctl), or
+    ``None`` when it cannot be read."""
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+    except ImportError:
+        return None
+    info = threadpool_info()
+    return max((int(p.get("num_threads", 1)) for p in info), default=1)
+
+
+class ComputeSource:
+    """How long a compute block takes.  ``with src.measure(flops=F, nbytes=B) as m: ...`` runs the
+    block and sets ``m.seconds``."""
+
+    name = "base"
+
+    class Measurement:
+        __slots__ = ("seconds",)
+
+        def __init__(self) -> None:
+            self.seconds = 0.0
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        m = self.Measurement()
+        t0 = self._now()
+        try:
+            yield m
+        finally:
+            m.seconds = max(0.0, self._now() - t0)
+
+    def _now(self) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+class WallSource(ComputeSource):
+    """Wall time (``time.perf_counter``), synchronizing the device first when ``sync`` is given.
+    Grows with the host's load: the old clock's source."""
+
+    name = "wall"
+
+    def __init__(self, sync=None) -> None:
+        self._sync = sync
+
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+
+class CpuTimeSource(ComputeSource):
+    """CPU time (see the module docstring).
+
+    Parameters
+    ----------
+    mode : {"auto", "thread", "process"}
+        ``thread``: ``time.thread_time_ns`` of the measuring thread; ``process``:
+        ``time.process_time_ns`` (all threads of the process); ``auto``: ``thread`` when the
+        BLAS/OpenMP pools have one thread, else ``process``.
+    """
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in ("auto", "thread", "process"):
+            raise ValueError(f"CPU-time mode must be auto, thread or process, got {mode!r}")
+        self.blas_threads = blas_threads()
+        if mode == "auto":
+            mode = "thread" if (self.blas_threads or 1) <= 1 else "process"
+        self.mode = mode
+        self.name = f"cpu_{mode}"
+        self._clock = time.thread_time_ns if mode == "thread" else time.process_time_ns
+
+    def _now(self) -> float:
+        return self._clock() * 1e-9
+
+    def describe(self) -> str:
+        return f"{self.name} (blas_threads={self.blas_threads})"
+
+
+class CudaEventSource(ComputeSource):
+    """GPU time of the block's kernels from two CUDA events on the current CuPy stream
+    (``cupy.cuda.get_elapsed_time``); the host waits for the end event."""
+
+    name = "cuda_events"
+
+    def __init__(self) -> None:
+        import cupy  # noqa: PLC0415
+
+        self._cp = cupy
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        cp = self._cp
+        m = self.Measurement()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        try:
+            yield m
+        finally:
+            end.record()
+            end.synchronize()
+            m.seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+
+
+class FlopSource(ComputeSource):
+    """Roofline time from FLOP (and byte) counts: ``max(flops / (device_tflops 1e12),
+    nbytes / (device_gbs 1e9))``; blocks without a FLOP count are measured by ``fallback``
+    (default :class:`CpuTimeSource`) and summed in :attr:`fallback_s`."""
+
+    def __init__(self, device_tflops: float, device_gbs: float | None = None,
+                 fallback: ComputeSource | None = None) -> None:
+        if not (isinstance(device_tflops, (int, float)) and math.isfinite(device_tflops)
+                and device_tflops > 0):
+            raise ValueError(f"--device-tflops must be a finite number > 0, got {device_tflops!r}")
+        if device_gbs is not None and not (math.isfinite(device_gbs) and device_gbs > 0):
+            raise ValueError(f"--device-gbs must be a finite number > 0, got {device_gbs!r}")
+        self.device_tflops = float(device_tflops)
+        self.device_gbs = None if device_gbs is None else float(device_gbs)
+        self.fallback = fallback or CpuTimeSource()
+        self.fallback_s = 0.0
+        self.fallback_blocks = 0
+        self.name = "flops"
+
+    def seconds(self, flops: float, nbytes: float | None = None) -> float:
+        s = float(flops) / (self.device_tflops * 1e12)
+        if nbytes is not None and self.device_gbs is not None:
+            s = max(s, float(nbytes) / (self.device_gbs * 1e9))
+        return s
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        if flops is None:
+            with self.fallback.measure() as m:
+                yield m
+            self.fallback_s += m.seconds
+            self.fallback_blocks += 1
+            return
+        m = self.Measurement()
+        yield m
+        m.seconds = self.seconds(flops, nbytes)
+
+    def describe(self) -> str:
+        mem = "" if self.device_gbs is None else f", {self.device_gbs:g} GB/s"
+        return (f"flops ({self.device_tflops:g} TFLOP/s{mem}); blocks without a FLOP count: "
+                f"{self.fallback.describe()}, {self.fallback_blocks} blocks, "
+                f"{self.fallback_s:.6g} s")
+
+
+#: Names :func:`make_source` accepts (the ``--compute-source`` choices).
+SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops")
+
+
+class CalibratedSource(ComputeSource):
+    """Per-event cost calibrated from the run itself: the first ``samples`` blocks with the same
+    ``label`` are measured by ``base`` (default :class:`CpuTimeSource`) and every block of that
+    label then costs the least of them (the quiet profiling pass of issue 12, taken in place).
+    The minimum drops warm-up (first-call allocation, page faults) and interference bursts;
+    blocks without a label are measured every time."""
+
+    def __init__(self, base: ComputeSource | None = None, samples: int = 5) -> None:
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"calibration samples must be an integer >= 1, got {samples!r}")
+        self.base = base or CpuTimeSource()
+        self.samples = samples
+        self._seen: dict[str, list[float]] = {}
+        self.name = f"calibrated_{self.base.name}"
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        seen = self._seen.get(label) if label is not None else None
+        if seen is not None and len(seen) >= self.samples:
+            m = self.Measurement()
+            yield m
+            m.seconds = min(seen)
+            return
+        with self.base.measure(flops, nbytes, label) as m:
+            yield m
+        if label is not None:
+            self._seen.setdefault(label, []).append(m.seconds)
+            m.seconds = min(self._seen[label])
+
+    def describe(self) -> str:
+        return (f"calibrated: least of the first {self.samples} measurements per event by "
+                f"{self.base.describe()}; {len(self._seen)} events")
+
+
+def make_source(name: str, *, sync=None, gpu: bool = False, device_tflops: float | None = None,
+                device_gbs: float | None = None) -> ComputeSource:
+    """Build a source by name: ``auto`` (``cuda`` when ``gpu``, else ``cpu``), ``wall``,
+    ``cpu`` (thread or process CPU time, see :class:`CpuTimeSource`), ``cpu_thread``,
+    ``cpu_process``, ``calibrated`` (:class:`CalibratedSource` over ``cpu``, or ``cuda`` on a
+    GPU), ``cuda``, ``flops`` (needs ``device_tflops``)."""
+    if name == "auto":
+        name = "cuda" if gpu else "cpu"
+    if name == "wall":
+        return WallSource(sync)
+    if name in ("cpu", "cpu_thread", "cpu_process"):
+        return CpuTimeSource({"cpu": "auto", "cpu_thread": "thread",
+                              "cpu_process": "process"}[name])
+    if name == "calibrated":
+        return CalibratedSource(CudaEventSource() if gpu else CpuTimeSource())
+    if name == "cuda":
+        return CudaEventSource()
+    if name == "flops":
+        if device_tflops is None:
+            raise ValueError("--compute-source flops needs --device-tflops (peak TFLOP/s of the "
+                             "modeled device, e.g. 15.7 for a V100)")
+        return FlopSource(device_tflops, device_gbs)
+    raise ValueError(f"unknown compute source {name!r}; use one of {SOURCES}")
+
+
+# -- per-layer events from a model -----------------------------------------------------------------
+
+class LayerEvents:
+    """Recorder for :attr:`models.network.Model.recorder`: turns the model's per-layer forward
+    and backward (and its loss) into compute events of ``timeline`` timed by ``source``, and
+    remembers after which backward event each flat-parameter range is ready.
+
+    The model calls ``layer(phase, name, flops, nbytes)`` (a context manager around the unit's
+    computation) and ``grads_ready(name, lo, hi)`` (after the backward of a unit whose
+    parameters are ``flat[lo:hi]``).  Strategies ask :meth:`ready_event` for the dependency of a
+    bucket.
+    """
+
+    def __init__(self, timeline: Timeline, source: ComputeSource) -> None:
+        self.timeline = timeline
+        self.source = source
+        self.recorded_s = 0.0            # Σ seconds of events recorded (for residuals)
+        self._ranges: list[tuple[int, int, Event]] = []
+        self._token = None
+        self._last: Event | None = None
+
+    def _sync_step(self) -> None:
+        if self._token is not self.timeline._token:
+            self._token = self.timeline._token
+            self._ranges = []
+            self._last = None
+
+    @contextmanager
+    def layer(self, phase: str, name: str, flops: float | None = None,
+              nbytes: float | None = None):
+        self._sync_step()
+        label = f"{phase}:{name}"
+        with self.source.measure(flops, nbytes, label) as m:
+            yield m
+        self._last = self.timeline.compute(label, m.seconds)
+        self.recorded_s += m.seconds
+
+    def grads_ready(self, name: str, lo: int, hi: int) -> None:
+        self._sync_step()
+        if self._last is None:
+            raise ValueError(f"grads_ready({name!r}) before any backward event of this step")
+        if hi > lo:
+            self._ranges.append((int(lo), int(hi), self._last))
+
+    @property
+    def last(self) -> Event | None:
+        """The last layer event of the open step (e.g. the end of the backward)."""
+        self._sync_step()
+        return self._last
+
+    def ready_event(self, lo: int, hi: int) -> Event:
+        """The backward event after which every gradient in ``flat[lo:hi]`` is written."""
+        self._sync_step()
+        if not 0 <= lo < hi:
+            raise ValueError(f"ready_event: need 0 <= lo < hi, got [{lo}, {hi})")
+        covering = [(a, b, e) for a, b, e in self._ranges if a < hi and b > lo]
+        covered = sum(min(b, hi) - max(a, lo) for a, b, _ in covering)
+        if covered < hi - lo:
+            raise ValueError(f"ready_event: flat[{lo}:{hi}] is not covered by the gradients "
+                             f"reported this step ({covered} of {hi - lo} elements); run the "
+                             "backward with model.recorder set before declaring the transfer")
+        return max((e for _, _, e in covering), key=lambda e: e.index)
