@@ -40,26 +40,25 @@ import numpy as np
 from mpi4py import MPI
 
 from bench.bench_collectives import _median_time
-from hsadmm.projection import parse_sparsity, structured_mask
+from hsadmm.config import HSADMMConfig
 from hsadmm.shrink import ShrinkPlan
 from hsadmm.solver import HSADMM
-from hsadmm.train import HSADMMConfig
 from models import build_model, get_spec, load_digits, shard
-from substrate import start_run
+from substrate import Topology, start_run
 
 OVERHEAD = ("projection", "mask_sync", "plan_build", "shrink", "expand")
 
 
 def _run(model: str, sparsity: str, iters: int, reps: int, ranks_per_node: int | None) -> dict:
     """Train ``iters`` iterations with per-phase timers; returns rank 0's per-iteration means."""
-    cfg = HSADMMConfig(model=model, sparsity=sparsity, iters=iters, freeze_iter=iters // 2)
+    cfg = HSADMMConfig(sparsity=sparsity, freeze_iter=iters // 2)
     out = Path(tempfile.gettempdir()) / "spardist_bench_hsadmm"
     args = Namespace(out=str(out), seed=0, device="cpu", ranks_per_node=ranks_per_node,
                      intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="hsadmm", method="bench", config=cfg)
     data = load_digits()
-    train = shard(data.train, run.rank, run.size, seed=cfg.seed)
-    net = build_model(model, data.train.input_shape, 10, seed=cfg.seed)
+    train = shard(data.train, run.rank, run.size, seed=0)
+    net = build_model(model, data.train.input_shape, 10, seed=0)
     solver = HSADMM(run, cfg, net, train)
     per_iter = []
     for k in range(iters):
@@ -86,17 +85,10 @@ def _run(model: str, sparsity: str, iters: int, reps: int, ranks_per_node: int |
 
 
 def keep_rate_plan(spec_or_model, sparsity: str, keep: float = 0.5) -> ShrinkPlan:
-    """Shrink plan of every tensor with conv masks from keep rates alone (ties keep the lowest
-    indices), as a trained mask of the same keep rates would have; no buffer is touched."""
-    layout = spec_or_model.layout
-    kinds = parse_sparsity(sparsity)
-    shapes, masks = [], []
-    for n in layout.names:
-        shape = layout.shape(n)
-        shapes.append(shape)
-        masks.append(structured_mask(np.ones(shape, np.float32), kinds, keep)
-                     if layout.kind(n) == "conv" else None)
-    return ShrinkPlan(shapes, masks)
+    """The solver's shrink plan for conv masks from keep rates alone
+    (:meth:`ShrinkPlan.from_keep_rates`, as ``commvol predict`` builds it)."""
+    return ShrinkPlan.from_keep_rates(spec_or_model.layout,
+                                      HSADMMConfig(keep=keep, sparsity=sparsity))
 
 
 def main(argv=None) -> None:
@@ -154,8 +146,6 @@ def main(argv=None) -> None:
                   f"{fc.ratio:.3f} | shapes + keep rates |")
 
     # (c) bucketed vs per-layer inter-node all-reduce of the ResNet-18 compact buffer ----------
-    from substrate import Topology  # noqa: PLC0415
-
     topo = Topology.from_comm(world, ranks_per_node=args.ranks_per_node)
     plan = keep_rate_plan(get_spec("resnet18"), "channel")
     plan.buffer[...] = 1.0

@@ -1,32 +1,17 @@
-"""commvol — closed-form communication volumes, per-system predictions and run reports.
+"""commvol — the top layer: the registry of per-system predictions and the report commands.
 
-* closed forms used by the systems for their ``summary.json`` ``predicted`` blocks:
-  :mod:`commvol.hsadmm`, :mod:`commvol.dataparallel` (and the other systems' modules);
-* :mod:`commvol.systems`: the registry ``SYSTEMS`` of per-system models
-  ``predict(spec, nodes, gpus_per_node, options) -> Prediction`` (bytes per link class,
-  messages, α–β time);
-* ``python -m commvol predict | partition-table | scale | report`` (:mod:`commvol.predict`,
-  :mod:`commvol.partition_table`, :mod:`commvol.scale`, :mod:`commvol.report`).
+* :mod:`commvol.systems`: the registry ``SYSTEMS``; one glue module per system turns the
+  system's own plan (built by ``hsadmm``, ``dataparallel``, ``sparse_sgd``/``partition``) into a
+  :class:`commvol.systems.Prediction` (bytes per link class, messages, α–β time);
+* ``python -m commvol predict | partition-table | scale | report`` and ``python -m
+  commvol.compare`` (:mod:`commvol.predict`, :mod:`commvol.partition_table`,
+  :mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.compare`).
 
-The package imports nothing eagerly (``dataparallel`` imports :mod:`commvol.dataparallel`, and
-:mod:`commvol.systems` imports ``dataparallel``); ``comparison_table``, ``predict`` and
-``SYSTEMS`` are loaded on first use.
+The closed forms the plans are checked against live below every system, in :mod:`volume`.
 """
 
+from . import predict
+from .report import comparison_table
+from .systems import SYSTEMS
+
 __all__ = ["comparison_table", "predict", "SYSTEMS"]
-
-
-def __getattr__(name):
-    if name == "comparison_table":
-        from .report import comparison_table
-
-        return comparison_table
-    if name == "SYSTEMS":
-        from .systems import SYSTEMS
-
-        return SYSTEMS
-    if name == "predict":
-        import importlib
-
-        return importlib.import_module(".predict", __name__)
-    raise AttributeError(f"module 'commvol' has no attribute {name!r}")

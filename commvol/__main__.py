@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from substrate.cli import main_guard
+
+from . import partition_table, predict, report, scale
+
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import partition_table, predict, report, scale  # noqa: PLC0415
-
     p = argparse.ArgumentParser(prog="python -m commvol",
                                 description="closed-form communication volumes, the H-SGD "
                                             "partition table, strong scaling and run reports")
@@ -30,6 +32,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from substrate.cli import main_guard  # noqa: PLC0415
-
     sys.exit(main_guard(main)())

@@ -18,23 +18,28 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+import dataparallel.train as dp_train
+import hsadmm.train as admm_train
+from substrate.cli import CommonConfig, add_common_args, main_guard
+from substrate.options import flag_of
+
+from .report import comparison_table
+
 __all__ = ["SYSTEM_RUNS", "main"]
 
 
-def _hsadmm(method):
+def _runner(trainer, method):
     def run(argv):
-        from hsadmm.train import build_parser, train  # noqa: PLC0415
-
-        return train(build_parser().parse_args(["--method", method, *argv]))
+        return trainer.train(trainer.build_parser().parse_args(["--method", method, *argv]))
     return run
+
+
+def _hsadmm(method):
+    return _runner(admm_train, method)
 
 
 def _dataparallel(method):
-    def run(argv):
-        from dataparallel.train import build_parser, train  # noqa: PLC0415
-
-        return train(build_parser().parse_args(["--method", method, *argv]))
-    return run
+    return _runner(dp_train, method)
 
 
 #: method name -> runner taking the shared argv (``--out``, ``--ranks-per-node``, ...)
@@ -45,19 +50,12 @@ SYSTEM_RUNS = {"hsadmm": _hsadmm("hsadmm"), "flat-admm": _hsadmm("flat-admm"),
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commvol.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("results") / "headline",
-                   help="one sub-directory per method (default %(default)s)")
     p.add_argument("--methods", nargs="+", default=list(SYSTEM_RUNS),
                    help=f"subset of {list(SYSTEM_RUNS)} (default: all)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="R")
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy for the simulated time-to-accuracy column")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace finished runs in OUT/<method> (otherwise a second comparison "
-                        "into the same OUT stops before any work)")
-    p.add_argument("--collectives", choices=("exact", "native"), default=None,
-                   help="collectives mode of every run (default: $SPARDIST_COLLECTIVES or exact)")
+    add_common_args(p)
+    p.set_defaults(out=Path("results") / "headline")
     return p
 
 
@@ -67,13 +65,15 @@ def main(argv=None) -> int:
     if unknown:
         raise ValueError(f"--methods {unknown} unknown; valid: {list(SYSTEM_RUNS)}")
     rank = MPI.COMM_WORLD.Get_rank()
-    shared = ["--seed", str(args.seed)]
-    if args.ranks_per_node is not None:
-        shared += ["--ranks-per-node", str(args.ranks_per_node)]
-    if args.overwrite:
-        shared.append("--overwrite")
-    if args.collectives is not None:
-        shared += ["--collectives", args.collectives]
+    # every shared option (seed, topology, collectives, device, cost model, --overwrite) is
+    # handed to each run as given; --out becomes OUT/<method>
+    shared = []
+    for f in CommonConfig.__dataclass_fields__.values():
+        value = getattr(args, f.name)
+        if f.name == "out" or value is None or value == f.default:
+            continue
+        flag = flag_of(CommonConfig, f.name)
+        shared += [flag] if isinstance(value, bool) else [flag, str(value)]
     dirs = []
     for method in args.methods:
         t0 = time.perf_counter()
@@ -84,13 +84,9 @@ def main(argv=None) -> int:
             print(f"spardist: {method} done in {time.perf_counter() - t0:.1f} s -> {out}",
                   flush=True)
     if rank == 0:
-        from .report import comparison_table  # noqa: PLC0415
-
         print(comparison_table(dirs, target=args.target))
     return 0
 
 
 if __name__ == "__main__":
-    from substrate.cli import main_guard  # noqa: PLC0415
-
     sys.exit(main_guard(main)())

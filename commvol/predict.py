@@ -19,65 +19,29 @@ links of a class.  ``payload`` is what one sender contributes to the main exchan
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from pathlib import Path
 
-from models import MODELS, SPECS, build_model, get_spec
 from substrate import costmodel as cm
+from substrate.cli import CommonConfig, add_cost_args
 from substrate.costmodel import CostModel
+from substrate.options import add_dataclass_args, flag_of, from_args
 
+from .hsgd import RadixNetSpec
+from .specs import DATASET_SHAPES, MODEL_ALIASES, model_names, resolve_model
 from .systems import SYSTEMS, Prediction, get_system
 
 __all__ = ["MODEL_ALIASES", "DATASET_SHAPES", "model_names", "resolve_model", "resolve_spec",
            "predict", "format_prediction", "add_cost_args", "cost_from_args", "add_parser",
            "run", "fmt_bytes"]
 
-#: other spellings of the spec names
-MODEL_ALIASES = {"wrn50_2": "wide_resnet50_2", "wrn-50-2": "wide_resnet50_2",
-                 "wideresnet50_2": "wide_resnet50_2", "resnet-18": "resnet18",
-                 "resnet-152": "resnet152"}
-
-#: ``(input_shape, num_classes)`` of the trainers' datasets (checked against
-#: :func:`models.load_dataset` in the tests)
-DATASET_SHAPES = {"digits": ((1, 8, 8), 10), "synthetic": ((1, 8, 8), 10),
-                  "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
-
-
-def model_names() -> list[str]:
-    """Every valid ``--model`` name."""
-    return sorted(set(SPECS) | set(MODEL_ALIASES) | set(MODELS))
-
-
-def resolve_model(name: str, dataset: str = "digits"):
-    """Shape-only :class:`models.ModelSpec` of ``name``.
-
-    Spec names (``resnet18``, ``resnet152``, ``wide_resnet50_2`` and aliases) have CIFAR-10
-    shapes; trainable models (``cnn``, ``resnet``, ``mlp``) are built with their trainer defaults
-    for ``dataset``'s input shape (so the layout is the one a run uses).
-
-    Raises
-    ------
-    ValueError
-        For an unknown model or dataset name (the message lists the valid ones).
-    """
-    canon = MODEL_ALIASES.get(name, name)
-    if canon in SPECS:
-        return get_spec(canon)
-    if name in MODELS:
-        if dataset not in DATASET_SHAPES:
-            raise ValueError(f"unknown --dataset {dataset!r}; valid: {sorted(DATASET_SHAPES)}")
-        shape, classes = DATASET_SHAPES[dataset]
-        return build_model(name, shape, classes).spec()
-    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
-
-
 def resolve_spec(system: str, model: str | None = None, *, dataset: str = "digits",
                  neurons: int = 1024, layers: int = 12, seed: int = 0):
     """The spec a system's ``predict`` takes: a model spec, or a RadiX-Net for sparse SGD."""
     sm = get_system(system)
     if sm.spec_kind == "radixnet":
-        from .hsgd import RadixNetSpec  # noqa: PLC0415
-
         return RadixNetSpec(int(neurons), int(layers), seed=int(seed))
     if model is None:
         raise ValueError(f"--system {system} needs --model (one of {', '.join(model_names())})")
@@ -99,7 +63,7 @@ def predict(system: str, model: str | None = None, *, nodes: int, gpus_per_node:
         For unknown system/model names or options (the message lists the valid ones).
     """
     sm = get_system(system)
-    fields = set(sm.Options.__dataclass_fields__)
+    fields = sm.fields()
     bad = sorted(set(options) - fields)
     if bad:
         raise ValueError(f"--system {system} has no option(s) {bad}; its options are "
@@ -109,7 +73,7 @@ def predict(system: str, model: str | None = None, *, nodes: int, gpus_per_node:
     if spec is None:
         spec = resolve_spec(system, model, dataset=dataset, neurons=neurons, layers=layers,
                             seed=seed)
-    return sm.predict(spec, nodes, gpus_per_node, sm.Options(**options), cost)
+    return sm(spec, nodes, gpus_per_node, options, cost)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,42 +157,43 @@ def format_prediction(pred: Prediction, iters: int, baseline: Prediction | None 
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
-def add_cost_args(p) -> None:
-    """The cost-model flags of every spardist command (``--intra-bw`` ... ``--inter-lat``), taken
-    from :func:`substrate.cli.add_common_args` so names, units and defaults stay one."""
-    import argparse  # noqa: PLC0415
-
-    from substrate.cli import add_common_args  # noqa: PLC0415
-
-    scratch = add_common_args(argparse.ArgumentParser(add_help=False))
-    group = p.add_argument_group("cost model (alpha-beta per link class)")
-    for action in scratch._actions:
-        if action.dest in _COST_FIELDS:
-            group._add_action(action)
-
-
-_COST_FIELDS = ("intra_bw", "inter_bw", "intra_lat", "inter_lat")
-
-
 def cost_from_args(args) -> CostModel:
     """:class:`CostModel` from the parsed cost flags (Gbit/s and microseconds)."""
-    from substrate.cli import CommonConfig  # noqa: PLC0415
-
-    return CommonConfig(**{f: getattr(args, f) for f in _COST_FIELDS}).cost_model()
+    return from_args(CommonConfig, args).cost_model()
 
 
-def add_system_option_args(p) -> None:
-    """One flag per field of every registered system's options (shared fields share a flag)."""
-    from dataparallel.strategy import add_options_args  # noqa: PLC0415
-
-    for name, sm in sorted(SYSTEMS.items()):
-        add_options_args(p, sm.Options, f"--system {name}")
+def add_system_option_args(p, exclude=()) -> None:
+    """One flag per field of every registered system's options (shared fields share a flag);
+    ``exclude``: fields the command declares itself."""
+    classes = [(name, cls, suffix) for name, sm in sorted(SYSTEMS.items())
+               for cls, suffix in ((sm.Options, ""), (sm.Assumptions, " (prediction assumptions)"))
+               if cls is not None]
+    # an option two systems declare with different defaults (e.g. --batch-size of a data-parallel
+    # strategy and of the ADMM solver) is one flag whose default is each system's own
+    defaults: dict[str, set] = {}
+    for _, cls, _ in classes:
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli", True):
+                defaults.setdefault(f.name, set()).add(repr(f.default))
+    clashing = sorted(n for n, d in defaults.items() if len(d) > 1 and n not in exclude)
+    if clashing:
+        g = p.add_argument_group("options whose default depends on --system")
+        for name in clashing:
+            cls = next(c for _, c, _ in classes if name in c.__dataclass_fields__)
+            f = cls.__dataclass_fields__[name]
+            g.add_argument(flag_of(cls, name), dest=name, default=None,
+                           type=f.metadata.get("type", type(f.default) if f.default is not None
+                                               else str),
+                           help=f"{f.metadata.get('help', '')} (default: the system's own)")
+    for name, cls, suffix in classes:
+        add_dataclass_args(p, cls, f"--system {name}{suffix}", exclude=(*clashing, *exclude))
 
 
 def system_options(system: str, args) -> dict:
     """The options of ``system`` from parsed arguments, as keyword arguments."""
     sm = get_system(system)
-    return {f: getattr(args, f) for f in sm.Options.__dataclass_fields__ if hasattr(args, f)}
+    return {f: getattr(args, f) for f in sorted(sm.fields())
+            if hasattr(args, f) and getattr(args, f) is not None}
 
 
 def _options_beside(kw: dict, system: str, args) -> dict:
@@ -269,8 +234,6 @@ def add_parser(sub) -> None:
 
 
 def _raw():
-    import argparse  # noqa: PLC0415
-
     return argparse.RawDescriptionHelpFormatter
 
 

@@ -19,10 +19,14 @@ by phase), ``residuals.png`` (Figs. 10/11: per-layer ``r_intra``/``r_inter`` of 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from .predict import fmt_bytes
+from .specs import resolve_model
 
 __all__ = ["RunData", "load_run", "time_to_target", "comparison_table", "write_plots",
            "plot_payload", "plot_accuracy_vs_bytes", "plot_comm_breakdown", "plot_residuals",
@@ -154,8 +158,6 @@ def _matches(r: RunData) -> str:
 
 
 def _gb(n) -> str:
-    from .predict import fmt_bytes  # noqa: PLC0415
-
     return fmt_bytes(n)
 
 
@@ -309,8 +311,6 @@ def plot_comm_breakdown(runs, path) -> Path:
 def _layer_names(r: RunData, n: int) -> list[str]:
     cfg = r.summary.get("config", {})
     try:
-        from .predict import resolve_model  # noqa: PLC0415
-
         names = list(resolve_model(cfg["model"], cfg.get("dataset", "digits")).layout.names)
         if len(names) == n:
             return names
@@ -387,8 +387,6 @@ def write_plots(run_dirs, out_dir, scaling=None) -> list[Path]:
 
 
 def add_parser(sub) -> None:
-    import argparse  # noqa: PLC0415
-
     p = sub.add_parser("report", help="comparison table and plots of finished runs",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,40 +24,28 @@ is not modeled (PruneX attributes part of Top-K's poor scaling to it).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .predict import (DATASET_SHAPES, MODEL_ALIASES, add_cost_args, add_model_args,
-                      add_system_option_args, cost_from_args, resolve_model, system_options)
+from substrate.backend import get_backend
+
+from .predict import (
+    add_cost_args,
+    add_model_args,
+    add_system_option_args,
+    cost_from_args,
+    resolve_model,
+    system_options,
+)
+from .specs import SPEC_ARCH, build_trainable
 from .systems import get_system
 
 __all__ = ["SPEC_ARCH", "build_trainable", "measure_compute_s_per_sample", "strong_scaling",
            "format_scaling", "add_parser", "run"]
-
-#: architecture arguments of :func:`models.resnet` that build the models of :mod:`models.specs`
-#: (the tests check the parameter counts against the specs)
-SPEC_ARCH = {
-    "resnet18": {"block": "basic", "depths": (2, 2, 2, 2), "planes": (64, 128, 256, 512)},
-    "resnet152": {"block": "bottleneck", "depths": (3, 8, 36, 3), "planes": (64, 128, 256, 512)},
-    "wide_resnet50_2": {"block": "bottleneck", "depths": (3, 4, 6, 3),
-                        "planes": (64, 128, 256, 512), "base_width": 128},
-}
-
-
-def build_trainable(model: str, dataset: str = "digits", xp=np):
-    """A trainable :class:`models.Model` for ``model`` (spec names: CIFAR-10 shapes)."""
-    from models import build_model, resnet  # noqa: PLC0415
-
-    canon = MODEL_ALIASES.get(model, model)
-    if canon in SPEC_ARCH:
-        return resnet((3, 32, 32), 10, xp=xp, **SPEC_ARCH[canon])
-    resolve_model(model, dataset)  # validates the names
-    shape, classes = DATASET_SHAPES[dataset]
-    return build_model(model, shape, classes, xp=xp)
-
 
 def measure_compute_s_per_sample(model: str, dataset: str = "digits", *, batch: int = 4,
                                  reps: int = 2, device: str = "cpu") -> float:
@@ -65,8 +53,6 @@ def measure_compute_s_per_sample(model: str, dataset: str = "digits", *, batch: 
     ``loss_and_grad`` calls on a random batch of ``batch`` samples."""
     if batch < 1 or reps < 1:
         raise ValueError(f"--timing-batch and --timing-reps must be >= 1, got {batch}, {reps}")
-    from substrate.backend import get_backend  # noqa: PLC0415
-
     backend = get_backend(device)
     xp = backend.xp
     net = build_trainable(model, dataset, xp=xp)
@@ -108,14 +94,16 @@ def strong_scaling(system: str, spec, gpus, gpus_per_node: int, *, compute_s_per
     if not compute_s_per_sample >= 0 or dataset_size < 1 or batch_size < 1:
         raise ValueError("--compute-s-per-sample must be >= 0, --dataset-size and --batch-size "
                          ">= 1")
-    opts = sm.Options(**options)
+    if "batch_size" in sm.fields():
+        options = {**options, "batch_size": batch_size}
+    opts, assumptions = sm.split(options)
     rows = []
     for g in gpus:
         M = g // gpus_per_node
-        pred = sm.predict(spec, M, gpus_per_node, opts, cost)
+        pred = sm(spec, M, gpus_per_node, options, cost)
         it = pred.steady
         per_rank = dataset_size / g
-        units = sm.units_per_epoch(opts, per_rank, batch_size)
+        units = sm.units_per_epoch(opts, per_rank, batch_size, assumptions)
         compute = per_rank * compute_s_per_sample
         comm = units * it.time_s
         rows.append({"system": system, "gpus": g, "nodes": M, "iterations_per_epoch": units,
@@ -140,8 +128,6 @@ def format_scaling(table: dict[str, list[dict]]) -> str:
 
 
 def add_parser(sub) -> None:
-    import argparse  # noqa: PLC0415
-
     p = sub.add_parser("scale", help="strong-scaling speedup and efficiency (PruneX Fig. 9)",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,7 +152,7 @@ def add_parser(sub) -> None:
     g.add_argument("--timing-reps", type=int, default=2)
     p.add_argument("--out", type=Path, default=None,
                    help="write the rows as JSON (input of `report --scaling`)")
-    add_system_option_args(p)
+    add_system_option_args(p, exclude=("batch_size",))
     add_cost_args(p)
     p.set_defaults(func=run)
 

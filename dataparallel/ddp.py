@@ -4,20 +4,20 @@ The flat gradient (backward order) is cut once into contiguous buckets of whole 
 most ``--bucket-mib`` (:func:`substrate.comm.bucket_groups`); each bucket is averaged with one
 ring all-reduce over all ranks (``--allreduce ring``) or hierarchically (``--allreduce
 hierarchical``: SUM inside each node, leaders' all-reduce across nodes, broadcast inside the node,
-as Horovod/NCCL's two-level scheme).  Closed forms: :mod:`commvol.dataparallel`.
+as Horovod/NCCL's two-level scheme).  Closed forms: :mod:`volume.dataparallel`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-from commvol.dataparallel import ddp_step_bytes, hierarchical_step_bytes
 from substrate.comm import bucket_groups
+from substrate.options import option
+from volume.dataparallel import ddp_step_bytes, hierarchical_step_bytes
 
 from .strategy import Strategy, register
 
-__all__ = ["DDPOptions", "DDP", "flat_buckets"]
+__all__ = ["DDPOptions", "DDPPlan", "DDP", "flat_buckets"]
 
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical")
 
@@ -38,9 +38,8 @@ def flat_buckets(layout, bucket_bytes: int, itemsize: int) -> list[tuple[int, in
 class DDPOptions:
     """Options of dense DDP."""
 
-    bucket_mib: float = field(default=32.0, metadata={"help": "gradient bucket size in MiB"})
-    allreduce: str = field(default="ring", metadata={
-        "help": "all-reduce algorithm", "choices": ALLREDUCE_ALGORITHMS})
+    bucket_mib: float = option(32.0, "gradient bucket size in MiB")
+    allreduce: str = option("ring", "all-reduce algorithm", choices=ALLREDUCE_ALGORITHMS)
 
     def __post_init__(self) -> None:
         if not self.bucket_mib > 0:
@@ -48,6 +47,35 @@ class DDPOptions:
         if self.allreduce not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"--allreduce {self.allreduce!r} unknown; use one of "
                              f"{ALLREDUCE_ALGORITHMS}")
+
+
+@dataclass(frozen=True)
+class DDPPlan:
+    """The one plan of dense DDP: the gradient buckets and the all-reduce algorithm.
+
+    ``buckets`` are contiguous ``[a, b)`` element ranges of the flat gradient (backward order,
+    whole tensors, at most ``--bucket-mib`` each unless one tensor is larger); every step
+    all-reduces each bucket once.  Built without MPI from the layout alone, so the run
+    (:class:`DDP`) and the prediction (``commvol.systems.dataparallel``) execute the same plan.
+    """
+
+    buckets: tuple[tuple[int, int], ...]
+    allreduce: str
+    itemsize: int
+
+    @classmethod
+    def for_layout(cls, layout, options: DDPOptions, itemsize: int = 4) -> "DDPPlan":
+        buckets = flat_buckets(layout, int(options.bucket_mib * (1 << 20)), itemsize)
+        return cls(tuple(buckets), options.allreduce, int(itemsize))
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        return [b - a for a, b in self.buckets]
+
+    def step_bytes(self, M: int, P: int) -> dict[str, dict]:
+        """``{phase: {"intra", "inter"}}`` of one step on ``M`` nodes of ``P`` ranks."""
+        fn = ddp_step_bytes if self.allreduce == "ring" else hierarchical_step_bytes
+        return fn(M=M, P=P, bucket_sizes=self.bucket_sizes, itemsize=self.itemsize)
 
 
 @register
@@ -60,28 +88,42 @@ class DDP(Strategy):
     def __init__(self, ctx, options: DDPOptions) -> None:
         super().__init__(ctx, options)
         self.itemsize = ctx.model.grads.flat.dtype.itemsize
-        self.buckets = flat_buckets(self.layout, int(options.bucket_mib * (1 << 20)),
-                                    self.itemsize)
+        self.plan = DDPPlan.for_layout(self.layout, options, self.itemsize)
+        self.buckets = self.plan.buckets
 
     def sync(self, state, buffers):
+        """All-reduce every bucket.  On the timeline each bucket's transfer starts as soon as
+        the backward has written its gradients (PyTorch DDP's overlap); the hierarchical
+        phases of a bucket are chained intra -> inter -> intra."""
         g = buffers.flat
-        topo = self.topo
+        topo, clock = self.topo, self.run.clock
+        tl = clock.timeline
+        nb = self.itemsize
         if self.options.allreduce == "ring":
             for a, b in self.buckets:
                 topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce")
+                if tl is not None:
+                    tl.collective(topo.world, "grad_allreduce", (b - a) * nb,
+                                  deps=clock.ready(a, b))
             return g
         for a, b in self.buckets:
             topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce")
             if topo.is_leader:
                 topo.inter.allreduce(g[a:b], "sum", phase="inter_allreduce")
             topo.intra.bcast(g[a:b], 0, phase="intra_bcast")
+            if tl is not None:
+                ev = tl.collective(topo.intra, "intra_allreduce", (b - a) * nb,
+                                   deps=clock.ready(a, b))
+                # every rank of the node waits for its leader's inter-node phase
+                ev = tl.transfer("inter_allreduce", "inter" if self.M > 1 else "intra",
+                                 (b - a) * nb, algorithm="allreduce", p=self.M, deps=ev)
+                tl.collective(topo.intra, "intra_bcast", (b - a) * nb, algorithm="bcast",
+                              deps=ev)
         g /= topo.size
         return g
 
     def step_bytes(self) -> dict[str, dict]:
-        sizes = [b - a for a, b in self.buckets]
-        fn = ddp_step_bytes if self.options.allreduce == "ring" else hierarchical_step_bytes
-        return fn(M=self.M, P=self.P, bucket_sizes=sizes, itemsize=self.itemsize)
+        return self.plan.step_bytes(self.M, self.P)
 
     def report(self) -> dict:
         return {"payload_ratio": 1.0, "buckets": len(self.buckets)}

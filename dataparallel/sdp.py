@@ -13,21 +13,31 @@ coordinate gets one sub-communicator (built once, ``Comm.sub``) and one contiguo
 Coordinates outside every structured mask (stem, shortcut, classifier, normalisation of the
 residual stream) are held by all ranks: a world all-reduce.
 
+Everything a run communicates is decided once, without MPI, by :meth:`SDPPlan.for_model`
+(model layers, nodes, ranks per node, :class:`SDPOptions`, seed): holder sets and their index
+sets, the sub-communicators' member sets, B_b-SDP's broadcast roots and the evaluation senders.
+The strategy executes that plan and ``commvol``'s SDP model predicts from the same plan; the
+bytes are checked against :mod:`volume.sdp`'s closed forms written from the paper's coverage
+and layer shapes (``tests/test_sdp_plan.py``).
+
 Masks (identical on every rank: deterministic cyclic assignment, block order from the run seed):
 
 ``--sdp-mode neuron`` (N-SDP, forward masking, §3.2)
-    Each hidden neuron / channel is held by exactly ``p`` of the ``n`` workers
-    (``--coverage p/n``): the neurons of a layer are cut into ``n`` contiguous chunks and chunk
-    ``c`` goes to a *window* ``{c, c+1, ..., c+p-1} mod n``.  The output row of a layer and the
-    next layer's input column are masked together, so a weight ``W[j, k]`` is held by the
-    intersection of the holder sets of neuron ``j`` and neuron ``k``.  Two windows of length
-    ``p <= n/2`` can be disjoint, which would leave weights with no holder (``d_j = 0``); so
-    successive masked layers alternate windows with *strided* sets
-    ``{c + floor(k n / p) mod n : k < p}``, which meet every window when ``ceil(n/p) <= p``
-    (every weight then has ``d_j >= 1``; e.g. any ``p >= 2`` on 4 ranks, ``p >= 3`` on 8).
-    Masked layers: the hidden layers of a plain CNN/MLP chain (BatchNorm after a conv follows
-    its channels), and the inner channels of each residual block of a ResNet (the residual
-    stream itself is never masked).
+    Every masked parameter lives on exactly ``p`` of the ``n`` workers (``--coverage p/n``, the
+    paper's §4 definition "for every parameter θ_j ... exactly p of the n workers participate").
+    A masked layer's neurons / channels are cut into ``n`` contiguous chunks and chunk ``c``
+    goes to the *window* ``{c, ..., c+p-1} mod n``; the layer's output rows (weight, bias,
+    BatchNorm) and the next layer's input columns are masked together (§3.2: "dropping outputs
+    of layer l naturally removes the corresponding inputs of layer l+1"), so both carry the
+    neuron's ``p`` holders.  A weight between two masked layers would be held by the
+    *intersection* of two holder sets, which has fewer than ``p`` members unless the sets are
+    equal, so masked layers are never adjacent: the paper's construction masks pairs
+    ``(W^l, W^{l+1})`` (its example, and the inner channels of a residual block or an MLP
+    block).  On a plain chain the masked hidden layers are the non-adjacent set holding the most
+    parameters (dynamic programming over the chain; the digits CNN masks conv1 and fc1, the
+    conv2 channels stay on all workers); in a ResNet each block's inner channels (the residual
+    stream is never masked).  Everything else is held by all ``n``.  ``summary.json`` reports
+    the degree histogram and the realized coverage ``Σ_j d_j / (n |J|)``.
 ``--sdp-mode block`` (B-SDP, forward masking, eq. 4)
     Each worker keeps ``b`` of the ``d`` residual blocks (``--active-blocks b/d``): the blocks,
     in an order permuted by the run seed, are dealt cyclically, worker ``i`` taking slots
@@ -45,41 +55,45 @@ Forward masking zeroes a worker's parameters outside its subnetwork; backward ma
 modes) masks the update and freezes the momentum outside (:class:`models.MaskHook`).  Holders of
 a coordinate apply identical updates, so they stay identical; the full model is assembled for
 evaluation from any holder (the lowest rank of each set sends what rank 0 lacks, at evaluation
-steps only, phase ``sdp_assemble``), and by default rescaled with the dropout / stochastic-depth
-weight-scaling rule (``--no-eval-rescale`` disables): weight ``W[j, k]`` is multiplied by the
-fraction ``|H_j ∩ H_k| / |H_j|`` of the workers running neuron ``j`` that also run input ``k``,
-a block's output (its last BatchNorm's scale and shift) by ``d_block / n``.
+steps only, phase ``sdp_assemble``) and evaluated as assembled, as in the paper.  Not in the
+paper, off by default: ``--eval-rescale`` multiplies it by the dropout / stochastic-depth
+weight-scaling rule: weight ``W[j, k]`` by the fraction ``|H_j ∩ H_k| / |H_j|`` of the workers
+running neuron ``j`` that also run input ``k`` (``p / n`` on the inputs from a masked layer), a
+block's output (its last BatchNorm's scale and shift) by ``d_block / n``.
 
-Reported (:meth:`SDP.report`): per-worker memory of parameters + gradients + momentum against
-DDP's ``(2 + 1) · 4 T`` bytes, the spectral gap ρ of eq. (1) from the mask matrix, and the
-FLOP-matching factor ``f``.  ``--flop-match`` makes the run ``floor(f · B)`` steps for the
-trainer's budget of ``B`` steps (:meth:`SDP.total_steps`; §4.1.1: "scaling training epochs
-inversely with the number of active parameters", ``f = T / mean_i N_i`` with the exact per-worker
-counts; for B_b-SDP ``f = 3 / (1 + 2 A)``, ``A = mean_i N_i / T``, the backward costing twice the
-forward), continuing the same data stream with the trainer's constant learning rate.  Memory is accounted, not allocated: the simulator keeps full-length
-flat vectors on every rank and zeroes (forward) or freezes (backward) what a worker does not hold.
-Closed forms: :mod:`commvol.sdp`.
+Reported (:meth:`SDP.report`): the degree histogram and realized coverage, per-worker memory of
+parameters + gradients + momentum against DDP's ``(2 + 1) · 4 T`` bytes, the spectral gap ρ of
+eq. (1) from the mask matrix, the bytes a step puts on the wire against DDP's
+(``payload_ratio``: gated all-reduces plus B_b-SDP's broadcasts), and the FLOP-matching factor
+``f``.  ``--flop-match`` makes the run ``floor(f · B)`` steps for the trainer's budget of ``B``
+steps (:meth:`SDP.total_steps`; §4.1.1: "scaling training epochs inversely with the number of
+active parameters", ``f = T / mean_i N_i`` with the exact per-worker counts; for B_b-SDP
+``f = 3 / (1 + 2 A)``, ``A = mean_i N_i / T``, the backward costing twice the forward),
+continuing the same data stream with the trainer's constant learning rate.  Memory is
+accounted, not allocated: the simulator keeps full-length flat vectors on every rank and zeroes
+(forward) or freezes (backward) what a worker does not hold.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
 
 import numpy as np
 
-from commvol.dataparallel import world_ring_bytes
-from commvol.sdp import (assemble_bytes, gated_allreduce_bytes, param_bcast_bytes,
-                         sdp_step_bytes)
 from models import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, Linear, MaskHook,
                     MaxPool2d, ReLU, Sequential)
+from substrate.options import option
+from volume.dataparallel import world_ring_bytes
+from volume.sdp import (assemble_bytes, gated_allreduce_bytes, param_bcast_bytes,
+                        sdp_step_bytes)
 
 from .strategy import Strategy, register
 
 __all__ = ["SDP_MODES", "SDPOptions", "SDPPlan", "SDP", "parse_fraction", "parse_active_blocks",
-           "window_sets", "strided_sets", "neuron_groups", "residual_blocks", "plan_masks",
+           "window_sets", "neuron_groups", "masked_groups", "residual_blocks", "plan_masks",
            "worker_memory", "spectral_gap"]
 
 SDP_MODES = ("neuron", "block", "block-backward")
@@ -139,20 +153,21 @@ def parse_active_blocks(text) -> tuple[int, int | None] | None:
 class SDPOptions:
     """Options of SDP (paper 003)."""
 
-    sdp_mode: str = field(default="neuron", metadata={
-        "help": "neuron (N-SDP), block (B-SDP) or block-backward (B_b-SDP: full forward, "
-                "masked backward)"})
-    coverage: str = field(default="3/4", metadata={
-        "help": "coverage C = p/n: every neuron/channel lives on p of the n workers (N-SDP); "
-                "'p/n' or a fraction in (0, 1]"})
-    active_blocks: str = field(default="", metadata={
-        "help": "b/d residual blocks kept per worker (block modes); empty: b = round(C d)"})
-    flop_match: bool = field(default=False, metadata={
-        "help": "run T/N_active (block-backward: 3/(1+2A)) times the trainer's steps so the "
-                "total FLOPs match DDP's (paper §4.1.1)"})
-    eval_rescale: bool = field(default=True, metadata={
-        "help": "evaluate the assembled model with the dropout/stochastic-depth weight-scaling "
-                "rule (disable with --no-eval-rescale)"})
+    sdp_mode: str = option(
+        "neuron", "neuron (N-SDP), block (B-SDP) or block-backward (B_b-SDP: full forward, "
+                  "masked backward)")
+    coverage: str = option(
+        "3/4", "coverage C = p/n: every masked parameter lives on exactly p of the n workers "
+               "(N-SDP; paper §4); 'p/n' or a fraction in (0, 1]")
+    active_blocks: str = option(
+        "", "b/d residual blocks kept per worker (block modes); empty: b = round(C d)")
+    flop_match: bool = option(
+        False, "run T/N_active (block-backward: 3/(1+2A)) times the trainer's steps so the "
+               "total FLOPs match DDP's (paper §4.1.1)")
+    eval_rescale: bool = option(
+        False, "not in the paper: evaluate the assembled model with the dropout / "
+               "stochastic-depth weight-scaling rule (inputs of masked neurons times p/n, a "
+               "block's output times its degree / n)")
 
     def __post_init__(self) -> None:
         if self.sdp_mode not in SDP_MODES:
@@ -179,14 +194,9 @@ def _members(bits: int) -> list[int]:
 
 
 def window_sets(n: int, p: int) -> list[int]:
-    """Holder bitmask of chunk ``c``: the window ``{c, ..., c+p-1} mod n`` (each rank in ``p``)."""
+    """Holder bitmask of chunk ``c``: the window ``{c, ..., c+p-1} mod n`` (``p`` workers per
+    chunk, each worker in ``p`` of the ``n`` windows)."""
     return [_bits((c + k) % n for k in range(p)) for c in range(n)]
-
-
-def strided_sets(n: int, p: int) -> list[int]:
-    """Holder bitmask of chunk ``c``: ``{c + floor(k n / p) mod n : k < p}`` (each rank in
-    ``p``); meets every window of :func:`window_sets` when ``ceil(n / p) <= p``."""
-    return [_bits((c + (k * n) // p) % n for k in range(p)) for c in range(n)]
 
 
 @dataclass(frozen=True)
@@ -269,6 +279,21 @@ def neuron_groups(model) -> list[list[NeuronGroup]]:
     return [chain] if chain else []
 
 
+def masked_groups(chain: list[NeuronGroup], sizes) -> list[NeuronGroup]:
+    """The groups of ``chain`` N-SDP masks: no two adjacent (group ``k``'s input columns are
+    group ``k+1``'s producer, so a weight between two masked groups would live on the
+    intersection of two holder sets, fewer than ``p`` workers), and among those sets the one
+    holding the most parameters (``sizes[name]``: elements of a tensor); a tie masks the
+    earlier groups.  A chain of one group (a residual block's inner channels, an MLP's hidden
+    layer) masks it."""
+    w = [sum(sizes[r] for r in g.rows) + sum(sizes[c] for c, _ in g.cols) for g in chain]
+    best: list[tuple[int, tuple[int, ...]]] = [(0, ()), (0, ())]  # best[i]: over chain[:i]
+    for i, wi in enumerate(w):
+        skip, take = best[i + 1], (best[i][0] + wi, best[i][1] + (i,))
+        best.append(take if take[0] > skip[0] else skip)
+    return [chain[i] for i in best[-1][1]]
+
+
 def _popcount(x: int) -> int:
     return bin(x).count("1")
 
@@ -318,9 +343,12 @@ def _tensor_ids(table: _SetTable, shape, rows, cols, repeat: int):
             np.broadcast_to(scale.reshape(scale.shape + extra), shape))
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class SDPPlan:
-    """The fixed mask of one SDP run (same on every rank).
+    """Everything one SDP run communicates, fixed before the first step (same on every rank).
+
+    Built by :meth:`for_model` (or :func:`plan_masks`) without MPI; the strategy executes it
+    and ``commvol``'s SDP model predicts from it.
 
     Attributes
     ----------
@@ -328,32 +356,55 @@ class SDPPlan:
         Workers.
     mode : str
         ``neuron``, ``block`` or ``block-backward``.
-    sets : list of int
+    sets : tuple of int
         Distinct holder sets as bitmasks over the ranks (``sets[0]``: all ranks).
     set_id : numpy.ndarray (T,) int32
         Holder set of every flat coordinate: ``m_ij = 1`` iff bit ``i`` of ``sets[set_id[j]]``.
     buffer_ids : dict of str -> numpy.ndarray
         Holder set of every BatchNorm running-statistic entry (follows its channel/block).
     scale : numpy.ndarray (T,) float64
-        Weight-scaling factor of every coordinate for the assembled evaluation model.
+        Weight-scaling factor of every coordinate (used only with ``--eval-rescale``).
     coverage : Fraction
-        Nominal coverage: ``p/n`` (neuron) or ``b/d`` (block modes).
+        Nominal coverage: ``p/n`` (neuron) or ``b/d`` (block modes); the realized one is
+        :attr:`coverage_realized`.
     detail : dict
         ``p`` or ``b``/``d``, the masked groups or blocks (for the report).
+    ranks_per_node : int
+        Ranks per node of the prediction's node-major topology (:attr:`node_of`).
     """
 
     n: int
     mode: str
-    sets: list[int]
+    sets: tuple
     set_id: np.ndarray
     buffer_ids: dict
     scale: np.ndarray
     coverage: Fraction
     detail: dict
+    ranks_per_node: int = 0
 
+    @classmethod
+    def for_model(cls, model, nodes: int, ranks_per_node: int, options: SDPOptions,
+                  seed: int = 0) -> "SDPPlan":
+        """The plan of ``options`` for ``model``'s layers on ``nodes`` x ``ranks_per_node``
+        workers (the one planning entry point of the run and of the prediction)."""
+        for what, v in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"SDP plan: {what} must be a positive integer, got {v!r}")
+        return plan_masks(model, options.sdp_mode, int(nodes) * int(ranks_per_node),
+                          coverage=parse_fraction(options.coverage, "--coverage"),
+                          active_blocks=parse_active_blocks(options.active_blocks),
+                          seed=int(seed), ranks_per_node=int(ranks_per_node))
+
+    # -- the mask --------------------------------------------------------------------------------
     @property
     def total(self) -> int:
         return int(self.set_id.size)
+
+    @property
+    def node_of(self) -> np.ndarray:
+        """Node of every rank, node-major (``ranks_per_node`` consecutive ranks per node)."""
+        return np.arange(self.n) // (self.ranks_per_node or self.n)
 
     @cached_property
     def counts(self) -> np.ndarray:
@@ -386,6 +437,19 @@ class SDPPlan:
         used = [s for s, c in enumerate(self.counts) if c > 0]
         return np.array([[bool(self.sets[s] >> i & 1) for s in used] for i in range(self.n)])
 
+    def degree_histogram(self) -> dict[int, int]:
+        """``{d: coordinates with degree d}`` (paper §3.1: ``d_j = Σ_i m_ij``)."""
+        out: dict[int, int] = {}
+        for d, c in zip(self.degrees.tolist(), self.counts.tolist()):
+            if c:
+                out[d] = out.get(d, 0) + c
+        return dict(sorted(out.items()))
+
+    @property
+    def coverage_realized(self) -> Fraction:
+        """``Σ_j d_j / (n |J|)``: the mean fraction of workers holding a coordinate."""
+        return Fraction(int((self.counts * self.degrees).sum()), self.n * self.total)
+
     def flop_factor(self) -> Fraction:
         """FLOP-matching step multiplier (paper §4.1.1): ``T / N_active`` for forward masking
         (``N_active`` = mean coordinates per worker), ``3 / (1 + 2 A)`` for backward masking
@@ -396,24 +460,122 @@ class SDPPlan:
             return Fraction(3 * T * n, T * n + 2 * active_sum)
         return Fraction(T * n, active_sum)
 
+    # -- the communication -----------------------------------------------------------------------
+    @cached_property
+    def reduce_sets(self) -> tuple[int, ...]:
+        """Holder sets all-reduced each step (``>= 2`` holders, ``>= 1`` coordinate); each has
+        its own sub-communicator of :meth:`members`."""
+        return tuple(s for s in range(len(self.sets))
+                     if self.counts[s] > 0 and self.degrees[s] >= 2)
+
+    def indices(self, s: int) -> np.ndarray:
+        """Flat coordinates of holder set ``s`` (ascending)."""
+        return np.flatnonzero(self.set_id == s)
+
+    @cached_property
+    def bcast_groups(self) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """B_b-SDP: ``(set, ranks, root)`` per holder set some rank lacks: the set's lowest
+        holder (``root``) broadcasts its updated parameters over ``{root} ∪ non-holders``."""
+        if self.mode != "block-backward":
+            return ()
+        out = []
+        for s in range(len(self.sets)):
+            if self.counts[s] > 0 and self.degrees[s] < self.n:
+                mem = self.members(s)
+                ranks = tuple(sorted({mem[0]} | (set(range(self.n)) - set(mem))))
+                out.append((s, ranks, mem[0]))
+        return tuple(out)
+
+    @cached_property
+    def assemble_sets(self) -> dict[int, tuple[int, ...]]:
+        """Forward masking: ``{sender: holder sets}`` of what rank 0 lacks for evaluation, each
+        set sent by its lowest holder (one message per sender)."""
+        if self.mode == "block-backward":
+            return {}
+        held0 = self.holds(0)
+        out: dict[int, list[int]] = {}
+        for s in range(len(self.sets)):
+            if not held0[s]:
+                out.setdefault(self.members(s)[0], []).append(s)
+        return {r: tuple(ss) for r, ss in sorted(out.items())}
+
+    @cached_property
+    def assemble_counts(self) -> dict[int, int]:
+        """Elements (parameters + BatchNorm statistics) each sender of :attr:`assemble_sets`
+        sends rank 0 (senders with nothing to send left out)."""
+        out = {}
+        for r, ss in self.assemble_sets.items():
+            size = int(self.counts[list(ss)].sum()) + sum(
+                int(np.isin(ids, ss).sum()) for ids in self.buffer_ids.values())
+            if size:
+                out[r] = size
+        return out
+
+    def gated_bytes(self, node_of=None, itemsize: int = 4) -> dict:
+        """Wire bytes of one gated average (:func:`volume.sdp.gated_allreduce_bytes`)."""
+        node_of = self.node_of if node_of is None else node_of
+        rs = list(self.reduce_sets)
+        return gated_allreduce_bytes([self.members(s) for s in rs], self.counts[rs], node_of,
+                                     itemsize)
+
+    def bcast_bytes(self, node_of=None, itemsize: int = 4) -> dict | None:
+        """Wire bytes of B_b-SDP's parameter broadcasts (``None`` in the forward modes)."""
+        if self.mode != "block-backward":
+            return None
+        node_of = self.node_of if node_of is None else node_of
+        g = self.bcast_groups
+        return param_bcast_bytes([(ranks, root) for _, ranks, root in g],
+                                 self.counts[[s for s, _, _ in g]], node_of, itemsize)
+
+    def assembly_bytes(self, node_of=None, itemsize: int = 4) -> dict:
+        """Wire bytes of one evaluation's assembly on rank 0."""
+        node_of = self.node_of if node_of is None else node_of
+        return assemble_bytes(self.assemble_counts, node_of, 0, itemsize)
+
+
+def _check_connected(plan: SDPPlan, coverage: Fraction) -> None:
+    """The worker-coordinate graph must be connected (paper §3.1, needed for convergence)."""
+    comp = list(range(plan.n))
+
+    def find(x):
+        while comp[x] != x:
+            comp[x] = comp[comp[x]]
+            x = comp[x]
+        return x
+
+    for s in range(len(plan.sets)):
+        if plan.counts[s]:
+            ms = plan.members(s)
+            for r in ms[1:]:
+                comp[find(r)] = find(ms[0])
+    if len({find(r) for r in range(plan.n)}) > 1:
+        raise ValueError(f"--coverage {coverage} on {plan.n} workers: no parameter is shared "
+                         f"between some workers' subnetworks, so the workers never agree "
+                         f"(paper §3.1 assumes a connected mask); raise p in --coverage p/"
+                         f"{plan.n}")
+
 
 def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
-               active_blocks: tuple[int, int | None] | None = None, seed: int = 0) -> SDPPlan:
+               active_blocks: tuple[int, int | None] | None = None, seed: int = 0,
+               ranks_per_node: int | None = None) -> SDPPlan:
     """Build the mask of ``model`` for ``n`` workers (pure, identical on every rank).
 
     Parameters
     ----------
     model : models.Model
+        Its layer tree (``model.root``), layout and buffers; no parameter value is read.
     mode : {"neuron", "block", "block-backward"}
     n : int
         Workers (world size).
     coverage : Fraction
-        ``C``: neuron mode holds every neuron on ``p = C n`` workers; block modes default to
-        ``b = round(C d)`` when ``active_blocks`` is None.
+        ``C``: neuron mode holds every masked parameter on ``p = C n`` workers; block modes
+        default to ``b = round(C d)`` when ``active_blocks`` is None.
     active_blocks : (b, d or None), optional
         Blocks per worker (``d`` must equal the model's residual blocks when given).
     seed : int
         Run seed (permutes the block order; the neuron assignment is deterministic).
+    ranks_per_node : int, optional
+        Node-major topology of the plan's :attr:`SDPPlan.node_of` (default: one node).
 
     Raises
     ------
@@ -422,6 +584,9 @@ def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
     """
     if mode not in SDP_MODES:
         raise ValueError(f"--sdp-mode {mode!r} unknown; use one of {SDP_MODES}")
+    rpn = n if ranks_per_node is None else int(ranks_per_node)
+    if rpn < 1 or n % rpn:
+        raise ValueError(f"SDP plan: {n} workers are not whole nodes of {rpn} ranks")
     layout = model.layout
     table = _SetTable(n)
     set_id = np.zeros(layout.total, dtype=np.int32)
@@ -432,27 +597,24 @@ def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
         pn = coverage * n
         if pn.denominator != 1:
             raise ValueError(f"--coverage {coverage} on {n} workers gives p = {float(pn):g} "
-                             f"workers per neuron; p must be an integer: use --coverage p/{n}")
+                             f"workers per parameter; p must be an integer: use --coverage "
+                             f"p/{n}")
         p = int(pn)
-        if -(-n // p) > p:
-            pmin = next(q for q in range(1, n + 1) if -(-n // q) <= q)
-            raise ValueError(f"--coverage {p}/{n} is too low for structured N-SDP: a weight "
-                             f"between two masked layers needs a worker holding both neurons, "
-                             f"which needs ceil(n/p) <= p; use --coverage {pmin}/{n} or more")
         chains = neuron_groups(model)
         if not chains:
             raise ValueError(f"model {model.name!r} has no hidden layer to mask; use a model with "
                              f"hidden layers (cnn, mlp with --hidden, resnet)")
-        families = (window_sets(n, p), strided_sets(n, p))
+        sizes = layout.sizes
+        chosen = [masked_groups(chain, sizes) for chain in chains]
+        family = window_sets(n, p)
         rows: dict[str, list[int]] = {}
         cols: dict[str, tuple[list[int], int]] = {}
         buf_rows: dict[str, list[int]] = {}
-        for chain in chains:
-            for k, g in enumerate(chain):
-                fam = families[k % 2]
+        for groups in chosen:
+            for g in groups:
                 chunk = np.repeat(np.arange(n), [len(c) for c in
                                                  np.array_split(np.arange(g.width), n)])
-                bits = [fam[c] for c in chunk]
+                bits = [family[c] for c in chunk]
                 for name in g.rows:
                     rows[name] = bits
                 for name, rep in g.cols:
@@ -470,7 +632,9 @@ def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
             scale[sl] = sc.reshape(-1)
         for name, bits in buf_rows.items():
             buffer_ids[name] = _tensor_ids(table, (len(bits),), bits, None, 1)[0]
-        detail = {"p": p, "n": n, "masked_layers": sum(len(c) for c in chains)}
+        detail = {"p": p, "n": n, "masked_layers": sum(len(g) for g in chosen),
+                  "hidden_layers": sum(len(c) for c in chains),
+                  "masked": [g.rows[0].rsplit(".", 1)[0] for gs in chosen for g in gs]}
         cov = Fraction(p, n)
     else:
         blocks = residual_blocks(model)
@@ -514,8 +678,12 @@ def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
         detail = {"b": b, "d": d, "block_degrees": [_popcount(h) for h in holders],
                   "blocks": [p[:-1] for p, _ in blocks]}
         cov = Fraction(b, d)
-    return SDPPlan(n=n, mode=mode, sets=table.sets, set_id=set_id, buffer_ids=buffer_ids,
-                   scale=scale, coverage=cov, detail=detail)
+        detail["order"] = [int(k) for k in order]
+    plan = SDPPlan(n=n, mode=mode, sets=tuple(table.sets), set_id=set_id,
+                   buffer_ids=buffer_ids, scale=scale, coverage=cov, detail=detail,
+                   ranks_per_node=rpn)
+    _check_connected(plan, cov)
+    return plan
 
 
 def worker_memory(plan: SDPPlan, itemsize: int = 4, momentum: bool = True) -> dict:
@@ -586,17 +754,15 @@ class SDP(Strategy):
     def __init__(self, ctx, options: SDPOptions) -> None:
         super().__init__(ctx, options)
         xp, topo = self.xp, self.topo
-        n, rank = topo.size, topo.rank
+        rank = topo.rank
         model, opt = ctx.model, ctx.opt
         self.model, self.opt = model, opt
-        self.plan = plan = plan_masks(
-            model, options.sdp_mode, n, coverage=parse_fraction(options.coverage),
-            active_blocks=parse_active_blocks(options.active_blocks), seed=ctx.seed)
+        self.plan = plan = SDPPlan.for_model(model, topo.num_nodes, topo.ranks_per_node,
+                                             options, seed=ctx.seed)
         self.forward_masking = options.sdp_mode != "block-backward"
         g = model.grads.flat
         self.itemsize = g.dtype.itemsize
-        counts, degrees = plan.counts, plan.degrees
-        node_of = topo.node_of
+        node_of = topo.node_of  # the run's own nodes (the plan's are node-major)
 
         # this rank's row of m: forward masking zeroes the parameters outside the subnetwork;
         # every mode masks the update and freezes the momentum outside (backward masking)
@@ -606,62 +772,47 @@ class SDP(Strategy):
         self.hook = MaskHook(self.mask)
         opt.add_hook(self.hook)
 
-        # gated average: one all-reduce per holder set with >= 2 holders and >= 1 coordinate
-        reduce_sets = [s for s in range(len(plan.sets)) if counts[s] > 0 and degrees[s] >= 2]
-        members = [plan.members(s) for s in reduce_sets]
+        # gated average: one all-reduce per holder set of the plan, on its own sub-communicator
+        reduce_sets = plan.reduce_sets
         self._reduce = []
-        for s, comm in zip(reduce_sets, self._build_comms(members)):
+        for s, comm in zip(reduce_sets, self._build_comms([plan.members(s)
+                                                           for s in reduce_sets])):
             if comm is not None:
-                idx = np.flatnonzero(plan.set_id == s)
+                idx = plan.indices(s)
                 self._reduce.append((xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype), comm,
-                                     int(degrees[s])))
-        self._gated_bytes = gated_allreduce_bytes(members, counts[reduce_sets], node_of,
-                                                  self.itemsize)
+                                     int(plan.degrees[s])))
+        self._gated_bytes = plan.gated_bytes(node_of, self.itemsize)
         self.num_reduce_sets = len(reduce_sets)
 
         # B_b-SDP: the lowest holder broadcasts updated parameters to the non-holders
-        self._bcast, self._bcast_bytes = [], None
-        if not self.forward_masking:
-            bsets = [s for s in range(len(plan.sets)) if counts[s] > 0 and degrees[s] < n]
-            groups = []
-            for s in bsets:
-                mem = plan.members(s)
-                groups.append((sorted({mem[0]} | (set(range(n)) - set(mem))), mem[0]))
-            for s, (ranks, leader), comm in zip(bsets, groups,
-                                                self._build_comms([r for r, _ in groups])):
-                if comm is not None:
-                    idx = np.flatnonzero(plan.set_id == s)
-                    self._bcast.append((xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype),
-                                        comm, ranks.index(leader)))
-            self._bcast_bytes = param_bcast_bytes(groups, counts[bsets], node_of,
-                                                  self.itemsize)
+        self._bcast = []
+        self._bcast_bytes = plan.bcast_bytes(node_of, self.itemsize)
+        groups = plan.bcast_groups
+        for (s, ranks, root), comm in zip(groups, self._build_comms([list(r) for _, r, _ in
+                                                                     groups])):
+            if comm is not None:
+                idx = plan.indices(s)
+                self._bcast.append((xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype), comm,
+                                    ranks.index(root)))
 
         # evaluation: rank 0 lacks the sets it does not hold; each set's lowest rank sends them
         self._send = None
         self._recv: list = []
-        sender_counts: dict[int, int] = {}
-        if self.forward_masking:
-            held0 = plan.holds(0)
-            per_sender: dict[int, list[int]] = {}
-            for s in range(len(plan.sets)):
-                if not held0[s]:
-                    per_sender.setdefault(plan.members(s)[0], []).append(s)
-            for r, ss in sorted(per_sender.items()):
-                pidx = np.flatnonzero(np.isin(plan.set_id, ss))
-                bidx = {name: np.flatnonzero(np.isin(ids, ss))
-                        for name, ids in sorted(plan.buffer_ids.items())}
-                bidx = {k: xp.asarray(v) for k, v in bidx.items() if v.size}
-                size = int(pidx.size + sum(int(v.size) for v in bidx.values()))
-                if size == 0:
-                    continue
-                sender_counts[r] = size
-                entry = (r, xp.asarray(pidx), bidx, xp.zeros(size, dtype=g.dtype))
-                if rank == r:
-                    self._send = entry
-                if rank == 0:
-                    self._recv.append(entry)
-        self._assemble_bytes = assemble_bytes(sender_counts, node_of, 0, self.itemsize)
-        self._needs_assembly = bool(sender_counts)
+        for r, ss in plan.assemble_sets.items():
+            if r not in plan.assemble_counts:
+                continue
+            pidx = np.flatnonzero(np.isin(plan.set_id, ss))
+            bidx = {name: np.flatnonzero(np.isin(ids, ss))
+                    for name, ids in sorted(plan.buffer_ids.items())}
+            bidx = {k: xp.asarray(v) for k, v in bidx.items() if v.size}
+            entry = (r, xp.asarray(pidx), bidx,
+                     xp.zeros(plan.assemble_counts[r], dtype=g.dtype))
+            if rank == r:
+                self._send = entry
+            if rank == 0:
+                self._recv.append(entry)
+        self._assemble_bytes = plan.assembly_bytes(node_of, self.itemsize)
+        self._needs_assembly = bool(plan.assemble_counts)
         self._full = xp.empty_like(model.params.flat) if rank == 0 else None
         self._scale = (xp.asarray(plan.scale.astype(g.dtype))
                        if rank == 0 and options.eval_rescale and self.forward_masking else None)
@@ -772,7 +923,7 @@ class SDP(Strategy):
 
     def eval_params(self):
         """Rank 0: the full model assembled from the holders (its own coordinates plus those
-        received at the last evaluation step), weight-scaled unless ``--no-eval-rescale``."""
+        received at the last evaluation step), weight-scaled only with ``--eval-rescale``."""
         theta = self.model.params.flat
         if not self.forward_masking:
             return theta
@@ -787,8 +938,12 @@ class SDP(Strategy):
     # -- report ----------------------------------------------------------------------------------
     def report(self) -> dict:
         """Mask statistics, spectral gap ρ (eq. 1, numerical and closed form), wire bytes of one
-        gated average and their ratio to DDP's world ring all-reduce (``payload_ratio``), the
-        FLOP-matching factor, and :func:`worker_memory`.
+        step (gated average + B_b-SDP's broadcasts) and their ratio to DDP's world ring
+        all-reduce (``payload_ratio``), the FLOP-matching factor, and :func:`worker_memory`.
+
+        ``coverage`` is the realized ``Σ_j d_j / (n T)`` (``degree_histogram`` gives every
+        degree); the nominal ``p/n`` is ``coverage_nominal`` (``active_blocks`` ``b/d`` in the
+        block modes).
 
         ρ is computed by :func:`spectral_gap` from the ``n × T`` matrix ``m`` of this run over
         every flat coordinate (those held by all included, ``d_j = n``), i.e. the aggregation
@@ -799,15 +954,21 @@ class SDP(Strategy):
         used = plan.counts > 0
         dmin = int(plan.degrees[used].min())
         gated = self._gated_bytes["intra"] + self._gated_bytes["inter"]
+        bcast = (0 if self._bcast_bytes is None
+                 else self._bcast_bytes["intra"] + self._bcast_bytes["inter"])
         ddp = world_ring_bytes(plan.total, self.itemsize, self.M, self.P)
         ddp_total = ddp["intra"] + ddp["inter"]
-        out = {"sdp_mode": plan.mode, "coverage": str(plan.coverage), **plan.detail,
+        nominal = ("coverage_nominal" if plan.mode == "neuron" else "active_blocks")
+        out = {"sdp_mode": plan.mode, "coverage": str(plan.coverage_realized),
+               "coverage_realized": float(plan.coverage_realized), nominal: str(plan.coverage),
+               "degree_histogram": {str(d): c for d, c in plan.degree_histogram().items()},
+               **{k: v for k, v in plan.detail.items() if k != "order"},
                "holder_sets": int(used.sum()), "reduce_sets": self.num_reduce_sets,
                "degree_min": dmin, "degree_max": int(plan.degrees[used].max()),
                "spectral_gap": spectral_gap(plan.distinct_mask()),
                "spectral_gap_closed_form": math.sqrt(max(0.0, 1 / dmin - 1 / n)),
-               "gated_bytes_per_sync": gated,
-               "payload_ratio": gated / ddp_total if ddp_total else 0.0,
+               "gated_bytes_per_sync": gated, "bcast_bytes_per_sync": bcast,
+               "payload_ratio": (gated + bcast) / ddp_total if ddp_total else 0.0,
                "flop_factor": float(self.flop_factor),
                "flop_factor_exact": str(self.flop_factor), "flop_match": self.options.flop_match,
                "eval_rescale": bool(self.options.eval_rescale and self.forward_masking)}

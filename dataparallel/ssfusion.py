@@ -1,52 +1,64 @@
 """SSFusion: tensor fusion with selective sparsification (seed paper 004, §III-IV).
 
-The tensors (backward order, the model's flat layout) are cut once into fusion buffers
-``B_1 .. B_{N_B}`` (``--buffers N``: ``N`` buffers of equal tensor count, as the paper's
-``N_i`` tensors per buffer; or ``--buffer-mib``: a byte budget per buffer).  Every step each rank
-adds its error-feedback residual to the fresh gradient, ``a = g + e``, and, per ``--fusion``:
+Everything a run sends is fixed by one pure plan, :class:`SSFusionPlan`, built by
+:func:`plan_ssfusion` from the tensor sizes (backward order), ``p``, the slowest link, the α–β
+cost model, :class:`SSFusionOptions` and — when the plan depends on timings — the warm-up
+profile ``(T_b, T_sp, T_cpu)``.  The strategy executes it (:meth:`SSFusion._install`);
+``commvol`` predicts from the same function on an assumed profile.
+
+Fusion buffers (§IV-B Step 1, ``--fusion-policy``):
+
+``cupcake`` (default, the paper's)
+    the buffers of Cupcake's ``FindOptFusion`` [28]: the contiguous cut of the tensors that
+    minimizes the modeled end of the last all-gather under wait-free backpropagation with
+    per-tensor sparsification (:func:`find_opt_fusion`, an exact dynamic program on the profile);
+``count``
+    ``--buffers N`` buffers of equal tensor count (or a ``--buffer-mib`` byte budget): the
+    reference code's default partition, kept as an option.
+
+The ``--profile-steps`` dense warm-up steps all-reduce the gradient in the ``--buffers`` /
+``--buffer-mib`` warm-up buffers.  Then, per ``--fusion``:
 
 ``selective`` (SSFusion, §IV-B)
     in every buffer the smallest tensors ``D_i`` stay dense and the others ``S_i`` are
-    sparsified one by one (:func:`dataparallel.sparsify.dgc_topk`: DGC sampled threshold,
-    refinement, trim to exactly ``k_l``).  The selection is profiled during ``--profile-steps``
-    dense steps and fixed afterwards (:func:`plan_selective`):
-
-    * *overlap-maximized selection*: walk ``B_i``'s tensors by ascending size and leave them
-      dense until eq. 2 holds, ``T_cm^{i-1} ≥ Σ_{j∈B_i} (T_b^j + T_sp^j)`` (sparsification time
-      counted for sparse tensors only; ``T_cm^0 = 0``: nothing hides the first buffer);
-    * *density-aware sparsification*: the counts of ``S_i`` are lowered so that the buffer still
-      sends ``K_i = Σ_{l∈B_i} ⌈d n_l⌉`` elements, never below the floor ``⌈d_min n_l⌉``
-      (``--density-floor``, 0.001); a tensor stays dense only while that compensation is
-      feasible (:func:`commvol.ssfusion.density_aware_counts`);
-    * *interleaved communication* (SSFusion-I, §IV-D, ``--interleave``): the split ``l'_i``
-      minimizing ``T1 + T2`` (:func:`interleave_split`) sends the dense tensors among the
-      first ``l'_i`` with a ring all-reduce (``Buffer_AR``) and the rest with one all-gather
-      (``Buffer_AG``: dense values, then float32 values and int32 indices of the sparse ones);
-      ``--no-interleave`` all-gathers the whole buffer (SSFusion "naive");
-    * *offloading* (SSFusion-O, §IV-C, ``--offload``): the sparsification of large tensors whose
-      CPU time fits under the rest of the backward pass (:func:`plan_offload`) is submitted from
-      :meth:`SSFusion.on_ready` to one CPU worker thread and collected in :meth:`SSFusion.sync`;
-      a guard measured during warm-up keeps it only when the main-thread time it saves exceeds
-      the slowdown the busy worker causes to the backward (see :meth:`SSFusion._decide`).
+    sparsified one by one.  *Overlap-maximized selection* (:func:`select_dense`): walk ``B_i``'s
+    tensors by ascending size and leave them dense until eq. 2 holds, ``T_cm^{i-1} ≥ Σ_{j∈B_i}
+    (T_b^j + T_sp^j)`` (sparsification counted for sparse tensors only), for ``2 ≤ i ≤ M``; the
+    first buffer keeps every tensor sparsified (``--first-buffer per-tensor``; ``exclude``:
+    ``T_cm^0 = 0``).  *Density-aware sparsification* (:func:`density_aware_counts`): the counts
+    of ``S_i`` are lowered so that the buffer still sends ``K_i = Σ_{l∈B_i} ⌈d n_l⌉``
+    elements, never below ``⌈d_min n_l⌉`` (``--density-floor``, 0.001).  *Interleaved
+    communication* (SSFusion-I, §IV-D, ``--interleave``): the split ``l'_i`` minimizing ``T1 +
+    T2`` (:func:`interleave_split`) sends the dense tensors among the first ``l'_i`` with a
+    ring all-reduce (``Buffer_AR``) and the rest with one all-gather (``Buffer_AG``: dense
+    values, then float32 values and int32 indices of the sparse ones); ``--no-interleave``
+    all-gathers the whole buffer (SSFusion "naive").  *Offloading* (SSFusion-O, §IV-C,
+    ``--offload``): the sparsification of large tensors whose CPU time fits under the rest of
+    the backward pass (:func:`plan_offload`) runs on one CPU worker thread, submitted from
+    :meth:`SSFusion.on_ready`.
 ``per-tensor``
     every tensor sparsified at density ``d`` (``k_l = ⌈d n_l⌉``), each buffer all-gathered.
 ``multi-tensor``
     each buffer sparsified as one vector with ``K_i`` entries, all-gathered; tensors with no
     selected entry are *missing* (Table I's tensor-missing rate, reported).
 
-Every mode starts with ``--profile-steps`` dense steps (each buffer averaged with one ring
-all-reduce, no residual), so the three modes differ only in the sparsification.  The
-synchronized gradient is ``(1/p) Σ_j (dense part + sparse(a_j))``; the residual keeps the
-unsent entries (``e = a - sparse(a)``, zero for dense tensors).
+Sparsifier (``--sparsifier``): ``dgc`` (DGC [44], the paper's: sampled threshold, refinement,
+trim to exactly ``k``: :func:`dataparallel.sparsify.dgc_topk`), ``gaussiank`` (Gaussian-k
+[22]: threshold from a normal fit, at most three rescalings, at most ``k`` sent and the slots
+left padded with zeros: :func:`gaussiank_select`) or ``exact`` (full top-``k``).  DGC's
+*momentum correction* (``--momentum-correction``, on): the strategy takes the optimizer's
+momentum over, ``u ← μ u + g``, ``v ← v + u``, sends top-``k`` of ``v`` and zeroes ``u`` and
+``v`` where it sent (momentum factor masking); dense tensors keep plain momentum ``u``.
+Without it, error feedback accumulates the raw gradient (``a = g + e``) and the optimizer
+applies momentum to the synchronized gradient.
 
-Profiling (selective): ``T_b^l`` from :meth:`SSFusion.on_ready` timestamps (the gap to the
-previous tensor's; the first tensor gets 0 as the trainer has no backward-start hook),
-``T_sp^l`` by timing the sparsifier on tensor ``l`` itself after the backward, ``T_cpu^l``
-(with ``--offload``, on every second warm-up step) by running it on the worker thread from
-``on_ready``, concurrently with the rest of the backward as it will run (hand-off and contention
-included; without offload ``T_cpu = T_sp``), communication times from the run's α–β model.
-The timings are max-reduced over all ranks, rank 0 plans and broadcasts the plan, so every rank
-uses the same selection.  Closed forms: :mod:`commvol.ssfusion`.
+Profiling: ``T_b^l`` from :meth:`SSFusion.on_ready` timestamps (the gap to the previous
+tensor's; the first tensor gets 0 as the trainer has no backward-start hook), ``T_sp^l`` by
+timing the sparsifier on tensor ``l`` itself after the backward, ``T_cpu^l`` (with
+``--offload``, on every second warm-up step) by running it on the worker thread from
+``on_ready``; communication times from the run's α–β model.  The timings are max-reduced over
+all ranks, rank 0 plans and broadcasts the plan, so every rank uses the same plan.  Closed
+forms and the second source: :mod:`volume.ssfusion`.
 
 Simulation notes: the collectives are blocking and run in ``sync`` after the backward, buffer
 by buffer (all-reduce, then all-gather); the overlap of eq. 2 and §IV-D exists in the plan's time
@@ -58,54 +70,92 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+from scipy.special import ndtri
 
-from commvol import ssfusion as cv
-from commvol.dataparallel import ddp_step_bytes, topk_k
+from substrate.backend import array_module
 from substrate.comm import bucket_groups
+from substrate.options import option
+from volume import ssfusion as cv
+from volume.dataparallel import ddp_step_bytes, topk_k
 
 from .ddp import DDPOptions, flat_buckets
 from .sparsify import dgc_topk
 from .strategy import Strategy, register
 from .topk import TopKOptions
 
-__all__ = ["SSFusionOptions", "SSFusion", "FusionPlan", "FUSION_MODES", "fusion_buffers",
-           "select_dense", "interleave_split", "plan_offload", "plan_selective",
-           "per_tensor_plan", "alpha_beta_times"]
+__all__ = [
+    "FIRST_BUFFER_RULES",
+    "FUSION_MODES",
+    "FUSION_POLICIES",
+    "SPARSIFIERS",
+    "SSFusion",
+    "SSFusionOptions",
+    "SSFusionPlan",
+    "alpha_beta_times",
+    "count_buffers",
+    "density_aware_counts",
+    "exact_select",
+    "feasible_dense",
+    "find_opt_fusion",
+    "gaussiank_select",
+    "interleave_split",
+    "needs_profile",
+    "plan_offload",
+    "plan_ssfusion",
+    "select_dense",
+]
 
 FUSION_MODES = ("selective", "per-tensor", "multi-tensor")
+FUSION_POLICIES = ("cupcake", "count")
+FIRST_BUFFER_RULES = ("per-tensor", "exclude")
+SPARSIFIERS = ("dgc", "gaussiank", "exact")
 
 
 @dataclass(frozen=True)
 class SSFusionOptions:
     """Options of SSFusion (``--method ssfusion``)."""
 
-    density: float = field(default=0.01, metadata={
-        "help": "fraction of each tensor's entries sent per step"})
-    density_floor: float = field(default=0.001, metadata={
-        "help": "ssfusion: lowest density the density-aware adjustment may give a tensor"})
-    fusion: str = field(default="selective", metadata={
-        "help": "ssfusion: selective | per-tensor | multi-tensor sparsification"})
-    buffers: int = field(default=4, metadata={
-        "help": "ssfusion: number of fusion buffers (equal tensor counts, backward order)"})
-    buffer_mib: float = field(default=0.0, metadata={
-        "help": "ssfusion: fusion-buffer byte budget in MiB (> 0 overrides --buffers)"})
-    profile_steps: int = field(default=5, metadata={
-        "help": "ssfusion: dense warm-up steps; selective profiles T_b and T_sp during them and "
-                "then fixes the selection (the paper's 5)"})
-    sample_ratio: float = field(default=0.01, metadata={
-        "help": "ssfusion: fraction of a tensor sampled for the DGC threshold estimate"})
-    interleave: bool = field(default=True, metadata={
-        "help": "ssfusion: all-reduce the dense part, all-gather the sparse part "
-                "(disable with --no-interleave)"})
-    offload: bool = field(default=False, metadata={
-        "help": "ssfusion: sparsify large tensors on a CPU worker thread during backward"})
-    error_feedback: bool = field(default=True, metadata={
-        "help": "accumulate unsent entries into the next step (disable with --no-error-feedback)"})
+    density: float = option(0.01, "fraction of each tensor's entries sent per step")
+    density_floor: float = option(
+        0.001, "ssfusion: lowest density the density-aware adjustment may give a tensor")
+    fusion: str = option("selective", "ssfusion: selective | per-tensor | multi-tensor "
+                         "sparsification", choices=FUSION_MODES)
+    fusion_policy: str = option(
+        "cupcake", "ssfusion: fusion buffers: cupcake (the paper's Step 1, Cupcake's "
+        "FindOptFusion: the contiguous cut minimizing the modeled backward + sparsify + "
+        "all-gather pipeline on the warm-up profile) | count (--buffers equal tensor counts or "
+        "a --buffer-mib budget)", choices=FUSION_POLICIES)
+    buffers: int = option(4, "ssfusion: warm-up buffers of equal tensor count (backward "
+                          "order); also the fusion buffers with --fusion-policy count")
+    buffer_mib: float = option(0.0, "ssfusion: warm-up (and --fusion-policy count) buffer "
+                               "byte budget in MiB (> 0 overrides --buffers)")
+    first_buffer: str = option(
+        "per-tensor", "ssfusion selective: the first buffer, which eq. 2 (2 <= i <= M) leaves "
+        "out: per-tensor (every tensor sparsified) | exclude (T_cm^0 = 0: small tensors dense "
+        "as far as the floor allows)", choices=FIRST_BUFFER_RULES)
+    profile_steps: int = option(
+        5, "ssfusion: dense warm-up steps; the timings profiled during them fix the fusion "
+        "buffers and the selection (the paper's 5)")
+    sparsifier: str = option("dgc", "ssfusion: dgc (DGC sampled threshold, exactly k) | "
+                             "gaussiank (Gaussian-k threshold, at most k) | exact (full top-k)",
+                             choices=SPARSIFIERS)
+    sample_ratio: float = option(
+        0.01, "ssfusion: fraction of a tensor sampled for the DGC threshold estimate")
+    momentum_correction: bool = option(
+        True, "ssfusion: DGC momentum correction and factor masking (the strategy takes the "
+        "optimizer's momentum over; disable with --no-momentum-correction)")
+    interleave: bool = option(True, "ssfusion: all-reduce the dense part, all-gather the "
+                              "sparse part (disable with --no-interleave)")
+    offload: bool = option(False, "ssfusion: sparsify large tensors on a CPU worker thread "
+                           "during backward")
+    error_feedback: bool = option(True, "accumulate unsent entries into the next step "
+                                  "(disable with --no-error-feedback)")
 
     def __post_init__(self) -> None:
         TopKOptions(density=self.density)  # the shared --density flag, validated once
@@ -116,22 +166,36 @@ class SSFusionOptions:
             raise ValueError(f"--density {self.density} is below --density-floor "
                              f"{self.density_floor} (the lower bound against over-"
                              f"sparsification); raise --density or lower --density-floor")
-        if self.fusion not in FUSION_MODES:
-            raise ValueError(f"--fusion {self.fusion!r} unknown; use one of {FUSION_MODES}")
-        if int(self.buffers) != self.buffers or self.buffers < 1:
+        for flag, v, allowed in (("--fusion", self.fusion, FUSION_MODES),
+                                 ("--fusion-policy", self.fusion_policy, FUSION_POLICIES),
+                                 ("--first-buffer", self.first_buffer, FIRST_BUFFER_RULES),
+                                 ("--sparsifier", self.sparsifier, SPARSIFIERS)):
+            if v not in allowed:
+                raise ValueError(f"{flag} {v!r} unknown; use one of {allowed}")
+        for flag, v in (("--buffers", self.buffers), ("--profile-steps", self.profile_steps)):
+            if np.asarray(v).dtype.kind not in "iu":  # bool, float, str: not a count
+                raise ValueError(f"{flag} takes a whole number, got {v!r}")
+        if self.buffers < 1:
             raise ValueError(f"--buffers must be an integer >= 1, got {self.buffers}")
         if not self.buffer_mib >= 0:
             raise ValueError(f"--buffer-mib must be >= 0 (0: use --buffers), got "
                              f"{self.buffer_mib}")
-        if int(self.profile_steps) != self.profile_steps or self.profile_steps < 0:
+        if self.profile_steps < 0:
             raise ValueError(f"--profile-steps must be an integer >= 0, got "
                              f"{self.profile_steps}")
-        if self.fusion == "selective" and self.profile_steps < 1:
-            raise ValueError("--fusion selective profiles during the dense warm-up: "
-                             "--profile-steps must be >= 1 (the paper uses 5)")
+        if needs_profile(self) and self.profile_steps < 1:
+            why = ("--fusion selective" if self.fusion == "selective"
+                   else "--fusion-policy cupcake")
+            raise ValueError(f"{why} plans on the timings profiled during the dense warm-up: "
+                             f"--profile-steps must be >= 1 (the paper uses 5), or use "
+                             f"--fusion-policy count with a non-selective --fusion")
         if not 0 < self.sample_ratio <= 1:
             raise ValueError(f"--sample-ratio must be in (0, 1] (DGC samples ~0.01), got "
                              f"{self.sample_ratio}")
+        if self.momentum_correction and not self.error_feedback:
+            raise ValueError("--momentum-correction accumulates the velocity of unsent entries "
+                             "(DGC): it needs error feedback; add --no-momentum-correction to "
+                             "--no-error-feedback")
         if self.offload and self.profile_steps < 2:
             raise ValueError(f"--offload profiles the backward with and without the CPU worker "
                              f"on alternate warm-up steps: use --profile-steps >= 2 (got "
@@ -141,15 +205,58 @@ class SSFusionOptions:
                              f"--offload or use --fusion selective (got --fusion {self.fusion})")
 
 
-# -- planning (pure, rank-independent) -----------------------------------------------------------
-def fusion_buffers(sizes, *, buffers: int = 4, buffer_bytes: int = 0,
-                   itemsize: int = 4) -> list[tuple[int, int]]:
-    """Contiguous tensor ranges ``[t0, t1)`` (backward order) of the fusion buffers.
+def needs_profile(options: SSFusionOptions) -> bool:
+    """Whether the plan depends on the warm-up profile (selective selection or Cupcake
+    buffers): the run then max-reduces its timings and broadcasts the plan once."""
+    return options.fusion == "selective" or options.fusion_policy == "cupcake"
 
-    ``buffer_bytes > 0``: greedy byte budget (:func:`substrate.comm.bucket_groups`; a larger
-    tensor gets a buffer of its own).  Otherwise ``buffers`` buffers of (nearly) equal tensor
-    count, as the paper's ``N_i`` tensors per buffer (§IV-B, Step 1).
+
+# -- sparsifiers ----------------------------------------------------------------------------------
+def exact_select(x, k: int):
+    """Positions of the ``k`` largest ``|x|`` (full selection; unordered int64)."""
+    xp = array_module(x)
+    n = int(x.size)
+    if k >= n:
+        return xp.arange(n, dtype=np.int64)
+    return xp.argpartition(xp.abs(x), n - k)[n - k:].astype(np.int64, copy=False)
+
+
+def gaussiank_select(x, k: int):
+    """Gaussian-k (Shi et al. 2019 [22]): at most ``k`` positions of large ``|x|``.
+
+    Fit ``x ~ N(μ, σ²)`` and take the threshold ``τ = μ + σ Φ^{-1}(1 - k/(2n))`` (the two-sided
+    tail holding ``k`` of ``n``); rescale it at most three times, ``τ ← τ/2`` while fewer than
+    ``2k/3`` entries pass and ``τ ← 1.5 τ`` while more than ``4k/3`` do; keep ``{|x| > τ}``,
+    trimmed to the ``k`` largest when more pass.  Fewer than ``k`` may be returned (the caller
+    pads the fixed-size message with zeros).
     """
+    xp = array_module(x)
+    n = int(x.size)
+    if k >= n:
+        return xp.arange(n, dtype=np.int64)
+    mu, sigma = float(x.mean()), float(x.std())
+    tau = mu + sigma * float(ndtri(1.0 - k / (2.0 * n)))
+    mag = xp.abs(x)
+    for _ in range(3):
+        c = int(xp.count_nonzero(mag > tau))
+        if c < 2 * k / 3:
+            tau *= 0.5
+        elif c > 4 * k / 3:
+            tau *= 1.5
+        else:
+            break
+    cand = xp.flatnonzero(mag > tau)
+    if cand.size > k:
+        cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+    return cand.astype(np.int64, copy=False)
+
+
+# -- planning (pure, rank-independent) -----------------------------------------------------------
+def count_buffers(sizes, *, buffers: int = 4, buffer_bytes: int = 0,
+                  itemsize: int = 4) -> list[tuple[int, int]]:
+    """Contiguous tensor ranges ``[t0, t1)`` (backward order): ``buffers`` buffers of (nearly)
+    equal tensor count, or, with ``buffer_bytes > 0``, a greedy byte budget
+    (:func:`substrate.comm.bucket_groups`; a larger tensor gets a buffer of its own)."""
     L = len(sizes)
     if buffer_bytes > 0:
         groups = bucket_groups([int(n) * itemsize for n in sizes], int(buffer_bytes))
@@ -160,27 +267,118 @@ def fusion_buffers(sizes, *, buffers: int = 4, buffer_bytes: int = 0,
     return [(int(c[0]), int(c[-1]) + 1) for c in np.array_split(np.arange(L), buffers)]
 
 
+def find_opt_fusion(T_b, T_sp, k, allgather_s) -> list[tuple[int, int]]:
+    """Cupcake's ``FindOptFusion`` (the paper's §IV-B Step 1, [28]): the fusion buffers that
+    minimize the modeled iteration under wait-free backpropagation.
+
+    With per-tensor sparsification (Step 1) tensor ``l`` is ready after ``R_l = Σ_{m≤l} (T_b^m +
+    T_sp^m)``; buffer ``[i, j)`` starts its all-gather of ``8 Σ_{i≤l<j} k_l`` bytes per rank
+    when its last tensor is ready and the previous buffer's all-gather has ended.  The end of
+    the last all-gather over contiguous cuts is minimized exactly by ``F(0) = 0``, ``F(j) =
+    min_{i<j} max(R_j, F(i)) + T_AG(i, j)`` (``F(j)`` is nondecreasing in ``F(i)``, so optimal
+    prefixes compose); among equal ends at a prefix the one with fewer buffers is kept.
+
+    Parameters
+    ----------
+    T_b, T_sp : sequence of float
+        Per-tensor backward and sparsification seconds (backward order).
+    k : sequence of int
+        Per-tensor counts ``k_l``.
+    allgather_s : callable
+        Vectorized ``block bytes per rank -> all-gather seconds``.
+    """
+    L = len(k)
+    ready = np.concatenate(([0.0], np.cumsum(np.asarray(T_b, float) + np.asarray(T_sp, float))))
+    K = np.concatenate(([0], np.cumsum(np.asarray(k, dtype=np.int64))))
+    F = np.zeros(L + 1)
+    n_buf = np.zeros(L + 1, dtype=np.int64)
+    prev = np.zeros(L + 1, dtype=np.int64)
+    for j in range(1, L + 1):
+        t_ag = np.broadcast_to(np.asarray(allgather_s(8.0 * (K[j] - K[:j])), float), (j,))
+        cand = np.maximum(ready[j], F[:j]) + t_ag
+        best = cand.min()
+        tie = np.flatnonzero(cand <= best + 1e-12 * max(abs(best), 1e-30))
+        i = int(tie[np.argmin(n_buf[tie])])
+        F[j], n_buf[j], prev[j] = cand[i], n_buf[i] + 1, i
+    out, j = [], L
+    while j > 0:
+        out.append((int(prev[j]), j))
+        j = int(prev[j])
+    return out[::-1]
+
+
+def feasible_dense(sizes, dense, density: float, density_floor: float) -> bool:
+    """Whether the tensors ``dense`` of one buffer can stay dense while the others absorb them
+    at densities ≥ the floor: ``Σ_D n_l + Σ_S ⌈d_min n_l⌉ ≤ K = Σ_l ⌈d n_l⌉``."""
+    sizes = [int(n) for n in sizes]
+    kmin = topk_k(sizes, density_floor)
+    need = sum(n if j in dense else kmin[j] for j, n in enumerate(sizes))
+    return need <= sum(topk_k(sizes, density))
+
+
+def density_aware_counts(sizes, dense, density: float, density_floor: float) -> list[int]:
+    """Per-tensor counts of one fusion buffer after density-aware sparsification (§IV-B).
+
+    ``k'_l`` for the sparse tensors and 0 for the dense ones.  With no dense tensor these are
+    the per-tensor counts ``max(1, ⌈d n_l⌉)``; otherwise the remaining budget ``R = K - Σ_D
+    n_l`` is shared in proportion to size (largest remainder, each count between ``max(1,
+    ⌈d_min n_l⌉)`` and ``n_l``), so the buffer sends exactly ``K`` elements.
+
+    Raises
+    ------
+    ValueError
+        If the floor makes the dense set infeasible (:func:`feasible_dense` is false).
+    """
+    sizes = [int(n) for n in sizes]
+    dense = {int(j) for j in dense}
+    k_full = topk_k(sizes, density)
+    if not dense:
+        return k_full
+    if not feasible_dense(sizes, dense, density, density_floor):
+        raise ValueError(f"dense tensors {sorted(dense)} of a buffer with sizes {sizes} cannot "
+                         f"be compensated at --density-floor {density_floor}")
+    kmin = topk_k(sizes, density_floor)
+    sparse = [j for j in range(len(sizes)) if j not in dense]
+    budget = sum(k_full) - sum(sizes[j] for j in dense)
+    total_sparse = sum(sizes[j] for j in sparse)
+    k = [0] * len(sizes)
+    share = {j: budget * sizes[j] / total_sparse for j in sparse} if total_sparse else {}
+    for j in sparse:
+        k[j] = min(sizes[j], max(kmin[j], math.floor(share[j])))
+    excess = sum(k[j] for j in sparse) - budget  # largest-remainder fix-up, one element a move
+    while excess > 0:
+        j = max((j for j in sparse if k[j] > kmin[j]), key=lambda j: (k[j] - share[j], -j))
+        k[j] -= 1
+        excess -= 1
+    while excess < 0:
+        cand = [j for j in sparse if k[j] < sizes[j]]
+        if not cand:
+            break
+        j = max(cand, key=lambda j: (share[j] - k[j], -j))
+        k[j] += 1
+        excess += 1
+    return k
+
+
 def select_dense(sizes, T_b, T_sp, T_cm_prev: float, density: float,
                  density_floor: float) -> set[int]:
     """Overlap-maximized selection in one buffer (§IV-B, eq. 2).
 
     Walk the tensors by ascending size (ties: backward order) and leave each dense while
     ``T_cm^{i-1} < Σ_j T_b^j + Σ_{j∈S} T_sp^j`` (eq. 2 not yet satisfied) and the remaining
-    sparse tensors can absorb it at densities ≥ the floor (:func:`commvol.ssfusion.
-    feasible_dense`).
+    sparse tensors can absorb it at densities ≥ the floor (:func:`feasible_dense`).
 
     Returns
     -------
     set of int
         Positions (within the buffer) of the tensors left dense.
     """
-    n = len(sizes)
     comp = float(np.sum(T_b)) + float(np.sum(T_sp))
     dense: set[int] = set()
-    for j in sorted(range(n), key=lambda j: (int(sizes[j]), j)):
+    for j in sorted(range(len(sizes)), key=lambda j: (int(sizes[j]), j)):
         if T_cm_prev >= comp:  # eq. 2 holds: computation hidden behind the previous buffer
             break
-        if not cv.feasible_dense(sizes, dense | {j}, density, density_floor):
+        if not feasible_dense(sizes, dense | {j}, density, density_floor):
             break
         dense.add(j)
         comp -= float(T_sp[j])
@@ -246,43 +444,6 @@ def plan_offload(T_b, T_cpu, sparse, buffers, *, deadline: str = "backward") -> 
     return out
 
 
-@dataclass(frozen=True)
-class FusionPlan:
-    """The fixed selection: per tensor its count ``k_l`` (-1: dense) and offload flag, per
-    buffer the interleave split ``l'_i``."""
-
-    buffers: tuple
-    k: tuple
-    offload: tuple
-    split: tuple
-
-    def encode(self) -> np.ndarray:
-        """The broadcast form: ``2L + N_B`` int64 (:func:`commvol.ssfusion.plan_length`)."""
-        return np.concatenate([np.asarray(self.k, np.int64),
-                               np.asarray(self.offload, np.int64),
-                               np.asarray(self.split, np.int64)])
-
-    @classmethod
-    def decode(cls, code, buffers) -> "FusionPlan":
-        L = buffers[-1][1]
-        code = np.asarray(code, dtype=np.int64)
-        if code.size != cv.plan_length(L, len(buffers)):
-            raise ValueError(f"plan of {code.size} entries does not fit {L} tensors and "
-                             f"{len(buffers)} buffers")
-        return cls(tuple(buffers), tuple(int(v) for v in code[:L]),
-                   tuple(bool(v) for v in code[L:2 * L]), tuple(int(v) for v in code[2 * L:]))
-
-    def dense(self) -> list[int]:
-        return [l for l, k in enumerate(self.k) if k < 0]
-
-
-def per_tensor_plan(sizes, buffers, density: float) -> FusionPlan:
-    """Every tensor sparsified at ``density`` (also the counts the multi-tensor baseline sums)."""
-    L = len(sizes)
-    return FusionPlan(tuple(buffers), tuple(topk_k(sizes, density)), (False,) * L,
-                      (0,) * len(buffers))
-
-
 def alpha_beta_times(cost, p: int, link: str, value_bytes: int = 4, index_bytes: int = 4):
     """``comm_times(n_ar, n_ag_dense, k_sparse) -> (T_AR, T_AG)`` from the run's α–β model
     (eqs. 3-4: ring all-reduce of the dense part, ring all-gather of every rank's block)."""
@@ -294,40 +455,198 @@ def alpha_beta_times(cost, p: int, link: str, value_bytes: int = 4, index_bytes:
     return comm_times
 
 
-def plan_selective(sizes, buffers, T_b, T_sp, T_cpu, *, density: float, density_floor: float,
-                   comm_times, interleave: bool = True, offload: bool = False,
-                   offload_deadline: str = "backward") -> FusionPlan:
-    """SSFusion's selection for every buffer, in backward order (§IV-B to §IV-D).
+@dataclass(frozen=True)
+class SSFusionPlan:
+    """Everything SSFusion sends, fixed once (the run executes it, ``commvol`` predicts it).
 
-    For buffer ``i``: :func:`select_dense` against the previous buffer's communication time
-    ``T_cm^{i-1} = T_AR + T_AG`` (``T_cm^0 = 0``), density-aware counts
-    (:func:`commvol.ssfusion.density_aware_counts`), the split (:func:`interleave_split`, or
-    ``l' = 0``: everything all-gathered, without ``interleave``), then the offload set
-    (:func:`plan_offload`) when ``offload``.
+    Attributes
+    ----------
+    fusion : str
+        ``selective``, ``per-tensor`` or ``multi-tensor``.
+    sizes : tuple of int
+        Tensor sizes ``n_l`` in backward order.
+    warmup_buffers, buffers : tuple of (t0, t1)
+        Tensor ranges of the warm-up all-reduces and of the fusion buffers ``B_i``.
+    k : tuple of int
+        Per tensor: its count ``k_l`` (``-1``: dense).  Multi-tensor sends ``Σ_{B_i} k_l`` from
+        the fused buffer.
+    split : tuple of int
+        ``l'_i`` per fusion buffer (dense tensors before it go to ``Buffer_AR``).
+    offload : tuple of bool
+        Per tensor: sparsified on the CPU worker (SSFusion-O).
+    profiled : bool
+        Whether the run decides this plan from its warm-up profile (then the timings are
+        max-reduced and the plan broadcast once, at the end of warm-up).
     """
-    sizes = [int(n) for n in sizes]
-    k = [0] * len(sizes)
-    split = []
+
+    fusion: str
+    sizes: tuple
+    warmup_buffers: tuple
+    buffers: tuple
+    k: tuple
+    split: tuple
+    offload: tuple
+    profiled: bool
+
+    @property
+    def L(self) -> int:
+        return len(self.sizes)
+
+    def dense(self) -> list[int]:
+        """Tensors sent dense."""
+        return [l for l, k in enumerate(self.k) if k < 0]
+
+    def buffer_sizes(self, warmup: bool = False) -> list[int]:
+        return [sum(self.sizes[t0:t1]) for t0, t1 in
+                (self.warmup_buffers if warmup else self.buffers)]
+
+    def counts(self) -> tuple[list[int], list[int], list[int]]:
+        """Per buffer: all-reduced elements, all-gathered dense elements, sparse entries."""
+        ar, agd, ks = [], [], []
+        for (t0, t1), lp in zip(self.buffers, self.split):
+            ar.append(sum(self.sizes[l] for l in range(t0, t1) if self.k[l] < 0 and l - t0 < lp))
+            agd.append(sum(self.sizes[l] for l in range(t0, t1)
+                           if self.k[l] < 0 and l - t0 >= lp))
+            ks.append(sum(self.k[l] for l in range(t0, t1) if self.k[l] >= 0))
+        return ar, agd, ks
+
+    def step_bytes(self, M: int, P: int, kind: str, decided: bool = False) -> dict[str, dict]:
+        """Closed-form bytes of one step: ``kind`` ``"warmup"`` (``decided``: the step that
+        ends warm-up and decides this plan) or ``"sparse"``."""
+        if kind == "warmup":
+            out = cv.warmup_step_bytes(M=M, P=P, buffer_sizes=self.buffer_sizes(warmup=True))
+            if decided and self.profiled:
+                out.update(cv.selection_bytes(M=M, P=P, num_tensors=self.L))
+            return out
+        ar, agd, ks = self.counts()
+        return cv.sparse_step_bytes(M=M, P=P, ar_counts=ar, ag_dense_counts=agd,
+                                    ag_sparse_counts=ks)
+
+    def encode(self) -> np.ndarray:
+        """The broadcast form, ``4L`` int64 (:func:`volume.ssfusion.plan_length`): counts,
+        offload flags, buffer-start flags and each buffer's ``l'_i`` at its first tensor."""
+        start = np.zeros(self.L, np.int64)
+        split = np.zeros(self.L, np.int64)
+        for (t0, _), lp in zip(self.buffers, self.split):
+            start[t0], split[t0] = 1, lp
+        return np.concatenate([np.asarray(self.k, np.int64),
+                               np.asarray(self.offload, np.int64), start, split])
+
+    def decode(self, code) -> SSFusionPlan:
+        """This plan with the counts, offload flags, buffers and splits of ``code``."""
+        L = self.L
+        code = np.asarray(code, dtype=np.int64)
+        if code.size != cv.plan_length(L):
+            raise ValueError(f"plan of {code.size} entries does not fit {L} tensors")
+        starts = [int(t) for t in np.flatnonzero(code[2 * L:3 * L])]
+        if not starts or starts[0] != 0:
+            raise ValueError("decoded plan has no buffer starting at tensor 0")
+        buffers = tuple(zip(starts, starts[1:] + [L]))
+        return dataclasses.replace(
+            self, buffers=buffers, k=tuple(int(v) for v in code[:L]),
+            offload=tuple(bool(v) for v in code[L:2 * L]),
+            split=tuple(int(code[3 * L + t0]) for t0, _ in buffers))
+
+
+def plan_ssfusion(sizes, p: int, link: str, options: SSFusionOptions, cost, *, profile=None,
+                  buffers=None, dense=None, split=None, itemsize: int = 4) -> SSFusionPlan:
+    """SSFusion's plan for tensors of ``sizes`` (backward order) on ``p`` ranks (pure).
+
+    Parameters
+    ----------
+    sizes : sequence of int
+        Tensor sizes in the layout's backward order.
+    p : int
+        Ranks; ``link`` the slowest link class of a world ring; ``cost`` the α–β model.
+    options : SSFusionOptions
+    profile : (T_b, T_sp, T_cpu) or None
+        Per-tensor seconds (warm-up profile, or an assumed one).  Needed when
+        :func:`needs_profile`.
+    buffers : sequence of (t0, t1) or None
+        Given fusion buffers (a recorded run's) instead of the fusion policy's.
+    dense, split : or None
+        Selective only: the given dense tensors (indices) and ``l'_i`` per buffer instead of
+        the eq. 2 rule and the ``T1 + T2`` split (to reproduce a recorded run).
+
+    Returns
+    -------
+    SSFusionPlan
+    """
+    o = options
+    sizes = tuple(int(n) for n in sizes)
+    L = len(sizes)
+    warm = tuple(count_buffers(sizes, buffers=int(o.buffers),
+                               buffer_bytes=int(o.buffer_mib * (1 << 20)), itemsize=itemsize))
+    if profile is None:
+        if needs_profile(o) and not (buffers is not None and (o.fusion != "selective" or (
+                dense is not None and (split is not None or not o.interleave)))):
+            raise ValueError("this SSFusion plan depends on timings (--fusion selective or "
+                             "--fusion-policy cupcake): pass the profile (T_b, T_sp, T_cpu)")
+        T_b = T_sp = T_cpu = np.zeros(L)
+    else:
+        T_b, T_sp, T_cpu = (np.asarray(t, dtype=np.float64) for t in profile)
+        if not T_b.shape == T_sp.shape == T_cpu.shape == (L,):
+            raise ValueError(f"profile arrays must have one entry per tensor ({L})")
+    k_full = topk_k(sizes, o.density)
+    times = alpha_beta_times(cost, p, link)
+    if buffers is not None:
+        buffers = tuple((int(a), int(b)) for a, b in buffers)
+        if not buffers or buffers[0][0] != 0 or buffers[-1][1] != L or any(
+                a >= b or b != c for (a, b), (c, _) in zip(buffers, buffers[1:] + ((L, L),))):
+            raise ValueError(f"fusion buffers {list(buffers)} do not cut the {L} tensors into "
+                             "contiguous non-empty ranges")
+    elif o.fusion_policy == "cupcake":
+        buffers = tuple(find_opt_fusion(
+            T_b, T_sp, k_full, lambda block: cost.ring_allgather_time(p * block, p, link)))
+    else:
+        buffers = warm
+    nb = len(buffers)
+    if o.fusion != "selective":
+        if dense is not None or split is not None:
+            raise ValueError(f"a dense set or split is a --fusion selective selection (got "
+                             f"--fusion {o.fusion})")
+        return SSFusionPlan(o.fusion, sizes, warm, buffers, tuple(k_full), (0,) * nb,
+                            (False,) * L, needs_profile(o))
+    if split is not None and (len(split) != nb or any(
+            not 0 <= int(lp) <= t1 - t0 for lp, (t0, t1) in zip(split, buffers))):
+        raise ValueError(f"interleave split {list(split)} needs one l'_i in 0..n_i per fusion "
+                         f"buffer (tensors per buffer: {[t1 - t0 for t0, t1 in buffers]})")
+    if split is not None and not o.interleave and any(split):
+        raise ValueError("--no-interleave all-gathers whole buffers (l'_i = 0); drop the "
+                         "non-zero splits")
+    k = [0] * L
+    lps = []
     T_cm_prev = 0.0
-    for t0, t1 in buffers:
+    for i, (t0, t1) in enumerate(buffers):
         sz, tb, tsp = sizes[t0:t1], T_b[t0:t1], T_sp[t0:t1]
-        dense = select_dense(sz, tb, tsp, T_cm_prev, density, density_floor)
-        kb = cv.density_aware_counts(sz, dense, density, density_floor)
-        if interleave:
-            lp, t_ar, t_ag = interleave_split(sz, dense, kb, tb, tsp, comm_times)
+        if dense is not None:
+            d = {int(l) - t0 for l in dense if t0 <= int(l) < t1}
+        elif i == 0 and o.first_buffer == "per-tensor":
+            d = set()  # eq. 2 is for 2 <= i <= M: the first buffer keeps per-tensor Step 1
+        else:
+            d = select_dense(sz, tb, tsp, T_cm_prev, o.density, o.density_floor)
+        kb = density_aware_counts(sz, d, o.density, o.density_floor)
+        if split is not None:
+            lp = int(split[i])
+            t_ar, t_ag = times(sum(sz[j] for j in d if j < lp),
+                               sum(sz[j] for j in d if j >= lp),
+                               sum(kb[j] for j in range(len(sz)) if j not in d))
+        elif o.interleave:
+            lp, t_ar, t_ag = interleave_split(sz, d, kb, tb, tsp, times)
         else:
             lp = 0
-            t_ar, t_ag = comm_times(0, sum(sz[j] for j in dense),
-                                    sum(kb[j] for j in range(len(sz)) if j not in dense))
+            t_ar, t_ag = times(0, sum(sz[j] for j in d),
+                               sum(kb[j] for j in range(len(sz)) if j not in d))
         T_cm_prev = t_ar + t_ag
         for j in range(t1 - t0):
-            k[t0 + j] = -1 if j in dense else kb[j]
-        split.append(lp)
-    sparse = np.array([v >= 0 for v in k])
-    off = (plan_offload(T_b, T_cpu, sparse, buffers, deadline=offload_deadline) if offload
-           else np.zeros(len(sizes), dtype=bool))
-    return FusionPlan(tuple(buffers), tuple(k), tuple(bool(v) for v in off), tuple(split))
-
+            k[t0 + j] = -1 if j in d else kb[j]
+        lps.append(lp)
+    if dense is not None and {int(l) for l in dense} - {l for l in range(L) if k[l] < 0}:
+        raise ValueError(f"dense tensors {sorted(dense)} are not all tensor indices 0..{L - 1}")
+    off = (plan_offload(T_b, T_cpu, np.array([v >= 0 for v in k]), buffers) if o.offload
+           else np.zeros(L, dtype=bool))
+    return SSFusionPlan(o.fusion, sizes, warm, buffers, tuple(k), tuple(lps),
+                        tuple(bool(v) for v in off), True)
 
 # -- the strategy ---------------------------------------------------------------------------------
 @dataclass
@@ -380,13 +699,33 @@ class SSFusion(Strategy):
         self.offsets = np.concatenate(([0], np.cumsum(self.sizes))).astype(np.int64)
         self._offsets_x = xp.asarray(self.offsets)
         self.index_of = {n: i for i, n in enumerate(self.names)}
-        self.buffers = fusion_buffers(self.sizes, buffers=int(options.buffers),
-                                      buffer_bytes=int(options.buffer_mib * (1 << 20)),
-                                      itemsize=g.dtype.itemsize)
-        self.buffer_sizes = [int(self.offsets[t1] - self.offsets[t0]) for t0, t1 in self.buffers]
+        world = self.topo.world
+        self._plan_args = (self.sizes, world.size, world.slowest, options, self.run.cost)
+        # the plan at once when it needs no timings; else a placeholder on a zero profile that
+        # fixes the warm-up buffers and is replaced by the decided plan at the end of warm-up
+        zero = np.zeros(self.L)
+        self._template = plan_ssfusion(*self._plan_args, itemsize=g.dtype.itemsize,
+                                       profile=(zero, zero, zero) if needs_profile(options)
+                                       else None)
+        self.buffers = self._template.buffers
         self.residual = xp.zeros_like(g)
         self.warmup = int(options.profile_steps)
-        self.plan: FusionPlan | None = None
+        self.plan: SSFusionPlan | None = None
+        # DGC momentum correction: the optimizer's momentum moves here, before sparsification
+        self.mu = 0.0
+        opt_cfg = getattr(ctx.opt, "config", None)
+        if options.momentum_correction and hasattr(ctx.opt, "exp_avg_sq"):
+            raise ValueError("--momentum-correction moves SGD's momentum before sparsification "
+                             "(DGC); AdamW keeps two moments it cannot move: add "
+                             "--no-momentum-correction (or use --optimizer sgd)")
+        if options.momentum_correction and getattr(ctx.opt, "momentum_buffer", None) is not None:
+            if getattr(opt_cfg, "nesterov", False):
+                raise ValueError("--momentum-correction implements DGC's heavy-ball momentum; "
+                                 "Nesterov momentum is not supported: add "
+                                 "--no-momentum-correction")
+            self.mu = float(opt_cfg.momentum)
+            ctx.opt.momentum_buffer = None  # the optimizer applies the synced update as is
+        self.velocity = xp.zeros_like(g) if self.mu else None
         self._bufs: list[_Buffer] = []
         self._seg_of: dict = {}
         # profiling (selective): sums and step counts of T_b, T_sp, T_cpu per tensor and of the
@@ -404,20 +743,23 @@ class SSFusion(Strategy):
         self._prof_futures: list = []
         self._k_full = topk_k(self.sizes, options.density)
         self._host_res: dict[int, np.ndarray] = {}
+        self._host_vel: dict[int, np.ndarray] = {}
         # step bookkeeping and statistics
         self._last: tuple[str, bool] = ("none", False)
         self._stats = {"sparse_steps": 0, "sparsify_s": 0.0, "worker_s": 0.0,
                        "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0}
         self._missing_by_tensor = np.zeros(self.L)
-        if options.fusion != "selective":
-            self._install(per_tensor_plan(self.sizes, self.buffers, options.density))
+        if not needs_profile(options):
+            self._install(self._template)
 
     # -- plan installation ------------------------------------------------------------------------
-    def _install(self, plan: FusionPlan) -> None:
-        """Build the fixed per-buffer layouts and send buffers (plan once, run many)."""
+    def _install(self, plan: SSFusionPlan) -> None:
+        """Execute the plan: build the fixed per-buffer layouts and send buffers (plan once,
+        run many)."""
         xp, off = self.xp, self.offsets
-        multi = self.options.fusion == "multi-tensor"
+        multi = plan.fusion == "multi-tensor"
         self.plan = plan
+        self.buffers = plan.buffers
         self._bufs = []
         for i, (t0, t1) in enumerate(plan.buffers):
             a, b = int(off[t0]), int(off[t1])
@@ -445,6 +787,8 @@ class SSFusion(Strategy):
         if self.run.backend.is_gpu:
             self._host_res = {s.sid: np.zeros(s.b - s.a, dtype=np.float32)
                               for buf in self._bufs for s in buf.segs if s.offload}
+            if self.mu:
+                self._host_vel = {sid: np.zeros_like(r) for sid, r in self._host_res.items()}
 
     def _counts(self) -> tuple[list[int], list[int], list[int]]:
         """Per buffer: all-reduced elements, all-gathered dense elements, sparse count."""
@@ -472,26 +816,50 @@ class SSFusion(Strategy):
         run seed, rank, step, segment), built lazily by the sparsifier."""
         return (self.ctx.seed, self.topo.rank, step, sid)
 
+    def _sparsify(self, x, k: int, key: tuple):
+        """Positions of (at most) ``k`` large ``|x|`` by ``--sparsifier``."""
+        kind = self.options.sparsifier
+        if kind == "dgc":
+            return dgc_topk(x, k, key, self.options.sample_ratio)
+        if kind == "gaussiank":
+            return gaussiank_select(x, k)
+        return exact_select(x, k)
+
     def _select(self, buf: _Buffer, seg: _Segment, step: int) -> None:
-        """Sparsify one segment in place: ``a = g + e``, top-``k`` into ``buf.send``,
-        ``e = a`` with the sent entries zeroed."""
+        """Sparsify one segment in place: with momentum correction ``u = μ u + g`` and ``a =
+        e + u`` (else ``a = e + g``), top-``k`` of ``a`` into ``buf.send``, ``e = a`` and ``u``
+        with the sent entries zeroed (DGC's momentum factor masking)."""
         g = self.ctx.model.grads.flat
         a, b = seg.a, seg.b
+        src = g[a:b]
+        if self.velocity is not None:
+            u = self.velocity[a:b]
+            u *= self.mu
+            u += src
+            src = u
         if self.options.error_feedback:
             acc = self.residual[a:b]
-            acc += g[a:b]
+            acc += src
         else:
-            acc = g[a:b]
-        idx = dgc_topk(acc, seg.k, self._rng(step, seg.sid), self.options.sample_ratio)
+            acc = src
+        idx = self._sparsify(acc, seg.k, self._rng(step, seg.sid))
         self._put(buf, seg, acc[idx], idx)
         if self.options.error_feedback:
             acc[idx] = 0
+        if self.velocity is not None:
+            self.velocity[a:b][idx] = 0
 
     def _put(self, buf: _Buffer, seg: _Segment, values, idx) -> None:
+        """Values and flat indices into the segment's slots; slots a sparsifier left empty
+        (Gaussian-k) carry the value 0 at the segment's first index."""
         v0 = buf.n_agd + seg.slot
         i0 = buf.n_agd + buf.K + seg.slot
-        buf.send[v0:v0 + seg.k] = values.astype(np.float32, copy=False).view(np.int32)
-        buf.send[i0:i0 + seg.k] = (idx + seg.a).astype(np.int32)
+        c = int(idx.size)
+        buf.send[v0:v0 + c] = values.astype(np.float32, copy=False).view(np.int32)
+        buf.send[i0:i0 + c] = (idx + seg.a).astype(np.int32)
+        if c < seg.k:
+            buf.send[v0 + c:v0 + seg.k] = 0
+            buf.send[i0 + c:i0 + seg.k] = seg.a
 
     def _offload_job(self, buf: _Buffer, seg: _Segment, step: int):
         """Worker thread: sparsify one tensor on the CPU (on a GPU run: copy to the host, select
@@ -501,15 +869,22 @@ class SSFusion(Strategy):
             self._select(buf, seg, step)
             return time.perf_counter() - t, None
         host = self.ctx.model.grads.flat[seg.a:seg.b].get()
+        if self.mu:
+            u = self._host_vel[seg.sid]
+            u *= self.mu
+            u += host
+            host = u
         if self.options.error_feedback:
             acc = self._host_res[seg.sid]
             acc += host
         else:
             acc = host
-        idx = dgc_topk(acc, seg.k, self._rng(step, seg.sid), self.options.sample_ratio)
+        idx = self._sparsify(acc, seg.k, self._rng(step, seg.sid))
         values = acc[idx].copy()
         if self.options.error_feedback:
             acc[idx] = 0
+        if self.mu:
+            self._host_vel[seg.sid][idx] = 0
         return time.perf_counter() - t, (values, idx)
 
     def _sparsify_all(self, step: int) -> None:
@@ -535,6 +910,13 @@ class SSFusion(Strategy):
         clock, sync_dev = self.run.clock, self.run.backend.synchronize
         with clock.compute():
             t = time.perf_counter()
+            if self.velocity is not None:  # dense tensors: plain momentum u = μ u + g, sent
+                u = self.velocity
+                for buf in self._bufs:
+                    for ra, rb in buf.ar + buf.agd:
+                        u[ra:rb] *= self.mu
+                        u[ra:rb] += g[ra:rb]
+                        g[ra:rb] = u[ra:rb]
             self._sparsify_all(step)
             sync_dev()
             self._stats["sparsify_s"] += time.perf_counter() - t
@@ -572,25 +954,30 @@ class SSFusion(Strategy):
                                          minlength=buf.b - buf.a) / p
                     for seg in buf.segs:
                         g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
-                    gathered_idx.append(idx)
+                    gathered_idx.append(idx[values != 0])
         self._count_missing(gathered_idx)
         self._stats["sparse_steps"] += 1
         self._last = ("sparse", False)
         return g
 
     def _warmup_sync(self, step: int, g):
-        """Dense all-reduce of every fusion buffer; selective also profiles (T_b, T_sp, T_cpu)
-        and, after the last warm-up step, fixes the selection."""
-        selective = self.options.fusion == "selective"
-        if selective:
+        """Dense all-reduce of every warm-up buffer (with momentum correction, of ``u = μ u +
+        g``); a plan that needs timings also profiles (T_b, T_sp, T_cpu) and, after the last
+        warm-up step, is decided."""
+        profiling = self.plan is None
+        if profiling:
             with self.run.clock.compute():
                 t = time.perf_counter()
                 self._profile_step(step, g)
                 self._stats["profile_s"] += time.perf_counter() - t
-        for (t0, t1) in self.buffers:
+        if self.velocity is not None:
+            self.velocity *= self.mu
+            self.velocity += g
+            g[...] = self.velocity
+        for (t0, t1) in self._template.warmup_buffers:
             self.topo.world.allreduce(g[self.offsets[t0]:self.offsets[t1]], "avg",
                                       phase=cv.WARMUP)
-        decided = selective and step == self.warmup - 1
+        decided = profiling and step == self.warmup - 1
         if decided:
             self._decide()
         self._last = ("warmup", decided)
@@ -602,8 +989,7 @@ class SSFusion(Strategy):
         CPU worker while the backward goes on (read-only: the result is discarded)."""
         t_start = time.perf_counter()
         x = self.ctx.model.grads.flat[self.offsets[l]:self.offsets[l + 1]]
-        dgc_topk(self.run.backend.asnumpy(x), self._k_full[l], self._rng(step, l),
-                 self.options.sample_ratio)
+        self._sparsify(self.run.backend.asnumpy(x), self._k_full[l], self._rng(step, l))
         return l, t_submit, t_start, time.perf_counter()
 
     def _profile_step(self, step: int, g) -> None:
@@ -645,13 +1031,13 @@ class SSFusion(Strategy):
             a, b = int(self.offsets[l]), int(self.offsets[l + 1])
             backend.synchronize()
             t = time.perf_counter()
-            dgc_topk(g[a:b], self._k_full[l], self._rng(step, l), self.options.sample_ratio)
+            self._sparsify(g[a:b], self._k_full[l], self._rng(step, l))
             backend.synchronize()
             sums["T_sp"][l] += time.perf_counter() - t
         counts["T_sp"] += 1
 
     def _profile_vector(self) -> np.ndarray:
-        """The averaged profile, ``3L + 2`` float64 (:func:`commvol.ssfusion.profile_length`)."""
+        """The averaged profile, ``3L + 2`` float64 (:func:`volume.ssfusion.profile_length`)."""
         sums, n = self._sums, self._counts_prof
 
         def mean(f, fallback):
@@ -665,8 +1051,8 @@ class SSFusion(Strategy):
             dtype=np.float64)
 
     def _decide(self) -> None:
-        """Max-reduce the profiled timings, plan on rank 0, broadcast the plan (§IV-B online
-        profiling: the selection is recorded once and fixed).
+        """Max-reduce the profiled timings, plan on rank 0 (:func:`plan_ssfusion`), broadcast
+        the plan (§IV-B online profiling: buffers and selection are recorded once and fixed).
 
         Offload guard (not in the paper, whose backward runs on the GPU): the offload set of
         :func:`plan_offload` is kept only when the main-thread sparsification time it saves,
@@ -680,12 +1066,9 @@ class SSFusion(Strategy):
         world.allreduce(prof, "max", phase=cv.PROFILE)
         self._profile = prof[:3 * L].reshape(len(cv.PROFILE_FIELDS), L)
         T_b, T_sp, T_cpu = self._profile
-        code = np.zeros(cv.plan_length(L, len(self.buffers)), dtype=np.int64)
+        code = np.zeros(cv.plan_length(L), dtype=np.int64)
         if world.rank == 0:
-            times = alpha_beta_times(self.run.cost, world.size, world.slowest)
-            plan = plan_selective(self.sizes, self.buffers, T_b, T_sp, T_cpu,
-                                  density=o.density, density_floor=o.density_floor,
-                                  comm_times=times, interleave=o.interleave, offload=o.offload)
+            plan = plan_ssfusion(*self._plan_args, profile=(T_b, T_sp, T_cpu))
             if o.offload:
                 off = np.array(plan.offload)
                 saved = float(T_sp[off].sum())
@@ -698,13 +1081,14 @@ class SSFusion(Strategy):
                     plan = dataclasses.replace(plan, offload=(False,) * L)
             code[:] = plan.encode()
         world.bcast(code, 0, phase=cv.SELECT)
-        self._install(FusionPlan.decode(code, self.buffers))
+        self._install(self._template.decode(code))
 
     def _count_missing(self, gathered_idx) -> None:
-        """Tensor-missing rate (Table I): tensors with no selected entry on this rank, and with
-        none on any rank (dense tensors are never missing)."""
+        """Tensor-missing rate (Table I): tensors with no entry sent (with a non-zero value) by
+        this rank, and by no rank (dense tensors are never missing)."""
         xp = self.xp
-        own = [buf.send[buf.n_agd + buf.K:] for buf in self._bufs if buf.K]
+        own = [buf.send[buf.n_agd + buf.K:][buf.send[buf.n_agd:buf.n_agd + buf.K] != 0]
+               for buf in self._bufs if buf.K]
         dense = np.array([k < 0 for k in self.plan.k], dtype=bool)
 
         def missing(idx_list) -> np.ndarray:
@@ -725,19 +1109,12 @@ class SSFusion(Strategy):
         self._step = int(state.step) + 1
 
     def step_bytes(self) -> dict[str, dict]:
+        """The plan's closed form of the last step (:meth:`SSFusionPlan.step_bytes`)."""
         kind, decided = self._last
-        M, P = self.M, self.P
-        if kind == "warmup":
-            out = cv.warmup_step_bytes(M=M, P=P, buffer_sizes=self.buffer_sizes)
-            if decided:
-                out.update(cv.selection_bytes(M=M, P=P, num_tensors=self.L,
-                                              num_buffers=len(self.buffers)))
-            return out
-        if kind == "sparse":
-            ar, agd, ks = self._counts()
-            return cv.sparse_step_bytes(M=M, P=P, ar_counts=ar, ag_dense_counts=agd,
-                                        ag_sparse_counts=ks)
-        return {}
+        if kind == "none":
+            return {}
+        plan = self.plan if self.plan is not None else self._template
+        return plan.step_bytes(self.M, self.P, kind, decided)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -747,6 +1124,8 @@ class SSFusion(Strategy):
         host = self.run.backend.asnumpy
         state = {
             "residual": host(self.residual).copy(),
+            "velocity": (host(self.velocity).copy() if self.velocity is not None
+                         else np.zeros(0, np.float32)),
             "plan": self.plan.encode() if self.plan is not None else np.zeros(0, np.int64),
             "profile": (self._profile.copy() if self._profile is not None
                         else np.zeros((0, self.L))),
@@ -756,12 +1135,15 @@ class SSFusion(Strategy):
         }
         state.update({f"sums/{k}": v.copy() for k, v in self._sums.items()})
         state.update({f"host_res/{sid}": r.copy() for sid, r in self._host_res.items()})
+        state.update({f"host_vel/{sid}": r.copy() for sid, r in self._host_vel.items()})
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.residual[...] = self.xp.asarray(state["residual"])
+        if self.velocity is not None:
+            self.velocity[...] = self.xp.asarray(state["velocity"])
         if state["plan"].size:
-            self._install(FusionPlan.decode(state["plan"], self.buffers))
+            self._install(self._template.decode(state["plan"]))
         self._profile = state["profile"].copy() if state["profile"].size else None
         self._offload_guard = json.loads(str(state["offload_guard"]))
         self._counts_prof = json.loads(str(state["counts_prof"]))
@@ -771,18 +1153,22 @@ class SSFusion(Strategy):
         self._sums = {k: state[f"sums/{k}"].copy() for k in self._sums}
         for sid, r in self._host_res.items():
             r[...] = state[f"host_res/{sid}"]
+        for sid, r in self._host_vel.items():
+            r[...] = state[f"host_vel/{sid}"]
 
     # -- summary ----------------------------------------------------------------------------------
     def report(self) -> dict:
         o, st = self.options, self._stats
-        out = {"fusion": o.fusion, "buffers": len(self.buffers),
+        out = {"fusion": o.fusion, "fusion_policy": o.fusion_policy, "sparsifier": o.sparsifier,
+               "momentum_correction": self.mu, "buffers": len(self.buffers),
                "buffer_tensors": [list(self.names[t0:t1]) for t0, t1 in self.buffers],
+               "warmup_buffer_tensors": [list(self.names[t0:t1])
+                                         for t0, t1 in self._template.warmup_buffers],
                "profile_steps": self.warmup, "sparse_steps": st["sparse_steps"]}
         if self.plan is None:
             return out
         ar, agd, ks = self._counts()
-        sparse = cv.sparse_step_bytes(M=self.M, P=self.P, ar_counts=ar, ag_dense_counts=agd,
-                                      ag_sparse_counts=ks)
+        sparse = self.plan.step_bytes(self.M, self.P, "sparse")
         ddp_buckets = flat_buckets(self.layout, int(DDPOptions().bucket_mib * (1 << 20)), 4)
         ddp = ddp_step_bytes(M=self.M, P=self.P, bucket_sizes=[b - a for a, b in ddp_buckets])
         ddp_total = sum(ddp["grad_allreduce"].values())

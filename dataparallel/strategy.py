@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from substrate.options import add_dataclass_args, flag_of, from_args
 
 __all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
            "add_options_args", "options_from_args", "check_unused_options"]
@@ -162,49 +163,11 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-
-
 def add_options_args(parser: argparse.ArgumentParser, options_cls: type, title: str) -> None:
-    """Add one flag per field of the frozen dataclass ``options_cls``.
-
-    Field metadata: ``help`` (text), ``type`` (a callable for optional or union types), and
-    ``flag`` (default ``--field-name``).  A flag another strategy already added is shared (the
-    two fields must mean the same thing and have the same default).
-    """
-    fields = dataclasses.fields(options_cls)
-    if not fields:
-        return
-    existing = {a.dest: a for a in parser._actions}
-    hints = typing.get_type_hints(options_cls)
-    group = parser.add_argument_group(title)
-    for f in fields:
-        if f.name in existing:
-            if existing[f.name].default != f.default:
-                raise ValueError(f"option {_flag(f)} declared with defaults "
-                                 f"{existing[f.name].default!r} and {f.default!r}")
-            continue
-        kw = {"dest": f.name, "default": f.default, "help": f.metadata.get("help", "")}
-        if kw["help"]:
-            kw["help"] += " (default %(default)s)"
-        if hints[f.name] is bool:
-            kw["action"] = "store_false" if f.default else "store_true"
-            flag = _flag(f) if not f.default else "--no-" + _flag(f)[2:]
-        else:
-            kw["type"] = f.metadata.get("type", hints[f.name])
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            flag = _flag(f)
-        group.add_argument(flag, **kw)
-
-
-def _cli_flag(options_cls: type, f: dataclasses.Field) -> str:
-    """The flag :func:`add_options_args` gives a field (``--no-...`` for booleans on by
-    default)."""
-    if typing.get_type_hints(options_cls)[f.name] is bool and f.default:
-        return "--no-" + _flag(f)[2:]
-    return _flag(f)
+    """Add one flag per field of the frozen dataclass ``options_cls``
+    (:func:`substrate.options.add_dataclass_args`; a flag another strategy already added is
+    shared, which requires the same default)."""
+    add_dataclass_args(parser, options_cls, title)
 
 
 def check_unused_options(args: argparse.Namespace, method: str) -> None:
@@ -220,7 +183,7 @@ def check_unused_options(args: argparse.Namespace, method: str) -> None:
     users: dict[str, tuple[str, object, list[str]]] = {}
     for name, cls in sorted(STRATEGIES.items()):
         for f in dataclasses.fields(cls.Options):
-            users.setdefault(f.name, (_cli_flag(cls.Options, f), f.default, []))[2].append(name)
+            users.setdefault(f.name, (flag_of(cls.Options, f.name), f.default, []))[2].append(name)
     unused = [f"{flag} (used by --method {' / '.join(methods)})"
               for dest, (flag, default, methods) in users.items()
               if dest not in own and hasattr(args, dest) and getattr(args, dest) != default]
@@ -233,5 +196,4 @@ def check_unused_options(args: argparse.Namespace, method: str) -> None:
 def options_from_args(options_cls: type, args: argparse.Namespace):
     """Build the frozen options of a strategy from parsed arguments (its constructor
     validates)."""
-    return options_cls(**{f.name: getattr(args, f.name)
-                          for f in dataclasses.fields(options_cls) if hasattr(args, f.name)})
+    return from_args(options_cls, args)

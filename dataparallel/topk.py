@@ -5,21 +5,22 @@ Every step each rank adds its residual to the fresh gradient, ``a = g + e``, kee
 default 1 %), sends them as ``(float32 value, int32 flat index)`` pairs in one all-gather over
 all ranks, and keeps the rest as the new residual ``e = a - sparse(a)``.  The synchronized
 gradient is ``(1/p) Σ_j sparse(a_j)``, scattered into the dense flat buffer.
-Closed form: :func:`commvol.dataparallel.topk_step_bytes`.
+Closed form: :func:`volume.dataparallel.topk_step_bytes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from commvol.dataparallel import topk_k, topk_step_bytes
 from substrate.backend import array_module
+from substrate.options import option
+from volume.dataparallel import topk_step_bytes
 
 from .strategy import Strategy, register
 
-__all__ = ["TopKOptions", "TopK", "topk_select"]
+__all__ = ["TopKOptions", "TopKPlan", "TopK", "topk_select"]
 
 
 def topk_select(acc, offsets, ks, out_idx) -> None:
@@ -45,15 +46,37 @@ def topk_select(acc, offsets, ks, out_idx) -> None:
 class TopKOptions:
     """Options of Top-K sparsification."""
 
-    density: float = field(default=0.01, metadata={
-        "help": "fraction of each tensor's entries sent per step"})
-    error_feedback: bool = field(default=True, metadata={
-        "help": "accumulate unsent entries into the next step (disable with --no-error-feedback)"})
+    density: float = option(0.01, "fraction of each tensor's entries sent per step")
+    error_feedback: bool = option(
+        True, "accumulate unsent entries into the next step (disable with --no-error-feedback)")
 
     def __post_init__(self) -> None:
         if not 0 < self.density <= 1:
             raise ValueError(f"--density must be in (0, 1] (e.g. 0.01 for 1 %), got "
                              f"{self.density}")
+
+
+@dataclass(frozen=True)
+class TopKPlan:
+    """The one plan of Top-K: how many entries of each tensor every rank sends per step,
+    ``k_l = min(n_l, max(1, ⌈d n_l⌉))`` (DGC's per-tensor selection), in backward order."""
+
+    ks: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def for_layout(cls, layout, options: TopKOptions) -> "TopKPlan":
+        sizes = np.array([layout.sizes[n] for n in layout.names], dtype=np.int64)
+        ks = np.minimum(sizes, np.maximum(1, np.ceil(options.density * sizes).astype(np.int64)))
+        return cls(tuple(int(k) for k in ks), int(sizes.sum()))
+
+    @property
+    def K(self) -> int:
+        return int(sum(self.ks))
+
+    def step_bytes(self, M: int, P: int) -> dict[str, dict]:
+        """One step: a ring all-gather of ``K`` float32 values + ``K`` int32 indices per rank."""
+        return topk_step_bytes(M=M, P=P, k_total=self.K)
 
 
 @register
@@ -68,8 +91,8 @@ class TopK(Strategy):
         xp, layout = self.xp, self.layout
         sizes = [layout.sizes[n] for n in layout.names]
         self.offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-        self.ks = topk_k(sizes, options.density)
-        self.K = int(sum(self.ks))
+        self.plan = TopKPlan.for_layout(layout, options)
+        self.ks, self.K = list(self.plan.ks), self.plan.K
         g = ctx.model.grads.flat
         if g.dtype != np.float32:
             raise ValueError(f"top-k packs float32 values with int32 indices; the model is "
@@ -82,7 +105,28 @@ class TopK(Strategy):
         self._send = xp.empty(2 * self.K, dtype=np.int32)  # [values as int32 bits | indices]
 
     def sync(self, state, buffers):
+        """Select, all-gather, scatter.  On the timeline the selection is a compute event after
+        the whole backward and the all-gather starts when it ends (DGC selects over every
+        tensor before its one all-gather)."""
         xp, g = self.xp, buffers.flat
+        clock = self.run.clock
+        with clock.compute("topk_select", deps=clock.ready(0, g.size)):
+            self._select(g)
+        gathered = self.topo.world.allgather(self._send, phase="topk_allgather")
+        if clock.timeline is not None:
+            clock.timeline.collective(self.topo.world, "topk_allgather",
+                                      self.topo.size * self._send.nbytes,
+                                      algorithm="allgather", deps=clock.last_event)
+        K = self.K
+        values = gathered[:, :K].reshape(-1).view(np.float32)
+        indices = gathered[:, K:].reshape(-1)
+        dense = xp.bincount(indices, weights=values.astype(np.float64), minlength=g.size)
+        g[...] = dense / self.topo.size
+        return g
+
+    def _select(self, g) -> None:
+        """Error feedback and per-tensor Top-K into the send buffer ``[values | indices]``."""
+        xp = self.xp
         acc = self._acc
         if self.options.error_feedback:
             xp.add(g, self.residual, out=acc)
@@ -96,15 +140,9 @@ class TopK(Strategy):
         if self.options.error_feedback:
             self.residual[...] = acc
             self.residual[idx] = 0
-        gathered = self.topo.world.allgather(self._send, phase="topk_allgather")
-        values = gathered[:, :K].reshape(-1).view(np.float32)
-        indices = gathered[:, K:].reshape(-1)
-        dense = xp.bincount(indices, weights=values.astype(np.float64), minlength=g.size)
-        g[...] = dense / self.topo.size
-        return g
 
     def step_bytes(self) -> dict[str, dict]:
-        return topk_step_bytes(M=self.M, P=self.P, k_total=self.K)
+        return self.plan.step_bytes(self.M, self.P)
 
     def report(self) -> dict:
         return {"payload_ratio": 2 * self.K / self.layout.total, "k_total": self.K}

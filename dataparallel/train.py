@@ -10,7 +10,7 @@ epochs equals H-SADMM's default of 8 outer iterations of one local epoch.
 Per evaluation interval (``--eval-every`` steps, and the last step) ``metrics.jsonl`` holds the
 rank-0 training loss, test accuracy of the synchronized model, the interval's inter/intra-node
 bytes, modeled communication time per phase and the simulated clock.  ``summary.json`` holds
-measured (ledger) and predicted (closed form, :mod:`commvol.dataparallel`) traffic.
+measured (ledger) and predicted (closed form, :mod:`volume.dataparallel`) traffic.
 
 Checkpoints: ``--checkpoint-every N`` saves every rank's state after every N-th step and at the
 end (:class:`substrate.cli.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
@@ -34,14 +34,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models import SGD, SGDConfig, build_model, iterate_batches, load_dataset, shard
+from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_dataset, shard
+from models.optim import make_optimizer, make_schedule
 from models.data import check_batch_size
-from models.train import evaluate
-from substrate.cli import (Progress, RunCheckpoints, add_common_args, add_training_args,
-                           check_range, start_run)
+from models.train import evaluate, parse_arch
+from substrate.cli import (
+    Progress,
+    RunCheckpoints,
+    add_common_args,
+    add_training_args,
+    check_range,
+    start_run,
+)
+from substrate.ledger import Predicted
+from substrate.options import add_dataclass_args, from_args, option
 
-from .strategy import (STRATEGIES, StepState, SyncContext, add_options_args,
-                       check_unused_options, options_from_args)
+from .strategy import (
+    STRATEGIES,
+    StepState,
+    SyncContext,
+    add_options_args,
+    check_unused_options,
+    options_from_args,
+)
 
 __all__ = ["DPConfig", "build_parser", "train", "main"]
 
@@ -50,21 +65,32 @@ __all__ = ["DPConfig", "build_parser", "train", "main"]
 class DPConfig:
     """Trainer configuration shared by every strategy (frozen; written into ``summary.json``)."""
 
-    method: str = "ddp"
-    model: str = "cnn"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    epochs: float = 8.0
-    steps: int | None = None
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    eval_every: int = 0
-    target_accuracy: float = 0.9
-    checkpoint_every: int = 0
-    resume: bool = False
-    seed: int = 0
+    method: str = option("ddp", "gradient-sync strategy: one of the registered methods "
+                         "(ddp, topk, pactrain, sdp, ssfusion, ...)")
+    model: str = option("cnn", "models/ name: cnn, resnet, mlp")
+    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic")
+    data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files")
+    epochs: float = option(8.0, "passes over each shard")
+    steps: int | None = option(None, "optimizer steps (overrides --epochs)")
+    batch_size: int = option(32, "per-rank batch size")
+    lr: float = option(0.05, "learning rate")
+    optimizer: str = option("sgd", "optimizer: SGD with momentum, or AdamW (its beta1 is "
+                            "--momentum)", choices=tuple(sorted(OPTIMIZERS)))
+    lr_schedule: str = option("constant", "learning-rate schedule over the run's steps",
+                              choices=tuple(sorted(SCHEDULES)))
+    warmup: float = option(0.0, "fraction of the steps with a linear warm-up (--lr-schedule "
+                           "cosine)")
+    arch: tuple = option(default_factory=tuple, help="model factory argument, repeatable: "
+                         "--arch depths=2,2 --arch planes=16,32 (--arch context=N: the text "
+                         "dataset's window)", append=True, metavar="KEY=VALUE")
+    momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
+    weight_decay: float = option(1e-4, "weight decay of conv and fc weights")
+    eval_every: int = option(0, "steps between test evaluations (0: once per epoch)")
+    target_accuracy: float = option(0.9, "accuracy for the simulated time-to-accuracy metric")
+    #: from :func:`substrate.cli.add_training_args` / :func:`substrate.cli.add_common_args`
+    checkpoint_every: int = option(0, cli=False)
+    resume: bool = option(False, cli=False)
+    seed: int = option(0, cli=False)
 
     def __post_init__(self) -> None:
         if self.method not in STRATEGIES:
@@ -77,6 +103,12 @@ class DPConfig:
         check_range("--lr", self.lr, gt=0)
         check_range("--momentum", self.momentum, ge=0, lt=1)
         check_range("--weight-decay", self.weight_decay, ge=0)
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"--warmup is a fraction of the run's steps in [0, 1), got "
+                             f"{self.warmup}")
+        if self.warmup > 0 and self.lr_schedule != "cosine":
+            raise ValueError("--warmup needs --lr-schedule cosine")
+        parse_arch(self.arch)  # validates KEY=VALUE
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
@@ -96,22 +128,7 @@ class DPConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataparallel train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = DPConfig()
-    p.add_argument("--method", default=d.method, help=f"one of {sorted(STRATEGIES)}")
-    p.add_argument("--model", default=d.model, help="models/ name: cnn, resnet, mlp")
-    p.add_argument("--dataset", default=d.dataset,
-                   help="digits (embedded), mnist, cifar10, synthetic")
-    p.add_argument("--data-dir", default=None, help="directory of MNIST/CIFAR-10 files")
-    p.add_argument("--epochs", type=float, default=d.epochs, help="passes over each shard")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="steps between test evaluations (0: once per epoch)")
-    p.add_argument("--target-accuracy", type=float, default=d.target_accuracy,
-                   help="accuracy for the simulated time-to-accuracy metric")
+    add_dataclass_args(p, DPConfig, "training")
     for name, cls in sorted(STRATEGIES.items()):
         add_options_args(p, cls.Options, f"--method {name}")
     add_training_args(p, "step", progress_every=20)
@@ -132,10 +149,9 @@ def _trainer_state(run, model, opt, strategy, acc) -> dict:
     accumulators are added by the caller)."""
     state = {"model/params": _host(run, model.params.flat)}
     state.update({f"model/buffer/{k}": _host(run, v) for k, v in model.buffers.items()})
-    opt_state = opt.state_dict()
-    state["opt/step_count"] = np.int64(opt_state["step_count"])
-    if opt_state["momentum_buffer"] is not None:
-        state["opt/momentum"] = opt_state["momentum_buffer"]
+    for key, value in opt.state_dict().items():     # SGD: momentum; AdamW: both moments
+        if value is not None:
+            state[f"opt/{key}"] = np.int64(value) if key == "step_count" else value
     state.update({f"strategy/{k}": v for k, v in strategy.state_dict().items()})
     state["train/acc"] = np.float64(acc)
     return state
@@ -153,45 +169,51 @@ def _load_trainer_state(run, model, opt, strategy, state: dict) -> None:
     for k, v in model.buffers.items():
         v[...] = xp.asarray(state[f"model/buffer/{k}"])
     opt.load_state_dict({"step_count": int(state["opt/step_count"]),
-                         "momentum_buffer": state.get("opt/momentum")})
+                         **{k[len("opt/"):]: v for k, v in state.items()
+                            if k.startswith("opt/") and k != "opt/step_count"},
+                         "momentum_buffer": state.get("opt/momentum_buffer")})
     strategy.load_state_dict({k[len("strategy/"):]: v for k, v in state.items()
                               if k.startswith("strategy/")})
 
 
 def train(args) -> dict:
     """Train with the configured strategy; returns the summary (every rank)."""
-    values = {k: getattr(args, k) for k in DPConfig.__dataclass_fields__ if hasattr(args, k)}
-    cfg = DPConfig(**values)
+    cfg = from_args(DPConfig, args)
     cls = STRATEGIES[cfg.method]
     check_unused_options(args, cfg.method)
     options = options_from_args(cls.Options, args)
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
     xp = run.xp
-    data = load_dataset(cfg.dataset, cfg.data_dir)
+    arch = dict(parse_arch(cfg.arch))
+    data_kw = {"context": int(arch.pop("context"))} if "context" in arch else {}
+    data = load_dataset(cfg.dataset, cfg.data_dir, **data_kw)
     train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
     check_batch_size(cfg.batch_size, len(train_shard),
                      f"each rank's shard of the {len(data.train)} {cfg.dataset} training "
                      f"samples split over {run.size} ranks")
     test = data.test.to(xp)
     shape, classes = data.train.input_shape, data.train.num_classes
-    model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
-    opt = SGD(model.params, model.grads,
-              SGDConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                        decay_kinds=("conv", "fc")))
+    model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed, **arch)
+    budget = cfg.total_steps(len(train_shard))
+    schedule = make_schedule(cfg.lr_schedule, cfg.lr, budget,
+                             warmup_steps=int(cfg.warmup * budget))
+    opt = make_optimizer(cfg.optimizer, model.params, model.grads, lr=cfg.lr,
+                         momentum=cfg.momentum, betas=(cfg.momentum, 0.999),
+                         weight_decay=cfg.weight_decay, decay_kinds=("conv", "fc"),
+                         schedule=schedule)
     strategy = cls(SyncContext(run=run, model=model, opt=opt, train=train_shard, config=cfg),
                    options)
-    eval_model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed)
+    eval_model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed, **arch)
 
     steps_per_epoch = math.ceil(len(train_shard) / cfg.batch_size)
-    budget = cfg.total_steps(len(train_shard))
     total = strategy.total_steps(budget)
     eval_every = cfg.eval_every or steps_per_epoch
     fingerprint = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE},
                    "options": dataclasses.asdict(options)}
     ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint, unit="step",
                           flag="--steps")
-    predicted: dict[str, dict] = {}
+    predicted = Predicted()
     acc = float("nan")
     time_to_target = None
     step, losses = 0, []
@@ -202,39 +224,44 @@ def train(args) -> dict:
         _load_trainer_state(run, model, opt, strategy, state)
         acc = float(state["train/acc"])
         losses = state["train/losses"].tolist()
-        interval, snap, predicted, time_to_target = (
+        interval, snap, pred_state, time_to_target = (
             json.loads(str(state[f"train/{k}"]))
             for k in ("interval", "snap", "predicted", "time_to_target"))
+        predicted = Predicted.from_state(pred_state)
     start = step
-
-    def bytes_so_far(link):
-        return sum(e[f"{link}_bytes"] for e in predicted.values())
 
     progress = Progress(run, total=total, unit="step", every=getattr(args, "progress_every", 0),
                         start=start)
     epoch = step // steps_per_epoch
+    # per-layer compute events (timeline clock): gradients become ready in backward order
+    model.recorder = run.clock.layers
+    # since the last metrics line: wall seconds of the training steps (forward, backward, sync,
+    # update; no evaluation: the measured side of the per-step timeline comparison), simulated
+    # step time (critical path) and the no-overlap sum
+    wall_acc, sim_acc, serial_acc, wall_step = 0.0, 0.0, 0.0, step
     while step < total:
         batches = iterate_batches(train_shard, cfg.batch_size, seed=cfg.seed, rank=run.rank,
                                   epoch=epoch)
         # a resumed run continues the epoch's stream after the batches already consumed
         for x, y in itertools.islice(batches, step - epoch * steps_per_epoch, None):
-            with run.clock.compute():
+            with run.clock.compute("forward+backward"):
                 loss, _ = model.loss_and_grad(x, y, ready=strategy.on_ready)
             state = StepState(step=step, epoch=epoch, loss=float(loss))
             strategy.sync(state, model.grads)
-            with run.clock.compute():
+            with run.clock.compute("optimizer", deps=run.clock.comm_events()):
                 opt.step()
             strategy.after_step(state)
             step += 1
             evaluating = step % eval_every == 0 or step == total
             if evaluating:
                 strategy.before_eval()
-            for phase, b in strategy.step_bytes().items():  # == measured (tested)
-                e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
-                e["intra_bytes"] += b["intra"]
-                e["inter_bytes"] += b["inter"]
-                interval["intra"] += b["intra"]
-                interval["inter"] += b["inter"]
+            timing = run.clock.step()
+            wall_acc += run.clock.step_wall_s
+            sim_acc += timing.step_s
+            serial_acc += timing.no_overlap_s
+            b = predicted.add(strategy.step_bytes())  # == measured (tested)
+            interval["intra"] += b["intra"]
+            interval["inter"] += b["inter"]
             losses.append(float(loss))
             if evaluating:
                 if run.rank == 0:
@@ -246,22 +273,27 @@ def train(args) -> dict:
                         time_to_target = run.clock.sim_s
                 delta = run.ledger.since(snap)
                 snap = run.ledger.snapshot()
-                run.log(step=step, epoch=step / steps_per_epoch, loss=float(np.mean(losses)),
+                run.log(step, epoch=step / steps_per_epoch, loss=float(np.mean(losses)),
+                        step_wall_s=wall_acc / max(1, step - wall_step),
+                        step_sim_s=sim_acc / max(1, step - wall_step),
+                        step_no_overlap_s=serial_acc / max(1, step - wall_step),
                         test_accuracy=acc, sim_s=run.clock.sim_s,
                         compute_s=run.clock.compute_s,
                         comm_modeled_s=run.clock.comm_modeled_s,
                         phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
                         inter_node_bytes=interval["inter"], intra_node_bytes=interval["intra"])
                 losses, interval = [], {"intra": 0, "inter": 0}
+                wall_acc, sim_acc, serial_acc, wall_step = 0.0, 0.0, 0.0, step
+                run.clock.mark()   # the evaluation is not part of the next step's wall time
             progress.update(step, loss=float(loss), test_accuracy=acc,
-                            inter_bytes=bytes_so_far("inter"),
-                            total_bytes=bytes_so_far("inter") + bytes_so_far("intra"))
+                            inter_bytes=predicted.total("inter"),
+                            total_bytes=predicted.total("inter") + predicted.total("intra"))
             if ckpt.due(step, last=step == total):
                 ckpt.save(step, {
                     **_trainer_state(run, model, opt, strategy, acc),
                     "train/losses": np.array(losses, dtype=np.float64),
                     **{f"train/{k}": json.dumps(v) for k, v in (
-                        ("interval", interval), ("snap", snap), ("predicted", predicted),
+                        ("interval", interval), ("snap", snap), ("predicted", predicted.state()),
                         ("time_to_target", time_to_target))}})
             if step == total:
                 break
@@ -272,9 +304,13 @@ def train(args) -> dict:
                "sim_s_to_target": time_to_target, **strategy.report()}
     if cfg.resume:
         metrics["resumed_from_step"] = start
-    pred = {"inter_node_bytes": bytes_so_far("inter"), "intra_node_bytes": bytes_so_far("intra"),
-            "by_phase": predicted}
-    summary = run.finish(metrics=metrics, predicted=pred)
+    if getattr(eval_model, "lm", False):
+        # a language model: held-out loss over every position, perplexity, bits per byte
+        # on rank 0, which writes the summary (its eval_params are the assembled model)
+        if run.rank == 0:
+            eval_model.params.flat[...] = strategy.eval_params()
+            metrics.update({f"heldout_{k}": v for k, v in eval_model.evaluate_lm(test).items()})
+    summary = run.finish(metrics=metrics, predicted=predicted.block())
     return {**summary, "_rank": run.rank}
 
 

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["balance_penalty", "eps_primal", "eps_dual"]
+__all__ = ["balance_penalty", "increase_penalty", "eps_primal", "eps_dual", "penalty_groups",
+           "RHO_UPDATES"]
+
+#: ``--rho-update`` rules: Boyd's residual balancing, or a penalty that grows every iteration
+RHO_UPDATES = ("balance", "increase")
 
 
 def balance_penalty(rho, r_norm, s_norm, mu: float = 10.0, tau: float = 2.0,
@@ -51,6 +55,18 @@ def balance_penalty(rho, r_norm, s_norm, mu: float = 10.0, tau: float = 2.0,
     return new, rho / new
 
 
+def increase_penalty(rho, tau: float = 2.0, rho_max: float = 10.0):
+    """``rho <- min(tau rho, rho_max)`` every iteration, whatever the residuals (the increasing
+    penalty of PruneX §4.5: "as the H-SADMM penalty parameters increase ... the sparsity
+    patterns naturally stabilize"; from §5.1.5's rho1 = 1.5e-3 the cap 10 is reached after 13
+    doublings).  Returns ``(new, rho_old / rho_new)`` as :func:`balance_penalty`."""
+    if tau <= 1:
+        raise ValueError(f"need tau > 1 for an increasing penalty, got tau={tau}")
+    rho = np.asarray(rho, dtype=np.float64)
+    new = np.minimum(rho * tau, np.maximum(rho, rho_max))
+    return new, rho / new
+
+
 def eps_primal(n, x_norm, z_norm, eps_abs: float = 1e-4, eps_rel: float = 1e-3):
     """``sqrt(n) eps_abs + eps_rel max(||x||, ||z||)`` per layer."""
     return np.sqrt(np.asarray(n, dtype=np.float64)) * eps_abs + eps_rel * np.maximum(x_norm,
@@ -60,3 +76,16 @@ def eps_primal(n, x_norm, z_norm, eps_abs: float = 1e-4, eps_rel: float = 1e-3):
 def eps_dual(n, y_norm, eps_abs: float = 1e-4, eps_rel: float = 1e-3):
     """``sqrt(n) eps_abs + eps_rel ||rho u||`` per layer."""
     return np.sqrt(np.asarray(n, dtype=np.float64)) * eps_abs + eps_rel * np.asarray(y_norm)
+
+
+def penalty_groups(layout, scope: str) -> tuple[list[str], np.ndarray]:
+    """``(group names, group index of every tensor)`` for the adaptive penalties.
+
+    ``scope="layer"`` (PruneX §3.4, layer-wise ``rho^l``): tensors named ``<layer>.<param>``
+    share the group ``<layer>``; ``"tensor"``: one group per tensor.
+    """
+    names = list(layout.names)
+    keys = names if scope == "tensor" else [n.rsplit(".", 1)[0] for n in names]
+    groups = list(dict.fromkeys(keys))
+    index = {g: i for i, g in enumerate(groups)}
+    return groups, np.array([index[k] for k in keys], dtype=np.int64)

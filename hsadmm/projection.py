@@ -17,7 +17,7 @@ chooses to prune them; PruneX keeps FC layers dense.
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from substrate.backend import array_module
 
@@ -52,7 +52,12 @@ def parse_sparsity(spec: str) -> tuple[str, ...]:
 
 
 def keep_count(keep: float, n: int) -> int:
-    """Number of groups ``alpha = max(1, round(keep * n))`` kept out of ``n`` at rate ``keep``.
+    """Number of groups ``alpha`` kept out of ``n`` at rate ``keep``: ``keep * n`` rounded to
+    the nearest integer, ties up (keep 0.5 of 9 keeps 5), at least 1 and at most ``n``.
+
+    PruneX gives only the rate (§5.1.5: "keep rate 0.5, i.e. 50 % channel density"); ties up
+    keeps the majority of an odd count, and round-half-to-even (keep 0.5 of 9 keeps 4, of 11
+    keeps 6) is not used because it rounds ties in both directions.
 
     Raises
     ------
@@ -62,7 +67,7 @@ def keep_count(keep: float, n: int) -> int:
     if not (isinstance(keep, (int, float)) and 0.0 < keep <= 1.0):
         raise ValueError(f"keep rate must be in (0, 1], got {keep!r}; e.g. --keep 0.5 keeps half "
                          "of the filters/channels")
-    return max(1, min(n, int(round(keep * n))))
+    return max(1, min(n, math.floor(keep * n + 0.5)))
 
 
 def _as4d(w):

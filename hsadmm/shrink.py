@@ -10,6 +10,11 @@ eq. 15).
   per mask; reused while masks are frozen), and cuts that buffer into ~32 MiB buckets at layer
   boundaries for the inter-node all-reduce.  :meth:`ShrinkPlan.expand` scatters the compact values
   back into zero-filled full tensors.  Layers without a mask (FC, biases, BN) travel whole.
+
+The plan is pure (no MPI): :meth:`ShrinkPlan.for_layout` builds it from a parameter layout and
+the global masks by weight name.  The solver builds its plan with it from the masks of eq. 14;
+``commvol`` predicts with :meth:`ShrinkPlan.from_keep_rates`, the same plan for masks with the
+support sizes eq. 10 keeps (:func:`keep_rate_mask`), at any scale.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import numpy as np
 from substrate.backend import array_module
 from substrate.comm import bucket_groups
 
-__all__ = ["MaskCodec", "ShrinkPlan", "kept_indices"]
+from .projection import keep_count, parse_sparsity
+
+__all__ = ["MaskCodec", "ShrinkPlan", "kept_indices", "keep_rate_mask", "pruned_names"]
 
 
 class MaskCodec:
@@ -67,6 +74,48 @@ def kept_indices(mask) -> tuple[np.ndarray, np.ndarray]:
             np.flatnonzero(m4.any(axis=(0, 2))).astype(np.int64))
 
 
+def pruned_names(layout) -> list[str]:
+    """The tensors eq. 10 projects: every conv weight (PruneX §5.1.5: convolutional layers
+    only; FC, biases and BatchNorm stay dense), in layout order."""
+    return [n for n in layout.names if layout.kind(n) == "conv"]
+
+
+def keep_rate_mask(shape, kinds: tuple[str, ...], keep: float) -> np.ndarray:
+    """A structured mask with the support sizes the projection of eq. 10 keeps at ``keep``.
+
+    Which groups are kept does not matter for the volume, only how many: filter ``alpha_out``
+    filters, channel ``alpha_in`` input channels (:func:`~hsadmm.projection.keep_count`), applied
+    in the projection order (filter, channel, shape).  Shape sparsity keeps ``alpha_kern`` of the
+    ``C_in K_H K_W`` kernel columns, dealt over the live channels position by position (the
+    widest ``K_in`` a shape mask can have).
+
+    Parameters
+    ----------
+    shape : tuple
+        ``(C_out, C_in, K_H, K_W)`` (or ``(d_out, d_in)``).
+    kinds : tuple of str
+        From :func:`hsadmm.projection.parse_sparsity`.
+    keep : float
+        Keep rate in ``(0, 1]``.
+    """
+    shape = tuple(int(s) for s in shape)
+    s4 = shape if len(shape) == 4 else (shape[0], shape[1], 1, 1)
+    co, ci, kh, kw = s4
+    mask = np.ones(s4, dtype=bool)
+    if "filter" in kinds:
+        mask[keep_count(keep, co):] = False
+    if "channel" in kinds:
+        mask[:, keep_count(keep, ci):] = False
+    if "shape" in kinds:
+        alpha = keep_count(keep, ci * kh * kw)
+        live = np.flatnonzero(mask.any(axis=(0, 2, 3)))
+        cols = np.zeros((ci, kh * kw), dtype=bool)
+        for c, q in [(c, q) for q in range(kh * kw) for c in live][:alpha]:
+            cols[c, q] = True
+        mask &= cols.reshape(1, ci, kh, kw)
+    return mask.reshape(shape)
+
+
 class ShrinkPlan:
     """Compact layout of ``[K_out, K_in]`` slices for one set of global masks (eq. 15).
 
@@ -107,6 +156,33 @@ class ShrinkPlan:
         self.buffer = xp.empty(self.compact_size, dtype=self.dtype)  # allocated once
         groups = bucket_groups([n * self.dtype.itemsize for n in sizes], bucket_bytes)
         self.buckets = [(int(self.offsets[g[0]]), int(self.offsets[g[-1] + 1])) for g in groups]
+        #: packed bytes of the global masks of eq. 14 (``ceil(sum of masked numel / 8)``)
+        self.mask_bytes = MaskCodec([m.shape for m in masks if m is not None]).nbytes
+
+    @classmethod
+    def for_layout(cls, layout, masks: dict, *, bucket_mib: float = 32.0, dtype=np.float32,
+                   xp=np) -> ShrinkPlan:
+        """The plan of ``layout``'s tensors for global masks ``{weight name: mask}`` (eq. 15):
+        named tensors travel as ``[K_out, K_in]`` slices, the others whole; buckets of
+        ``bucket_mib`` MiB at tensor boundaries (§4.4.2)."""
+        unknown = sorted(set(masks) - set(layout.names))
+        if unknown:
+            raise ValueError(f"masks name tensors {unknown} that the layout does not have")
+        names = list(layout.names)
+        return cls([layout.shape(n) for n in names], [masks.get(n) for n in names], dtype=dtype,
+                   xp=xp, bucket_bytes=int(bucket_mib * (1 << 20)))
+
+    @classmethod
+    def from_keep_rates(cls, layout, cfg, keep_overrides: dict | None = None) -> ShrinkPlan:
+        """The plan for masks with the support sizes eq. 10 keeps on every conv weight of
+        ``layout`` (:func:`keep_rate_mask`) at ``cfg.keep`` (per-layer ``keep_overrides``), for
+        ``cfg.sparsity`` and ``cfg.bucket_mib``; float32 on the host.  All nodes agree on these
+        masks, so the OR of eq. 14 adds nothing."""
+        kinds = parse_sparsity(cfg.sparsity)
+        overrides = keep_overrides or {}
+        masks = {n: keep_rate_mask(layout.shape(n), kinds, float(overrides.get(n, cfg.keep)))
+                 for n in pruned_names(layout)}
+        return cls.for_layout(layout, masks, bucket_mib=cfg.bucket_mib)
 
     @property
     def ratio(self) -> float:

@@ -21,8 +21,16 @@ One outer iteration (:meth:`HSADMM.iterate`):
 5. ``u`` update (eq. 12), per-layer residuals at both levels, the stopping rule and residual
    balancing of ``rho1``/``rho2`` per layer (§3.4); mask freezing (§4.5).
 
-Flat ADMM ("PruneX (AR)") replaces steps 2–4 by a dense SUM all-reduce of ``theta + u`` over all
-ranks, ``z = Pi_S(rho1 Σ(theta + u) / (lambda + N rho1))``, with no hierarchy and no shrinkage.
+Flat ADMM ("PruneX (AR)", §5.1.4) differs only in topology: it replaces steps 2–4 by a dense SUM
+all-reduce of ``theta + u`` over all ranks, ``z = Pi_S(rho1 Σ(theta + u) / (lambda + N rho1))``
+(every rank computes the same ``z`` and so the same masks: no mask synchronization), with no
+hierarchy and no shrinkage; masks are tracked, their drift reported and frozen exactly as in
+H-SADMM (§4.5), after which ``z = z~ ⊙ m``.
+
+Penalties are per layer (§3.4): the tensors of one layer (``conv1.weight`` and ``conv1.bias``;
+a BatchNorm's scale and shift) share ``rho1``/``rho2`` and one residual each; ``--rho-scope
+tensor`` keeps one per tensor.  ``lambda`` (``weight_decay``) enters eq. 9's ``gamma`` for every
+tensor; the local step (eq. 8) has no weight decay unless ``--theta-weight-decay``.
 
 Local SGD reads one endless mini-batch stream per rank (epoch after epoch, each shuffled by
 ``(seed, rank, epoch)``); an outer iteration continues where the previous one stopped.
@@ -42,44 +50,48 @@ import numpy as np
 
 from models import SGD, ProximalHook, SGDConfig, iterate_batches
 from substrate.backend import array_module
+from volume.hsadmm import flat_admm_iteration_bytes, hsadmm_iteration_bytes
 
-from .penalty import balance_penalty, eps_dual, eps_primal
+from .penalty import balance_penalty, eps_dual, eps_primal, increase_penalty, penalty_groups
 from .projection import keep_count, structured_mask
-from .shrink import MaskCodec, ShrinkPlan
+from .shrink import MaskCodec, ShrinkPlan, pruned_names
 
 __all__ = ["ADMMState", "HSADMM", "FlatADMM", "SOLVERS"]
 
 
 class ADMMState:
-    """Flat ADMM variables and per-layer penalties for one rank."""
+    """Flat ADMM variables and per-group penalties (one group per layer) for one rank."""
 
-    def __init__(self, model, rho1: float, rho2: float) -> None:
+    def __init__(self, model, rho1: float, rho2: float, groups: int) -> None:
         xp = array_module(model.params.flat)
         self.theta = model.params.flat
         self.u = xp.zeros_like(self.theta)
         self.z_i = self.theta.copy()
         self.v = xp.zeros_like(self.theta)
         self.z = self.theta.copy()
-        L = len(model.layout)
-        self.rho1 = np.full(L, float(rho1))
-        self.rho2 = np.full(L, float(rho2))
+        self.rho1 = np.full(groups, float(rho1))
+        self.rho2 = np.full(groups, float(rho2))
 
 
 class _Base:
-    """Shared plumbing: local SGD (eq. 8), projection (eq. 10), residual reduction, penalties."""
+    """Shared plumbing: local SGD (eq. 8), projection (eq. 10), residual reduction, penalties,
+    global masks and their freezing (§4.5)."""
 
     phase_names: tuple[str, ...] = ()
 
     def __init__(self, run, cfg, model, train_shard, keep_overrides: dict | None = None):
         self.run, self.cfg, self.model = run, cfg, model
+        self.seed = int(run.common.seed)
         self.topo = run.topo
         self.xp = array_module(model.params.flat)
         self.layout = model.layout
         self.train = train_shard
-        self.state = ADMMState(model, cfg.rho1, cfg.rho2)
+        self.group_names, self.group_of = penalty_groups(self.layout, cfg.rho_scope)
+        self.state = ADMMState(model, cfg.rho1, cfg.rho2, len(self.group_names))
         self.names = list(self.layout.names)
         self.slices = [self.layout.slice(n) for n in self.names]
-        self.pruned = [i for i, n in enumerate(self.names) if self.layout.kind(n) == "conv"]
+        conv = set(pruned_names(self.layout))
+        self.pruned = [i for i, n in enumerate(self.names) if n in conv]
         overrides = keep_overrides or {}
         unknown = sorted(set(overrides) - {self.names[i] for i in self.pruned})
         if unknown:
@@ -89,10 +101,13 @@ class _Base:
         for i, k in self.keep.items():
             keep_count(k, 1)  # validates (0, 1]
         self.kinds = cfg.sparsity_kinds
-        self.prox = ProximalHook(self.layout, self.state.rho1, xp=self.xp, dtype=model.dtype)
+        self.prox = ProximalHook(self.layout, self.rho_per_tensor(self.state.rho1), xp=self.xp,
+                                 dtype=model.dtype)
+        # eq. 8 has no weight decay; --theta-weight-decay adds lambda on conv/fc weights
         self.opt = SGD(model.params, model.grads,
                        SGDConfig(lr=cfg.lr, momentum=cfg.momentum,
-                                 weight_decay=cfg.weight_decay, decay_kinds=("conv", "fc")),
+                                 weight_decay=cfg.weight_decay if cfg.theta_weight_decay else 0.0,
+                                 decay_kinds=("conv", "fc")),
                        hooks=[self.prox])
         self.local_steps = cfg.local_steps_for(len(train_shard))
         self.epoch = 0  # mini-batch stream position: epoch and batches consumed in it
@@ -101,8 +116,13 @@ class _Base:
         self.phase_s: dict[str, float] = {}
         self._buf = self.xp.empty_like(self.state.theta)
         self._tmp = self.xp.empty_like(self.state.theta)
-        self._segment = self.xp.asarray(self.layout.segment_ids())
+        self._segment = self.xp.asarray(self.group_of[self.layout.segment_ids()])
         self.converged = False
+        shapes = [self.layout.shape(n) for n in self.names]
+        self.codec = MaskCodec([shapes[i] for i in self.pruned])
+        self.m_global = [self.xp.ones(shapes[i], dtype=bool) for i in self.pruned]  # m <- 1
+        self.frozen = False
+        self.stable_iters = 0
 
     @contextmanager
     def timed(self, phase: str):
@@ -118,7 +138,7 @@ class _Base:
         """Next mini-batch of this rank's endless stream; advances ``(epoch, batch_pos)``."""
         while True:
             if self._stream is None:
-                it = iterate_batches(self.train, self.cfg.batch_size, seed=self.cfg.seed,
+                it = iterate_batches(self.train, self.cfg.batch_size, seed=self.seed,
                                      rank=self.topo.rank, epoch=self.epoch)
                 # resumed mid-epoch: skip the batches already consumed (once per resume)
                 self._stream = itertools.islice(it, self.batch_pos, None)
@@ -137,7 +157,7 @@ class _Base:
         ``(seed, rank, e)``) where the previous outer iteration left it.
         """
         s = self.state
-        self.prox.set_rho(s.rho1)
+        self.prox.set_rho(self.rho_per_tensor(s.rho1))
         self.prox.set_center(s.z_i, s.u)
         losses = []
         for _ in range(self.local_steps):
@@ -153,13 +173,16 @@ class _Base:
 
         Keys: ``theta``, ``u``, ``z_i``, ``v``, ``z`` (flat vectors), ``rho1``, ``rho2`` (per
         layer), ``epoch`` and ``batch_pos`` (mini-batch stream), ``sgd_step_count`` and
-        ``sgd_momentum`` (when momentum is on), ``converged``, and ``buffer/<name>`` for every
-        model buffer (BatchNorm running statistics).
+        ``sgd_momentum`` (when momentum is on), ``converged``, ``buffer/<name>`` for every
+        model buffer (BatchNorm running statistics), the packed global masks, ``frozen`` and
+        ``stable_iters``.
         """
         s, host = self.state, self.run.backend.asnumpy
         out = {k: np.array(host(getattr(s, k)), copy=True) for k in ("theta", "u", "z_i", "v", "z")}
         out.update(rho1=s.rho1.copy(), rho2=s.rho2.copy(), epoch=np.int64(self.epoch),
-                   batch_pos=np.int64(self.batch_pos), converged=np.bool_(self.converged))
+                   batch_pos=np.int64(self.batch_pos), converged=np.bool_(self.converged),
+                   masks=self.codec.pack(self.m_global), frozen=np.bool_(self.frozen),
+                   stable_iters=np.int64(self.stable_iters))
         opt = self.opt.state_dict()
         out["sgd_step_count"] = np.int64(opt["step_count"])
         if opt["momentum_buffer"] is not None:
@@ -200,10 +223,43 @@ class _Base:
                                   "momentum_buffer": state.get("sgd_momentum")})
         for name, buf in self.model.buffers.items():
             buf[...] = xp.asarray(state[f"buffer/{name}"])
+        packed = np.asarray(state.get("masks", np.empty(0, np.uint8)), dtype=np.uint8)
+        if packed.shape != (self.codec.nbytes,):
+            raise ValueError(f"checkpoint masks hold {packed.size} bytes, this model needs "
+                             f"{self.codec.nbytes}: resume with the model of the run that wrote it")
+        self.m_global = [xp.asarray(m) for m in self.codec.unpack(packed)]
+        self.frozen = bool(state["frozen"])
+        self.stable_iters = int(state["stable_iters"])
 
-    def global_masks(self) -> dict | None:
-        """Global conv masks by weight name, or ``None`` when ``z``'s support defines them."""
-        return None
+    def global_masks(self) -> dict:
+        """``{conv weight name: global mask}`` (eq. 14), e.g. for :func:`hsadmm.export`."""
+        return {self.names[i]: self.m_global[j] for j, i in enumerate(self.pruned)}
+
+    def _update_masks(self, new) -> float:
+        """Adopt the global masks ``new`` (host or device arrays); returns the mask drift, the
+        fraction of mask bits that changed (0 when no layer is pruned)."""
+        xp = self.xp
+        new = [xp.asarray(m) for m in new]
+        changed = sum(int((a != b).sum()) for a, b in zip(new, self.m_global))
+        self.m_global = new
+        self.stable_iters = 0 if changed else self.stable_iters + 1
+        return changed / max(1, self.codec.nbits)
+
+    def _apply_frozen_masks(self, flat) -> None:
+        """``flat ⊙ m`` on the conv weights, in place (Algorithm 1 line 13)."""
+        for j, i in enumerate(self.pruned):
+            w = flat[self.slices[i]].reshape(self.m_global[j].shape)
+            w *= self.m_global[j]
+
+    def _maybe_freeze(self, k: int) -> None:
+        """Freeze the masks after iteration ``T_freeze`` or after ``freeze_patience``
+        iterations without a change (§4.5)."""
+        cfg = self.cfg
+        if self.frozen:
+            return
+        if (cfg.freeze_iter and k + 1 >= cfg.freeze_iter) or (
+                cfg.freeze_patience and self.stable_iters >= cfg.freeze_patience):
+            self.frozen = True
 
     # -- phase 3 ---------------------------------------------------------------------------------
     def project_into(self, z_tilde, out) -> list:
@@ -220,7 +276,7 @@ class _Base:
         return masks
 
     def per_layer_sq(self, a, b=None) -> np.ndarray:
-        """Per-layer ``||a - b||_F^2`` (or ``||a||_F^2``) in float64, on the host."""
+        """Per-group (layer) ``||a - b||_F^2`` (or ``||a||_F^2``) in float64, on the host."""
         d = self._tmp
         if b is None:
             d[...] = a
@@ -228,7 +284,7 @@ class _Base:
             self.xp.subtract(a, b, out=d)
         d64 = d.astype(self.xp.float64)
         d64 *= d64
-        sums = self.xp.bincount(self._segment, weights=d64, minlength=len(self.names))
+        sums = self.xp.bincount(self._segment, weights=d64, minlength=len(self.group_names))
         return np.asarray(self.run.backend.asnumpy(sums), dtype=np.float64)
 
     # -- phase 5 ---------------------------------------------------------------------------------
@@ -241,7 +297,8 @@ class _Base:
         8 ``||z||^2`` (rows 2, 3, 7, 8 from one rank per node: stacked over the inter constraints).
         """
         s, cfg = self.state, self.cfg
-        n = np.array([self.layout.sizes[k] for k in self.names], dtype=np.float64)
+        n = np.bincount(self.group_of, weights=[self.layout.sizes[k] for k in self.names],
+                        minlength=len(self.group_names))
         N = M * P
         norm = np.sqrt(np.maximum(res, 0.0))
         r_intra, s_intra = norm[0], s.rho1 * norm[1]
@@ -256,17 +313,27 @@ class _Base:
         out = {"r_intra": r_intra.tolist(), "s_intra": s_intra.tolist(),
                "r_inter": r_inter.tolist(), "s_inter": s_inter.tolist(),
                "rho1": s.rho1.tolist(), "rho2": s.rho2.tolist(), "converged": self.converged}
-        if cfg.adaptive_rho:
+        if cfg.adaptive_rho and cfg.rho_update == "increase":
+            s.rho1, scale1 = increase_penalty(s.rho1, rho_max=cfg.rho_max)
+            s.rho2, scale2 = increase_penalty(s.rho2, rho_max=cfg.rho_max)
+        elif cfg.adaptive_rho:
             s.rho1, scale1 = balance_penalty(s.rho1, r_intra, s_intra, rho_max=cfg.rho_max)
             s.rho2, scale2 = balance_penalty(s.rho2, r_inter, s_inter, rho_max=cfg.rho_max)
+        if cfg.adaptive_rho:
             if np.any(scale1 != 1):  # scaled duals follow their penalty (Boyd §3.4.1)
                 s.u *= self.rho_flat(scale1)
             if np.any(scale2 != 1):
                 s.v *= self.rho_flat(scale2)
         return out
 
+    def rho_per_tensor(self, rho) -> list[float]:
+        """Per-group penalties (or factors) as one value per tensor."""
+        return [float(x) for x in np.asarray(rho)[self.group_of]]
+
     def rho_flat(self, rho):
-        return self.xp.asarray(self.layout.expand(list(rho), dtype=self.state.theta.dtype))
+        """Per-group penalties (or factors) broadcast over the flat parameter vector."""
+        return self.xp.asarray(self.layout.expand(self.rho_per_tensor(rho),
+                                                  dtype=self.state.theta.dtype))
 
 
 class HSADMM(_Base):
@@ -277,48 +344,28 @@ class HSADMM(_Base):
         xp = self.xp
         s = self.state
         self.M, self.P = self.topo.num_nodes, self.topo.ranks_per_node
-        shapes = [self.layout.shape(n) for n in self.names]
-        self.codec = MaskCodec([shapes[i] for i in self.pruned])
-        self.m_global = [xp.ones(shapes[i], dtype=bool) for i in self.pruned]  # line 3: m <- 1
-        self.frozen = False
-        self.stable_iters = 0
         self.plan = self._make_plan()
         self.plan_builds = 1
         self._z_old = xp.empty_like(s.theta)
         self._zi_old = xp.empty_like(s.theta)
 
     def _make_plan(self) -> ShrinkPlan:
-        masks: list = [None] * len(self.names)
-        for j, i in enumerate(self.pruned):
-            masks[i] = self.m_global[j]
-        shapes = [self.layout.shape(n) for n in self.names]
-        return ShrinkPlan(shapes, masks, dtype=self.state.theta.dtype, xp=self.xp,
-                          bucket_bytes=int(self.cfg.bucket_mib * (1 << 20)))
+        """The shrink plan of the current global masks (:meth:`ShrinkPlan.for_layout`)."""
+        return ShrinkPlan.for_layout(self.layout, self.global_masks(),
+                                     bucket_mib=self.cfg.bucket_mib,
+                                     dtype=self.state.theta.dtype, xp=self.xp)
 
     def state_dict(self) -> dict:
-        """:meth:`_Base.state_dict` plus the packed global masks (eq. 14), ``frozen``,
-        ``stable_iters`` and ``plan_builds``."""
+        """:meth:`_Base.state_dict` plus ``plan_builds``."""
         out = super().state_dict()
-        out.update(masks=self.codec.pack(self.m_global), frozen=np.bool_(self.frozen),
-                   stable_iters=np.int64(self.stable_iters), plan_builds=np.int64(self.plan_builds))
+        out.update(plan_builds=np.int64(self.plan_builds))
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output; the shrink plan is rebuilt from the masks."""
         super().load_state_dict(state)
-        packed = np.asarray(state.get("masks", np.empty(0, np.uint8)), dtype=np.uint8)
-        if packed.shape != (self.codec.nbytes,):
-            raise ValueError(f"checkpoint masks hold {packed.size} bytes, this model needs "
-                             f"{self.codec.nbytes}: resume with the model of the run that wrote it")
-        self.m_global = [self.xp.asarray(m) for m in self.codec.unpack(packed)]
-        self.frozen = bool(state["frozen"])
-        self.stable_iters = int(state["stable_iters"])
         self.plan = self._make_plan()
         self.plan_builds = int(state["plan_builds"])
-
-    def global_masks(self) -> dict:
-        """``{conv weight name: global mask}`` (eq. 14), e.g. for :func:`hsadmm.export`."""
-        return {self.names[i]: self.m_global[j] for j, i in enumerate(self.pruned)}
 
     def _views(self, flat):
         return [flat[sl].reshape(self.layout.shape(n)) for sl, n in zip(self.slices, self.names)]
@@ -354,11 +401,9 @@ class HSADMM(_Base):
                 self._z_old[...] = s.z
             # Phase 3: projection or frozen mask
             with timed("projection"):
-                if self.frozen:
+                if self.frozen:  # Algorithm 1 line 13
                     s.z_i[...] = z_tilde
-                    for j, i in enumerate(self.pruned):
-                        w = s.z_i[self.slices[i]].reshape(self.m_global[j].shape)
-                        w *= self.m_global[j]
+                    self._apply_frozen_masks(s.z_i)
                     local_masks = None
                 else:
                     local_masks = self.project_into(z_tilde, s.z_i)
@@ -408,85 +453,84 @@ class HSADMM(_Base):
     def _sync_masks(self, local_masks) -> float:
         """Leaders OR-reduce the packed masks (eq. 14) and broadcast them in their node; the
         shrink plan is rebuilt when the global mask changed.  Returns the mask drift."""
-        topo, xp = self.topo, self.xp
+        topo = self.topo
         packed = (self.codec.pack(local_masks) if topo.is_leader
                   else np.empty(self.codec.nbytes, dtype=np.uint8))
         if topo.is_leader:
             topo.inter.allreduce(packed, "bor", phase="mask_sync")
         topo.intra.bcast(packed, 0, phase="mask_bcast")
         with self.run.clock.compute():
-            new = [xp.asarray(m) for m in self.codec.unpack(packed)]
-            changed = sum(int((a != b).sum()) for a, b in zip(new, self.m_global))
-            self.m_global = new
-            if changed:
+            drift = self._update_masks(self.codec.unpack(packed))
+            if drift:
                 self.plan = self._make_plan()
                 self.plan_builds += 1
-            self.stable_iters = 0 if changed else self.stable_iters + 1
-        return changed / max(1, self.codec.nbits)
-
-    def _maybe_freeze(self, k: int) -> None:
-        cfg = self.cfg
-        if self.frozen:
-            return
-        if (cfg.freeze_iter and k + 1 >= cfg.freeze_iter) or (
-                cfg.freeze_patience and self.stable_iters >= cfg.freeze_patience):
-            self.frozen = True
+        return drift
 
     def predicted_phase_bytes(self, mask_synced: bool) -> dict:
-        """Closed-form bytes of the iteration just run (from the plan, see commvol.hsadmm)."""
-        from commvol.hsadmm import hsadmm_iteration_bytes  # noqa: PLC0415
-
+        """Closed-form bytes of the iteration just run, from the plan
+        (:func:`volume.hsadmm.hsadmm_iteration_bytes`)."""
         return hsadmm_iteration_bytes(
             M=self.M, P=self.P, total_params=self.layout.total,
             compact_sizes=[b - a for a, b in self.plan.buckets],
-            mask_bytes=self.codec.nbytes if self.pruned else 0, mask_synced=mask_synced,
-            num_layers=len(self.names), itemsize=self.state.theta.dtype.itemsize)
+            mask_bytes=self.plan.mask_bytes, mask_synced=mask_synced,
+            num_layers=len(self.group_names), itemsize=self.state.theta.dtype.itemsize)
 
 
 class FlatADMM(_Base):
     """Flat consensus ADMM ("PruneX (AR)"): every rank against the global ``z`` over the world
     communicator, dense, no hierarchy and no shrinkage.  ``z_i`` mirrors ``z`` (the proximal
-    anchor of eq. 8 is the global variable)."""
+    anchor of eq. 8 is the global variable).  Masks, their drift and freezing are H-SADMM's
+    (§4.5): every rank projects the same ``z~``, so the masks agree without synchronization."""
 
     def __init__(self, run, cfg, model, train_shard, keep_overrides=None):
         super().__init__(run, cfg, model, train_shard, keep_overrides)
         self._z_old = self.xp.empty_like(self.state.theta)
-        self.frozen = False
 
     def iterate(self, k: int) -> dict:
         run, s, xp, w = self.run, self.state, self.xp, self.topo.world
-        clock, cfg = run.clock, self.cfg
+        clock, cfg, timed = run.clock, self.cfg, self.timed
         rho1 = self.rho_flat(s.rho1)
         with clock.compute():
-            with self.timed("local_sgd"):
+            with timed("local_sgd"):
                 loss = self.local_sgd()
             buf = self._buf
             xp.add(s.theta, s.u, out=buf)
-        w.allreduce(buf, "sum", phase="world_allreduce")
+        with timed("world_allreduce"):
+            w.allreduce(buf, "sum", phase="world_allreduce")
+        drift = 0.0
         with clock.compute():
-            z_tilde = rho1 * buf / (cfg.weight_decay + w.size * rho1)
-            self._z_old[...] = s.z
-            self.project_into(z_tilde, s.z)
-            s.z_i[...] = s.z
-            s.u += s.theta
-            s.u -= s.z
-            sq, zero = self.per_layer_sq, np.zeros(len(self.names))
-            res = np.stack([sq(s.theta, s.z), sq(s.z, self._z_old), zero, zero, sq(s.theta),
-                            sq(s.u), sq(s.z), zero, zero])
-        w.allreduce(res, "sum", phase="residuals")
+            with timed("z_update"):
+                z_tilde = rho1 * buf / (cfg.weight_decay + w.size * rho1)
+                self._z_old[...] = s.z
+            with timed("projection"):
+                if self.frozen:
+                    s.z[...] = z_tilde
+                    self._apply_frozen_masks(s.z)
+                else:
+                    drift = self._update_masks(self.project_into(z_tilde, s.z))
+            with timed("duals_residuals"):
+                s.z_i[...] = s.z
+                s.u += s.theta
+                s.u -= s.z
+                sq, zero = self.per_layer_sq, np.zeros(len(self.group_names))
+                res = np.stack([sq(s.theta, s.z), sq(s.z, self._z_old), zero, zero,
+                                sq(s.theta), sq(s.u), sq(s.z), zero, zero])
+        with timed("duals_residuals"):
+            w.allreduce(res, "sum", phase="residuals")
         with clock.compute():
-            out = self.penalties_and_stop(res, 1, w.size)
-        out.update(loss=loss, mask_drift=0.0, mask_synced=False, frozen=False,
+            with timed("duals_residuals"):
+                out = self.penalties_and_stop(res, 1, w.size)
+                self._maybe_freeze(k)
+        out.update(loss=loss, mask_drift=drift, mask_synced=False, frozen=self.frozen,
                    compact_elems=self.layout.total, dense_elems=self.layout.total,
                    compact_buckets=[])
         return out
 
     def predicted_phase_bytes(self, mask_synced: bool) -> dict:
-        from commvol.hsadmm import flat_admm_iteration_bytes  # noqa: PLC0415
-
+        """Closed-form bytes of one iteration (:func:`volume.hsadmm.flat_admm_iteration_bytes`)."""
         return flat_admm_iteration_bytes(M=self.topo.num_nodes, P=self.topo.ranks_per_node,
                                          total_params=self.layout.total,
-                                         num_layers=len(self.names),
+                                         num_layers=len(self.group_names),
                                          itemsize=self.state.theta.dtype.itemsize)
 
 

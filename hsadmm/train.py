@@ -1,12 +1,24 @@
 """``python -m hsadmm train``: H-SADMM (or flat ADMM) on a ``models/`` network and dataset.
 
 Defaults are tuned for the embedded digits run, which trains a small CNN from scratch in 8 outer
-iterations: lr 0.05, rho1 0.05, rho2 0.005, masks frozen at iteration 4 (measured: 96.9 % test
-accuracy at keep 0.5 channel on 2 virtual nodes x 2).  With the paper's penalties (§5.1.5:
-rho1 = 1.5e-3, rho2 = 1.5e-4, lr 1e-3, for ResNets trained many epochs) the proximal pull is too
-weak for so few local steps and the channel masks oscillate between two supports until frozen.
-``--paper-defaults`` selects §5.1.5's values (keep 0.5 channel, momentum 0.9 and weight decay
-1e-4 are the paper's in both).
+iterations: lr 0.05, rho1 0.05, rho2 0.005, masks frozen after iteration 4 (measured: 96.4 % test
+accuracy at keep 0.5 channel on 2 virtual nodes x 2).
+
+``--paper-defaults`` takes PruneX §5.1.5's values for every solver option not given on the
+command line (lr 1e-3, batch 128, rho1 1.5e-3, rho2 1.5e-4, cap 10, 5 local epochs, keep 0.5
+channel).  With them the channel masks flip to the complementary support every iteration (drift
+0.97 for 16 iterations) instead of settling in 5-15 iterations (§4.5): eq. 8's local step moves
+``theta`` towards its anchor ``z_i - u`` by only about ``eta rho1 steps / (1 - momentum)``
+(2e-4 of the way), so the scaled dual ``u`` of a pruned channel grows by the channel's whole
+weight each iteration while ``theta`` stays put; ``theta + u`` of the pruned channels is then
+about twice the kept ones' and wins the next projection (eq. 10), and back.  Residual balancing
+raises rho1 only while ``r > 10 s``, and the flips keep ``s = rho1 ||z_i^{k+1} - z_i^k||`` within
+that factor, so rho1 stalls at 0.1-0.4, where ``theta`` still cannot follow.  With rho1 at the
+paper's cap (10) from the start the drift is 0 from the second iteration; ``--rho-update
+increase`` (rho doubled every iteration up to the cap, §4.5's "as the penalty parameters
+increase") reaches the cap at iteration 13; the drift then falls to 0.55, 0.18 and is 0 from
+iteration 17 on (95.5 % test accuracy after 24).  Measured per iteration in
+``docs/bench_out/hsadmm.md``.
 
 At the end rank 0 writes ``OUT/compact_model.npz`` (:mod:`hsadmm.export`: the consensus model
 with pruned filters and channels physically removed), evaluates it, and records
@@ -33,175 +45,103 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from models import build_model, load_dataset, shard
 from models.data import check_batch_size
 from models.train import evaluate
-from substrate.cli import (Progress, RunCheckpoints, add_common_args, add_training_args,
-                           check_range, start_run)
+from substrate.cli import Progress, RunCheckpoints, add_common_args, add_training_args, start_run
+from substrate.options import add_dataclass_args, from_args, option
 
+from .config import PAPER_DEFAULTS, HSADMMConfig, read_keep_file
 from .export import export_compact, load_compact_model
-from .projection import keep_count, parse_sparsity
 from .solver import SOLVERS
 
-__all__ = ["HSADMMConfig", "build_parser", "main", "train"]
+__all__ = ["HSADMMConfig", "TrainConfig", "PAPER_DEFAULTS", "build_parser", "main", "train",
+           "solver_config"]
+
+RUN = "what to train"
 
 
 @dataclass(frozen=True)
-class HSADMMConfig:
-    """Configuration of one H-SADMM / flat-ADMM run (frozen; written into ``summary.json``)."""
+class TrainConfig:
+    """What ``hsadmm train`` trains and for how long (the solver's options are
+    :class:`HSADMMConfig`'s)."""
 
-    method: str = "hsadmm"
-    model: str = "cnn"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    iters: int = 8
-    local_epochs: float = 1.0
-    local_steps: int | None = None
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    rho1: float = 0.05
-    rho2: float = 0.005
-    keep: float = 0.5
-    sparsity: str = "channel"
-    keep_file: str | None = None
-    adaptive_rho: bool = True
-    rho_max: float = 10.0
-    eps_abs: float = 1e-4
-    eps_rel: float = 1e-3
-    freeze_iter: int | None = 4
-    freeze_patience: int = 3
-    bucket_mib: float = 32.0
-    checkpoint_every: int = 0
-    resume: bool = False
-    seed: int = 0
+    method: str = option("hsadmm", "solver: hsadmm (Algorithm 1) or flat-admm (PruneX (AR): "
+                                   "flat consensus, same masks and freezing)", group=RUN)
+    model: str = option("cnn", "models/ name: cnn, resnet, mlp", group=RUN)
+    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic", group=RUN)
+    data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files", group=RUN)
+    iters: int = option(8, "outer ADMM iterations K_max", group=RUN)
+    paper_defaults: bool = option(
+        False, "PruneX §5.1.5's values for every solver option not given on the command line: "
+               "lr 1e-3, batch 128, rho1 1.5e-3, rho2 1.5e-4, 5 local epochs", group=RUN)
 
     def __post_init__(self) -> None:
         if self.method not in SOLVERS:
             raise ValueError(f"unknown --method {self.method!r}; valid: {sorted(SOLVERS)}")
-        keep_count(self.keep, 1)
-        parse_sparsity(self.sparsity)
-        for name in ("iters", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")
-        if self.local_steps is not None and self.local_steps < 1:
-            raise ValueError(f"--local-steps must be >= 1, got {self.local_steps}")
-        for name in ("local_epochs", "lr", "rho1", "rho2", "rho_max", "bucket_mib"):
-            check_range(f"--{name.replace('_', '-')}", getattr(self, name), gt=0)
-        check_range("--momentum", self.momentum, ge=0, lt=1)
-        for name in ("weight_decay", "eps_abs", "eps_rel"):
-            check_range(f"--{name.replace('_', '-')}", getattr(self, name), ge=0)
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
-                             f"{self.checkpoint_every}")
-        if self.freeze_iter is not None and self.freeze_iter < 0:
-            raise ValueError(f"--freeze-iter must be >= 0 (0: never), got {self.freeze_iter}")
-
-    @property
-    def sparsity_kinds(self) -> tuple[str, ...]:
-        return parse_sparsity(self.sparsity)
-
-    def local_steps_for(self, shard_size: int) -> int:
-        """SGD steps of phase 1: ``--local-steps`` or ``ceil(local_epochs * batches/epoch)``."""
-        if self.local_steps is not None:
-            return self.local_steps
-        return max(1, math.ceil(self.local_epochs * math.ceil(shard_size / self.batch_size)))
+        if self.iters < 1:
+            raise ValueError(f"--iters must be >= 1, got {self.iters}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hsadmm train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = HSADMMConfig()
-    p.add_argument("--method", default=d.method, help=f"one of {sorted(SOLVERS)}")
-    p.add_argument("--model", default=d.model, help="models/ name: cnn, resnet, mlp")
-    p.add_argument("--dataset", default=d.dataset, help="digits (embedded), mnist, cifar10, "
-                                                        "synthetic")
-    p.add_argument("--data-dir", default=None, help="directory of MNIST/CIFAR-10 files")
-    p.add_argument("--iters", type=int, default=d.iters, help="outer ADMM iterations")
-    p.add_argument("--local-epochs", type=float, default=d.local_epochs)
-    p.add_argument("--local-steps", type=int, default=None, help="overrides --local-epochs")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--rho1", type=float, default=d.rho1)
-    p.add_argument("--rho2", type=float, default=d.rho2)
-    p.add_argument("--keep", type=float, default=d.keep, help="keep rate in (0, 1]")
-    p.add_argument("--sparsity", default=d.sparsity,
-                   help="channel, filter, shape or an intersection like filter+channel")
-    p.add_argument("--keep-file", default=None,
-                   help='JSON {"conv layer name": keep rate} overriding --keep per layer')
-    p.add_argument("--no-adaptive-rho", dest="adaptive_rho", action="store_false")
-    p.add_argument("--rho-max", type=float, default=d.rho_max)
-    p.add_argument("--eps-abs", type=float, default=d.eps_abs)
-    p.add_argument("--eps-rel", type=float, default=d.eps_rel)
-    p.add_argument("--freeze-iter", type=int, default=d.freeze_iter,
-                   help="freeze the masks after this iteration (default %(default)s; 0: never)")
-    p.add_argument("--freeze-patience", type=int, default=d.freeze_patience,
-                   help="freeze masks after this many iterations without change (0: never)")
-    p.add_argument("--bucket-mib", type=float, default=d.bucket_mib)
-    p.add_argument("--paper-defaults", action="store_true",
-                   help="PruneX §5.1.5 values: lr 1e-3, rho1 1.5e-3, rho2 1.5e-4")
+    add_dataclass_args(p, TrainConfig)
+    add_dataclass_args(p, HSADMMConfig)
     add_training_args(p, "iteration", progress_every=1)
     add_common_args(p)
     return p
 
 
-PAPER_DEFAULTS = {"lr": 1e-3, "rho1": 1.5e-3, "rho2": 1.5e-4}
-
-
-def _read_keep_file(path) -> dict:
-    if path is None:
-        return {}
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--keep-file {p} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--keep-file {p} is not valid JSON ({exc}); expected "
-                         '{"layer name": keep rate}') from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--keep-file {p} must hold a JSON object {{layer name: keep rate}}")
-    for k, v in data.items():
-        try:
-            keep_count(v, 1)
-        except ValueError as exc:
-            raise ValueError(f"--keep-file {p}: layer {k!r}: {exc}") from None
-    return data
+def solver_config(args) -> HSADMMConfig:
+    """:class:`HSADMMConfig` from parsed arguments; with ``--paper-defaults`` every field
+    still at its ordinary default takes :data:`PAPER_DEFAULTS`' value."""
+    cfg = from_args(HSADMMConfig, args)
+    if getattr(args, "paper_defaults", False):
+        base = HSADMMConfig()
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in PAPER_DEFAULTS.items()
+                                          if getattr(cfg, k) == getattr(base, k)})
+    return cfg
 
 
 #: configuration fields a resumed run may change (everything else must match the checkpoint)
 RESUMABLE = ("iters", "checkpoint_every", "resume")
 
 
+def _run_config(tcfg: TrainConfig, cfg: HSADMMConfig, args) -> dict:
+    """The run's whole configuration, flat (``summary.json``'s ``config``)."""
+    if getattr(args, "checkpoint_every", 0) < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
+                         f"{args.checkpoint_every}")
+    return {**dataclasses.asdict(tcfg), **dataclasses.asdict(cfg),
+            "checkpoint_every": int(getattr(args, "checkpoint_every", 0)),
+            "resume": bool(getattr(args, "resume", False))}
+
+
 def train(args) -> dict:
     """Run the configured solver; returns the summary (every rank)."""
-    fields = HSADMMConfig.__dataclass_fields__
-    values = {k: getattr(args, k) for k in fields if hasattr(args, k)}
-    if getattr(args, "paper_defaults", False):
-        values.update(PAPER_DEFAULTS)
-    cfg = HSADMMConfig(**values)
-    overrides = _read_keep_file(cfg.keep_file)
-    run = start_run(args, system="hsadmm", method=cfg.method, config=cfg)
+    tcfg = from_args(TrainConfig, args)
+    cfg = solver_config(args)
+    overrides = read_keep_file(cfg.keep_file)
+    config = _run_config(tcfg, cfg, args)
+    run = start_run(args, system="hsadmm", method=tcfg.method, config=config, unit="iteration")
+    seed = run.common.seed
     xp = run.xp
-    data = load_dataset(cfg.dataset, cfg.data_dir)
-    train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
+    data = load_dataset(tcfg.dataset, tcfg.data_dir)
+    train_shard = shard(data.train, run.rank, run.size, seed=seed).to(xp)
     check_batch_size(cfg.batch_size, len(train_shard),
-                     f"each rank's shard of the {len(data.train)} {cfg.dataset} training "
+                     f"each rank's shard of the {len(data.train)} {tcfg.dataset} training "
                      f"samples split over {run.size} ranks")
     test = data.test.to(xp)
-    model = build_model(cfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
-                        seed=cfg.seed)
-    solver = SOLVERS[cfg.method](run, cfg, model, train_shard, overrides)
-    eval_model = build_model(cfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
-                             seed=cfg.seed)
+    model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
+                        seed=seed)
+    solver = SOLVERS[tcfg.method](run, cfg, model, train_shard, overrides)
+    eval_model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
+                             seed=seed)
     predicted: dict[str, dict] = {}
 
     def add_predicted(phase, b):
@@ -209,12 +149,12 @@ def train(args) -> dict:
         e["intra_bytes"] += b["intra"]
         e["inter_bytes"] += b["inter"]
 
-    fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
-    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint,
+    fingerprint = {k: v for k, v in config.items() if k not in RESUMABLE}
+    ckpt = RunCheckpoints(run, every=config["checkpoint_every"], fingerprint=fingerprint,
                           unit="iteration", flag="--iters")
     start, loss = 0, float("nan")
-    if cfg.resume:
-        start, state = ckpt.resume(cfg.iters)
+    if config["resume"]:
+        start, state = ckpt.resume(tcfg.iters)
         predicted.update(json.loads(str(state.pop("train/predicted"))))
         loss = float(state.pop("train/loss"))
         solver.load_state_dict(state)
@@ -239,26 +179,33 @@ def train(args) -> dict:
     def bytes_so_far(link):
         return sum(e[f"{link}_bytes"] for e in predicted.values())
 
-    progress = Progress(run, total=cfg.iters, unit="iteration",
+    progress = Progress(run, total=tcfg.iters, unit="iteration",
                         every=getattr(args, "progress_every", 0),
                         start=start)
     acc = float("nan")
     done = start
-    while done < cfg.iters and not solver.converged:
+    while done < tcfg.iters and not solver.converged:
         k = done
         snap = run.ledger.snapshot()
+        t0 = time.perf_counter()
         out = solver.iterate(k)
+        step_wall_s = time.perf_counter() - t0
+        # one timeline step per ADMM iteration (its communication is appended after its
+        # compute: the solver's phases depend on each other's results)
+        timing = run.clock.step()
         it_bytes = solver.predicted_phase_bytes(out["mask_synced"])  # == measured (tested)
         for phase, b in it_bytes.items():
             add_predicted(phase, b)
         delta = run.ledger.since(snap)
         acc = evaluate_z()
         loss = out["loss"]
-        run.log(iteration=k, loss=loss, test_accuracy=acc,
+        run.log(k, intra_node_bytes=sum(b["intra"] for b in it_bytes.values()),
+                inter_node_bytes=sum(b["inter"] for b in it_bytes.values()),
+                step_wall_s=step_wall_s, step_sim_s=timing.step_s,
+                step_no_overlap_s=timing.no_overlap_s, loss=loss, test_accuracy=acc,
                 sim_s=run.clock.sim_s, compute_s=run.clock.compute_s,
                 comm_modeled_s=run.clock.comm_modeled_s,
                 phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
-                inter_node_bytes=sum(b["inter"] for b in it_bytes.values()),
                 mask_sync_bytes=it_bytes.get("mask_sync", {"inter": 0})["inter"],
                 **{key: out[key] for key in (
                     "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
@@ -266,7 +213,7 @@ def train(args) -> dict:
         done = k + 1
         progress.update(done, loss=loss, test_accuracy=acc, inter_bytes=bytes_so_far("inter"),
                         total_bytes=bytes_so_far("inter") + bytes_so_far("intra"))
-        if ckpt.due(done, last=done == cfg.iters or solver.converged):
+        if ckpt.due(done, last=done == tcfg.iters or solver.converged):
             ckpt.save(done, {**solver.state_dict(), "train/predicted": json.dumps(predicted),
                              "train/loss": loss})
     progress.close()
@@ -290,7 +237,7 @@ def train(args) -> dict:
                "compact_test_accuracy": compact_acc,
                "compact_conv_params": export.compact_conv_params,
                "dense_conv_params": export.dense_conv_params}
-    if cfg.resume:
+    if config["resume"]:
         metrics["resumed_from_iteration"] = start
     pred = {"inter_node_bytes": bytes_so_far("inter"), "intra_node_bytes": bytes_so_far("intra"),
             "by_phase": predicted}

@@ -210,7 +210,7 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
     return out
 
 
-def _parse_arch(items: list[str] | None) -> tuple:
+def parse_arch(items: list[str] | None) -> tuple:
     out = []
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -269,7 +269,7 @@ def main(argv=None) -> dict:
                          momentum=args.momentum, nesterov=args.nesterov,
                          weight_decay=args.weight_decay, optimizer=args.optimizer,
                          warmup=args.warmup, lr_schedule=args.lr_schedule,
-                         dtype=args.dtype, arch=_parse_arch(args.arch), seed=args.seed)
+                         dtype=args.dtype, arch=parse_arch(args.arch), seed=args.seed)
     run = start_run(args, system="models", unit="epoch", method=f"{config.model}_{config.dataset}",
                     config=config)
     if run.size != 1:

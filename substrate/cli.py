@@ -36,7 +36,6 @@ from pathlib import Path
 
 import mpi4py
 import numpy as np
-import scipy
 from mpi4py import MPI
 from tqdm.auto import tqdm
 
@@ -46,6 +45,8 @@ from .backend import Backend, get_backend
 from .clock import SimClock
 from .costmodel import CostModel
 from .ledger import Ledger
+from .options import add_dataclass_args, option
+from .timeline import SOURCES, Timeline
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
 
@@ -55,34 +56,19 @@ __all__ = ["add_common_args", "add_training_args", "check_range", "CommonConfig"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options every spardist command shares (results, seed, device, topology, cost)."""
-    g = parser.add_argument_group("run (shared by every spardist command)")
-    g.add_argument("--out", type=Path, default=None,
-                   help="results directory (default: results/<system>_<method>); a directory "
-                        "holding a finished run is refused unless --overwrite is given")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace the run in --out (its checkpoints are removed at the start, its "
-                        "summary and metrics when this run finishes)")
-    g.add_argument("--seed", type=int, default=0, help="run seed (shared randomness)")
-    g.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                   help="array backend: NumPy (cpu) or CuPy (gpu)")
-    g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
-                   help="simulate nodes of R consecutive ranks (default: real shared-memory "
-                        "nodes)")
-    g.add_argument("--collectives", choices=coll.MODES, default=None,
-                   help="exact: spardist's own point-to-point collectives, the bytes booked are "
-                        "the bytes sent on any MPI; native: the MPI library's, pinned to the "
-                        "booked algorithm where known (default: $SPARDIST_COLLECTIVES or exact)")
-    c = parser.add_argument_group("cost model (alpha-beta per link class)")
-    c.add_argument("--intra-bw", type=float, default=cm.DEFAULT_INTRA_GBPS, metavar="GBPS",
-                   help="intra-node bandwidth in Gbit/s (default %(default)s: NVLink-class)")
-    c.add_argument("--inter-bw", type=float, default=cm.DEFAULT_INTER_GBPS, metavar="GBPS",
-                   help="inter-node bandwidth in Gbit/s (default %(default)s: InfiniBand-class)")
-    c.add_argument("--intra-lat", type=float, default=cm.DEFAULT_INTRA_LAT_US, metavar="US",
-                   help="intra-node latency in microseconds (default %(default)s)")
-    c.add_argument("--inter-lat", type=float, default=cm.DEFAULT_INTER_LAT_US, metavar="US",
-                   help="inter-node latency in microseconds (default %(default)s)")
-    return parser
+    """Add the options every spardist command shares: the fields of :class:`CommonConfig`
+    (results, seed, device, topology, collectives, cost model)."""
+    return add_dataclass_args(parser, CommonConfig)
+
+
+def add_cost_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the cost-model flags only (``--intra-bw`` ... ``--inter-lat``; commands that model but
+    do not run, e.g. ``commvol predict``)."""
+    return add_dataclass_args(parser, CommonConfig, only=COST_FIELDS)
+
+
+#: the cost-model fields of :class:`CommonConfig`
+COST_FIELDS = ("intra_bw", "inter_bw", "intra_lat", "inter_lat")
 
 
 def add_training_args(parser: argparse.ArgumentParser, unit: str,
@@ -119,21 +105,59 @@ def check_range(flag: str, value: float, *, gt: float | None = None, ge: float |
         raise ValueError(f"{flag} must be {bounds} (a finite number), got {value:g}{u}")
 
 
+RUN = "run (shared by every spardist command)"
+CLOCK = "simulated clock"
+#: ``--clock`` modes
+CLOCKS = ("timeline", "additive")
+COST = "cost model (alpha-beta per link class)"
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     """The shared options, frozen (written into ``summary.json``); validated on construction
     (values are echoed in the units of the command line)."""
 
-    out: str | None = None
-    overwrite: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    ranks_per_node: int | None = None
-    collectives: str | None = None
-    intra_bw: float = cm.DEFAULT_INTRA_GBPS
-    inter_bw: float = cm.DEFAULT_INTER_GBPS
-    intra_lat: float = cm.DEFAULT_INTRA_LAT_US
-    inter_lat: float = cm.DEFAULT_INTER_LAT_US
+    out: str | None = option(
+        None, "results directory (default: results/<system>_<method>); a directory holding a "
+        "finished run is refused unless --overwrite is given", type=Path, group=RUN)
+    overwrite: bool = option(
+        False, "replace the run in --out (its checkpoints are removed at the start, its summary "
+        "and metrics when this run finishes)", group=RUN)
+    seed: int = option(0, "run seed (shared randomness)", group=RUN)
+    device: str = option("cpu", "array backend: NumPy (cpu) or CuPy (gpu)",
+                         choices=("cpu", "gpu"), group=RUN)
+    ranks_per_node: int | None = option(
+        None, "simulate nodes of R consecutive ranks (default: real shared-memory nodes)",
+        metavar="R", group=RUN)
+    collectives: str | None = option(
+        None, "exact: spardist's own point-to-point collectives, the bytes booked are the bytes "
+        "sent on any MPI; native: the MPI library's, pinned to the booked algorithm where known "
+        "(default: $SPARDIST_COLLECTIVES or exact)", choices=coll.MODES, group=RUN)
+    intra_bw: float = option(cm.DEFAULT_INTRA_GBPS, "intra-node bandwidth in Gbit/s "
+                             "(default %(default)s: NVLink-class)", metavar="GBPS", group=COST)
+    inter_bw: float = option(cm.DEFAULT_INTER_GBPS, "inter-node bandwidth in Gbit/s "
+                             "(default %(default)s: InfiniBand-class)", metavar="GBPS",
+                             group=COST)
+    intra_lat: float = option(cm.DEFAULT_INTRA_LAT_US, "intra-node latency in microseconds",
+                              metavar="US", group=COST)
+    inter_lat: float = option(cm.DEFAULT_INTER_LAT_US, "inter-node latency in microseconds",
+                              metavar="US", group=COST)
+    clock: str = option(
+        "timeline", "timeline: per-rank events (per-layer compute, transfers that start when "
+        "their data is ready, links shared by concurrent transfers), step time = critical path; "
+        "additive: compute + every call's alpha-beta time, no overlap", choices=CLOCKS,
+        group=CLOCK)
+    compute_source: str = option(
+        "auto", "how compute events are timed: cpu (thread CPU time: does not grow when ranks "
+        "share cores), calibrated (the least of the first measurements of each event, then "
+        "fixed), wall (grows with load), cuda (CUDA events), flops (FLOP roofline at "
+        "--device-tflops); auto: cuda on a GPU, else cpu", choices=SOURCES, group=CLOCK)
+    device_tflops: float | None = option(
+        None, "peak TFLOP/s of the modeled device (compute-source flops)", metavar="TFLOPS",
+        group=CLOCK)
+    device_gbs: float | None = option(
+        None, "memory bandwidth in GB/s of the modeled device (roofline; compute-source flops)",
+        metavar="GBS", group=CLOCK)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -142,6 +166,15 @@ class CommonConfig:
         check_range("--inter-bw", self.inter_bw, gt=0, unit="Gbit/s")
         check_range("--intra-lat", self.intra_lat, ge=0, unit="microseconds")
         check_range("--inter-lat", self.inter_lat, ge=0, unit="microseconds")
+        for flag, v in (("--device-tflops", self.device_tflops),
+                        ("--device-gbs", self.device_gbs)):
+            if v is not None:
+                check_range(flag, v, gt=0)
+        if self.compute_source == "flops" and self.device_tflops is None:
+            raise ValueError("--compute-source flops needs --device-tflops (the modeled "
+                             "device's peak, e.g. 15.7 for a V100)")
+        if self.compute_source in ("flops", "calibrated") and self.clock == "additive":
+            raise ValueError(f"--compute-source {self.compute_source} needs --clock timeline")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CommonConfig":
@@ -157,14 +190,26 @@ class CommonConfig:
         return CostModel.from_cli(self.intra_bw, self.inter_bw, self.intra_lat, self.inter_lat)
 
 
+def _dist_version(name: str) -> str:
+    """An installed distribution's version without importing it (SciPy costs ~30 MiB a rank)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def versions() -> dict:
     try:
         spardist = version("spardist")
     except PackageNotFoundError:
         spardist = "unknown"
     return {"spardist": spardist, "python": platform.python_version(), "numpy": np.__version__,
-            "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
+            "scipy": _dist_version("scipy"), "mpi4py": mpi4py.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip()}
+
+
+#: units a ``metrics.jsonl`` index may count
+UNITS = ("iteration", "step", "epoch")
 
 
 class Run:
@@ -177,8 +222,13 @@ class Run:
 
     def __init__(self, *, system: str, method: str, common: CommonConfig, config,
                  topo: Topology, backend: Backend, writer: RunWriter,
-                 previous: str = "new") -> None:
+                 previous: str = "new", unit: str = "step") -> None:
+        if unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
         self.system, self.method = system, method
+        #: what one ``metrics.jsonl`` line's ``index`` counts: ``iteration`` (ADMM), ``step``
+        #: (optimizer step) or ``epoch``
+        self.unit = unit
         self.common = common
         self.config = config
         self.topo = topo
@@ -189,7 +239,11 @@ class Run:
         self.xp = backend.xp
         self.ledger = topo.ledger
         self.cost = topo.cost
-        self.clock = SimClock(self.ledger, sync=backend.synchronize if backend.is_gpu else None)
+        self.clock = SimClock(
+            self.ledger, sync=backend.synchronize if backend.is_gpu else None,
+            source=common.compute_source, gpu=backend.is_gpu,
+            timeline=Timeline(self.cost) if common.clock == "timeline" else None,
+            device_tflops=common.device_tflops, device_gbs=common.device_gbs)
         self.writer = writer
         self.out = writer.out
         self.previous = previous
@@ -198,9 +252,26 @@ class Run:
         #: which collectives ran and whether the wire carries what the ledger books (collective)
         self.collectives = coll.describe(self.world.mode, self.world.mpi)
 
-    def log(self, **record) -> None:
-        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced)."""
-        self.writer.log(record)
+    def log(self, index: int | None = None, /, **record) -> None:
+        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced).
+
+        Every line has one schema: ``unit`` (:attr:`unit`), ``index`` (also under the unit's own
+        name, e.g. ``"step": 12``), ``intra_node_bytes`` and ``inter_node_bytes`` (world totals
+        since the previous line), then the system's values.  ``run.log(k, loss=...)``; the older
+        keyword form ``run.log(step=k, ...)`` is accepted.
+        """
+        if index is None:
+            for key in (self.unit, *UNITS):
+                if key in record:
+                    index = record.pop(key)
+                    break
+            else:
+                raise TypeError(f"run.log needs the {self.unit} index: run.log(k, ...)")
+        line = {"unit": self.unit, "index": int(index), self.unit: int(index),
+                "intra_node_bytes": record.pop("intra_node_bytes", None),
+                "inter_node_bytes": record.pop("inter_node_bytes", None)}
+        line.update(record)
+        self.writer.log(line)
 
     def finish(self, metrics: dict | None = None, predicted: dict | None = None,
                extra: dict | None = None) -> dict:
@@ -211,6 +282,16 @@ class Run:
         measured = self.ledger.totals(self.world)
         t = self.clock.as_dict()
         timing = {k: float(self.world.mpi.allreduce(v, op=MPI.MAX)) for k, v in t.items()}
+        # the timeline of rank 0 and of the rank with the longest simulated time (for Gantt
+        # charts), and which compute source timed the events
+        descs = self.world.mpi.gather(self.clock.describe(events=True), root=0)
+        sims = self.world.mpi.gather(self.clock.sim_s, root=0)
+        timeline = None
+        if self.rank == 0:
+            busiest = int(np.argmax(sims))
+            timeline = {**{k: v for k, v in descs[0].items() if k != "last_step"},
+                        "rank0": descs[0].get("last_step"), "busiest_rank": busiest,
+                        "busiest": descs[busiest].get("last_step")}
         summary = {
             "system": self.system,
             "method": self.method,
@@ -223,6 +304,7 @@ class Run:
             "traffic": {"measured": measured, "predicted": predicted or {}},
             "metrics": metrics or {},
             "timing": timing,
+            "timeline": timeline,
         }
         if extra:
             summary.update(extra)
@@ -344,7 +426,8 @@ def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool) ->
     return previous
 
 
-def start_run(args, *, system: str, method: str, config=None, comm=None) -> Run:
+def start_run(args, *, system: str, method: str, config=None, comm=None,
+              unit: str = "step") -> Run:
     """Build the run context from parsed common args (collective over ``comm``).
 
     Works serially too: without ``mpiexec`` the world has one rank.  Stops with a clear error
@@ -365,7 +448,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None) -> Run:
     backend = get_backend(common.device, topo.gpu_index)
     topo.bind_backend(backend)
     writer = RunWriter(out, enabled=topo.rank == 0)
-    return Run(system=system, method=method, common=common, config=config, topo=topo,
+    return Run(system=system, method=method, common=common, config=config, topo=topo, unit=unit,
                backend=backend, writer=writer, previous=previous)
 
 
@@ -427,7 +510,7 @@ class RunCheckpoints:
         full = {**state,
                 "run/fingerprint": json.dumps(self.fingerprint),
                 "run/ledger": json.dumps(run.ledger.local()),
-                "run/compute_s": np.float64(run.clock.compute_s),
+                "run/clock": json.dumps(run.clock.state()),
                 "run/metrics": json.dumps(run.writer.records)}
         self.ckpt.save(full, done)
 
@@ -495,7 +578,7 @@ class RunCheckpoints:
                              f"{self.unit}s ({SUMMARY}): pass a larger {self.flag} to train "
                              "further, or start afresh with --overwrite")
         _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
-        run.clock.compute_s = float(state.pop("run/compute_s"))
+        run.clock.load_state(json.loads(str(state.pop("run/clock"))))
         for line in json.loads(str(state.pop("run/metrics"))):
             run.writer.log(json.loads(line))
         return step, state

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .costmodel import INTER, INTRA
 
-__all__ = ["Ledger", "PhaseEntry"]
+__all__ = ["Ledger", "PhaseEntry", "Predicted"]
 
 
 @dataclass
@@ -145,3 +145,43 @@ def merge_phase_dicts(per_rank: list[dict]) -> dict:
         "messages": sum(e["messages"] for e in by_phase.values()),
         "by_phase": by_phase,
     }
+
+
+class Predicted:
+    """The closed-form side of a run's traffic, accumulated step by step (every rank alike).
+
+    ``add({phase: {"intra": bytes, "inter": bytes}})`` after each step or iteration;
+    :meth:`block` is the ``summary.json`` ``traffic.predicted`` block, in the measured block's
+    schema (``inter_node_bytes``, ``intra_node_bytes``, ``by_phase: {phase: {"intra_bytes",
+    "inter_bytes"}}``).  :meth:`state` / :meth:`from_state` carry it through a checkpoint.
+    """
+
+    def __init__(self, by_phase: dict | None = None) -> None:
+        self.by_phase: dict[str, dict] = {p: dict(e) for p, e in (by_phase or {}).items()}
+
+    def add(self, phase_bytes: dict) -> dict:
+        """Add one step's ``{phase: {"intra", "inter"}}``; returns its ``{"intra", "inter"}``
+        total (for the step's metrics line)."""
+        step = {"intra": 0, "inter": 0}
+        for phase, b in phase_bytes.items():
+            e = self.by_phase.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
+            e["intra_bytes"] += int(b["intra"])
+            e["inter_bytes"] += int(b["inter"])
+            step["intra"] += int(b["intra"])
+            step["inter"] += int(b["inter"])
+        return step
+
+    def total(self, link: str) -> int:
+        """Bytes so far on ``link`` (``"intra"`` or ``"inter"``)."""
+        return sum(e[f"{link}_bytes"] for e in self.by_phase.values())
+
+    def block(self) -> dict:
+        return {"inter_node_bytes": self.total(INTER), "intra_node_bytes": self.total(INTRA),
+                "by_phase": {p: dict(e) for p, e in self.by_phase.items()}}
+
+    def state(self) -> dict:
+        return {p: dict(e) for p, e in self.by_phase.items()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Predicted":
+        return cls(state)

@@ -40,7 +40,8 @@ for name, extra in (
         ("ssfusion-per-tensor", ["--steps", "3", "--fusion", "per-tensor",
                                  "--profile-steps", "1"]),
         ("ssfusion-multi-tensor", ["--steps", "2", "--fusion", "multi-tensor",
-                                   "--profile-steps", "0", "--buffers", "3"]),
+                                   "--profile-steps", "0", "--buffers", "3",
+                                   "--fusion-policy", "count"]),
         ("ssfusion-selective", ["--steps", "4", "--profile-steps", "2", "--density", "0.05"])):
     method = name.split("-")[0]
     dp_train(dp_parser().parse_args(["--method", method, *extra, *shared,
@@ -54,9 +55,12 @@ RUNS = {"pactrain": ("pactrain", "cnn", {"stable_window": 2, "prune_score": "gra
         "sdp": ("sdp", "cnn", {"eval_every": 2}),
         "sdp-block": ("sdp", "resnet", {"sdp_mode": "block"}),  # digits' epoch > 2 steps
         "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward"}),
-        "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1}),
+        # Cupcake's fusion buffers (the default policy) follow the profiled timings too
+        "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1,
+                                                    "selection_from": True}),
         "ssfusion-multi-tensor": ("ssfusion", "cnn", {"fusion": "multi-tensor",
-                                                      "profile_steps": 0, "buffers": 3}),
+                                                      "profile_steps": 0, "buffers": 3,
+                                                      "fusion_policy": "count"}),
         # the selective run's dense/sparse selection follows its profiled timings: reproduced
         # from the selection it recorded (selection_from is filled in with the run directory)
         "ssfusion-selective": ("ssfusion", "cnn", {"profile_steps": 2, "density": 0.05,
@@ -120,10 +124,11 @@ def test_pactrain_sdp_ssfusion_runs_are_reproduced(runs, name):
         assert {p: (e["intra_bytes"], e["inter_bytes"]) for p, e in pb.items()} == \
             {p: (v["intra"], v["inter"]) for p, v in pred.total(n).phases.items()}
         sel = s["metrics"]["selection"]
-        plan = ssfusion_plan(resolve_model(model), 4, "inter", SYSTEMS["ssfusion"].Options(
-            **options))
-        assert (plan["ar"], plan["agd"], plan["ks"]) == (
-            sel["allreduce_elements"], sel["allgather_dense_elements"], sel["sparse_elements"])
+        sm = SYSTEMS["ssfusion"]
+        opts, assumptions = sm.split(options)
+        plan, _ = ssfusion_plan(resolve_model(model), 4, "inter", opts, assumptions)
+        assert plan.counts() == (sel["allreduce_elements"], sel["allgather_dense_elements"],
+                                 sel["sparse_elements"])
 
 
 def test_hsadmm_run_is_reproduced(runs):
@@ -198,7 +203,8 @@ UNEVEN_RUNS = {
     "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "stable_window": 1}),
     "sdp": ("sdp", "cnn", {"coverage": "2/3", "eval_every": 1}),
     "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward", "eval_every": 1}),
-    "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1}),
+    "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1,
+                                                "selection_from": True}),
     "ssfusion-selective": ("ssfusion", "cnn", {"profile_steps": 2, "density": 0.05,
                                                "selection_from": True}),
     "sparse_sgd": ("sgd", None, {"batch": 7}),

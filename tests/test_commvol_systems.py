@@ -38,9 +38,10 @@ def test_hsadmm_hand_computed_iteration():
         "mask_bcast": {"intra": 2 * 1 * 18, "inter": 0},                # M(P-1) B
         "inter_allreduce": {"intra": 0, "inter": 2 * 1 * 4 * 170},      # 2(M-1) 4C
         "bcast_z": {"intra": 2 * 1 * 4 * 170, "inter": 0},              # M(P-1) 4C
-        # world ring of 45 float64 over 4 ranks, chunks (12, 11, 11, 11): ranks 0, 2 send over
-        # intra links 68 + 67 elements, ranks 1, 3 over inter links 68 + 67
-        "residuals": {"intra": 135 * 8, "inter": 135 * 8}}
+        # world ring of 27 float64 (9 per penalty group: conv, bn, fc) over 4 ranks, chunks
+        # (7, 7, 7, 6): ranks 0, 2 send over intra links 40 + 41 elements, ranks 1, 3 over
+        # inter links 41 + 40
+        "residuals": {"intra": 81 * 8, "inter": 81 * 8}}
     assert set(frozen.phases) == set(synced.phases) - {"mask_sync", "mask_bcast"}
     assert synced.messages == {"intra_allreduce": 2 * 2 * 2, "mask_sync": 2 * 2,
                                "mask_bcast": 2, "inter_allreduce": 2 * 2, "bcast_z": 2,
@@ -48,7 +49,7 @@ def test_hsadmm_hand_computed_iteration():
     want = {"intra_allreduce": 2 * (A_I + 4 * 242 / 2 * B_I),
             "mask_sync": 2 * (A_X + 18 / 2 * B_X), "mask_bcast": A_I + 18 * B_I,
             "inter_allreduce": 2 * (A_X + 4 * 170 / 2 * B_X), "bcast_z": A_I + 680 * B_I,
-            "residuals": 6 * (A_X + 360 / 4 * B_X)}
+            "residuals": 6 * (A_X + 216 / 4 * B_X)}
     assert synced.modeled_s == pytest.approx(want, rel=1e-12)
     assert (synced.payload_bytes, synced.dense_payload_bytes) == (680, 968)
     total = pred.total(3)
@@ -214,21 +215,18 @@ def test_pactrain_kept_matches_the_pruning(ratio):
         assert pactrain_kept(layout, ratio) == int(prune_mask(imp, layout, ratio).sum())
 
 
-def test_predict_options_mirror_the_strategies():
-    """Shared names mean the same flag: defaults equal the strategies' option defaults."""
-    import dataclasses
+def test_predictions_take_the_runs_own_options():
+    """One options class per system: a prediction takes exactly the dataclass the run takes
+    (no copy to keep in step), and prediction-only assumptions repeat no option."""
+    from commvol.systems import get_system
+    from dataparallel import ddp, sdp, topk
 
-    from commvol import systems
-    from dataparallel import pactrain, sdp
-
-    for ours, theirs in ((systems.PacTrainPredictOptions, pactrain.PacTrainOptions),
-                         (systems.SDPPredictOptions, sdp.SDPOptions)):
-        mine = {f.name: f.default for f in dataclasses.fields(ours)}
-        for f in dataclasses.fields(theirs):
-            if f.name in mine:
-                assert mine[f.name] == f.default, f.name
-    assert systems._PRUNE_SCORES == pactrain.PRUNE_SCORES
-    assert systems._TERNARY_SCALES == pactrain.TERNARY_SCALES
+    for name, cls in (("ddp", ddp.DDPOptions), ("ddp-hierarchical", ddp.DDPOptions),
+                      ("topk", topk.TopKOptions), ("sdp", sdp.SDPOptions)):
+        sm = get_system(name)
+        assert sm.Options is cls, name
+        if sm.Assumptions is not None:
+            assert not set(sm.Assumptions.__dataclass_fields__) & set(cls.__dataclass_fields__)
 
 
 @pytest.mark.parametrize("model,kw", [("cnn", {"coverage": "4/4"}),
@@ -304,7 +302,7 @@ def test_pactrain_and_sdp_bad_options():
     bad("pactrain", "--warmup-steps takes a whole number", warmup_steps=1.5)
     bad("sdp", "--sdp-mode 'bogus' unknown; use one of", sdp_mode="bogus")
     bad("sdp", "--coverage 'x' is malformed", coverage="x")
-    bad("sdp", "--coverage 1/4 is too low", coverage="1/4")
+    bad("sdp", r"gives p = 1.33333 workers per parameter", coverage="1/3")
     bad("sdp", "--active-blocks applies to --sdp-mode block", active_blocks="2/3")
     bad("sdp", "model 'cnn' has none; use --model resnet", sdp_mode="block")
     bad("sdp", "has d = 3 residual blocks", model="resnet", sdp_mode="block",
@@ -321,9 +319,10 @@ def test_pactrain_and_sdp_bad_options():
 # ---------------------------------------------------------------------------------------------
 def test_ssfusion_per_tensor_hand_computed():
     # TINY in backward order: fc.bias 10, fc.weight 80, bn.bias 4, bn.weight 4, conv 144;
-    # --buffers 2: [fc.bias, fc.weight, bn.bias] (94) and [bn.weight, conv.weight] (148);
-    # k_l = max(1, ceil(0.01 n_l)) = 1, 1, 1 | 1, 2: K = 3 and 3
-    pred = _p("ssfusion", fusion="per-tensor", buffers=2, profile_steps=2)
+    # --fusion-policy count --buffers 2: [fc.bias, fc.weight, bn.bias] (94) and [bn.weight,
+    # conv.weight] (148); k_l = max(1, ceil(0.01 n_l)) = 1, 1, 1 | 1, 2: K = 3 and 3
+    pred = _p("ssfusion", fusion="per-tensor", fusion_policy="count", buffers=2,
+              profile_steps=2)
     assert [(a, b) for a, b, _ in pred.schedule(5)] == [(0, 1), (2, 4)]
     warm, step = pred.per_iteration(0), pred.steady
     assert warm.messages == {"ssf_warmup_allreduce": 2 * 24}
@@ -339,28 +338,40 @@ def test_ssfusion_per_tensor_hand_computed():
                                                                    rel=1e-12)
     assert (step.payload_bytes, step.dense_payload_bytes) == (48, 968)
     # multi-tensor: one top-K_i per buffer, the same K_i: the same traffic
-    multi = _p("ssfusion", fusion="multi-tensor", buffers=2, profile_steps=2)
+    multi = _p("ssfusion", fusion="multi-tensor", fusion_policy="count", buffers=2,
+               profile_steps=2)
     assert multi.steady == step and multi.per_iteration(1) == pred.per_iteration(1)
-    # the whole run equals commvol.ssfusion.run_bytes (no selection outside selective)
-    from commvol.ssfusion import run_bytes
+    # the whole run equals volume.ssfusion.run_bytes (no decision with fixed buffers)
+    from volume.ssfusion import run_bytes
 
     assert pred.total(5).phases == run_bytes(
-        M=2, P=2, steps=5, warmup_steps=2, buffer_sizes=[94, 148], ar_counts=[0, 0],
+        M=2, P=2, steps=5, warmup_steps=2, warmup_buffer_sizes=[94, 148], ar_counts=[0, 0],
         ag_dense_counts=[0, 0], ag_sparse_counts=[3, 3], num_tensors=5, selection=False)
+    # the default (Cupcake) buffers depend on the profile: the run decides them after warm-up
+    cupcake = _p("ssfusion", fusion="per-tensor", profile_steps=2)
+    assert "ssf_select_bcast" in cupcake.per_iteration(1).phases
 
 
 def test_ssfusion_selective_given_selection_hand_computed():
     # --density 0.2: k = 2, 16, 1 | 1, 29 (K = 19, 30); fc.bias and bn.bias dense: fc.weight
     # absorbs them (k' = 19 - 14 = 5); l'_0 = 1 puts fc.bias into Buffer_AR, bn.bias into
     # Buffer_AG
-    pred = _p("ssfusion", buffers=2, profile_steps=3, density=0.2,
-              dense_tensors="fc.bias,bn.bias", interleave_split="1,0")
+    from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
+    from dataparallel.ssfusion import SSFusionOptions
+
+    def sel(**kw):
+        o = SSFusionOptions(**{"buffers": 2, "profile_steps": 3, "density": 0.2,
+                               "fusion_policy": "count", **kw})
+        return predict_ssfusion(TINY, 2, 2, o, COST, SSFusionAssumptions(
+            dense_tensors="fc.bias,bn.bias", interleave_split="1,0" if o.interleave else None))
+
+    pred = sel()
     assert [(a, b) for a, b, _ in pred.schedule(6)] == [(0, 1), (2, 2), (3, 5)]
     decide, step = pred.per_iteration(2), pred.steady
-    # profile: 3L + 2 = 17 float64 MAX all-reduce; plan: 2L + N_B = 12 int64 from rank 0
+    # profile: 3L + 2 = 17 float64 MAX all-reduce; plan: 4L = 20 int64 from rank 0
     # (binomial tree 0 -> 2 over the inter link, 0 -> 1 and 2 -> 3 intra)
     assert sum(decide.phases["ssf_profile_allreduce"].values()) == 2 * 3 * 8 * 17
-    assert decide.phases["ssf_select_bcast"] == {"intra": 2 * 96, "inter": 96}
+    assert decide.phases["ssf_select_bcast"] == {"intra": 2 * 160, "inter": 160}
     assert decide.messages["ssf_select_bcast"] == 3
     assert "ssf_profile_allreduce" not in pred.per_iteration(1).phases
     # AR: 10 floats, 2 (p-1) 40 / p = 60 B per rank; AG blocks 4 * 4 + 8 * 5 = 56 and
@@ -372,14 +383,13 @@ def test_ssfusion_selective_given_selection_hand_computed():
     assert step.modeled_s == pytest.approx(
         {"ssf_dense_allreduce": 6 * (A_X + 10 * B_X),
          "ssf_sparse_allgather": 3 * (A_X + 56 * B_X) + 3 * (A_X + 240 * B_X)}, rel=1e-12)
-    from commvol.ssfusion import run_bytes
+    from volume.ssfusion import run_bytes
 
     assert pred.total(6).phases == run_bytes(
-        M=2, P=2, steps=6, warmup_steps=3, buffer_sizes=[94, 148], ar_counts=[10, 0],
+        M=2, P=2, steps=6, warmup_steps=3, warmup_buffer_sizes=[94, 148], ar_counts=[10, 0],
         ag_dense_counts=[4, 0], ag_sparse_counts=[5, 30], num_tensors=5)
     # --no-interleave all-gathers the dense tensors too
-    naive = _p("ssfusion", buffers=2, profile_steps=3, density=0.2, interleave=False,
-               dense_tensors=("fc.bias", "bn.bias")).steady
+    naive = sel(interleave=False).steady
     assert naive.phases == {"ssf_sparse_allgather": {"intra": 2 * 3 * (96 + 240),
                                                      "inter": 2 * 3 * (96 + 240)}}
 
@@ -388,39 +398,43 @@ def test_ssfusion_default_selection_is_the_eq2_rule():
     """Without a recorded selection the eq. 2 rule runs on the assumed profile: with no
     compute at all eq. 2 holds at once (nothing to hide), every tensor is sparse and the
     traffic is per-tensor's; the chosen selection, passed back explicitly, gives the same."""
-    free = _p("ssfusion", buffers=2, backward_ns=0, sparsify_ns=0)
-    assert free.steady == _p("ssfusion", buffers=2, fusion="per-tensor").steady
+    from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion, ssfusion_plan
+    from dataparallel.ssfusion import SSFusionOptions
+
+    o = SSFusionOptions(buffers=2, fusion_policy="count")
+    free = predict_ssfusion(TINY, 2, 2, o, COST, SSFusionAssumptions(backward_ns=0,
+                                                                      sparsify_ns=0))
+    assert free.steady == _p("ssfusion", buffers=2, fusion="per-tensor",
+                             fusion_policy="count").steady
     assert any("assumed profile" in n for n in free.notes)
-    from commvol.systems import ssfusion_plan
-
-    o = SYSTEMS["ssfusion"].Options(buffers=2, density=0.1, backward_ns=1e4, sparsify_ns=1e4)
-    plan = ssfusion_plan(TINY, 4, "inter", o, COST)
-    assert plan["dense"]  # slow compute: small tensors stay dense to shorten the backward
-    names = [TINY.layout.names[l] for l in plan["dense"]]
-    again = _p("ssfusion", buffers=2, density=0.1, dense_tensors=names,
-               interleave_split=plan["split"])
-    assert again.steady == _p("ssfusion", buffers=2, density=0.1, backward_ns=1e4,
-                              sparsify_ns=1e4).steady
+    o = SSFusionOptions(buffers=2, density=0.1, fusion_policy="count", first_buffer="exclude")
+    slow = SSFusionAssumptions(backward_ns=1e4, sparsify_ns=1e4)
+    plan, _ = ssfusion_plan(TINY, 4, "inter", o, slow, COST)
+    assert plan.dense()  # slow compute: small tensors stay dense to shorten the backward
+    names = [TINY.layout.names[l] for l in plan.dense()]
+    again = predict_ssfusion(TINY, 2, 2, o, COST, SSFusionAssumptions(
+        dense_tensors=names, interleave_split=list(plan.split)))
+    assert again.steady == predict_ssfusion(TINY, 2, 2, o, COST, slow).steady
 
 
-def test_ssfusion_predict_options_mirror_the_strategy():
-    import dataclasses
-
-    from commvol import systems
+def test_ssfusion_predicts_with_the_strategy_options():
     from dataparallel import ssfusion
 
-    mine = {f.name: f.default for f in dataclasses.fields(systems.SSFusionPredictOptions)}
-    theirs = {f.name: f.default for f in dataclasses.fields(ssfusion.SSFusionOptions)}
-    for name in ("density", "density_floor", "fusion", "buffers", "buffer_mib",
-                 "profile_steps", "interleave"):
-        assert mine[name] == theirs[name], name
-    assert systems._FUSION_MODES == ssfusion.FUSION_MODES
+    assert SYSTEMS["ssfusion"].Options is ssfusion.SSFusionOptions
 
 
 def test_ssfusion_bad_options(tmp_path):
+    from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
+    from dataparallel.ssfusion import SSFusionOptions
+
     def bad(match, **kw):
         with pytest.raises(ValueError, match=match):
             _p("ssfusion", **kw)
+
+    def bad_assumed(match, options=None, **kw):
+        with pytest.raises(ValueError, match=match):
+            predict_ssfusion(TINY, 2, 2, options or SSFusionOptions(), COST,
+                             SSFusionAssumptions(**kw))
 
     bad("--fusion 'bogus' unknown; use one of", fusion="bogus")
     bad("--buffers must be an integer >= 1", buffers=0)
@@ -428,26 +442,29 @@ def test_ssfusion_bad_options(tmp_path):
     bad("--buffers 9 must be between 1 and the model's 5 tensors", buffers=9)
     bad("below --density-floor", density=0.0005)
     bad("--profile-steps must be >= 1", profile_steps=0)
-    bad("--backward-ns must be a finite time >= 0", backward_ns=-1.0)
-    bad(r"--dense-tensors: \['conv.w'\] are not tensors of model 'tiny'",
-        dense_tensors="conv.w")
-    bad("cannot be compensated at --density-floor", dense_tensors="fc.weight")
-    bad("use --fusion selective or drop them", fusion="per-tensor", dense_tensors="bn.bias")
-    bad("--interleave-split needs --dense-tensors", interleave_split="0,0,0,0")
-    bad(r"--interleave-split \[0\] needs one l'_i in 0..n_i per fusion buffer",
-        dense_tensors="bn.bias", interleave_split="0")
-    bad("--interleave-split takes one integer", dense_tensors="bn.bias", interleave_split="a")
-    bad("no summary.json there", selection_from=str(tmp_path))
-    with pytest.raises(ValueError, match="--fusion 'bogus' unknown; use one of"):
+    bad_assumed("--backward-ns must be a finite time >= 0", backward_ns=-1.0)
+    bad_assumed(r"--dense-tensors: \['conv.w'\] are not tensors of model 'tiny'",
+                dense_tensors="conv.w")
+    bad_assumed("cannot be compensated at --density-floor", dense_tensors="fc.weight")
+    bad_assumed("use --fusion selective or drop them", SSFusionOptions(fusion="per-tensor"),
+                dense_tensors="bn.bias")
+    bad_assumed("--interleave-split needs --dense-tensors", interleave_split="0,0,0,0")
+    bad_assumed("interleave split", SSFusionOptions(fusion_policy="count", buffers=2),
+                dense_tensors="bn.bias", interleave_split="0")
+    bad_assumed("--interleave-split takes one integer", dense_tensors="bn.bias",
+                interleave_split="a")
+    bad_assumed("no summary.json there", selection_from=str(tmp_path))
+    with pytest.raises(SystemExit):  # argparse: invalid choice 'bogus' for --fusion
         main(["predict", "--system", "ssfusion", "--model", "cnn", "--fusion", "bogus"])
 
 
 def test_ssfusion_cli_selection_flags(capsys):
-    # the embedded CNN's buffers: [fc2.*], [fc1.bias, fc1.weight], [conv2.*], [conv1.*]
+    # the embedded CNN's --fusion-policy count buffers: [fc2.*], [fc1.bias, fc1.weight],
+    # [conv2.*], [conv1.*]
     main(["predict", "--system", "ssfusion", "--model", "cnn", "--nodes", "2",
-          "--gpus-per-node", "2", "--iters", "7", "--dense-tensors", "fc1.bias",
-          "--interleave-split", "0,1,0,0", "--density", "0.05"])
+          "--gpus-per-node", "2", "--iters", "7", "--fusion-policy", "count",
+          "--dense-tensors", "fc1.bias", "--interleave-split", "0,1,0,0", "--density", "0.05"])
     out = capsys.readouterr().out
     assert "dense tensors ['fc1.bias'], splits l'_i = [0, 1, 0, 0]" in out
     assert "| ssfusion (1 step) | 5-6 | ssf_dense_allreduce |" in out
-    assert "selection: given" in out
+    assert "timing-dependent parts: given" in out

@@ -5,12 +5,12 @@ they list on one-rank communicators (one node, one rank per node)."""
 import numpy as np
 import pytest
 
-from commvol import pactrain as cpt
-from commvol import sdp as csdp
-from commvol import ssfusion as cssf
-from commvol.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_step_bytes,
+from volume import pactrain as cpt
+from volume import sdp as csdp
+from volume import ssfusion as cssf
+from volume.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_step_bytes,
                                   world_ring_bytes)
-from commvol.hsadmm import (RESIDUALS_PER_LAYER, flat_admm_iteration_bytes,
+from volume.hsadmm import (RESIDUALS_PER_LAYER, flat_admm_iteration_bytes,
                             hsadmm_iteration_bytes)
 from sparse_sgd.traffic import allreduce_phase, bcast_phase
 from substrate import costmodel as cm
@@ -97,9 +97,9 @@ def test_pactrain_sdp_ssfusion_uneven(M, P):
     sizes = [T, 4001, 13]
     assert cssf.warmup_step_bytes(M=M, P=P, buffer_sizes=sizes) == \
         {cssf.WARMUP: add(*(ring(n, 4, nodes) for n in sizes))}
-    assert cssf.selection_bytes(M=M, P=P, num_tensors=5, num_buffers=2) == {
+    assert cssf.selection_bytes(M=M, P=P, num_tensors=5) == {
         cssf.PROFILE: ring(cssf.profile_length(5), 8, nodes),
-        cssf.SELECT: tree(8 * cssf.plan_length(5, 2), nodes)}
+        cssf.SELECT: tree(8 * cssf.plan_length(5), nodes)}
 
 
 @pytest.mark.parametrize("M,P", LAYOUTS, ids=IDS)

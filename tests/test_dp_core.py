@@ -1,5 +1,5 @@
 """Serial tests of the data-parallel building blocks: buckets, top-k selection, option flags and
-the closed forms of commvol.dataparallel against hand-computed cases."""
+the closed forms of volume.dataparallel against hand-computed cases."""
 
 import argparse
 from dataclasses import dataclass, field
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from commvol.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k,
+from volume.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k,
                                   topk_step_bytes)
 from dataparallel import STRATEGIES
 from dataparallel.ddp import DDPOptions, flat_buckets
@@ -81,7 +81,7 @@ def test_conflicting_shared_flag_defaults_are_refused():
 
     p = argparse.ArgumentParser()
     add_options_args(p, TopKOptions, "topk")
-    with pytest.raises(ValueError, match="declared with defaults"):
+    with pytest.raises(ValueError, match="declared twice"):
         add_options_args(p, Other, "other")
 
 

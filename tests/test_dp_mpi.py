@@ -25,6 +25,10 @@ def test_train_run_traffic_equals_prediction(tmp_path, method, extra):
     assert s["traffic"]["measured"]["inter_node_bytes"] > 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [3, 6]
+    # one metrics schema for every command: unit, index, bytes of the interval, step wall time
+    for x in lines:
+        assert x["unit"] == "step" and x["index"] == x["step"]
+        assert x["intra_node_bytes"] >= 0 and x["step_wall_s"] > 0
     assert sum(x["inter_node_bytes"] for x in lines) == s["traffic"]["measured"][
         "inter_node_bytes"]
     assert 0 <= s["metrics"]["final_test_accuracy"] <= 1

@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 from scipy.linalg import null_space
 
-from commvol.dataparallel import world_ring_bytes
-from commvol.sdp import (assemble_bytes, gated_allreduce_bytes,
+from volume.dataparallel import world_ring_bytes
+from volume.sdp import (assemble_bytes, gated_allreduce_bytes,
                          param_bcast_bytes, sdp_step_bytes)
-from dataparallel.sdp import (SDPOptions, SDPPlan, parse_active_blocks, parse_fraction,
-                              plan_masks, spectral_gap, strided_sets, window_sets, worker_memory)
+from dataparallel.sdp import (SDPOptions, SDPPlan, _check_connected, parse_active_blocks,
+                              parse_fraction, plan_masks, spectral_gap, window_sets,
+                              worker_memory)
+from commvol.predict import predict
 from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
                          read_summary, run_mpi)
 from models import build_model
 from substrate import costmodel as cm
+from substrate.options import flag_of
 
 SHAPE = (1, 8, 8)
 
@@ -46,6 +49,13 @@ def test_parse_coverage_and_active_blocks():
     assert parse_active_blocks("") is None
 
 
+def test_paper_defaults_and_named_deviation():
+    """The paper evaluates the assembled model as is: weight scaling is an opt-in flag."""
+    o = SDPOptions()
+    assert o.eval_rescale is False and flag_of(SDPOptions, "eval_rescale") == "--eval-rescale"
+    assert (o.sdp_mode, o.coverage, o.flop_match) == ("neuron", "3/4", False)
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"coverage": "1.5"}, "--coverage must be in (0, 1]"),
     ({"coverage": "0"}, "--coverage must be in (0, 1]"),
@@ -67,8 +77,6 @@ def test_bad_flags_raise_value_error(kw, message):
 
 
 def test_plan_rejects_masks_without_holders(cnn, resnet):
-    with pytest.raises(ValueError, match=r"too low for structured N-SDP.*--coverage 2/4"):
-        plan_masks(cnn, "neuron", 4, coverage=Fraction(1, 4))
     with pytest.raises(ValueError, match=r"p = 1.33333.*use --coverage p/4"):
         plan_masks(cnn, "neuron", 4, coverage=Fraction(1, 3))
     with pytest.raises(ValueError, match="has none; use --model resnet or --sdp-mode neuron"):
@@ -79,27 +87,39 @@ def test_plan_rejects_masks_without_holders(cnn, resnet):
         plan_masks(resnet, "block-backward", 2, coverage=Fraction(1), active_blocks=(1, 3))
 
 
+def test_disconnected_masks_are_rejected():
+    """Two workers that share no coordinate never agree (paper §3.1 assumes connectivity)."""
+    kw = dict(mode="neuron", buffer_ids={}, scale=np.ones(4), coverage=Fraction(1, 2),
+              detail={})
+    split = SDPPlan(n=4, sets=(0b1111, 0b0011, 0b1100), set_id=np.array([1, 1, 2, 2]), **kw)
+    with pytest.raises(ValueError, match="raise p in --coverage p/4"):
+        _check_connected(split, Fraction(1, 2))
+    _check_connected(SDPPlan(n=4, sets=(0b1111, 0b0011, 0b1100),
+                             set_id=np.array([0, 1, 2, 2]), **kw), Fraction(1, 2))
+
+
 # -- masks ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", range(1, 13))
-def test_window_and_strided_families(n):
+def test_window_family(n):
     for p in range(1, n + 1):
-        win, stri = window_sets(n, p), strided_sets(n, p)
-        for fam in (win, stri):
-            assert all(len(_members(s)) == p for s in fam)
-            assert [sum(s >> r & 1 for s in fam) for r in range(n)] == [p] * n  # balanced
-        if math.ceil(n / p) <= p:
-            assert all(a & b for a in win for b in stri)
+        win = window_sets(n, p)
+        assert all(len(_members(s)) == p for s in win)
+        assert [sum(s >> r & 1 for s in win) for r in range(n)] == [p] * n  # balanced
 
 
-@pytest.mark.parametrize("n,p", [(4, 2), (4, 3), (4, 4), (8, 3), (8, 4), (8, 6), (6, 3)])
-def test_neuron_masks_every_coordinate_held_every_neuron_on_p(cnn, n, p):
+@pytest.mark.parametrize("n,p", [(4, 1), (4, 2), (4, 3), (4, 4), (8, 3), (8, 4), (8, 6), (6, 3)])
+def test_neuron_masks_give_every_parameter_degree_p_or_n(cnn, n, p):
+    """Paper §4: every masked θ_j on exactly p of the n workers (conv1 and fc1 with the next
+    layers' input columns on the digits CNN; conv2's bias and fc2's bias on all)."""
     plan = plan_masks(cnn, "neuron", n, coverage=Fraction(p, n))
     m = np.array([plan.mask(r) for r in range(n)])
-    assert m.sum(axis=0).min() >= 1                              # d_j >= 1 for every j
     L = cnn.layout
-    for name in ("conv1.bias", "conv2.bias", "fc1.bias"):         # each neuron on exactly p
+    for name in ("conv1.weight", "conv1.bias", "conv2.weight", "fc1.weight", "fc1.bias",
+                 "fc2.weight"):
         assert (m[:, L.slice(name)].sum(axis=0) == p).all(), name
-    assert (m[:, L.slice("fc2.bias")].sum(axis=0) == n).all()     # outputs held by all
+    for name in ("conv2.bias", "fc2.bias"):
+        assert (m[:, L.slice(name)].sum(axis=0) == n).all(), name
+    assert plan.degree_histogram() == ({p: L.total - 42, n: 42} if p < n else {n: L.total})
     if p == n:
         assert (plan.counts[1:] == 0).all()                       # C = 1: plain DDP
 
@@ -113,7 +133,7 @@ def test_neuron_masks_on_resnet_mask_inner_channels_only(resnet):
         deg = m[:, L.slice(name)].sum(axis=0)
         inner = ".conv1." in name or ".bn1." in name or ".conv2." in name
         if name.startswith("layer") and ".shortcut." not in name and inner:
-            assert deg.min() == 2, name                           # p = 2 holders per channel
+            assert (deg == 2).all(), name                         # p = 2 holders per channel
         else:
             assert (deg == 4).all(), name                         # residual stream: everyone
 
@@ -134,15 +154,15 @@ def test_block_masks_whole_blocks(resnet):
 def test_neuron_memory_counts_only_the_subnetwork(cnn, n, p):
     plan = plan_masks(cnn, "neuron", n, coverage=Fraction(p, n))
     L, C = cnn.layout, p / n
-    # every worker holds a fraction C of each masked layer's rows and of its input columns
-    frac = {"conv1.weight": C, "conv1.bias": C, "conv2.weight": C * C, "conv2.bias": C,
-            "fc1.weight": C * C, "fc1.bias": C, "fc2.weight": C, "fc2.bias": 1.0}
+    # every worker holds a fraction C of conv1's and fc1's rows and of their consumers' columns
+    frac = {"conv1.weight": C, "conv1.bias": C, "conv2.weight": C, "conv2.bias": 1.0,
+            "fc1.weight": C, "fc1.bias": C, "fc2.weight": C, "fc2.bias": 1.0}
     want = round(sum(frac[nm] * L.sizes[nm] for nm in L.names))
     mem = worker_memory(plan, 4, momentum=True)
     assert [plan.held(r) for r in range(n)] == [want] * n
     assert mem["memory_bytes"] == [3 * 4 * want] * n and mem["memory_ddp_bytes"] == 12 * L.total
-    # ≈ C × DDP: between C² (hidden-to-hidden weights lose rows and columns) and C (+ outputs)
-    assert C * C <= mem["memory_ratio_max"] <= C + L.sizes["fc2.bias"] / L.total
+    # ≈ C × DDP (paper §3.2), plus the 42 biases on every worker
+    assert mem["memory_ratio_max"] == pytest.approx(C + (1 - C) * 42 / L.total)
 
 
 def test_block_memory_is_coverage_times_ddp_plus_the_remainder(resnet):
@@ -200,17 +220,17 @@ def test_spectral_gap_equals_literal_operator_on_random_masks():
 
 
 def test_spectral_gap_of_n_sdp_masks(cnn):
-    # 2/4: hidden-to-hidden weights are held by a single worker (window ∩ strided = 1 rank)
+    # min_j d_j = p: ρ = sqrt(1/p - 1/n)
     plan = plan_masks(cnn, "neuron", 4, coverage=Fraction(2, 4))
-    assert spectral_gap(plan.distinct_mask()) == pytest.approx(math.sqrt(1 - 1 / 4))
+    assert spectral_gap(plan.distinct_mask()) == pytest.approx(math.sqrt(1 / 2 - 1 / 4))
     plan = plan_masks(cnn, "neuron", 8, coverage=Fraction(4, 8))
-    assert spectral_gap(plan.distinct_mask()) == pytest.approx(math.sqrt(1 / 2 - 1 / 8))
+    assert spectral_gap(plan.distinct_mask()) == pytest.approx(math.sqrt(1 / 4 - 1 / 8))
 
 
 # -- FLOP matching -------------------------------------------------------------------------------
 def test_flop_factor_follows_the_paper():
     # 8 workers, coordinate j held by 4 of them: every worker holds half of the model
-    sets = [(1 << 8) - 1] + [sum(1 << ((c + k) % 8) for k in range(4)) for c in range(8)]
+    sets = tuple([(1 << 8) - 1] + [sum(1 << ((c + k) % 8) for k in range(4)) for c in range(8)])
     set_id = np.arange(1, 9, dtype=np.int32)
     kw = dict(n=8, sets=sets, set_id=set_id, buffer_ids={}, scale=np.ones(8),
               coverage=Fraction(1, 2), detail={})
@@ -248,11 +268,13 @@ def test_gated_average_equals_serial_formula(mode, coverage):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode,coverage", [("neuron", "3/4"), ("block", "2/3"),
-                                           ("block-backward", "2/3")])
-def test_training_keeps_holders_identical_and_assembles_eval_model(mode, coverage):
-    out = run_mpi("dp_sdp_checks.py", 4, "train", mode, coverage, timeout=240).stdout
-    assert f"OK train {mode} {coverage}" in out
+@pytest.mark.parametrize("mode,coverage,rescale", [
+    ("neuron", "3/4", ""), ("neuron", "2/4", "rescale"), ("block", "2/3", ""),
+    ("block", "2/3", "rescale"), ("block-backward", "2/3", "")])
+def test_training_keeps_holders_identical_and_assembles_eval_model(mode, coverage, rescale):
+    args = [mode, coverage] + ([rescale] if rescale else [])
+    out = run_mpi("dp_sdp_checks.py", 4, "train", *args, timeout=240).stdout
+    assert f"OK train {' '.join(args)}" in out
 
 
 @pytest.mark.mpi
@@ -273,6 +295,18 @@ def test_cli_measured_bytes_equal_closed_form(tmp_path, args):
     assert m["spectral_gap"] == pytest.approx(m["spectral_gap_closed_form"])
     phases = set(s["traffic"]["measured"]["by_phase"])
     mode = args[args.index("--sdp-mode") + 1]
+    # the summary's coverage is the measured one: Σ_j d_j / (n T) from the degree histogram
+    hist = {int(d): c for d, c in m["degree_histogram"].items()}
+    T = sum(hist.values())
+    assert Fraction(m["coverage"]) == Fraction(sum(d * c for d, c in hist.items()), 4 * T)
+    if mode == "neuron":  # N-SDP 3/4 on the cnn: conv1/fc1 (+ consumers) on 3, 42 biases on 4
+        assert hist == {3: T - 42, 4: 42} and m["coverage_nominal"] == "3/4"
+    # payload_ratio: every byte a step puts on the wire (gated + B_b's broadcasts) / DDP's
+    by = s["traffic"]["measured"]["by_phase"]
+    step_bytes = sum(by[ph]["intra_bytes"] + by[ph]["inter_bytes"]
+                     for ph in ("sdp_gated_allreduce", "sdp_param_bcast") if ph in by)
+    assert m["payload_ratio"] == pytest.approx(step_bytes / m["steps"] / (2 * 3 * 4 * T))
+    assert m["eval_rescale"] is False                          # the paper's evaluation
     assert "sdp_gated_allreduce" in phases
     assert ("sdp_param_bcast" in phases) == (mode == "block-backward")
     assert ("sdp_assemble" in phases) == (mode != "block-backward")
@@ -293,3 +327,28 @@ def test_cli_measured_bytes_equal_closed_form(tmp_path, args):
 def test_bad_flags_fail_on_every_rank(tmp_path, args, message):
     assert_fails_on_every_rank("dataparallel", ["train", "--method", "sdp", *args], message,
                                tmp_path / "x")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args,kw", [
+    (["--model", "cnn", "--coverage", "2/3"], {"coverage": "2/3"}),
+    (["--model", "resnet", "--sdp-mode", "block-backward", "--active-blocks", "2/3"],
+     {"sdp_mode": "block-backward", "active_blocks": "2/3"}),
+])
+def test_run_executes_the_plan_on_3_ranks_per_node(tmp_path, args, kw):
+    """6 ranks as 2 nodes x 3 (rings whose chunks the counts do not divide): the run's ledger
+    equals ``commvol predict`` from the same SDPPlan, phase by phase, and the summary reports
+    the plan's degrees (N-SDP 2/3 on 6: every masked parameter on exactly 4)."""
+    out = tmp_path / "sdp"
+    run_mpi(None, 6, "train", "--method", "sdp", "--ranks-per-node", 3, "--steps", 2,
+            "--eval-every", 1, "--out", out, *args, module="dataparallel", timeout=300)
+    s = read_summary(out)
+    pred = predict("sdp", args[1], nodes=2, gpus_per_node=3, eval_every=1, **kw).total(2)
+    m = s["traffic"]["measured"]
+    assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == \
+        (pred.inter, pred.intra, pred.total_messages)
+    for phase, e in m["by_phase"].items():
+        assert (e["intra_bytes"], e["inter_bytes"]) == (pred.phases[phase]["intra"],
+                                                        pred.phases[phase]["inter"]), phase
+    if args[1] == "cnn":
+        assert s["metrics"]["degree_histogram"] == {"4": 38240, "6": 42}

@@ -1,23 +1,41 @@
-"""SSFusion (seed paper 004): DGC sampled threshold, fusion buffers, eq. 2 selection,
-density-aware counts, interleave split (§IV-D), offload plan (§IV-C), closed forms, flags;
-MPI: serial reference of the synchronized gradient and residuals, tensor-missing rate,
-measured == predicted bytes on 4 ranks / 2 virtual nodes."""
+"""SSFusion (seed paper 004): DGC sampled threshold, Gaussian-k, fusion buffers (count and
+Cupcake's FindOptFusion), eq. 2 selection, density-aware counts, interleave split (§IV-D),
+offload plan (§IV-C), closed forms, flags; MPI: serial reference of the synchronized gradient,
+residuals and DGC momentum correction, tensor-missing rate, measured == predicted bytes on 4
+ranks / 2 virtual nodes.  The plan against the paper's second source: tests/test_ssfusion_plan.py."""
 
+import itertools
 import math
 
 import numpy as np
 import pytest
-
-from commvol import ssfusion as cv
-from commvol.dataparallel import topk_k, world_ring_bytes
-from dataparallel.sparsify import (dgc_topk, refine_threshold, sample_magnitudes, sample_rank,
-                                   sample_threshold, segment_rng)
-from dataparallel.ssfusion import (FusionPlan, SSFusionOptions, alpha_beta_times,
-                                   fusion_buffers, interleave_split, plan_offload,
-                                   plan_selective, select_dense)
 from mpi_helpers import assert_fails_on_every_rank, run_mpi
+
+from dataparallel.sparsify import (
+    dgc_topk,
+    refine_threshold,
+    sample_magnitudes,
+    sample_rank,
+    sample_threshold,
+    segment_rng,
+)
+from dataparallel.ssfusion import (
+    SSFusionOptions,
+    alpha_beta_times,
+    count_buffers,
+    density_aware_counts,
+    feasible_dense,
+    find_opt_fusion,
+    gaussiank_select,
+    interleave_split,
+    plan_offload,
+    plan_ssfusion,
+    select_dense,
+)
 from substrate import costmodel as cm
 from substrate.costmodel import CostModel
+from volume import ssfusion as cv
+from volume.dataparallel import topk_k, world_ring_bytes
 
 
 # -- DGC sampled threshold -------------------------------------------------------------------------
@@ -85,21 +103,21 @@ def test_tensor_missing_paper_fig3():
 # -- plans ----------------------------------------------------------------------------------------
 def test_fusion_buffers_by_count_and_bytes():
     sizes = [10, 640, 64, 32768, 32, 4608, 16, 144]
-    assert fusion_buffers(sizes, buffers=4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert fusion_buffers(sizes, buffers=3) == [(0, 3), (3, 6), (6, 8)]
-    assert fusion_buffers(sizes, buffers=1) == [(0, 8)]
+    assert count_buffers(sizes, buffers=4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert count_buffers(sizes, buffers=3) == [(0, 3), (3, 6), (6, 8)]
+    assert count_buffers(sizes, buffers=1) == [(0, 8)]
     # 4 KiB budget: the 32768-element tensor gets a buffer of its own
-    assert fusion_buffers(sizes, buffer_bytes=4096) == [(0, 3), (3, 4), (4, 5), (5, 6),
+    assert count_buffers(sizes, buffer_bytes=4096) == [(0, 3), (3, 4), (4, 5), (5, 6),
                                                         (6, 8)]
     with pytest.raises(ValueError, match="--buffers 9 must be between 1 and the model's 8"):
-        fusion_buffers(sizes, buffers=9)
+        count_buffers(sizes, buffers=9)
 
 
 @pytest.mark.parametrize("dense", [set(), {0}, {0, 2}, {2}])
 def test_density_aware_counts_keep_the_buffer_at_density(dense):
     sizes = [64, 32768, 32, 4608]
     d, floor = 0.01, 0.001
-    k = cv.density_aware_counts(sizes, dense, d, floor)
+    k = density_aware_counts(sizes, dense, d, floor)
     target = sum(topk_k(sizes, d))
     kmin = topk_k(sizes, floor)
     if not dense:
@@ -112,12 +130,12 @@ def test_density_aware_counts_keep_the_buffer_at_density(dense):
 
 def test_density_floor_limits_dense_tensors():
     sizes = [10, 640]  # K = 1 + 7 = 8 < 10: the bias cannot stay dense
-    assert not cv.feasible_dense(sizes, {0}, 0.01, 0.001)
+    assert not feasible_dense(sizes, {0}, 0.01, 0.001)
     with pytest.raises(ValueError, match="--density-floor"):
-        cv.density_aware_counts(sizes, {0}, 0.01, 0.001)
+        density_aware_counts(sizes, {0}, 0.01, 0.001)
     # a dense 64-entry bias needs 64 of the 329 slots; the weight keeps 265 >= ceil(32.768)
-    assert cv.feasible_dense([64, 32768], {0}, 0.01, 0.001)
-    assert not cv.feasible_dense([64, 32768], {0}, 0.01, 0.009)
+    assert feasible_dense([64, 32768], {0}, 0.01, 0.001)
+    assert not feasible_dense([64, 32768], {0}, 0.01, 0.009)
 
 
 def test_select_dense_follows_eq2_smallest_first():
@@ -129,9 +147,9 @@ def test_select_dense_follows_eq2_smallest_first():
     dense = select_dense(sizes, T_b, T_sp, 0.0, d, floor)
     order = sorted(range(5), key=lambda j: sizes[j])
     assert dense == set(order[:len(dense)]) and len(dense) >= 2
-    assert cv.feasible_dense(sizes, dense, d, floor)
+    assert feasible_dense(sizes, dense, d, floor)
     nxt = order[len(dense)]
-    assert not cv.feasible_dense(sizes, dense | {nxt}, d, floor)
+    assert not feasible_dense(sizes, dense | {nxt}, d, floor)
     # eq. 2 already holds: nothing to exclude
     comp = T_b.sum() + T_sp.sum()
     assert select_dense(sizes, T_b, T_sp, comp, d, floor) == set()
@@ -160,12 +178,12 @@ def _split_reference(sizes, dense, k, T_b, T_sp, cost, p, link):
 @pytest.mark.parametrize("lat_us,gbps,want_ar", [(5.0, 100.0, True), (5000.0, 1e6, False)])
 def test_interleave_split_minimizes_t1_plus_t2(lat_us, gbps, want_ar):
     sizes, dense = [64, 32768, 4608, 16], {0, 3}
-    k = cv.density_aware_counts(sizes, dense, 0.05, 0.001)
+    k = density_aware_counts(sizes, dense, 0.05, 0.001)
     T_b, T_sp = [1e-5, 2e-5, 3e-5, 1e-5], [1e-5, 4e-5, 2e-5, 1e-5]
     cost = CostModel.from_cli(gbps, gbps, lat_us, lat_us)
     p = 8
     times = alpha_beta_times(cost, p, cm.INTER)
-    lp, t_ar, t_ag = interleave_split(sizes, dense, k, T_b, T_sp, times)
+    lp, t_ar, _ = interleave_split(sizes, dense, k, T_b, T_sp, times)
     assert lp == _split_reference(sizes, dense, k, T_b, T_sp, cost, p, cm.INTER)
     # bandwidth-bound: the dense tensors go to the all-reduce; latency-bound: ride the gather
     assert (t_ar > 0) == want_ar
@@ -186,12 +204,11 @@ def test_offload_plan_fits_cpu_work_under_backward():
 
 def test_plan_selective_and_roundtrip():
     sizes = [10, 640, 64, 32768, 32, 4608, 16, 144]
-    buffers = fusion_buffers(sizes, buffers=4)
-    T_b = np.full(8, 1e-3)
-    T_sp = np.full(8, 1e-3)
-    times = alpha_beta_times(CostModel(), 4, cm.INTER)
-    plan = plan_selective(sizes, buffers, T_b, T_sp, T_sp, density=0.01, density_floor=0.001,
-                          comm_times=times, interleave=True, offload=True)
+    prof = (np.full(8, 1e-3),) * 3
+    o = SSFusionOptions(fusion_policy="count", offload=True, first_buffer="exclude")
+    plan = plan_ssfusion(sizes, 4, cm.INTER, o, CostModel(), profile=prof)
+    buffers = count_buffers(sizes, buffers=4)
+    assert plan.buffers == plan.warmup_buffers == tuple(buffers)
     # compute-bound (1 ms per tensor vs microseconds of communication): the small tensors
     # stay dense exactly as far as the floor lets the large ones compensate
     assert plan.dense() == [2, 4]
@@ -199,11 +216,71 @@ def test_plan_selective_and_roundtrip():
         sent = sum(sizes[l] if plan.k[l] < 0 else plan.k[l] for l in range(t0, t1))
         assert sent == sum(topk_k(sizes[t0:t1], 0.01))
     assert plan.split == (0, 1, 1, 0)  # bandwidth wins: dense biases all-reduced
-    back = FusionPlan.decode(plan.encode(), buffers)
-    assert back == plan and plan.encode().size == cv.plan_length(8, 4)
-    naive = plan_selective(sizes, buffers, T_b, T_sp, T_sp, density=0.01, density_floor=0.001,
-                           comm_times=times, interleave=False)
+    back = plan.decode(plan.encode())
+    assert back == plan and plan.encode().size == cv.plan_length(8) == 32
+    naive = plan_ssfusion(sizes, 4, cm.INTER, SSFusionOptions(
+        fusion_policy="count", interleave=False, first_buffer="exclude"), CostModel(),
+        profile=prof)
     assert naive.split == (0, 0, 0, 0) and naive.dense() == plan.dense()
+    # the paper's eq. 2 is for 2 <= i <= M: by default the first buffer stays per-tensor
+    first = [64, 32768] + sizes[2:]  # a first buffer whose bias could be compensated
+    excl = plan_ssfusion(first, 4, cm.INTER, o, CostModel(), profile=prof)
+    paper = plan_ssfusion(first, 4, cm.INTER, SSFusionOptions(fusion_policy="count"),
+                          CostModel(), profile=prof)
+    assert excl.dense() == [0, 2, 4] and paper.dense() == [2, 4]
+    assert paper.k[:2] == tuple(topk_k(first[:2], 0.01))
+    # a decoded plan may have other buffers than the template it is decoded into
+    cup = plan_ssfusion(sizes, 4, cm.INTER, SSFusionOptions(), CostModel(), profile=prof)
+    assert plan.decode(cup.encode()) == cup and cup.buffers != plan.buffers
+
+
+def _end_of_cut(cut, T_b, T_sp, k, t_ag):
+    """The iteration a cut into buffers gives, simulated: buffer ``[a, b)``'s all-gather starts
+    when its last tensor is ready and the previous all-gather is done."""
+    end = 0.0
+    for a, b in cut:
+        ready = sum(T_b[:b]) + sum(T_sp[:b])
+        end = max(ready, end) + float(t_ag(8 * sum(k[a:b])))
+    return end
+
+
+def _every_cut(L):
+    for mask in range(1 << (L - 1)):
+        cuts = [0] + [i + 1 for i in range(L - 1) if mask >> i & 1] + [L]
+        yield list(itertools.pairwise(cuts))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_find_opt_fusion_is_the_best_contiguous_cut(seed):
+    rng = np.random.default_rng(seed)
+    L = 7
+    T_b, T_sp = rng.uniform(0, 1e-3, L), rng.uniform(0, 5e-4, L)
+    k = rng.integers(1, 5000, L)
+    cost = CostModel.from_cli(10.0, 10.0, float(rng.uniform(1, 500)), float(rng.uniform(1, 500)))
+
+    def t_ag(block):
+        return cost.ring_allgather_time(6 * np.asarray(block, float), 6, cm.INTER)
+
+    cut = find_opt_fusion(T_b, T_sp, k, t_ag)
+    best = min(_end_of_cut(c, T_b, T_sp, k, t_ag) for c in _every_cut(L))
+    assert _end_of_cut(cut, T_b, T_sp, k, t_ag) == pytest.approx(best, rel=1e-12)
+    assert cut[0][0] == 0 and cut[-1][1] == L
+    # no communication cost: one buffer; free computation and latency-bound: one buffer too
+    assert find_opt_fusion(T_b, T_sp, k, lambda b: 0.0 * np.asarray(b)) == [(0, L)]
+
+
+def test_gaussiank_threshold():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(200_000).astype(np.float32)
+    k = 2000
+    idx = gaussiank_select(x, k)
+    # a normal gradient: the fitted threshold keeps close to k, never more; all of them large
+    assert 2 * k / 3 <= idx.size <= k
+    assert np.abs(x[idx]).min() >= np.sort(np.abs(x))[-int(4 * k / 3)]
+    # heavy tails: the threshold is rescaled, still at most k
+    y = rng.standard_t(2, 100_000).astype(np.float32)
+    assert 0 < gaussiank_select(y, 1000).size <= 1000
+    assert gaussiank_select(x[:10], 10).size == 10
 
 
 # -- closed forms ----------------------------------------------------------------------------------
@@ -212,9 +289,9 @@ def test_closed_forms(M, P):
     p = M * P
     nodes = np.arange(p) // P
     assert cm.bcast_split(80, nodes) == cm.bcast_wire_bytes(80, M, P)
-    sel = cv.selection_bytes(M=M, P=P, num_tensors=8, num_buffers=4)
+    sel = cv.selection_bytes(M=M, P=P, num_tensors=8)
     assert sum(sel[cv.PROFILE].values()) == 2 * (p - 1) * 8 * (3 * 8 + 2)
-    assert sum(sel[cv.SELECT].values()) == (p - 1) * 8 * 20
+    assert sum(sel[cv.SELECT].values()) == (p - 1) * 8 * 32
     step = cv.sparse_step_bytes(M=M, P=P, ar_counts=[0, 64, 32], ag_dense_counts=[10, 0, 0],
                                 ag_sparse_counts=[8, 265, 0])
     assert sum(step[cv.DENSE].values()) == 2 * (p - 1) * 4 * 96
@@ -229,13 +306,13 @@ def test_closed_forms(M, P):
 
 
 def test_run_bytes_sums_the_steps():
-    kw = dict(M=2, P=2, buffer_sizes=[650, 32832], ar_counts=[0, 64],
+    kw = dict(M=2, P=2, warmup_buffer_sizes=[650, 32832], ar_counts=[0, 64],
               ag_dense_counts=[0, 0], ag_sparse_counts=[8, 265], num_tensors=4)
     whole = cv.run_bytes(steps=7, warmup_steps=3, **kw)
-    w = cv.warmup_step_bytes(M=2, P=2, buffer_sizes=kw["buffer_sizes"])[cv.WARMUP]
+    w = cv.warmup_step_bytes(M=2, P=2, buffer_sizes=kw["warmup_buffer_sizes"])[cv.WARMUP]
     s = cv.sparse_step_bytes(M=2, P=2, ar_counts=[0, 64], ag_dense_counts=[0, 0],
                              ag_sparse_counts=[8, 265])
-    sel = cv.selection_bytes(M=2, P=2, num_tensors=4, num_buffers=2)
+    sel = cv.selection_bytes(M=2, P=2, num_tensors=4)
     assert whole[cv.WARMUP] == {k: 3 * v for k, v in w.items()}
     assert whole[cv.SPARSE] == {k: 4 * v for k, v in s[cv.SPARSE].items()}
     assert whole[cv.SELECT] == sel[cv.SELECT] and whole[cv.PROFILE] == sel[cv.PROFILE]
@@ -250,10 +327,17 @@ def test_run_bytes_sums_the_steps():
     ({"density": 0.0005}, "--density 0.0005 is below --density-floor 0.001"),
     ({"density_floor": 0.0}, "--density-floor must be in (0, 1]"),
     ({"fusion": "multi"}, "--fusion 'multi' unknown"),
+    ({"fusion_policy": "omgs"}, "--fusion-policy 'omgs' unknown"),
+    ({"first_buffer": "dense"}, "--first-buffer 'dense' unknown"),
+    ({"sparsifier": "randomk"}, "--sparsifier 'randomk' unknown"),
     ({"buffers": 0}, "--buffers must be an integer >= 1"),
+    ({"buffers": 1.5}, "--buffers takes a whole number"),
     ({"buffer_mib": -1.0}, "--buffer-mib must be >= 0"),
     ({"profile_steps": 0}, "--profile-steps must be >= 1"),
-    ({"profile_steps": -1, "fusion": "per-tensor"}, "--profile-steps must be an integer >= 0"),
+    ({"profile_steps": 0, "fusion": "per-tensor"}, "or use --fusion-policy count"),
+    ({"profile_steps": -1, "fusion": "per-tensor", "fusion_policy": "count"},
+     "--profile-steps must be an integer >= 0"),
+    ({"error_feedback": False}, "add --no-momentum-correction to --no-error-feedback"),
     ({"sample_ratio": 0.0}, "--sample-ratio must be in (0, 1]"),
     ({"offload": True, "fusion": "per-tensor"}, "--offload is SSFusion-O on top of"),
     ({"offload": True, "profile_steps": 1}, "use --profile-steps >= 2"),
@@ -266,7 +350,9 @@ def test_bad_options(kw, message):
 
 def test_documented_options():
     SSFusionOptions(density=0.0005, density_floor=0.0005)  # lower the floor to go below it
-    SSFusionOptions(fusion="multi-tensor", profile_steps=0)  # baselines need no warm-up
+    # baselines on fixed buffers need no warm-up
+    SSFusionOptions(fusion="multi-tensor", fusion_policy="count", profile_steps=0)
+    SSFusionOptions(error_feedback=False, momentum_correction=False)
     SSFusionOptions(density=1.0)
 
 

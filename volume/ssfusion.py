@@ -1,25 +1,23 @@
 """Closed-form communication volume of SSFusion (seed paper 004: tensor fusion with selective
-sparsification, interleaved All-Reduce / All-Gather).
+sparsification, interleaved All-Reduce / All-Gather), written from the paper.
 
 All ranks are laid out node-major: ``M`` nodes × ``P`` ranks, ``p = M P``.  The tensors
 (backward order) are cut into fusion buffers ``B_1 .. B_{N_B}``; in buffer ``i`` the tensors
-``D_i`` stay dense and the tensors ``S_i`` are sparsified to ``k_l`` entries each (``fusion =
-multi-tensor``: one top-``K_i`` over the whole buffer).  The split ``l'_i`` of §IV-D puts the dense
-tensors among the first ``l'_i`` of the buffer into ``Buffer_AR`` and everything else into
-``Buffer_AG``.
+``D_i`` stay dense and the tensors ``S_i`` are sparsified (``multi-tensor``: one top-``K_i`` over
+the whole buffer).  The split ``l'_i`` of §IV-D puts the dense tensors among the first ``l'_i``
+of the buffer into ``Buffer_AR`` and everything else into ``Buffer_AG``.
 
 =========================  =========================================  ==========================
 phase                      call (per step)                            bytes on the wire
 =========================  =========================================  ==========================
 ``ssf_warmup_allreduce``   warm-up steps: ring all-reduce (avg) of    as dense DDP, per buffer:
-                           every fusion buffer                        ``2 (p-1) · 4 n_i``
+                           every warm-up buffer (``--buffers`` /      ``2 (p-1) · 4 n_i``
+                           ``--buffer-mib``)
 ``ssf_profile_allreduce``  end of warm-up, once: ring all-reduce      ``2 (p-1) · 8 (3L+2)``
                            (max) of the ``3L + 2`` float64 timings
                            ``T_b, T_sp, T_cpu`` and two spans
-``ssf_select_bcast``       end of warm-up, once: binomial broadcast   ``(p-1) · 8 (2L + N_B)``
-                           of the plan from rank 0 (``2L + N_B``      (edges ``r & (r-1) -> r``;
-                           int64: ``k_l`` or -1, offload flag,        ``M-1`` cross nodes for a
-                           ``l'_i``)                                  power-of-two ``P``)
+``ssf_select_bcast``       end of warm-up, once: binomial broadcast   ``(p-1) · 8 · 4L``
+                           of the ``4L`` int64 plan from rank 0       (edges ``r & (r-1) -> r``)
 ``ssf_dense_allreduce``    ring all-reduce (avg) of ``Buffer_AR``     ``2 (p-1) · 4 n^AR_i``
                            (buffers with ``n^AR_i > 0``)
 ``ssf_sparse_allgather``   ring all-gather of ``Buffer_AG``: dense    every link
@@ -28,15 +26,18 @@ phase                      call (per step)                            bytes on t
                                                                       links inter-node
 =========================  =========================================  ==========================
 
-Counts: ``k_l = max(1, ⌈d n_l⌉)`` per tensor at ``--density d`` (capped at ``n_l``, as Top-K),
-the buffer target ``K_i = Σ_{l∈B_i} k_l``.  Density-aware sparsification (§IV-B) lowers the
-counts of ``S_i`` so that ``Σ_{D_i} n_l + Σ_{S_i} k'_l = K_i`` exactly, with ``k'_l ≥
-max(1, ⌈d_min n_l⌉)`` (the floor ``d_min = 0.001``): :func:`density_aware_counts`.
+**Second source** (:func:`buffer_elements`, :func:`mode_step_bytes`): the paper fixes what
+each buffer sends without naming per-tensor roundings.  Per-tensor sparsification (§II-D) sends
+``k_l = max(1, ⌈d n_l⌉)`` entries of every tensor, so buffer ``i`` sends ``K_i = Σ_{l∈B_i}
+k_l``; multi-tensor sparsification (Fig. 1(c)) sends the same ``K_i`` from the fused buffer;
+density-aware sparsification (§IV-B, steps i-iv) lowers the density of the sparsified tensors
+until the buffer again sends ``K_i`` elements, so with the dense set ``D_i`` the sparse tensors
+send ``K_i - Σ_{l∈D_i} n_l`` (:func:`adjusted_density`: ``d'_i = (K_i - n_D) / n_S``), each no
+fewer than ``⌈d_min n_l⌉`` (the floor 0.001; :func:`compensable`).  These functions take
+tensor sizes, buffers, the density and the dense set only, never a plan.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -45,11 +46,26 @@ from substrate import costmodel as cm
 from .dataparallel import topk_k, world_allgather_bytes, world_ring_bytes
 from .hsadmm import add_bytes
 
-__all__ = ["WARMUP", "PROFILE", "SELECT", "DENSE", "SPARSE", "PROFILE_FIELDS",
-           "floor_counts", "feasible_dense", "density_aware_counts", "plan_length",
-           "profile_length",
-           "warmup_step_bytes", "selection_bytes",
-           "sparse_step_bytes", "run_bytes", "payload_ratio"]
+__all__ = [
+    "DENSE",
+    "PROFILE",
+    "PROFILE_FIELDS",
+    "SELECT",
+    "SPARSE",
+    "WARMUP",
+    "adjusted_density",
+    "buffer_elements",
+    "buffer_target",
+    "compensable",
+    "mode_step_bytes",
+    "payload_ratio",
+    "plan_length",
+    "profile_length",
+    "run_bytes",
+    "selection_bytes",
+    "sparse_step_bytes",
+    "warmup_step_bytes",
+]
 
 WARMUP = "ssf_warmup_allreduce"
 PROFILE = "ssf_profile_allreduce"
@@ -69,96 +85,109 @@ def profile_length(num_tensors: int) -> int:
     return len(PROFILE_FIELDS) * int(num_tensors) + 2
 
 
-def floor_counts(sizes, density_floor: float) -> list[int]:
-    """Smallest counts the floor allows: ``max(1, ⌈d_min n_l⌉)`` (capped at ``n_l``)."""
-    return topk_k(sizes, density_floor)
+def plan_length(num_tensors: int) -> int:
+    """int64 entries of the broadcast plan, four per tensor: its count ``k_l`` (-1 dense), its
+    offload flag, whether it opens a fusion buffer, and (at a buffer's first tensor) the split
+    ``l'_i`` — ``4L`` whatever the number of buffers, which the receivers do not know."""
+    return 4 * int(num_tensors)
 
 
-def feasible_dense(sizes, dense, density: float, density_floor: float) -> bool:
-    """Whether the tensors ``dense`` of one buffer can stay dense while the others absorb them
-    at densities ≥ the floor: ``Σ_D n_l + Σ_S ⌈d_min n_l⌉ ≤ K = Σ_l ⌈d n_l⌉`` (§IV-B,
-    density-aware sparsification with the lower bound 0.001)."""
-    sizes = [int(n) for n in sizes]
-    dense = set(dense)
-    target = sum(topk_k(sizes, density))
-    kmin = floor_counts(sizes, density_floor)
-    need = sum(n if j in dense else kmin[j] for j, n in enumerate(sizes))
-    return need <= target
+# -- second source: what each buffer sends, from the paper ----------------------------------------
+def buffer_target(sizes, density: float) -> int:
+    """``K_i = Σ_l max(1, ⌈d n_l⌉)``: the elements per-tensor sparsification sends from one
+    buffer of tensors of sizes ``n_l`` (§II-D; each capped at ``n_l``)."""
+    return int(sum(topk_k([int(n) for n in sizes], density)))
 
 
-def density_aware_counts(sizes, dense, density: float, density_floor: float) -> list[int]:
-    """Per-tensor counts of one fusion buffer after density-aware sparsification (§IV-B).
+def compensable(sizes, dense, density: float, density_floor: float) -> bool:
+    """Whether the tensors ``dense`` (positions in ``sizes``) can stay dense while the others
+    make up for them at densities no lower than the floor (§IV-B: lower bound 0.001):
+    ``Σ_{D} n_l + Σ_{S} max(1, ⌈d_min n_l⌉) ≤ K_i``."""
+    dense = {int(j) for j in dense}
+    need = sum(int(n) if j in dense else topk_k([int(n)], density_floor)[0]
+               for j, n in enumerate(sizes))
+    return need <= buffer_target(sizes, density)
+
+
+def adjusted_density(sizes, dense, density: float) -> float:
+    """Density-aware sparsification (§IV-B steps i-iv): the density ``d'_i = (K_i - n_D) / n_S``
+    of the sparsified tensors of one buffer that makes the buffer send ``K_i`` elements again
+    (``n_D``, ``n_S``: elements of the dense and sparse tensors; 0 when nothing is sparse)."""
+    dense = {int(j) for j in dense}
+    n_d = sum(int(n) for j, n in enumerate(sizes) if j in dense)
+    n_s = sum(int(n) for j, n in enumerate(sizes) if j not in dense)
+    return (buffer_target(sizes, density) - n_d) / n_s if n_s else 0.0
+
+
+def buffer_elements(sizes, density: float, fusion: str, dense=(), split: int = 0
+                    ) -> tuple[int, int, int]:
+    """``(n^AR, n^AGd, k)`` of one fusion buffer per sparse step: elements all-reduced, dense
+    elements all-gathered, and sparse entries sent.
+
+    ``per-tensor`` and ``multi-tensor`` send ``K_i`` sparse entries; ``selective`` with the dense
+    positions ``dense`` and split ``l'`` sends the dense tensors before ``l'`` by all-reduce,
+    the later ones by all-gather, and ``K_i - n_D`` sparse entries (density-aware, §IV-B).
+    """
+    if fusion in ("per-tensor", "multi-tensor"):
+        return 0, 0, buffer_target(sizes, density)
+    if fusion != "selective":
+        raise ValueError(f"fusion {fusion!r} unknown; use selective, per-tensor or multi-tensor")
+    dense = {int(j) for j in dense}
+    n_ar = sum(int(sizes[j]) for j in dense if j < split)
+    n_agd = sum(int(sizes[j]) for j in dense if j >= split)
+    return n_ar, n_agd, buffer_target(sizes, density) - n_ar - n_agd
+
+
+def mode_step_bytes(*, M: int, P: int, sizes, buffer_tensor_counts, density: float,
+                    fusion: str, dense=(), splits=None) -> dict[str, dict]:
+    """Bytes of one sparse step of a fusion mode, from tensor sizes alone.
 
     Parameters
     ----------
+    M, P : int
+        Nodes and ranks per node.
     sizes : sequence of int
-        Element counts ``n_l`` of the buffer's tensors.
+        Tensor sizes in backward order.
+    buffer_tensor_counts : sequence of int
+        Tensors per fusion buffer, in order (they sum to ``len(sizes)``).
+    density : float
+        ``d``.
+    fusion : str
+        ``per-tensor``, ``multi-tensor`` or ``selective``.
     dense : collection of int
-        Positions (into ``sizes``) of the tensors left dense.
-    density, density_floor : float
-        Target density ``d`` and its lower bound ``d_min``.
-
-    Returns
-    -------
-    list of int
-        ``k'_l`` for the sparse tensors and 0 for the dense ones.  With no dense tensor these are
-        the per-tensor counts ``max(1, ⌈d n_l⌉)``.  Otherwise the remaining budget ``R = K -
-        Σ_D n_l`` is shared in proportion to size (largest remainder, each count between
-        ``max(1, ⌈d_min n_l⌉)`` and ``n_l``), so the buffer transmits exactly ``K`` elements.
-
-    Raises
-    ------
-    ValueError
-        If the floor makes the dense set infeasible (:func:`feasible_dense` is false).
+        Selective: the dense tensors (indices into ``sizes``).
+    splits : sequence of int or None
+        Selective: ``l'_i`` per buffer (``None``: all 0, everything all-gathered).
     """
-    sizes = [int(n) for n in sizes]
-    dense = set(int(j) for j in dense)
-    k_full = topk_k(sizes, density)
-    if not dense:
-        return k_full
-    if not feasible_dense(sizes, dense, density, density_floor):
-        raise ValueError(f"dense tensors {sorted(dense)} of a buffer with sizes {sizes} cannot "
-                         f"be compensated at --density-floor {density_floor}")
-    kmin = floor_counts(sizes, density_floor)
-    sparse = [j for j in range(len(sizes)) if j not in dense]
-    budget = sum(k_full) - sum(sizes[j] for j in dense)
-    total_sparse = sum(sizes[j] for j in sparse)
-    k = [0] * len(sizes)
-    share = {j: budget * sizes[j] / total_sparse for j in sparse} if total_sparse else {}
-    for j in sparse:
-        k[j] = min(sizes[j], max(kmin[j], math.floor(share[j])))
-    # largest-remainder fix-up so that Σ_S k = budget exactly (each step moves one element)
-    excess = sum(k[j] for j in sparse) - budget
-    while excess > 0:
-        j = max((j for j in sparse if k[j] > kmin[j]), key=lambda j: (k[j] - share[j], -j))
-        k[j] -= 1
-        excess -= 1
-    while excess < 0:
-        cand = [j for j in sparse if k[j] < sizes[j]]
-        if not cand:
-            break
-        j = max(cand, key=lambda j: (share[j] - k[j], -j))
-        k[j] += 1
-        excess += 1
-    return k
+    counts = [int(c) for c in buffer_tensor_counts]
+    if sum(counts) != len(sizes) or min(counts, default=1) < 1:
+        raise ValueError(f"buffer tensor counts {counts} do not cut {len(sizes)} tensors")
+    splits = [0] * len(counts) if splits is None else list(splits)
+    dense = {int(j) for j in dense}
+    ar, agd, ks = [], [], []
+    t0 = 0
+    for c, lp in zip(counts, splits):
+        n_ar, n_agd, k = buffer_elements(sizes[t0:t0 + c], density, fusion,
+                                         {j - t0 for j in dense if t0 <= j < t0 + c}, lp)
+        ar.append(n_ar)
+        agd.append(n_agd)
+        ks.append(k)
+        t0 += c
+    return sparse_step_bytes(M=M, P=P, ar_counts=ar, ag_dense_counts=agd, ag_sparse_counts=ks)
 
 
-def plan_length(num_tensors: int, num_buffers: int) -> int:
-    """int64 entries of the broadcast plan: ``k_l`` (or -1 dense), offload flag, ``l'_i``."""
-    return 2 * int(num_tensors) + int(num_buffers)
-
-
+# -- the calls ------------------------------------------------------------------------------------
 def warmup_step_bytes(*, M: int, P: int, buffer_sizes, itemsize: int = 4) -> dict[str, dict]:
-    """One warm-up step: a dense ring all-reduce (avg) of every fusion buffer."""
+    """One warm-up step: a dense ring all-reduce (avg) of every warm-up buffer."""
     return {WARMUP: add_bytes(*(world_ring_bytes(n, itemsize, M, P) for n in buffer_sizes))}
 
 
-def selection_bytes(*, M: int, P: int, num_tensors: int, num_buffers: int) -> dict[str, dict]:
-    """The one-off selection at the end of warm-up: max all-reduce of the ``3L + 2`` float64
-    timings, then the binomial broadcast of the ``2L + N_B`` int64 plan from rank 0."""
+def selection_bytes(*, M: int, P: int, num_tensors: int) -> dict[str, dict]:
+    """The one-off decision at the end of warm-up: max all-reduce of the ``3L + 2`` float64
+    timings, then the binomial broadcast of the ``4L`` int64 plan from rank 0."""
     nodes = np.arange(M * P) // P
     return {PROFILE: world_ring_bytes(profile_length(num_tensors), 8, M, P),
-            SELECT: cm.bcast_split(8 * plan_length(num_tensors, num_buffers), nodes)}
+            SELECT: cm.bcast_split(8 * plan_length(num_tensors), nodes)}
 
 
 def sparse_step_bytes(*, M: int, P: int, ar_counts, ag_dense_counts, ag_sparse_counts,
@@ -178,25 +207,25 @@ def sparse_step_bytes(*, M: int, P: int, ar_counts, ag_dense_counts, ag_sparse_c
     return out
 
 
-def run_bytes(*, M: int, P: int, steps: int, warmup_steps: int, buffer_sizes, ar_counts,
-              ag_dense_counts, ag_sparse_counts, num_tensors: int,
+def run_bytes(*, M: int, P: int, steps: int, warmup_steps: int, warmup_buffer_sizes,
+              ar_counts, ag_dense_counts, ag_sparse_counts, num_tensors: int,
               selection: bool = True) -> dict[str, dict]:
     """Bytes of a whole run of ``steps`` steps (the sum of the per-step forms): ``w = min(steps,
-    warmup)`` warm-up steps, the selection once when warm-up completes (``selection``: only for
-    ``--fusion selective``), then ``steps - w`` sparse steps."""
+    warmup)`` warm-up steps, the decision once when warm-up completes (``selection``: when the
+    run profiles, i.e. ``--fusion selective`` or ``--fusion-policy cupcake``), then ``steps -
+    w`` sparse steps."""
     w = min(int(steps), int(warmup_steps))
     s = int(steps) - w
 
     def times(parts: dict, n: int) -> dict:
         return {ph: {k: v * n for k, v in b.items()} for ph, b in parts.items()} if n else {}
 
-    terms = [times(warmup_step_bytes(M=M, P=P, buffer_sizes=buffer_sizes), w),
+    terms = [times(warmup_step_bytes(M=M, P=P, buffer_sizes=warmup_buffer_sizes), w),
              times(sparse_step_bytes(M=M, P=P, ar_counts=ar_counts,
                                      ag_dense_counts=ag_dense_counts,
                                      ag_sparse_counts=ag_sparse_counts), s)]
     if selection and w == warmup_steps > 0:
-        terms.append(selection_bytes(M=M, P=P, num_tensors=num_tensors,
-                                     num_buffers=len(buffer_sizes)))
+        terms.append(selection_bytes(M=M, P=P, num_tensors=num_tensors))
     out: dict[str, dict] = {}
     for t in terms:
         for ph, b in t.items():
@@ -211,3 +240,4 @@ def payload_ratio(total: int, ar_counts, ag_dense_counts, ag_sparse_counts,
     sent = value_bytes * (sum(ar_counts) + sum(ag_dense_counts)) \
         + (value_bytes + index_bytes) * sum(ag_sparse_counts)
     return sent / (value_bytes * int(total))
+

@@ -8,8 +8,9 @@ On 2 virtual nodes x 2 ranks:
            cnn from the cyclic chunk rule; block modes checked structurally), zero elsewhere.
 ``train``  three real steps on digits: one SGD step against a serial reference, holders stay
            identical (forward masking: non-holders exactly zero; B_b: one global θ), rank 0's
-           evaluation model equals the reference assembly from the holders (with the weight
-           scaling rule), and the ledger equals the closed form summed over the steps.
+           evaluation model equals the reference assembly from the holders (times the weight
+           scaling rule with a third argument ``rescale``: ``--eval-rescale``), and the ledger
+           equals the closed form summed over the steps.
 """
 
 import sys
@@ -53,50 +54,46 @@ def _setup(model_name, steps=3, **options):
 
 
 def reference_cnn_mask(model, n, p):
-    """m (n x T) of N-SDP on the cnn, written from the rule: hidden layer k's neurons in n
-    contiguous chunks; chunk c on the window {c..c+p-1} (k even) or on the strided set
-    {c + floor(i n / p)} (k odd); a weight is held by the workers holding both its neurons."""
-    def holders(width, k):
+    """m (n x T) of N-SDP on the cnn, written from the paper's rule (§3.2, §4): every masked
+    parameter on exactly p workers.  The masked layers are conv1 and fc1 (non-adjacent, the
+    most parameters); neuron chunk c (of n contiguous chunks) lives on the window {c..c+p-1};
+    a masked neuron's row, bias and the next layer's input column(s) carry its holders; conv2's
+    and fc2's biases are on all.  Returns the mask and the weight-scaling factors of
+    ``--eval-rescale`` (p/n on the input columns of a masked layer, 1 elsewhere)."""
+    def holders(width):
         chunk = np.concatenate([[c] * len(a) for c, a in
                                 enumerate(np.array_split(np.arange(width), n))])
         out = np.zeros((width, n), bool)
         for j, c in enumerate(chunk):
-            for i in range(p):
-                out[j, (c + (i if k % 2 == 0 else (i * n) // p)) % n] = True
+            out[j, [(c + i) % n for i in range(p)]] = True
         return out
 
     L = model.layout
-    h1 = holders(L.shape("conv1.weight")[0], 0)
-    h2 = holders(L.shape("conv2.weight")[0], 1)
-    h3 = holders(L.shape("fc1.weight")[0], 2)
-    full = np.ones(n, bool)
-    m = np.zeros((n, L.total), bool)
+    h1 = holders(L.shape("conv1.weight")[0])
+    h3 = holders(L.shape("fc1.weight")[0])
+    m = np.ones((n, L.total), bool)
     scale = np.ones(L.total)
 
-    def put(name, per_elem, sc=None):
-        sl = L.slice(name)
-        m[:, sl] = per_elem.reshape(-1, n).T
-        if sc is not None:
-            scale[sl] = sc.reshape(-1)
-
-    def weight(name, rows, cols, rep, extra=()):
-        both = rows[:, None, :] & np.repeat(cols, rep, axis=0)[None, :, :]
-        sc = both.sum(-1) / rows.sum(-1)[:, None]
+    def rows(name, h):                       # axis 0 indexes the masked neurons
         shape = L.shape(name)
-        both = np.broadcast_to(both.reshape(both.shape[:2] + (1,) * len(extra) + (n,)),
-                               shape + (n,))
-        sc = np.broadcast_to(sc.reshape(sc.shape + (1,) * len(extra)), shape)
-        put(name, both, sc)
+        per = np.broadcast_to(h.reshape((shape[0],) + (1,) * (len(shape) - 1) + (n,)),
+                              shape + (n,))
+        m[:, L.slice(name)] = per.reshape(-1, n).T
 
-    weight("conv1.weight", h1, np.ones((L.shape("conv1.weight")[1], n), bool), 1, (3, 3))
-    put("conv1.bias", h1)
-    weight("conv2.weight", h2, h1, 1, (3, 3))
-    put("conv2.bias", h2)
-    rep = L.shape("fc1.weight")[1] // h2.shape[0]
-    weight("fc1.weight", h3, h2, rep)
-    put("fc1.bias", h3)
-    weight("fc2.weight", np.tile(full, (L.shape("fc2.weight")[0], 1)), h3, 1)
-    put("fc2.bias", np.tile(full, (L.shape("fc2.bias")[0], 1)))
+    def cols(name, h):                       # axis 1 indexes them (repeated per feature)
+        shape = L.shape(name)
+        hc = np.repeat(h, shape[1] // h.shape[0], axis=0)
+        per = np.broadcast_to(hc.reshape((1, shape[1]) + (1,) * (len(shape) - 2) + (n,)),
+                              shape + (n,))
+        m[:, L.slice(name)] = per.reshape(-1, n).T
+        scale[L.slice(name)] = p / n
+
+    rows("conv1.weight", h1)
+    rows("conv1.bias", h1)
+    cols("conv2.weight", h1)
+    rows("fc1.weight", h3)
+    rows("fc1.bias", h3)
+    cols("fc2.weight", h3)
     return m, scale
 
 
@@ -163,11 +160,13 @@ def gated(mode, coverage="3/4"):
     collective_check(COMM, not msgs and ok, "; ".join(msgs) + ("" if ok else lmsg))
 
 
-def train(mode, coverage="3/4"):
+def train(mode, coverage="3/4", rescale=""):
     model_name = "cnn" if mode == "neuron" else "resnet"
     steps = 3
+    rescale = rescale == "rescale"
     cfg, run, data, train_, model, opt, strat = _setup(model_name, steps=steps,
-                                                        sdp_mode=mode, coverage=coverage)
+                                                        sdp_mode=mode, coverage=coverage,
+                                                        eval_rescale=rescale)
     rank, n = run.rank, run.size
     masks = np.array(COMM.allgather(strat.mask.astype(bool)))
     deg = masks.sum(axis=0)
@@ -214,10 +213,13 @@ def train(mode, coverage="3/4"):
         if not np.array_equal(all_theta[r][held], pick[held]):
             msgs.append(f"rank {r} disagrees with the lowest holder on "
                         f"{(all_theta[r][held] != pick[held]).sum()} coordinates")
-    # rank 0's evaluation model = reference assembly from the holders, weight-scaled
+    # rank 0's evaluation model = reference assembly from the holders (as assembled, the
+    # paper's; weight-scaled with --eval-rescale)
     all_bufs = COMM.allgather({k: v.copy() for k, v in model.buffers.items()})
     if rank == 0:
-        if mode == "neuron":
+        if not rescale:
+            scale = np.ones(masks.shape[1])
+        elif mode == "neuron":
             num, den = (int(x) for x in coverage.split("/"))
             _, scale = reference_cnn_mask(model, n, num * n // den)
         elif mode == "block":

@@ -2,19 +2,22 @@
 
 ``reference``: 4 ranks on 2 virtual nodes.  For each fusion mode (selective from a real warm-up
 profile, a hand-made selective plan with dense tensors in both Buffer_AR and Buffer_AG,
-per-tensor, multi-tensor) every rank writes a gradient whose tensors have very different scales,
-the strategy synchronizes it, and every rank's gradient and residual before and after are
-gathered and compared with a serial NumPy reference written from the paper: ``a = g + e``,
-exact top-``k`` per sparse tensor (per buffer for multi-tensor) by a full sort, dense tensors
-summed as they are, the sum divided by ``p``; the new residual is ``a`` with the sent entries
-zeroed.  It also recomputes the tensor-missing rate (Table I) and checks that the ledger's
-``ssf_*`` phases equal the sum of ``step_bytes()``.
+per-tensor, multi-tensor, and selective with DGC momentum correction) every rank writes a
+gradient whose tensors have very different scales, the strategy synchronizes it, and every
+rank's gradient, residual and velocity before and after are gathered and compared with a serial
+NumPy reference written from the papers: ``a = g + e`` (with momentum correction ``u = μ u +
+g``, ``a = e + u``; DGC Alg. 1), exact top-``k`` per sparse tensor (per buffer for multi-tensor)
+by a full sort, dense tensors summed as they are (``u`` with momentum correction), the sum
+divided by ``p``; the new residual is ``a`` with the sent entries zeroed, the new velocity ``u``
+with them zeroed (momentum factor masking).  It also recomputes the tensor-missing rate
+(Table I) and checks that the ledger's ``ssf_*`` phases equal the sum of ``step_bytes()``.
 
 ``traffic CONFIGS``: ``dataparallel.train`` for selective (with and without interleaving,
 with offload), per-tensor and multi-tensor; measured bytes == the trainer's per-step prediction ==
-:func:`commvol.ssfusion.run_bytes` for the whole run, per phase.
+:func:`volume.ssfusion.run_bytes` for the whole run, per phase.
 """
 
+import dataclasses
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -22,26 +25,28 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from commvol import ssfusion as cv
 from dataparallel import StepState, SyncContext
-from dataparallel.ssfusion import FusionPlan, SSFusion, SSFusionOptions
+from dataparallel.ssfusion import SSFusion, SSFusionOptions
 from dataparallel.train import DPConfig, build_parser, train
-from models import build_model, load_digits
+from models import SGD, SGDConfig, build_model, load_digits
 from substrate import collective_check, start_run
+from volume import ssfusion as cv
 
 R = 2
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/ssfusion_checks")
 
 
-def _setup(tag, **opts):
+def _setup(tag, momentum=0.0, **opts):
     cfg = DPConfig(method="ssfusion", seed=3)
     args = Namespace(out=str(OUT / tag), seed=cfg.seed, device="cpu", ranks_per_node=R,
                      intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="dataparallel", method="ssfusion-test", config=cfg)
     data = load_digits()
     model = build_model("cnn", data.train.input_shape, 10, seed=cfg.seed)
-    strat = SSFusion(SyncContext(run=run, model=model, opt=None, train=None, config=cfg),
+    opt = SGD(model.params, model.grads, SGDConfig(momentum=momentum)) if momentum else None
+    strat = SSFusion(SyncContext(run=run, model=model, opt=opt, train=None, config=cfg),
                      SSFusionOptions(**opts))
+    assert strat.mu == momentum and (opt is None or opt.momentum_buffer is None)
     return run, model, strat
 
 
@@ -58,15 +63,21 @@ def _exact_topk(a, k):
     return np.argsort(-np.abs(a), kind="stable")[:k]
 
 
-def _reference(strat, gs, es):
-    """Synchronized gradient, new residuals and per-rank missing counts, from the plan alone."""
+def _reference(strat, gs, es, us, mu):
+    """Synchronized gradient, new residuals, new velocities and per-rank missing counts, from
+    the plan alone."""
     off, plan, p = strat.offsets, strat.plan, len(gs)
     multi = strat.options.fusion == "multi-tensor"
     total = np.zeros(off[-1])
-    new_res, missing = [], []
+    new_res, new_vel, missing = [], [], []
     any_sent = np.zeros(off[-1], dtype=bool)
-    for g, e in zip(gs, es):
-        a = g + e
+    for g, e, u in zip(gs, es, us):
+        u = mu * u.astype(np.float64) + g if mu else g.astype(np.float64)
+        a = e + u
+        dense = np.zeros(off[-1], dtype=bool)
+        for l, k in enumerate(plan.k):
+            dense[off[l]:off[l + 1]] = k < 0
+        a = np.where(dense, u, a)  # dense tensors send u (or g) as it is, no residual
         sent = np.zeros(off[-1], dtype=bool)
         if multi:
             for t0, t1 in plan.buffers:
@@ -81,14 +92,15 @@ def _reference(strat, gs, es):
                     sent[lo + _exact_topk(a[lo:hi], k)] = True
         total += np.where(sent, a, 0.0)
         new_res.append(np.where(sent, 0.0, a).astype(np.float32))
+        new_vel.append(np.where(sent & ~dense, 0.0, u).astype(np.float32))
         missing.append(sum(not sent[off[l]:off[l + 1]].any() for l in range(len(plan.k))))
         any_sent |= sent
     missing_global = sum(not any_sent[off[l]:off[l + 1]].any() for l in range(len(plan.k)))
-    return total / p, new_res, missing + [missing_global]
+    return total / p, new_res, new_vel, missing + [missing_global]
 
 
-def _check_mode(tag, plan=None, **opts):
-    run, model, strat = _setup(tag, **opts)
+def _check_mode(tag, plan=None, momentum=0.0, **opts):
+    run, model, strat = _setup(tag, momentum, **opts)
     g = model.grads.flat
     layout = model.layout
     steps = 3
@@ -99,8 +111,10 @@ def _check_mode(tag, plan=None, **opts):
     for step in range(warm + steps):
         g[...] = _gradient(layout, run.rank, step)
         e = strat.residual.copy()
+        u = strat.velocity.copy() if momentum else np.zeros_like(e)
         gs = run.world.allgather(g.copy(), phase="test_gather")
         es = run.world.allgather(e, phase="test_gather")
+        us = run.world.allgather(u, phase="test_gather")
         if plan is not None and step == warm:
             strat._install(plan)
         strat.sync(StepState(step=step, epoch=0, loss=0.0), model.grads)
@@ -110,12 +124,16 @@ def _check_mode(tag, plan=None, **opts):
             acc["intra"] += b["intra"]
             acc["inter"] += b["inter"]
         if step < warm:
-            want = gs.astype(np.float64).mean(axis=0)
+            src = gs.astype(np.float64) + momentum * us
+            want = src.mean(axis=0)
+            if momentum and not np.allclose(strat.velocity, src[run.rank], rtol=1e-6):
+                ok = False
+                msgs.append(f"warm-up step {step}: velocity is not mu u + g")
             err = np.abs(g - want).max()
             ok &= bool(err <= 1e-6 * np.abs(want).max())
             msgs.append(f"warm-up step {step}: |err| {err:.3g}")
             continue
-        want, res, missing = _reference(strat, list(gs), list(es))
+        want, res, vel, missing = _reference(strat, list(gs), list(es), list(us), momentum)
         ref_missing.append(missing)
         for l, n in enumerate(layout.names):
             sl = layout.slice(n)
@@ -124,10 +142,19 @@ def _check_mode(tag, plan=None, **opts):
             if not err <= 1e-5 * scale:
                 ok = False
                 msgs.append(f"step {step} tensor {n}: synced error {err:.3g} (scale {scale:.3g})")
-        if not np.array_equal(strat.residual, res[run.rank]):
-            ok = False
-            bad = np.flatnonzero(strat.residual != res[run.rank])
-            msgs.append(f"step {step}: residual differs at {bad.size} entries")
+        # one float32 operation per entry without momentum (exact); with momentum two (u, then
+        # e + u): within float32 rounding of each tensor's scale
+        for what, mine, ref in (("residual", strat.residual, res[run.rank]),
+                                ("velocity", strat.velocity, vel[run.rank])):
+            if what == "velocity" and not momentum:
+                continue
+            for n in layout.names:
+                sl = layout.slice(n)
+                tol = 1e-6 * np.abs(ref[sl]).max() if momentum else 0.0
+                bad = np.flatnonzero(np.abs(mine[sl] - ref[sl]) > tol)
+                if bad.size:
+                    ok = False
+                    msgs.append(f"step {step} tensor {n}: {what} differs at {bad.size} entries")
     rep = strat.report()
     ref = np.array(ref_missing, dtype=float) / strat.L  # steps x (ranks + global)
     for key, want_rate in (("tensor_missing_rate", ref[:, run.rank].mean()),
@@ -151,21 +178,28 @@ def reference():
     reps["selective"] = _check_mode("selective", fusion="selective", profile_steps=2)
     # a hand-made plan: fc1.bias dense in Buffer_AR (split 1), conv2.weight dense in Buffer_AG
     # (split 0), conv1.bias dense in Buffer_AR (split 2), the rest sparse
-    _, model, probe = _setup("probe", fusion="per-tensor", profile_steps=0)
+    _, model, probe = _setup("probe", fusion="per-tensor", fusion_policy="count",
+                             profile_steps=0)
     names = list(model.layout.names)
     k = list(probe.plan.k)
     for n in ("fc1.bias", "conv2.weight", "conv1.bias"):
         k[names.index(n)] = -1
-    plan = FusionPlan(tuple(probe.buffers), tuple(k), (False,) * len(k), (0, 1, 0, 2))
-    reps["hand"] = _check_mode("hand", plan=plan, fusion="selective", profile_steps=1)
+    plan = dataclasses.replace(probe.plan, fusion="selective", k=tuple(k), split=(0, 1, 0, 2),
+                               profiled=True)
+    reps["hand"] = _check_mode("hand", plan=plan, fusion="selective", profile_steps=1,
+                               fusion_policy="count")
+    reps["momentum"] = _check_mode("momentum", plan=plan, momentum=0.9, fusion="selective",
+                                   profile_steps=2, fusion_policy="count")
     reps["per-tensor"] = _check_mode("per-tensor", fusion="per-tensor", profile_steps=1)
-    reps["multi-tensor"] = _check_mode("multi-tensor", fusion="multi-tensor", profile_steps=0)
+    reps["multi-tensor"] = _check_mode("multi-tensor", fusion="multi-tensor", profile_steps=0,
+                                       fusion_policy="count")
     hand = reps["hand"]["selection"]
     ok = (hand["allreduce_elements"][1] == 64 and hand["allgather_dense_elements"][2] == 4608
           and hand["allreduce_elements"][3] == 16)
     # Table I: no tensor missing without multi-tensor fusion; multi-tensor misses fc2.weight
     # and conv1.weight (scale 1e-4 next to a bias of scale 1 in a buffer of too small a K)
-    ok &= all(reps[m]["tensor_missing_rate"] == 0 for m in ("selective", "hand", "per-tensor"))
+    ok &= all(reps[m]["tensor_missing_rate"] == 0
+              for m in ("selective", "hand", "momentum", "per-tensor"))
     ok &= reps["multi-tensor"]["tensor_missing_rate"] > 0
     ok &= set(reps["multi-tensor"]["missing_by_tensor"]) >= {"fc2.weight", "conv1.weight"}
     rates = {m: r.get("tensor_missing_rate") for m, r in reps.items()}
@@ -174,7 +208,11 @@ def reference():
 
 TRAFFIC_CONFIGS = {"selective": [], "naive": ["--no-interleave"], "offload": ["--offload"],
                    "per-tensor": ["--fusion", "per-tensor"],
-                   "multi-tensor": ["--fusion", "multi-tensor", "--buffers", "2"]}
+                   "multi-tensor": ["--fusion", "multi-tensor", "--buffers", "2"],
+                   "count": ["--fusion", "per-tensor", "--fusion-policy", "count", "--buffers",
+                             "3"],
+                   "gaussiank": ["--sparsifier", "gaussiank", "--first-buffer", "exclude",
+                                 "--no-momentum-correction"]}
 STEPS, WARM = 5, 2
 
 
@@ -192,14 +230,16 @@ def traffic():
              for ph, v in meas["by_phase"].items()}
         pr = {ph: {"intra": v["intra_bytes"], "inter": v["inter_bytes"]}
               for ph, v in pred["by_phase"].items()}
-        sel = s["metrics"]["selection"]
-        L = sum(len(t) for t in s["metrics"]["buffer_tensors"])
-        sizes = [int(v) for v in _buffer_sizes(s["metrics"]["buffer_tensors"])]
-        whole = cv.run_bytes(M=2, P=R, steps=STEPS, warmup_steps=WARM, buffer_sizes=sizes,
-                             ar_counts=sel["allreduce_elements"],
+        met = s["metrics"]
+        sel = met["selection"]
+        L = sum(len(t) for t in met["buffer_tensors"])
+        sizes = [int(v) for v in _buffer_sizes(met["warmup_buffer_tensors"])]
+        whole = cv.run_bytes(M=2, P=R, steps=STEPS, warmup_steps=WARM,
+                             warmup_buffer_sizes=sizes, ar_counts=sel["allreduce_elements"],
                              ag_dense_counts=sel["allgather_dense_elements"],
                              ag_sparse_counts=sel["sparse_elements"], num_tensors=L,
-                             selection=s["metrics"]["fusion"] == "selective")
+                             selection=(met["fusion"] == "selective"
+                                        or met["fusion_policy"] == "cupcake"))
         good = (m == pr == whole and meas["inter_node_bytes"] == pred["inter_node_bytes"] > 0
                 and meas["intra_node_bytes"] == pred["intra_node_bytes"] > 0)
         ok &= good

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hsadmm.solver import HSADMM
-from hsadmm.train import HSADMMConfig
+from hsadmm.config import HSADMMConfig
+from hsadmm.solver import HSADMM, FlatADMM
 from models import build_model, iterate_batches, load_digits, shard
 from substrate import Checkpointer, collective_check, start_run
 
@@ -27,22 +27,27 @@ R = 2
 CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "hsadmm")
 
 
-def _setup(**kw):
+SEED = 0
+MODEL = "cnn"
+
+
+def _setup(solver=HSADMM, **kw):
     cfg = HSADMMConfig(**kw)
-    args = Namespace(out=CHECK_OUT, seed=cfg.seed, device="cpu", ranks_per_node=R,
+    args = Namespace(out=CHECK_OUT, seed=SEED, device="cpu", ranks_per_node=R,
                      intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
     run = start_run(args, system="hsadmm", method="test", config=cfg)
     run.writer.enabled = False
     data = load_digits()
-    train = shard(data.train, run.rank, run.size, seed=cfg.seed)
-    model = build_model(cfg.model, data.train.input_shape, 10, seed=cfg.seed)
-    return cfg, run, data, model, HSADMM(run, cfg, model, train)
+    train = shard(data.train, run.rank, run.size, seed=SEED)
+    model = build_model(MODEL, data.train.input_shape, 10, seed=SEED)
+    return cfg, run, data, model, solver(run, cfg, model, train)
 
 
 def _reference_channel_projection(w, keep):
-    """Keep the round(keep * C_in) input channels of largest Frobenius norm (ties: lower index)."""
+    """Keep the keep * C_in (nearest, ties up) input channels of largest Frobenius norm (ties:
+    lower index)."""
     norms = np.sqrt((w.astype(np.float64) ** 2).sum(axis=(0, 2, 3)))
-    alpha = max(1, int(round(keep * w.shape[1])))
+    alpha = max(1, int(np.floor(keep * w.shape[1] + 0.5)))
     keep_idx = np.argsort(-norms, kind="stable")[:alpha]
     mask = np.zeros(w.shape, bool)
     mask[:, keep_idx] = True
@@ -50,23 +55,25 @@ def _reference_channel_projection(w, keep):
 
 
 def reference(cfg, data, size, M):
-    """Serial re-implementation of one H-SADMM iteration for all ranks (eqs. 8-13)."""
+    """Serial re-implementation of one H-SADMM iteration for all ranks (eqs. 8-13); eq. 8 has no
+    weight decay unless ``cfg.theta_weight_decay`` (then lambda on conv/fc weights)."""
     P = size // M
-    models = [build_model(cfg.model, data.train.input_shape, 10, seed=cfg.seed)
+    models = [build_model(MODEL, data.train.input_shape, 10, seed=SEED)
               for _ in range(size)]
     layout = models[0].layout
     theta0 = models[0].params.flat.copy()
     rho1 = np.float32(cfg.rho1)
     rho2 = np.float32(cfg.rho2)
-    decay = layout.expand({n: cfg.weight_decay if layout.kind(n) in ("conv", "fc") else 0.0
+    lam = cfg.weight_decay if cfg.theta_weight_decay else 0.0
+    decay = layout.expand({n: lam if layout.kind(n) in ("conv", "fc") else 0.0
                            for n in layout.names}, dtype=np.float32)
     thetas, us = [], []
-    for r, m in enumerate(models):  # eq. 8: SGD with momentum + wd + proximal term
-        train = shard(data.train, r, size, seed=cfg.seed)
+    for r, m in enumerate(models):  # eq. 8: SGD with momentum (+ wd) + proximal term
+        train = shard(data.train, r, size, seed=SEED)
         z_i, u = theta0.copy(), np.zeros_like(theta0)
         b = np.zeros_like(theta0)
         steps = 0
-        for x, y in iterate_batches(train, cfg.batch_size, seed=cfg.seed, rank=r, epoch=0):
+        for x, y in iterate_batches(train, cfg.batch_size, seed=SEED, rank=r, epoch=0):
             m.loss_and_grad(x, y)
             th = m.params.flat
             d = m.grads.flat + decay * th + rho1 * (th - z_i + u)
@@ -115,9 +122,9 @@ def reference(cfg, data, size, M):
     return thetas, u_new, z_i, v_new, z_new
 
 
-def one_iteration():
+def one_iteration(**kw):
     cfg, run, data, model, solver = _setup(local_steps=4, adaptive_rho=False, freeze_iter=0,
-                                           freeze_patience=0)
+                                           freeze_patience=0, **kw)
     solver.iterate(0)
     th, u, zi, v, z = reference(cfg, data, run.size, run.topo.num_nodes)
     s, r, node = solver.state, run.rank, run.topo.node
@@ -132,8 +139,13 @@ def one_iteration():
     collective_check(run.world, all(np.array_equal(zs[0], x) for x in zs), "z differs by rank")
 
 
+def one_iteration_theta_decay():
+    """--theta-weight-decay: lambda as SGD weight decay in eq. 8 (the named deviation)."""
+    one_iteration(theta_weight_decay=True, weight_decay=0.01)
+
+
 def freezing():
-    cfg, run, data, model, solver = _setup(local_steps=2, freeze_iter=2, iters=5)
+    cfg, run, data, model, solver = _setup(local_steps=2, freeze_iter=2)
     solver.iterate(0)
     solver.iterate(1)
     ok = solver.frozen
@@ -159,7 +171,7 @@ def freezing():
 def checkpoint():
     # 5 local steps do not divide the 12 batches of a shard epoch: resumption is mid-epoch;
     # freezing after iteration 3 happens in the resumed part
-    kw = dict(local_steps=5, freeze_iter=3, iters=5)
+    kw = dict(local_steps=5, freeze_iter=3)
     cfg, run, data, model, a = _setup(**kw)
     for k in range(2):
         a.iterate(k)
@@ -167,8 +179,8 @@ def checkpoint():
         ck = Checkpointer(d, rank=run.rank)
         ck.save(a.state_dict(), 2)
         state = ck.load(2)
-    train = shard(data.train, run.rank, run.size, seed=cfg.seed)
-    b = HSADMM(run, cfg, build_model(cfg.model, data.train.input_shape, 10, seed=cfg.seed), train)
+    train = shard(data.train, run.rank, run.size, seed=SEED)
+    b = HSADMM(run, cfg, build_model(MODEL, data.train.input_shape, 10, seed=SEED), train)
     b.load_state_dict(state)
     ok = b.batch_pos == a.batch_pos and 0 < a.batch_pos
     for k in range(2, 5):
@@ -180,7 +192,44 @@ def checkpoint():
     collective_check(run.world, ok, f"resumed solver differs on rank {run.rank}: {bad}")
 
 
-CHECKS = {"one_iteration": one_iteration, "freezing": freezing, "checkpoint": checkpoint}
+def flat_freezing():
+    """Flat ADMM (PruneX (AR)) tracks the masks of z's projection, reports their real drift and
+    freezes them as H-SADMM does (§4.5); it never synchronizes masks on the wire."""
+    cfg, run, data, model, solver = _setup(FlatADMM, local_steps=3, freeze_iter=3,
+                                           freeze_patience=0)
+    drifts, history = [], []
+    for k in range(5):
+        out = solver.iterate(k)
+        drifts.append(out["mask_drift"])
+        history.append([m.copy() for m in solver.m_global])
+        ok_frozen = out["frozen"] == (k + 1 >= 3)
+        if not ok_frozen:
+            break
+    # iteration 0 leaves m = 1 for the keep-0.5 support: exactly half the channel bits flip
+    # (conv1 has 1 input channel, kept whole)
+    conv = [(solver.names[i], solver.layout.shape(solver.names[i])) for i in solver.pruned]
+    kept = sum(int(np.prod(s)) // s[1] * max(1, int(np.floor(0.5 * s[1] + 0.5)))
+               for _, s in conv)
+    want0 = 1 - kept / solver.codec.nbits
+    # the drift is the fraction of changed bits between consecutive global masks
+    real = [float(np.mean(np.concatenate([(a != b).ravel() for a, b in zip(h0, h1)])))
+            for h0, h1 in zip(history, history[1:])]
+    ok = ok_frozen and abs(drifts[0] - want0) < 1e-12
+    ok = ok and all(abs(d - r) < 1e-12 for d, r in zip(drifts[1:], real))
+    ok = ok and drifts[3:] == [0.0, 0.0]  # frozen after iteration 3 (index 2)
+    for j, i in enumerate(solver.pruned):  # z lives on the frozen support
+        w = solver.state.z[solver.slices[i]].reshape(history[-1][j].shape)
+        ok = ok and not np.any(w[~history[-1][j]])
+    phases = run.ledger.local()
+    ok = ok and "mask_sync" not in phases
+    zs = run.world.mpi.allgather(solver.state.z)
+    ok = ok and all(np.array_equal(zs[0], x) for x in zs)
+    collective_check(run.world, ok, f"flat ADMM freezing broken on rank {run.rank}: drifts "
+                     f"{drifts} (want first {want0}), real {real}, phases {sorted(phases)}")
+
+
+CHECKS = {"one_iteration": one_iteration, "one_iteration_theta_decay": one_iteration_theta_decay,
+          "freezing": freezing, "checkpoint": checkpoint, "flat_freezing": flat_freezing}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

@@ -34,16 +34,16 @@ from substrate import collective_check
 
 COMM = MPI.COMM_WORLD
 #: checkpoint entries and metrics fields that hold measured times (differ run to run)
-TIMED_KEYS = ("run/compute_s", "run/metrics", "train/time_to_target", "strategy/stats",
+TIMED_KEYS = ("run/clock", "run/metrics", "train/time_to_target", "strategy/stats",
               "train/train_s", "partition/seconds")
-TIMED_FIELDS = ("sim_s", "compute_s")
+TIMED_FIELDS = ("sim_s", "compute_s", "step_wall_s", "step_sim_s", "step_no_overlap_s")
 #: method -> its options in these runs
 DP_METHODS = {
     "ddp": [],
     "topk": ["--density", "0.05"],
     "pactrain": ["--warmup-steps", "2", "--stable-window", "1", "--ternary"],
     "sdp": [],
-    "ssfusion": ["--fusion", "per-tensor", "--profile-steps", "2"],
+    "ssfusion": ["--fusion", "per-tensor", "--profile-steps", "2", "--fusion-policy", "count"],
 }
 
 

@@ -1,0 +1,108 @@
+"""Dense DDP (flat, two-level) and Top-K/DGC predictions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dataparallel.ddp import DDPOptions, DDPPlan
+from dataparallel.topk import TopKOptions, TopKPlan
+
+from .core import (
+    ITEMSIZE,
+    CallCost,
+    DPAssumptions,
+    Prediction,
+    SystemModel,
+    _check_topology,
+    register,
+)
+
+__all__ = ["predict_ddp", "predict_ddp_hierarchical", "predict_topk"]
+
+# ---------------------------------------------------------------------------------------------
+# data parallel: DDP (ring / hierarchical), Top-K
+# ---------------------------------------------------------------------------------------------
+def _unit(steps: int) -> str:
+    return f"{steps} step" + ("s" if steps > 1 else "")
+
+
+def _ddp_buckets(spec, bucket_mib: float) -> list[int]:
+    """Bucket sizes of the DDP plan for ``spec`` (also PacTrain's dense phase)."""
+    return DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=bucket_mib),
+                              ITEMSIZE).bucket_sizes
+
+
+def _predict_ddp(spec, nodes, gpus_per_node, options: DDPOptions, cost,
+                 assumptions: DPAssumptions | None) -> Prediction:
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    plan = DDPPlan.for_layout(spec.layout, options, ITEMSIZE)
+    buckets = plan.bucket_sizes
+    T = spec.layout.total
+    calls = CallCost(M, P, cost)
+    phases = plan.step_bytes(M, P)
+    if options.allreduce == "hierarchical":
+        for n in buckets:
+            calls.allreduce("intra_allreduce", ITEMSIZE * n, "intra")
+            calls.allreduce("inter_allreduce", ITEMSIZE * n, "inter")
+            calls.bcast("intra_bcast", ITEMSIZE * n, "intra")
+        name = "ddp-hierarchical"
+        how = "per bucket: SUM ring all-reduce in each node, leaders' ring, binomial bcast"
+    else:
+        for n in buckets:
+            calls.allreduce("grad_allreduce", ITEMSIZE * n, "world")
+        name = "ddp"
+        how = "per bucket: one ring all-reduce over all ranks (node-major)"
+    step = calls.finish(phases, ITEMSIZE * T, ITEMSIZE * T)
+    s = (assumptions or DPAssumptions()).steps_per_iter
+    notes = (f"{len(buckets)} gradient bucket(s) of <= {options.bucket_mib:g} MiB; {how}",
+             f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
+    return Prediction(name, spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
+                      num_params=T)
+
+
+def predict_ddp(spec, nodes, gpus_per_node, options: DDPOptions, cost=None,
+                assumptions: DPAssumptions | None = None) -> Prediction:
+    """Dense DDP with a ring all-reduce per bucket (:func:`volume.dataparallel.ddp_step_bytes`)."""
+    if options.allreduce != "ring":
+        raise ValueError("--system ddp is the ring all-reduce; use --system ddp-hierarchical")
+    return _predict_ddp(spec, nodes, gpus_per_node, options, cost, assumptions)
+
+
+def predict_ddp_hierarchical(spec, nodes, gpus_per_node, options: DDPOptions, cost=None,
+                             assumptions: DPAssumptions | None = None) -> Prediction:
+    """DDP with the two-level all-reduce (:func:`volume.dataparallel.hierarchical_step_bytes`)."""
+    options = dataclasses.replace(options, allreduce="hierarchical")
+    return _predict_ddp(spec, nodes, gpus_per_node, options, cost, assumptions)
+
+
+def predict_topk(spec, nodes, gpus_per_node, options: TopKOptions, cost=None,
+                 assumptions: DPAssumptions | None = None) -> Prediction:
+    """Top-K: ring all-gather of ``K`` values + indices (:func:`volume.dataparallel.topk_k`,
+    :func:`volume.dataparallel.topk_step_bytes`)."""
+    _check_topology(nodes, gpus_per_node)
+    M, P = nodes, gpus_per_node
+    layout = spec.layout
+    plan = TopKPlan.for_layout(layout, options)
+    K = plan.K
+    phases = plan.step_bytes(M, P)
+    calls = CallCost(M, P, cost)
+    calls.allgather("topk_allgather", 8 * K, "world")
+    step = calls.finish(phases, 8 * K, ITEMSIZE * layout.total)
+    s = (assumptions or DPAssumptions()).steps_per_iter
+    notes = (f"K = sum_l max(1, ceil({options.density:g} n_l)) = {K} of {layout.total} "
+             f"(float32 value + int32 index each: payload ratio {2 * K / layout.total:.4f})",
+             f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
+    return Prediction("topk", spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
+                      num_params=layout.total)
+
+
+register(SystemModel("ddp", predict_ddp, DDPOptions, Assumptions=DPAssumptions,
+                     description="dense DDP, ring all-reduce per bucket"))
+register(SystemModel("ddp-hierarchical", predict_ddp_hierarchical, DDPOptions,
+                     Assumptions=DPAssumptions,
+                     description="dense DDP, two-level all-reduce per bucket"))
+register(SystemModel("topk", predict_topk, TopKOptions, Assumptions=DPAssumptions,
+                     description="Top-K (DGC) gradient sparsification, all-gather"))
+
+

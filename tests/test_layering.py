@@ -1,0 +1,138 @@
+"""The layering DESIGN.md states, checked on the source (every import, module-level or not).
+
+Bottom: ``substrate`` and ``volume`` (closed forms: numpy + substrate only).  Above:
+``models`` <- ``hsadmm``, ``dataparallel``; ``partition`` <- ``sparse_sgd``.  Top: ``commvol``.
+No package imports one above it or beside it, there are no import cycles between packages, and a
+function-local import is only for an optional or heavy dependency that a run may not need.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("substrate", "volume", "models", "hsadmm", "dataparallel", "partition", "sparse_sgd",
+            "commvol")
+
+#: which project packages each package may import (besides itself)
+ALLOWED = {
+    "substrate": set(),
+    "volume": {"substrate"},
+    "models": {"substrate"},
+    "hsadmm": {"substrate", "volume", "models"},
+    "dataparallel": {"substrate", "volume", "models"},
+    "partition": {"substrate"},
+    "sparse_sgd": {"substrate", "volume", "partition"},
+    "commvol": {"substrate", "volume", "models", "hsadmm", "dataparallel", "partition",
+                "sparse_sgd"},
+}
+
+#: top-level modules a function may import lazily, with the reason
+LAZY_OK = {
+    "cupy": "optional GPU backend",
+    "cupyx": "optional GPU backend (CuPy extras)",
+    "matplotlib": "optional plots, heavy",
+    "graphblas": "optional sparse backend",
+    "numba": "JIT compiler: ~40 MiB and ~0.3 s a rank, only for the kernels that use it",
+    "sklearn": "optional dataset source",
+    "threadpoolctl": "optional BLAS thread control",
+    "torch": "optional benchmark comparator",
+    "kahypar": "optional partitioner",
+    "mtkahypar": "optional partitioner",
+    "mpi4py": "the launcher and the wire lab's parent process must not initialise MPI",
+}
+#: project modules that are imported lazily for the same reasons (they import the above)
+LAZY_OK_PROJECT = {"models.kernels", "substrate.backend", "substrate.topology",
+                   "substrate.results", "sparse_sgd.kernels"}
+
+
+def _modules():
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            yield pkg, path
+
+
+def _imports(path: Path, pkg: str):
+    """``(imported module, lineno, is_module_level)`` of every import in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    here = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    top = {id(n) for n in tree.body}
+    # imports under a module-level ``if``/``try`` still run at import time
+    for n in tree.body:
+        if isinstance(n, (ast.If, ast.Try)):
+            top |= {id(c) for c in ast.walk(n)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno, id(node) in top
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - node.level + 1]
+                mod = ".".join(base + ((node.module,) if node.module else ()))
+                if not node.module:
+                    for a in node.names:
+                        yield f"{mod}.{a.name}", node.lineno, id(node) in top
+                    continue
+            else:
+                mod = node.module
+            yield mod, node.lineno, id(node) in top
+
+
+def test_no_package_imports_upward_or_sideways():
+    bad = []
+    for pkg, path in _modules():
+        for mod, line, _ in _imports(path, pkg):
+            target = mod.split(".")[0]
+            if target in PACKAGES and target != pkg and target not in ALLOWED[pkg]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_cycles_between_packages():
+    edges: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for pkg, path in _modules():
+        for mod, _, _ in _imports(path, pkg):
+            target = mod.split(".")[0]
+            if target in PACKAGES and target != pkg:
+                edges[pkg].add(target)
+    seen, stack = set(), []
+
+    def visit(p):
+        if p in stack:
+            pytest.fail("import cycle: " + " -> ".join(stack[stack.index(p):] + [p]))
+        if p in seen:
+            return
+        stack.append(p)
+        for q in sorted(edges[p]):
+            visit(q)
+        stack.pop()
+        seen.add(p)
+
+    for p in PACKAGES:
+        visit(p)
+
+
+def test_function_local_imports_only_for_optional_heavy_dependencies():
+    bad = []
+    for pkg, path in _modules():
+        for mod, line, module_level in _imports(path, pkg):
+            if module_level:
+                continue
+            if mod.split(".")[0] in LAZY_OK or mod in LAZY_OK_PROJECT:
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} inside a function")
+    assert not bad, ("function-local imports of ordinary modules (import them at the top, or "
+                     "add the dependency to LAZY_OK with its reason):\n" + "\n".join(bad))
+
+
+def test_volume_imports_only_numpy_and_substrate():
+    for path in sorted((ROOT / "volume").glob("*.py")):
+        for mod, line, _ in _imports(path, "volume"):
+            top = mod.split(".")[0]
+            assert top in {"__future__", "math", "numpy", "substrate", "volume", "collections",
+                           "dataclasses", "typing", "itertools", "functools"}, \
+                f"{path.name}:{line} imports {mod}"

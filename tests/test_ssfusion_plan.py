@@ -1,0 +1,252 @@
+"""SSFusion's plan (:func:`dataparallel.ssfusion.plan_ssfusion`, executed by the run and used by
+``commvol`` to predict) against the second source written from the paper
+(:mod:`volume.ssfusion`: what each buffer sends from tensor sizes, density and the dense set),
+and against references written here from §IV-B: eq. 2's selection and density-aware counts.
+
+Several models (the digits CNN and ResNet, the CIFAR ResNet-18 spec, an odd synthetic layout),
+odd topologies (3 ranks per node, one node, one rank per node) and every fusion mode.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from commvol.predict import resolve_model
+from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
+from dataparallel.ssfusion import SSFusionOptions, plan_ssfusion
+from substrate import costmodel as cm
+from substrate.costmodel import CostModel
+from volume import ssfusion as cv
+from volume.dataparallel import world_allgather_bytes, world_ring_bytes
+
+COST = CostModel()
+#: odd sizes: a 1-entry tensor, primes, one tensor far larger than the rest
+ODD = [7, 1, 333, 12, 5, 1001, 3, 64, 17, 40_961, 2, 9]
+MODELS = {"cnn": None, "resnet": None, "resnet18": None, "odd": ODD}
+TOPOLOGIES = [(3, 3), (2, 3), (1, 3), (5, 1), (4, 2)]
+
+
+def _sizes(name):
+    if MODELS[name] is not None:
+        return list(MODELS[name])
+    layout = resolve_model(name).layout
+    return [int(layout.sizes[n]) for n in layout.names]
+
+
+def _equal_count_cut(L, n):
+    """``n`` buffers of equal tensor count, the first ``L mod n`` one tensor longer."""
+    q, r = divmod(L, n)
+    return [q + (1 if i < r else 0) for i in range(n)]
+
+
+def _profile(sizes, backward_ns=20.0, sparsify_ns=50.0):
+    n = np.asarray(sizes, dtype=np.float64)
+    return (backward_ns * 1e-9 * n, sparsify_ns * 1e-9 * n, sparsify_ns * 1e-9 * n)
+
+
+def _given_dense(sizes, counts, density, floor):
+    """A dense set written here: in buffer ``i`` (0-based) up to ``i`` of its smallest tensors,
+    while the paper's floor lets the others compensate (cv.compensable); returns indices and
+    splits (the first dense tensor of each buffer goes to Buffer_AR)."""
+    dense, splits, t0 = [], [], 0
+    for i, c in enumerate(counts):
+        local = []
+        for j in sorted(range(c), key=lambda j: (sizes[t0 + j], j))[:i]:
+            if not cv.compensable(sizes[t0:t0 + c], local + [j], density, floor):
+                break
+            local.append(j)
+        dense += [t0 + j for j in local]
+        splits.append(min(local) + 1 if local else 0)
+        t0 += c
+    return dense, splits
+
+
+@pytest.mark.parametrize("M,P", TOPOLOGIES)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("fusion", ["per-tensor", "multi-tensor", "selective"])
+def test_plan_bytes_equal_the_second_source(model, fusion, M, P):
+    """Per phase and link class, one sparse step of the plan equals volume.ssfusion's
+    per-mode bytes from tensor sizes, density and the dense set; warm-up and decision too."""
+    sizes = _sizes(model)
+    L, p = len(sizes), M * P
+    link = cm.INTER if M > 1 else cm.INTRA
+    nb = min(4, L)
+    d, floor = 0.05, 0.001
+    o = SSFusionOptions(density=d, density_floor=floor, fusion=fusion, fusion_policy="count",
+                        buffers=nb)
+    counts = _equal_count_cut(L, nb)
+    kw = {}
+    dense, splits = [], None
+    if fusion == "selective":
+        dense, splits = _given_dense(sizes, counts, d, floor)
+        assert dense, "the fixture should leave some tensor dense"
+        kw = {"dense": dense, "split": splits}
+    plan = plan_ssfusion(sizes, p, link, o, COST, profile=_profile(sizes), **kw)
+    assert [t1 - t0 for t0, t1 in plan.buffers] == counts
+    assert plan.step_bytes(M, P, "sparse") == cv.mode_step_bytes(
+        M=M, P=P, sizes=sizes, buffer_tensor_counts=counts, density=d, fusion=fusion,
+        dense=dense, splits=splits)
+    assert plan.dense() == sorted(dense)
+    # the elements behind the bytes, buffer by buffer (ar, agd, sparse)
+    t0 = 0
+    for (n_ar, n_agd, k), c, lp in zip(zip(*plan.counts()), counts, splits or [0] * nb):
+        local = {j - t0 for j in dense if t0 <= j < t0 + c}
+        assert (n_ar, n_agd, k) == cv.buffer_elements(sizes[t0:t0 + c], d, fusion, local, lp)
+        t0 += c
+    # warm-up all-reduces and the decision (selective: profile MAX + plan broadcast)
+    ring = [world_ring_bytes(sum(sizes[a:a + c]), 4, M, P)
+            for a, c in zip(np.cumsum([0] + counts[:-1]), counts)]
+    warm = plan.step_bytes(M, P, "warmup", decided=True)
+    assert warm[cv.WARMUP] == {k: sum(r[k] for r in ring) for k in ("intra", "inter")}
+    assert (cv.SELECT in warm) == (fusion == "selective")
+
+
+@pytest.mark.parametrize("M,P", [(3, 3), (2, 3)])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_cupcake_plans_send_what_the_paper_says(model, M, P):
+    """The default (Cupcake) buffers: whatever the cut, every buffer sends K_i (per-tensor,
+    multi-tensor) or K_i - n_D sparse entries around its dense tensors (selective)."""
+    sizes = _sizes(model)
+    for fusion in ("per-tensor", "multi-tensor", "selective"):
+        o = SSFusionOptions(fusion=fusion, density=0.02)
+        plan = plan_ssfusion(sizes, M * P, cm.INTER, o, COST, profile=_profile(sizes))
+        counts = [t1 - t0 for t0, t1 in plan.buffers]
+        assert sum(counts) == len(sizes) and plan.profiled
+        assert plan.step_bytes(M, P, "sparse") == cv.mode_step_bytes(
+            M=M, P=P, sizes=sizes, buffer_tensor_counts=counts, density=0.02, fusion=fusion,
+            dense=plan.dense() if fusion == "selective" else (), splits=plan.split)
+
+
+def _eq2_reference(sizes, counts, T_b, T_sp, d, floor, p, link):
+    """§IV-B Step 2 without interleaving, written from the paper: buffer i >= 2 leaves its
+    smallest tensors dense until T_cm^{i-1} >= Σ (T_b + T_sp of the sparse ones) (eq. 2) or the
+    floor stops the compensation; T_cm^{i-1} is the previous buffer's all-gather of its dense
+    values (4 B) and K - n_D sparse pairs (8 B), eq. 3: (p-1) α + (p-1) D β."""
+    a, b = COST.alpha(link), COST.beta(link)
+    dense, t0, t_cm = [], 0, 0.0
+    for i, c in enumerate(counts):
+        sz = sizes[t0:t0 + c]
+        local = []
+        if i:
+            comp = sum(T_b[t0:t0 + c]) + sum(T_sp[t0:t0 + c])
+            for j in sorted(range(c), key=lambda j: (sz[j], j)):
+                if t_cm >= comp or not cv.compensable(sz, local + [j], d, floor):
+                    break
+                local.append(j)
+                comp -= T_sp[t0 + j]
+        n_d = sum(sz[j] for j in local)
+        block = 4 * n_d + 8 * (cv.buffer_target(sz, d) - n_d)
+        t_cm = (p - 1) * a + (p - 1) * block * b if p > 1 else 0.0
+        dense += [t0 + j for j in local]
+        t0 += c
+    return sorted(dense)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("backward_ns,sparsify_ns", [(20.0, 50.0), (0.1, 0.2), (2e3, 1e4)])
+def test_selection_follows_eq2(model, backward_ns, sparsify_ns):
+    sizes = _sizes(model)
+    M, P = 2, 3
+    link = cm.INTER
+    nb = min(4, len(sizes))
+    o = SSFusionOptions(fusion_policy="count", buffers=nb, interleave=False, density=0.05)
+    prof = _profile(sizes, backward_ns, sparsify_ns)
+    plan = plan_ssfusion(sizes, M * P, link, o, COST, profile=prof)
+    want = _eq2_reference(sizes, _equal_count_cut(len(sizes), nb), prof[0], prof[1], 0.05, 0.001,
+                          M * P, link)
+    assert plan.dense() == want
+    assert plan.split == (0,) * nb
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_density_aware_counts_are_the_adjusted_density(model):
+    """§IV-B density-aware sparsification: the sparse tensors of a buffer with dense tensors
+    send at one common density, to within one element, except those held at the floor
+    ``max(1, ⌈d_min n⌉)`` (or whole), and the buffer sends K_i elements in all; with no tensor
+    held that density is d'_i = (K_i - n_D) / n_S."""
+    sizes = _sizes(model)
+    nb = min(4, len(sizes))
+    counts = _equal_count_cut(len(sizes), nb)
+    d, floor = 0.05, 0.001
+    dense, splits = _given_dense(sizes, counts, d, floor)
+    plan = plan_ssfusion(sizes, 6, cm.INTER, SSFusionOptions(
+        fusion_policy="count", buffers=nb, density=d), COST, profile=_profile(sizes),
+        dense=dense, split=splits)
+    t0 = 0
+    for c in counts:
+        sz = sizes[t0:t0 + c]
+        local = {j - t0 for j in dense if t0 <= j < t0 + c}
+        k = {j: plan.k[t0 + j] for j in range(c)}
+        assert all(k[j] == -1 for j in local)
+        if not local:  # nothing to compensate: per-tensor sparsification, max(1, ⌈d n⌉)
+            assert [k[j] for j in range(c)] == [max(1, math.ceil(d * n)) for n in sz]
+            t0 += c
+            continue
+        lo = {j: max(1, math.ceil(floor * sz[j])) for j in range(c)}
+        assert all(lo[j] <= k[j] <= sz[j] for j in range(c) if j not in local)
+        held = [j for j in range(c) if j not in local and k[j] in (lo[j], sz[j])]
+        free = [j for j in range(c) if j not in local and j not in held]
+        n_d = sum(sz[j] for j in local)
+        assert n_d + sum(k[j] for j in range(c) if j not in local) == cv.buffer_target(sz, d)
+        if free:
+            common = (cv.buffer_target(sz, d) - n_d - sum(k[j] for j in held)) \
+                / sum(sz[j] for j in free)
+            assert all(abs(k[j] - common * sz[j]) < 1 + 1e-9 for j in free), (k, common)
+            if not held:
+                assert common == pytest.approx(cv.adjusted_density(sz, local, d))
+        t0 += c
+
+
+def test_prediction_is_the_plan():
+    """commvol's prediction of a selective run with a given selection is the plan's bytes,
+    step for step (warm-up, decision, sparse)."""
+    spec = resolve_model("resnet")
+    names = list(spec.layout.names)
+    sizes = [int(spec.layout.sizes[n]) for n in names]
+    o = SSFusionOptions(fusion_policy="count", buffers=5, profile_steps=3, density=0.05)
+    counts = _equal_count_cut(len(sizes), 5)
+    dense, splits = _given_dense(sizes, counts, 0.05, 0.001)
+    a = SSFusionAssumptions(dense_tensors=[names[l] for l in dense], interleave_split=splits)
+    pred = predict_ssfusion(spec, 3, 3, o, COST, a)
+    want = cv.mode_step_bytes(M=3, P=3, sizes=sizes, buffer_tensor_counts=counts, density=0.05,
+                              fusion="selective", dense=dense, splits=splits)
+    assert pred.steady.phases == want
+    total = pred.total(7).phases
+    ar, agd, ks = [], [], []
+    t0 = 0
+    for c, lp in zip(counts, splits):
+        e = cv.buffer_elements(sizes[t0:t0 + c], 0.05, "selective",
+                               {j - t0 for j in dense if t0 <= j < t0 + c}, lp)
+        ar.append(e[0])
+        agd.append(e[1])
+        ks.append(e[2])
+        t0 += c
+    wsizes = [sum(sizes[a:a + c]) for a, c in zip(np.cumsum([0] + counts[:-1]), counts)]
+    assert total == cv.run_bytes(M=3, P=3, steps=7, warmup_steps=3, warmup_buffer_sizes=wsizes,
+                                 ar_counts=ar, ag_dense_counts=agd, ag_sparse_counts=ks,
+                                 num_tensors=len(sizes))
+    # the all-gather of a buffer with neither dense nor sparse... never empty: each buffer gathers
+    assert sum(pred.steady.phases[cv.SPARSE].values()) == sum(
+        sum(world_allgather_bytes(4 * n + 8 * k, 3, 3).values()) for n, k in zip(agd, ks))
+
+
+def test_bad_plan_inputs():
+    sizes = [10, 640, 64, 32768]
+    o = SSFusionOptions(fusion_policy="count", buffers=2)
+    with pytest.raises(ValueError, match="depends on timings"):
+        plan_ssfusion(sizes, 4, cm.INTER, o, COST)
+    with pytest.raises(ValueError, match="cannot be compensated at --density-floor"):
+        plan_ssfusion(sizes, 4, cm.INTER, o, COST, profile=_profile(sizes), dense=[1])
+    with pytest.raises(ValueError, match="interleave split"):
+        plan_ssfusion(sizes, 4, cm.INTER, o, COST, profile=_profile(sizes), dense=[2],
+                      split=[0, 0, 0])
+    with pytest.raises(ValueError, match="do not cut the 4 tensors"):
+        plan_ssfusion(sizes, 4, cm.INTER, o, COST, profile=_profile(sizes),
+                      buffers=[(0, 2), (3, 4)])
+    with pytest.raises(ValueError, match="--fusion selective selection"):
+        plan_ssfusion(sizes, 4, cm.INTER, SSFusionOptions(fusion="per-tensor"), COST,
+                      profile=_profile(sizes), dense=[2])
+    with pytest.raises(ValueError, match="do not cut 4 tensors"):
+        cv.mode_step_bytes(M=1, P=3, sizes=sizes, buffer_tensor_counts=[3], density=0.1,
+                           fusion="per-tensor")
