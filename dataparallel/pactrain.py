@@ -1,46 +1,60 @@
 """PacTrain (paper 002): pruning, gradient sparsity enforcement, mask tracker, compact all-reduce.
 
-One run (Algorithm 1 of the paper):
+One run follows Algorithm 1 of the paper:
 
-1. **Start from a trained model**: ``--init FILE`` loads the flat parameters (an ``.npz`` written
-   by :func:`save_init`), and/or the first ``--warmup-steps`` steps are plain dense all-reduce
-   steps (paper eq. 1) on the unpruned model.
-2. **Prune** once, right after the warm-up (before the first post-warm-up gradient is computed;
-   in the constructor when there is no warm-up): every conv and fc weight tensor ``l`` keeps its
-   ``n_l − ⌊r n_l⌋`` most important entries (``r = --prune-ratio``).  Pruning is **per layer**
-   (layer-wise ranking), so no layer can be wiped out and ``K`` is known from the layout; biases
-   and BatchNorm parameters are never pruned.  Importance is ``|θ|`` (``--prune-score
-   magnitude``) or the magnitude ``|S|`` of the GraSP score ``S = −θ ⊙ (H ∇ℓ)`` (eq. 4,
-   ``--prune-score grasp``): the paper keeps "parameters critical for maintaining essential
-   gradient directions", i.e. those whose removal changes the gradient flow most.  (GraSP's
-   own rule, removing the largest signed ``S``, reached 0.53 test accuracy on digits at
-   ``r = 0.5`` against 0.98 for ``|S|``.)  ``H ∇ℓ`` is a central finite difference of
-   gradients, ``(∇ℓ(θ + εv) − ∇ℓ(θ − εv)) / 2ε`` with ``v = ∇ℓ``, where ``∇ℓ`` and the
-   difference are averaged over all ranks (two recorded all-reduces), so every rank gets the
-   same scores and the same mask.  Weights already exactly zero are pruned first.
-3. **Gradient sparsity enforcement** (eq. 2) every step: ``g ← (θ ≠ 0) ⊙ g`` on the conv/fc
-   entries; a :class:`models.MaskHook` on the optimizer masks the update (weight decay included)
-   and the momentum, so pruned weights stay exactly zero.
-4. **Mask tracker**: every step the mask ``m_t = (θ_t ≠ 0)`` (conv/fc; 1 on bias/BN) over the
-   flat gradient buffer is compared with ``m_{t−1}``.  While it is unstable the masked gradient is
-   averaged densely (``dense_allreduce``, DDP's buckets); once it has been unchanged for
-   ``--stable-window`` consecutive comparisons every rank packs ``g[idx]`` (``idx`` =
-   ``flatnonzero(m)``, identical everywhere, so no index travels) into one dense vector and
-   all-reduces that (``packed_allreduce``).  The index set is planned once per stable mask; a
-   change of the mask (a surviving weight reaching exactly 0) falls back to dense until it is
-   stable again.
-5. ``--ternary``: TernGrad on the packed vector (eq. 3): ``s = max_j max|g_j|`` by a MAX
+1. **Start from a pre-trained model** (Alg. 1 "Data: Pre-trained model"; §III-B): ``--init
+   FILE`` loads the flat parameters of a trained model (an ``.npz`` written by
+   :func:`save_init`) and prunes it at once; without ``--init`` the first ``--warmup-steps``
+   steps (default :data:`DEFAULT_WARMUP_STEPS`) are plain dense all-reduce steps (eq. 1) on the
+   unpruned model, our stand-in for the paper's pre-training on a generic dataset.
+2. **Prune** once (Alg. 1 l. 2), right after the warm-up (in the constructor when there is
+   none): every conv and fc weight tensor ``l`` keeps ``n_l − ⌊r n_l⌋`` entries (``r =
+   --prune-ratio``), ranked per layer, so ``K`` is known from the layout; biases and BatchNorm
+   parameters are never pruned.  ``--prune-score`` picks the ranking, all from the GraSP score
+   of eq. 4, ``S = −θ ⊙ (H ∇ℓ)``, or the weights:
+
+   * ``grasp-abs`` (default): keep the largest ``|S|``, the entries whose removal changes the
+     gradient flow most, PacTrain's "retain parameters critical for maintaining essential
+     gradient directions" (§III-D);
+   * ``grasp``: GraSP's own rule [45]: remove the entries of **highest** ``S`` (importance
+     ``−S``).  GraSP ranks at initialization; on the warmed-up digits CNN it leaves 0.09 test
+     accuracy right after pruning and 0.79 after 96 steps (``|S|``: 0.98), see
+     ``docs/bench_out/pactrain.md``;
+   * ``magnitude``: ``|θ|`` (paper §III-D: "determining the pruning mask based on weight
+     ranking").
+
+   ``H ∇ℓ`` is a central finite difference of gradients, ``(∇ℓ(θ + εv) − ∇ℓ(θ − εv)) / 2ε`` with
+   ``v = ∇ℓ``, where ``∇ℓ`` and the difference are averaged over all ranks (two recorded
+   all-reduces), so every rank gets the same scores and the same mask.  Weights already exactly
+   zero are pruned first.
+3. **Gradient sparsity enforcement** (eq. 2, Alg. 1 l. 5) every step: ``g ← (θ ≠ 0) ⊙ g`` on
+   the conv/fc entries; a :class:`models.MaskHook` on the optimizer masks the update (weight
+   decay included) and the momentum, so pruned weights stay exactly zero.
+4. **Mask tracker, per bucket** (Alg. 1 l. 6-11: ``foreach update ∈ model_updates``, the
+   gradient buckets a DDP communication hook sees): the flat gradient is cut into DDP's buckets
+   (``--bucket-mib``) and every bucket ``b`` has its own :class:`MaskTracker` over its slice of
+   the mask ``m_t = (θ_t ≠ 0)`` (1 on bias/BN).  A bucket whose mask has been unchanged for
+   ``--stable-window`` comparisons packs ``g_b[idx_b]`` (``idx_b`` = the bucket's survivors,
+   identical on every rank, so no index travels) and all-reduces the ``K_b`` values
+   (``packed_allreduce``); any other bucket is all-reduced densely (``dense_allreduce``).  A
+   change of a bucket's mask (a surviving weight reaching exactly 0) re-plans and sends that
+   bucket densely until it is stable again.  ``--mask-scope global`` (a named deviation) tracks
+   one mask over the whole flat gradient and all-reduces the packed vector in chunks of at most
+   one bucket.
+5. ``--ternary``: TernGrad on each packed vector (eq. 3): ``s = max_j max|g_j|`` by a MAX
    all-reduce (``ternary_scale``), by default one ``s`` per tensor (TernGrad's layer-wise
-   scaling: ≈0.96 test accuracy on digits against ≈0.6 with ``--ternary-scale global``, one
-   ``s`` for the whole vector: the variance ``s|g| − g²`` of every entry then grows with the
-   largest gradient anywhere in the model),
-   ``b ~ Bernoulli(|g|/s)`` from a per-rank, per-step stream
-   seeded from the run seed (:func:`ternary_uniforms`), codes ``sign(g) · b`` packed 4 per byte
-   (:func:`pack_2bit`) and all-gathered (``ternary_allgather``: a sum all-reduce of 2-bit codes
-   is not closed), then every rank decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased
-   estimate of the average gradient.
+   scaling; ``--ternary-scale global``: one ``s`` per packed vector), ``b ~ Bernoulli(|g|/s)``
+   from a per-rank, per-step stream seeded from the run seed (:func:`ternary_uniforms`), codes
+   ``sign(g) · b`` packed 4 per byte (:func:`pack_2bit`) and all-gathered
+   (``ternary_allgather``: a sum all-reduce of 2-bit codes is not closed), then every rank
+   decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased estimate of the average.
 
-Closed forms: :mod:`commvol.pactrain`.
+**One plan.** :meth:`PacTrainPlan.build` (pure: layout, topology shape, options and either the
+run's kept index set or, for a prediction, the keep rate) gives the kept count ``K`` per
+tensor and per bucket, the packed chunking, the TernGrad scale segments, the
+dense-until-stable schedule and the bytes of every step; the strategy executes it and
+:mod:`commvol.systems.pactrain` predicts from it.  Independent closed forms written from the
+paper: :mod:`volume.pactrain`.
 """
 
 from __future__ import annotations
@@ -54,21 +68,47 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commvol.pactrain import grasp_score_bytes, packed_payload_ratio, pactrain_step_bytes
 from models import MaskHook, iterate_batches
-from substrate import costmodel as cm
 from substrate.backend import array_module
+from substrate.costmodel import INTER, INTRA
+from substrate.options import option
+from volume.dataparallel import world_allgather_bytes, world_ring_bytes
 
 from .ddp import flat_buckets
 from .strategy import Strategy, register
 
-__all__ = ["PacTrainOptions", "PacTrain", "MaskTracker", "prunable_flags", "prune_mask",
-           "hessian_vector_fd", "grasp_score", "ternary_uniforms", "ternarize", "pack_2bit",
-           "unpack_2bit", "save_init", "load_init", "PRUNE_SCORES", "PRUNABLE_KINDS",
-           "TERNARY_STREAM", "GRASP_SAMPLES", "GRASP_REL_STEP"]
+__all__ = [
+    "DEFAULT_WARMUP_STEPS",
+    "GRASP_REL_STEP",
+    "GRASP_SAMPLES",
+    "MASK_SCOPES",
+    "PRUNABLE_KINDS",
+    "PRUNE_SCORES",
+    "TERNARY_SCALES",
+    "TERNARY_STREAM",
+    "MaskTracker",
+    "PacTrain",
+    "PacTrainOptions",
+    "PacTrainPlan",
+    "grasp_score",
+    "hessian_vector_fd",
+    "load_init",
+    "pack_2bit",
+    "prunable_flags",
+    "prune_importance",
+    "prune_mask",
+    "save_init",
+    "ternarize",
+    "ternary_uniforms",
+    "unpack_2bit",
+]
 
-PRUNE_SCORES = ("magnitude", "grasp")
+#: ``--prune-score`` choices: keep the largest ``|S|`` (eq. 4), GraSP's rule (remove the highest
+#: ``S``), keep the largest ``|θ|``.
+PRUNE_SCORES = ("grasp-abs", "grasp", "magnitude")
 TERNARY_SCALES = ("tensor", "global")
+#: ``--mask-scope``: one mask tracker per gradient bucket (Algorithm 1) or one for all.
+MASK_SCOPES = ("bucket", "global")
 #: Parameter kinds that are pruned (biases and BatchNorm parameters are kept whole).
 PRUNABLE_KINDS = ("conv", "fc")
 #: Second word of the ternary streams' seed ``[seed, TERNARY_STREAM, rank, step]``.
@@ -77,6 +117,11 @@ TERNARY_STREAM = 2002
 GRASP_SAMPLES = 256
 #: Finite-difference step of ``H v``: ``ε = GRASP_REL_STEP · max(‖θ‖, 1) / ‖v‖``.
 GRASP_REL_STEP = 1e-3
+#: Dense warm-up steps before pruning when no ``--init`` model is given (the pre-training of
+#: Algorithm 1's input model): two epochs of the digits CNN at 4 ranks and batch 32, after which
+#: dense DDP reaches 0.90-0.91 test accuracy (the default 0.9 target); see
+#: ``docs/bench_out/pactrain.md``.
+DEFAULT_WARMUP_STEPS = 24
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +246,21 @@ def grasp_score(theta, hv):
     return -theta * hv
 
 
+def prune_importance(kind: str, theta, score=None):
+    """Importance for :func:`prune_mask` (higher is kept) under ``--prune-score kind``:
+    ``grasp``: ``−S`` (GraSP's rule: the entries of highest score ``S`` of eq. 4 are removed),
+    ``grasp-abs``: ``|S|``, ``magnitude``: ``|θ|``."""
+    if kind == "magnitude":
+        return abs(theta)
+    if score is None:
+        raise ValueError(f"--prune-score {kind} needs the GraSP score S (eq. 4)")
+    if kind == "grasp":
+        return -score
+    if kind == "grasp-abs":
+        return abs(score)
+    raise ValueError(f"--prune-score {kind!r} unknown; use one of {PRUNE_SCORES}")
+
+
 def ternary_uniforms(seed: int, rank: int, step: int, n: int, dtype=np.float32) -> np.ndarray:
     """The uniforms ``u ∈ [0, 1)`` rank ``rank`` draws at ``step`` for the Bernoulli variables
     ``b = [u < |g|/s]``: ``default_rng([seed, TERNARY_STREAM, rank, step]).random(n)``
@@ -296,32 +356,42 @@ def load_init(path, model) -> None:
             buf[...] = model.xp.asarray(f[key], dtype=buf.dtype)
 
 
+
+
 # ---------------------------------------------------------------------------------------------
-# the strategy
+# options and the plan
 # ---------------------------------------------------------------------------------------------
+def _whole(flag: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{flag} takes a whole number of steps, got {v!r}")  # noqa: TRY004 (bad flags are ValueErrors)
+
+
 @dataclass(frozen=True)
 class PacTrainOptions:
-    """Options of PacTrain."""
+    """Options of PacTrain (the trainer's and ``commvol predict``'s: one declaration)."""
 
-    prune_ratio: float = field(default=0.5, metadata={
-        "help": "fraction of every conv/fc weight tensor pruned, in [0, 1)"})
-    prune_score: str = field(default="magnitude", metadata={
-        "help": "pruning importance: |theta| or |S| of the GraSP score S = -theta*(H grad) "
-                "(eq. 4), both ranked per layer",
-        "choices": PRUNE_SCORES})
-    stable_window: int = field(default=5, metadata={
-        "help": "steps the mask must stay unchanged before the packed all-reduce is used"})
-    warmup_steps: int = field(default=0, metadata={
-        "help": "dense all-reduce steps on the unpruned model before pruning"})
-    init: str | None = field(default=None, metadata={
-        "help": "start from this .npz of flat parameters (dataparallel.pactrain.save_init)",
-        "type": str})
-    ternary: bool = field(default=False, metadata={
-        "help": "TernGrad on the packed gradient: 2-bit codes all-gathered (eq. 3)"})
-    ternary_scale: str = field(default="tensor", metadata={
-        "help": "TernGrad scale s = max|g|: one per tensor (TernGrad's layer-wise scaling) or "
-                "one for the whole packed vector", "choices": TERNARY_SCALES})
-    bucket_mib: float = field(default=32.0, metadata={"help": "gradient bucket size in MiB"})
+    prune_ratio: float = option(0.5, "fraction of every conv/fc weight tensor pruned, in [0, 1)")
+    prune_score: str = option(
+        "grasp-abs", "pruning rank, per layer, from the GraSP score S = -theta*(H grad) (eq. 4): "
+        "grasp-abs = keep the largest |S|; grasp = GraSP's rule, remove the highest S; "
+        "magnitude = keep the largest |theta|", choices=PRUNE_SCORES)
+    stable_window: int = option(
+        5, "steps a bucket's mask must stay unchanged before its packed all-reduce is used")
+    warmup_steps: int | None = option(
+        None, "dense all-reduce steps on the unpruned model before pruning (the paper prunes "
+        f"a pre-trained model); default: 0 with --init, else {DEFAULT_WARMUP_STEPS}", type=int)
+    init: str | None = option(
+        None, "start from (and prune at once) this .npz of a trained model's flat parameters "
+        "(dataparallel.pactrain.save_init)", type=str)
+    mask_scope: str = option(
+        "bucket", "mask tracking and packing per gradient bucket (Algorithm 1) or one mask over "
+        "the whole flat gradient (global, a deviation)", choices=MASK_SCOPES)
+    ternary: bool = option(False, "TernGrad on the packed gradient: 2-bit codes all-gathered "
+                                  "(eq. 3)")
+    ternary_scale: str = option(
+        "tensor", "TernGrad scale s = max|g|: one per tensor (TernGrad's layer-wise scaling) or "
+        "one per packed vector", choices=TERNARY_SCALES)
+    bucket_mib: float = option(32.0, "gradient bucket size in MiB")
 
     def __post_init__(self) -> None:
         if not 0 <= self.prune_ratio < 1:
@@ -330,26 +400,241 @@ class PacTrainOptions:
         if self.prune_score not in PRUNE_SCORES:
             raise ValueError(f"--prune-score {self.prune_score!r} unknown; use one of "
                              f"{PRUNE_SCORES}")
+        _whole("--stable-window", self.stable_window)
         if self.stable_window < 0:
             raise ValueError(f"--stable-window must be >= 0 (steps of unchanged mask before "
                              f"packing, e.g. 5); got {self.stable_window}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0 (0: prune at the start); got "
-                             f"{self.warmup_steps}")
+        if self.warmup_steps is not None:
+            _whole("--warmup-steps", self.warmup_steps)
+            if self.warmup_steps < 0:
+                raise ValueError(f"--warmup-steps must be >= 0 (0: prune at the start); got "
+                                 f"{self.warmup_steps}")
         if self.init is not None and not os.path.isfile(self.init):
             raise ValueError(f"--init {self.init}: no such file; pass an .npz written by "
                              "dataparallel.pactrain.save_init(path, model)")
+        if self.mask_scope not in MASK_SCOPES:
+            raise ValueError(f"--mask-scope {self.mask_scope!r} unknown; use one of "
+                             f"{MASK_SCOPES}")
         if self.ternary_scale not in TERNARY_SCALES:
             raise ValueError(f"--ternary-scale {self.ternary_scale!r} unknown; use one of "
                              f"{TERNARY_SCALES}")
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
 
+    @property
+    def warmup(self) -> int:
+        """Dense steps before pruning: ``--warmup-steps``, or by default 0 with ``--init`` (the
+        file is the pre-trained model) and :data:`DEFAULT_WARMUP_STEPS` without."""
+        if self.warmup_steps is not None:
+            return int(self.warmup_steps)
+        return 0 if self.init is not None else DEFAULT_WARMUP_STEPS
 
+
+def _add(out: dict, phase: str, v: dict) -> None:
+    e = out.setdefault(phase, {INTRA: 0, INTER: 0})
+    e[INTRA] += int(v[INTRA])
+    e[INTER] += int(v[INTER])
+
+
+@dataclass(frozen=True, eq=False)
+class PacTrainPlan:
+    """What PacTrain sends, built once by :meth:`build` (pure: no communicator).
+
+    Attributes
+    ----------
+    nodes, ranks_per_node, itemsize : int
+        ``M``, ``P`` and the gradient's bytes per element.
+    tensor_sizes, tensor_kept : tuple of int
+        ``n_l`` and the kept count ``K_l`` of every tensor, in flat (backward) order.
+    buckets : tuple of (int, int)
+        DDP's gradient buckets ``[a, b)`` of the flat gradient (whole tensors, ``--bucket-mib``).
+    units : tuple of (int, int)
+        The flat ranges with a mask tracker of their own: the buckets (``--mask-scope
+        bucket``, Algorithm 1's ``foreach update``) or ``[(0, T)]`` (``global``).
+    unit_buckets : tuple of tuple of int
+        Indices into :attr:`buckets` of the buckets a unit all-reduces when dense.
+    unit_kept : tuple of int
+        ``K_u``, the entries of unit ``u`` the mask keeps (the length of its packed vector).
+    chunks : tuple of tuple of int
+        Element counts of unit ``u``'s packed all-reduces: one of ``K_u`` per bucket (none when
+        ``K_u = 0``); with ``global`` scope ``⌈K / B⌉`` chunks of at most one bucket ``B``.
+    segments : tuple of tuple of (int, int)
+        TernGrad scale segments of unit ``u`` in packed coordinates: one per tensor (``--ternary-
+        scale tensor``; a tensor's survivors are contiguous in the packed vector) or one.
+    packed_mode : str
+        What a stable unit does: ``"packed"`` (float all-reduce) or ``"ternary"``.
+    warmup_steps, dense_steps : int
+        ``w`` (pruning happens before step ``w``) and ``w + W``: the mask trackers first compare
+        at step ``w`` and call a mask stable after ``W = --stable-window`` unchanged comparisons,
+        so steps ``0 .. w + W - 1`` are dense and every unit packs from step ``w + W`` on.
+    grasp_step : int or None
+        The step charged with GraSP's two all-reduces of ``T`` (``max(w - 1, 0)``).
+    index : tuple of numpy arrays, or None
+        Run plans: the sorted flat indices of unit ``u``'s survivors (``None`` for a prediction
+        from the keep rate).
+    """
+
+    nodes: int
+    ranks_per_node: int
+    itemsize: int
+    tensor_sizes: tuple
+    tensor_kept: tuple
+    buckets: tuple
+    units: tuple
+    unit_buckets: tuple
+    unit_kept: tuple
+    chunks: tuple
+    segments: tuple
+    packed_mode: str
+    warmup_steps: int
+    dense_steps: int
+    grasp_step: int | None
+    index: tuple | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, layout, nodes: int, ranks_per_node: int, options: PacTrainOptions,
+              kept_index=None, itemsize: int = 4) -> PacTrainPlan:
+        """The plan of a run (``kept_index``: the sorted flat indices the mask keeps) or of a
+        prediction (``kept_index=None``: every conv/fc tensor keeps ``n − ⌊r n⌋`` entries, as
+        :func:`prune_mask` does, every other tensor all of them)."""
+        names = list(layout.names)
+        sizes = [int(layout.sizes[n]) for n in names]
+        offsets = [int(layout.offsets[n]) for n in names] + [int(layout.total)]
+        T = int(layout.total)
+        if kept_index is None:
+            r = options.prune_ratio
+            kept = [n - math.floor(r * n) if layout.kind(name) in PRUNABLE_KINDS else n
+                    for name, n in zip(names, sizes)]
+            idx = None
+        else:
+            idx = np.asarray(kept_index, dtype=np.int64).ravel()
+            if idx.size and (idx[0] < 0 or idx[-1] >= T or np.any(np.diff(idx) <= 0)):
+                raise ValueError(f"kept_index must be sorted, unique flat indices in [0, {T})")
+            kept = np.diff(np.searchsorted(idx, offsets)).tolist()
+        bucket_bytes = int(options.bucket_mib * (1 << 20))
+        buckets = tuple(flat_buckets(layout, bucket_bytes, itemsize))
+        if options.mask_scope == "bucket":
+            units = buckets
+            unit_buckets = tuple((b,) for b in range(len(buckets)))
+        else:
+            units = ((0, T),)
+            unit_buckets = (tuple(range(len(buckets))),)
+        # tensors of every unit (units are unions of whole tensors)
+        starts = np.asarray(offsets[:-1])
+        unit_tensors = [np.flatnonzero((starts >= a) & (starts < b)).tolist() for a, b in units]
+        unit_kept = tuple(int(sum(kept[i] for i in ts)) for ts in unit_tensors)
+        B = max(1, bucket_bytes // itemsize)
+        if options.mask_scope == "bucket":
+            chunks = tuple((k,) if k else () for k in unit_kept)
+        else:
+            chunks = tuple(tuple(min(B, k - a) for a in range(0, k, B)) for k in unit_kept)
+        segs = []
+        for ts, k in zip(unit_tensors, unit_kept):
+            if options.ternary_scale == "tensor":
+                ends = np.cumsum([kept[i] for i in ts]).tolist()
+                segs.append(tuple(zip([0] + ends[:-1], ends)))
+            else:
+                segs.append(((0, k),))
+        w = options.warmup
+        index = None
+        if idx is not None:
+            index = tuple(idx[np.searchsorted(idx, a):np.searchsorted(idx, b)] for a, b in units)
+        return cls(nodes=int(nodes), ranks_per_node=int(ranks_per_node), itemsize=int(itemsize),
+                   tensor_sizes=tuple(sizes), tensor_kept=tuple(int(k) for k in kept),
+                   buckets=buckets, units=tuple(units), unit_buckets=unit_buckets,
+                   unit_kept=unit_kept, chunks=chunks, segments=tuple(segs),
+                   packed_mode="ternary" if options.ternary else "packed", warmup_steps=w,
+                   dense_steps=w + int(options.stable_window),
+                   grasp_step=max(w - 1, 0) if options.prune_score != "magnitude" else None,
+                   index=index)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        """``T``."""
+        return int(sum(self.tensor_sizes))
+
+    @property
+    def kept(self) -> int:
+        """``K = Σ_u K_u``."""
+        return int(sum(self.unit_kept))
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def packed_offsets(self) -> tuple:
+        """Start of unit ``u``'s packed vector in the concatenation of all units' (the
+        TernGrad uniforms of a step are drawn once for all ``K`` and sliced)."""
+        return tuple(np.concatenate(([0], np.cumsum(self.unit_kept)[:-1])).astype(int).tolist())
+
+    @property
+    def num_scales(self) -> int:
+        """TernGrad scales of a step in which every unit is ternary."""
+        return int(sum(len(s) for s in self.segments))
+
+    # -- the schedule and its bytes -------------------------------------------------------------
+    def modes_at(self, step: int) -> tuple:
+        """Every unit's mode at ``step`` when the mask stays stable once pruned: dense before
+        :attr:`dense_steps`, :attr:`packed_mode` from then on."""
+        mode = "dense" if step < self.dense_steps else self.packed_mode
+        return (mode,) * self.num_units
+
+    def unit_bytes(self, u: int, mode: str) -> dict:
+        """``{phase: {"intra", "inter"}}`` of unit ``u`` in ``mode`` (ring all-reduces over all
+        ranks, node-major; phases without a call are left out, as the ledger does)."""
+        M, P, w = self.nodes, self.ranks_per_node, self.itemsize
+        out: dict = {}
+        if mode == "dense":
+            for b in self.unit_buckets[u]:
+                a, e = self.buckets[b]
+                _add(out, "dense_allreduce", world_ring_bytes(e - a, w, M, P))
+        elif mode == "packed":
+            for k in self.chunks[u]:
+                _add(out, "packed_allreduce", world_ring_bytes(k, w, M, P))
+        elif mode == "ternary":
+            _add(out, "ternary_scale", world_ring_bytes(len(self.segments[u]), w, M, P))
+            _add(out, "ternary_allgather",
+                 world_allgather_bytes(-(-self.unit_kept[u] // 4), M, P))
+        else:
+            raise ValueError(f"unknown PacTrain step mode {mode!r}; use dense, packed or "
+                             "ternary")
+        return out
+
+    def grasp_bytes(self) -> dict:
+        """GraSP's score (eq. 4): two ring all-reduces of ``T`` (``∇ℓ`` and ``H ∇ℓ``)."""
+        out: dict = {}
+        one = world_ring_bytes(self.total, self.itemsize, self.nodes, self.ranks_per_node)
+        _add(out, "grasp_allreduce", one)
+        _add(out, "grasp_allreduce", one)
+        return out
+
+    def step_bytes(self, modes, grasp: bool = False) -> dict:
+        """Bytes of a step whose units run ``modes`` (plus GraSP's all-reduces)."""
+        if len(modes) != self.num_units:
+            raise ValueError(f"{len(modes)} modes for {self.num_units} mask units")
+        out: dict = {}
+        for u, mode in enumerate(modes):
+            for phase, v in self.unit_bytes(u, mode).items():
+                _add(out, phase, v)
+        if grasp:
+            for phase, v in self.grasp_bytes().items():
+                _add(out, phase, v)
+        return out
+
+    def bytes_at(self, step: int) -> dict:
+        """Bytes of ``step`` of the schedule (:meth:`modes_at`, GraSP at :attr:`grasp_step`)."""
+        return self.step_bytes(self.modes_at(step), grasp=step == self.grasp_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# the strategy
+# ---------------------------------------------------------------------------------------------
 @register
 class PacTrain(Strategy):
-    """Prune, enforce gradient sparsity, all-reduce the packed survivors once the mask is
-    stable (optionally ternarized); see the module docstring."""
+    """Prune, enforce gradient sparsity, all-reduce every stable bucket's packed survivors
+    (optionally ternarized); executes a :class:`PacTrainPlan` (see the module docstring)."""
 
     name = "pactrain"
     Options = PacTrainOptions
@@ -358,46 +643,56 @@ class PacTrain(Strategy):
         super().__init__(ctx, options)
         xp, layout = self.xp, self.layout
         self.model, self.opt = ctx.model, ctx.opt
-        g = ctx.model.grads.flat
-        self.itemsize = g.dtype.itemsize
+        self.itemsize = ctx.model.grads.flat.dtype.itemsize
         self.T = layout.total
-        bucket_bytes = int(options.bucket_mib * (1 << 20))
-        self.buckets = flat_buckets(layout, bucket_bytes, self.itemsize)
-        self.bucket_elems = max(1, bucket_bytes // self.itemsize)
-        self.prunable = xp.asarray(prunable_flags(layout))
+        flags = prunable_flags(layout)
+        self.prunable = xp.asarray(flags)
         self.keep_always = ~self.prunable
-        self.n_prunable = int(prunable_flags(layout).sum())
-        #: TernGrad scales per step (one per tensor, or one)
-        self.num_scales = len(layout) if options.ternary_scale == "tensor" else 1
-        self.tracker = MaskTracker(options.stable_window)
+        self.n_prunable = int(flags.sum())
+        # before pruning: the keep-rate plan (its dense buckets and schedule)
+        self.plan = self._build_plan(None)
+        self.trackers = [MaskTracker(options.stable_window) for _ in self.plan.units]
         self._m = xp.ones(self.T, dtype=bool)      # this step's mask (θ ≠ 0 on conv/fc)
         self.hook: MaskHook | None = None
         self.pruned = False
         self.prune_step: int | None = None
         self.scores = None                           # host copy of the GraSP scores
-        # the packed plan (once per stable mask version)
-        self._plan_version = -1
-        self.idx = None
-        self.K = self.T
-        # closed-form bytes: pruning traffic outside sync is charged to the current step
+        # pruning traffic outside sync is charged to the current step
         self._pending: dict[str, dict] = {}
         self._step_bytes: dict[str, dict] = {}
-        self.steps = self.packed_steps = 0
-        self.stable_steps: list[int] = []            # steps at which packed mode (re)started
+        self.steps = 0
+        self.packed_unit_steps = 0                   # Σ over steps of the units sent packed
+        self.stable_steps: list[int] = []            # steps at which every unit (re)started packing
         self._was_packed = False
         if options.init is not None:
             load_init(options.init, ctx.model)
-        if options.warmup_steps == 0:
+        if options.warmup == 0:
             self._prune(step=0)
+
+    def _build_plan(self, mask) -> PacTrainPlan:
+        """The plan of :meth:`PacTrainPlan.build` for ``mask`` (``None``: from the keep rate),
+        with its index sets on the device."""
+        idx = None if mask is None else self.run.backend.asnumpy(self.xp.flatnonzero(mask))
+        plan = PacTrainPlan.build(self.layout, self.M, self.P, self.options, kept_index=idx,
+                                  itemsize=self.itemsize)
+        if plan.index is not None:
+            xp, dtype = self.xp, self.model.grads.flat.dtype
+            self._idx = [xp.asarray(i) for i in plan.index]
+            self._packed = [xp.empty(k, dtype=dtype) for k in plan.unit_kept]
+            self._codes = [xp.empty(-(-k // 4), dtype=np.uint8) for k in plan.unit_kept]
+            self._scale = [xp.zeros(len(s), dtype=dtype) for s in plan.segments]
+            self._segment_of = [xp.asarray(np.repeat(np.arange(len(s)),
+                                                     [b - a for a, b in s]))
+                                for s in plan.segments]
+        return plan
 
     # -- pruning --------------------------------------------------------------------------------
     def _prune(self, step: int) -> None:
         xp, theta = self.xp, self.model.params.flat
         zero = theta == 0
-        if self.options.prune_score == "magnitude":
-            importance = xp.abs(theta)
-        else:
-            importance = xp.abs(self._grasp_scores())
+        kind = self.options.prune_score
+        score = None if kind == "magnitude" else self._grasp_scores()
+        importance = prune_importance(kind, theta, score)
         mask = xp.asarray(prune_mask(importance, self.layout, self.options.prune_ratio, zero))
         theta *= mask
         self._m[...] = mask & ~zero | self.keep_always
@@ -405,7 +700,7 @@ class PacTrain(Strategy):
         self.opt.add_hook(self.hook)
         if self.opt.momentum_buffer is not None:
             self.opt.momentum_buffer *= self._m
-        self.K = int(self._m.sum())
+        self.plan = self._build_plan(self._m)
         self.pruned, self.prune_step = True, step
 
     def _grasp_scores(self):
@@ -439,97 +734,88 @@ class PacTrain(Strategy):
             buf[...] = buffers0[k]
         score = grasp_score(theta0, hv)
         self.scores = score.get() if hasattr(score, "get") else np.array(score)
-        self._charge({"grasp_allreduce": grasp_score_bytes(M=self.M, P=self.P, total=self.T,
-                                                            itemsize=self.itemsize)})
+        self._charge(self.plan.grasp_bytes())
         return score
 
     def _charge(self, phases: dict) -> None:
-        """Add closed-form bytes of work done outside :meth:`sync` (pruning) to the current
+        """Add the plan's bytes of work done outside :meth:`sync` (pruning) to the current
         step, or to the first step when it happens in the constructor."""
         target = self._step_bytes if self.steps else self._pending
         for phase, v in phases.items():
-            e = target.setdefault(phase, {cm.INTRA: 0, cm.INTER: 0})
-            e[cm.INTRA] += v[cm.INTRA]
-            e[cm.INTER] += v[cm.INTER]
+            _add(target, phase, v)
 
     # -- the step ---------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        """Index set and buffers of the packed vector for the current mask (once per version)."""
-        xp = self.xp
-        self.idx = xp.flatnonzero(self._m)
-        self.K = int(self.idx.size)
-        dtype = self.model.grads.flat.dtype
-        self._packed = xp.empty(self.K, dtype=dtype)
-        self._codes = xp.empty(-(-self.K // 4), dtype=np.uint8)
-        if self.options.ternary_scale == "tensor":   # tensor l's survivors: packed[a_l:a_{l+1}]
-            idx = self.idx.get() if hasattr(self.idx, "get") else self.idx
-            offsets = [self.layout.offsets[n] for n in self.layout.names] + [self.T]
-            bounds = np.searchsorted(idx, offsets)
-        else:
-            bounds = np.array([0, self.K])
-        self._segments = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        self._segment_of = xp.asarray(np.repeat(np.arange(len(self._segments)), np.diff(bounds)))
-        self._scale = xp.zeros(len(self._segments), dtype=dtype)
-        self._plan_version = self.tracker.version
-
     def sync(self, state, buffers):
         xp, g, world = self.xp, buffers.flat, self.topo.world
         self._step_bytes, self._pending = self._pending, {}
         self.steps += 1
-        mode = "dense"
+        modes = ["dense"] * self.plan.num_units
         if self.pruned:
             theta = self.model.params.flat
             xp.not_equal(theta, 0, out=self._m)
             self._m |= self.keep_always
-            before = self.tracker.version
-            if self.tracker.observe(self._m):
-                mode = "ternary" if self.options.ternary else "packed"
-            if self.tracker.version != before:                # a new mask: re-mask the update
+            changed = False
+            for u, (a, b) in enumerate(self.plan.units):
+                before = self.trackers[u].version
+                if self.trackers[u].observe(self._m[a:b]):
+                    modes[u] = self.plan.packed_mode
+                changed |= self.trackers[u].version != before
+            if changed:                                  # a new mask: re-mask and re-plan
                 self.hook.set_mask(self._m)
-                self.K = int(self._m.sum())
-            if mode != "dense" and self._plan_version != self.tracker.version:
-                self._plan()
-        if mode == "dense":
-            if self.pruned:
-                g *= self._m                                   # eq. 2 (GSE)
-            for a, b in self.buckets:
-                world.allreduce(g[a:b], "avg", phase="dense_allreduce")
-        else:
-            packed = self._packed
-            xp.take(g, self.idx, out=packed)                   # eq. 2 + pack
+                self.plan = self._build_plan(self._m)
+        plan = self.plan
+        uniforms = None
+        for u, mode in enumerate(modes):
+            if mode == "dense":
+                for bi in plan.unit_buckets[u]:
+                    a, b = plan.buckets[bi]
+                    if self.pruned:
+                        g[a:b] *= self._m[a:b]           # eq. 2 (GSE)
+                    world.allreduce(g[a:b], "avg", phase="dense_allreduce")
+                continue
+            packed, idx = self._packed[u], self._idx[u]
+            xp.take(g, idx, out=packed)                  # eq. 2 + pack
             if mode == "packed":
-                for a in range(0, self.K, self.bucket_elems):
-                    world.allreduce(packed[a:a + self.bucket_elems], "avg",
-                                    phase="packed_allreduce")
+                a = 0
+                for k in plan.chunks[u]:
+                    world.allreduce(packed[a:a + k], "avg", phase="packed_allreduce")
+                    a += k
             else:
-                self._ternary_average(packed, state.step)
-            g.fill(0)
-            g[self.idx] = packed
-            self.packed_steps += 1
-            if not self._was_packed:
-                self.stable_steps.append(state.step)
-        self._was_packed = mode != "dense"
-        self._charge(self._closed_form(mode))
+                if uniforms is None:                     # one stream per rank and step
+                    uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
+                                                           state.step, plan.kept,
+                                                           dtype=packed.dtype))
+                off = plan.packed_offsets[u]
+                self._ternary_average(u, packed, uniforms[off:off + packed.size])
+            a, b = plan.units[u]
+            g[a:b] = 0
+            g[idx] = packed
+        n_packed = sum(m != "dense" for m in modes)
+        self.packed_unit_steps += n_packed
+        all_packed = n_packed == len(modes)
+        if all_packed and not self._was_packed:
+            self.stable_steps.append(state.step)
+        self._was_packed = all_packed
+        self._charge(plan.step_bytes(modes))
         return g
 
-    def _ternary_average(self, packed, step: int) -> None:
-        """Replace ``packed`` by ``(s/p) Σ_j ternarize(g_j)`` (eq. 3), identical on all ranks;
-        ``s`` is the MAX all-reduce of each segment's (tensor's, or the whole vector's) max|g|."""
+    def _ternary_average(self, u: int, packed, uniforms) -> None:
+        """Replace unit ``u``'s ``packed`` by ``(s/p) Σ_j ternarize(g_j)`` (eq. 3), identical on
+        all ranks; ``s`` is the MAX all-reduce of each segment's (tensor's, or the whole
+        vector's) max|g|."""
         xp, world = self.xp, self.topo.world
-        scale = self._scale
-        for l, (a, b) in enumerate(self._segments):
+        scale = self._scale[u]
+        for l, (a, b) in enumerate(self.plan.segments[u]):
             scale[l] = xp.abs(packed[a:b]).max() if b > a else 0
         world.allreduce(scale, "max", phase="ternary_scale")
-        s = scale[self._segment_of]
-        u = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank, step, self.K,
-                                        dtype=packed.dtype))
-        pack_2bit(ternarize(packed, s, u), out=self._codes)
-        gathered = world.allgather(self._codes, phase="ternary_allgather")
-        total = unpack_2bit(gathered, self.K).sum(axis=0, dtype=np.int32)
+        s = scale[self._segment_of[u]]
+        pack_2bit(ternarize(packed, s, uniforms), out=self._codes[u])
+        gathered = world.allgather(self._codes[u], phase="ternary_allgather")
+        total = unpack_2bit(gathered, packed.size).sum(axis=0, dtype=np.int32)
         packed[...] = total * s / self.topo.size
 
     def after_step(self, state) -> None:
-        if not self.pruned and state.step + 1 == self.options.warmup_steps:
+        if not self.pruned and state.step + 1 == self.options.warmup:
             self._prune(step=state.step + 1)
 
     def step_bytes(self) -> dict[str, dict]:
@@ -537,19 +823,20 @@ class PacTrain(Strategy):
 
     def state_dict(self) -> dict:
         """Mask, pruning and mask-tracker state, step counters and the pruning bytes still to
-        charge (the packed plan is rebuilt from the mask)."""
+        charge (the plan is rebuilt from the mask)."""
         host = self.run.backend.asnumpy
-        return {
+        out = {
             "mask": host(self._m).copy(), "pruned": np.bool_(self.pruned),
             "prune_step": np.int64(-1 if self.prune_step is None else self.prune_step),
             "hook_mask": (host(self.hook.mask).copy() if self.hook is not None
                           else np.zeros(0, np.float32)),
-            **{f"tracker/{k}": v for k, v in self.tracker.state_dict(host).items()},
-            "K": np.int64(self.K), "steps": np.int64(self.steps),
-            "packed_steps": np.int64(self.packed_steps),
+            "steps": np.int64(self.steps), "packed_unit_steps": np.int64(self.packed_unit_steps),
             "stable_steps": np.array(self.stable_steps, dtype=np.int64),
             "was_packed": np.bool_(self._was_packed), "pending": json.dumps(self._pending),
         }
+        for u, tr in enumerate(self.trackers):
+            out.update({f"tracker/{u}/{k}": v for k, v in tr.state_dict(host).items()})
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         xp = self.xp
@@ -563,49 +850,48 @@ class PacTrain(Strategy):
                 self.opt.add_hook(self.hook)
             else:
                 self.hook.set_mask(hook_mask)
-        self.tracker.load_state_dict({k[len("tracker/"):]: v for k, v in state.items()
-                                      if k.startswith("tracker/")}, xp)
-        self._plan_version = -1  # re-planned from the mask at the next packed step
-        self.K = int(state["K"])
-        self.steps, self.packed_steps = int(state["steps"]), int(state["packed_steps"])
+            self.plan = self._build_plan(self._m)
+        for u, tr in enumerate(self.trackers):
+            tr.load_state_dict({k[len(f"tracker/{u}/"):]: v for k, v in state.items()
+                                if k.startswith(f"tracker/{u}/")}, xp)
+        self.steps = int(state["steps"])
+        self.packed_unit_steps = int(state["packed_unit_steps"])
         self.stable_steps = state["stable_steps"].tolist()
         self._was_packed = bool(state["was_packed"])
         self._pending = json.loads(str(state["pending"]))
 
-    def _closed_form(self, mode: str, kept: int | None = None) -> dict[str, dict]:
-        return pactrain_step_bytes(M=self.M, P=self.P, mode=mode,
-                                   bucket_sizes=[b - a for a, b in self.buckets],
-                                   kept=self.K if kept is None else kept,
-                                   bucket_elems=self.bucket_elems, itemsize=self.itemsize,
-                                   scales=self.num_scales)
-
     def report(self) -> dict:
-        """``payload_ratio`` (packed payload / dense payload per rank and step),
-        ``wire_ratio`` / ``inter_wire_ratio`` (closed-form wire bytes of a packed step over a
+        """``payload_ratio`` (packed payload / dense payload per rank and step, every unit
+        packed), ``wire_ratio`` / ``inter_wire_ratio`` (the plan's bytes of such a step over a
         dense one: all links / inter-node links), ``prune_step``, ``mask_stable_step`` (first
-        step in packed mode; ``mask_stable_steps`` lists every switch to packed),
-        ``packed_fraction`` (of all steps), ``mask_changes`` (after pruning), ``kept`` ``K``,
-        ``density`` ``K / T`` and ``prunable_density`` (kept conv/fc fraction)."""
-        K = self.K if self.pruned else self.T
-        dense = self._closed_form("dense", K)
-        packed = self._closed_form("ternary" if self.options.ternary else "packed", K)
+        step with every unit packed; ``mask_stable_steps`` lists every such switch),
+        ``packed_fraction`` (of all unit-steps), ``mask_changes`` (after pruning, summed over
+        units), ``mask_units``, ``kept`` ``K``, ``density`` ``K / T`` and ``prunable_density``
+        (kept conv/fc fraction)."""
+        plan = self.plan
+        K = plan.kept if self.pruned else self.T
+        U = plan.num_units
+        dense = plan.step_bytes(("dense",) * U)
+        packed = plan.step_bytes((plan.packed_mode,) * U)
 
-        def wire(d, links=(cm.INTRA, cm.INTER)):
+        def wire(d, links=(INTRA, INTER)):
             return sum(v[k] for v in d.values() for k in links)
 
+        w = self.itemsize
+        payload = (sum(-(-k // 4) for k in plan.unit_kept) + w * plan.num_scales
+                   if self.options.ternary else w * K) / (w * self.T)
         kept_prunable = int((self._m & self.prunable).sum()) if self.pruned else self.n_prunable
         return {
-            "payload_ratio": packed_payload_ratio(kept=K, total=self.T,
-                                                  ternary=self.options.ternary,
-                                                  scales=self.num_scales, itemsize=self.itemsize),
+            "payload_ratio": payload,
             "wire_ratio": wire(packed) / wire(dense) if wire(dense) else None,
-            "inter_wire_ratio": (wire(packed, (cm.INTER,)) / wire(dense, (cm.INTER,))
-                                 if wire(dense, (cm.INTER,)) else None),
+            "inter_wire_ratio": (wire(packed, (INTER,)) / wire(dense, (INTER,))
+                                 if wire(dense, (INTER,)) else None),
             "prune_step": self.prune_step,
             "mask_stable_step": self.stable_steps[0] if self.stable_steps else None,
             "mask_stable_steps": self.stable_steps,
-            "packed_fraction": self.packed_steps / self.steps if self.steps else 0.0,
-            "mask_changes": max(self.tracker.version - 1, 0),
+            "packed_fraction": self.packed_unit_steps / (U * self.steps) if self.steps else 0.0,
+            "mask_changes": sum(max(t.version - 1, 0) for t in self.trackers),
+            "mask_units": U,
             "kept": K,
             "density": K / self.T,
             "prunable_density": kept_prunable / self.n_prunable if self.n_prunable else 1.0,

@@ -170,9 +170,10 @@ def add_options_args(parser: argparse.ArgumentParser, options_cls: type, title: 
     add_dataclass_args(parser, options_cls, title)
 
 
-def check_unused_options(args: argparse.Namespace, method: str) -> None:
-    """Refuse options that only other strategies read (e.g. ``--init`` with ``--method ddp``),
-    recognised by a value other than their default.
+def check_unused_options(args: argparse.Namespace, method: str, shared=()) -> None:
+    """Refuse options that only other strategies read (e.g. ``--density`` with ``--method ddp``),
+    recognised by a value other than their default; ``shared``: trainer options every method
+    reads (e.g. ``--init``).
 
     Raises
     ------
@@ -186,7 +187,8 @@ def check_unused_options(args: argparse.Namespace, method: str) -> None:
             users.setdefault(f.name, (flag_of(cls.Options, f.name), f.default, []))[2].append(name)
     unused = [f"{flag} (used by --method {' / '.join(methods)})"
               for dest, (flag, default, methods) in users.items()
-              if dest not in own and hasattr(args, dest) and getattr(args, dest) != default]
+              if dest not in own and dest not in shared and hasattr(args, dest)
+              and getattr(args, dest) != default]
     if unused:
         raise ValueError(f"--method {method} does not use {', '.join(unused)}: drop "
                          f"{'it' if len(unused) == 1 else 'them'} or choose a method that "

@@ -49,6 +49,7 @@ from substrate.cli import (
 from substrate.ledger import Predicted
 from substrate.options import add_dataclass_args, from_args, option
 
+from .pactrain import load_init
 from .strategy import (
     STRATEGIES,
     StepState,
@@ -87,6 +88,9 @@ class DPConfig:
     weight_decay: float = option(1e-4, "weight decay of conv and fc weights")
     eval_every: int = option(0, "steps between test evaluations (0: once per epoch)")
     target_accuracy: float = option(0.9, "accuracy for the simulated time-to-accuracy metric")
+    init: str | None = option(
+        None, "start every method from this .npz of a trained model's flat parameters "
+        "(dataparallel.pactrain.save_init; PacTrain prunes it at once)", type=str)
     #: from :func:`substrate.cli.add_training_args` / :func:`substrate.cli.add_common_args`
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
@@ -180,7 +184,7 @@ def train(args) -> dict:
     """Train with the configured strategy; returns the summary (every rank)."""
     cfg = from_args(DPConfig, args)
     cls = STRATEGIES[cfg.method]
-    check_unused_options(args, cfg.method)
+    check_unused_options(args, cfg.method, shared=DPConfig.__dataclass_fields__)
     options = options_from_args(cls.Options, args)
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
@@ -195,6 +199,8 @@ def train(args) -> dict:
     test = data.test.to(xp)
     shape, classes = data.train.input_shape, data.train.num_classes
     model = build_model(cfg.model, shape, classes, xp=xp, seed=cfg.seed, **arch)
+    if cfg.init is not None:   # the same trained start for every method (a fair comparison)
+        load_init(cfg.init, model)
     budget = cfg.total_steps(len(train_shard))
     schedule = make_schedule(cfg.lr_schedule, cfg.lr, budget,
                              warmup_steps=int(cfg.warmup * budget))

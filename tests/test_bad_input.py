@@ -79,8 +79,11 @@ CASES = [
        f"--batch-size {BIG} is {SHARD}") for m in DP_METHODS],
     ("dp lr nan", _guarded(dp_main), ["train", "--lr", "nan"],
      "--lr must be > 0 (a finite number), got nan"),
-    ("ddp init", _guarded(dp_main), ["train", "--method", "ddp", "--init", "{corrupt_npz}"],
-     "--method ddp does not use --init (used by --method pactrain)"),
+    ("ddp corrupt init", _guarded(dp_main),
+     ["train", "--method", "ddp", "--init", "{corrupt_npz}"],
+     "--init {corrupt_npz} is not a readable .npz (BadZipFile"),
+    ("ddp density", _guarded(dp_main), ["train", "--method", "ddp", "--density", "0.5"],
+     "--method ddp does not use --density (used by --method"),
     ("pactrain corrupt init", _guarded(dp_main),
      ["train", "--method", "pactrain", "--init", "{corrupt_npz}"],
      "--init {corrupt_npz} is not a readable .npz (BadZipFile"),
@@ -146,8 +149,8 @@ def test_mtkahypar_errors_are_rephrased():
 # -- on 2 ranks: one message for every rank, nothing written ------------------------------------
 @pytest.mark.mpi
 @pytest.mark.parametrize("module,args,message", [
-    ("dataparallel", ["train", "--method", "ddp", "--init", "w.npz"],
-     "--method ddp does not use --init"),
+    ("dataparallel", ["train", "--method", "ddp", "--density", "0.5"],
+     "--method ddp does not use --density"),
     ("hsadmm", ["train", "--batch-size", BIG], f"--batch-size {BIG} is larger than"),
     ("sparse_sgd", ["train", "--threshold", "nan"], "--threshold must be >= 0 and < 1"),
 ], ids=["before start", "after start", "sparse_sgd"])

@@ -30,7 +30,7 @@ for name, extra in (("ddp", []), ("topk", ["--method", "topk"]),
                                      "--out", out + "/" + name]))
 for name, extra in (
         ("pactrain", ["--steps", "4", "--eval-every", "1", "--stable-window", "2",
-                      "--prune-score", "grasp"]),
+                      "--prune-score", "grasp", "--warmup-steps", "0"]),
         ("pactrain-ternary", ["--steps", "4", "--eval-every", "1", "--ternary",
                               "--warmup-steps", "1", "--stable-window", "1"]),
         ("sdp", ["--steps", "3", "--eval-every", "2"]),
@@ -49,7 +49,8 @@ for name, extra in (
 """
 
 #: the predict options of the runs above: (system, model, options)
-RUNS = {"pactrain": ("pactrain", "cnn", {"stable_window": 2, "prune_score": "grasp"}),
+RUNS = {"pactrain": ("pactrain", "cnn", {"stable_window": 2, "prune_score": "grasp",
+                                         "warmup_steps": 0}),
         "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "warmup_steps": 1,
                                                  "stable_window": 1}),
         "sdp": ("sdp", "cnn", {"eval_every": 2}),
@@ -200,7 +201,8 @@ UNEVEN_RUNS = {
     "topk": ("topk", "cnn", {}),
     "pactrain": ("pactrain", "cnn", {"stable_window": 1, "warmup_steps": 1,
                                      "prune_score": "grasp"}),
-    "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "stable_window": 1}),
+    "pactrain-ternary": ("pactrain", "cnn", {"ternary": True, "stable_window": 1,
+                                             "warmup_steps": 0}),
     "sdp": ("sdp", "cnn", {"coverage": "2/3", "eval_every": 1}),
     "sdp-block-backward": ("sdp", "resnet", {"sdp_mode": "block-backward", "eval_every": 1}),
     "ssfusion-per-tensor": ("ssfusion", "cnn", {"fusion": "per-tensor", "profile_steps": 1,

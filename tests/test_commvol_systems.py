@@ -184,7 +184,8 @@ def test_pactrain_hand_computed_steps():
     assert packed.messages == {"packed_allreduce": 24}
     assert packed.time_s == pytest.approx(6 * (A_X + 520 / 4 * B_X), rel=1e-12)
     assert (packed.payload_bytes, packed.dense_payload_bytes) == (520, 968)
-    tern = _p("pactrain", ternary=True, stable_window=0)
+    tern = _p("pactrain", ternary=True, stable_window=0, warmup_steps=0,
+              prune_score="magnitude")
     assert len(tern.stages) == 1  # packed from the first step
     # 5 scales, chunks (2, 1, 1, 1): ranks send 8, 8, 7, 7 floats; ceil(130 / 4) = 33 code
     # bytes per rank, (p - 1) 33 = 99 bytes on each of the 2 intra and 2 inter ring links
@@ -196,7 +197,7 @@ def test_pactrain_hand_computed_steps():
         rel=1e-12)
     assert tern.steady.payload_bytes == 33 + 4 * 5
     # a global scale is one float; grasp without warm-up is charged to the first step
-    glob = _p("pactrain", ternary=True, ternary_scale="global", stable_window=1,
+    glob = _p("pactrain", ternary=True, ternary_scale="global", stable_window=1, warmup_steps=0,
               prune_score="grasp")
     assert glob.steady.phases["ternary_scale"]["inter"] + \
         glob.steady.phases["ternary_scale"]["intra"] == 2 * 3 * 4
@@ -219,10 +220,14 @@ def test_predictions_take_the_runs_own_options():
     """One options class per system: a prediction takes exactly the dataclass the run takes
     (no copy to keep in step), and prediction-only assumptions repeat no option."""
     from commvol.systems import get_system
-    from dataparallel import ddp, sdp, topk
+    from dataparallel import ddp, pactrain, sdp, ssfusion, topk
+    from hsadmm.config import HSADMMConfig
 
     for name, cls in (("ddp", ddp.DDPOptions), ("ddp-hierarchical", ddp.DDPOptions),
-                      ("topk", topk.TopKOptions), ("sdp", sdp.SDPOptions)):
+                      ("topk", topk.TopKOptions), ("sdp", sdp.SDPOptions),
+                      ("pactrain", pactrain.PacTrainOptions),
+                      ("ssfusion", ssfusion.SSFusionOptions), ("flat-admm", HSADMMConfig),
+                      ("hsadmm", HSADMMConfig)):
         sm = get_system(name)
         assert sm.Options is cls, name
         if sm.Assumptions is not None:

@@ -7,17 +7,35 @@ import math
 
 import numpy as np
 import pytest
+from mpi_helpers import assert_fails_on_every_rank, run_mpi
 
-from commvol.dataparallel import ddp_step_bytes
-from commvol.pactrain import (dense_allreduce_bytes, packed_allreduce_bytes, packed_chunks,
-                              pactrain_step_bytes, ternary_bytes)
-from dataparallel.pactrain import (MaskTracker, PacTrainOptions, grasp_score, hessian_vector_fd,
-                                   pack_2bit, prune_mask, save_init, ternarize, ternary_uniforms,
-                                   unpack_2bit)
+from commvol.systems import pactrain_plan
+from dataparallel.pactrain import (
+    DEFAULT_WARMUP_STEPS,
+    MaskTracker,
+    PacTrainOptions,
+    grasp_score,
+    hessian_vector_fd,
+    pack_2bit,
+    prune_importance,
+    prune_mask,
+    save_init,
+    ternarize,
+    ternary_uniforms,
+    unpack_2bit,
+)
 from dataparallel.strategy import options_from_args
 from dataparallel.train import build_parser
+from models import build_model, load_digits
 from models.params import ParamLayout, ParamSpec
-from mpi_helpers import assert_fails_on_every_rank, run_mpi
+from volume.dataparallel import ddp_step_bytes
+from volume.pactrain import (
+    dense_allreduce_bytes,
+    packed_allreduce_bytes,
+    packed_chunks,
+    pactrain_step_bytes,
+    ternary_bytes,
+)
 
 LAYOUT = ParamLayout([
     ParamSpec("conv.weight", "conv", (4, 2, 3, 3)),
@@ -121,6 +139,26 @@ def test_prune_mask_is_per_layer_on_conv_and_fc_only():
     assert prune_mask(imp, LAYOUT, 0.0).all()
 
 
+def test_grasp_rule_removes_the_highest_scores():
+    """GraSP [45] removes the weights of highest S = -theta * Hg (eq. 4); grasp-abs keeps the
+    largest |S|, magnitude the largest |theta|."""
+    layout = ParamLayout([ParamSpec("fc.weight", "fc", (2, 3))])
+    theta = np.array([1.0, -2.0, 0.5, 3.0, -1.5, 0.25])
+    hv = np.array([2.0, 1.0, -4.0, 0.0, 3.0, -8.0])
+    S = grasp_score(theta, hv)
+    assert S.tolist() == [-2.0, 2.0, 2.0, 0.0, 4.5, 2.0]
+    keep = {k: prune_mask(prune_importance(k, theta, S), layout, 0.5)
+            for k in ("grasp", "grasp-abs", "magnitude")}
+    # remove the 3 highest S: 4.5 (index 4) and two of the 2.0s (ties: the higher index goes)
+    assert keep["grasp"].tolist() == [True, True, False, True, False, False]
+    assert keep["grasp-abs"].tolist() == [True, True, False, False, True, False]
+    assert keep["magnitude"].tolist() == [False, True, False, True, True, False]
+    with pytest.raises(ValueError, match="needs the GraSP score"):
+        prune_importance("grasp", theta)
+    with pytest.raises(ValueError, match="--prune-score 'snip' unknown"):
+        prune_importance("snip", theta, S)
+
+
 def test_hessian_vector_fd_is_exact_on_a_quadratic():
     rng = np.random.default_rng(4)
     B = rng.standard_normal((20, 20))
@@ -144,6 +182,9 @@ def test_hessian_vector_fd_is_exact_on_a_quadratic():
     ({"ternary_scale": "row"}, "--ternary-scale 'row' unknown"),
     ({"init": "/nonexistent/x.npz"}, "--init /nonexistent/x.npz: no such file"),
     ({"bucket_mib": 0}, "--bucket-mib must be > 0"),
+    ({"mask_scope": "layer"}, "--mask-scope 'layer' unknown"),
+    ({"warmup_steps": 1.5}, "--warmup-steps takes a whole number"),
+    ({"stable_window": 2.5}, "--stable-window takes a whole number"),
 ])
 def test_bad_options_raise_with_the_flag(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -155,11 +196,20 @@ def test_options_become_cli_flags(tmp_path):
     np.savez(init, params=np.zeros(3))
     args = build_parser().parse_args([
         "--method", "pactrain", "--prune-ratio", "0.7", "--prune-score", "grasp",
-        "--stable-window", "2", "--warmup-steps", "3", "--ternary", "--init", str(init)])
+        "--stable-window", "2", "--warmup-steps", "3", "--ternary", "--init", str(init),
+        "--mask-scope", "global"])
     o = options_from_args(PacTrainOptions, args)
     assert (o.prune_ratio, o.prune_score, o.stable_window, o.warmup_steps, o.ternary,
-            o.init, o.ternary_scale) == (0.7, "grasp", 2, 3, True, str(init), "tensor")
-    assert options_from_args(PacTrainOptions, build_parser().parse_args([])) == PacTrainOptions()
+            o.init, o.ternary_scale, o.mask_scope) == (0.7, "grasp", 2, 3, True, str(init),
+                                                       "tensor", "global")
+    d = options_from_args(PacTrainOptions, build_parser().parse_args([]))
+    assert d == PacTrainOptions()
+    # the paper's pipeline: the GraSP score, per-bucket masks, a pre-trained model to prune
+    assert (d.prune_score, d.mask_scope, d.warmup) == ("grasp-abs", "bucket",
+                                                       DEFAULT_WARMUP_STEPS)
+    assert DEFAULT_WARMUP_STEPS > 0
+    assert PacTrainOptions(init=str(init)).warmup == 0           # --init: prune it at once
+    assert PacTrainOptions(init=str(init), warmup_steps=4).warmup == 4
 
 
 # -- closed forms ---------------------------------------------------------------------------------
@@ -193,7 +243,7 @@ def test_closed_forms():
 
 # -- MPI ------------------------------------------------------------------------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("check", ["packed", "ternary", "grasp"])
+@pytest.mark.parametrize("check", ["packed", "buckets", "ternary", "grasp"])
 def test_mpi_check(check):
     assert f"OK {check}" in run_mpi("dp_pactrain_checks.py", 4, check, timeout=180).stdout
 
@@ -216,19 +266,41 @@ def _assert_measured_equals_predicted(s):
                                                             want["inter_bytes"]), phase
 
 
+def _plan_total(summary, steps):
+    """Bytes per phase of ``steps`` steps of the keep-rate plan commvol predicts from."""
+    o = summary["config"]["options"]
+    model = build_model("cnn", load_digits().train.input_shape, 10)
+    plan = pactrain_plan(model, 2, 2, PacTrainOptions(**o))
+    total = {}
+    for k in range(steps):
+        for phase, v in plan.bytes_at(k).items():
+            e = total.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
+            e["intra_bytes"] += v["intra"]
+            e["inter_bytes"] += v["inter"]
+    return total
+
+
 @pytest.mark.mpi
 def test_short_run_bytes_match_closed_form(tmp_path):
+    """Five buckets, one mask tracker each: the ledger equals the strategy's plan and the
+    keep-rate plan ``commvol predict`` uses, step by step."""
     s = _train(tmp_path, "p", "--method", "pactrain", "--steps", 14, "--warmup-steps", 2,
-               "--stable-window", 3)
+               "--stable-window", 3, "--prune-score", "magnitude", "--bucket-mib", 0.01)
     _assert_measured_equals_predicted(s)
     m = s["metrics"]
-    assert set(s["traffic"]["measured"]["by_phase"]) == {"dense_allreduce", "packed_allreduce"}
-    assert s["traffic"]["measured"]["by_phase"]["packed_allreduce"]["calls"] == 14 - 5
+    measured = s["traffic"]["measured"]["by_phase"]
+    assert set(measured) == {"dense_allreduce", "packed_allreduce"}
+    assert m["mask_units"] == 5
+    assert measured["packed_allreduce"]["calls"] == 5 * (14 - 5)
+    assert measured["dense_allreduce"]["calls"] == 5 * 5
     assert (m["prune_step"], m["mask_stable_step"], m["mask_changes"]) == (2, 5, 0)
     assert m["packed_fraction"] == pytest.approx(9 / 14)
     assert m["prunable_density"] == 0.5 and m["payload_ratio"] == pytest.approx(m["density"])
     assert 0.5 < m["density"] < 0.51
     assert s["config"]["options"]["prune_ratio"] == 0.5
+    plan = _plan_total(s, 14)
+    assert {p: (v["intra_bytes"], v["inter_bytes"]) for p, v in measured.items()} == \
+        {p: (v["intra_bytes"], v["inter_bytes"]) for p, v in plan.items()}
 
 
 @pytest.mark.mpi
@@ -247,8 +319,7 @@ def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
 
 @pytest.mark.mpi
 def test_init_checkpoint_is_the_starting_point(tmp_path):
-    from models import build_model, load_digits  # noqa: PLC0415
-
+    """``--init`` is the pre-trained model: pruned at once (no warm-up by default)."""
     data = load_digits()
     model = build_model("cnn", data.train.input_shape, 10, seed=0)
     sl = model.layout.slice("fc1.weight")
@@ -265,6 +336,7 @@ def test_init_checkpoint_is_the_starting_point(tmp_path):
     kept += n - int(0.8 * n) + sum(layout.sizes[k] for k in layout.names
                                    if layout.kind(k) not in ("conv", "fc"))
     assert m["kept"] == kept and m["packed_fraction"] == 1.0 and m["mask_stable_step"] == 0
+    assert m["prune_step"] == 0
 
 
 @pytest.mark.mpi

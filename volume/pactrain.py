@@ -25,10 +25,18 @@ phase                  call (when)                          bytes on the wire pe
 =====================  ===================================  ======================================
 
 Every ring total is exact for any element count; the intra/inter split follows the ring's
-chunking exactly (:func:`commvol.dataparallel.world_ring_bytes`); when ``p`` divides the count
+chunking exactly (:func:`volume.dataparallel.world_ring_bytes`); when ``p`` divides the count
 ``n`` the inter-node share is ``M · 2 (p-1)/p · w n``.  The ternary all-gather moves
 ``(p-1) ⌈K/4⌉`` bytes per link versus ``2 (p-1)/p · w K`` for the packed float all-reduce, so it
 is the smaller of the two while ``p < 8 w`` (32 ranks for float32).
+
+Per-bucket masks (Algorithm 1, l. 6-11: ``foreach update ∈ model_updates``): with one mask
+tracker per gradient bucket ``b`` (``n_b`` entries, ``K_b = Σ_{l ∈ b} K_l`` kept), a stable
+bucket sends one all-reduce of ``K_b`` (or TernGrad's scales and ``⌈K_b/4⌉`` code bytes), an
+unstable one its ``n_b`` (:func:`bucketed_step_bytes`).  A tensor of ``n_l`` entries pruned at
+ratio ``r`` keeps ``K_l = n_l − ⌊r n_l⌋`` (:func:`kept_count`); the mask is stable
+``W = --stable-window`` comparisons after pruning at step ``w``, so steps ``< w + W`` are dense
+(:func:`is_dense_step`).
 """
 
 from __future__ import annotations
@@ -38,9 +46,20 @@ import math
 from .dataparallel import ddp_step_bytes, world_allgather_bytes, world_ring_bytes
 from .hsadmm import add_bytes
 
-__all__ = ["packed_chunks", "dense_allreduce_bytes", "packed_allreduce_bytes",
-           "ternary_code_bytes", "ternary_bytes", "grasp_score_bytes", "pactrain_step_bytes",
-           "packed_payload_ratio", "STEP_MODES"]
+__all__ = [
+    "STEP_MODES",
+    "bucketed_step_bytes",
+    "dense_allreduce_bytes",
+    "grasp_score_bytes",
+    "is_dense_step",
+    "kept_count",
+    "packed_allreduce_bytes",
+    "packed_chunks",
+    "packed_payload_ratio",
+    "pactrain_step_bytes",
+    "ternary_bytes",
+    "ternary_code_bytes",
+]
 
 #: What one synchronization step does: ``dense`` (warm-up or unstable mask), ``packed``
 #: (float all-reduce of the survivors) or ``ternary`` (2-bit all-gather of the survivors).
@@ -193,3 +212,73 @@ def packed_payload_ratio(*, kept: int, total: int, ternary: bool, scales: int = 
     if ternary:
         return (ternary_code_bytes(kept) + itemsize * int(scales)) / dense
     return itemsize * int(kept) / dense
+
+
+def kept_count(n: int, prune_ratio: float) -> int:
+    """``K_l = n_l − ⌊r n_l⌋``: entries of a tensor of ``n_l`` entries left by unstructured
+    pruning at ratio ``r`` (paper §III-C, "pruning ratio"; ``r = 0`` for a tensor that is not
+    pruned)."""
+    return int(n) - math.floor(float(prune_ratio) * int(n))
+
+
+def is_dense_step(step: int, warmup_steps: int, stable_window: int) -> bool:
+    """Whether ``step`` synchronizes densely (Algorithm 1 l. 8-11 "else Perform All-reduce"):
+    pruning happens before step ``w``, the mask tracker first sees the pruned mask at step ``w``
+    and calls it stable after ``W`` unchanged comparisons, i.e. from step ``w + W`` on."""
+    return int(step) < int(warmup_steps) + int(stable_window)
+
+
+def bucketed_step_bytes(*, M: int, P: int, buckets, mode: str, scope: str = "bucket",
+                        bucket_elems: int = 1 << 23, per_tensor_scales: bool = True,
+                        itemsize: int = 4) -> dict[str, dict]:
+    """Per-phase bytes of one PacTrain step from the layer shapes and pruning ratios.
+
+    Parameters
+    ----------
+    M, P : int
+        Nodes and ranks per node.
+    buckets : sequence of sequence of (int, float)
+        DDP's gradient buckets, each a list of its tensors' ``(n_l, r_l)``: entries and pruning
+        ratio (0 for biases and BatchNorm parameters).
+    mode : {"dense", "packed", "ternary"}
+        What every mask unit does this step.
+    scope : {"bucket", "global"}
+        One mask tracker per bucket (Algorithm 1): a packed bucket is one all-reduce of its
+        ``K_b``; or one for the whole gradient: the ``K = Σ_b K_b`` survivors in chunks of
+        ``bucket_elems`` (:func:`packed_chunks`).  Dense steps all-reduce every bucket's ``n_b``
+        either way.
+    per_tensor_scales : bool
+        TernGrad: one scale per tensor of the unit, else one per unit.
+    itemsize : int
+        Bytes per gradient element.
+    """
+    if mode not in STEP_MODES:
+        raise ValueError(f"unknown PacTrain step mode {mode!r}; use one of {STEP_MODES}")
+    if scope not in ("bucket", "global"):
+        raise ValueError(f"unknown mask scope {scope!r}; use bucket or global")
+    n_b = [sum(int(n) for n, _ in b) for b in buckets]
+    K_b = [sum(kept_count(n, r) for n, r in b) for b in buckets]
+    L_b = [len(b) for b in buckets]
+    if mode == "dense":
+        return pactrain_step_bytes(M=M, P=P, mode="dense", bucket_sizes=n_b, kept=0,
+                                   bucket_elems=1, itemsize=itemsize)
+    if scope == "global":
+        units = [(sum(K_b), sum(L_b) if per_tensor_scales else 1)]
+        if mode == "packed":
+            return pactrain_step_bytes(M=M, P=P, mode="packed", bucket_sizes=n_b,
+                                       kept=units[0][0], bucket_elems=bucket_elems,
+                                       itemsize=itemsize)
+    else:
+        units = [(k, L if per_tensor_scales else 1) for k, L in zip(K_b, L_b)]
+    parts = []
+    for k, L in units:
+        if mode == "packed":        # one all-reduce of K_b per bucket (none when K_b = 0)
+            parts.append(pactrain_step_bytes(M=M, P=P, mode="packed", bucket_sizes=[k],
+                                             kept=k, bucket_elems=max(k, 1), itemsize=itemsize))
+        else:
+            parts.append(ternary_bytes(M=M, P=P, kept=k, scales=L, itemsize=itemsize))
+    out: dict = {}
+    for part in parts:
+        for phase, v in part.items():
+            out[phase] = add_bytes(out[phase], v) if phase in out else v
+    return out

@@ -20,7 +20,7 @@ same list of collective calls with :class:`substrate.costmodel.CostModel`.
 
 Adding a system is one :func:`register` call::
 
-    register(SystemModel("pactrain", predict_pactrain, PacTrainPredictOptions,
+    register(SystemModel("pactrain", predict_pactrain, PacTrainOptions,
                          description="..."))
 
 Assumptions of the PacTrain model (printed by ``predict``):

@@ -36,8 +36,8 @@ __all__ = ["HSADMMAssumptions", "keep_rate_mask", "hsadmm_plan", "predict_hsadmm
 
 
 @dataclass(frozen=True)
-class HSADMMAssumptions(HSADMMConfig):
-    """The solver's options plus what only a prediction needs: a run's measured compact sizes
+class HSADMMAssumptions:
+    """What only a prediction needs beside the solver's options: a run's measured compact sizes
     (the OR of eq. 14 over the nodes' masks can keep more than keep-rate masks)."""
 
     compact_elems: tuple | None = option(
@@ -46,7 +46,6 @@ class HSADMMAssumptions(HSADMMConfig):
         group="H-SADMM prediction")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.compact_elems is not None:
             ce = _int_list(self.compact_elems)
             if not ce or min(ce) < 1:
@@ -84,7 +83,8 @@ def _hsadmm_cost(M, P, T, buckets, mask_bytes, synced, L, cost) -> IterCost:
 
 
 def predict_hsadmm(spec, nodes: int, gpus_per_node: int, options: HSADMMConfig,
-                   cost: CostModel | None = None) -> Prediction:
+                   cost: CostModel | None = None,
+                   assumptions: HSADMMAssumptions | None = None) -> Prediction:
     """H-SADMM (PruneX Algorithm 1): bytes from :func:`volume.hsadmm.hsadmm_iteration_bytes`
     with the buckets of the solver's shrink plan for keep-rate masks (eq. 15)."""
     _check_topology(nodes, gpus_per_node)
@@ -112,7 +112,7 @@ def predict_hsadmm(spec, nodes: int, gpus_per_node: int, options: HSADMMConfig,
     def one(synced, bk=buckets):
         return _hsadmm_cost(M, P, T, bk, B, synced, L, cost)
 
-    compact_elems = getattr(options, "compact_elems", None)
+    compact_elems = (assumptions or HSADMMAssumptions()).compact_elems
     if compact_elems is not None:
         nb = len(buckets)
         stages = []
@@ -150,7 +150,7 @@ def predict_flat_admm(spec, nodes: int, gpus_per_node: int, options: HSADMMConfi
                       num_params=T)
 
 
-register(SystemModel("hsadmm", predict_hsadmm, HSADMMAssumptions,
+register(SystemModel("hsadmm", predict_hsadmm, HSADMMConfig, Assumptions=HSADMMAssumptions,
                      description="PruneX H-SADMM: intra all-reduce, mask OR-sync, compact "
                                  "inter-node all-reduce, bcast",
                      units_per_epoch=_admm_units_per_epoch))

@@ -6,11 +6,22 @@ paper (eqs. 2-4) without the strategy's helpers:
 
 ``packed``   per-layer magnitude pruning; dense sync while the mask is new, packed sync once it
              is stable, both == the masked average; a mask change falls back to dense and
-             re-plans; results identical on every rank.
+             re-plans; results identical on every rank (one bucket: one mask unit).
+``buckets``  one mask tracker per gradient bucket (Algorithm 1): five buckets, a mask change in
+             conv2's bucket sends that bucket alone densely (its ring bytes only) while the
+             other four stay packed; every step == the masked average.
 ``ternary``  the ternarized packed average == the reference TernGrad average of every rank's
              seeded draws (per-tensor scales shared by MAX).
+``fp16``     the FP16 baseline (PyTorch's fp16_compress_hook): every bucket's result is the
+             fp16 sum of every rank's fp16(fp16(g_j) / p), within the ring's p - 1 fp16
+             roundings of the exact sum, representable in fp16, identical on every rank; its
+             bytes are the half-precision ring's (any ranks per node: run with 6 ranks, 3 per
+             node).
+``fp16train OUT``  ``dataparallel train --method fp16`` (registered by importing
+             dataparallel.fp16 here) writing its summary to OUT.
 ``grasp``    the GraSP scores (rank-averaged finite-difference Hessian-vector product) == a serial
-             recomputation over all shards; the mask is identical on every rank.
+             recomputation over all shards; GraSP's rule removes the highest scores; the mask
+             is identical on every rank.
 """
 
 import math
@@ -21,11 +32,16 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from dataparallel.pactrain import PacTrain, PacTrainOptions, TERNARY_STREAM
+import dataparallel.fp16  # noqa: F401  (registers --method fp16 before the parser is built)
+from dataparallel.fp16 import FP16
+from dataparallel.pactrain import TERNARY_STREAM, PacTrain
 from dataparallel.strategy import StepState, SyncContext
 from dataparallel.train import DPConfig, build_parser
+from dataparallel.train import main as train_main
 from models import SGD, SGDConfig, build_model, iterate_batches, load_digits, shard
 from substrate import collective_check, start_run
+from volume.dataparallel import world_ring_bytes
+from volume.pactrain import dense_allreduce_bytes
 
 SEED = 3
 
@@ -33,11 +49,13 @@ SEED = 3
 CHECK_OUT = str(Path(tempfile.gettempdir()) / "spardist-checks" / "dp_pactrain")
 
 
-def _setup(**opts):
-    cfg = DPConfig(method="pactrain", seed=SEED)
-    args = build_parser().parse_args(["--ranks-per-node", "2", "--seed", str(SEED),
-                                      "--out", CHECK_OUT])
-    run = start_run(args, system="dataparallel", method="pactrain", config=cfg)
+def _setup(strategy=PacTrain, ranks_per_node=2, **opts):
+    if strategy is PacTrain:
+        opts = {"warmup_steps": 0, "prune_score": "magnitude", **opts}   # prune at once
+    cfg = DPConfig(method=strategy.name, seed=SEED)
+    args = build_parser().parse_args(["--ranks-per-node", str(ranks_per_node), "--seed",
+                                      str(SEED), "--out", CHECK_OUT])
+    run = start_run(args, system="dataparallel", method=strategy.name, config=cfg)
     run.writer.enabled = False
     data = load_digits()
     train = shard(data.train, run.rank, run.size, seed=cfg.seed)
@@ -45,8 +63,8 @@ def _setup(**opts):
     opt = SGD(model.params, model.grads,
               SGDConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         decay_kinds=("conv", "fc")))
-    st = PacTrain(SyncContext(run=run, model=model, opt=opt, train=train, config=cfg),
-                  PacTrainOptions(**opts))
+    st = strategy(SyncContext(run=run, model=model, opt=opt, train=train, config=cfg),
+                  strategy.Options(**opts))
     return run, model, st, data
 
 
@@ -55,14 +73,16 @@ def _fresh_params(data):
 
 
 def reference_mask(importance, layout, ratio):
-    """Per conv/fc tensor: drop the floor(r n) entries of lowest importance; keep the rest."""
+    """Per conv/fc tensor: drop the floor(r n) entries of lowest importance (of equal ones, the
+    higher flat index first); keep the rest."""
     keep = np.ones(layout.total, dtype=bool)
     for name in layout.names:
         if layout.kind(name) not in ("conv", "fc"):
             continue
         sl = layout.slice(name)
         drop = math.floor(ratio * (sl.stop - sl.start))
-        lowest = np.argsort(importance[sl])[:drop]
+        n = sl.stop - sl.start
+        lowest = np.lexsort((-np.arange(n), importance[sl]))[:drop]
         keep[sl.start + lowest] = False
     return keep
 
@@ -106,9 +126,9 @@ def packed():
         out, everyone = _sync(run, model, st, step)
         ref = (everyone * mask).mean(axis=0)
         ok = (list(st.step_bytes()) == [phase] and np.allclose(out, ref, rtol=1e-5, atol=1e-6)
-              and not out[~mask].any() and st.K == int(mask.sum()))
+              and not out[~mask].any() and st.plan.kept == int(mask.sum()))
         collective_check(run.world, ok, f"step {step}: phases {list(st.step_bytes())} "
-                         f"(want {phase}), K {st.K} vs {int(mask.sum())}, max error "
+                         f"(want {phase}), K {st.plan.kept} vs {int(mask.sum())}, max error "
                          f"{np.abs(out - ref).max():.3g}")
         _same_everywhere(run, out, f"step {step}")
     rep = st.report()
@@ -172,21 +192,104 @@ def grasp():
     ok = np.allclose(st.scores, score, rtol=1e-3, atol=1e-4 * scale)
     collective_check(run.world, ok, f"GraSP scores differ from the serial reference: max error "
                                     f"{np.abs(st.scores - score).max():.3g} of {scale:.3g}")
-    own = reference_mask(np.abs(st.scores), layout, 0.5)       # keep the largest |S|
-    ref = reference_mask(np.abs(score), layout, 0.5)
+    own = reference_mask(-st.scores, layout, 0.5)       # GraSP removes the highest S
+    ref = reference_mask(-score, layout, 0.5)
     prunable = np.isin(np.repeat(np.arange(len(layout)), [layout.sizes[n] for n in layout.names]),
                        [i for i, n in enumerate(layout.names) if layout.kind(n) in ("conv", "fc")])
     m = model.params.flat != 0
     agree = (own == ref)[prunable].mean()
     ok = np.array_equal(m[prunable], own[prunable]) and agree > 0.99
-    collective_check(run.world, ok, f"GraSP mask: kept weights != largest |S| of the strategy's "
+    collective_check(run.world, ok, f"GraSP mask: kept weights != lowest S of the strategy's "
                                     f"scores, or agreement with the reference {agree:.4f}")
     bits = np.packbits(m)
     rows = run.world.allgather(bits, phase="test_gather")
     collective_check(run.world, bool((rows == rows[0]).all()), "GraSP masks differ across ranks")
 
 
-CHECKS = {"packed": packed, "ternary": ternary, "grasp": grasp}
+def buckets():
+    run, model, st, data = _setup(prune_ratio=0.5, stable_window=1, bucket_mib=0.01)
+    layout = model.layout
+    mask = reference_mask(np.abs(_fresh_params(data)), layout, 0.5)
+    theta = model.params.flat
+    units = st.plan.units
+    conv2 = layout.slice("conv2.weight")
+    u2 = [u for u, (a, b) in enumerate(units) if (a, b) == (conv2.start, conv2.stop)]
+    collective_check(run.world, len(units) >= 3 and len(u2) == 1,
+                     f"mask units {units}: want several buckets, conv2.weight alone in one")
+    kept_conv = conv2.start + int(np.flatnonzero(mask[conv2])[0])
+    # step 0: new masks everywhere -> dense; 1: all packed; 2: conv2's mask changes -> its
+    # bucket dense, the rest packed; 3: all packed again
+    for step in range(4):
+        if step == 2:
+            theta[kept_conv] = 0.0
+            mask[kept_conv] = False
+        out, everyone = _sync(run, model, st, step)
+        ref = (everyone * mask).mean(axis=0)
+        got = st.step_bytes()
+        if step == 0:
+            ok_phases = set(got) == {"dense_allreduce"}
+        elif step == 2:
+            ok_phases = (set(got) == {"dense_allreduce", "packed_allreduce"}
+                         and got["dense_allreduce"] == dense_allreduce_bytes(
+                             M=2, P=2, bucket_sizes=[conv2.stop - conv2.start]))
+        else:
+            ok_phases = set(got) == {"packed_allreduce"}
+        ok = ok_phases and np.allclose(out, ref, rtol=1e-5, atol=1e-6) and not out[~mask].any()
+        collective_check(run.world, ok, f"step {step}: phases {got}, max error "
+                         f"{np.abs(out - ref).max():.3g}")
+        _same_everywhere(run, out, f"step {step}")
+    rep = st.report()
+    U = len(units)
+    ok = (rep["mask_changes"] == 1 and rep["mask_units"] == U
+          and rep["packed_fraction"] == (3 * U - 1) / (4 * U) and rep["kept"] == int(mask.sum())
+          and rep["mask_stable_steps"] == [1, 3])
+    collective_check(run.world, ok, f"report {rep}")
+
+
+def fp16():
+    run, model, st, _ = _setup(FP16, ranks_per_node=3, bucket_mib=0.01)
+    p, u16 = run.size, 2.0 ** -11                     # fp16 unit roundoff
+    sizes = [b - a for a, b in st.buckets]
+    ok = len(sizes) >= 3 and sum(sizes) == model.layout.total
+    collective_check(run.world, ok, f"fp16 buckets {st.buckets}")
+    for step in range(2):
+        g = _local_grad(run.rank, step, model.layout.total) * (10.0 ** (run.rank - 2))
+        model.grads.flat[...] = g
+        everyone = run.world.allgather(g, phase="test_gather")
+        snap = run.ledger.snapshot()
+        out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
+        sent = run.ledger.since(snap)
+        q = (everyone.astype(np.float16) / np.float16(p)).astype(np.float64)   # fp16(g_j) / p
+        exact = q.sum(axis=0)
+        bound = (p - 1) * u16 * (1 + u16) ** p * np.abs(q).sum(axis=0) + 2.0 ** -24 * p
+        err = np.abs(out - exact)
+        ok = (bool(np.all(err <= bound)) and out.dtype == np.float32
+              and np.array_equal(out, out.astype(np.float16).astype(np.float32))
+              and not np.array_equal(out, everyone.mean(axis=0, dtype=np.float32)))
+        collective_check(run.world, ok, f"fp16 step {step}: max error / bound "
+                         f"{(err / bound).max():.3g}")
+        _same_everywhere(run, out, f"fp16 step {step}")
+        # the world's bytes (ledger, all ranks) == a ring of 2-byte values per bucket
+        mine = np.array([sent["fp16_allreduce"]["intra_bytes"],
+                         sent["fp16_allreduce"]["inter_bytes"]], dtype=np.int64)
+        world = run.world.allgather(mine, phase="test_gather").sum(axis=0)
+        closed = st.step_bytes()["fp16_allreduce"]
+        ring = [world_ring_bytes(n, 2, 2, 3) for n in sizes]
+        ok = (world.tolist() == [closed["intra"], closed["inter"]]
+              and closed["intra"] == sum(r["intra"] for r in ring)
+              and closed["inter"] == sum(r["inter"] for r in ring)
+              and closed["intra"] + closed["inter"] == sum(2 * (p - 1) * 2 * n for n in sizes))
+        collective_check(run.world, ok, f"fp16 bytes: ledger {world.tolist()}, closed form "
+                                        f"{closed}")
+
+
+def fp16train():
+    train_main(["train", "--method", "fp16", "--ranks-per-node", "2", "--out", sys.argv[2],
+                *sys.argv[3:]])
+
+
+CHECKS = {"packed": packed, "buckets": buckets, "ternary": ternary, "grasp": grasp,
+          "fp16": fp16, "fp16train": fp16train}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

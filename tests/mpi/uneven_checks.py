@@ -27,7 +27,7 @@ RUNS = {
     "pactrain": ("dp", ["--method", "pactrain", "--steps", "3", "--stable-window", "1",
                         "--warmup-steps", "1", "--prune-score", "grasp"]),
     "pactrain-ternary": ("dp", ["--method", "pactrain", "--steps", "2", "--ternary",
-                                "--stable-window", "1"]),
+                                "--stable-window", "1", "--warmup-steps", "0"]),
     "sdp": ("dp", ["--method", "sdp", "--steps", "1", "--coverage", "2/3"]),
     "sdp-block-backward": ("dp", ["--method", "sdp", "--steps", "1", "--model", "resnet",
                                   "--sdp-mode", "block-backward"]),

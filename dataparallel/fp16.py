@@ -1,0 +1,69 @@
+"""FP16 all-reduce: the quantization baseline PacTrain compares against (paper 002 §IV-C,
+"FP16 quantization"; PyTorch DDP's ``fp16_compress_hook``).
+
+Every step each of DDP's gradient buckets (:func:`dataparallel.ddp.flat_buckets`, whole tensors
+of at most ``--bucket-mib`` float32 bytes) is cast to half precision and divided by the world
+size ``p`` in half precision, summed by one ring all-reduce of the half-precision values
+(``fp16_allreduce``) and cast back::
+
+    g_b ← float32( Σ_j fp16( fp16(g_{j,b}) / p ) )        (sums rounded to fp16 on the ring)
+
+as the hook does (``buffer.to(float16).div_(world_size)``, all-reduce SUM, ``copy_`` back), so
+the wire carries 2 bytes per entry, half of DDP's.  Closed form: :mod:`volume.fp16`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from substrate.options import option
+from volume.fp16 import FP16_ITEMSIZE, fp16_step_bytes
+
+from .ddp import flat_buckets
+from .strategy import Strategy, register
+
+__all__ = ["FP16", "FP16Options"]
+
+
+@dataclass(frozen=True)
+class FP16Options:
+    """Options of the FP16 all-reduce."""
+
+    bucket_mib: float = option(32.0, "gradient bucket size in MiB")
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mib > 0:
+            raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
+
+
+@register
+class FP16(Strategy):
+    """Average every gradient bucket in half precision (see the module docstring)."""
+
+    name = "fp16"
+    Options = FP16Options
+
+    def __init__(self, ctx, options: FP16Options) -> None:
+        super().__init__(ctx, options)
+        g = ctx.model.grads.flat
+        self.buckets = flat_buckets(self.layout, int(options.bucket_mib * (1 << 20)),
+                                    g.dtype.itemsize)
+        self._half = [self.xp.empty(b - a, dtype=np.float16) for a, b in self.buckets]
+
+    def sync(self, state, buffers):
+        g, world, p = buffers.flat, self.topo.world, self.topo.size
+        for (a, b), h in zip(self.buckets, self._half):
+            h[...] = g[a:b]                      # round to fp16
+            h /= np.float16(p)                   # divide in fp16, as the hook does
+            world.allreduce(h, "sum", phase="fp16_allreduce")
+            g[a:b] = h
+        return g
+
+    def step_bytes(self) -> dict[str, dict]:
+        return fp16_step_bytes(M=self.M, P=self.P, bucket_sizes=[b - a for a, b in self.buckets])
+
+    def report(self) -> dict:
+        return {"payload_ratio": FP16_ITEMSIZE / self.ctx.model.grads.flat.dtype.itemsize,
+                "buckets": len(self.buckets)}
