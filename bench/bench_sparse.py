@@ -1,18 +1,26 @@
-"""Sparse-SGD benchmarks (prints ratios measured side by side; not a test).
+"""Sparse-SGD benchmarks (prints measured values and ratios side by side; not a test).
 
 1. Local SpMM of one Graph Challenge layer with bias, ReLU and clamp fused (Numba) against SciPy
    ``csr @ dense`` (alone, and with the same NumPy epilogue); python-graphblas if importable.
-2. Hypergraph partitioning time of N=1024, L=120, P=32 (paper, Table 3, PaToH: 2.48 s).
-3. H/R ratios of the Table-1 metrics for N in {1024, 4096}, P in {8, 16, 32, 64}
-   (paper, Table 1, N=1024: volume ratios 0.29-0.62).
+2. Partitioning speed, N=1024 L=120 P=32 and P=512, N=4096 L=120 P=32, against the paper's
+   Table 3 (PaToH: 2.48 s, 5.63 s, 10.93 s): the default (sequential KaHyPar, one period of the
+   relabelled RadiX-Net tiled) beside Mt-KaHyPar tiled and the per-layer baselines (every layer
+   partitioned; the P=512 per-layer runs on ``--baseline-layers`` layers and is scaled to 120),
+   with wall and CPU seconds, the SpFF volume per processor per layer (km1 / P / L) and its
+   lower bound.  Mt-KaHyPar's thread count (1 vs 2) runs in subprocesses (one initialisation
+   per process).
+3. Table 1 on the paper's terms (SpFF words per processor per layer, avg/max, messages,
+   imbalance) for N=1024 and 4096, L=120, P in {32, ..., 512}: H, R, the closed form E[R] and the
+   lower bound beside the paper's H and R rows.
 
-``python bench/bench_sparse.py [--quick]``
+``python bench/bench_sparse.py [--quick] [--skip SECTION ...]``
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,12 +29,37 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partition.metrics import partition_metrics  # noqa: E402
-from partition.partitioners import (HypergraphConfig, hypergraph_partition,  # noqa: E402
-                                    random_partition)
-from sparse_sgd.kernels import challenge_layer  # noqa: E402
-from sparse_sgd.radixnet import CHALLENGE_YMAX, graph_challenge_network  # noqa: E402
+from partition.metrics import partition_metrics
+from partition.partitioners import HypergraphConfig, hypergraph_partition
+from sparse_sgd.kernels import challenge_layer
+from sparse_sgd.plan import METHODS, PartitionOptions, plan_partition
+from sparse_sgd.radixnet import (
+    CHALLENGE_YMAX,
+    challenge_config,
+    graph_challenge_network,
+    radixnet,
+    spff_lower_bound,
+)
+from sparse_sgd.table1 import table1_rows
 
+#: the paper's Table 3 (partitioning seconds, PaToH, L=120): {(N, P): s}
+PAPER_TABLE3 = {(1024, 32): 2.48, (1024, 64): 3.41, (1024, 128): 3.89, (1024, 256): 4.97,
+                (1024, 512): 5.63, (4096, 32): 10.93, (4096, 512): 20.85}
+#: the paper's Table 1 rows (SpFF words / messages per processor per layer, L=120):
+#: {(N, P): {"H": (avg vol, max vol, avg msg, max msg, imb), "R": (...)}}
+PAPER_TABLE1 = {
+    (1024, 32): {"H": (50, 52, 7, 7, 1.01), "R": (149, 154, 7, 7, 1.05)},
+    (1024, 64): {"H": (29, 31, 12, 12, 1.01), "R": (94, 98, 15, 15, 1.05)},
+    (1024, 128): {"H": (15, 16, 13, 14, 1.01), "R": (53, 57, 24, 25, 1.08)},
+    (1024, 256): {"H": (9, 10, 11, 12, 1.03), "R": (23, 26, 22, 24, 1.17)},
+    (1024, 512): {"H": (6, 6, 9, 9, 1.05), "R": (10, 12, 14, 16, 1.24)},
+    (4096, 32): {"H": (130, 134, 7, 7, 1.01), "R": (594, 603, 7, 7, 1.04)},
+    (4096, 64): {"H": (84, 87, 14, 14, 1.01), "R": (375, 388, 15, 15, 1.05)},
+    (4096, 128): {"H": (48, 50, 23, 23, 1.01), "R": (212, 222, 30, 30, 1.08)},
+    (4096, 256): {"H": (23, 24, 21, 22, 1.03), "R": (113, 119, 51, 52, 1.17)},
+    (4096, 512): {"H": (12, 13, 15, 17, 1.05), "R": (47, 52, 46, 49, 1.24)},
+}
+_KEYS = ("avg_volume", "max_volume", "avg_messages", "max_messages", "imbalance")
 
 
 def _best(fn, repeat):
@@ -70,7 +103,7 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
     print(f"  scipy csr @ dense + numpy epilogue {edges / t_se:.3e} edges/s   "
           f"ratio fused/(scipy+epilogue) = {t_se / t_f:.2f}x")
     try:
-        import graphblas as gb  # noqa: PLC0415
+        import graphblas as gb  # optional comparator
     except ImportError:
         print("  python-graphblas not importable: GraphBLAS comparison skipped")
         return
@@ -86,56 +119,113 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
 
 
 def _threads() -> int:
-    import numba  # noqa: PLC0415
+    import numba  # heavy; only this section needs it
 
     return numba.get_num_threads()
 
 
-def bench_partition_time(layers: int, parts: int) -> None:
-    W = graph_challenge_network(1024, layers, seed=0).weights
-    hypergraph_partition(W[:1], parts)  # initialise Mt-KaHyPar outside the timing
-    t = time.perf_counter()
-    h = hypergraph_partition(W, parts, HypergraphConfig())
-    dt = time.perf_counter() - t
+def _timed_partition(N: int, L: int, P: int, options: PartitionOptions, *, seed: int = 0):
+    """(wall s, CPU s, SpFF words per processor per layer) of the H-SGD partition of the
+    relabelled Graph Challenge network, through :func:`plan_partition` (what train runs)."""
+    network = challenge_config(N, L, seed=seed)
+    W = radixnet(network)
+    w0, c0 = time.perf_counter(), time.process_time()
+    part = plan_partition(W, P, "hypergraph", options, seed=seed, network=network)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    vol = partition_metrics(W, part).spff_volume.sum() / (L * P)
+    return wall, cpu, vol
+
+
+def _mt_threads_subprocess(N: int, L: int, P: int, threads: int) -> str:
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+            "from bench.bench_sparse import _timed_partition; "
+            "from sparse_sgd.plan import PartitionOptions; "
+            f"print(*_timed_partition({N}, {L}, {P}, PartitionOptions(engine='mtkahypar', "
+            f"preset='default', threads={threads})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    wall, cpu, vol = (float(x) for x in out[-3:])
+    return f"wall {wall:7.2f} s  cpu {cpu:7.2f} s  vol {vol:6.2f}"
+
+
+def bench_partition_speed(cases, baseline_layers: int) -> None:
     cores = len(os.sched_getaffinity(0))
-    print(f"[partition time] N=1024 L={layers} P={parts}: {dt:.2f} s on {cores} cores "
-          f"(paper, PaToH, L=120: 2.48 s; ratio paper/ours = {2.48 * layers / 120 / dt:.2f}x)")
-    return h
+    print(f"[partition speed] L=120, {cores} cores available; wall seconds are taken on a shared "
+          "box (other processes compete), CPU seconds are this process's; vol = SpFF words per "
+          "processor per layer (km1 / (P L)); LB = lower bound on vol")
+    hypergraph_partition(radixnet(challenge_config(1024, 1))[:1], 2,
+                         HypergraphConfig(engine="mtkahypar", threads=1))  # init outside timing
+    head = (f"  {'N':>5} {'P':>4} {'configuration':<38}{'wall s':>9}{'cpu s':>8}{'vol':>8}"
+            f"{'LB':>7}{'paper s':>9}{'paper/wall':>11}{'paper/cpu':>10}")
+    print(head)
+    for N, P in cases:
+        paper = PAPER_TABLE3[(N, P)]
+        lb = spff_lower_bound(challenge_config(N, 120), P).mean() / P
+        configs = [("kahypar fast, tiled (default)", PartitionOptions(), 120),
+                   ("mtkahypar deterministic, tiled", PartitionOptions(engine="mtkahypar"), 120),
+                   ("kahypar fast, every layer", PartitionOptions(tile=False),
+                    120 if P <= 64 else baseline_layers),
+                   ("mtkahypar default, every layer", PartitionOptions(
+                       engine="mtkahypar", preset="default", tile=False),
+                    120 if P <= 64 else baseline_layers)]
+        for name, opts, L in configs:
+            wall, cpu, vol = _timed_partition(N, L, P, opts)
+            scale = 120 / L
+            label = name + (f" (x{scale:g} of L={L})" if L != 120 else "")
+            print(f"  {N:>5} {P:>4} {label:<38}{wall * scale:>9.2f}{cpu * scale:>8.2f}"
+                  f"{vol:>8.2f}{lb:>7.2f}{paper:>9.2f}{paper / (wall * scale):>11.2f}"
+                  f"{paper / (cpu * scale):>10.2f}", flush=True)
+    print("  Mt-KaHyPar threads (default preset, tiled, N=1024 P=32, fresh process each):")
+    for t in (1, 2):
+        print(f"    threads={t}: {_mt_threads_subprocess(1024, 120, 32, t)}", flush=True)
 
 
-def bench_ratios(neurons_list, parts_list, layers: int) -> None:
-    print(f"[table 1 ratios] H/R per processor per layer, L={layers}")
-    print(f"  {'N':>6} {'P':>4} {'vol avg':>8} {'vol max':>8} {'msg avg':>8} {'msg max':>8} "
-          f"{'imb H':>6} {'imb R':>6} {'H s':>7}")
+def bench_table1(neurons_list, parts_list, layers: int) -> None:
+    print(f"[table 1] SpFF words / messages per processor per layer (the paper's convention), "
+          f"L={layers}; paper rows from its Table 1 (L=120)")
+    print(f"  {'N':>5} {'P':>4} {'row':<18}" + "".join(f"{k:>14}" for k in _KEYS))
     for N in neurons_list:
-        W = graph_challenge_network(N, layers, seed=0).weights
+        network = challenge_config(N, layers, seed=0)
+        W = radixnet(network)
         for P in parts_list:
-            h = hypergraph_partition(W, P, HypergraphConfig())
-            r = random_partition(W, P, seed=0)
-            th, tr = partition_metrics(W, h).table1(), partition_metrics(W, r).table1()
-            rat = [th[k] / tr[k] for k in ("avg_volume", "max_volume", "avg_messages",
-                                           "max_messages")]
-            print(f"  {N:>6} {P:>4} " + " ".join(f"{x:>8.3f}" for x in rat)
-                  + f" {th['imbalance']:>6.3f} {tr['imbalance']:>6.3f} {h.seconds:>7.2f}",
-                  flush=True)
-    print("  paper Table 1 (N=1024, L=120): volume ratio 0.29-0.62, message ratio 0.49-0.96")
+            rows, _ = table1_rows(W, P, METHODS, PartitionOptions(), network=network)
+            paper = PAPER_TABLE1.get((N, P), {})
+            for r in rows:
+                print(f"  {N:>5} {P:>4} {r['label']:<18}"
+                      + "".join(f"{r[k]:>14.2f}" if k in r else f"{'-':>14}" for k in _KEYS))
+                key = r["label"][0]
+                if key in ("H", "R") and key in paper:
+                    print(f"  {N:>5} {P:>4} {'paper ' + key:<18}"
+                          + "".join(f"{v:>14.2f}" for v in paper[key]))
+            by = {r["label"][0]: r for r in rows}
+            if paper:
+                hr = by["H"]["avg_volume"] / by["R"]["avg_volume"]
+                phr = paper["H"][0] / paper["R"][0]
+                er = next(r for r in rows if r["label"].startswith("E[R]"))["avg_volume"]
+                print(f"  {N:>5} {P:>4} H/R avg volume {hr:.3f} (paper {phr:.2f}); R / E[R] = "
+                      f"{by['R']['avg_volume'] / er:.4f}; paper R / E[R] = "
+                      f"{paper['R'][0] / er:.3f}", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="reduced set: L=24, N=1024 only, P in {8, 32}, fewer repeats")
+                    help="reduced set: P=32 only, Table 1 for N=1024, P in {32, 512}")
+    ap.add_argument("--skip", nargs="*", default=[], choices=("spmm", "speed", "table1"))
+    ap.add_argument("--baseline-layers", type=int, default=12,
+                    help="layers of the per-layer baselines at P > 64 (scaled to 120)")
     args = ap.parse_args(argv)
-    if args.quick:
-        bench_spmm(1024, 256, 5)
-        bench_partition_time(24, 32)
-        bench_ratios([1024], [8, 32], 24)
-    else:
-        bench_spmm(1024, 1024, 10)
-        bench_spmm(4096, 1024, 5)
-        bench_partition_time(120, 32)
-        bench_ratios([1024, 4096], [8, 16, 32, 64], 120)
+    if "spmm" not in args.skip:
+        bench_spmm(1024, 256 if args.quick else 1024, 5 if args.quick else 10)
+    if "speed" not in args.skip:
+        bench_partition_speed([(1024, 32)] if args.quick else
+                              [(1024, 32), (1024, 512), (4096, 32)], args.baseline_layers)
+    if "table1" not in args.skip:
+        if args.quick:
+            bench_table1([1024], [32, 512], 120)
+        else:
+            bench_table1([1024, 4096], [32, 64, 128, 256, 512], 120)
     return 0
 
 

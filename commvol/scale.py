@@ -182,7 +182,8 @@ def run(args) -> dict:
     table = {name: strong_scaling(name, spec, args.gpus, args.gpus_per_node,
                                   compute_s_per_sample=t_s, dataset_size=args.dataset_size,
                                   batch_size=args.batch_size, cost=cost,
-                                  **system_options(name, args))
+                                  **{k: v for k, v in system_options(name, args).items()
+                                     if k != "batch_size"})
              for name in args.system}
     d = cost.describe()
     print(f"# strong scaling of {spec.name} ({spec.num_params:,} parameters), baseline "

@@ -6,21 +6,46 @@ Public API::
                            HypergraphConfig, build_layer_hypergraph, compress_hypergraph,
                            partition_metrics, PartitionMetrics, build_maps, LayerMaps)
 
-CLI: ``python -m partition radixnet --neurons N --layers L --parts P --method hypergraph|random``.
+CLI: ``python -m partition layers W1.npz ... WL.npz --parts P --method hypergraph|random|both``
+(RadiX-Nets: ``python -m sparse_sgd partition``).  Imports only ``substrate`` (never
+``sparse_sgd``).
 """
 
-from partition.hypergraph import (LayerHypergraph, build_layer_hypergraph, compress_hypergraph,
-                                  connectivity_cutsize)
+from partition.hypergraph import (
+                                  LayerHypergraph,
+                                  build_layer_hypergraph,
+                                  compress_hypergraph,
+                                  connectivity_cutsize,
+)
 from partition.maps import LayerMaps, build_layer_maps, build_maps
-from partition.metrics import PartitionMetrics, format_table, pair_volumes, partition_metrics
-from partition.partitioners import (PARTITIONERS, HypergraphConfig, Partition,
-                                    hypergraph_partition, input_owner_from_connectivity,
-                                    make_partition, partition_layer, random_partition)
+from partition.metrics import (
+                                  PartitionMetrics,
+                                  expected_random_spff,
+                                  format_table,
+                                  pair_volumes,
+                                  partition_metrics,
+)
+from partition.partitioners import (
+                                  ENGINES,
+                                  PARTITIONERS,
+                                  PRESETS,
+                                  HypergraphConfig,
+                                  Partition,
+                                  hypergraph_partition,
+                                  input_owner_from_connectivity,
+                                  layer_period,
+                                  make_partition,
+                                  partition_layer,
+                                  partitioner_errors,
+                                  random_partition,
+)
 
 __all__ = [
-    "PARTITIONERS", "HypergraphConfig", "LayerHypergraph", "LayerMaps", "Partition",
+    "ENGINES", "PARTITIONERS", "PRESETS", "HypergraphConfig", "LayerHypergraph", "LayerMaps",
+    "Partition",
     "PartitionMetrics", "build_layer_hypergraph", "build_layer_maps", "build_maps",
-    "compress_hypergraph", "connectivity_cutsize", "format_table", "hypergraph_partition",
-    "input_owner_from_connectivity", "make_partition", "pair_volumes", "partition_layer",
-    "partition_metrics", "random_partition",
+    "compress_hypergraph", "connectivity_cutsize", "expected_random_spff", "format_table",
+    "hypergraph_partition", "input_owner_from_connectivity", "layer_period", "make_partition",
+    "pair_volumes", "partition_layer", "partition_metrics", "partitioner_errors",
+    "random_partition",
 ]

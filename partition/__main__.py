@@ -1,4 +1,4 @@
-"""Entry point: ``python -m partition radixnet ...``."""
+"""Entry point: ``python -m partition layers W1.npz W2.npz ... --parts P``."""
 
 import sys
 

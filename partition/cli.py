@@ -1,122 +1,155 @@
-"""``python -m partition radixnet --neurons N --layers L --parts P --method METHOD``.
+"""``python -m partition layers W1 W2 ... --parts P [--method hypergraph|random|both]``.
 
-METHOD is ``hypergraph``, ``random`` or ``both``.
-
-Partitions a RadiX-Net / Graph Challenge network and prints the Table-1 metrics of the paper
-(average/maximum send volume and message count per processor per layer, computational imbalance,
-totals); ``--method both`` also prints the H/R ratios.  ``--save file.npz`` keeps the partition
-(``--method both`` saves the hypergraph one) for ``sparse_sgd train --partition-file``.
+Partitions the rows of a sparse network given layer by layer as SciPy sparse ``.npz`` files
+(:func:`scipy.sparse.save_npz`) or Matrix Market ``.mtx`` files, in the paper's orientation
+(W^k: rows = neurons of layer k, columns = neurons of layer k-1), and prints the Table-1
+metrics (SpFF words and messages per processor per layer, imbalance; SpFF + SpBP words beside
+them).  Writes ``OUT/partition.npz`` (the hypergraph partition with ``--method both``) and
+``OUT/summary.json``.  RadiX-Net / Graph Challenge networks: ``python -m sparse_sgd partition``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import re
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import scipy.io
+import scipy.sparse as sp
+
 from partition.metrics import format_table, partition_metrics
-from partition.partitioners import PRESETS, HypergraphConfig, hypergraph_partition, \
-    random_partition
+from partition.partitioners import (
+    ENGINES,
+    PRESETS,
+    HypergraphConfig,
+    hypergraph_partition,
+    partitioner_errors,
+    random_partition,
+)
+from substrate.cli import add_common_args, start_run
+from substrate.options import add_dataclass_args, from_args, option
 
-__all__ = ["main", "build_parser", "partitioner_errors"]
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+__all__ = ["LayersConfig", "build_parser", "main", "read_layer"]
 
 
-@contextlib.contextmanager
-def partitioner_errors():
-    """Turn an error raised inside Mt-KaHyPar (ANSI-coloured, naming no input) into a
-    ``ValueError`` that says which tool failed and what to check."""
+@dataclass(frozen=True)
+class LayersConfig:
+    """Options of ``python -m partition layers``."""
+
+    parts: int = option(2, "processors P")
+    method: str = option("both", "partitions to compute", choices=("hypergraph", "random",
+                                                                     "both"))
+    engine: str = option("kahypar", "hypergraph partitioner", choices=ENGINES)
+    preset: str | None = option(None, "engine preset (default: deterministic for the seed)",
+                                choices=PRESETS)
+    epsilon: float = option(0.01, "allowed imbalance of eq. 2")
+    threads: int = option(1, "Mt-KaHyPar threads (0: all cores)")
+    tile: bool = option(True, "partition every layer (default: partition one period of a "
+                        "periodic layer sequence and repeat it)")
+
+    def __post_init__(self):
+        if self.parts < 1:
+            raise ValueError(f"--parts must be >= 1, got {self.parts}")
+        self.hypergraph_config(0)
+
+    def hypergraph_config(self, seed: int) -> HypergraphConfig:
+        return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
+                                threads=self.threads, seed=seed, tile=self.tile)
+
+
+def read_layer(path) -> sp.csr_matrix:
+    """W^k from a SciPy ``.npz`` or Matrix Market ``.mtx`` file (errors name the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: layer file not found")
     try:
-        yield
-    except Exception as exc:
-        if not type(exc).__module__.startswith("mtkahypar"):
+        if path.suffix == ".npz":
+            W = sp.load_npz(path)
+        elif path.suffix in (".mtx", ".mm"):
+            W = scipy.io.mmread(path)
+        else:
+            raise ValueError(f"{path}: unknown layer format {path.suffix!r}; give SciPy .npz "
+                             "(scipy.sparse.save_npz) or Matrix Market .mtx files")
+    except (OSError, ValueError, KeyError) as exc:
+        if str(path) in str(exc):
             raise
-        text = _ANSI.sub("", str(exc)).strip()
-        raise ValueError(f"Mt-KaHyPar rejected a layer's hypergraph ({type(exc).__name__}: "
-                         f"{text}); check the network (every layer needs nonzero weights) or "
-                         "use --method random / --partition random") from None
+        raise ValueError(f"{path}: cannot read the layer ({exc}); give a SciPy .npz "
+                         "(scipy.sparse.save_npz) or Matrix Market .mtx file") from None
+    W = sp.csr_matrix(W)
+    W.sort_indices()
+    return W
+
+
+def _check_layers(paths, weights, parts: int) -> None:
+    for k in range(1, len(weights)):
+        if weights[k].shape[1] != weights[k - 1].shape[0]:
+            raise ValueError(f"{paths[k]}: W^{k + 1} has {weights[k].shape[1]} columns but "
+                             f"{paths[k - 1]} has {weights[k - 1].shape[0]} rows; give the "
+                             "layers in order, rows = outputs")
+    for path, W in zip(paths, weights):
+        if W.nnz == 0:
+            raise ValueError(f"{path}: the layer has no nonzero; every layer needs weights")
+        if parts > W.shape[0]:
+            raise ValueError(f"--parts {parts} is larger than the {W.shape[0]} rows of {path}: "
+                             f"every part needs at least one row")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m partition",
                                      description="H-SGD hypergraph / random row partitions")
     sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("radixnet", help="partition a Graph Challenge RadiX-Net")
-    r.add_argument("--neurons", type=int, default=1024)
-    r.add_argument("--layers", type=int, default=120)
-    r.add_argument("--parts", type=int, required=True)
-    r.add_argument("--method", choices=("hypergraph", "random", "both"), default="both")
-    r.add_argument("--preset", choices=PRESETS, default="default")
-    r.add_argument("--epsilon", type=float, default=0.01)
-    r.add_argument("--threads", type=int, default=0, help="Mt-KaHyPar threads (0: all cores)")
-    r.add_argument("--no-compress", dest="compress", action="store_false",
-                   help="give Mt-KaHyPar the full H(phi_k) instead of the compressed one")
-    r.add_argument("--no-permute", dest="permute", action="store_false")
-    r.add_argument("--network-dir", default=None, help="read n{N}-l{k}.tsv files instead")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--save", default=None, help="write the partition to this .npz file")
+    r = sub.add_parser("layers", help="partition a network given as one sparse matrix per layer",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("files", nargs="+", metavar="LAYER", help="W^1 .. W^L (.npz or .mtx)")
+    add_dataclass_args(r, LayersConfig, "partition")
+    add_common_args(r)
     return parser
 
 
-def _check_args(args) -> None:
-    """Fail fast on arguments that would only fail after the partitioning."""
-    if args.parts < 1:
-        raise ValueError(f"--parts must be >= 1, got {args.parts}")
-    if args.parts > args.neurons:
-        raise ValueError(f"--parts {args.parts} is larger than the {args.neurons} neurons of a "
-                         f"layer: every part needs at least one row; pass --parts "
-                         f"{args.neurons} or less")
-    if args.layers < 1:
-        raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    if args.save:
-        folder = Path(args.save).parent
-        if not folder.is_dir():
-            raise ValueError(f"--save {args.save}: the folder {folder} does not exist; create "
-                             "it first or choose another path")
+def _layers(args) -> dict:
+    if args.device != "cpu":
+        raise ValueError("partitioning runs on the CPU; use --device cpu")
+    cfg = from_args(LayersConfig, args)
+    run = start_run(args, system="partition", method=cfg.method, config=cfg, unit="step")
+    weights = [read_layer(p) for p in args.files]
+    _check_layers(args.files, weights, cfg.parts)
+    rows, saved = [], None
+    if cfg.method in ("hypergraph", "both"):
+        t0 = time.process_time()
+        with partitioner_errors():
+            h = hypergraph_partition(weights, cfg.parts, cfg.hypergraph_config(args.seed))
+        rows.append(("H (hypergraph)", partition_metrics(weights, h)))
+        saved = h
+        print(f"hypergraph partitioning: {h.seconds:.2f} s wall, "
+              f"{time.process_time() - t0:.2f} s CPU ({len(weights)} layers, P={cfg.parts}, "
+              f"{h.info['engine']} preset {h.info['preset']}, period {h.info['period'] or '-'})")
+    if cfg.method in ("random", "both"):
+        rnd = random_partition(weights, cfg.parts, seed=args.seed)
+        rows.append(("R (random)", partition_metrics(weights, rnd)))
+        saved = saved or rnd
+    print(f"P={cfg.parts} L={len(weights)}: per processor per layer, SpFF words and messages "
+          "of one input vector; ff+bp avg: SpFF + SpBP words")
+    print(format_table(rows))
+    path = Path(run.out) / "partition.npz"
+    if run.rank == 0:
+        saved.save(path)
+        print(f"saved the {saved.method} partition to {path}")
+    return run.finish(metrics={"table1": {label: m.table1() for label, m in rows},
+                               "spff_spbp": {label: m.table1_spff_spbp() for label, m in rows},
+                               "partition_file": str(path),
+                               "partition_seconds": saved.seconds,
+                               "total_volume_layers": [int(v) for v in np.asarray(
+                                   rows[0][1].spff_volume.sum(axis=1))]})
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _check_args(args)
-        # the CLI (not the library) uses sparse_sgd's generator and readers
-        from sparse_sgd.io import read_challenge_network  # noqa: PLC0415
-        from sparse_sgd.radixnet import graph_challenge_network  # noqa: PLC0415
-
-        if args.network_dir:
-            weights = read_challenge_network(args.network_dir, args.neurons, args.layers)
-        else:
-            weights = graph_challenge_network(args.neurons, args.layers, permute=args.permute,
-                                              seed=args.seed).weights
-        rows, saved = [], None
-        if args.method in ("hypergraph", "both"):
-            cfg = HypergraphConfig(epsilon=args.epsilon, preset=args.preset,
-                                   threads=args.threads, seed=args.seed, compress=args.compress)
-            with partitioner_errors():
-                h = hypergraph_partition(weights, args.parts, cfg)
-            rows.append(("H (hypergraph)", partition_metrics(weights, h)))
-            saved = h
-            print(f"hypergraph partitioning time: {h.seconds:.2f} s "
-                  f"({args.layers} layers, P={args.parts}, preset {args.preset})")
-        if args.method in ("random", "both"):
-            r = random_partition(weights, args.parts, seed=args.seed)
-            rows.append(("R (random)", partition_metrics(weights, r)))
-            saved = saved or r
+        _layers(args)
     except ValueError as exc:
         print(f"python -m partition: error: {exc}", file=sys.stderr)
         return 2
-    print(f"N={args.neurons} L={args.layers} P={args.parts}: per processor per layer, "
-          "SpFF+SpBP words of one input vector")
-    print(format_table(rows))
-    if len(rows) == 2:
-        h, r = rows[0][1].table1(), rows[1][1].table1()
-        print("H/R ratios: " + "  ".join(
-            f"{k} {h[k] / r[k]:.3f}" for k in ("avg_volume", "max_volume", "avg_messages",
-                                              "max_messages") if r[k]))
-    if args.save:
-        saved.save(args.save)
-        print(f"saved {saved.method} partition to {args.save}")
     return 0

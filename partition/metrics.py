@@ -9,6 +9,11 @@ the mini-batch,
   (s^1 would only build delta^0, which no weight update needs, so it is not communicated).
 
 Summed over the layers this is exactly what :mod:`sparse_sgd.distributed` sends.
+
+Table 1 of the paper counts one direction: the words and messages a processor *sends in SpFF*
+per layer (:meth:`PartitionMetrics.table1`); SpFF + SpBP per iteration is
+:meth:`PartitionMetrics.table1_spff_spbp`.  :func:`expected_random_spff` is the closed form of
+the random ("SGD") row for comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import scipy.sparse as sp
 
 from partition.partitioners import Partition
 
-__all__ = ["PartitionMetrics", "pair_volumes", "partition_metrics", "format_table"]
+__all__ = [
+    "PartitionMetrics",
+    "expected_random_spff",
+    "format_table",
+    "pair_volumes",
+    "partition_metrics",
+]
 
 
 def pair_volumes(W: sp.spmatrix, owner: np.ndarray, prev_owner: np.ndarray, parts: int
@@ -96,11 +107,25 @@ class PartitionMetrics:
         return float(self.flops.max() / self.flops.mean()) if self.flops.mean() > 0 else 1.0
 
     def table1(self) -> dict:
-        """Table-1 metrics: avg/max send volume and messages per processor per layer, imb.
+        """Table 1 of the paper: SpFF words and messages a processor sends per layer (one
+        direction, one input vector), average and maximum over processors, and the
+        computational imbalance.
 
-        Volumes and messages are per processor per layer (SpFF + SpBP, batch column 1),
-        i.e. per-iteration totals divided by L.
+        ``avg_volume`` = mean_m (1/L) sum_k V^k_m and ``max_volume`` = max_m of the same (V^k_m:
+        words processor m sends in SpFF of layer k); messages likewise.  The totals are SpFF
+        words / messages of one forward pass over all processors and layers.
         """
+        L = self.num_layers
+        v, msg = self.spff_volume.sum(axis=0) / L, self.spff_messages.sum(axis=0) / L
+        return {"avg_volume": float(v.mean()), "max_volume": float(v.max()),
+                "avg_messages": float(msg.mean()), "max_messages": float(msg.max()),
+                "imbalance": self.imbalance, "total_volume": int(self.spff_volume.sum()),
+                "total_messages": int(self.spff_messages.sum())}
+
+    def table1_spff_spbp(self) -> dict:
+        """The Table-1 columns for one training iteration: SpFF + SpBP words and messages a
+        processor sends per layer (SpBP sends back the partial sums s^k, k >= 2), the same
+        averages / maxima / imbalance, and the SpFF + SpBP totals."""
         L = self.num_layers
         v, msg = self.send_volume / L, self.send_messages / L
         return {"avg_volume": float(v.mean()), "max_volume": float(v.max()),
@@ -120,6 +145,28 @@ class PartitionMetrics:
             "spbp": {"bytes": int(self.spbp_volume.sum()) * scale,
                      "messages": int(self.spbp_messages.sum()) * iterations},
         }
+
+
+def expected_random_spff(n_prev: int, parts: int, column_degree: int) -> dict:
+    """Closed form of the random ("SGD") row of Table 1 for one layer.
+
+    Processor n owns N_{k-1}/P entries of x^{k-1}; entry j is used by ``column_degree`` rows of
+    W^k, each on a uniformly random processor, so it goes to
+    (P - 1)(1 - (1 - 1/P)^d) other processors on average and
+
+        E[R] = (N_{k-1}/P) (P - 1) (1 - (1 - 1/P)^d)
+
+    words leave processor n in SpFF (the Graph Challenge networks: d = 32).  n sends no message
+    to m only if none of its entries is used by m: E[messages] = (P - 1)(1 - (1 - q)^{N_{k-1}/P})
+    with q = 1 - (1 - 1/P)^d (entries treated as independent).  Balanced random parts draw rows
+    without replacement, so both are approximations (within ~2 % at the paper's sizes).
+    """
+    if parts < 1 or n_prev < 1 or column_degree < 0:
+        raise ValueError("n_prev and parts must be >= 1 and column_degree >= 0")
+    q = 1.0 - (1.0 - 1.0 / parts) ** column_degree
+    per = n_prev / parts
+    return {"avg_volume": per * (parts - 1) * q,
+            "avg_messages": (parts - 1) * (1.0 - (1.0 - q) ** per)}
 
 
 def partition_metrics(weights, partition: Partition) -> PartitionMetrics:
@@ -145,14 +192,16 @@ def partition_metrics(weights, partition: Partition) -> PartitionMetrics:
                             spbp_messages=spbp_messages, flops=flops)
 
 
-def format_table(rows: list[tuple[str, "PartitionMetrics"]]) -> str:
-    """Table-1 style text: one line per (label, metrics)."""
+def format_table(rows: list[tuple[str, PartitionMetrics]]) -> str:
+    """Table-1 style text, one line per (label, metrics): the paper's SpFF columns
+    (:meth:`PartitionMetrics.table1`), then the SpFF + SpBP words per processor per layer."""
     head = (f"{'partition':<14}{'avg vol':>10}{'max vol':>10}{'avg msg':>9}{'max msg':>9}"
-            f"{'imb':>7}{'total vol':>12}{'total msg':>11}")
+            f"{'imb':>7}{'total vol':>12}{'total msg':>11}{'ff+bp avg':>11}")
     lines = [head, "-" * len(head)]
     for label, m in rows:
-        t = m.table1()
+        t, b = m.table1(), m.table1_spff_spbp()
         lines.append(f"{label:<14}{t['avg_volume']:>10.1f}{t['max_volume']:>10.1f}"
                      f"{t['avg_messages']:>9.2f}{t['max_messages']:>9.2f}{t['imbalance']:>7.3f}"
-                     f"{t['total_volume']:>12d}{t['total_messages']:>11d}")
+                     f"{t['total_volume']:>12d}{t['total_messages']:>11d}"
+                     f"{b['avg_volume']:>11.1f}")
     return "\n".join(lines)

@@ -7,26 +7,56 @@ partition of §4) and the x^{k-1} entries it owns are ``owners[k-1] == m``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.optimize import linear_sum_assignment
 
-from partition.hypergraph import LayerHypergraph, build_layer_hypergraph, compress_hypergraph
+from partition.hypergraph import (
+    LayerHypergraph,
+    build_layer_hypergraph,
+    compress_hypergraph,
+    connectivity_cutsize,
+)
+from substrate.results import atomic_write_bytes
 
 __all__ = [
+    "DEFAULT_PRESET",
+    "ENGINES",
+    "KAHYPAR_PRESETS",
+    "MTKAHYPAR_PRESETS",
     "PARTITIONERS",
+    "PRESETS",
     "HypergraphConfig",
     "Partition",
     "hypergraph_partition",
     "input_owner_from_connectivity",
+    "layer_period",
     "make_partition",
+    "partitioner_errors",
     "random_partition",
 ]
 
-PRESETS = ("default", "quality", "highest_quality", "deterministic", "deterministic_quality")
+#: partitioning engines (``--engine``): Mt-KaHyPar (shared memory, parallel) and sequential
+#: KaHyPar (PyPI ``kahypar``), both with fixed vertices and the km1 objective (eq. 1)
+ENGINES = ("mtkahypar", "kahypar")
+#: Mt-KaHyPar presets (``large_k`` does not support fixed vertices)
+MTKAHYPAR_PRESETS = ("default", "quality", "highest_quality", "deterministic",
+                     "deterministic_quality")
+#: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`
+#: (``fast``: one initial partitioning run per bisection; ``km1``: 20; ``km1_flows``: 20 and
+#: flow-based refinement)
+KAHYPAR_PRESETS = ("fast", "km1", "km1_flows")
+PRESETS = MTKAHYPAR_PRESETS + KAHYPAR_PRESETS
+#: the preset each engine uses when none is given (deterministic for a given seed)
+DEFAULT_PRESET = {"mtkahypar": "deterministic", "kahypar": "fast"}
 
 
 @dataclass(frozen=True)
@@ -78,19 +108,39 @@ class Partition:
                                  f"({self.owners[k].size}, {self.owners[k - 1].size})")
 
     def save(self, path) -> None:
-        """Save to ``.npz`` (``owner_0 .. owner_L`` plus parts and method)."""
+        """Save to ``.npz`` (``owner_0 .. owner_L`` plus parts and method), atomically."""
         arrays = {f"owner_{k}": np.asarray(o, dtype=np.int32) for k, o in enumerate(self.owners)}
-        np.savez_compressed(path, parts=self.parts, method=self.method, seconds=self.seconds,
+        buf = io.BytesIO()
+        np.savez_compressed(buf, parts=self.parts, method=self.method, seconds=self.seconds,
                             num_layers=self.num_layers, **arrays)
+        atomic_write_bytes(path, buf.getvalue())
 
     @classmethod
-    def load(cls, path) -> "Partition":
+    def load(cls, path) -> Partition:
         """Load a partition written by :meth:`save`."""
         with np.load(path, allow_pickle=False) as f:
             L = int(f["num_layers"])
             owners = tuple(np.asarray(f[f"owner_{k}"], dtype=np.int64) for k in range(L + 1))
             return cls(owners=owners, parts=int(f["parts"]), method=str(f["method"]),
                        seconds=float(f["seconds"]))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def partitioner_errors():
+    """Turn an error raised inside Mt-KaHyPar (ANSI-coloured, naming no input) into a
+    ``ValueError`` that says which tool failed and what to check."""
+    try:
+        yield
+    except Exception as exc:
+        if not type(exc).__module__.startswith("mtkahypar"):
+            raise
+        text = _ANSI.sub("", str(exc)).strip()
+        raise ValueError(f"Mt-KaHyPar rejected a layer's hypergraph ({type(exc).__name__}: "
+                         f"{text}); check the network (every layer needs nonzero weights) or "
+                         "use --method random / --partition random") from None
 
 
 def _balanced_random_owner(n: int, P: int, rng: np.random.Generator) -> np.ndarray:
@@ -132,53 +182,75 @@ def input_owner_from_connectivity(W1: sp.spmatrix, owner1: np.ndarray, parts: in
 
 @dataclass(frozen=True)
 class HypergraphConfig:
-    """Options of the Mt-KaHyPar backend.
+    """Options of the hypergraph partitioning of §5.
 
     Attributes
     ----------
     epsilon : float
         Maximum allowed imbalance of eq. 2 (paper: 0.01).
-    preset : str
-        Mt-KaHyPar preset, one of ``default, quality, highest_quality, deterministic,
-        deterministic_quality`` (``large_k`` does not support fixed vertices).
+    engine : str
+        ``"mtkahypar"`` (Mt-KaHyPar) or ``"kahypar"`` (sequential KaHyPar).
+    preset : str or None
+        Engine preset: Mt-KaHyPar's ``default, quality, highest_quality, deterministic,
+        deterministic_quality`` or KaHyPar's ``fast, km1, km1_flows``; None picks
+        :data:`DEFAULT_PRESET` of the engine (both deterministic for a given seed).
     threads : int
-        Threads for Mt-KaHyPar (0: all cores available to the process).
+        Mt-KaHyPar threads (0: all cores available to the process).  Ignored by KaHyPar.
     seed : int
-        Mt-KaHyPar seed.
+        Partitioner seed (layer k uses ``seed + k``).
     compress : bool
-        Hand Mt-KaHyPar the lossless-compressed H(phi_k) of :func:`compress_hypergraph`
+        Hand the engine the lossless-compressed H(phi_k) of :func:`compress_hypergraph`
         (identical rows grouped in chunks, one fixed vertex per part, identical nets merged with
         summed cost) instead of the full one.  Same cut size for every partition it can express.
     chunk_divisor : int
         Identical rows are grouped in chunks of at most ``max(1, N_k / (parts * chunk_divisor))``
         rows so balance stays reachable.
+    tile : bool
+        When the layer sequence is periodic (:func:`layer_period`: W^{k+p} has the sparsity of
+        W^k for every k, checked exactly), partition one period, then the period's first layer
+        again with its fixed vertices from the period's last layer (the wrap-around phase), and
+        repeat that period's owners over all layers.  A valid partition of every layer; its
+        volumes are measured on the full network like any other partition.
     """
 
     epsilon: float = 0.01
-    preset: str = "default"
-    threads: int = 0
+    engine: str = "mtkahypar"
+    preset: str | None = None
+    threads: int = 1
     seed: int = 0
     compress: bool = True
     chunk_divisor: int = 1
+    tile: bool = True
 
     def __post_init__(self):
         if not 0 <= self.epsilon < 1:
             raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.chunk_divisor < 1:
             raise ValueError(f"chunk_divisor must be >= 1, got {self.chunk_divisor}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        presets = MTKAHYPAR_PRESETS if self.engine == "mtkahypar" else KAHYPAR_PRESETS
+        if self.preset is not None and self.preset not in presets:
+            raise ValueError(f"preset {self.preset!r} is not a {self.engine} preset: choose one "
+                             f"of {presets}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: all cores), got {self.threads}")
+
+    @property
+    def resolved_preset(self) -> str:
+        return self.preset or DEFAULT_PRESET[self.engine]
 
 
 class _MtKaHyPar:
-    """Process-wide Mt-KaHyPar handle (``mtkahypar.initialize`` may run once per process)."""
+    """Process-wide Mt-KaHyPar handle (``mtkahypar.initialize`` may run once per process, so
+    the first call's thread count stays for the process)."""
 
     _initializer = None
     _threads = None
 
     @classmethod
     def get(cls, threads: int):
-        import mtkahypar
+        import mtkahypar  # compiled extension, imported where first partitioned (start-up cost)
 
         if cls._initializer is None:
             cls._threads = threads
@@ -199,37 +271,122 @@ def _block_capacity(total_free_weight: int, parts: int, epsilon: float) -> int:
                int(np.ceil(total_free_weight / parts)))
 
 
-def _run_mtkahypar(hg: LayerHypergraph, parts: int, cfg: HypergraphConfig, layer: int,
-                   cap: int) -> np.ndarray:
-    """Partition one hypergraph with Mt-KaHyPar, objective km1, fixed vertices honoured.
-
-    Fixed vertices carry weight 1 (Mt-KaHyPar 1.7 moves zero-weight fixed vertices out of their
-    block), so each block's capacity is ``cap`` of free weight plus the number of fixed vertices
-    pinned to that block.  Returns the block of every free vertex; raises RuntimeError if a fixed
-    vertex left its block.
-    """
-    mtk, ini = _MtKaHyPar.get(cfg.threads or _available_cores())
-    mtk.set_seed(int(cfg.seed) + layer)
-    ctx = ini.context_from_preset(getattr(mtk.PresetType, cfg.preset.upper()))
-    ctx.set_partitioning_parameters(parts, cfg.epsilon, mtk.Objective.KM1)
-    ctx.logging = False
+def _free_capacities(hg: LayerHypergraph, parts: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Vertex weights with fixed vertices at weight 1 and the block capacities that allow
+    ``cap`` free weight per block plus its fixed vertices (both engines move zero-weight fixed
+    vertices out of their block, so fixed vertices weigh 1)."""
     n_fixed = (np.bincount(hg.fixed[hg.fixed >= 0], minlength=parts) if hg.has_fixed
                else np.zeros(parts, dtype=np.int64))
     vw = hg.vertex_weight.copy()
     vw[hg.num_rows:] = 1
+    return vw, cap + n_fixed
+
+
+def _check_fixed(hg: LayerHypergraph, part: np.ndarray, layer: int, engine: str) -> None:
+    if hg.has_fixed:
+        moved = np.flatnonzero(part[hg.num_rows:] != hg.fixed[hg.num_rows:])
+        if moved.size:
+            raise RuntimeError(f"{engine} moved {moved.size} fixed vertices of layer {layer}; "
+                               "the partition would not encode the communication of §5")
+
+
+def _run_mtkahypar(hg: LayerHypergraph, parts: int, cfg: HypergraphConfig, layer: int,
+                   cap: int) -> np.ndarray:
+    """Partition one hypergraph with Mt-KaHyPar, objective km1, fixed vertices honoured.
+
+    Returns the block of every free vertex; raises RuntimeError if a fixed vertex left its
+    block.
+    """
+    mtk, ini = _MtKaHyPar.get(cfg.threads or _available_cores())
+    mtk.set_seed(int(cfg.seed) + layer)
+    ctx = ini.context_from_preset(getattr(mtk.PresetType, cfg.resolved_preset.upper()))
+    ctx.set_partitioning_parameters(parts, cfg.epsilon, mtk.Objective.KM1)
+    ctx.logging = False
+    vw, caps = _free_capacities(hg, parts, cap)
     nets = np.split(hg.pins, hg.net_ptr[1:-1])
     h = ini.create_hypergraph(ctx, hg.num_vertices, hg.num_nets, [e.tolist() for e in nets],
                               vw.tolist(), hg.net_cost.tolist())
     if hg.has_fixed:
         h.add_fixed_vertices(hg.fixed.tolist(), parts)
-    ctx.set_individual_target_block_weights((cap + n_fixed).tolist())
+    ctx.set_individual_target_block_weights(caps.tolist())
     part = np.asarray(h.partition(ctx).get_partition(), dtype=np.int64)
-    if hg.has_fixed:
-        moved = np.flatnonzero(part[hg.num_rows:] != hg.fixed[hg.num_rows:])
-        if moved.size:
-            raise RuntimeError(f"Mt-KaHyPar moved {moved.size} fixed vertices of layer {layer}; "
-                               "the partition would not encode the communication of §5")
+    _check_fixed(hg, part, layer, "Mt-KaHyPar")
     return part[:hg.num_rows]
+
+
+#: KaHyPar direct k-way configurations (its INI keys), km1 objective, fixed vertices allowed in
+#: coarsening; ``fast`` and ``km1`` refine with k-way FM, ``km1_flows`` adds flow-based
+#: refinement
+_KAHYPAR_COMMON = {
+    "mode": "direct", "objective": "km1", "seed": "0", "cmaxnet": "-1", "vcycles": "0",
+    "p-use-sparsifier": "false", "p-detect-communities": "true",
+    "p-detect-communities-in-ip": "true", "p-reuse-communities": "false",
+    "p-max-louvain-pass-iterations": "100", "p-min-eps-improvement": "0.0001",
+    "p-louvain-edge-weight": "hybrid", "p-large-he-threshold": "1000",
+    "p-smallest-maxnet-threshold": "50000", "p-maxnet-removal-factor": "0.01",
+    "c-type": "ml_style", "c-s": "1", "c-t": "160", "c-rating-score": "heavy_edge",
+    "c-rating-use-communities": "true", "c-rating-heavy_node_penalty": "no_penalty",
+    "c-rating-acceptance-criterion": "best_prefer_unmatched",
+    "c-fixed-vertex-acceptance-criterion": "fixed_vertex_allowed",
+    "i-mode": "recursive", "i-technique": "multi", "i-c-type": "ml_style", "i-c-s": "1",
+    "i-c-t": "150", "i-c-rating-score": "heavy_edge", "i-c-rating-use-communities": "true",
+    "i-c-rating-heavy_node_penalty": "no_penalty",
+    "i-c-rating-acceptance-criterion": "best_prefer_unmatched",
+    "i-c-fixed-vertex-acceptance-criterion": "fixed_vertex_allowed",
+    "i-algo": "pool", "i-runs": "20", "i-bp-algorithm": "worst_fit",
+    "i-bp-heuristic-prepacking": "false", "i-bp-early-restart": "true",
+    "i-bp-late-restart": "true", "i-r-type": "twoway_fm", "i-r-runs": "-1",
+    "i-r-fm-stop": "simple", "i-r-fm-stop-i": "50",
+    "r-runs": "-1", "r-fm-stop": "adaptive_opt", "r-fm-stop-alpha": "1", "r-fm-stop-i": "350",
+}
+_KAHYPAR_PRESETS = {
+    "fast": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1", "i-runs": "1"},
+    "km1": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1"},
+    "km1_flows": {**_KAHYPAR_COMMON, "r-type": "kway_fm_hyperflow_cutter_km1",
+                  "r-flow-execution-policy": "exponential", "r-hfc-size-constraint": "mf-style",
+                  "r-hfc-scaling": "16", "r-hfc-distance-based-piercing": "true",
+                  "r-hfc-mbc": "true"},
+}
+_KAHYPAR_INI: dict[str, str] = {}
+
+
+def _kahypar_ini(preset: str) -> str:
+    """Path of the INI file of a KaHyPar preset (written once per process: the PyPI wheel ships
+    no configuration files and ``Context.loadINIconfiguration`` only reads files)."""
+    path = _KAHYPAR_INI.get(preset)
+    if path is None or not os.path.exists(path):
+        fd, path = tempfile.mkstemp(prefix=f"spardist-kahypar-{preset}-", suffix=".ini")
+        with os.fdopen(fd, "w") as fh:
+            fh.writelines(f"{k}={v}\n" for k, v in _KAHYPAR_PRESETS[preset].items())
+        _KAHYPAR_INI[preset] = path
+    return path
+
+
+def _run_kahypar(hg: LayerHypergraph, parts: int, cfg: HypergraphConfig, layer: int,
+                 cap: int) -> np.ndarray:
+    """Partition one hypergraph with sequential KaHyPar (same contract as Mt-KaHyPar's)."""
+    import kahypar  # optional engine: only imported when --engine kahypar is chosen
+
+    vw, caps = _free_capacities(hg, parts, cap)
+    h = kahypar.Hypergraph(hg.num_vertices, hg.num_nets, hg.net_ptr.tolist(), hg.pins.tolist(),
+                           parts, hg.net_cost.tolist(), vw.tolist())
+    for v in np.flatnonzero(hg.fixed >= 0).tolist():
+        h.fixNodeToBlock(v, int(hg.fixed[v]))
+    ctx = kahypar.Context()
+    ctx.loadINIconfiguration(_kahypar_ini(cfg.resolved_preset))
+    ctx.setK(parts)
+    ctx.setEpsilon(cfg.epsilon)
+    ctx.setCustomTargetBlockWeights(caps.tolist())
+    ctx.setSeed(int(cfg.seed) + layer)
+    ctx.suppressOutput(True)
+    kahypar.partition(h, ctx)
+    part = np.fromiter((h.blockID(v) for v in range(hg.num_vertices)), dtype=np.int64,
+                       count=hg.num_vertices)
+    _check_fixed(hg, part, layer, "KaHyPar")
+    return part[:hg.num_rows]
+
+
+_ENGINE_RUN = {"mtkahypar": _run_mtkahypar, "kahypar": _run_kahypar}
 
 
 def partition_layer(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
@@ -237,16 +394,17 @@ def partition_layer(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
     """Phase phi_k: partition the rows of W^k with x^{k-1} placed by ``prev_owner`` (§5).
 
     Returns the part of every row; the balance of eq. 2 is enforced (repaired greedily if
-    Mt-KaHyPar misses it) and fixed vertices are checked.
+    the engine misses it) and fixed vertices are checked.
     """
     full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
     cap = _block_capacity(int(full.vertex_weight[:full.num_rows].sum()), parts, cfg.epsilon)
+    run = _ENGINE_RUN[cfg.engine]
     if cfg.compress:
         chunk = max(1, W.shape[0] // (parts * cfg.chunk_divisor))
         small, row_to_vertex = compress_hypergraph(W, prev_owner, parts, chunk)
-        owner = _run_mtkahypar(small, parts, cfg, layer, cap)[row_to_vertex]
+        owner = run(small, parts, cfg, layer, cap)[row_to_vertex]
     else:
-        owner = _run_mtkahypar(full, parts, cfg, layer, cap)
+        owner = run(full, parts, cfg, layer, cap)
     return _rebalance(full, owner, parts, cap)
 
 
@@ -289,30 +447,109 @@ def _rebalance(hg: LayerHypergraph, owner: np.ndarray, parts: int, cap: int) -> 
     return owner
 
 
+def _same_pattern(A: sp.csr_matrix, B: sp.csr_matrix) -> bool:
+    return (A.shape == B.shape and np.array_equal(A.indptr, B.indptr)
+            and np.array_equal(A.indices, B.indices))
+
+
+def layer_period(weights) -> int | None:
+    """Smallest p < L with W^{k+p} of the same sparsity pattern as W^k for every k (exact
+    comparison of the sorted CSR structure), or None when the sequence has no such period."""
+    mats = []
+    for W in weights:
+        A = sp.csr_matrix(W)
+        if not A.has_sorted_indices:
+            A = A.copy()
+            A.sort_indices()
+        mats.append(A)
+    L = len(mats)
+    for p in range(1, L):
+        if all(_same_pattern(mats[k], mats[k - p]) for k in range(p, L)):
+            return p
+    return None
+
+
+def _phase_chain(weights, parts: int, config: HypergraphConfig, first_prev, first_k: int,
+                 count: int) -> list:
+    """Owners of layers first_k .. first_k + count - 1 partitioned phase by phase (§5)."""
+    owners, prev = [], first_prev
+    for k in range(first_k, first_k + count):
+        prev = partition_layer(weights[k - 1], prev, parts, config, k)
+        owners.append(prev)
+    return owners
+
+
+def _boundary_words(W, owner, prev_owner) -> int:
+    """Connectivity-1 cut size (eq. 1) of one layer under a given partition."""
+    hg = build_layer_hypergraph(W, prev_owner)
+    return connectivity_cutsize(hg, np.concatenate((owner, hg.fixed[hg.num_rows:])))
+
+
+def _tile_relabelling(W_first, first, wrap, parts: int) -> np.ndarray:
+    """Part relabelling sigma applied once per repeat of the first period.
+
+    Repeat r of the period uses sigma^r(first); the layer between repeats r and r + 1 then
+    costs what W^1 costs with owners sigma(first[0]) and fixed vertices first[-1] (volumes do
+    not change when part ids are permuted).  ``wrap`` is the wrap-around phase (W^1 partitioned
+    with fixed vertices first[-1]); sigma maximises the agreement sigma(first[0]) = wrap (a
+    linear assignment on the P x P overlap).  The identity is kept when it gives the cheaper
+    boundary (both are evaluated exactly with eq. 1).
+    """
+    overlap = np.zeros((parts, parts), dtype=np.int64)
+    np.add.at(overlap, (first[0], wrap), 1)
+    rows, cols = linear_sum_assignment(-overlap)
+    sigma = np.empty(parts, dtype=np.int64)
+    sigma[rows] = cols
+    identity = np.arange(parts)
+    cost = {name: _boundary_words(W_first, s[first[0]], first[-1])
+            for name, s in (("identity", identity), ("sigma", sigma))}
+    return sigma if cost["sigma"] < cost["identity"] else identity
+
+
 def hypergraph_partition(weights, parts: int, config: HypergraphConfig = HypergraphConfig()
                          ) -> Partition:
     """H-SGD partition: phases phi_1 .. phi_L of the fixed-vertex hypergraph model (§5).
 
     Phase phi_1 partitions W^1 without fixed vertices and places x^0 from net connectivity; phase
-    phi_k (k >= 2) pins the fixed vertex of column j to the part that computed x^{k-1}(j).
+    phi_k (k >= 2) pins the fixed vertex of column j to the part that computed x^{k-1}(j).  With
+    ``config.tile`` and a periodic layer sequence of period p with 2p < L (:func:`layer_period`),
+    phases phi_1 .. phi_p run once and are repeated: layer k = r p + j gets the owners of layer
+    j with part ids permuted by sigma^r (:func:`_tile_relabelling`, chosen from the wrap-around
+    phase phi_{p+1}: W^1 with fixed vertices from phi_p).  Every layer inside a repeat has
+    exactly the volume it had in phases 1 .. p; only the first layer of each repeat sees other
+    fixed vertices than in phase phi_1.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     t0 = time.perf_counter()
-    owners = [None] * (len(weights) + 1)
+    L = len(weights)
+    owners = [None] * (L + 1)
+    period = layer_period(weights) if config.tile and parts > 1 else None
+    if period is not None and 2 * period >= L:
+        period = None  # nothing to gain: every layer is partitioned anyway
     if parts == 1:
         owners[0] = np.zeros(weights[0].shape[1], dtype=np.int64)
         for k, W in enumerate(weights, start=1):
             owners[k] = np.zeros(W.shape[0], dtype=np.int64)
+    elif period is None:
+        owners[1:] = _phase_chain(weights, parts, config, None, 1, L)
     else:
-        for k, W in enumerate(weights, start=1):
-            owners[k] = partition_layer(W, None if k == 1 else owners[k - 1], parts, config, k)
-            if k == 1:
-                owners[0] = input_owner_from_connectivity(W, owners[1], parts)
+        first = _phase_chain(weights, parts, config, None, 1, period)
+        wrap = partition_layer(weights[period], first[-1], parts, config, period + 1)
+        sigma = _tile_relabelling(weights[period], first, wrap, parts)
+        step = np.arange(parts)
+        for k in range(1, L + 1):
+            r, j = divmod(k - 1, period)
+            if j == 0 and r > 0:
+                step = sigma[step]
+            owners[k] = step[first[j]]
+    if parts > 1:
+        owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts)
     return Partition(owners=tuple(owners), parts=parts, method="hypergraph",
                      seconds=time.perf_counter() - t0,
-                     info={"preset": config.preset, "epsilon": config.epsilon,
-                           "compress": config.compress})
+                     info={"engine": config.engine, "preset": config.resolved_preset,
+                           "epsilon": config.epsilon, "compress": config.compress,
+                           "period": period or 0})
 
 
 #: registry of partitioners keyed by ``--method``/``--partition`` name

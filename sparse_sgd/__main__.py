@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sparse_sgd {train,infer,generate} ...``."""
+"""Entry point: ``python -m sparse_sgd {train,infer,partition,generate} ...``."""
 
 import sys
 

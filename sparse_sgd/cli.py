@@ -1,13 +1,24 @@
-"""``python -m sparse_sgd {train,infer,generate}``.
+"""``python -m sparse_sgd {train,infer,partition,generate}``.
 
 Run distributed as ``./run_mpi.sh -n 4 sparse_sgd train ...``
 (= ``mpiexec -n 4 python -m mpi4py -m sparse_sgd train ...``).
 
-``train`` checkpoints with ``--checkpoint-every N`` (every rank's rows of every W^k and b^k, the
-partition, the mini-batch generator's state and the loss/accuracy history, after every N-th
-iteration and at the end) and continues with ``--resume`` exactly as an uninterrupted run
-(:class:`substrate.cli.RunCheckpoints`); rank 0 reports the iteration, loss, batch accuracy and
-bytes so far every ``--progress-every`` iterations on stderr.
+* ``train``: SGD with SpFF + SpBP (Algs. 2-3) on digits or MNIST, a held-out test accuracy at
+  the end.  The default workload learns (ReLU, fan-in-scaled initial weights);
+  ``--paper-timing`` runs the paper's timing workload instead (sigmoid, U[-1, 1] weights, §6.1).
+  ``--checkpoint-every N`` / ``--resume`` continue exactly as an uninterrupted run
+  (:class:`substrate.cli.RunCheckpoints`); rank 0 reports progress every ``--progress-every``
+  steps on stderr.
+* ``infer``: H-SpFF inference with Graph Challenge semantics (§6.3).
+* ``partition``: Table 1 of the paper for a RadiX-Net (serial): H-SGD's hypergraph partition
+  and SGD's random rows side by side with the closed form E[R] of the random row and a lower
+  bound; writes ``OUT/partition.npz`` for ``train --partition-file``.
+* ``generate``: a challenge network, its inputs and truth categories in the challenge's folder
+  layout (:mod:`sparse_sgd.io`).
+
+Every command takes the common options (``--out``, ``--seed``, ``--overwrite``, ``--device``,
+the cost model) and writes ``OUT/summary.json`` atomically; a finished run is not replaced
+without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -23,108 +34,66 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from partition.cli import partitioner_errors
-from partition.metrics import partition_metrics
-from partition.partitioners import PARTITIONERS, PRESETS, Partition, make_partition
+from partition.partitioners import Partition, partitioner_errors
 from sparse_sgd.activations import ACTIVATIONS
-from sparse_sgd.data import class_targets, digits_dataset, mnist_dataset
+from sparse_sgd.data import class_targets, digits_dataset, mnist_dataset, train_test_split
 from sparse_sgd.distributed import PHASE_SPFF, DistributedSparseNet
-from sparse_sgd.io import (read_categories, read_challenge_network, read_input_tsv,
-                           write_categories, write_challenge_network, write_input_tsv)
-from sparse_sgd.radixnet import (CHALLENGE_BIAS, CHALLENGE_YMAX, graph_challenge_network)
-from sparse_sgd.serial import challenge_inference_serial
+from sparse_sgd.io import (
+    categories_path,
+    images_path,
+    read_categories,
+    read_challenge_network,
+    read_input_tsv,
+    write_categories,
+    write_challenge_network,
+    write_input_tsv,
+)
+from sparse_sgd.plan import (
+    METHODS,
+    NUM_CLASSES,
+    PHASE_CATEGORIES,
+    PHASE_LOSS,
+    PHASE_PARTITION,
+    HSGDOptions,
+    HSGDPlan,
+    PartitionOptions,
+    partition_bytes,
+    plan_partition,
+)
+from sparse_sgd.radixnet import (
+    CHALLENGE_BIAS,
+    CHALLENGE_YMAX,
+    RadixNetConfig,
+    challenge_config,
+    radixnet,
+)
+from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
+from sparse_sgd.table1 import format_table1, table1_rows
 from sparse_sgd.traffic import TrafficPrediction, allreduce_phase, bcast_phase, p2p_phases
 from substrate import add_common_args, main_guard, start_run
 from substrate.cli import Progress, RunCheckpoints, add_training_args, check_range
+from substrate.options import add_dataclass_args, from_args, option
 
-__all__ = ["TrainConfig", "InferConfig", "main", "distribute_partition", "load_network"]
+__all__ = [
+    "GenerateConfig",
+    "InferConfig",
+    "PartitionConfig",
+    "TrainConfig",
+    "build_parser",
+    "distribute_partition",
+    "load_network",
+    "main",
+]
 
-PHASE_PARTITION = "partition"
-PHASE_LOSS = "loss"
-PHASE_CATEGORIES = "categories"
-NUM_CLASSES = 10
+#: ledger phases of the held-out evaluation after training
+PHASE_EVAL = "eval"
+PHASE_EVAL_SCORES = "eval_scores"
 
-
-@dataclass(frozen=True)
-class NetworkConfig:
-    """Network and partition options shared by ``train`` and ``infer``."""
-
-    neurons: int = 1024
-    layers: int = 12
-    partition: str = "hypergraph"
-    partition_file: str | None = None
-    preset: str = "default"
-    epsilon: float = 0.01
-
-    def __post_init__(self):
-        if self.partition not in PARTITIONERS:
-            raise ValueError(f"--partition must be one of {sorted(PARTITIONERS)}")
-        if self.layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {self.layers}")
-        check_range("--epsilon", self.epsilon, ge=0, lt=1)
-
-
-@dataclass(frozen=True)
-class TrainConfig(NetworkConfig):
-    """Configuration of ``sparse_sgd train`` (§6.1 defaults)."""
-
-    batch: int = 32
-    iterations: int = 100
-    lr: float = 0.01
-    activation: str = "sigmoid"
-    init: str = "uniform"
-    data: str = "digits"
-    mnist_images: str | None = None
-    mnist_labels: str | None = None
-    threshold: float = 0.25
-    permute: bool = True
-    network_dir: str | None = None
-    dtype: str = "float64"
-    log_every: int = 10
-    checkpoint_every: int = 0
-    resume: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"--activation must be one of {sorted(ACTIVATIONS)}")
-        if self.init not in ("uniform", "challenge"):
-            raise ValueError("--init must be 'uniform' (U[-1, 1], §6.1) or 'challenge' (1/16)")
-        for flag, value in (("--batch", self.batch), ("--iterations", self.iterations),
-                            ("--log-every", self.log_every)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        check_range("--lr", self.lr, gt=0)
-        check_threshold(self.threshold)
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
-                             f"{self.checkpoint_every}")
-        if self.data == "mnist" and not (self.mnist_images and self.mnist_labels):
-            raise ValueError("--data mnist needs --mnist-images and --mnist-labels (IDX files)")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError("--dtype must be float32 or float64")
-
-
-@dataclass(frozen=True)
-class InferConfig(NetworkConfig):
-    """Configuration of ``sparse_sgd infer`` (Graph Challenge semantics, §6.3)."""
-
-    batch: int = 1000
-    network_dir: str | None = None
-    inputs: str | None = None
-    num_inputs: int | None = None
-    categories: str | None = None
-    write_categories: str | None = None
-    threshold: float = 0.25
-    permute: bool = True
-    dtype: str = "float32"
-    check: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {self.batch}")
-        check_threshold(self.threshold)
+NET = "network"
+TRAIN = "training"
+#: the paper's timing workload (§6.1) and the default workload that learns
+PAPER_WORKLOAD = {"activation": "sigmoid", "init": "uniform"}
+LEARNING_WORKLOAD = {"activation": "relu", "init": "fan-in"}
 
 
 def check_threshold(threshold: float) -> None:
@@ -132,12 +101,158 @@ def check_threshold(threshold: float) -> None:
     check_range("--threshold", threshold, ge=0, lt=1)
 
 
+@dataclass(frozen=True)
+class NetworkConfig(PartitionOptions):
+    """The network and its partition (``train``, ``infer``, ``partition``)."""
+
+    neurons: int = option(1024, "neurons per layer N (a Graph Challenge size)",
+                          choices=sorted(CHALLENGE_BIAS), group=NET)
+    layers: int = option(12, "layers L", group=NET)
+    permute: bool = option(True, "relabel the hidden neurons at random (P_k W^k P_{k-1}^T: the "
+                           "same network under other neuron ids)", group=NET)
+    network_dir: str | None = option(None, "read the challenge network from DIR (or "
+                                     "DIR/neuron{N}) instead of generating it", group=NET,
+                                     metavar="DIR")
+    sum_duplicates: bool = option(False, "add repeated entries of network/input files instead "
+                                  "of refusing them", group=NET)
+    threshold: float = option(0.25, "pixel threshold of the binary input features", group=NET)
+    partition: str = option("hypergraph", "row partition: hypergraph (H-SGD) or random (SGD)",
+                            choices=METHODS, group=NET)
+    partition_file: str | None = option(
+        None, "partition written by `python -m sparse_sgd partition` (OUT/partition.npz)",
+        group=NET, metavar="FILE")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {self.layers}")
+        check_threshold(self.threshold)
+
+    def radixnet_config(self, seed: int) -> RadixNetConfig | None:
+        """The generator's configuration (None for a network read from files)."""
+        if self.network_dir:
+            return None
+        return challenge_config(self.neurons, self.layers, permute=self.permute, seed=seed)
+
+
+@dataclass(frozen=True)
+class TrainConfig(NetworkConfig, HSGDOptions):
+    """Configuration of ``sparse_sgd train``."""
+
+    steps: int = option(300, "optimizer steps (mini-batches)", group=TRAIN)
+    lr: float = option(0.05, "learning rate", group=TRAIN)
+    activation: str | None = option(
+        None, "activation f (default relu; sigmoid with --paper-timing)",
+        choices=sorted(ACTIVATIONS), group=TRAIN)
+    init: str | None = option(
+        None, "initial weights on the sparsity pattern: fan-in (U[-a, a], a = sqrt(6/fan-in) "
+        "for relu, sqrt(3/fan-in) for sigmoid), uniform (U[-1, 1], the paper's) or challenge "
+        "(the network's 1/16); default fan-in, uniform with --paper-timing",
+        choices=INITS, group=TRAIN)
+    paper_timing: bool = option(False, "the paper's timing workload (§6.1): sigmoid, U[-1, 1] "
+                                "weights (MSE loss as always); it does not learn", group=TRAIN)
+    data: str = option("digits", "training images: scikit-learn's digits or MNIST IDX files",
+                       choices=("digits", "mnist"), group=TRAIN)
+    mnist_images: str | None = option(None, "MNIST images IDX file (--data mnist)", group=TRAIN)
+    mnist_labels: str | None = option(None, "MNIST labels IDX file (--data mnist)", group=TRAIN)
+    test_fraction: float = option(0.2, "fraction of the images held out for the test accuracy",
+                                  group=TRAIN)
+    log_every: int = option(10, "steps between metrics.jsonl lines", group=TRAIN)
+    checkpoint_every: int = option(0, cli=False)
+    resume: bool = option(False, cli=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        workload = PAPER_WORKLOAD if self.paper_timing else LEARNING_WORKLOAD
+        for name, value in workload.items():
+            given = getattr(self, name)
+            if given is None:
+                object.__setattr__(self, name, value)
+            elif self.paper_timing and given != value:
+                raise ValueError(f"--paper-timing uses --{name} {value}; drop --{name} "
+                                 f"{given} or --paper-timing")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"--activation must be one of {sorted(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {INITS}, got {self.init!r}")
+        for flag, value in (("--steps", self.steps), ("--log-every", self.log_every)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        check_range("--lr", self.lr, gt=0)
+        if not 0 <= self.test_fraction < 1:
+            raise ValueError(f"--test-fraction must be >= 0 and < 1, got {self.test_fraction}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
+                             f"{self.checkpoint_every}")
+        if self.data == "mnist" and not (self.mnist_images and self.mnist_labels):
+            raise ValueError("--data mnist needs --mnist-images and --mnist-labels (IDX files)")
+
+
+@dataclass(frozen=True)
+class InferConfig(NetworkConfig):
+    """Configuration of ``sparse_sgd infer`` (Graph Challenge semantics, §6.3)."""
+
+    batch_size: int = option(1000, "input vectors per batch")
+    dtype: str = option("float32", "value type", choices=("float32", "float64"))
+    inputs: str | None = option(None, "input TSV (default: the embedded digits)", metavar="FILE")
+    num_inputs: int | None = option(None, "use the first N inputs", metavar="N")
+    categories: str | None = option(None, "truth category file to compare with", metavar="FILE")
+    write_categories: str | None = option(None, "write the categories found", metavar="FILE")
+    check: bool = option(False, "compare with the serial reference")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.num_inputs is not None and self.num_inputs < 1:
+            raise ValueError(f"--num-inputs must be >= 1, got {self.num_inputs}")
+
+
+@dataclass(frozen=True)
+class PartitionConfig(NetworkConfig):
+    """Configuration of ``sparse_sgd partition`` (Table 1)."""
+
+    parts: int = option(32, "processors P")
+    method: str = option("both", "partitions to compute", choices=(*METHODS, "both"))
+    partition: str = option("hypergraph", cli=False)
+    partition_file: str | None = option(None, cli=False)
+    threshold: float = option(0.25, cli=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.parts < 1:
+            raise ValueError(f"--parts must be >= 1, got {self.parts}")
+        if self.parts > self.neurons:
+            raise ValueError(f"--parts {self.parts} is larger than the {self.neurons} neurons of "
+                             f"a layer: every part needs at least one row; pass --parts "
+                             f"{self.neurons} or less")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Configuration of ``sparse_sgd generate``."""
+
+    neurons: int = option(1024, "neurons per layer N", choices=sorted(CHALLENGE_BIAS))
+    layers: int = option(12, "layers L")
+    permute: bool = option(True, "relabel the hidden neurons at random")
+    threshold: float = option(0.25, "pixel threshold of the binary input features")
+    num_inputs: int | None = option(None, "write the first N digits images", metavar="N")
+
+    def __post_init__(self):
+        if self.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {self.layers}")
+        check_threshold(self.threshold)
+        if self.num_inputs is not None and self.num_inputs < 1:
+            raise ValueError(f"--num-inputs must be >= 1, got {self.num_inputs}")
+
+
 def set_kernel_threads(run) -> int:
     """Give each rank's Numba kernels its share of the node's cores (cores / ranks on the node).
 
     Oversubscribed Numba thread pools spin against the MPI progress loops of the other ranks.
     """
-    import numba  # noqa: PLC0415 - heavy, only where kernels run
+    import numba  # heavy (LLVM start-up): only commands that run the kernels import it
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -149,18 +264,22 @@ def set_kernel_threads(run) -> int:
     return n
 
 
-def load_network(neurons: int, layers: int, network_dir: str | None, permute: bool, seed: int):
-    """Challenge network: generated (RadiX-Net, seeded) or read from ``n{N}-l{k}.tsv`` files."""
-    if network_dir:
-        return read_challenge_network(network_dir, neurons, layers), CHALLENGE_BIAS.get(
-            neurons, -0.3)
-    net = graph_challenge_network(neurons, layers, permute=permute, seed=seed)
-    return net.weights, net.bias
+def load_network(cfg: NetworkConfig, seed: int):
+    """``(weights, bias, generator config)``: generated (RadiX-Net, seeded) or read from the
+    challenge files of ``cfg.network_dir`` (then the generator config is None)."""
+    if cfg.network_dir:
+        weights = read_challenge_network(cfg.network_dir, cfg.neurons, cfg.layers,
+                                         sum_duplicates=cfg.sum_duplicates)
+        return weights, CHALLENGE_BIAS.get(cfg.neurons, -0.3), None
+    network = cfg.radixnet_config(seed)
+    return radixnet(network), CHALLENGE_BIAS[cfg.neurons], network
 
 
 def distribute_partition(run, weights, method: str, *, partition_file=None, seed=0,
-                         preset="default", epsilon=0.01) -> tuple[Partition, int]:
-    """Partition on rank 0 (or read ``partition_file`` everywhere) and broadcast the owners.
+                         options: PartitionOptions | None = None,
+                         network: RadixNetConfig | None = None) -> tuple[Partition, int]:
+    """:func:`~sparse_sgd.plan.plan_partition` on rank 0 (or read ``partition_file`` on every
+    rank) and broadcast the owners.
 
     Returns the partition and the number of bytes broadcast (0 when read from a file).
     """
@@ -173,16 +292,17 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
         return part, 0
     sizes = [weights[0].shape[1]] + [W.shape[0] for W in weights]
     flat = np.empty(sum(sizes) + 1, dtype=np.float64)
-    kw = {"preset": preset, "epsilon": epsilon} if method == "hypergraph" else {}
     if run.rank == 0:
         with partitioner_errors():
-            part = make_partition(method, weights, run.size, seed=seed, **kw)
+            part = plan_partition(weights, run.size, method, options or PartitionOptions(),
+                                  seed=seed, network=network)
         flat[:-1] = np.concatenate(part.owners)
         flat[-1] = part.seconds
     run.world.bcast(flat, root=0, phase=PHASE_PARTITION)
     owners = np.split(flat[:-1].astype(np.int64), np.cumsum(sizes)[:-1])
     part = Partition(owners=tuple(owners), parts=run.size, method=method,
                      seconds=float(flat[-1]))
+    assert flat.nbytes == partition_bytes(weights)
     return part, flat.nbytes
 
 
@@ -193,7 +313,7 @@ def _require_cpu(args) -> None:
 
 
 #: configuration fields a resumed run may change (everything else must match the checkpoint)
-RESUMABLE = ("iterations", "checkpoint_every", "resume", "log_every")
+RESUMABLE = ("steps", "checkpoint_every", "resume", "log_every")
 
 
 def _net_state(net: DistributedSparseNet, part: Partition, part_bytes: int) -> dict:
@@ -228,34 +348,58 @@ def _load_net_state(net: DistributedSparseNet, state: dict) -> None:
         net.b[k][...] = state[f"net/bias_{k}"]
 
 
+def _class_scores(net, out_class: np.ndarray, batch: int) -> np.ndarray:
+    """This rank's share of the class scores: sum of x^L over the output neurons of a class."""
+    scores = np.zeros((NUM_CLASSES, batch))
+    np.add.at(scores, out_class, net.X[-1])
+    return scores
+
+
+def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> tuple[float, list]:
+    """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
+    ``eval``) and one all-reduce of the class scores (``eval_scores``); returns the accuracy
+    and the batch sizes."""
+    n = ds.features.shape[0]
+    scores = np.zeros((NUM_CLASSES, max(n, 1)))
+    sizes = []
+    for s in range(0, n, cfg.batch_size):
+        with run.clock.compute():
+            X0 = np.ascontiguousarray(ds.features[s:s + cfg.batch_size][:, in_rows].T,
+                                      dtype=dtype)
+            net.forward(X0, phase=PHASE_EVAL)
+            scores[:, s:s + X0.shape[1]] = _class_scores(net, out_class, X0.shape[1])
+        sizes.append(X0.shape[1])
+    if n:
+        run.world.allreduce(scores, "sum", phase=PHASE_EVAL_SCORES)
+    pred = np.argmax(scores[:, :n] / class_size[:, None], axis=0)
+    return (float(np.mean(pred == ds.labels)) if n else float("nan")), sizes
+
+
 def _train(args) -> dict:
     _require_cpu(args)
-    cfg = TrainConfig(**{f: getattr(args, f) for f in TrainConfig.__dataclass_fields__})
+    cfg = from_args(TrainConfig, args)
     method = "hsgd" if cfg.partition == "hypergraph" else "sgd"  # the paper's names
-    run = start_run(args, system="sparse_sgd", method=method, config=cfg)
+    run = start_run(args, system="sparse_sgd", method=method, config=cfg, unit="step")
     dtype = np.dtype(cfg.dtype)
     set_kernel_threads(run)
-    weights, _ = load_network(cfg.neurons, cfg.layers, cfg.network_dir, cfg.permute, args.seed)
+    weights, _, network = load_network(cfg, args.seed)
     if cfg.data == "mnist":
         ds = mnist_dataset(cfg.mnist_images, cfg.mnist_labels, cfg.neurons)
     else:
         ds = digits_dataset(cfg.neurons, cfg.threshold)
-    if cfg.batch > ds.features.shape[0]:
-        raise ValueError(f"--batch {cfg.batch} is larger than the {ds.name} data set "
-                         f"({ds.features.shape[0]} images; a mini-batch draws without "
-                         f"replacement): pass --batch {ds.features.shape[0]} or less")
-    rng = np.random.default_rng([args.seed, 1])
-    if cfg.init == "uniform":  # §6.1: U[-1, 1] on the fixed sparsity pattern, same on all ranks
-        weights = [W.copy() for W in weights]
-        for W in weights:
-            W.data = rng.uniform(-1.0, 1.0, W.nnz)
+    ds, test = train_test_split(ds, cfg.test_fraction, args.seed)
+    if cfg.batch_size > ds.features.shape[0]:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {ds.name} training "
+                         f"set ({ds.features.shape[0]} images; a mini-batch draws without "
+                         f"replacement): pass --batch-size {ds.features.shape[0]} or less")
+    weights = init_weights(weights, cfg.init, cfg.activation, np.random.default_rng([args.seed, 1]))
     fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
     ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint,
-                          unit="iteration", flag="--iterations")
+                          unit="step", flag="--steps")
     batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
     start, losses, accs, train_s = 0, [], [], 0.0
     if cfg.resume:
-        start, state = ckpt.resume(cfg.iterations)
+        start, state = ckpt.resume(cfg.steps)
         part, part_bytes = _saved_partition(state)
         part.check_network(weights)
         batch_rng.bit_generator.state = json.loads(str(state["train/batch_rng"]))
@@ -264,9 +408,8 @@ def _train(args) -> dict:
     else:
         part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                                 partition_file=cfg.partition_file,
-                                                seed=args.seed, preset=cfg.preset,
-                                                epsilon=cfg.epsilon)
-    metrics = partition_metrics(weights, part)
+                                                seed=args.seed, options=cfg, network=network)
+    plan = HSGDPlan.from_partition(weights, part, run.topo.node_of)
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
                                    dtype=dtype)
@@ -276,68 +419,76 @@ def _train(args) -> dict:
     in_rows, out_rows = net.input_rows, net.output_rows
     out_class = out_rows % NUM_CLASSES
     class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES)
-    red = np.zeros(1 + NUM_CLASSES * cfg.batch, dtype=np.float64)
-    # wire bytes of one iteration (closed form, == measured: tested), for the progress report
-    per_it = TrafficPrediction()
-    for phase, e in p2p_phases(metrics, run.topo.node_of, batch=cfg.batch,
-                               itemsize=dtype.itemsize, iterations=1).items():
-        per_it.add(phase, e)
-    per_it.add(PHASE_LOSS, allreduce_phase(red.size, red.itemsize, run.topo.node_of))
-    per_it = per_it.as_dict()
-    progress = Progress(run, total=cfg.iterations, unit="iteration",
+    red = np.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
+    # bytes of one step from the plan (== the ledger: tested), for metrics.jsonl and progress
+    per_step = plan.step_phases(cfg.batch_size, dtype.itemsize)
+    step_bytes = {link: sum(e[f"{link}_bytes"] for e in per_step.values())
+                  for link in ("intra", "inter")}
+    progress = Progress(run, total=cfg.steps, unit="step",
                         every=getattr(args, "progress_every", 0), start=start)
-    t0 = time.perf_counter()
-    for it in range(start, cfg.iterations):
-        idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch, replace=False)
+    last_logged, t0 = start, time.perf_counter()
+    for it in range(start, cfg.steps):
+        t_step = time.perf_counter()
+        idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch_size, replace=False)
         with run.clock.compute():
             X0 = np.ascontiguousarray(ds.features[idx][:, in_rows].T, dtype=dtype)
             Y = np.ascontiguousarray(targets[idx][:, out_rows].T, dtype=dtype)
-            loss_local = net.step(X0, Y, cfg.lr)
-            red[0] = loss_local
-            scores = np.zeros((NUM_CLASSES, cfg.batch))
-            np.add.at(scores, out_class, net.X[-1])  # pre-update outputs of this batch
-            red[1:] = scores.ravel()
+            red[0] = net.step(X0, Y, cfg.lr)
+            red[1:] = _class_scores(net, out_class, cfg.batch_size).ravel()  # pre-update
         run.world.allreduce(red, "sum", phase=PHASE_LOSS)
         loss = float(red[0])
-        pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch) / class_size[:, None], axis=0)
+        pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size) / class_size[:, None],
+                         axis=0)
         acc = float(np.mean(pred == ds.labels[idx]))
         losses.append(loss)
         accs.append(acc)
-        if it % cfg.log_every == 0 or it == cfg.iterations - 1:
-            run.log(iteration=it, loss=loss, batch_accuracy=acc)
         done = it + 1
+        if it % cfg.log_every == 0 or done == cfg.steps:
+            run.log(it, intra_node_bytes=(done - last_logged) * step_bytes["intra"],
+                    inter_node_bytes=(done - last_logged) * step_bytes["inter"],
+                    step_wall_s=time.perf_counter() - t_step, loss=loss, batch_accuracy=acc)
+            last_logged = done
         progress.update(done, loss=loss, batch_accuracy=acc,
-                        inter_bytes=done * per_it["inter_node_bytes"],
-                        total_bytes=done * (per_it["inter_node_bytes"]
-                                            + per_it["intra_node_bytes"]))
-        if ckpt.due(done, last=done == cfg.iterations):
+                        inter_bytes=done * step_bytes["inter"],
+                        total_bytes=done * (step_bytes["inter"] + step_bytes["intra"]))
+        if ckpt.due(done, last=done == cfg.steps):
             ckpt.save(done, {**_net_state(net, part, part_bytes),
                              "train/batch_rng": json.dumps(batch_rng.bit_generator.state),
                              "train/losses": np.array(losses), "train/accs": np.array(accs),
                              "train/train_s": train_s + time.perf_counter() - t0})
     progress.close()
     train_s += time.perf_counter() - t0
+    test_acc, eval_sizes = _evaluate(run, net, test, cfg, dtype, in_rows, out_class, class_size)
     pred = TrafficPrediction()
-    for phase, e in p2p_phases(metrics, run.topo.node_of, batch=cfg.batch,
-                               itemsize=dtype.itemsize, iterations=cfg.iterations).items():
+    for phase, e in plan.step_phases(cfg.batch_size, dtype.itemsize, cfg.steps).items():
         pred.add(phase, e)
-    pred.add(PHASE_LOSS, allreduce_phase(red.size, red.itemsize, run.topo.node_of,
-                                         calls=cfg.iterations))
+    for b in eval_sizes:
+        pred.add(PHASE_EVAL, p2p_phases(plan.metrics, plan.node_of, batch=b,
+                                        itemsize=dtype.itemsize, iterations=1,
+                                        spbp=False)[PHASE_SPFF])
+    if eval_sizes:
+        pred.add(PHASE_EVAL_SCORES, allreduce_phase(NUM_CLASSES * test.features.shape[0], 8,
+                                                    plan.node_of))
     if part_bytes:
-        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, run.topo.node_of))
+        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, plan.node_of))
     nnz = sum(W.nnz for W in weights)
     tail = max(1, min(10, len(losses)))
     result = {"final_loss": losses[-1], "initial_loss": losses[0],
               "final_batch_accuracy": float(np.mean(accs[-tail:])),
-              "loss_trajectory": losses, "iterations": cfg.iterations,
+              "test_accuracy": test_acc, "test_images": int(test.features.shape[0]),
+              "loss_trajectory": losses, "steps": cfg.steps,
+              "activation": cfg.activation, "init": cfg.init, "paper_timing": cfg.paper_timing,
               "partition_method": part.method, "partition_seconds": part.seconds,
-              "partition_table1": metrics.table1(),
+              "partition_table1": plan.metrics.table1(),
+              "partition_spff_spbp": plan.metrics.table1_spff_spbp(),
               "train_seconds": train_s,
-              "edges_per_second": 3 * nnz * cfg.batch * cfg.iterations / max(train_s, 1e-12)}
+              "edges_per_second": 3 * nnz * cfg.batch_size * cfg.steps / max(train_s, 1e-12)}
     if cfg.resume:
-        result["resumed_from_iteration"] = start
+        result["resumed_from_step"] = start
     out = run.finish(metrics=result, predicted=pred.as_dict())
     if run.rank == 0:
+        print(f"test accuracy {test_acc:.3f} on {test.features.shape[0]} held-out images "
+              f"({cfg.activation}, init {cfg.init}, {cfg.steps} steps)")
         _print_traffic(out)
     return out
 
@@ -358,13 +509,15 @@ def _print_traffic(summary: dict) -> None:
 
 def _infer(args) -> dict:
     _require_cpu(args)
-    cfg = InferConfig(**{f: getattr(args, f) for f in InferConfig.__dataclass_fields__})
-    run = start_run(args, system="sparse_sgd", method=f"hspff_{cfg.partition}", config=cfg)
+    cfg = from_args(InferConfig, args)
+    run = start_run(args, system="sparse_sgd", method=f"hspff_{cfg.partition}", config=cfg,
+                    unit="step")
     dtype = np.dtype(cfg.dtype)
     set_kernel_threads(run)
-    weights, bias = load_network(cfg.neurons, cfg.layers, cfg.network_dir, cfg.permute, args.seed)
+    weights, bias, network = load_network(cfg, args.seed)
     if cfg.inputs:
-        Y0 = read_input_tsv(cfg.inputs, cfg.neurons, cfg.num_inputs)  # CSR, sliced per batch
+        Y0 = read_input_tsv(cfg.inputs, cfg.neurons, cfg.num_inputs,
+                            sum_duplicates=cfg.sum_duplicates)  # CSR, sliced per batch
     else:
         Y0 = digits_dataset(cfg.neurons, cfg.threshold).features
         if cfg.num_inputs:
@@ -372,22 +525,21 @@ def _infer(args) -> dict:
     n_in = Y0.shape[0]
     part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                             partition_file=cfg.partition_file, seed=args.seed,
-                                            preset=cfg.preset, epsilon=cfg.epsilon)
-    metrics = partition_metrics(weights, part)
+                                            options=cfg, network=network)
+    plan = HSGDPlan.from_partition(weights, part, run.topo.node_of)
     net = DistributedSparseNet(weights, part, run.world, dtype=dtype)
     in_rows = net.input_rows
     nonzero = np.zeros(n_in + 1, dtype=np.float64)  # categories, then the elapsed time
-    batches = 0
     run.world.barrier(phase="sync")
     t0 = time.perf_counter()
-    for s in range(0, n_in, cfg.batch):
+    for s in range(0, n_in, cfg.batch_size):
         with run.clock.compute():
-            block = Y0[s:s + cfg.batch][:, in_rows]
+            block = Y0[s:s + cfg.batch_size][:, in_rows]
             block = block.toarray() if sp.issparse(block) else block
             X0 = np.ascontiguousarray(block.T, dtype=dtype)
             XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)
             nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
-        batches += 1
+        run.log(s // cfg.batch_size, step_wall_s=time.perf_counter() - t0)
     nonzero[-1] = time.perf_counter() - t0
     run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
     elapsed = float(nonzero[-1])
@@ -396,7 +548,7 @@ def _infer(args) -> dict:
     edges_per_s = n_in * nnz / max(elapsed, 1e-12)
     result = {"num_inputs": n_in, "num_categories": int(categories.size),
               "edges_per_second": edges_per_s, "inference_seconds": elapsed,
-              "partition_method": part.method, "partition_table1": metrics.table1()}
+              "partition_method": part.method, "partition_table1": plan.metrics.table1()}
     if cfg.categories:
         truth = read_categories(cfg.categories)
         result["categories_match"] = bool(np.array_equal(np.sort(truth), categories))
@@ -407,17 +559,17 @@ def _infer(args) -> dict:
     if cfg.write_categories and run.rank == 0:
         write_categories(cfg.write_categories, categories)
     pred = TrafficPrediction()
-    for s in range(0, n_in, cfg.batch):
-        b = min(cfg.batch, n_in - s)
-        pred.add(PHASE_SPFF, p2p_phases(metrics, run.topo.node_of, batch=b,
+    for s in range(0, n_in, cfg.batch_size):
+        b = min(cfg.batch_size, n_in - s)
+        pred.add(PHASE_SPFF, p2p_phases(plan.metrics, plan.node_of, batch=b,
                                         itemsize=dtype.itemsize, iterations=1,
                                         spbp=False)[PHASE_SPFF])
-    pred.add(PHASE_CATEGORIES, allreduce_phase(n_in + 1, 8, run.topo.node_of))
+    pred.add(PHASE_CATEGORIES, allreduce_phase(n_in + 1, 8, plan.node_of))
     pred.add("sync", {"bytes": 0, "intra_bytes": 0, "inter_bytes": 0,
                       "messages": run.size * int(np.ceil(np.log2(run.size))) if run.size > 1
                       else 0})
     if part_bytes:
-        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, run.topo.node_of))
+        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, plan.node_of))
     out = run.finish(metrics=result, predicted=pred.as_dict())
     if run.rank == 0:
         print(f"inputs {n_in}  categories {categories.size}  edges/s {edges_per_s:.3e}  "
@@ -429,37 +581,54 @@ def _infer(args) -> dict:
     return out
 
 
-def _generate(args) -> None:
-    """Write a generated challenge network, its inputs and the reference categories."""
-    check_threshold(args.threshold)
-    out = Path(args.dir)
-    net = graph_challenge_network(args.neurons, args.layers, permute=args.permute, seed=args.seed)
-    write_challenge_network(out, net.weights)
-    Y0 = digits_dataset(args.neurons, args.threshold).features
-    if args.num_inputs:
-        Y0 = Y0[:args.num_inputs]
-    write_input_tsv(out / f"sparse-images-{args.neurons}.tsv", Y0)
-    ref = challenge_inference_serial(net.weights, net.bias, CHALLENGE_YMAX, Y0)
+def _partition(args) -> dict:
+    _require_cpu(args)
+    cfg = from_args(PartitionConfig, args)
+    run = start_run(args, system="sparse_sgd", method="partition", config=cfg, unit="step")
+    if run.size != 1:
+        raise ValueError("python -m sparse_sgd partition runs serially: start it without "
+                         "mpiexec (or with -n 1)")
+    weights, _, network = load_network(cfg, args.seed)
+    methods = METHODS if cfg.method == "both" else (cfg.method,)
+    rows, parts = table1_rows(weights, cfg.parts, methods, cfg, seed=args.seed, network=network)
+    print(f"N={cfg.neurons} L={cfg.layers} P={cfg.parts}: per processor per layer, SpFF words "
+          "and messages of one input vector (Table 1's convention); ff+bp: SpFF + SpBP words")
+    print(format_table1(rows))
+    by = {r["label"][0]: r for r in rows}
+    if "H" in by and "R" in by:
+        print("H/R ratios: " + "  ".join(
+            f"{k} {by['H'][k] / by['R'][k]:.3f}" for k in ("avg_volume", "max_volume",
+                                                          "avg_messages", "max_messages")
+            if by["R"][k]))
+    saved = parts.get("hypergraph") or parts["random"]
+    path = Path(run.out) / "partition.npz"
+    if run.rank == 0:
+        saved.save(path)
+        print(f"saved the {saved.method} partition to {path} (train --partition-file)")
+    table = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
+    return run.finish(metrics={"table1": table, "partition_file": str(path),
+                               "partition_info": saved.info})
+
+
+def _generate(args) -> dict:
+    cfg = from_args(GenerateConfig, args)
+    run = start_run(args, system="sparse_sgd", method="generate", config=cfg, unit="step")
+    out = Path(run.out)
+    network = challenge_config(cfg.neurons, cfg.layers, permute=cfg.permute, seed=args.seed)
+    weights = radixnet(network)
+    Y0 = digits_dataset(cfg.neurons, cfg.threshold).features
+    if cfg.num_inputs:
+        Y0 = Y0[:cfg.num_inputs]
+    ref = challenge_inference_serial(weights, CHALLENGE_BIAS[cfg.neurons], CHALLENGE_YMAX, Y0)
     cats = np.flatnonzero(np.diff(ref.indptr) > 0)
-    write_categories(out / f"neuron{args.neurons}-l{args.layers}-categories.tsv", cats)
-    print(f"wrote {args.layers} layers, {Y0.shape[0]} inputs, {cats.size} categories to {out}")
-
-
-def _add_network_args(p) -> None:
-    p.add_argument("--neurons", type=int, default=1024, choices=sorted(CHALLENGE_BIAS))
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--no-permute", dest="permute", action="store_false",
-                   help="RadiX-Net without the random row permutations")
-    p.add_argument("--threshold", type=float, default=0.25,
-                   help="pixel threshold of the binary input features")
-
-
-def _add_partition_args(p) -> None:
-    p.add_argument("--partition", choices=sorted(PARTITIONERS), default="hypergraph")
-    p.add_argument("--partition-file", default=None,
-                   help="partition saved by `python -m partition radixnet --save`")
-    p.add_argument("--preset", choices=PRESETS, default="default", help="Mt-KaHyPar preset")
-    p.add_argument("--epsilon", type=float, default=0.01, help="allowed imbalance (eq. 2)")
+    if run.rank == 0:
+        folder = write_challenge_network(out, weights)
+        write_input_tsv(images_path(out, cfg.neurons), Y0)
+        write_categories(categories_path(out, cfg.neurons, cfg.layers), cats)
+        print(f"wrote {cfg.layers} layers to {folder}, {Y0.shape[0]} inputs and {cats.size} "
+              f"categories to {out}")
+    return run.finish(metrics={"layers": cfg.layers, "inputs": int(Y0.shape[0]),
+                               "categories": int(cats.size)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,49 +636,25 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="SpFF/SpBP sparse DNN training and inference")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="distributed SGD with SpFF + SpBP (Algs. 2-3)")
-    _add_network_args(t)
-    _add_partition_args(t)
-    t.add_argument("--network-dir", default=None, help="read n{N}-l{k}.tsv instead of generating")
-    t.add_argument("--batch", type=int, default=32)
-    t.add_argument("--iterations", type=int, default=100)
-    t.add_argument("--lr", type=float, default=0.01)
-    t.add_argument("--activation", choices=sorted(ACTIVATIONS), default="sigmoid")
-    t.add_argument("--init", choices=("uniform", "challenge"), default="uniform")
-    t.add_argument("--data", choices=("digits", "mnist"), default="digits")
-    t.add_argument("--mnist-images", default=None)
-    t.add_argument("--mnist-labels", default=None)
-    t.add_argument("--dtype", choices=("float32", "float64"), default="float64")
-    t.add_argument("--log-every", type=int, default=10,
-                   help="iterations between metrics.jsonl lines (default %(default)s)")
-    add_training_args(t, "iteration", progress_every=10)
+    add_dataclass_args(t, TrainConfig, "training")
+    add_training_args(t, "step", progress_every=10)
     add_common_args(t)
     i = sub.add_parser("infer", help="H-SpFF inference with Graph Challenge semantics")
-    _add_network_args(i)
-    _add_partition_args(i)
-    i.add_argument("--network-dir", default=None)
-    i.add_argument("--inputs", default=None, help="input TSV (default: embedded digits)")
-    i.add_argument("--num-inputs", type=int, default=None)
-    i.add_argument("--categories", default=None, help="truth category file to compare with")
-    i.add_argument("--write-categories", default=None)
-    i.add_argument("--batch", type=int, default=1000)
-    i.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    i.add_argument("--check", action="store_true", help="compare with the serial reference")
+    add_dataclass_args(i, InferConfig, "inference")
     add_common_args(i)
-    g = sub.add_parser("generate", help="write a challenge network, inputs and categories")
-    _add_network_args(g)
-    g.add_argument("--dir", required=True)
-    g.add_argument("--num-inputs", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("partition", help="Table 1: hypergraph vs random row partitions")
+    add_dataclass_args(p, PartitionConfig, "partition")
+    add_common_args(p)
+    g = sub.add_parser("generate", help="write a challenge network, inputs and categories in "
+                       "the challenge's folder layout to --out")
+    add_dataclass_args(g, GenerateConfig, "generate")
+    add_common_args(g)
     return parser
 
 
 @main_guard
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.command == "train":
-        _train(args)
-    elif args.command == "infer":
-        _infer(args)
-    else:
-        _generate(args)
+    {"train": _train, "infer": _infer, "partition": _partition,
+     "generate": _generate}[args.command](args)
     return 0

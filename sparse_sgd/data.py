@@ -2,20 +2,22 @@
 
 The challenge scales MNIST's 28x28 images to sqrt(N) x sqrt(N), thresholds and flattens them.
 The embedded default does the same with scikit-learn's bundled 8x8 digits (no download); real
-MNIST is read from IDX files when the user points at them.
+MNIST is read from IDX files when the user points at them (with the project's one IDX reader,
+:func:`models.data.read_idx`).  :func:`train_test_split` holds out a fixed part of the images
+for the test accuracy.
 """
 
 from __future__ import annotations
 
-import gzip
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from models.data import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, DatasetFormatError, read_idx
+
 __all__ = ["Dataset", "class_targets", "digits_dataset", "images_to_features", "mnist_dataset",
-           "read_idx"]
+           "train_test_split"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ def images_to_features(images: np.ndarray, neurons: int, threshold: float) -> np
 
 def digits_dataset(neurons: int, threshold: float = 0.25) -> Dataset:
     """scikit-learn's 8x8 digits (1797 images, values 0..16) as binary vectors of length N."""
-    from sklearn.datasets import load_digits  # noqa: PLC0415 - bundled with sklearn, no download
+    # scikit-learn is heavy (~1 s to import) and only the digits need it
+    from sklearn.datasets import load_digits
 
     d = load_digits()
     images = d.images.astype(np.float64) / 16.0
@@ -58,34 +61,14 @@ def digits_dataset(neurons: int, threshold: float = 0.25) -> Dataset:
                    "digits")
 
 
-def read_idx(path) -> np.ndarray:
-    """Read an IDX file (MNIST format, optionally gzipped) into a NumPy array."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (bad magic number); pass MNIST's "
-                         "train-images-idx3-ubyte / train-labels-idx1-ubyte files")
-    dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-    if raw[2] not in dtypes:
-        raise ValueError(f"{path}: unknown IDX data type 0x{raw[2]:02x}")
-    ndim = raw[3]
-    dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(np.int64)
-    data = np.frombuffer(raw, dtype=dtypes[raw[2]], offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: truncated IDX file ({data.size} of {int(np.prod(dims))} "
-                         "values)")
-    return data.reshape(tuple(dims))
-
-
 def mnist_dataset(images_path, labels_path, neurons: int, threshold: float = 0.5,
                   limit: int | None = None) -> Dataset:
     """MNIST from IDX files, scaled to sqrt(N) x sqrt(N), thresholded and flattened."""
-    images = read_idx(images_path)
-    labels = read_idx(labels_path).astype(np.int64)
-    if images.ndim != 3 or labels.shape[0] != images.shape[0]:
-        raise ValueError(f"{images_path} / {labels_path}: expected (n, h, w) images and n labels")
+    images = read_idx(images_path, IDX_IMAGES_MAGIC)
+    labels = read_idx(labels_path, IDX_LABELS_MAGIC).astype(np.int64)
+    if labels.shape[0] != images.shape[0]:
+        raise DatasetFormatError(f"{labels_path}: {labels.shape[0]} labels but {images_path} has "
+                                 f"{images.shape[0]} images; pass matching IDX files")
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     return Dataset(images_to_features(images.astype(np.float64) / 255.0, neurons, threshold),
@@ -103,3 +86,16 @@ def class_targets(labels: np.ndarray, neurons: int, num_classes: int = 10) -> np
         raise ValueError(f"labels must lie in [0, {num_classes})")
     j = np.arange(neurons) % num_classes
     return (j[None, :] == labels[:, None]).astype(np.float32)
+
+
+def train_test_split(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """A fixed split: a permutation from ``default_rng([seed, 3])``; its first
+    ``round(test_fraction * n)`` images are the held-out test set (0: an empty test set)."""
+    if not 0 <= test_fraction < 1:
+        raise ValueError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+    n = ds.features.shape[0]
+    perm = np.random.default_rng([seed, 3]).permutation(n)
+    n_test = int(round(test_fraction * n))
+    test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    return (Dataset(ds.features[train], ds.labels[train], ds.name),
+            Dataset(ds.features[test], ds.labels[test], ds.name + "-test"))

@@ -17,7 +17,7 @@ from partition.partitioners import Partition
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.kernels import sddmm_update, spmm_add, spmm_add_challenge
 
-__all__ = ["DistributedSparseNet", "PHASE_SPFF", "PHASE_SPBP"]
+__all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
 
 PHASE_SPFF = "spff"
 PHASE_SPBP = "spbp"
@@ -115,23 +115,25 @@ class DistributedSparseNet:
         return buf
 
     # -- Alg. 2 --------------------------------------------------------------------------------
-    def _post_x_exchange(self, k: int, x_prev: np.ndarray, buf: _Buffers) -> tuple[list, list]:
+    def _post_x_exchange(self, k: int, x_prev: np.ndarray, buf: _Buffers,
+                         phase: str = PHASE_SPFF) -> tuple[list, list]:
         """Lines 3-5 of Alg. 2 (and the matching receives of line 8), tag k."""
         mp = self.maps[k - 1]
         recv = buf.xrecv[k - 1]
         rreq = [self.comm.irecv(recv[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n), tag=k,
-                                phase=PHASE_SPFF)
+                                phase=phase)
                 for i, n in enumerate(mp.recv_ranks)]
         sreq = []
         for n, ix, sbuf in zip(mp.send_ranks, mp.send_index, buf.xsend[k - 1]):
             np.take(x_prev, ix, axis=0, out=sbuf)  # line 4: update x̄ with entries of x^{k-1}_m
-            sreq.append(self.comm.isend(sbuf, int(n), tag=k, phase=PHASE_SPFF))
+            sreq.append(self.comm.isend(sbuf, int(n), tag=k, phase=phase))
         return rreq, sreq
 
-    def forward(self, X0: np.ndarray) -> np.ndarray:
+    def forward(self, X0: np.ndarray, phase: str = PHASE_SPFF) -> np.ndarray:
         """SpFF (Alg. 2) on a mini-batch: ``X0`` holds x^0_m, shape (len(input_rows), B).
 
-        Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP.
+        Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP.  ``phase`` names the
+        messages in the ledger (``"eval"`` for a held-out evaluation).
         """
         X0 = np.ascontiguousarray(X0, dtype=self.dtype)
         if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
@@ -141,7 +143,7 @@ class DistributedSparseNet:
         self.X = [X0]
         for k, mp in enumerate(self.maps, start=1):
             x_prev = self.X[-1]
-            rreq, sreq = self._post_x_exchange(k, x_prev, buf)
+            rreq, sreq = self._post_x_exchange(k, x_prev, buf, phase)
             z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
             z += self.b[k - 1][:, None]
             self.comm.waitall(rreq)  # line 8

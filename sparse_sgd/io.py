@@ -8,8 +8,16 @@
 * input files (``sparse-images-{N}.tsv``): ``image<TAB>feature<TAB>value``, 1-based.
 * category files: one 1-based image index per line (images with any nonzero output).
 
-Parsing streams the file in chunks of lines; a malformed line raises ``ValueError`` naming the
-file and the line number.
+Folder layout (the challenge's downloads, written by ``python -m sparse_sgd generate``)::
+
+    DIR/neuron{N}/n{N}-l{k}.tsv          layers k = 1..L
+    DIR/sparse-images-{N}.tsv            inputs
+    DIR/neuron{N}-l{L}-categories.tsv    truth categories
+
+:func:`network_folder` accepts ``DIR`` or ``DIR/neuron{N}``.  Parsing streams the file in
+chunks of lines and accepts any whitespace between fields.  Malformed lines, a file cut inside a
+line, an empty file and repeated (row, col) entries raise ``ValueError`` naming the file and the
+line (repeated entries are added instead with ``sum_duplicates=True``).
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
+    "categories_path",
+    "images_path",
     "layer_path",
+    "network_folder",
     "read_categories",
     "read_challenge_layer",
     "read_challenge_network",
@@ -37,15 +48,28 @@ __all__ = [
 CHUNK_LINES = 1 << 16
 
 
-def _parse_chunk(lines: list[str], path, first_lineno: int):
-    """Parse ``lines`` of triples; fall back to a line loop to name the first bad line."""
-    text = "".join(lines)
+def _bad_line(line: str) -> str | None:
+    """Why one line is not a triple (None if it is one)."""
+    fields = line.split()
+    if len(fields) != 3:
+        return f"expected 3 whitespace-separated fields, found {len(fields)}"
+    try:
+        r, c, v = int(fields[0]), int(fields[1]), float(fields[2])
+    except ValueError:
+        return "row and column must be integers and value a number"
+    if r < 1 or c < 1:
+        return "row and column indices are 1-based (must be >= 1)"
+    if not np.isfinite(v):
+        return "value must be finite"
+    return None
+
+
+def _parse_chunk(lines: list[str], linenos: np.ndarray, path: str):
+    """Parse ``lines`` of triples (any whitespace between fields); name the first bad line."""
     n = len(lines)
     try:
-        if text.count("\t") != 2 * n:
-            raise ValueError
-        vals = np.array(text.split(), dtype=np.float64)
-        if vals.size != 3 * n:
+        vals = np.array(" ".join(lines).split(), dtype=np.float64)
+        if vals.size != 3 * n or any(len(line.split()) != 3 for line in lines):
             raise ValueError
         vals = vals.reshape(n, 3)
         rc = vals[:, :2]
@@ -54,77 +78,74 @@ def _parse_chunk(lines: list[str], path, first_lineno: int):
         return rc[:, 0].astype(np.int64) - 1, rc[:, 1].astype(np.int64) - 1, vals[:, 2]
     except ValueError:
         pass
-    for i, line in enumerate(lines):
-        lineno = first_lineno + i
-        fields = line.rstrip("\r\n").split("\t")
-        what = None
-        if len(fields) != 3:
-            what = f"expected 3 tab-separated fields, found {len(fields)}"
-        else:
-            try:
-                r, c, v = int(fields[0]), int(fields[1]), float(fields[2])
-            except ValueError:
-                what = "row and column must be integers and value a number"
-            else:
-                if r < 1 or c < 1:
-                    what = "row and column indices are 1-based (must be >= 1)"
-                elif not np.isfinite(v):
-                    what = "value must be finite"
+    for line, lineno in zip(lines, linenos.tolist()):
+        what = _bad_line(line)
         if what:
-            raise ValueError(f"{path}:{lineno}: malformed line {line.rstrip()!r}: {what} "
-                             "(format: row<TAB>col<TAB>value, 1-based)")
-    raise ValueError(f"{path}: could not parse lines {first_lineno}..{first_lineno + n - 1}")
+            raise ValueError(f"{path}:{lineno}: malformed line {line.strip()!r}: {what} "
+                             "(format: row col value, 1-based, separated by tabs or spaces)")
+    raise ValueError(f"{path}: could not parse lines {linenos[0]}..{linenos[-1]}")
 
 
-def read_triples(path, chunk_lines: int = CHUNK_LINES):
-    """Stream ``row<TAB>col<TAB>value`` triples; returns 0-based (rows, cols, values).
+def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = False,
+                 sum_duplicates: bool = False):
+    """Stream ``row col value`` triples (1-based, any whitespace); returns 0-based
+    (rows, cols, values).
 
     Blank lines are skipped.  Raises ValueError naming ``path`` and the 1-based line number of
-    the first malformed line.
+    the first malformed line; of the last line when the file does not end with a newline (a
+    file cut mid-line would otherwise parse as a shorter number); of the first repeated
+    (row, col) entry unless ``sum_duplicates`` (then they are returned as they are and the
+    matrix readers add them); and when the file holds no entry unless ``allow_empty``.
     """
-    rows, cols, vals = [], [], []
+    path_s = str(path)
+    rows, cols, vals, linenos = [], [], [], []
     with open(path, encoding="ascii", errors="replace") as fh:
-        lineno = 0
+        lineno, last = 0, ""
         while True:
-            chunk, first = [], None
+            chunk, nums = [], []
             for line in fh:
                 lineno += 1
+                last = line
                 if not line.strip():
                     continue
-                if first is None or len(chunk) == 0:
-                    first = lineno
-                if not line.endswith("\n"):
-                    line += "\n"
                 chunk.append(line)
+                nums.append(lineno)
                 if len(chunk) >= chunk_lines:
                     break
             if not chunk:
                 break
-            # line numbers inside a chunk are contiguous unless blank lines were skipped;
-            # re-derive them exactly on error by re-reading when blanks were present
-            try:
-                r, c, v = _parse_chunk(chunk, path, first)
-            except ValueError as exc:
-                raise _exact_error(path, exc) from None
+            nums = np.asarray(nums, dtype=np.int64)
+            r, c, v = _parse_chunk(chunk, nums, path_s)
             rows.append(r)
             cols.append(c)
             vals.append(v)
+            linenos.append(nums)
+    if last and not last.endswith("\n"):
+        raise ValueError(f"{path_s}:{lineno}: the file ends inside a line ({last!r} has no "
+                         "newline): truncated file? Re-create or re-download it")
     if not rows:
-        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
-    return np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+        if allow_empty:
+            return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
+        raise ValueError(f"{path_s}: no entries (empty file): expected 'row col value' lines; "
+                         "re-create the file (python -m sparse_sgd generate) or check the path")
+    r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    if not sum_duplicates:
+        _check_duplicates(path_s, r, c, np.concatenate(linenos))
+    return r, c, v
 
 
-def _exact_error(path, exc: ValueError) -> ValueError:
-    """Re-scan the file line by line to report the exact line number of the first bad line."""
-    with open(path, encoding="ascii", errors="replace") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                _parse_chunk([line if line.endswith("\n") else line + "\n"], path, lineno)
-            except ValueError as e:
-                return e
-    return exc
+def _check_duplicates(path: str, r, c, linenos) -> None:
+    """Raise ValueError naming the first line that repeats an earlier (row, col) entry."""
+    key = r * (int(c.max()) + 1) + c
+    order = np.lexsort((linenos, key))
+    repeat = np.flatnonzero(np.diff(key[order]) == 0) + 1
+    if repeat.size:
+        bad = order[repeat]
+        i = int(bad[np.argmin(linenos[bad])])
+        first = int(linenos[order[np.searchsorted(key[order], key[i])]])
+        raise ValueError(f"{path}:{linenos[i]}: duplicate entry ({r[i] + 1}, {c[i] + 1}), first "
+                         f"given on line {first}; remove it or pass --sum-duplicates to add "
+                         "repeated entries")
 
 
 def write_triples(path, rows, cols, values, fmt: str = "%.17g") -> None:
@@ -142,17 +163,34 @@ def write_triples(path, rows, cols, values, fmt: str = "%.17g") -> None:
 
 
 def layer_path(directory, neurons: int, k: int) -> Path:
-    """``DIR/n{N}-l{k}.tsv`` (k is 1-based)."""
+    """``DIR/n{N}-l{k}.tsv`` (k is 1-based; DIR is the network folder ``neuron{N}``)."""
     return Path(directory) / f"n{neurons}-l{k}.tsv"
 
 
-def read_challenge_layer(path, neurons: int) -> sp.csr_matrix:
+def network_folder(directory, neurons: int) -> Path:
+    """The folder holding ``n{N}-l{k}.tsv``: ``DIR/neuron{N}`` if it exists, else ``DIR``."""
+    sub = Path(directory) / f"neuron{neurons}"
+    return sub if sub.is_dir() else Path(directory)
+
+
+def images_path(directory, neurons: int) -> Path:
+    """``DIR/sparse-images-{N}.tsv``."""
+    return Path(directory) / f"sparse-images-{neurons}.tsv"
+
+
+def categories_path(directory, neurons: int, layers: int) -> Path:
+    """``DIR/neuron{N}-l{L}-categories.tsv``."""
+    return Path(directory) / f"neuron{neurons}-l{layers}-categories.tsv"
+
+
+def read_challenge_layer(path, neurons: int, *, sum_duplicates: bool = False) -> sp.csr_matrix:
     """Read a challenge layer file and return W^k in the paper orientation (rows = outputs)."""
-    r, c, v = read_triples(path)
-    if r.size and (r.max() >= neurons or c.max() >= neurons):
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
+    if r.max() >= neurons or c.max() >= neurons:
         raise ValueError(f"{path}: index {max(r.max(), c.max()) + 1} exceeds N={neurons}; "
                          "pass the network's neuron count")
     W = sp.csr_matrix((v, (c, r)), shape=(neurons, neurons))  # file is (input, output)
+    W.sum_duplicates()
     W.sort_indices()
     return W
 
@@ -164,41 +202,63 @@ def write_challenge_layer(path, W: sp.spmatrix) -> None:
     write_triples(path, C.col[order], C.row[order], C.data[order])
 
 
-def read_challenge_network(directory, neurons: int, layers: int) -> list[sp.csr_matrix]:
-    """Read ``n{N}-l1.tsv .. n{N}-l{L}.tsv`` from ``directory``.
+def read_challenge_network(directory, neurons: int, layers: int, *,
+                           sum_duplicates: bool = False) -> list[sp.csr_matrix]:
+    """Read ``n{N}-l1.tsv .. n{N}-l{L}.tsv`` from :func:`network_folder` of ``directory``.
 
     Raises
     ------
     ValueError
-        When a layer file holds no weight (an empty layer disconnects the network; neither
-        training nor partitioning can use it).
+        When a layer file is missing, empty, malformed or cut (see :func:`read_triples`), or
+        holds only zero weights (an empty layer disconnects the network; neither training nor
+        partitioning can use it).
     """
+    folder = network_folder(directory, neurons)
     weights = []
     for k in range(1, layers + 1):
-        path = layer_path(directory, neurons, k)
-        W = read_challenge_layer(path, neurons)
+        path = layer_path(folder, neurons, k)
+        if not path.is_file():
+            raise ValueError(f"{path}: layer file not found ({folder} must hold n{neurons}-l1.tsv"
+                             f" .. n{neurons}-l{layers}.tsv); pass the network folder or fewer "
+                             "--layers")
+        W = read_challenge_layer(path, neurons, sum_duplicates=sum_duplicates)
+        W.eliminate_zeros()
         if W.nnz == 0:
-            raise ValueError(f"{path}: layer {k} has no weights (an empty layer disconnects the "
-                             "network): fix or regenerate the file (python -m sparse_sgd "
-                             "generate), or pass fewer --layers")
+            raise ValueError(f"{path}: layer {k} has no nonzero weight (an empty layer "
+                             "disconnects the network): fix or regenerate the file (python -m "
+                             "sparse_sgd generate), or pass fewer --layers")
         weights.append(W)
     return weights
 
 
-def write_challenge_network(directory, weights) -> None:
-    """Write every layer as ``DIR/n{N}-l{k}.tsv``."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
+def write_challenge_network(directory, weights) -> Path:
+    """Write every layer as ``DIR/neuron{N}/n{N}-l{k}.tsv``; returns the network folder."""
+    folder = Path(directory) / f"neuron{weights[0].shape[1]}"
+    folder.mkdir(parents=True, exist_ok=True)
     for k, W in enumerate(weights, start=1):
-        write_challenge_layer(layer_path(directory, W.shape[0], k), W)
+        write_challenge_layer(layer_path(folder, W.shape[0], k), W)
+    return folder
 
 
-def read_input_tsv(path, neurons: int, num_inputs: int | None = None) -> sp.csr_matrix:
-    """Read an input file as a (num_inputs, N) CSR matrix (rows = images)."""
-    r, c, v = read_triples(path)
-    if c.size and c.max() >= neurons:
-        raise ValueError(f"{path}: feature index {c.max() + 1} exceeds N={neurons}")
-    n = int(r.max()) + 1 if num_inputs is None and r.size else (num_inputs or 0)
-    return sp.csr_matrix((v, (r, c)), shape=(n, neurons))
+def read_input_tsv(path, neurons: int, num_inputs: int | None = None, *,
+                   sum_duplicates: bool = False) -> sp.csr_matrix:
+    """Read an input file as a (num_inputs, N) CSR matrix (rows = images).
+
+    ``num_inputs`` keeps the first images (default: up to the largest image index in the file).
+    """
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
+    if c.max() >= neurons:
+        raise ValueError(f"{path}: feature index {c.max() + 1} exceeds N={neurons}; pass the "
+                         "network's neuron count")
+    n_file = int(r.max()) + 1
+    if num_inputs is None:
+        num_inputs = n_file
+    if num_inputs < 1:
+        raise ValueError(f"--num-inputs must be >= 1, got {num_inputs}")
+    keep = r < num_inputs
+    Y = sp.csr_matrix((v[keep], (r[keep], c[keep])), shape=(num_inputs, neurons))
+    Y.sum_duplicates()
+    return Y
 
 
 def write_input_tsv(path, Y0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["spmm_add", "spmm_add_challenge", "sddmm_update", "challenge_layer"]
+__all__ = ["challenge_layer", "sddmm_update", "spmm_add", "spmm_add_challenge"]
 
 
 @numba.njit(inline="always", cache=True)

@@ -31,8 +31,12 @@ __all__ = [
     "challenge_config",
     "graph_challenge_network",
     "mixed_radix_layer",
+    "period",
     "place_values",
     "radixnet",
+    "relabel_owners",
+    "relabelling",
+    "spff_lower_bound",
 ]
 
 #: Graph Challenge bias per neuron count (constant over all neurons and layers).
@@ -98,8 +102,11 @@ class RadixNetConfig:
     weight : float
         Value of every connection (the Graph Challenge uses 1/16).
     permute : bool
-        Draw one random row permutation per block of ``len(radices)`` consecutive layers and
-        apply it to the rows of every layer of that block.
+        Relabel the hidden neurons: draw a random permutation P_k of layer k for every hidden
+        layer k = 1 .. L-1 (P_0 = P_L = I, so inputs and outputs keep their indices) and use
+        ``P_k W^k P_{k-1}^T`` (:func:`relabelling`).  The network is isomorphic to the
+        unpermuted one: the same function of x^0, the same path counts, the same partition
+        volumes under the mapped partition (:func:`relabel_owners`).
     seed : int
         Seed of the permutation generator.
     """
@@ -126,11 +133,40 @@ class RadixNetConfig:
         return int(self.blocks[0] if len(self.blocks) == 1 else self.blocks[k])
 
 
+def relabelling(config: RadixNetConfig) -> list[np.ndarray]:
+    """The permutations P_0, ..., P_L of :attr:`RadixNetConfig.permute` as index arrays.
+
+    ``perms[k][a]`` is the neuron of the unpermuted layer k that becomes neuron a of the
+    relabelled one, so ``W'^k = W^k[perms[k]][:, perms[k-1]]`` = P_k W^k P_{k-1}^T.  P_0 and P_L
+    are identities; all are identities when ``permute`` is False.
+    """
+    L = config.num_layers
+    n = int(np.prod([int(r) for r in config.radices]))
+    sizes = [config.block(k) * n for k in range(L + 1)]
+    rng = np.random.default_rng(config.seed)
+    return [rng.permutation(sizes[k]) if config.permute and 0 < k < L
+            else np.arange(sizes[k]) for k in range(L + 1)]
+
+
+def relabel_owners(owners, perms) -> tuple:
+    """Map a row partition of the unpermuted network onto the relabelled one.
+
+    Neuron a of relabelled layer k is neuron ``perms[k][a]`` of the unpermuted layer, so it gets
+    that neuron's owner: ``owners'[k] = owners[k][perms[k]]``.  Every pair volume D^k[m, n]
+    (eq. 9) is unchanged.
+    """
+    if len(owners) != len(perms):
+        raise ValueError(f"{len(owners) - 1} partitioned layers but {len(perms) - 1} "
+                         "permutations; relabel the same network")
+    return tuple(np.asarray(o)[p] for o, p in zip(owners, perms))
+
+
 def radixnet(config: RadixNetConfig) -> list[sp.csr_matrix]:
     """Generate the weight matrices W^1, ..., W^L of a RadiX-Net.
 
-    ``W^k = P_b kron(ones(B_k, B_{k-1}), M_t) * weight`` with t = (k-1) mod len(radices) and P_b
-    the row permutation of block b = (k-1) // len(radices) (identity when ``permute`` is False).
+    ``W^k = P_k kron(ones(B_k, B_{k-1}), M_t) P_{k-1}^T * weight`` with t = (k-1) mod
+    len(radices) and P_k the relabelling of :func:`relabelling` (identities when ``permute`` is
+    False), so without ``permute`` the layers repeat with period ``len(radices)``.
 
     Returns
     -------
@@ -139,24 +175,63 @@ def radixnet(config: RadixNetConfig) -> list[sp.csr_matrix]:
     radices = tuple(int(r) for r in config.radices)
     kr = len(radices)
     base = [mixed_radix_layer(radices, t) for t in range(kr)]
-    rng = np.random.default_rng(config.seed)
+    perms = relabelling(config)
     weights = []
-    perm = None
     for k in range(1, config.num_layers + 1):
         t = (k - 1) % kr
         Bo, Bi = config.block(k), config.block(k - 1)
         W = sp.kron(np.ones((Bo, Bi)), base[t], format="csr") * config.weight
         if config.permute:
-            if t == 0:
-                perm = rng.permutation(W.shape[0])
-            if perm.size != W.shape[0]:
-                raise ValueError("permute=True needs equal widths within a block of layers; "
-                                 "use equal blocks or permute=False")
-            W = W[perm]
+            W = sp.csr_matrix(W)[perms[k]][:, perms[k - 1]]
         W = sp.csr_matrix(W)
         W.sort_indices()
         weights.append(W)
     return weights
+
+
+def period(config: RadixNetConfig) -> int | None:
+    """Period of the layer sequence: ``len(radices)`` for an unpermuted net with equal blocks
+    (W^{k + period} = W^k), else None."""
+    if config.permute or len({config.block(k) for k in range(config.num_layers + 1)}) > 1:
+        return None
+    return len(config.radices)
+
+
+def spff_lower_bound(config: RadixNetConfig, parts: int, epsilon: float = 0.01) -> np.ndarray:
+    """A lower bound on the SpFF words of layer k summed over processors, for every k.
+
+    Any row partition with every block's rows at most ``cap_k = max(floor(N_k/P (1+eps)),
+    ceil(N_k/P))`` (eq. 2 with unit row weights; RadiX-Net rows all have the same nnz) obeys
+    it; relabelling does not change it.  Argument: the rows of ``kron(ones(B_k, B_{k-1}), M_t)``
+    fall into classes of B_k identical rows; class i uses the column classes
+    {i - j pv_t mod n : j < r_t}, each of B_{k-1} columns.  c row classes inside one coset of
+    the cyclic group generated by pv_t (order q_t = n / pv_t) use at least
+    c + min(r_t - 1, q_t - c) column classes (adding the interval {0, .., r_t-1} grows any
+    proper subset of Z_q by one per step).  Processor m with R_m > 0 rows touches
+    c_m >= ceil(R_m / B_k) classes and receives at least |cols(R_m)| - |O_m| words (O_m: its
+    x^{k-1} entries).  Summing, with sum R_m = N_k, sum O_m = N_{k-1}, at least
+    p' = ceil(N_k / cap_k) non-empty processors and sum c_m >= max(p', ceil(N_k / B_k)):
+
+        V_k >= B_{k-1} (max(p', ceil(N_k/B_k)) + p' min(r_t - 1, q_t - c_max)) - N_{k-1}
+
+    with c_max = ceil(cap_k / B_k) (the extra term is 0 when c_max >= q_t).
+    """
+    radices = [int(r) for r in config.radices]
+    n = int(np.prod(radices))
+    pv = place_values(radices)
+    out = np.zeros(config.num_layers, dtype=np.float64)
+    for k in range(1, config.num_layers + 1):
+        t = (k - 1) % len(radices)
+        Bo, Bi = config.block(k), config.block(k - 1)
+        Nk, Nprev = Bo * n, Bi * n
+        cap = max(int(np.floor(Nk / parts * (1.0 + epsilon))), -(-Nk // parts))
+        q = n // int(pv[t])
+        c_max = -(-cap // Bo)
+        extra = max(0, min(radices[t] - 1, q - c_max))
+        nonempty = -(-Nk // cap)
+        classes = max(nonempty, -(-Nk // Bo))
+        out[k - 1] = max(0.0, Bi * (classes + nonempty * extra) - Nprev)
+    return out
 
 
 def challenge_config(neurons: int, layers: int, *, permute: bool = True, seed: int = 0

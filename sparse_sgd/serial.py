@@ -11,7 +11,16 @@ import scipy.sparse as sp
 
 from sparse_sgd.activations import ACTIVATIONS
 
-__all__ = ["SerialSparseNet", "mse_loss", "challenge_inference_serial"]
+__all__ = [
+    "INITS",
+    "SerialSparseNet",
+    "challenge_inference_serial",
+    "init_weights",
+    "mse_loss",
+]
+
+#: initialisations of the weights on the fixed sparsity pattern (``--init``)
+INITS = ("fan-in", "uniform", "challenge")
 
 
 def mse_loss(XL: np.ndarray, Y: np.ndarray) -> float:
@@ -96,3 +105,23 @@ def challenge_inference_serial(weights, bias: float, ymax: float, Y0: np.ndarray
         Z.eliminate_zeros()
         Y = Z
     return Y
+
+
+def init_weights(weights, init: str, activation: str, rng: np.random.Generator) -> list:
+    """Initial values on the fixed sparsity pattern, the same on every rank.
+
+    ``uniform``: U[-1, 1] (§6.1); ``fan-in``: U[-a, a] with a = sqrt(6 / fan-in) for ReLU
+    (He) and sqrt(3 / fan-in) for sigmoid (LeCun), fan-in = nnz of the row; ``challenge``:
+    the network's own values.
+    """
+    out = []
+    for W in weights:
+        W = sp.csr_matrix(W, copy=True)
+        if init == "uniform":
+            W.data = rng.uniform(-1.0, 1.0, W.nnz)
+        elif init == "fan-in":
+            fan_in = np.maximum(np.diff(W.indptr), 1)
+            a = np.sqrt((6.0 if activation == "relu" else 3.0) / fan_in)
+            W.data = rng.uniform(-1.0, 1.0, W.nnz) * np.repeat(a, np.diff(W.indptr))
+        out.append(W)
+    return out

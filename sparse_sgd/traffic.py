@@ -13,7 +13,7 @@ import numpy as np
 from partition.metrics import PartitionMetrics
 from substrate.costmodel import INTER, INTRA, bcast_split, ring_allreduce_split
 
-__all__ = ["TrafficPrediction", "p2p_phases", "bcast_phase", "allreduce_phase"]
+__all__ = ["TrafficPrediction", "allreduce_phase", "bcast_phase", "p2p_phases"]
 
 
 def _entry(intra: int = 0, inter: int = 0, messages: int = 0) -> dict:

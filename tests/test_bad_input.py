@@ -60,7 +60,7 @@ def files(tmp_path) -> dict:
     out["run"].mkdir()
     (out["run"] / "summary.json").write_text('{"system": "hsadmm", "traffic": {')
     write_challenge_network(out["net"], graph_challenge_network(1024, 2, seed=0).weights)
-    (out["net"] / "n1024-l2.tsv").write_text("")
+    (out["net"] / "neuron1024" / "n1024-l2.tsv").write_text("")
     out["file"].write_text("not a directory")
     return out
 
@@ -99,18 +99,17 @@ CASES = [
      "--lr must be > 0 (a finite number), got -1"),
     ("sparse threshold nan", _sparse, ["train", "--threshold", "nan"],
      "--threshold must be >= 0 and < 1 (a finite number), got nan"),
-    ("sparse batch", _sparse, ["train", "--batch", BIG, "--layers", "2"],
-     f"--batch {BIG} is larger than the digits data set (1797 images"),
+    ("sparse batch", _sparse, ["train", "--batch-size", BIG, "--layers", "2"],
+     f"--batch-size {BIG} is larger than the digits training set (1438 images"),
     ("sparse empty layer", _sparse, ["train", "--layers", "2", "--network-dir", "{net}"],
-     "n1024-l2.tsv: layer 2 has no weights"),
-    ("partition parts", _partition, ["radixnet", "--parts", "5000", "--layers", "2"],
+     "n1024-l2.tsv: no entries (empty file)"),
+    ("partition parts", _sparse, ["partition", "--parts", "5000", "--layers", "2"],
      "--parts 5000 is larger than the 1024 neurons of a layer"),
-    ("partition empty layer", _partition,
-     ["radixnet", "--parts", "4", "--layers", "2", "--network-dir", "{net}"],
-     "n1024-l2.tsv: layer 2 has no weights"),
-    ("partition save", _partition,
-     ["radixnet", "--parts", "4", "--layers", "2", "--save", "{file}/p.npz"],
-     "the folder {file} does not exist"),
+    ("partition empty layer", _sparse,
+     ["partition", "--parts", "4", "--layers", "2", "--network-dir", "{net}"],
+     "n1024-l2.tsv: no entries (empty file)"),
+    ("partition layer file", _partition, ["layers", "{file}", "--parts", "2"],
+     "unknown layer format"),
     ("report corrupt summary", _guarded(commvol_main), ["report", "{run}"],
      "{run}/summary.json is not valid JSON"),
 ]

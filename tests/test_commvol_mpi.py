@@ -209,7 +209,7 @@ UNEVEN_RUNS = {
                                                 "selection_from": True}),
     "ssfusion-selective": ("ssfusion", "cnn", {"profile_steps": 2, "density": 0.05,
                                                "selection_from": True}),
-    "sparse_sgd": ("sgd", None, {"batch": 7}),
+    "sparse_sgd": ("sgd", None, {"batch_size": 7}),
 }
 
 
@@ -261,7 +261,7 @@ def test_uneven_layout_is_reproduced_by_commvol_predict(uneven_runs, name):
     system, model, options = UNEVEN_RUNS[name]
     s = read_summary(root / name)
     lines = load_run(root / name).lines
-    if system in ("hsadmm", "flat-admm", "sgd"):
+    if system in ("hsadmm", "flat-admm"):
         n = s["metrics"]["iterations"]
     else:
         n = s["metrics"]["steps"]

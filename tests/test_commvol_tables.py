@@ -10,35 +10,45 @@ import numpy as np
 import pytest
 
 from commvol.__main__ import main
-from commvol.hsgd import HSGDPredictOptions, partition_network, radixnet_weights
+from commvol.hsgd import radixnet_config, radixnet_weights
 from commvol.partition_table import TABLE_KEYS, partition_table
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, load_run, time_to_target, write_plots
 from commvol.scale import measure_compute_s_per_sample, strong_scaling
 from partition import partition_metrics, random_partition
+from sparse_sgd.plan import PartitionOptions, plan_partition
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
-DET = HSGDPredictOptions(preset="deterministic", threads=1)
+DET = PartitionOptions(engine="mtkahypar", preset="deterministic", threads=1)
 
 
 def test_partition_table_rows_are_the_partition_metrics(tmp_path):
     rows = partition_table([64], [2, 4], layers=2, options=DET)
+    network = radixnet_config(64, 2)
     weights = radixnet_weights(64, 2)
     for P in (2, 4):
         got = {r["method"]: r for r in rows if r["parts"] == P}
+        assert list(got) == ["H/R", "H", "R", "E[R]", "LB"]
         for label, method in (("H", "hypergraph"), ("R", "random")):
-            want = partition_metrics(weights, partition_network(weights, P, method,
-                                                                options=DET)).table1()
+            want = partition_metrics(weights, plan_partition(weights, P, method, DET,
+                                                             network=network)).table1()
             assert {k: got[label][k] for k in TABLE_KEYS} == {k: want[k] for k in TABLE_KEYS}
         for k in TABLE_KEYS:
             assert got["H/R"][k] == pytest.approx(got["H"][k] / got["R"][k])
         assert got["H"]["avg_volume"] < got["R"]["avg_volume"]  # the point of H-SGD
-    out = tmp_path / "t.csv"
-    main(["partition-table", "--neurons", "64", "--parts", "2", "--layers", "2", "--preset",
-          "deterministic", "--threads", "1", "--out", str(out)])
-    back = list(csv.DictReader(out.open()))
-    assert [r["method"] for r in back] == ["H/R", "H", "R"]
+        assert got["LB"]["avg_volume"] <= got["H"]["avg_volume"]
+        # E[R] written from the paper: (N/P)(P-1)(1-(1-1/P)^32), column degree 32
+        assert got["E[R]"]["avg_volume"] == pytest.approx(64 / P * (P - 1) * (1 - (1 - 1 / P)
+                                                                              ** 32))
+    out = tmp_path / "t"
+    main(["partition-table", "--neurons", "64", "--parts", "2", "--layers", "2", "--engine",
+          "mtkahypar", "--preset", "deterministic", "--threads", "1", "--out", str(out)])
+    back = list(csv.DictReader((out / "table1.csv").open()))
+    assert [r["method"] for r in back] == ["H/R", "H", "R", "E[R]", "LB"]
     assert float(back[2]["avg_volume"]) == [r for r in rows if r["parts"] == 2][2]["avg_volume"]
+    with pytest.raises(ValueError, match="--overwrite"):
+        main(["partition-table", "--neurons", "64", "--parts", "2", "--layers", "2",
+              "--out", str(out)])
     with pytest.raises(ValueError, match="--neurons must be 16 \\* 2\\^m"):
         partition_table([100], [2], layers=1)
     with pytest.raises(ValueError, match="--parts \\[128\\] outside 1..64"):
@@ -66,8 +76,8 @@ def test_sparse_sgd_bytes_against_a_brute_force_count():
                 for ph in ("spff", "spbp") if k else ("spff",):
                     want[ph][int(node[m] != node[n])] += d * batch * wb
                     msgs[ph] += d > 0
-    it = predict("sgd", nodes=2, gpus_per_node=2, neurons=64, layers=3, batch=batch,
-                 word_bytes=wb).steady
+    it = predict("sgd", nodes=2, gpus_per_node=2, neurons=64, layers=3, batch_size=batch,
+                 dtype="float32").steady
     for ph in ("spff", "spbp"):
         assert (it.phases[ph]["intra"], it.phases[ph]["inter"]) == tuple(want[ph])
         assert it.messages[ph] == msgs[ph]

@@ -1,16 +1,25 @@
-"""The fixed-vertex hypergraph model (§5): Fig. 3 example, compression, Mt-KaHyPar backend."""
+"""The fixed-vertex hypergraph model (§5): Fig. 3 example, compression, the Mt-KaHyPar and
+KaHyPar engines, period tiling, determinism."""
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from partition.hypergraph import (build_layer_hypergraph, compress_hypergraph,
-                                  connectivity_cutsize)
+from partition.hypergraph import build_layer_hypergraph, compress_hypergraph, connectivity_cutsize
 from partition.metrics import pair_volumes
-from partition.partitioners import (HypergraphConfig, Partition, _block_capacity,
-                                    _run_mtkahypar, hypergraph_partition,
-                                    input_owner_from_connectivity, partition_layer,
-                                    random_partition)
+from partition.partitioners import (
+    ENGINES,
+    HypergraphConfig,
+    Partition,
+    _block_capacity,
+    _run_kahypar,
+    _run_mtkahypar,
+    hypergraph_partition,
+    input_owner_from_connectivity,
+    layer_period,
+    partition_layer,
+    random_partition,
+)
 from sparse_sgd.radixnet import graph_challenge_network
 
 
@@ -72,20 +81,57 @@ def test_compression_preserves_cut_size():
         assert cut_small == cut_full
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("compress", [True, False])
-def test_mtkahypar_honours_fixed_vertices_and_balance(compress):
+def test_engines_honour_fixed_vertices_and_balance(engine, compress):
     W = graph_challenge_network(1024, 2, seed=2).weights[1]
     prev = np.random.default_rng(1).integers(0, 8, 1024)  # an adversarial x^{k-1} placement
-    cfg = HypergraphConfig(compress=compress, seed=3)
+    cfg = HypergraphConfig(engine=engine, compress=compress, seed=3)
     hg = build_layer_hypergraph(W, prev, fixed_weight=1)
     cap = _block_capacity(32 * 1024, 8, 0.01)
-    part = _run_mtkahypar(hg, 8, cfg, 2, cap)  # raises if a fixed vertex moved
+    run = _run_mtkahypar if engine == "mtkahypar" else _run_kahypar
+    part = run(hg, 8, cfg, 2, cap)  # raises if a fixed vertex moved
     assert np.bincount(part, weights=hg.vertex_weight[:1024], minlength=8).max() <= cap
     owner = partition_layer(W, prev, 8, cfg, 2)
     assert np.bincount(owner, minlength=8).max() * 32 <= cap
-    # the model's objective is what Mt-KaHyPar minimised: far below a random placement
+    # the model's objective is what the engine minimised: far below a random placement
     rand = np.random.default_rng(2).permutation(1024) % 8
     assert pair_volumes(W, owner, prev, 8).sum() < 0.7 * pair_volumes(W, rand, prev, 8).sum()
+
+
+def _layer_volumes(W, part):
+    return np.array([pair_volumes(W[k - 1], part.owners[k], part.owners[k - 1],
+                                  part.parts).sum() for k in range(1, len(W) + 1)])
+
+
+def test_tiling_a_periodic_network_repeats_the_period_exactly():
+    """Unpermuted RadiX-Net layers repeat with period 6 (N = 1024): the tiled partition is a
+    valid balanced partition of every layer, every layer but the first of a repeat has the
+    volume of its layer in the first period (counted on the full network), and the total is
+    within 3 % of partitioning every layer."""
+    W = graph_challenge_network(1024, 20, permute=False).weights
+    assert layer_period(W) == 6
+    tiled = hypergraph_partition(W, 8, HypergraphConfig(seed=1))
+    every = hypergraph_partition(W, 8, HypergraphConfig(seed=1, tile=False))
+    assert tiled.info["period"] == 6 and every.info["period"] == 0
+    for k in range(1, 21):
+        assert np.bincount(tiled.owners[k], minlength=8).max() * 32 <= 32 * 1024 / 8 * 1.01
+    vt = _layer_volumes(W, tiled)
+    for k in range(7, 21):
+        if (k - 1) % 6:
+            assert vt[k - 1] == vt[(k - 1) % 6], k
+    assert vt.sum() <= 1.03 * _layer_volumes(W, every).sum()
+    # no period: every layer is partitioned
+    assert hypergraph_partition(W[:6] + W[:1], 8, HypergraphConfig(seed=1)).info["period"] == 0
+
+
+@pytest.mark.parametrize("engine,preset", [("kahypar", None), ("mtkahypar", "deterministic")])
+def test_same_seed_same_partition(engine, preset):
+    W = graph_challenge_network(1024, 8, seed=5).weights
+    cfg = HypergraphConfig(engine=engine, preset=preset, threads=1, seed=7)
+    a, b = hypergraph_partition(W, 6, cfg), hypergraph_partition(W, 6, cfg)
+    for x, y in zip(a.owners, b.owners):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_hypergraph_partition_beats_random_and_is_balanced():
@@ -116,7 +162,11 @@ def test_partition_validation_and_save_load(tmp_path):
     with pytest.raises(ValueError, match="layers"):
         back.check_network(W[:1])
     with pytest.raises(ValueError, match="preset"):
-        HypergraphConfig(preset="large_k")
+        HypergraphConfig(engine="mtkahypar", preset="large_k")
+    with pytest.raises(ValueError, match="not a kahypar preset"):
+        HypergraphConfig(engine="kahypar", preset="deterministic")
+    with pytest.raises(ValueError, match="engine"):
+        HypergraphConfig(engine="patoh")
 
 
 def test_rebalance_repairs_an_overloaded_partition():

@@ -1,13 +1,22 @@
-"""Table-1 metrics against a brute-force count, and the Xsend/Xrecv maps against the metrics."""
+"""Table-1 metrics against a brute-force count and the random row against its closed form, the
+Xsend/Xrecv maps against the metrics, and ``python -m partition layers``."""
+
+import json
 
 import numpy as np
 import pytest
+import scipy.io
 import scipy.sparse as sp
 
 from partition.cli import main as partition_main
 from partition.maps import build_maps
-from partition.metrics import partition_metrics
-from partition.partitioners import HypergraphConfig, hypergraph_partition, random_partition
+from partition.metrics import expected_random_spff, partition_metrics
+from partition.partitioners import (
+    HypergraphConfig,
+    Partition,
+    hypergraph_partition,
+    random_partition,
+)
 from sparse_sgd.radixnet import RadixNetConfig, graph_challenge_network, radixnet
 
 
@@ -53,10 +62,15 @@ def test_metrics_equal_brute_force(method):
     np.testing.assert_array_equal(m.spff_messages, ff_msg)
     np.testing.assert_array_equal(m.spbp_messages, bp_msg)
     np.testing.assert_array_equal(m.flops, flops)
-    t = m.table1()
-    assert t["total_volume"] == ff_vol.sum() + bp_vol.sum()
-    assert t["max_volume"] == (ff_vol.sum(0) + bp_vol.sum(0)).max() / 4
+    t = m.table1()  # the paper's Table 1: SpFF only, per processor per layer
+    assert t["total_volume"] == ff_vol.sum() and t["total_messages"] == ff_msg.sum()
+    assert t["avg_volume"] == pytest.approx(ff_vol.sum() / 5 / 4)
+    assert t["max_volume"] == ff_vol.sum(0).max() / 4
+    assert t["max_messages"] == ff_msg.sum(0).max() / 4
     assert t["imbalance"] == pytest.approx(flops.max() / flops.mean())
+    b = m.table1_spff_spbp()
+    assert b["total_volume"] == ff_vol.sum() + bp_vol.sum()
+    assert b["max_volume"] == (ff_vol.sum(0) + bp_vol.sum(0)).max() / 4
     e = m.expected_traffic(batch=3, itemsize=8, iterations=2)
     assert e["spff"]["bytes"] == ff_vol.sum() * 48 and e["spbp"]["messages"] == 2 * bp_msg.sum()
 
@@ -84,10 +98,43 @@ def test_maps_agree_with_metrics_and_each_other():
             assert mp.send_words.sum() == m.spff_volume[k - 1, a]
 
 
-def test_cli_prints_table1(capsys, tmp_path):
-    assert partition_main(["radixnet", "--neurons", "1024", "--layers", "3", "--parts", "4",
-                           "--method", "both", "--save", str(tmp_path / "p.npz")]) == 0
-    out = capsys.readouterr().out
-    assert "H (hypergraph)" in out and "R (random)" in out and "H/R ratios" in out
-    assert (tmp_path / "p.npz").exists()
-    assert partition_main(["radixnet", "--neurons", "1000", "--layers", "3", "--parts", "4"]) == 2
+def test_random_row_matches_its_closed_form():
+    """Table 1's random row against E[R] = (N/P)(P-1)(1-(1-1/P)^32) (volume) and
+    (P-1)(1-(1-q)^{N/P}) (messages) at the paper's N = 1024, P = 32: within 2 %."""
+    W = graph_challenge_network(1024, 6, seed=1).weights
+    t = partition_metrics(W, random_partition(W, 32, seed=4)).table1()
+    e = expected_random_spff(1024, 32, 32)
+    assert e["avg_volume"] == pytest.approx(32 * 31 * (1 - (31 / 32) ** 32))
+    assert t["avg_volume"] == pytest.approx(e["avg_volume"], rel=0.02)
+    assert t["avg_messages"] == pytest.approx(e["avg_messages"], rel=0.02)
+    assert t["avg_messages"] == 31.0  # every processor needs entries of all 31 others
+
+
+def test_cli_partitions_matrix_files(capsys, tmp_path):
+    W = radixnet(RadixNetConfig(radices=(2, 2, 2), num_layers=4, blocks=(3,), seed=2))
+    files = []
+    for k, M in enumerate(W, start=1):
+        files.append(str(tmp_path / f"w{k}.npz"))
+        sp.save_npz(files[-1], M)
+    sp_mtx = tmp_path / "w4.mtx"
+    scipy.io.mmwrite(sp_mtx, W[3])
+    files[-1] = str(sp_mtx)
+    out = tmp_path / "run"
+    assert partition_main(["layers", *files, "--parts", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "H (hypergraph)" in text and "R (random)" in text
+    part = Partition.load(out / "partition.npz")
+    s = json.loads((out / "summary.json").read_text())
+    want = partition_metrics(W, part).table1()
+    assert s["metrics"]["table1"]["H (hypergraph)"]["avg_volume"] == want["avg_volume"]
+    # a finished run is not replaced without --overwrite; bad input names the file
+    assert partition_main(["layers", *files, "--parts", "4", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    sp.save_npz(tmp_path / "odd.npz", sp.csr_matrix(np.ones((5, 7))))
+    assert partition_main(["layers", files[0], str(tmp_path / "odd.npz"), "--parts", "2",
+                           "--out", str(tmp_path / "r2")]) == 2
+    assert "odd.npz" in capsys.readouterr().err
+    (tmp_path / "bad.txt").write_text("x")
+    assert partition_main(["layers", str(tmp_path / "bad.txt"), "--parts", "2",
+                           "--out", str(tmp_path / "r3")]) == 2
+    assert "bad.txt" in capsys.readouterr().err

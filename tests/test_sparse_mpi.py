@@ -26,7 +26,7 @@ def test_infer_matches_serial_challenge_reference(method, tmp_path):
 def _summary(tmp_path, method):
     out = tmp_path / method
     run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 6, "--partition", method,
-            "--iterations", 12, "--batch", 16, "--lr", 0.05, "--ranks-per-node", 2,
+            "--steps", 12, "--batch-size", 16, "--lr", 0.05, "--ranks-per-node", 2,
             "--log-every", 4, "--out", out, module="sparse_sgd", timeout=240)
     return json.loads((out / "summary.json").read_text())
 
@@ -51,16 +51,44 @@ def test_cli_train_measured_equals_predicted_and_hypergraph_moves_less(tmp_path)
         return bp["spff"]["bytes"] + bp["spbp"]["bytes"]
 
     assert p2p(sr) >= 3 * p2p(sh)
+    # metrics.jsonl: one schema, the plan's bytes per line add up to the training phases
+    lines = [json.loads(x) for x in (tmp_path / "hypergraph" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert [x["step"] for x in lines] == [0, 4, 8, 11] and lines[0]["unit"] == "step"
+    assert all(x["step_wall_s"] > 0 for x in lines)
+    bp = sh["traffic"]["measured"]["by_phase"]
+    assert sum(x["inter_node_bytes"] + x["intra_node_bytes"] for x in lines) == sum(
+        bp[ph]["bytes"] for ph in ("spff", "spbp", "loss"))
+    assert 0 <= sh["metrics"]["test_accuracy"] <= 1 and sh["metrics"]["test_images"] == 359
+
+
+def test_same_seed_gives_identical_bytes_and_summaries(tmp_path):
+    """Two runs with the same seed (3 ranks on 3 nodes: an odd count) partition identically and move
+    identical bytes; their summaries differ only in timings."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        run_mpi(None, 3, "train", "--neurons", 1024, "--layers", 8, "--steps", 3,
+                "--batch-size", 8, "--ranks-per-node", 1, "--seed", 5, "--out", out,
+                module="sparse_sgd", timeout=240)
+        runs.append(json.loads((out / "summary.json").read_text()))
+    a, b = runs
+    assert a["traffic"] == b["traffic"]
+    timing = ("partition_seconds", "train_seconds", "edges_per_second")
+    strip = {k: v for k, v in a["metrics"].items() if k not in timing}
+    assert strip == {k: v for k, v in b["metrics"].items() if k not in timing}
+    assert a["metrics"]["partition_table1"]["total_volume"] > 0
 
 
 def test_cli_infer_generated_network_categories(tmp_path):
     net = tmp_path / "net"
-    run_mpi(None, 1, "generate", "--neurons", 1024, "--layers", 4, "--dir", net,
+    run_mpi(None, 1, "generate", "--neurons", 1024, "--layers", 4, "--out", net,
             "--num-inputs", 60, module="sparse_sgd", timeout=120)
+    assert (net / "neuron1024" / "n1024-l4.tsv").is_file()  # the challenge's folder layout
     out = tmp_path / "infer"
     res = run_mpi(None, 2, "infer", "--neurons", 1024, "--layers", 4, "--network-dir", net,
                   "--inputs", net / "sparse-images-1024.tsv", "--categories",
-                  net / "neuron1024-l4-categories.tsv", "--batch", 25, "--out", out,
+                  net / "neuron1024-l4-categories.tsv", "--batch-size", 25, "--out", out,
                   "--check", module="sparse_sgd", timeout=180)
     s = json.loads((out / "summary.json").read_text())
     assert s["metrics"]["categories_match"] is True, res.stdout
@@ -72,14 +100,14 @@ def test_cli_infer_generated_network_categories(tmp_path):
 
 
 def test_cli_train_with_saved_partition_file(tmp_path):
-    from partition.cli import main as partition_main
+    from sparse_sgd.cli import main as sparse_main
 
-    pfile = tmp_path / "h2.npz"
-    assert partition_main(["radixnet", "--neurons", "1024", "--layers", "4", "--parts", "2",
-                           "--method", "hypergraph", "--save", str(pfile)]) == 0
+    sparse_main(["partition", "--neurons", "1024", "--layers", "4", "--parts", "2",
+                 "--method", "hypergraph", "--out", str(tmp_path / "h2")])
+    pfile = tmp_path / "h2" / "partition.npz"
     out = tmp_path / "run"
     run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
-            "--iterations", 3, "--batch", 8, "--out", out, module="sparse_sgd", timeout=180)
+            "--steps", 3, "--batch-size", 8, "--out", out, module="sparse_sgd", timeout=180)
     s = json.loads((out / "summary.json").read_text())
     meas, pred = s["traffic"]["measured"], s["traffic"]["predicted"]
     assert "partition" not in pred["by_phase"]  # read from the file on every rank: no bcast
@@ -87,5 +115,5 @@ def test_cli_train_with_saved_partition_file(tmp_path):
     for f in ("inter_node_bytes", "intra_node_bytes", "messages"):
         assert meas[f] == pred[f]
     run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
-            "--iterations", 1, "--out", tmp_path / "bad", module="sparse_sgd", timeout=120,
+            "--steps", 1, "--out", tmp_path / "bad", module="sparse_sgd", timeout=120,
             expect_fail=True)

@@ -1,11 +1,25 @@
-"""RadiX-Net generator and the Graph Challenge family (structure against the definitions)."""
+"""RadiX-Net generator and the Graph Challenge family (structure against the definitions), the
+relabelling P_k W^k P_{k-1}^T and the volume lower bound."""
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_sgd.radixnet import (CHALLENGE_BIAS, RadixNetConfig, challenge_config,
-                                 graph_challenge_network, mixed_radix_layer, place_values, radixnet)
+from partition.metrics import partition_metrics
+from partition.partitioners import Partition, layer_period, random_partition
+from sparse_sgd.radixnet import (
+    CHALLENGE_BIAS,
+    RadixNetConfig,
+    challenge_config,
+    graph_challenge_network,
+    mixed_radix_layer,
+    period,
+    place_values,
+    radixnet,
+    relabel_owners,
+    relabelling,
+    spff_lower_bound,
+)
 
 
 def _brute_radix_layer(radices, t):
@@ -39,35 +53,78 @@ def test_place_values():
         place_values((2, 0))
 
 
-def _row_classes(W, pv, n=64):
-    """Class b = (i mod n) of the base row every row of W came from: S = {b, b - pv} mod n."""
-    out = []
-    for p in range(W.shape[0]):
-        S = set((W.indices[W.indptr[p]:W.indptr[p + 1]] % n).tolist())
-        out.append([b for b in S if (b - pv) % n in S][0])
-    return np.array(out)
+def _path_counts(weights):
+    """Number of paths (product of the 0/1 patterns) from every input to every output."""
+    P = None
+    for W in weights:
+        A = sp.csr_matrix(W, copy=True)
+        A.data[:] = 1.0
+        P = A if P is None else A @ P
+    return P.toarray()
 
 
-def test_challenge_1024_structure_and_permutation():
+def test_challenge_1024_structure_and_relabelling():
     net = graph_challenge_network(1024, 14, seed=4)
+    plain = graph_challenge_network(1024, 14, permute=False, seed=4).weights
     assert net.bias == CHALLENGE_BIAS[1024] == -0.3 and net.ymax == 32
-    for k, W in enumerate(net.weights):
+    perms = relabelling(challenge_config(1024, 14, seed=4))
+    np.testing.assert_array_equal(perms[0], np.arange(1024))  # inputs keep their pixels
+    np.testing.assert_array_equal(perms[14], np.arange(1024))  # outputs keep their classes
+    for k, W in enumerate(net.weights, start=1):
         assert W.shape == (1024, 1024)
         np.testing.assert_array_equal(np.diff(W.indptr), 32)  # 32 connections per neuron
         np.testing.assert_array_equal(np.diff(W.tocsc().indptr), 32)
         np.testing.assert_allclose(W.data, 1 / 16)
-        # layer 6b + r is a row permutation of kron(ones(16, 16), M_r) / 16
-        base = sp.kron(np.ones((16, 16)), mixed_radix_layer((2,) * 6, k % 6), format="csr")
-        rows_w = sorted(tuple(W.indices[W.indptr[p]:W.indptr[p + 1]]) for p in range(1024))
-        rows_b = sorted(tuple(base.indices[base.indptr[p]:base.indptr[p + 1]])
-                        for p in range(1024))
-        assert rows_w == rows_b
-    c0 = _row_classes(net.weights[0], 1)
-    c1 = _row_classes(net.weights[1], 2)
-    c6 = _row_classes(net.weights[6], 1)
-    assert not np.array_equal(c0, np.arange(1024) % 64)  # rows are permuted
-    np.testing.assert_array_equal(c0, c1)  # one permutation for the block of layers 1..6
-    assert not np.array_equal(c0, c6)  # a fresh one for the next block
+        # W'^k = P_k W^k P_{k-1}^T with permutation matrices built here from the index arrays
+        Pk = sp.csr_matrix((np.ones(1024), (np.arange(1024), perms[k])), shape=(1024, 1024))
+        Pk1 = sp.csr_matrix((np.ones(1024), (np.arange(1024), perms[k - 1])),
+                            shape=(1024, 1024))
+        assert abs(W - Pk @ plain[k - 1] @ Pk1.T).max() == 0
+    assert not np.array_equal(perms[1], np.arange(1024))
+    assert not np.array_equal(perms[1], perms[2])  # a fresh relabelling per hidden layer
+
+
+def test_relabelled_network_is_isomorphic_to_the_unpermuted_one():
+    """Same path counts through 6 layers (2^20 / 16^6 per pair: every input reaches every output
+    equally), same function of the input, same volumes under the mapped partition."""
+    cfg = challenge_config(1024, 6, seed=9)
+    W = radixnet(cfg)
+    plain = radixnet(challenge_config(1024, 6, permute=False))
+    counts = _path_counts(W)
+    np.testing.assert_array_equal(counts, _path_counts(plain))
+    np.testing.assert_array_equal(counts, 2 ** 20)  # 16^5 dense blocks x one radix path
+    x = np.random.default_rng(0).random((1024, 3))
+    y, y0 = x, x
+    for A, B in zip(W, plain):
+        y, y0 = np.tanh(A @ y), np.tanh(B @ y0)
+    np.testing.assert_allclose(y, y0, rtol=1e-12)
+    # a partition of the plain network, mapped through the relabelling, sends the same words
+    part = random_partition(plain, 5, seed=1)
+    mapped = Partition(owners=relabel_owners(part.owners, relabelling(cfg)), parts=5)
+    a, b = partition_metrics(plain, part), partition_metrics(W, mapped)
+    np.testing.assert_array_equal(a.pair_words, b.pair_words)
+    np.testing.assert_array_equal(a.flops, b.flops)
+
+
+def test_period_and_lower_bound():
+    assert period(challenge_config(1024, 14, permute=False)) == 6
+    assert period(challenge_config(1024, 14)) is None
+    assert layer_period(radixnet(challenge_config(1024, 14, permute=False))) == 6
+    assert layer_period(radixnet(challenge_config(1024, 14))) is None
+    # N = 1024, P = 32: 32 rows (two classes of 16 identical rows) need 3 column classes of 16
+    # in radix layers with place value < 32, so at least 48 - 32 = 16 words per processor; the
+    # layer with place value 32 pairs classes with equal columns (bound 0): 80 / 6 on average
+    lb = spff_lower_bound(challenge_config(1024, 6), 32) / 32
+    np.testing.assert_array_equal(lb, [16, 16, 16, 16, 16, 0])
+    assert spff_lower_bound(challenge_config(1024, 6), 32).mean() / 32 == pytest.approx(40 / 3)
+    # P = 512: two rows of one class use 32 columns, the processor owns 2
+    np.testing.assert_array_equal(spff_lower_bound(challenge_config(1024, 6), 512) / 512, 30)
+    # the bound holds for the partitions we find (brute-force counted volumes)
+    W = radixnet(challenge_config(1024, 6, permute=False))
+    for P in (8, 32):
+        part = random_partition(W, P, seed=0)
+        vol = partition_metrics(W, part).spff_volume.sum(axis=1)
+        assert np.all(vol >= spff_lower_bound(challenge_config(1024, 6), P))
 
 
 def test_unpermuted_network_is_the_kronecker_product():

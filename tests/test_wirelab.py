@@ -147,7 +147,7 @@ SYSTEMS = {
     "ssfusion": ["dataparallel", "train", "--method", "ssfusion", "--steps", "6",
                  "--eval-every", "6"],
     "sparse_sgd": ["sparse_sgd", "train", "--neurons", "1024", "--layers", "4",
-                   "--iterations", "3", "--batch", "32"],
+                   "--steps", "3", "--batch-size", "32"],
 }
 
 

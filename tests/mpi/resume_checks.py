@@ -152,8 +152,8 @@ def check_dataparallel(root: Path) -> None:
 
 def _sparse(out: Path, every: int, *extra) -> None:
     sparse_train(sparse_parser().parse_args([
-        "train", "--neurons", "1024", "--layers", "3", "--batch", "8", "--preset",
-        "deterministic", "--iterations", "7", "--log-every", "2", "--ranks-per-node", "2",
+        "train", "--neurons", "1024", "--layers", "3", "--batch-size", "8",
+        "--steps", "7", "--log-every", "2", "--ranks-per-node", "2",
         "--progress-every", "0", "--checkpoint-every", str(every), "--out", str(out), *extra]))
 
 

@@ -36,7 +36,8 @@ RUNS = {
     "ssfusion-selective": ("dp", ["--method", "ssfusion", "--steps", "3", "--profile-steps",
                                   "2", "--density", "0.05"]),
     "sparse_sgd": ("sparse", ["train", "--neurons", "1024", "--layers", "3", "--partition",
-                              "random", "--iterations", "2", "--batch", "7"]),
+                              "random", "--steps", "2", "--batch-size", "7",
+                              "--test-fraction", "0"]),
     # the substrate's self-check: every wrapped call against substrate.costmodel's closed forms
     "probe": ("probe", []),
 }
