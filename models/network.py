@@ -9,7 +9,8 @@ import numpy as np
 
 from .layers import (BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Layer, Linear, MaxPool2d,
                      ReLU, Sequential, _Residual, softmax_cross_entropy)
-from .params import FlatTensors, ParamLayout, ParamSpec
+from .modelspec import layer_tree_specs, spec_from_layers
+from .params import FlatTensors, ParamLayout
 
 __all__ = ["Model", "layer_tree_specs", "ComputeUnit", "compute_units", "layer_flops",
            "BACKWARD_FLOP_FACTOR"]
@@ -86,15 +87,6 @@ class ComputeUnit:
     backward_flops: int
     activation_bytes: int
     param_bytes: int
-
-
-def layer_tree_specs(root: Layer) -> list[ParamSpec]:
-    """Parameter specs of a layer tree in forward order (pre-order traversal), no arrays."""
-    return [
-        ParamSpec(prefix + local, kind, shape)
-        for prefix, layer in root.walk()
-        for local, kind, shape, _ in layer._param_decls
-    ]
 
 
 def compute_units(root: Layer, input_shape, itemsize: int = 4,
@@ -250,8 +242,6 @@ class Model:
 
     def spec(self):
         """Shape-only :class:`~models.specs.ModelSpec` of this model."""
-        from .specs import spec_from_layers  # noqa: PLC0415 (avoid a cycle at import time)
-
         return spec_from_layers(self.name, self.root, self.input_shape, self.num_classes)
 
     @property

@@ -10,15 +10,20 @@ import argparse
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from tqdm.auto import tqdm
+
+from substrate.cli import add_common_args, start_run
 
 from .data import DATASETS, Dataset, check_batch_size, iterate_batches, load_dataset, num_batches
 from .layers import softmax_cross_entropy
 from .network import Model
 from .optim import OPTIMIZERS, SCHEDULES, SGD, SGDConfig, make_optimizer, make_schedule
+from .text import unigram_entropy
 from .zoo import MODELS, build_model
 
 __all__ = ["TrainConfig", "evaluate", "fit", "build_parser", "main"]
@@ -159,10 +164,6 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
     ``final_test_perplexity`` and ``final_test_bits_per_byte``.  (``final_test_accuracy`` /
     ``final_test_loss`` of a language model score the byte after each held-out window.)
     """
-    from contextlib import nullcontext  # noqa: PLC0415
-
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     steps_per_epoch = num_batches(len(train), batch_size)
     if steps is not None:
         epochs = -(-int(steps) // steps_per_epoch)
@@ -227,8 +228,6 @@ def parse_arch(items: list[str] | None) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser of ``python -m models``."""
-    from substrate.cli import add_common_args  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="python -m models",
                                      description="Serial training of the spardist models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,8 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     """Entry point of ``python -m models train``; returns the summary dict."""
-    from substrate.cli import start_run  # noqa: PLC0415
-
     args = build_parser().parse_args(argv)
     config = TrainConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
                          epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
@@ -304,8 +301,6 @@ def main(argv=None) -> dict:
                  batch_size=config.batch_size,
                  seed=config.seed, progress=progress, on_epoch=log, compute=run.clock.compute)
     if getattr(model, "lm", False):
-        from .text import unigram_entropy  # noqa: PLC0415
-
         result["unigram_entropy"] = unigram_entropy()
     summary = run.finish(metrics={**result, "num_params": model.num_params},
                          extra={"model": {"name": model.name, "num_params": model.num_params,

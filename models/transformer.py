@@ -43,6 +43,8 @@ import numpy as np
 from substrate.backend import array_module
 
 from .layers import Layer, Linear, Sequential, softmax_cross_entropy
+from .data import iterate_batches
+from .modelspec import ModelSpec, layer_tree_specs
 from .network import Model
 
 __all__ = [
@@ -844,9 +846,6 @@ class TransformerModel(Model):
         its vocabulary and a sample is one window of ``T`` tokens."""
         if not self.lm:
             return super().spec()
-        from .network import layer_tree_specs  # noqa: PLC0415
-        from .specs import ModelSpec  # noqa: PLC0415
-
         return ModelSpec(self.name, self.input_shape, self.num_classes,
                          tuple(layer_tree_specs(self.root)), int(self.root.macs(self.input_shape)))
 
@@ -908,8 +907,6 @@ class TransformerModel(Model):
         byte ``loss / ln 2`` (evaluation mode)."""
         if not self.lm:
             raise ValueError(f"{self.name} is not a language model")
-        from .data import iterate_batches  # noqa: PLC0415
-
         total, count = 0.0, 0
         for x, y in iterate_batches(data, batch_size, shuffle=False):
             loss, _, _ = self.lm_loss(x, y, training=False)

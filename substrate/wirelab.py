@@ -77,12 +77,17 @@ import secrets
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
+
+from .results import atomic_write_json
 
 __all__ = ["LabError", "Lab", "run_lab", "check_root", "check_prerequisites", "main",
            "parse_link", "stale_labs", "cleanup_stale", "lab_namespaces", "PREFIX",
@@ -378,7 +383,6 @@ def _idle_main(argv: list[str]) -> int:
 
 
 def _write_summary(out: Path, method: str, topo, inter: int) -> None:
-    from substrate.results import atomic_write_json  # noqa: PLC0415
 
     traffic = {"inter_node_bytes": inter, "intra_node_bytes": 0, "by_phase": {}}
     atomic_write_json(out / "summary.json", {
@@ -389,7 +393,6 @@ def _write_summary(out: Path, method: str, topo, inter: int) -> None:
 def _sendrecv_main(argv: list[str]) -> int:
     """``--sendrecv NBYTES --out DIR``: every rank sends NBYTES to the rank with the same local
     index on the next host (``Sendrecv``), and rank 0 writes a summary.json booking them."""
-    import numpy as np  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
     from substrate.topology import Topology  # noqa: PLC0415
@@ -430,10 +433,8 @@ def _pingpong_main(argv: list[str]) -> int:
     slope between the smallest and the largest size.  Each size is timed for at most
     ``--budget-s`` seconds (at least 5 round trips), so large messages on slow links end in
     time.  The other ranks wait without spinning."""
-    import numpy as np  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
-    from substrate.results import atomic_write_json  # noqa: PLC0415
     from substrate.topology import Topology  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="substrate.wirelab --pingpong")
@@ -595,7 +596,6 @@ def compare_steps(out, *, skip: int = 1) -> dict:
         row["ratio"] = row["predicted_s"] / row["measured_s"] if row["measured_s"] else None
         rows.append(row)
         prev = line
-    import statistics  # noqa: PLC0415
 
     used = [r for r in rows[skip:] if r["ratio"] is not None]
     if not used:
