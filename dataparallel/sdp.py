@@ -83,12 +83,22 @@ from functools import cached_property
 
 import numpy as np
 
-from models import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, Linear, MaskHook,
-                    MaxPool2d, ReLU, Sequential)
+from models import (
+    BasicBlock,
+    BatchNorm2d,
+    Bottleneck,
+    Conv2d,
+    Flatten,
+    Linear,
+    MaskHook,
+    MaxPool2d,
+    ReLU,
+    Sequential,
+)
+from models.transformer import TransformerBlock
 from substrate.options import option
 from volume.dataparallel import world_ring_bytes
-from volume.sdp import (assemble_bytes, gated_allreduce_bytes, param_bcast_bytes,
-                        sdp_step_bytes)
+from volume.sdp import assemble_bytes, gated_allreduce_bytes, param_bcast_bytes, sdp_step_bytes
 
 from .strategy import Strategy, register
 
@@ -251,9 +261,11 @@ def _chain_groups(items: list[tuple[str, object]], what: str) -> list[NeuronGrou
 
 
 def residual_blocks(model) -> list[tuple[str, object]]:
-    """``(prefix, block)`` of every residual block (BasicBlock / Bottleneck), forward order."""
+    """``(prefix, block)`` of every residual block (BasicBlock / Bottleneck, and a transformer's
+    pre-norm Attention + MLP block: SDP's block unit on Swin and LLaMA), forward order.  A block
+    whose tensors are all zero on a worker is the identity there."""
     return [(prefix, layer) for prefix, layer in model.root.walk()
-            if isinstance(layer, (BasicBlock, Bottleneck))]
+            if isinstance(layer, (BasicBlock, Bottleneck, TransformerBlock))]
 
 
 def neuron_groups(model) -> list[list[NeuronGroup]]:
@@ -263,6 +275,10 @@ def neuron_groups(model) -> list[list[NeuronGroup]]:
     plain :class:`~models.Sequential` chain masks all its hidden layers.
     """
     blocks = residual_blocks(model)
+    if any(isinstance(blk, TransformerBlock) for _, blk in blocks):
+        raise ValueError(f"--sdp-mode neuron (over attention heads / MLP neurons) is not "
+                         f"implemented for the transformer {model.name!r}; use --sdp-mode "
+                         "block or block-backward (SDP over Attention + MLP blocks)")
     if blocks:
         chains = []
         for prefix, blk in blocks:
