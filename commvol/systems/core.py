@@ -10,9 +10,8 @@ import numpy as np
 
 from substrate import costmodel as cm
 from substrate.costmodel import CostModel
-from substrate.options import option
 
-__all__ = ["DPAssumptions", "IterCost", "Prediction", "CallCost", "SystemModel", "register", "get_system", "ITEMSIZE", "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch", "_admm_units_per_epoch"]
+__all__ = ["IterCost", "Prediction", "CallCost", "SystemModel", "register", "get_system", "ITEMSIZE", "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch", "_admm_units_per_epoch"]
 
 #: float32 parameters/gradients, as every trainer of the project builds its models
 ITEMSIZE = 4
@@ -453,22 +452,6 @@ class SystemModel:
         if assumptions is None:
             return self.predict(spec, nodes, gpus_per_node, opts, cost)
         return self.predict(spec, nodes, gpus_per_node, opts, cost, assumptions)
-
-
-@dataclass(frozen=True)
-class DPAssumptions:
-    """What a data-parallel prediction assumes beyond the strategy's options."""
-
-    steps_per_iter: int = option(
-        1, "data-parallel optimizer steps per iteration: 1 = one synchronization of the model "
-        "per iteration (PruneX Fig. 6b's Dense DDP), or the steps of the local epochs of one "
-        "ADMM iteration (ceil(samples per rank / batch) x local epochs)",
-        flag="--ddp-steps-per-iter")
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.steps_per_iter, (int, np.integer)) or self.steps_per_iter < 1:
-            raise ValueError(f"--ddp-steps-per-iter must be an integer >= 1, got "
-                             f"{self.steps_per_iter}")
 
 
 SYSTEMS: dict[str, SystemModel] = {}

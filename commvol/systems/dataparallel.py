@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
 
 from dataparallel.ddp import DDPOptions, DDPPlan
 from dataparallel.topk import TopKOptions, TopKPlan
+from substrate.options import option
 
 from .core import (
     ITEMSIZE,
     CallCost,
-    DPAssumptions,
     Prediction,
     SystemModel,
     _check_topology,
     register,
 )
 
-__all__ = ["predict_ddp", "predict_ddp_hierarchical", "predict_topk"]
+__all__ = ["DPAssumptions", "predict_ddp", "predict_ddp_hierarchical", "predict_topk"]
+
+
+@dataclass(frozen=True)
+class DPAssumptions:
+    """What a data-parallel prediction assumes beyond the strategy's options."""
+
+    steps_per_iter: int = option(
+        1, "data-parallel optimizer steps per iteration: 1 = one synchronization of the model "
+        "per iteration (PruneX Fig. 6b's Dense DDP), or the steps of the local epochs of one "
+        "ADMM iteration (ceil(samples per rank / batch) x local epochs)",
+        flag="--ddp-steps-per-iter")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps_per_iter, (int, np.integer)) or self.steps_per_iter < 1:
+            raise ValueError(f"--ddp-steps-per-iter must be an integer >= 1, got "
+                             f"{self.steps_per_iter}")
+
+
 
 # ---------------------------------------------------------------------------------------------
 # data parallel: DDP (ring / hierarchical), Top-K
