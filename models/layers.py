@@ -3,7 +3,10 @@
 Conventions
 -----------
 * Activations are ``NCHW`` (images) or ``(N, features)``; conv weights ``[C_out, C_in, kH, kW]``,
-  fc weights ``[d_out, d_in]`` (``y = x W^T + b``).
+  fc weights ``[d_out, d_in]`` (``y = x W^T + b``).  Shapes are always ``NCHW``; the memory
+  behind them may be channels-last (conv and BatchNorm return ``NCHW`` views of ``NHWC``
+  buffers, so consecutive convs need no transposes).  Every layer accepts either layout and
+  gives identical values.
 * A layer *declares* its parameters (name, kind, shape, initializer); :class:`models.network.Model`
   allocates one flat parameter vector and one flat gradient vector for the whole model and binds
   views into them (``layer.P[local_name]``, ``layer.G[local_name]``).  ``backward`` **writes**
@@ -20,12 +23,15 @@ from __future__ import annotations
 from math import prod
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
+
 from substrate.backend import array_module
 
 __all__ = [
     "Layer", "Linear", "Conv2d", "ReLU", "MaxPool2d", "GlobalAvgPool2d", "BatchNorm2d", "Flatten",
     "Sequential", "BasicBlock", "Bottleneck", "softmax_cross_entropy", "SoftmaxCrossEntropy",
-    "im2col", "col2im", "im2col_rows", "col2im_rows", "conv_output_size", "Workspace",
+    "im2col", "col2im", "im2col_rows", "col2im_rows", "im2col_nhwc", "col2im_nhwc",
+    "conv_output_size", "Workspace",
 ]
 
 
@@ -196,6 +202,110 @@ def col2im_rows(dcols, in_shape: tuple[int, int, int, int], kh: int, kw: int,
     return xp.ascontiguousarray(img.transpose(1, 0, 2, 3))
 
 
+#: scratch shared by every layer for arrays that live only within one call (keyed by shape)
+_TRANSIENT = Workspace()
+
+
+def _transient(key: str, shape, dtype, xp, zero: bool = False):
+    """A scratch array from :data:`_TRANSIENT`, one per ``(key, shape, dtype, array module)``."""
+    shape = tuple(int(s) for s in shape)
+    full = (key, shape, str(dtype), xp.__name__)
+    return _TRANSIENT.get(full, shape, dtype, xp, zero=zero)
+
+
+def im2col_nhwc(xl, kh: int, kw: int, stride: tuple[int, int], padding: tuple[int, int],
+                out=None, ws: Workspace | None = None):
+    """Channels-last im2col: ``(N, H, W, C)`` (any strides) → ``(N*Ho*Wo, kh*kw*C)``.
+
+    Row ``(n, ho, wo)`` and column ``(i, j, c)`` hold ``xpad[n, ho*sh + i, wo*sw + j, c]``
+    (``xpad``: ``xl`` inside a zero border of ``padding``).  The padded image is one copy into a
+    shared scratch buffer whose border stays zero (a transposed ``NCHW`` input becomes
+    channels-last in the same copy); the windows are an ``as_strided`` view copied once into
+    ``out``, in runs of ``kw*C`` contiguous values (stride 1).
+
+    Parameters
+    ----------
+    xl : array (N, H, W, C)
+    kh, kw : int
+    stride, padding : (int, int)
+    out : array (N*Ho*Wo, kh*kw*C), optional
+        Destination (a fresh array when omitted).
+    ws : Workspace, optional
+        Where the padded copy lives (default: the shared scratch, kept for the next call of
+        the same shape; pass a throwaway ``Workspace()`` for one-off calls).
+    """
+    xp = array_module(xl)
+    N, H, W, C = xl.shape
+    (sh, sw), (ph, pw) = stride, padding
+    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    if ph or pw:
+        shape = (N, H + 2 * ph, W + 2 * pw, C)
+        xpad = (_transient(f"pad{ph}x{pw}", shape, xl.dtype, xp) if ws is None
+                else ws.get(f"pad{ph}x{pw}", shape, xl.dtype, xp))
+        xpad[:, ph:ph + H, pw:pw + W, :] = xl
+    else:
+        xpad = xl
+    bN, bH, bW, bC = xpad.strides
+    win = xp.lib.stride_tricks.as_strided(
+        xpad, shape=(N, Ho, Wo, kh, kw, C), strides=(bN, bH * sh, bW * sw, bH, bW, bC))
+    if out is None:
+        out = xp.empty((N * Ho * Wo, kh * kw * C), dtype=xl.dtype)
+    xp.copyto(out.reshape(N, Ho, Wo, kh, kw, C), win)
+    return out
+
+
+def col2im_nhwc(dcols, in_nhwc: tuple[int, int, int, int], kh: int, kw: int,
+                stride: tuple[int, int], padding: tuple[int, int]):
+    """Adjoint of :func:`im2col_nhwc`: ``(N*Ho*Wo, kh*kw*C)`` → a fresh ``(N, H, W, C)``.
+
+    One strided add per kernel offset ``(i, j)`` over all pixels and channels, into a zeroed
+    padded accumulator, whose interior is returned.
+    """
+    xp = array_module(dcols)
+    N, H, W, C = in_nhwc
+    (sh, sw), (ph, pw) = stride, padding
+    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    d = dcols.reshape(N, Ho, Wo, kh, kw, C)
+    if ph or pw:
+        acc = _transient(f"acc{ph}x{pw}", (N, H + 2 * ph, W + 2 * pw, C), dcols.dtype, xp,
+                         zero=True)
+    else:
+        acc = xp.zeros((N, H, W, C), dtype=dcols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            acc[:, i:i + sh * (Ho - 1) + 1:sh, j:j + sw * (Wo - 1) + 1:sw, :] += d[:, :, :, i, j, :]
+    if ph or pw:
+        return acc[:, ph:ph + H, pw:pw + W, :].copy()
+    return acc
+
+
+def _rows(x):
+    """``(N, C, H, W)`` → its channels-last ``(N*H*W, C)`` matrix (a view when ``x`` is
+    channels-last, else a copy)."""
+    xp = array_module(x)
+    return xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(-1, x.shape[1])
+
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """:mod:`models.kernels` (Numba), imported on first use; ``None`` without Numba."""
+    if not _KERNELS:
+        try:
+            from . import kernels  # noqa: PLC0415 (lazy: Numba costs ~40 MiB and ~0.3 s)
+        except ImportError:
+            kernels = None
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
+
+
+def _channel_sum(m):
+    """Column sums of the ``(M, C)`` matrix ``m`` with float64 accumulation, in ``m.dtype``."""
+    xp = array_module(m)
+    return m.sum(axis=0, dtype=xp.float64).astype(m.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # base class
 # ---------------------------------------------------------------------------------------------
@@ -340,11 +450,19 @@ class Linear(Layer):
 
 
 class Conv2d(Layer):
-    """2-D cross-correlation (PyTorch ``Conv2d`` semantics) via im2col + one GEMM.
+    """2-D cross-correlation (PyTorch ``Conv2d`` semantics) via channels-last im2col + one GEMM.
 
-    Forward: ``Y = W_mat @ cols`` with ``W_mat`` of shape ``(C_out, C_in*kH*kW)`` and ``cols``
-    from :func:`im2col` (strided convs) or :func:`im2col_rows` (stride 1).  Backward:
-    ``dW = dY @ cols^T``, ``dcols = W_mat^T @ dY``, then the matching col2im.
+    The interface is ``NCHW``; internally the layer works *channels-last*: the output is an
+    ``(N, C_out, Ho, Wo)`` view of an ``(N, Ho, Wo, C_out)`` buffer (PyTorch's ``channels_last``
+    memory format; same shape and values, other strides), so the GEMM writes it directly with no
+    transpose, and a following conv reads it with no copy.
+
+    Forward: ``Y = cols @ W_mat^T`` with ``cols`` ``(N*Ho*Wo, kH*kW*C_in)`` from
+    :func:`im2col_nhwc` and ``W_mat`` ``(C_out, kH*kW*C_in)`` (the weight with its input channel
+    innermost).  Backward: ``dW = dY^T @ cols``; ``dX`` either as the *full* cross-correlation of
+    ``dY`` with the flipped, transposed kernel (stride 1: one more im2col + GEMM, the adjoint of
+    a stride-1 conv is a stride-1 conv) or as ``col2im(dY @ W_mat)`` (strided convs).  1x1
+    stride-1 convs need no im2col at all.
 
     Parameters
     ----------
@@ -381,52 +499,91 @@ class Conv2d(Layer):
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         return conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
 
+    def _pointwise(self) -> bool:
+        return self.kernel_size == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
+
+    def _transposed_input_grad(self) -> bool:
+        """Input gradient as a stride-1 full correlation (else col2im): stride 1, padding below
+        the kernel size, and ``C_out <= 2 C_in`` (the im2col of ``dY`` is ``C_out/C_in`` times
+        the size of the col2im of ``dX``; a 3-channel stem conv takes col2im)."""
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        return (self.stride == (1, 1) and ph <= kh - 1 and pw <= kw - 1
+                and self.out_channels <= 2 * self.in_channels)
+
     def forward(self, x, training: bool = True):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"Conv2d expects input (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
         xp = array_module(x)
-        N, _, H, W = x.shape
+        N, C, H, W = x.shape
         kh, kw = self.kernel_size
-        c_out = self.out_channels
+        Ho, Wo = self._out_hw(H, W)
+        c_out, K = self.out_channels, C * kh * kw
         ws = self._ws
-        if self.stride == (1, 1):
-            cols, geom = im2col_rows(x, kh, kw, self.padding, ws)
-            Ho, Wo, Wg = geom[2], geom[3], geom[1]           # Wg: row length of the grid
-        else:
-            cols, (Ho, Wo) = im2col(x, kh, kw, self.stride, self.padding, ws)
-            geom, Wg = None, Wo
-        w_mat = self.P["weight"].reshape(c_out, -1)
-        y = ws.get("y", (c_out, cols.shape[1]), x.dtype, xp)
-        xp.matmul(w_mat, cols, out=y)                       # (C_out, N*Ho*Wg)
+        xl = x.transpose(0, 2, 3, 1)                        # (N, H, W, C) view
+        if training:                                        # cols kept for backward
+            cols = self._cols(xl, ws.get("cols", (N * Ho * Wo, K), x.dtype, xp))
+        else:                                               # freed after the call
+            cols = self._cols(xl, None, Workspace())
+        w_mat = ws.get("w_mat", (c_out, K), x.dtype, xp)    # (C_out, kh*kw*C_in)
+        w_mat.reshape(c_out, kh, kw, C)[...] = self.P["weight"].transpose(0, 2, 3, 1)
+        y = xp.empty((N * Ho * Wo, c_out), dtype=x.dtype)
+        xp.matmul(cols, w_mat.T, out=y)
         if self.bias:
-            y += self.P["bias"][:, None]
-        self._cache = (cols, x.shape, (Ho, Wo), geom)
-        y = y.reshape(c_out, N, Ho, Wg)[:, :, :, :Wo]
-        return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
+            y += self.P["bias"]
+        # evaluation keeps no im2col matrix or padded copy (rank 0's evaluation models would
+        # hold one per layer and batch shape); a backward after it rebuilds them from the input
+        self._cache = (cols if training else xl, (N, H, W, C), (Ho, Wo))
+        return y.reshape(N, Ho, Wo, c_out).transpose(0, 3, 1, 2)
+
+    def _cols(self, xl, out, ws: Workspace | None = None):
+        """The im2col matrix of ``xl`` (the input itself for a 1x1 stride-1 conv)."""
+        N, H, W, C = xl.shape
+        if self._pointwise() and xl.flags.c_contiguous:
+            return xl.reshape(N * H * W, C)
+        kh, kw = self.kernel_size
+        return im2col_nhwc(xl, kh, kw, self.stride, self.padding, out=out, ws=ws)
 
     def backward(self, dy):
         xp = array_module(dy)
-        cols, in_shape, (Ho, Wo), geom = self._cache
-        c_out = self.out_channels
-        N = in_shape[0]
-        ws = self._ws
-        Wg = Wo if geom is None else geom[1]
-        # dY on the same column grid as cols; the discarded columns (w >= Wo) stay zero
-        d_y = ws.get("dy", (c_out, N, Ho, Wg), dy.dtype, xp)
-        d_y[:, :, :, :Wo] = dy.transpose(1, 0, 2, 3)
-        d_y = d_y.reshape(c_out, -1)
-        xp.matmul(d_y, cols.T, out=self.G["weight"].reshape(c_out, -1))
-        if self.bias:
-            self.G["bias"][...] = dy.sum(axis=(0, 2, 3))
-        self._emit_ready()
+        cols, in_nhwc, (Ho, Wo) = self._cache
+        N, H, W, C = in_nhwc
         kh, kw = self.kernel_size
-        dcols = ws.get("dcols", cols.shape, dy.dtype, xp)
-        xp.matmul(self.P["weight"].reshape(c_out, -1).T, d_y, out=dcols)
+        c_out = self.out_channels
+        ws = self._ws
+        if cols.ndim == 4:                                  # after an evaluation forward
+            cols = self._cols(cols, ws.get("cols", (N * Ho * Wo, C * kh * kw), dy.dtype, xp))
+        dyl = xp.ascontiguousarray(dy.transpose(0, 2, 3, 1))     # no copy if channels-last
+        dym = dyl.reshape(N * Ho * Wo, c_out)
+        w_mat = ws.get("w_mat", (c_out, C * kh * kw), dy.dtype, xp)
+        gw = self.G["weight"]
+        if kh == kw == 1:
+            xp.matmul(dym.T, cols, out=gw.reshape(c_out, C))
+        else:
+            g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
+            xp.matmul(dym.T, cols, out=g_mat)
+            gw[...] = g_mat.reshape(c_out, kh, kw, C).transpose(0, 3, 1, 2)
+        if self.bias:
+            self.G["bias"][...] = _channel_sum(dym)
+        self._emit_ready()
         self._cache = None
-        if geom is None:
-            return col2im(dcols, in_shape, kh, kw, self.stride, self.padding, ws)
-        return col2im_rows(dcols, in_shape, kh, kw, self.padding, geom, ws)
+        if self._pointwise():
+            dx = xp.matmul(dym, w_mat)
+        elif self._transposed_input_grad():
+            ph, pw = self.padding
+            # dX = full correlation of dY with W flipped in space, C_in and C_out swapped
+            w_flip = ws.get("w_flip", (kh * kw * c_out, C), dy.dtype, xp)
+            w_flip.reshape(kh, kw, c_out, C)[...] = (
+                self.P["weight"][:, :, ::-1, ::-1].transpose(2, 3, 0, 1))
+            dcols = im2col_nhwc(dyl, kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
+                                out=_transient("dcols", (N * H * W, kh * kw * c_out),
+                                               dy.dtype, xp))
+            dx = xp.matmul(dcols, w_flip)
+        else:
+            dcols = _transient("dcols", (N * Ho * Wo, C * kh * kw), dy.dtype, xp)
+            xp.matmul(dym, w_mat, out=dcols)
+            dx = col2im_nhwc(dcols, in_nhwc, kh, kw, self.stride, self.padding)
+        return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def output_shape(self, in_shape):
         C, H, W = in_shape
@@ -478,31 +635,62 @@ class BatchNorm2d(Layer):
             raise ValueError(
                 f"BatchNorm2d expects (N, {self.num_features}, H, W), got {tuple(x.shape)}")
         xp = array_module(x)
+        if training and x.shape[0] * x.shape[2] * x.shape[3] < 2:
+            raise ValueError("BatchNorm2d in training mode needs more than one value per "
+                             "channel (batch*H*W >= 2); use a larger batch or eval mode")
+        k = _kernels() if xp.__name__ == "numpy" else None
+        if k is None:
+            return self._forward_xp(x, training)
+        return self._forward_kernels(k, x, training)
+
+    def _update_running(self, mean, var, m: int) -> None:
+        """``running = (1 - momentum) running + momentum batch`` (unbiased variance)."""
+        mom = self.momentum
+        rm, rv = self.B["running_mean"], self.B["running_var"]
+        rm *= 1.0 - mom
+        rm += (mom * mean).astype(rm.dtype)
+        rv *= 1.0 - mom
+        rv += ((mom * m / (m - 1)) * var).astype(rv.dtype)
+
+    def _forward_kernels(self, k, x, training: bool):
+        """Channels-last Numba path: statistics in one pass (float64), output in a second."""
+        N, C, H, W = x.shape
+        X = _rows(x)                                       # (N*H*W, C)
+        if training:
+            mean, var = k.channel_stats(X)
+            self._update_running(mean, var, X.shape[0])
+        else:
+            mean = self.B["running_mean"].astype(np.float64)
+            var = self.B["running_var"].astype(np.float64)
+        inv_std = 1.0 / np.sqrt(var + self.eps)
+        gamma = self.P["weight"].astype(np.float64)
+        Y = np.empty_like(X)
+        k.bn_apply(X, mean, gamma * inv_std, self.P["bias"].astype(np.float64), Y)
+        self._cache = ("rows", X, mean, inv_std, training)
+        return Y.reshape(N, H, W, C).transpose(0, 3, 1, 2)
+
+    def _forward_xp(self, x, training: bool):
+        """Array-module path (CuPy, or NumPy without Numba): ``NCHW`` reductions."""
+        xp = array_module(x)
         gamma, beta = self.P["weight"], self.P["bias"]
         if training:
             m = x.shape[0] * x.shape[2] * x.shape[3]
-            if m < 2:
-                raise ValueError("BatchNorm2d in training mode needs more than one value per "
-                                 "channel (batch*H*W >= 2); use a larger batch or eval mode")
             mean = x.mean(axis=(0, 2, 3))
             xc = x - mean[:, None, None]
             var = (xc * xc).mean(axis=(0, 2, 3))
             inv_std = 1.0 / xp.sqrt(var + self.eps)
-            mom = self.momentum
-            rm, rv = self.B["running_mean"], self.B["running_var"]
-            rm *= 1.0 - mom
-            rm += mom * mean
-            rv *= 1.0 - mom
-            rv += (mom * m / (m - 1)) * var
+            self._update_running(mean, var, m)
         else:
             xc = x - self.B["running_mean"][:, None, None]
             inv_std = 1.0 / xp.sqrt(self.B["running_var"] + self.eps)
         x_hat = xc * inv_std[:, None, None]
-        self._cache = (x_hat, inv_std, training)
+        self._cache = ("xp", x_hat, inv_std, training)
         return x_hat * gamma[:, None, None] + beta[:, None, None]
 
     def backward(self, dy):
-        x_hat, inv_std, training = self._cache
+        if self._cache[0] == "rows":
+            return self._backward_kernels(dy)
+        _, x_hat, inv_std, training = self._cache
         gamma = self.P["weight"]
         d_beta = dy.sum(axis=(0, 2, 3))
         d_gamma = (dy * x_hat).sum(axis=(0, 2, 3))
@@ -515,6 +703,24 @@ class BatchNorm2d(Layer):
         m = dy.shape[0] * dy.shape[2] * dy.shape[3]
         scale = (gamma * inv_std / m)[:, None, None]
         return scale * (m * dy - d_beta[:, None, None] - x_hat * d_gamma[:, None, None])
+
+    def _backward_kernels(self, dy):
+        k = _kernels()
+        _, X, mean, inv_std, training = self._cache
+        N, C, H, W = dy.shape
+        dY = _rows(dy)
+        d_beta, d_gamma = k.bn_backward_sums(dY, X, mean, inv_std)
+        self.G["bias"][...] = d_beta
+        self.G["weight"][...] = d_gamma
+        self._emit_ready()
+        self._cache = None
+        gamma = self.P["weight"].astype(np.float64)
+        dX = np.empty_like(dY)
+        if training:
+            k.bn_backward_input(dY, X, mean, inv_std, gamma, d_beta, d_gamma, dX)
+        else:                                              # running statistics are constants
+            k.bn_apply(dY, np.zeros_like(mean), gamma * inv_std, np.zeros_like(mean), dX)
+        return dX.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def __repr__(self):
         return f"BatchNorm2d({self.num_features}, momentum={self.momentum}, eps={self.eps})"
@@ -603,7 +809,9 @@ class GlobalAvgPool2d(Layer):
     def backward(self, dy):
         xp = array_module(dy)
         N, C, H, W = self._shape
-        return xp.broadcast_to((dy / (H * W))[:, :, None, None], (N, C, H, W)).copy()
+        # channels-last, like the convolutions' outputs, so the block below needs no transpose
+        g = xp.broadcast_to((dy / (H * W))[:, None, None, :], (N, H, W, C))
+        return g.copy().transpose(0, 3, 1, 2)
 
     def output_shape(self, in_shape):
         return (in_shape[0],)

@@ -37,7 +37,6 @@ from pathlib import Path
 import mpi4py
 import numpy as np
 from mpi4py import MPI
-from tqdm.auto import tqdm
 
 from . import collectives as coll
 from . import costmodel as cm
@@ -605,6 +604,8 @@ class Progress:
         self.enabled = run.rank == 0 and every > 0
         self.bar = None
         if self.enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm  # noqa: PLC0415 (10 MiB a rank; rank 0 on a terminal only)
+
             self.bar = tqdm(total=total, initial=start, unit=unit, desc=run.method,
                             file=sys.stderr, leave=False)
 

@@ -45,6 +45,8 @@ LAZY_OK = {
     "mtkahypar": "optional partitioner",
     "mpi4py": "the launcher and the wire lab's parent process must not initialise MPI",
     "pydoc_data": "a 466 KB text corpus module, loaded only when the text dataset is used",
+    "tqdm": "10 MiB a rank; only rank 0 draws a bar, on a terminal",
+    "scipy": "scipy.special is 17 MiB a rank; only SSFusion's Gaussian-k sparsifier uses it",
 }
 #: project modules that are imported lazily for the same reasons (they import the above)
 LAZY_OK_PROJECT = {"models.kernels", "substrate.backend", "substrate.topology",

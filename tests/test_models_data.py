@@ -207,12 +207,40 @@ def test_digits_split_is_fixed_and_normalized():
     np.testing.assert_allclose(allx[key(allx)], ref[key(ref)], atol=1e-4)
 
 
+def test_digits_reader_matches_sklearn_without_importing_it(monkeypatch):
+    """The direct CSV read gives scikit-learn's arrays in its order, and loading digits in a
+    fresh interpreter leaves scikit-learn unimported (it costs every rank ~65 MiB)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk
+
+    from models import data as data_mod
+    images, target = data_mod._read_digits()
+    ref = sk()
+    np.testing.assert_array_equal(images, ref.images)
+    np.testing.assert_array_equal(target, ref.target)
+    # where the bundled file is not found, scikit-learn's loader gives the same split
+    direct = load_digits()
+    monkeypatch.setattr(data_mod, "_digits_file", lambda: None)
+    fallback = load_digits()
+    np.testing.assert_array_equal(direct.train.x, fallback.train.x)
+    np.testing.assert_array_equal(direct.test.y, fallback.test.y)
+    code = ("import sys; from models.data import load_digits; d = load_digits(); "
+            "assert len(d.train) == 1438; print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_synthetic_is_deterministic_and_dataset_registry():
     a = make_synthetic(n_train=50, n_test=10, seed=3)
     b = make_synthetic(n_train=50, n_test=10, seed=3)
     np.testing.assert_array_equal(a.train.x, b.train.x)
     assert a.train.x.shape == (50, 1, 8, 8) and a.test.y.shape == (10,)
-    assert set(DATASETS) == {"digits", "mnist", "cifar10", "synthetic"}
+    # the image loaders of this module (models/__init__ adds the text corpus beside them)
+    assert {"digits", "mnist", "cifar10", "synthetic"} <= set(DATASETS)
     with pytest.raises(ValueError, match="valid names"):
         load_dataset("imagenet")
     with pytest.raises(ValueError, match="--data-dir"):

@@ -146,6 +146,10 @@ def test_relu_gap_flatten_forward():
     (lambda: Conv2d(2, 3, 3, stride=2, padding=1, bias=False), (2, 6, 5)),
     (lambda: Conv2d(2, 3, (2, 3), stride=(1, 2), padding=(1, 0)), (2, 5, 6)),
     (lambda: Conv2d(3, 2, 1, stride=2, bias=False), (3, 5, 5)),
+    (lambda: Conv2d(3, 4, 1), (3, 4, 5)),                      # 1x1 stride 1: no im2col
+    (lambda: Conv2d(2, 5, 3, padding=1), (2, 5, 4)),           # C_out > 2 C_in: col2im path
+    (lambda: Conv2d(2, 3, 1, padding=1, bias=False), (2, 4, 4)),   # padding >= kernel: col2im
+    (lambda: Conv2d(3, 3, (3, 2), padding=(2, 1)), (3, 5, 6)),  # full correlation, pad = k-1
     (lambda: ReLU(), (3, 4, 4)),
     (lambda: MaxPool2d(2), (2, 6, 6)),
     (lambda: MaxPool2d(3, 2), (2, 7, 7)),
@@ -338,3 +342,172 @@ def test_conv_workspace_reuse_across_batch_sizes():
             ref = conv_reference(x, layer.P["weight"], layer.P["bias"], layer.stride,
                                  layer.padding)
             np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- channels-last kernels
+def im2col_nhwc_loops(x, kh, kw, stride, padding):
+    """Definition by loops: row (n, ho, wo), column (i, j, c) = xpad[n, c, ho*sh+i, wo*sw+j]."""
+    (sh, sw), (ph, pw) = stride, padding
+    N, C, H, W = x.shape
+    xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    Ho, Wo = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+    out = np.zeros((N, Ho, Wo, kh, kw, C))
+    for n, ho, wo, i, j, c in np.ndindex(N, Ho, Wo, kh, kw, C):
+        out[n, ho, wo, i, j, c] = xpad[n, c, ho * sh + i, wo * sw + j]
+    return out.reshape(N * Ho * Wo, kh * kw * C)
+
+
+@pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
+                                          ((1, 1), (2, 2), (0, 0)), ((2, 3), (1, 2), (1, 0))])
+def test_im2col_nhwc_matches_definition_and_col2im_is_its_adjoint(k, stride, pad):
+    from models.layers import col2im_nhwc, im2col_nhwc
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 3, 6, 7))
+    ref = im2col_nhwc_loops(x, *k, stride, pad)
+    # channels-last input given as a transposed view of NCHW memory and as NHWC memory
+    for xl in (x.transpose(0, 2, 3, 1), np.ascontiguousarray(x.transpose(0, 2, 3, 1))):
+        np.testing.assert_array_equal(im2col_nhwc(xl, *k, stride, pad), ref)
+    D = rng.standard_normal(ref.shape)
+    back = col2im_nhwc(D, (2, 6, 7, 3), *k, stride, pad)
+    assert back.shape == (2, 6, 7, 3)
+    assert float((ref * D).sum()) == pytest.approx(
+        float((x.transpose(0, 2, 3, 1) * back).sum()), rel=1e-12)
+
+
+def conv_backward_loops(x, w, dy, stride, padding):
+    """dL/dx and dL/dw of y = conv(x, w) by loops over the definition (float64)."""
+    (sh, sw), (ph, pw) = stride, padding
+    N, C, H, W = x.shape
+    O, _, kh, kw = w.shape
+    xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    dxpad = np.zeros_like(xpad)
+    dw = np.zeros_like(w)
+    for n, o, ho, wo in np.ndindex(N, O, *dy.shape[2:]):
+        g = dy[n, o, ho, wo]
+        patch = (slice(None), slice(ho * sh, ho * sh + kh), slice(wo * sw, wo * sw + kw))
+        dw[o] += g * xpad[n][patch]
+        dxpad[n][patch] += g * w[o]
+    return dxpad[:, :, ph:ph + H, pw:pw + W], dw
+
+
+@pytest.mark.parametrize("c_in,c_out,k,stride,pad", [
+    (3, 4, 3, 1, 1),      # stride 1, C_out <= 2 C_in: input gradient as a full correlation
+    (2, 5, 3, 1, 1),      # stride 1, C_out > 2 C_in: col2im
+    (3, 2, 3, 2, 1),      # strided: col2im
+    (4, 3, 1, 1, 0),      # 1x1 stride 1: plain GEMMs
+    (3, 3, 5, 1, 2),
+])
+def test_conv_backward_paths_match_loops(c_in, c_out, k, stride, pad):
+    rng = np.random.default_rng(14)
+    layer = Conv2d(c_in, c_out, k, stride=stride, padding=pad, bias=False)
+    m = wrap(layer, (c_in, 7, 6))
+    x = rng.standard_normal((2, c_in, 7, 6))
+    y = m.forward(x)
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)
+    ref_dx, ref_dw = conv_backward_loops(x, layer.P["weight"], dy, layer.stride, layer.padding)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
+
+
+def test_layers_give_the_same_results_for_any_memory_layout():
+    """NCHW-contiguous and channels-last inputs (and gradients) give identical results: layouts
+    are an implementation detail (conv/BN outputs are channels-last views)."""
+    rng = np.random.default_rng(15)
+    m = resnet((3, 8, 8), 5, dtype=np.float64, depths=(1, 1), planes=(4, 8), seed=4)
+    x = rng.standard_normal((3, 3, 8, 8))
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    snap = snapshot(m)
+    y1 = m.forward(x).copy()
+    dx1 = m.backward(np.ones_like(y1)).copy()
+    g1 = m.grads.flat.copy()
+    restore(m, snap)
+    y2 = m.forward(xl)
+    dx2 = m.backward(np.ones_like(y2))
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_array_equal(dx1, dx2)
+    np.testing.assert_array_equal(g1, m.grads.flat)
+    # a bare BatchNorm fed NCHW memory, and a conv fed a channels-last gradient
+    bn = wrap(BatchNorm2d(4), (4, 3, 3))
+    z = rng.standard_normal((2, 4, 3, 3))
+    np.testing.assert_array_equal(bn.forward(z),
+                                  bn.forward(np.ascontiguousarray(z.transpose(0, 2, 3, 1))
+                                             .transpose(0, 3, 1, 2)))
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_batchnorm_numba_kernels_match_array_path(training, dtype):
+    """The Numba channels-last path equals the NCHW array path (the paper's formulas written
+    with whole-array operations) to round-off, running statistics included."""
+    from models import layers as L
+    if L._kernels() is None:
+        pytest.skip("Numba not installed")
+    rng = np.random.default_rng(16)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    a, b = BatchNorm2d(5), BatchNorm2d(5)
+    ma = Model(a, (5, 4, 3), None, dtype=dtype, seed=0)
+    mb = Model(b, (5, 4, 3), None, dtype=dtype, seed=0)
+    for layer in (a, b):
+        layer.P["weight"][...] = np.linspace(0.5, 2.0, 5)
+        layer.P["bias"][...] = np.linspace(-1, 1, 5)
+        layer.B["running_mean"][...] = np.linspace(-0.3, 0.3, 5)
+        layer.B["running_var"][...] = np.linspace(0.5, 1.5, 5)
+    x = (rng.standard_normal((6, 5, 4, 3)) * 3 + 1).astype(dtype)
+    dy = rng.standard_normal((6, 5, 4, 3)).astype(dtype)
+    ya = ma.forward(x, training=training)            # kernels
+    yb = b._forward_xp(x, training)                  # reference array path
+    dxa, dxb = a.backward(dy), b.backward(dy)
+    for got, ref in ((ya, yb), (dxa, dxb), (ma.grads.flat, mb.grads.flat),
+                     (a.B["running_mean"], b.B["running_mean"]),
+                     (a.B["running_var"], b.B["running_var"])):
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_batchnorm_statistics_survive_a_large_mean():
+    """float32 activations with mean 1e4 and spread 1: the shifted float64 statistics give the
+    batch variance to float32 precision of the data (a float32 E[x^2]-E[x]^2 would not)."""
+    rng = np.random.default_rng(17)
+    layer = BatchNorm2d(2, momentum=1.0)
+    m = Model(layer, (2, 5, 5), None, seed=0)
+    x = (1e4 + rng.standard_normal((8, 2, 5, 5))).astype(np.float32)
+    y = m.forward(x)
+    x64 = x.astype(np.float64)
+    var = x64.var(axis=(0, 2, 3))
+    ref = (x64 - x64.mean(axis=(0, 2, 3))[:, None, None]) / np.sqrt(var + 1e-5)[:, None, None]
+    np.testing.assert_allclose(y, ref, atol=1e-5)
+    np.testing.assert_allclose(layer.B["running_var"], var * 200 / 199, rtol=1e-6)
+
+
+def test_float32_resnet_step_agrees_with_float64_to_round_off():
+    """The float32 forward/backward of a small ResNet equals the float64 one to float32
+    round-off (no float32-specific shortcut changes results)."""
+    rng = np.random.default_rng(18)
+    m64 = resnet((3, 8, 8), 5, dtype=np.float64, depths=(1, 1), planes=(8, 16), seed=5)
+    m32 = resnet((3, 8, 8), 5, dtype=np.float32, depths=(1, 1), planes=(8, 16), seed=5)
+    m32.params.flat[...] = m64.params.flat
+    x = rng.standard_normal((6, 3, 8, 8))
+    labels = rng.integers(0, 5, 6)
+    l64, z64 = m64.loss_and_grad(x, labels)
+    l32, z32 = m32.loss_and_grad(x.astype(np.float32), labels)
+    assert l32 == pytest.approx(l64, rel=1e-5)
+    np.testing.assert_allclose(z32, z64, atol=1e-5 * np.abs(z64).max())
+    g64, g32 = m64.grads.flat, m32.grads.flat
+    assert np.linalg.norm(g32 - g64) <= 1e-4 * np.linalg.norm(g64)
+
+
+def test_conv_backward_after_evaluation_forward():
+    """An evaluation forward keeps no im2col matrix; a backward after it (gradient checks in
+    eval mode) rebuilds it, even when another layer reused the shared scratch in between."""
+    rng = np.random.default_rng(19)
+    a, b = Conv2d(2, 3, 3, padding=1), Conv2d(2, 3, 3, padding=1)
+    ma, mb = wrap(a, (2, 5, 5)), wrap(b, (2, 5, 5), seed=1)
+    x, x2 = rng.standard_normal((2, 2, 5, 5)), rng.standard_normal((2, 2, 5, 5))
+    y = ma.forward(x, training=False)
+    mb.forward(x2, training=False)              # same shape: overwrites the shared scratch
+    dy = rng.standard_normal(y.shape)
+    dx = ma.backward(dy)
+    ref_dx, ref_dw = conv_backward_loops(x, a.P["weight"], dy, a.stride, a.padding)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(a.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
