@@ -427,6 +427,9 @@ def _train(args) -> dict:
     progress = Progress(run, total=cfg.steps, unit="step",
                         every=getattr(args, "progress_every", 0), start=start)
     last_logged, t0 = start, time.perf_counter()
+    if cfg.resume and run.writer.records:
+        # the interval of the next line starts after the last line written before the stop
+        last_logged = int(json.loads(run.writer.records[-1])["index"]) + 1
     for it in range(start, cfg.steps):
         t_step = time.perf_counter()
         idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch_size, replace=False)

@@ -35,8 +35,8 @@ def _start(out, **kw):
 
 def _finished_run(out, lines=({"it": 0},)):
     run = _start(out)
-    for rec in lines:
-        run.log(**rec)
+    for k, rec in enumerate(lines):
+        run.log(k, **rec)
     run.finish(metrics={"final_loss": 1.0})
     return run
 
@@ -119,9 +119,10 @@ def test_overwrite_replaces_the_run_and_drops_its_checkpoints(tmp_path):
     Checkpointer(ck).save({"x": np.zeros(2)}, 3)
     run = _start(tmp_path, overwrite=True)
     assert not list(ck.iterdir())
-    run.log(it="second")
+    run.log(0, it="second")
     run.finish(metrics={"final_loss": 2.0})
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"it": "second"}\n'
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["it"] == "second"
 
 
 def test_interrupted_run_is_refused_without_resume(tmp_path):
@@ -195,7 +196,7 @@ def test_damaged_newest_checkpoint_falls_back_and_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "damaged checkpoint(s): " in err and str(newest) in err
     assert "resuming from step 2, the newest checkpoint intact on every rank" in err
-    assert run.writer.records == ['{"step": 2}']  # the lines up to the checkpoint
+    assert [json.loads(r)["step"] for r in run.writer.records] == [2]  # lines up to the checkpoint
     assert newest.with_name(newest.name + ".corrupt").is_file()
 
 
