@@ -313,33 +313,24 @@ class SGDConfig:
             object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
 
 
-class SGD:
-    """SGD with momentum / Nesterov / weight decay on flat buffers, with gradient hooks.
+class _FlatOptimizer:
+    """What SGD and AdamW share: the flat parameter / gradient pair, the schedule, the gradient
+    hooks, the per-element weight-decay vector and two scratch vectors."""
 
-    Parameters
-    ----------
-    params, grads : FlatTensors
-        ``model.params`` and ``model.grads`` (same layout).
-    config : SGDConfig
-    schedule : callable(step) -> lr, optional
-        Default ``ConstantLR(config.lr)``.  ``step`` counts calls to :meth:`step`.
-    hooks : iterable of GradHook
-        Applied in order after weight decay, before momentum.
-    """
-
-    def __init__(self, params: FlatTensors, grads: FlatTensors, config: SGDConfig = SGDConfig(),
-                 schedule: Callable[[int], float] | None = None,
-                 hooks: Iterable[GradHook] = ()):
+    def _bind(self, params: FlatTensors, grads: FlatTensors, config, schedule, hooks):
         if params.layout is not grads.layout and params.layout.names != grads.layout.names:
             raise ValueError("params and grads must share one layout (use model.params, "
                              "model.grads)")
         self.params, self.grads, self.config = params, grads, config
         self.schedule = schedule if schedule is not None else ConstantLR(config.lr)
         self.hooks: list[GradHook] = list(hooks)
-        xp = array_module(params.flat)
-        self.xp = xp
+        self.xp = array_module(params.flat)
         self.step_count = 0
-        self.momentum_buffer = xp.zeros_like(params.flat) if config.momentum > 0 else None
+        return self.xp
+
+    def _scratch_and_decay(self, params: FlatTensors, config) -> None:
+        """Scratch vectors and ``λ`` per element (0 outside ``config.decay_kinds``)."""
+        xp = self.xp
         self._d = xp.empty_like(params.flat)
         self._tmp = xp.empty_like(params.flat)
         if config.weight_decay == 0:
@@ -367,6 +358,28 @@ class SGD:
     def zero_grad(self) -> None:
         """Zero ``grads.flat`` (not needed between steps: backward overwrites gradients)."""
         self.grads.zero_()
+
+
+class SGD(_FlatOptimizer):
+    """SGD with momentum / Nesterov / weight decay on flat buffers, with gradient hooks.
+
+    Parameters
+    ----------
+    params, grads : FlatTensors
+        ``model.params`` and ``model.grads`` (same layout).
+    config : SGDConfig
+    schedule : callable(step) -> lr, optional
+        Default ``ConstantLR(config.lr)``.  ``step`` counts calls to :meth:`step`.
+    hooks : iterable of GradHook
+        Applied in order after weight decay, before momentum.
+    """
+
+    def __init__(self, params: FlatTensors, grads: FlatTensors, config: SGDConfig = SGDConfig(),
+                 schedule: Callable[[int], float] | None = None,
+                 hooks: Iterable[GradHook] = ()):
+        xp = self._bind(params, grads, config, schedule, hooks)
+        self.momentum_buffer = xp.zeros_like(params.flat) if config.momentum > 0 else None
+        self._scratch_and_decay(params, config)
 
     def step(self) -> float:
         """Apply one update to ``params.flat`` in place; returns the learning rate used."""
@@ -459,7 +472,7 @@ class AdamWConfig:
             object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
 
 
-class AdamW:
+class AdamW(_FlatOptimizer):
     """AdamW on flat buffers (Loshchilov & Hutter 2019, Algorithm 2, with η_t = schedule(t)).
 
     One step, ``t = step_count + 1``, all element-wise on the whole flat vector::
@@ -479,41 +492,10 @@ class AdamW:
                  config: AdamWConfig = AdamWConfig(),
                  schedule: Callable[[int], float] | None = None,
                  hooks: Iterable[GradHook] = ()):
-        if params.layout is not grads.layout and params.layout.names != grads.layout.names:
-            raise ValueError("params and grads must share one layout (use model.params, "
-                             "model.grads)")
-        self.params, self.grads, self.config = params, grads, config
-        self.schedule = schedule if schedule is not None else ConstantLR(config.lr)
-        self.hooks: list[GradHook] = list(hooks)
-        xp = array_module(params.flat)
-        self.xp = xp
-        self.step_count = 0
+        xp = self._bind(params, grads, config, schedule, hooks)
         self.momentum_buffer = xp.zeros_like(params.flat)
         self.exp_avg_sq = xp.zeros_like(params.flat)
-        self._d = xp.empty_like(params.flat)
-        self._tmp = xp.empty_like(params.flat)
-        if config.weight_decay == 0:
-            self._wd = 0.0
-        elif config.decay_kinds is None:
-            self._wd = float(config.weight_decay)
-        else:
-            vals = {n: (config.weight_decay if params.layout.kind(n) in config.decay_kinds else 0.0)
-                    for n in params.layout.names}
-            self._wd = xp.asarray(params.layout.expand(vals, dtype=params.dtype))
-
-    @property
-    def lr(self) -> float:
-        """Learning rate the next :meth:`step` will use."""
-        return self.schedule(self.step_count)
-
-    def add_hook(self, hook: GradHook) -> None:
-        self.hooks.append(hook)
-
-    def remove_hook(self, hook: GradHook) -> None:
-        self.hooks.remove(hook)
-
-    def zero_grad(self) -> None:
-        self.grads.zero_()
+        self._scratch_and_decay(params, config)
 
     def step(self) -> float:
         """Apply one update to ``params.flat`` in place; returns the learning rate used."""
