@@ -202,8 +202,9 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
     out.append("")
     out.append("inter-node bytes: bytes sent over node-crossing links (ledger); payload ratio: "
                "inter-node payload / dense payload (H-SADMM compact elements; Top-K 2K/T); sim "
-               "s = measured compute + modeled communication; time to accuracy from the logged "
-               "evaluations")
+               "s = the simulated clock (timeline: critical path of per-layer compute and "
+               "transfers; additive: compute + modeled communication; see summary.json "
+               "timeline.mode); time to accuracy from the logged evaluations")
     return "\n".join(out)
 
 
