@@ -148,8 +148,7 @@ def test_predict_cli_every_system(system, capsys, tmp_path):
     args = ["predict", "--system", system, "--nodes", "2", "--gpus-per-node", "2", "--iters",
             "3", "--out", str(tmp_path / "p.json")]
     if SYSTEMS[system].spec_kind == "radixnet":
-        args += ["--neurons", "64", "--layers", "2", "--preset", "deterministic", "--threads",
-                 "1"]
+        args += ["--neurons", "64", "--layers", "2"]
     else:
         args += ["--model", "cnn"]
     main(args)
