@@ -272,6 +272,18 @@ class MaskHook:
 # ---------------------------------------------------------------------------------------------
 # SGD
 # ---------------------------------------------------------------------------------------------
+def _check_decay(config) -> None:
+    """Validate ``weight_decay`` and ``decay_kinds`` of an optimizer config (frozen: the kinds
+    are stored as a tuple)."""
+    if config.weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay}")
+    if config.decay_kinds is not None:
+        bad = [k for k in config.decay_kinds if k not in PARAM_KINDS]
+        if bad:
+            raise ValueError(f"decay_kinds {bad} unknown; valid kinds are {PARAM_KINDS}")
+        object.__setattr__(config, "decay_kinds", tuple(config.decay_kinds))
+
+
 @dataclass(frozen=True)
 class SGDConfig:
     """SGD hyper-parameters.
@@ -304,13 +316,7 @@ class SGDConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.decay_kinds is not None:
-            bad = [k for k in self.decay_kinds if k not in PARAM_KINDS]
-            if bad:
-                raise ValueError(f"decay_kinds {bad} unknown; valid kinds are {PARAM_KINDS}")
-            object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
+        _check_decay(self)
 
 
 class _FlatOptimizer:
@@ -463,13 +469,7 @@ class AdamWConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.decay_kinds is not None:
-            bad = [k for k in self.decay_kinds if k not in PARAM_KINDS]
-            if bad:
-                raise ValueError(f"decay_kinds {bad} unknown; valid kinds are {PARAM_KINDS}")
-            object.__setattr__(self, "decay_kinds", tuple(self.decay_kinds))
+        _check_decay(self)
 
 
 class AdamW(_FlatOptimizer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import central_difference
 from scipy import signal
 
 from models.layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten,
@@ -25,17 +26,6 @@ def snapshot(model):
 def restore(model, snap):
     for k, v in snap.items():
         model.buffers[k][...] = v
-
-
-def central_difference(vec, i, loss, eps):
-    """``(loss(vec + eps e_i) - loss(vec - eps e_i)) / 2 eps``, restoring ``vec[i]``."""
-    old = vec[i]
-    vec[i] = old + eps
-    lp = loss()
-    vec[i] = old - eps
-    lm = loss()
-    vec[i] = old
-    return (lp - lm) / (2 * eps)
 
 
 def fd_check(model, x, *, training=True, n_param=40, n_input=40, seed=0, eps=1e-6, rtol=1e-6):

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from gradcheck import central_difference
 
 from models.layers import Sequential
 from models.network import Model
@@ -52,16 +53,7 @@ def check_close(numeric, analytic, what, rtol=1e-5, atol=1e-8):
 
 def fd_pairs(vec, grad, loss, idx, eps=1e-6):
     """(central difference, analytic) at coordinates ``idx`` of ``vec`` (restored after)."""
-    num = []
-    for i in idx:
-        old = vec[i]
-        vec[i] = old + eps
-        lp = loss()
-        vec[i] = old - eps
-        lm = loss()
-        vec[i] = old
-        num.append((lp - lm) / (2 * eps))
-    return np.array(num), grad[idx]
+    return np.array([central_difference(vec, i, loss, eps) for i in idx]), grad[idx]
 
 
 def fd_check(model, x, *, n=40, seed=0, input_grad=True):
