@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from substrate.cli import add_common_args, start_run
 
@@ -120,8 +119,10 @@ class TrainConfig:
                               decay_kinds=("conv", "fc"), schedule=schedule)
 
 
-def evaluate(model: Model, data: Dataset, batch_size: int = 512) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``data`` in evaluation mode."""
+def evaluate(model: Model, data: Dataset, batch_size: int = 128) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``data`` in evaluation mode, ``batch_size``
+    samples at a time (the transient im2col buffers, not the result, grow with it: 128 keeps an
+    evaluating rank within the per-rank memory of a training one)."""
     total_loss, correct, n = 0.0, 0, 0
     for x, y in iterate_batches(data, batch_size, shuffle=False):
         logits = model.forward(x, training=False)
@@ -168,8 +169,12 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
     if steps is not None:
         epochs = -(-int(steps) // steps_per_epoch)
     total = epochs * steps_per_epoch if steps is None else int(steps)
-    bar = tqdm(total=total, disable=not progress, unit="step",
-               desc=f"{model.name}", leave=False)
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415 (10 MiB; only a run that shows a bar)
+
+        bar = tqdm(total=total, unit="step", desc=f"{model.name}", leave=False)
+    else:
+        bar = None
     wrap = compute if compute is not None else nullcontext
     t0 = time.perf_counter()
     record: dict = {}
@@ -187,7 +192,8 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
             loss_sum += loss * len(y)
             correct += int((logits.argmax(axis=1) == y).sum())
             n += len(y)
-            bar.update(1)
+            if bar is not None:
+                bar.update(1)
         train_s += time.perf_counter() - t_epoch
         test_loss, test_acc = evaluate(model, test)
         record = {"epoch": epoch, "step": opt.step_count, "loss": loss_sum / n,
@@ -197,10 +203,12 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
             lm = model.evaluate_lm(test)
             record.update(test_lm_loss=lm["loss"], test_perplexity=lm["perplexity"],
                           test_bits_per_byte=lm["bits_per_byte"])
-        bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{test_acc:.4f}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{test_acc:.4f}")
         if on_epoch is not None:
             on_epoch(record)
-    bar.close()
+    if bar is not None:
+        bar.close()
     out = {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
            "final_test_loss": record["test_loss"], "train_time_s": train_s,
            "steps": opt.step_count}
