@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_dataset, shard
+from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_shard
 from models.optim import make_optimizer, make_schedule
 from models.data import check_batch_size
 from models.train import evaluate, parse_arch
@@ -191,10 +191,12 @@ def train(args) -> dict:
     xp = run.xp
     arch = dict(parse_arch(cfg.arch))
     data_kw = {"context": int(arch.pop("context"))} if "context" in arch else {}
-    data = load_dataset(cfg.dataset, cfg.data_dir, **data_kw)
-    train_shard = shard(data.train, run.rank, run.size, seed=cfg.seed).to(xp)
+    # each rank reads only its shard of the training set (CIFAR-10: batch file by batch file)
+    data = load_shard(cfg.dataset, cfg.data_dir, rank=run.rank, size=run.size, seed=cfg.seed,
+                      **data_kw)
+    train_shard = data.train.to(xp)
     check_batch_size(cfg.batch_size, len(train_shard),
-                     f"each rank's shard of the {len(data.train)} {cfg.dataset} training "
+                     f"each rank's shard of the {data.train_total} {cfg.dataset} training "
                      f"samples split over {run.size} ranks")
     test = data.test.to(xp)
     shape, classes = data.train.input_shape, data.train.num_classes

@@ -6,8 +6,9 @@ is a view into them (``model.params[name]``), laid out in backward order.
 """
 
 from .data import (DATASETS, Dataset, DatasetFormatError, DatasetNotFoundError, DatasetSplit,
-                   channel_stats, iterate_batches, load_cifar10, load_dataset, load_digits,
-                   load_mnist, make_synthetic, normalize, num_batches, read_idx, shard)
+                   ShardSplit, channel_stats, iterate_batches, load_cifar10, load_dataset,
+                   load_digits, load_mnist, load_shard, make_synthetic, normalize, num_batches,
+                   read_idx, shard)
 from .layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, GlobalAvgPool2d,
                      Layer, Linear, MaxPool2d, ReLU, Sequential, SoftmaxCrossEntropy,
                      softmax_cross_entropy)
@@ -26,8 +27,9 @@ for _name, _loader in TEXT_DATASETS.items():
 
 __all__ = [
     "DATASETS", "Dataset", "DatasetFormatError", "DatasetNotFoundError", "DatasetSplit",
-    "channel_stats", "iterate_batches", "load_cifar10", "load_dataset", "load_digits",
-    "load_mnist", "make_synthetic", "normalize", "num_batches", "read_idx", "shard",
+    "ShardSplit", "channel_stats", "iterate_batches", "load_cifar10", "load_dataset",
+    "load_digits", "load_mnist", "load_shard", "make_synthetic", "normalize", "num_batches",
+    "read_idx", "shard",
     "BasicBlock", "BatchNorm2d", "Bottleneck", "Conv2d", "Flatten", "GlobalAvgPool2d", "Layer",
     "Linear", "MaxPool2d", "ReLU", "Sequential", "SoftmaxCrossEntropy", "softmax_cross_entropy",
     "Model", "OPTIMIZERS", "SCHEDULES", "SGD", "AdamW", "AdamWConfig", "make_optimizer",

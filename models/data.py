@@ -377,11 +377,7 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), labels
 
 
-def load_cifar10(root, *, normalize_data: bool = True) -> DatasetSplit:
-    """CIFAR-10 from the python batches ``data_batch_1..5`` and ``test_batch``, ``(N, 3, 32, 32)``.
-
-    ``root`` is the ``cifar-10-batches-py`` directory or its parent.  Nothing is downloaded.
-    """
+def _cifar_root(root) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise DatasetNotFoundError(
@@ -389,20 +385,89 @@ def load_cifar10(root, *, normalize_data: bool = True) -> DatasetSplit:
             "(data_batch_1..5, test_batch)")
     if (root / "cifar-10-batches-py").is_dir():
         root = root / "cifar-10-batches-py"
-    parts = []
-    for names in ([f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]):
-        xs, ys = [], []
-        for name in names:
-            path = root / name
-            if not path.is_file():
-                raise DatasetNotFoundError(f"{path}: CIFAR-10 batch not found; expected "
-                                           "data_batch_1..5 and test_batch in " + str(root))
-            x, y = _read_cifar_batch(path)
-            xs.append(x)
-            ys.append(y)
-        x = np.concatenate(xs).astype(np.float32) / 255.0
-        parts.append(Dataset(x, np.concatenate(ys), 10, "cifar10"))
-    return _finish(parts[0], parts[1], normalize_data)
+    for name in _CIFAR_TRAIN + _CIFAR_TEST:
+        if not (root / name).is_file():
+            raise DatasetNotFoundError(f"{root / name}: CIFAR-10 batch not found; expected "
+                                       "data_batch_1..5 and test_batch in " + str(root))
+    return root
+
+
+_CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+_CIFAR_TEST = ("test_batch",)
+#: ``v / 255`` in float32 for every byte value (the pixel values of a CIFAR image).
+_U8_TO_F32 = (np.arange(256, dtype=np.float32) / np.float32(255.0))
+
+
+def _cifar_set(root: Path, names, rows: np.ndarray | None = None):
+    """Images ``(n, 3, 32, 32)`` float32 in [0, 1], labels, and per-channel byte histograms
+    ``(3, 256)`` of the WHOLE set, reading one batch file at a time.  ``rows`` (ascending
+    positions in the concatenated set) keeps only those images: the whole set is never held."""
+    xs, ys, hist, start = [], [], np.zeros((3, 256), dtype=np.int64), 0
+    for name in names:
+        data, labels = _read_cifar_batch(root / name)
+        n = data.shape[0]
+        for c in range(3):
+            hist[c] += np.bincount(data[:, c].ravel(), minlength=256)
+        if rows is None:
+            keep = slice(None)
+        else:
+            lo, hi = np.searchsorted(rows, [start, start + n])
+            keep = rows[lo:hi] - start
+        xs.append(_U8_TO_F32[data[keep]])
+        ys.append(labels[keep])
+        start += n
+    return np.concatenate(xs), np.concatenate(ys), hist, start
+
+
+def _stats_from_histogram(hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`channel_stats` of images whose per-channel byte histograms are ``hist``: the same
+    float64 mean and standard deviation of the float32 values ``v / 255``, without the images
+    (equal to float64 round-off: the sums run over 256 values instead of every pixel)."""
+    v = _U8_TO_F32.astype(np.float64)
+    n = hist.sum(axis=1)
+    mean = (hist * v).sum(axis=1) / n
+    std = np.sqrt((hist * (v[None, :] - mean[:, None]) ** 2).sum(axis=1) / n)
+    std[std == 0] = 1.0
+    return mean, std
+
+
+def load_cifar10(root, *, normalize_data: bool = True) -> DatasetSplit:
+    """CIFAR-10 from the python batches ``data_batch_1..5`` and ``test_batch``, ``(N, 3, 32, 32)``.
+
+    ``root`` is the ``cifar-10-batches-py`` directory or its parent.  Nothing is downloaded.
+    The batch files are read one at a time (see :func:`load_shard` for one rank's shard).
+    """
+    return _load_cifar10(root, normalize_data)[0]
+
+
+def _load_cifar10(root, normalize_data: bool = True, rank_shard=None) -> tuple[DatasetSplit, int]:
+    """CIFAR-10 and the size of its whole training set.  With ``rank_shard=(rank, size, seed)``
+    ``train`` is that rank's :func:`shard`: the other images are dropped batch by batch as the
+    files are read (a rank holds 1/size of the 600 MB float32 training set, never all of it),
+    and the normalization statistics are still the whole training set's (per-batch byte
+    histograms)."""
+    root = _cifar_root(root)
+    rows = idx = None
+    n_total = None
+    if rank_shard is not None:
+        n_total = sum(_cifar_count(root / name) for name in _CIFAR_TRAIN)
+        idx = _shard_positions(n_total, *rank_shard)
+        rows = np.sort(idx)
+    x, y, hist, n_total = _cifar_set(root, _CIFAR_TRAIN, rows)
+    if idx is not None:             # back to the shard's own order (that of the permutation)
+        pos = np.searchsorted(rows, idx)
+        x, y = x[pos], y[pos]
+    xt, yt, _, _ = _cifar_set(root, _CIFAR_TEST)
+    train, test = Dataset(x, y, 10, "cifar10"), Dataset(xt, yt, 10, "cifar10")
+    if normalize_data:
+        mean, std = _stats_from_histogram(hist)
+        train, test = normalize(train, mean, std), normalize(test, mean, std)
+    return DatasetSplit(train, test), n_total
+
+
+def _cifar_count(path: Path) -> int:
+    """Images in one CIFAR batch (read and validated; the file is small next to the set)."""
+    return _read_cifar_batch(path)[0].shape[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,17 +530,48 @@ def shard(dataset: Dataset, rank: int, size: int, *, seed: int | None = None) ->
     ``N mod size`` samples are dropped).  The order is the dataset order, or a fixed permutation
     ``default_rng(seed).permutation(N)`` when ``seed`` is given (same on every rank).
     """
+    idx = _shard_positions(len(dataset), rank, size, seed)
+    xp_idx = idx if isinstance(dataset.x, np.ndarray) else _to_module(dataset.x, idx)
+    return dataset.subset(xp_idx)
+
+
+def _shard_positions(N: int, rank: int, size: int, seed: int | None = None) -> np.ndarray:
+    """Positions of rank ``rank``'s :func:`shard` in a set of ``N`` samples."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"need 0 <= rank < size, got rank={rank}, size={size}")
-    N = len(dataset)
     n = N // size
     if n == 0:
         raise ValueError(f"{N} samples cannot be split into {size} non-empty shards; use fewer "
                          "ranks or more data")
     order = np.arange(N) if seed is None else np.random.default_rng(seed).permutation(N)
-    idx = order[rank * n:(rank + 1) * n]
-    xp_idx = idx if isinstance(dataset.x, np.ndarray) else _to_module(dataset.x, idx)
-    return dataset.subset(xp_idx)
+    return order[rank * n:(rank + 1) * n]
+
+
+class ShardSplit(NamedTuple):
+    """What :func:`load_shard` returns: this rank's ``train`` shard, the whole ``test`` set, and
+    ``train_total``, the size of the whole training set the shard was cut from."""
+
+    train: Dataset
+    test: Dataset
+    train_total: int
+
+
+def load_shard(name: str, root=None, *, rank: int, size: int, seed: int | None = None,
+               **kwargs) -> ShardSplit:
+    """Rank ``rank``'s :func:`shard` of dataset ``name``'s training set (and its test set).
+
+    Equal to ``shard(load_dataset(name, root).train, rank, size, seed=seed)`` (to float32
+    round-off of the normalization statistics); for CIFAR-10 the other ranks' images are
+    dropped batch by batch as the files are read, so no rank holds the whole training set.  The
+    small sets (digits, MNIST, synthetic, text) are loaded whole and cut.
+    """
+    if name == "cifar10":
+        if root is None:
+            raise ValueError("dataset 'cifar10' needs a data directory: pass --data-dir DIR")
+        split, total = _load_cifar10(os.fspath(root), rank_shard=(rank, size, seed), **kwargs)
+        return ShardSplit(split.train, split.test, total)
+    split = load_dataset(name, root, **kwargs)
+    return ShardSplit(shard(split.train, rank, size, seed=seed), split.test, len(split.train))
 
 
 def _to_module(like, idx: np.ndarray):

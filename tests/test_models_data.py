@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from models.data import (DATASETS, DatasetFormatError, DatasetNotFoundError, channel_stats,
+import models.data as data_mod
+from models.data import (load_shard, DATASETS, DatasetFormatError, DatasetNotFoundError, channel_stats,
                          iterate_batches, load_cifar10, load_dataset, load_digits, load_mnist,
                          make_synthetic, num_batches, read_idx, shard)
 
@@ -151,6 +152,53 @@ def test_cifar_loader_reads_pickles(tmp_path, nested):
     np.testing.assert_array_equal(split.test.y, raw["test_batch"][1])
     norm = load_cifar10(root)
     assert np.allclose(norm.train.x.mean(axis=(0, 2, 3)), 0, atol=1e-5)
+
+
+@pytest.mark.parametrize("size,seed", [(1, None), (3, None), (3, 7), (7, 1)])
+@pytest.mark.parametrize("normalize_data", [False, True])
+def test_cifar_shard_loaded_per_rank_equals_the_cut_of_the_whole_set(tmp_path, size, seed,
+                                                                      normalize_data):
+    # 5 batches of 5 (25 images): shards of uneven remainders, shuffled or not
+    write_cifar(tmp_path, n_per_batch=5, seed=3)
+    whole = load_cifar10(tmp_path, normalize_data=normalize_data)
+    seen = []
+    for rank in range(size):
+        got = load_shard("cifar10", tmp_path, rank=rank, size=size, seed=seed,
+                         normalize_data=normalize_data)
+        want = shard(whole.train, rank, size, seed=seed)
+        assert got.train_total == 25 and len(got.train) == 25 // size
+        np.testing.assert_array_equal(got.train.y, want.y)
+        # the statistics come from byte histograms, the reference's from every pixel:
+        # equal to float64 round-off, so the float32 images agree to one rounding
+        np.testing.assert_allclose(got.train.x, want.x, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got.test.x, whole.test.x, rtol=1e-6, atol=1e-6)
+        seen.append(got.train.y)
+    assert sum(map(len, seen)) == size * (25 // size)
+
+
+def test_histogram_statistics_equal_channel_stats():
+    rng = np.random.default_rng(0)
+    u8 = rng.integers(0, 256, (11, 3, 4, 5), dtype=np.uint8)
+    u8[:, 2] = 17                                    # a constant channel: std 1 by convention
+    hist = np.stack([np.bincount(u8[:, c].ravel(), minlength=256) for c in range(3)])
+    mean, std = data_mod._stats_from_histogram(hist)
+    ref_mean, ref_std = channel_stats(u8.astype(np.float32) / 255.0)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-14)
+    np.testing.assert_allclose(std, ref_std, rtol=1e-12)
+    assert std[2] == 1.0
+
+
+def test_load_shard_of_a_small_set_is_its_shard():
+    got = load_shard("digits", rank=2, size=3, seed=5)
+    whole = load_dataset("digits")
+    want = shard(whole.train, 2, 3, seed=5)
+    assert got.train_total == len(whole.train)
+    np.testing.assert_array_equal(got.train.x, want.x)
+    np.testing.assert_array_equal(got.train.y, want.y)
+    with pytest.raises(ValueError, match="--data-dir"):
+        load_shard("cifar10", rank=0, size=1)
+    with pytest.raises(ValueError, match="rank"):
+        load_shard("digits", rank=3, size=3)
 
 
 def test_cifar_truncated_batch_names_file(tmp_path):
