@@ -30,7 +30,7 @@ import numpy as np
 __all__ = [
     "Dataset", "DatasetSplit", "DatasetFormatError", "DatasetNotFoundError",
     "load_digits", "load_mnist", "load_cifar10", "make_synthetic", "DATASETS", "load_dataset",
-    "read_idx", "channel_stats", "normalize", "shard", "iterate_batches", "num_batches",
+    "read_idx", "channel_stats", "normalize", "shard", "load_shard", "ShardSplit", "iterate_batches", "num_batches",
     "check_batch_size", "IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC",
 ]
 
