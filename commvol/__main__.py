@@ -1,6 +1,6 @@
-"""``python -m commvol {predict,partition-table,scale,report}``: one sub-command per module
-(:mod:`commvol.predict`, :mod:`commvol.partition_table`, :mod:`commvol.scale`,
-:mod:`commvol.report`)."""
+"""``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta}``: the
+sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`, :mod:`commvol.scale`,
+:mod:`commvol.report` and :mod:`commvol.plots`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from substrate.cli import main_guard
 
-from . import partition_table, predict, report, scale
+from . import partition_table, plots, predict, report, scale
 
 __all__ = ["build_parser", "main"]
 
@@ -17,9 +17,10 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commvol",
                                 description="closed-form communication volumes, the H-SGD "
-                                            "partition table, strong scaling and run reports")
+                                            "partition table, strong scaling, run reports "
+                                            "and timeline plots")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for mod in (predict, partition_table, scale, report):
+    for mod in (predict, partition_table, scale, report, plots):
         mod.add_parser(sub)
     return p
 

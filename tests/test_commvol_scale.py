@@ -1,0 +1,265 @@
+"""``commvol scale`` on the event timeline: one step of a tiny two-layer model against closed
+forms written here (compute + ring time; two buckets overlapping the backward and sharing the
+link: a max-plus formula), Top-K's selection chain, the ADMM chain against the systems'
+predicted communication, the no-overlap sum against the earlier additive model, speedup sanity,
+the paper comparison, and bad input."""
+
+import json
+import math
+
+import pytest
+
+from commvol.__main__ import main
+from commvol.predict import predict, resolve_model
+from commvol.scale import PRUNEX_FIG9, format_paper_comparison, strong_scaling, timeline_scaling
+from commvol.timeline_scale import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    OPTIMIZER_FLOPS_PER_PARAM,
+    SELECT_PASSES,
+    ComputeModel,
+    Unit,
+    dp_step,
+    epoch_timing,
+    units_for_spec,
+)
+from dataparallel.ddp import DDPOptions, DDPPlan
+from dataparallel.topk import TopKOptions
+from hsadmm.config import HSADMMConfig
+from models.layers import Linear, Sequential
+from models.modelspec import spec_from_layers
+from substrate.costmodel import CostModel
+
+RATE = 1.0          # TFLOP/s
+GBS = 1.0           # GB/s of the memory-bound events
+F1, F2 = 3e6, 1e6   # forward FLOPs per sample of fc1, fc2 (backward: twice)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """fc1 (4 -> 8) and fc2 (8 -> 2) without biases: 32 + 16 parameters; flat (backward) order
+    puts fc2's 16 first."""
+    spec = spec_from_layers("tiny", Sequential([("fc1", Linear(4, 8, bias=False)),
+                                                ("fc2", Linear(8, 2, bias=False))]), (4,), 2)
+    off = spec.layout.offsets
+    units = (Unit("fc1", off["fc1.weight"], off["fc1.weight"] + 32, F1, 2 * F1),
+             Unit("fc2", off["fc2.weight"], off["fc2.weight"] + 16, F2, 2 * F2))
+    return spec, ComputeModel(units, RATE, GBS)
+
+
+def _sec(flops):
+    return flops / (RATE * 1e12)
+
+
+def _opt(T):
+    return max(OPTIMIZER_FLOPS_PER_PARAM * T / (RATE * 1e12),
+               OPTIMIZER_BYTES_PER_PARAM * T / (GBS * 1e9))
+
+
+def _ring(n, p, alpha, bw):
+    """(L, W) of a ring all-reduce of n bytes over p ranks: 2(p-1) alpha, 2(p-1)/p n / bw."""
+    return 2 * (p - 1) * alpha, 2 * (p - 1) / p * n / bw
+
+
+def test_ddp_one_bucket_is_compute_plus_ring_time(tiny):
+    spec, cm = tiny
+    alpha, bw, batch = 1e-4, 1e6, 100
+    cost = CostModel(inter_bw=bw, inter_lat=alpha)
+    opts = DDPOptions(bucket_mib=1.0)
+    assert DDPPlan.for_layout(spec.layout, opts).buckets == ((0, 48),)
+    t = dp_step("ddp", spec, 2, 1, opts, cost, cm, batch)     # 2 nodes x 1 GPU: inter ring
+    compute = batch * _sec(3 * F1 + 3 * F2)
+    L, W = _ring(4 * 48, 2, alpha, bw)
+    # the only bucket is ready when the backward ends; the update waits for it
+    assert t.step_s == pytest.approx(compute + L + W + _opt(48), rel=1e-12)
+    assert t.no_overlap_s == pytest.approx(t.step_s, rel=1e-12)
+    assert t.comm_s == pytest.approx(cost.ring_allreduce_time(4 * 48, 2, "inter"), rel=1e-12)
+
+
+@pytest.mark.parametrize("bw", [1e6, 2e4, 5e3])
+def test_ddp_two_buckets_overlap_the_backward_max_plus(tiny, bw):
+    """Bucket A (fc2, 16 floats) is ready after fc2's backward, bucket B (fc1, 32 floats) after
+    fc1's.  A's bandwidth part runs from s_A; B's from s_B.  A work-conserving link shared by
+    both finishes the last byte at max(s_A + W_A, s_B) + W_B (no sharing when A is done first;
+    otherwise the link never idles from s_A on)."""
+    spec, cm = tiny
+    alpha, batch = 2e-5, 200
+    cost = CostModel(inter_bw=bw, inter_lat=alpha)
+    opts = DDPOptions(bucket_mib=64 / 2 ** 20)
+    assert DDPPlan.for_layout(spec.layout, opts).buckets == ((0, 16), (16, 48))
+    t = dp_step("ddp", spec, 2, 1, opts, cost, cm, batch, keep_events=True)
+    fwd = batch * _sec(F1 + F2)
+    ready_a = fwd + batch * _sec(2 * F2)
+    ready_b = ready_a + batch * _sec(2 * F1)
+    La, Wa = _ring(4 * 16, 2, alpha, bw)
+    Lb, Wb = _ring(4 * 32, 2, alpha, bw)
+    sa, sb = ready_a + La, ready_b + Lb
+    last = max(sa + Wa, sb) + Wb if sb >= sa else None
+    assert last is not None
+    assert t.step_s == pytest.approx(max(last, ready_b) + _opt(48), rel=1e-9)
+    # bucket A alone until s_B, then at half rate: it finishes at s_B + 2 r_A (r_A <= W_B here)
+    r_a = sa + Wa - sb
+    assert r_a <= Wb
+    fin = {e.label: e.finish for e in t.events}
+    assert fin["grad_allreduce[0]"] == pytest.approx(sa + Wa if r_a <= 0 else sb + 2 * r_a,
+                                                     rel=1e-9)
+    # the additive clock's sum is never shorter, and longer by exactly the hidden part
+    assert t.no_overlap_s == pytest.approx(ready_b + La + Wa + Lb + Wb + _opt(48), rel=1e-12)
+    assert t.step_s <= t.no_overlap_s + 1e-15
+
+
+def test_ddp_hierarchical_and_topk_chains(tiny):
+    spec, cm = tiny
+    cost = CostModel(intra_bw=4e6, intra_lat=1e-5, inter_bw=1e6, inter_lat=1e-4)
+    batch, M, P = 50, 2, 2
+    compute = batch * _sec(3 * F1 + 3 * F2)
+    # one bucket: intra ring (P) -> leaders' ring (M) -> binomial bcast (ceil log2 P levels)
+    t = dp_step("ddp-hierarchical", spec, M, P, DDPOptions(bucket_mib=1.0), cost, cm, batch)
+    n = 4 * 48
+    intra = 2 * (P - 1) * (1e-5 + n / P / 4e6)
+    inter = 2 * (M - 1) * (1e-4 + n / M / 1e6)
+    bcast = 1 * (1e-5 + n / 4e6)
+    assert t.step_s == pytest.approx(compute + intra + inter + bcast + _opt(48), rel=1e-12)
+    # Top-K at density 0.25: k = 8 of fc1, 4 of fc2; selection after the backward, then the
+    # ring all-gather of p * 8K bytes over p = 4 ranks (crossing nodes: inter), then decoding
+    K, p = 12, M * P
+    t = dp_step("topk", spec, M, P, TopKOptions(density=0.25), cost, cm, batch)
+    select = SELECT_PASSES * 4 * 48 / (GBS * 1e9)
+    gather = (p - 1) * 1e-4 + (p - 1) / p * (p * 8 * K) / 1e6
+    decode = (p * 8 * K + 4 * 48) / (GBS * 1e9)
+    assert t.step_s == pytest.approx(compute + select + gather + decode + _opt(48), rel=1e-12)
+    assert t.exposed_comm_s == pytest.approx(gather, rel=1e-9)
+
+
+@pytest.mark.parametrize("system,freeze", [("hsadmm", 4), ("hsadmm", 0), ("flat-admm", 4)])
+def test_admm_iteration_is_local_epochs_then_the_predicted_chain(system, freeze):
+    """No overlap is possible in an ADMM iteration (every phase waits for the one before), so
+    its time is the local training plus the prediction's communication (commvol.systems)."""
+    spec = resolve_model("cnn")
+    units, _ = units_for_spec(spec, "cnn")
+    cm = ComputeModel(tuple(units), 0.01, 5.0)
+    cost = CostModel()
+    D, b, E, M, P = 4000, 32, 2.0, 2, 2
+    o = HSADMMConfig(local_epochs=E, batch_size=b, freeze_iter=freeze)
+    r = epoch_timing(system, spec, M, P, o, cost, cm, D / (M * P), b)
+    steps = math.ceil(D / (M * P) / b)
+    T = spec.layout.total
+    flops = sum(u.forward_flops + u.backward_flops for u in units)
+    epoch = D / (M * P) * flops / (0.01e12) + steps * max(6 * T / 0.01e12, 20 * T / 5e9)
+    comm = predict(system, spec=spec, nodes=M, gpus_per_node=P, cost=cost, local_epochs=E,
+                   batch_size=b, freeze_iter=freeze).steady.time_s
+    assert r["iterations_per_epoch"] == pytest.approx(1 / E)
+    assert r["step_s"] == pytest.approx(E * epoch + comm, rel=1e-9)
+    assert r["time_s"] == pytest.approx((E * epoch + comm) / E, rel=1e-9)
+    assert r["comm_s"] == pytest.approx(comm / E, rel=1e-9)
+
+
+def test_no_overlap_sum_is_the_earlier_additive_model_plus_the_update():
+    """For DDP the no-overlap column adds exactly the optimizer update to the earlier closed
+    form (D/p) t_s + ceil(D/(p b)) c(p); the timeline is never longer than either."""
+    spec = resolve_model("cnn")
+    units, _ = units_for_spec(spec, "cnn")
+    cm = ComputeModel(tuple(units), 0.05, 20.0)
+    D, b = 12_800, 32
+    rows = timeline_scaling("ddp", spec, [4, 8, 16], 2, compute=cm, dataset_size=D,
+                            batch_size=b)
+    old = strong_scaling("ddp", spec, [4, 8, 16], 2, compute_s_per_sample=cm.seconds_per_sample,
+                         dataset_size=D, batch_size=b)
+    for r, o in zip(rows, old):
+        steps = math.ceil(D / (r["gpus"] * b))
+        assert r["iterations_per_epoch"] == steps
+        assert r["no_overlap_time_s"] - steps * cm.optimizer_s(spec.layout.total) == \
+            pytest.approx(o["time_s"], rel=1e-9)
+        assert r["time_s"] <= r["no_overlap_time_s"] * (1 + 1e-12)
+        assert r["time_s"] >= r["compute_s"] * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("system", ["ddp", "topk", "hsadmm"])
+def test_speedup_grows_with_gpus_and_never_beats_ideal(system):
+    spec = resolve_model("cnn")
+    units, _ = units_for_spec(spec, "cnn")
+    cm = ComputeModel(tuple(units), 0.02, 10.0)
+    gpus = [2, 4, 8, 16, 32]
+    rows = timeline_scaling(system, spec, gpus, 2, compute=cm, dataset_size=60_000,
+                            batch_size=32, cost=CostModel.from_cli(100, 10, 2, 5))
+    sp = [r["speedup"] for r in rows]
+    assert sp[0] == 1.0 and all(a < b for a, b in zip(sp, sp[1:]))
+    for r in rows:
+        assert r["speedup"] <= r["gpus"] / gpus[0] + 1e-9
+        assert r["efficiency"] == pytest.approx(r["speedup"] * gpus[0] / r["gpus"])
+        assert r["no_overlap_speedup"] <= r["gpus"] / gpus[0] + 1e-9
+
+
+def test_units_cover_the_layout_and_match_the_spec_flops():
+    spec = resolve_model("resnet18")
+    units, how = units_for_spec(spec, "resnet18")
+    assert "layer tree" in how
+    assert sum(u.hi - u.lo for u in units) == spec.layout.total
+    # conv + fc FLOPs are the spec's; BN, ReLU and the residual additions come on top
+    fwd = sum(u.forward_flops for u in units)
+    assert spec.flops_per_sample < fwd < 1.05 * spec.flops_per_sample
+    assert all(u.backward_flops == 2 * u.forward_flops for u in units)
+    # a spec without a layer tree here: FLOPs split by tensor size, all parameters covered
+    vit = resolve_model("vit-base")
+    units, how = units_for_spec(vit, "vit-base")
+    assert "in proportion" in how
+    assert sum(u.hi - u.lo for u in units) == vit.layout.total
+    assert sum(u.forward_flops for u in units) == pytest.approx(vit.flops_per_sample)
+
+
+def test_cli_prints_both_models_and_the_paper_comparison(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--system", "hsadmm", "ddp", "topk", "--model", "resnet152", "--gpus",
+                 "8", "64", "--gpus-per-node", "4", "--device-tflops", "15.7",
+                 "--local-epochs", "5", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "no-overlap speedup" in text and "| ddp | 8 | 2 | 49 |" in text
+    assert "differs from the paper's testbed" in text
+    for name, paper in PRUNEX_FIG9.items():
+        assert f"| {name} | {paper:.2f}x |" in text
+    saved = json.loads(out.read_text())
+    assert saved["paper"]["speedup"] == PRUNEX_FIG9
+    assert set(saved["systems"]) == {"hsadmm", "ddp", "topk"}
+    r = saved["systems"]["ddp"][-1]
+    assert r["speedup"] == pytest.approx(saved["systems"]["ddp"][0]["time_s"] / r["time_s"])
+    assert any("links:" in a for a in saved["assumptions"])
+    # another model: no comparison with the paper's ResNet-152 figure
+    assert main(["scale", "--system", "ddp", "--model", "cnn", "--gpus", "8", "64",
+                 "--gpus-per-node", "4", "--device-tflops", "1"]) == 0
+    assert "PruneX Fig. 9" not in capsys.readouterr().out
+
+
+def test_paper_comparison_needs_both_gpu_counts():
+    rows = [{"gpus": 8, "time_s": 8.0, "no_overlap_time_s": 9.0},
+            {"gpus": 64, "time_s": 1.25, "no_overlap_time_s": 1.5}]
+    text = format_paper_comparison({"ddp": rows})
+    assert "| ddp | 5.81x | 6.40x | 6.00x | - |" in text
+    assert format_paper_comparison({"ddp": rows[:1]}) is None
+    assert format_paper_comparison({"ddp-hierarchical": rows}) is None
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--gpus", "6", "--gpus-per-node", "4"], "multiples of --gpus-per-node 4"),
+    (["--device-tflops", "0"], "--device-tflops must be a finite number > 0"),
+    (["--device-tflops", "1", "--compute-s-per-sample", "1"], "not both"),
+    (["--compute-s-per-sample", "-1"], "--compute-s-per-sample must be a finite number > 0"),
+    (["--device-tflops", "1", "--device-gbs", "0"], "--device-gbs must give a finite rate"),
+    (["--device-tflops", "1", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--device-tflops", "1", "--dataset-size", "0"], "--dataset-size must be an integer >= 1"),
+    (["--device-tflops", "1", "--system", "hsgd"], "model-parallel sparse SGD"),
+    (["--device-tflops", "1", "--system", "nope"], "unknown system 'nope'"),
+])
+def test_bad_input_names_the_flag(argv, match):
+    base = ["scale", "--model", "cnn", "--gpus", "4", "8", "--gpus-per-node", "2",
+            "--system", "ddp"]
+    with pytest.raises(ValueError, match=match):
+        main(base + argv)
+
+
+def test_compute_model_rejects_bad_rates(tiny):
+    spec, cm = tiny
+    with pytest.raises(ValueError, match="--device-gbs"):
+        ComputeModel(cm.units, 1.0, float("nan"))
+    with pytest.raises(ValueError, match="--compute-s-per-sample"):
+        ComputeModel.from_seconds_per_sample(cm.units, 0.0, 1.0)
+    with pytest.raises(ValueError, match="--batch-size must be > 0"):
+        dp_step("ddp", spec, 2, 1, DDPOptions(), CostModel(), cm, 0)
