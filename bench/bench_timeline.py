@@ -15,11 +15,12 @@ Prints (not a test)::
     soon as its last gradient is written; optimizer step after the last bucket.  Prints the
     timeline's step time (critical path) beside the no-overlap sum for several inter-node
     bandwidths.  The events are declared exactly as a strategy would (see the report).
-``ddpload``
-    ``dataparallel train --method ddp`` as 4 ranks (2 simulated nodes x 2) alone and beside two
-    busy-loop processes, with the clock's compute source ``wall`` and ``cpu`` (the clock is
-    patched into ``substrate.cli`` for the bench; today's trainers declare no events, so this is
-    the additive clock): simulated seconds per step and ``loaded / alone``.
+``simload`` (``ddpload``: its ddp part only)
+    ``dataparallel train --method ddp``, ``--method ssfusion`` and ``hsadmm train`` as 4 ranks
+    (2 simulated nodes x 2) alone, beside two busy-loop processes, and beside a second
+    concurrent 4-rank run of the same job (8 ranks on the cores), with the compute sources
+    ``cpu``, ``calibrated`` and ``profile`` (replaying the profile the ``cpu`` alone run recorded
+    with ``--compute-profile-out``): simulated seconds per step and ``loaded / alone``.
 ``lab`` (root only)
     ``dataparallel train --method ddp`` on 2 x 2 emulated hosts with a shaped inter-host link:
     alpha from a ping-pong on the lab, beta from the link setting (``--calibrate-cost``); two
@@ -126,50 +127,99 @@ def part_overlap() -> None:
               f"{t.step_s:11.5f} {t.exposed_comm_s:10.5f} {t.step_s / t.no_overlap_s:20.3f}")
 
 
-_PATCHED = (
-    "import sys, runpy, substrate.cli as c\n"
-    "from substrate.clock import SimClock\n"
-    "src = sys.argv.pop(1)\n"
-    "c.SimClock = lambda ledger, sync=None: SimClock(ledger, sync=sync, source=src)\n"
-    "sys.argv[0] = 'dataparallel'\n"
-    "runpy.run_module('dataparallel', run_name='__main__')\n")
+#: the 2 x 2 jobs of ``--part simload``: (module, arguments, flag of the step count)
+SIM_JOBS = {
+    "ddp": ("dataparallel", ["train", "--method", "ddp", "--eval-every", "1000000"], "--steps"),
+    "ssfusion": ("dataparallel", ["train", "--method", "ssfusion", "--eval-every", "1000000"],
+                 "--steps"),
+    "hsadmm": ("hsadmm", ["train", "--method", "hsadmm", "--local-steps", "10"], "--iters"),
+}
+#: compute sources of ``--part simload`` (``profile`` replays the ``cpu`` alone run's profile)
+SIM_SOURCES = ("cpu", "calibrated", "profile")
 
 
-def _ddp_sim(source: str, out: Path, steps: int) -> dict:
-    from substrate.launch import launch_command, mpi_env  # noqa: PLC0415
+def _sim_cmd(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
+    from substrate.launch import launch_command  # noqa: PLC0415
 
-    script = out.parent / "patched_clock.py"
-    script.write_text(_PATCHED)
-    cmd = launch_command(4, None, [source, "train", "--method", "ddp", "--steps", str(steps),
-                                   "--ranks-per-node", "2", "--eval-every", "1000000",
-                                   "--out", str(out), "--overwrite"], script=str(script))
-    subprocess.run(cmd, cwd=ROOT, env=mpi_env(4), check=True, capture_output=True, timeout=900)
-    return json.loads((out / "summary.json").read_text())["timing"]
+    module, args, flag = SIM_JOBS[system]
+    return launch_command(4, module, [*args, flag, str(steps), "--ranks-per-node", "2",
+                                      "--progress-every", "0", "--out", str(out), "--overwrite",
+                                      *extra])
 
 
-def part_ddp_load(steps: int = 20) -> None:
-    """The same 2 x 2 ddp run (4 ranks, --ranks-per-node 2) alone and beside two busy loops,
-    with the compute source wall vs cpu (the clock patched in; additive mode: today's trainers
-    declare no events)."""
+def _sim_jobs(cmds: list[list[str]], outs: list[Path]) -> list[tuple[float, str]]:
+    """Run the jobs at the same time; per job (simulated seconds per step, compute source)."""
+    from substrate.launch import mpi_env  # noqa: PLC0415
+
+    procs = [subprocess.Popen(c, cwd=ROOT, env=mpi_env(4), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+    res = []
+    for p, c, out in zip(procs, cmds, outs):
+        log, _ = p.communicate(timeout=1800)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(c)} exited {p.returncode}:\n{log[-3000:]}")
+        s = json.loads((out / "summary.json").read_text())
+        t = s["timing"]
+        res.append((t["sim_s"] / t["steps"], s["timeline"]["compute_source"]))
+    return res
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) -> None:
+    """Issue 12's done-when: the simulated step of the same 2 x 2 job (4 ranks,
+    ``--ranks-per-node 2``) alone, beside two busy loops, and beside a second concurrent 4-rank
+    run of the same job (8 ranks on the cores), for the compute sources ``cpu``, ``calibrated``
+    and ``profile`` (the profile recorded once by the ``cpu`` alone run with
+    ``--compute-profile-out``, which does not change that run's clock)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-timeline-"))
-    print(f"\n## ddp 2 x 2 ({steps} steps, 4 ranks on {len(os.sched_getaffinity(0))} cores, "
-          "additive clock): simulated seconds per step by compute source (under load: the box "
-          "is shared)")
-    print(f"{'source':>8s} {'alone':>10s} {'beside 2 busy':>14s} {'loaded/alone':>13s}")
-    rows = {}
-    for load in (False, True):
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(2 if load else 0)]
-        try:
-            for src in ("wall", "cpu", "calibrated"):
-                t = _ddp_sim(src, tmp / f"{src}_{int(load)}", steps)
-                rows.setdefault(src, []).append(t["sim_s"] / steps)
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
-    for src, (a, b) in rows.items():
-        print(f"{src:>8s} {a:10.5f} {b:14.5f} {b / a:13.3f}")
+    cores = len(os.sched_getaffinity(0))
+    print(f"\n## simulated step under load: 2 x 2 jobs (4 ranks, 1 BLAS thread each) on {cores} "
+          "cores; seconds per step = summary timing sim_s / steps")
+    for system in systems:
+        n = steps[system]
+        prof = tmp / f"{system}_profile.json"
+        flags = {"cpu": ["--compute-source", "cpu"],
+                 "calibrated": ["--compute-source", "calibrated"],
+                 "profile": ["--compute-source", "profile", "--compute-profile", str(prof)]}
+        rows: dict[str, dict] = {src: {} for src in SIM_SOURCES}
+        print(f"\n### {system} ({n} {SIM_JOBS[system][2][2:]})")
+        print("commands (OUT, and FILE the profile):")
+        for src in SIM_SOURCES:
+            extra = flags[src] + (["--compute-profile-out", "FILE"] if src == "cpu" else [])
+            print("  " + " ".join(_sim_cmd(system, n, Path("OUT"), extra)).replace(str(prof),
+                                                                                   "FILE"))
+        for cond in ("alone", "busy", "8 ranks"):
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(2 if cond == "busy" else 0)]
+            before = _load()
+            try:
+                for src in SIM_SOURCES:
+                    extra = list(flags[src])
+                    if src == "cpu" and cond == "alone":
+                        extra += ["--compute-profile-out", str(prof)]
+                    jobs = 2 if cond == "8 ranks" else 1
+                    outs = [tmp / f"{system}_{src}_{cond.replace(' ', '')}_{j}"
+                            for j in range(jobs)]
+                    got = _sim_jobs([_sim_cmd(system, n, o, extra) for o in outs], outs)
+                    rows[src][cond] = [g[0] for g in got]
+                    rows[src]["desc"] = got[0][1]
+            finally:
+                for p in busy:
+                    p.kill()
+                    p.wait()
+            print(f"  {cond}: load average before {before}, after {_load()}")
+        print(f"{'source':>10s} {'alone s':>10s} {'beside 2 busy s':>16s} "
+              f"{'8 ranks s (job 1, job 2)':>26s} {'busy/alone':>11s} {'8 ranks/alone':>14s}")
+        for src, r in rows.items():
+            a, b, c = r["alone"][0], r["busy"][0], r["8 ranks"]
+            print(f"{src:>10s} {a:10.6f} {b:16.6f} {c[0]:12.6f}, {c[1]:12.6f} {b / a:11.3f} "
+                  f"{max(c[0] / a, c[1] / a, key=lambda x: abs(x - 1)):14.3f}")
+        print("  (8 ranks/alone: the job further from alone)")
+        for src, r in rows.items():
+            print(f"  {src}: {r['desc']}")
 
 
 def part_lab(link: str, steps: tuple[int, int], repeat: int = 1) -> None:
@@ -212,8 +262,11 @@ def part_lab(link: str, steps: tuple[int, int], repeat: int = 1) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="load,overlap,ddpload",
-                    help="comma list of load, overlap, ddpload, lab")
+    ap.add_argument("--part", default="load,overlap,simload",
+                    help="comma list of load, overlap, simload (ddpload: its ddp part), lab")
+    ap.add_argument("--sim-steps", default="ddp=20,ssfusion=20,hsadmm=4",
+                    help="steps (iterations for hsadmm) per simload job")
+    ap.add_argument("--sim-systems", default="ddp,ssfusion,hsadmm")
     ap.add_argument("--lab-link", default="100,0")
     ap.add_argument("--lab-steps", default="4,14")
     ap.add_argument("--lab-repeat", type=int, default=1,
@@ -224,8 +277,10 @@ def main() -> None:
         part_load()
     if "overlap" in parts:
         part_overlap()
-    if "ddpload" in parts:
-        part_ddp_load()
+    if "simload" in parts or "ddpload" in parts:
+        steps = {k: int(v) for k, v in (kv.split("=") for kv in a.sim_steps.split(","))}
+        systems = ("ddp",) if "simload" not in parts else tuple(a.sim_systems.split(","))
+        part_sim_load(steps, systems)
     if "lab" in parts:
         s = tuple(int(v) for v in a.lab_steps.split(","))
         part_lab(a.lab_link, s, a.lab_repeat)

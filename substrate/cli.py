@@ -45,7 +45,7 @@ from .clock import SimClock
 from .costmodel import CostModel
 from .ledger import Ledger
 from .options import add_dataclass_args, option
-from .timeline import SOURCES, Timeline
+from .timeline import SOURCES, ProfileRecorder, Timeline, make_source, write_profile
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
 
@@ -150,7 +150,15 @@ class CommonConfig:
         "auto", "how compute events are timed: cpu (thread CPU time: does not grow when ranks "
         "share cores), calibrated (the least of the first measurements of each event, then "
         "fixed), wall (grows with load), cuda (CUDA events), flops (FLOP roofline at "
-        "--device-tflops); auto: cuda on a GPU, else cpu", choices=SOURCES, group=CLOCK)
+        "--device-tflops), profile (each event's least cost in --compute-profile FILE: "
+        "load-independent); auto: cuda on a GPU, else cpu", choices=SOURCES, group=CLOCK)
+    compute_profile: str | None = option(
+        None, "compute profile read by --compute-source profile (a file written by "
+        "--compute-profile-out on a quiet run of the same job)", metavar="FILE", group=CLOCK)
+    compute_profile_out: str | None = option(
+        None, "record a compute profile of this run (per event: the least, median and count of "
+        "its measurements by the compute source, per rank) into FILE when the run finishes; an "
+        "existing FILE is refused unless --overwrite", metavar="FILE", group=CLOCK)
     device_tflops: float | None = option(
         None, "peak TFLOP/s of the modeled device (compute-source flops)", metavar="TFLOPS",
         group=CLOCK)
@@ -174,6 +182,19 @@ class CommonConfig:
                              "device's peak, e.g. 15.7 for a V100)")
         if self.compute_source in ("flops", "calibrated") and self.clock == "additive":
             raise ValueError(f"--compute-source {self.compute_source} needs --clock timeline")
+        if self.compute_source == "profile" and self.compute_profile is None:
+            raise ValueError("--compute-source profile needs --compute-profile FILE (a profile "
+                             "written by --compute-profile-out FILE on a quiet run of the same "
+                             "job)")
+        if self.compute_profile is not None and self.compute_source != "profile":
+            raise ValueError(f"--compute-profile {self.compute_profile} is only read by "
+                             f"--compute-source profile (got --compute-source "
+                             f"{self.compute_source}): add --compute-source profile or drop "
+                             "--compute-profile")
+        if self.compute_profile_out is not None and self.compute_source in ("profile", "flops"):
+            raise ValueError(f"--compute-profile-out records measured compute, and "
+                             f"--compute-source {self.compute_source} measures none: record "
+                             "with --compute-source cpu (or calibrated, wall, cuda)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CommonConfig":
@@ -238,11 +259,18 @@ class Run:
         self.xp = backend.xp
         self.ledger = topo.ledger
         self.cost = topo.cost
+        sync = backend.synchronize if backend.is_gpu else None
+        # every rank reads --compute-profile itself: a bad file stops every rank alike
+        source = make_source(common.compute_source, sync=sync, gpu=backend.is_gpu,
+                             device_tflops=common.device_tflops, device_gbs=common.device_gbs,
+                             profile=common.compute_profile, rank=topo.rank, ranks=topo.size)
+        #: the recorder of --compute-profile-out (``None`` without it)
+        self.profile_recorder = None
+        if common.compute_profile_out is not None:
+            source = self.profile_recorder = ProfileRecorder(source)
         self.clock = SimClock(
-            self.ledger, sync=backend.synchronize if backend.is_gpu else None,
-            source=common.compute_source, gpu=backend.is_gpu,
-            timeline=Timeline(self.cost) if common.clock == "timeline" else None,
-            device_tflops=common.device_tflops, device_gbs=common.device_gbs)
+            self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
+            timeline=Timeline(self.cost) if common.clock == "timeline" else None)
         self.writer = writer
         self.out = writer.out
         self.previous = previous
@@ -285,12 +313,27 @@ class Run:
         # charts), and which compute source timed the events
         descs = self.world.mpi.gather(self.clock.describe(events=True), root=0)
         sims = self.world.mpi.gather(self.clock.sim_s, root=0)
+        tables = self.world.mpi.gather(self.profile_recorder.table(), root=0) \
+            if self.profile_recorder is not None else None
         timeline = None
         if self.rank == 0:
             busiest = int(np.argmax(sims))
             timeline = {**{k: v for k, v in descs[0].items() if k != "last_step"},
                         "rank0": descs[0].get("last_step"), "busiest_rank": busiest,
                         "busiest": descs[busiest].get("last_step")}
+            infos = [d.get("compute_profile") for d in descs]
+            if infos[0] is not None and "fallback_blocks" in infos[0]:
+                fb = sum(i["fallback_blocks"] for i in infos)
+                timeline["compute_profile"] = {
+                    **infos[0], "fallback_blocks_all_ranks": fb,
+                    "fallback_s_all_ranks": sum(i["fallback_s"] for i in infos)}
+                if fb:
+                    print(f"spardist: warning: {fb} compute blocks (all ranks) are not in "
+                          f"--compute-profile {infos[0]['file']} and were measured instead "
+                          f"(rank 0: {infos[0]['fallback_labels']}); record the profile with "
+                          "the same options", file=sys.stderr, flush=True)
+            if tables is not None:
+                timeline["compute_profile"] = self._write_profile(tables)
         summary = {
             "system": self.system,
             "method": self.method,
@@ -314,6 +357,25 @@ class Run:
                   flush=True)
         self.finished = True
         return summary
+
+    def _write_profile(self, tables: list[dict]) -> dict:
+        """Rank 0: write ``--compute-profile-out`` (every rank's table; atomic) and say what was
+        written, for ``summary.json``."""
+        path = self.common.compute_profile_out
+        sha = write_profile(path, tables, _profile_provenance(self))
+        return {"recorded_to": str(path), "sha256": sha,
+                "events_per_rank": [sum(len(p) for p in t.values()) for t in tables],
+                "unlabelled_blocks": self.profile_recorder.unlabelled}
+
+
+def _profile_provenance(run: "Run") -> dict:
+    rec = run.profile_recorder
+    return {"source": rec.base.describe(), "blas_threads": getattr(rec.base, "blas_threads",
+                                                                   None),
+            "system": run.system, "method": run.method,
+            "model": _config_dict(run.config).get("model"), "world": run.size,
+            "ranks_per_node": run.common.ranks_per_node, "clock": run.common.clock,
+            "out": str(run.out), "command": list(sys.argv), "spardist": versions()["spardist"]}
 
 
 def _config_dict(config) -> dict:
@@ -415,10 +477,40 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
     return "new", None
 
 
-def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool) -> str:
-    """Collective: rank 0 inspects ``out``, every rank gets the verdict and raises the same
-    error (bookkeeping: not booked in the ledger)."""
-    verdict = _inspect_out(out, resume=resume, overwrite=overwrite) if topo.rank == 0 else None
+def _inspect_profile_out(path: Path, *, overwrite: bool) -> str | None:
+    """Why ``--compute-profile-out`` cannot be written at the end of the run, or ``None``: an
+    existing file is kept unless ``--overwrite`` (the rule of ``--out``'s results)."""
+    if path.is_dir():
+        return (f"--compute-profile-out {path} is a directory: pass a file path (e.g. "
+                f"{path / 'profile.json'})")
+    if path.exists() and not overwrite:
+        return (f"--compute-profile-out {path} already exists: pass --overwrite to replace it, "
+                "or choose another file")
+    parent = path.parent
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        return (f"--compute-profile-out {path}: its directory is not writable "
+                f"({exc.strerror or exc}): choose a file in a directory you can write to")
+    finally:
+        for d in missing:  # deepest first; written again when the run finishes
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return None
+
+
+def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
+                 profile_out: str | None = None) -> str:
+    """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``), every rank gets
+    the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
+    verdict = None
+    if topo.rank == 0:
+        verdict = _inspect_out(out, resume=resume, overwrite=overwrite)
+        if verdict[1] is None and profile_out is not None:
+            verdict = (verdict[0], _inspect_profile_out(Path(profile_out), overwrite=overwrite))
     previous, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)
@@ -443,7 +535,8 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               ranks_per_node=common.ranks_per_node, cost=cost,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
-    previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite)
+    previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
+                            profile_out=common.compute_profile_out)
     backend = get_backend(common.device, topo.gpu_index)
     topo.bind_backend(backend)
     writer = RunWriter(out, enabled=topo.rank == 0)

@@ -19,8 +19,13 @@ Two modes, one interface (``with clock.compute(): ...``, ``clock.sim_s``, ``comp
 Compute is timed by a :class:`~substrate.timeline.ComputeSource` (``source=``): ``"wall"``
 (default, the old behaviour, grows with the host's load), ``"cpu"`` (per-thread CPU time; does
 not grow when ranks share cores), ``"cuda"`` (CUDA events), ``"flops"`` (roofline from the
-model's per-layer FLOP counts, ``device_tflops``).  :meth:`SimClock.describe` says which, for
-``summary.json``.
+model's per-layer FLOP counts, ``device_tflops``), ``"profile"`` (each event's least cost in a
+compute profile recorded by a quiet run: load-independent by construction).
+:meth:`SimClock.describe` says which, for ``summary.json``.  Every block has a label (an unnamed
+block is named by its call site: module, function and line within the function, which stays
+the same when code elsewhere in the file moves), and :meth:`SimClock.step` tells the source that
+a step ended, so sources that cost events ``(label, k)`` (the ``k``-th block with that label in
+the step) can count them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ from .timeline import ComputeSource, FlopSource, LayerEvents, StepTiming, Timeli
 __all__ = ["SimClock"]
 
 
+def _call_site(frame) -> str:
+    """Label of an unnamed compute block: ``compute@module:function+line`` (the line counted
+    from the function's first line, so edits elsewhere in the module keep the label)."""
+    code = frame.f_code
+    name = getattr(code, "co_qualname", code.co_name)
+    module = frame.f_globals.get("__name__", code.co_filename)
+    return f"compute@{module}:{name}+{frame.f_lineno - code.co_firstlineno}"
+
+
 class SimClock:
     """Per-rank simulated time (see the module docstring).
 
@@ -46,24 +60,29 @@ class SimClock:
         Device synchronization (``Backend.synchronize``) for the ``wall`` source.
     source : str or ComputeSource
         ``wall`` (default), ``auto`` (``cuda`` on a GPU, else ``cpu``), ``cpu``,
-        ``cpu_thread``, ``cpu_process``, ``cuda``, ``flops``.
+        ``cpu_thread``, ``cpu_process``, ``calibrated``, ``cuda``, ``flops``, ``profile``
+        (with ``profile``).
     timeline : Timeline, optional
         Switches to timeline mode.
     device_tflops, device_gbs : float, optional
         Peak of the modeled device for ``source="flops"``.
     gpu : bool, optional
         Whether compute runs on a GPU (for ``auto``); default: ``sync`` was given.
+    profile : str or dict, optional
+        The compute profile of ``source="profile"`` (a file written by
+        ``--compute-profile-out``, or :func:`~substrate.timeline.load_profile`'s dict).
     """
 
     def __init__(self, ledger: Ledger, sync=None, *, source="wall",
                  timeline: Timeline | None = None, device_tflops: float | None = None,
-                 device_gbs: float | None = None, gpu: bool | None = None) -> None:
+                 device_gbs: float | None = None, gpu: bool | None = None,
+                 profile=None) -> None:
         self.ledger = ledger
         self._sync = sync
         gpu = (sync is not None) if gpu is None else gpu
         self.source: ComputeSource = source if isinstance(source, ComputeSource) else \
             make_source(source, sync=sync, gpu=gpu, device_tflops=device_tflops,
-                        device_gbs=device_gbs)
+                        device_gbs=device_gbs, profile=profile)
         self.timeline = timeline
         self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
@@ -95,8 +114,7 @@ class SimClock:
             return
         key = label
         if label == "compute":          # unnamed block: its call site names it (calibration)
-            f = sys._getframe(2)
-            key = f"compute@{f.f_code.co_filename}:{f.f_lineno}"
+            key = _call_site(sys._getframe(2))
         self._depth += 1
         inner0 = self.layers.recorded_s if self.layers is not None else 0.0
         try:
@@ -163,6 +181,7 @@ class SimClock:
         now = time.perf_counter()
         self.step_wall_s = now - self._step_t0
         self._step_t0 = now
+        self.source.new_step()
         if self.timeline is None:
             compute = self._compute_s - self._prev["compute_s"]
             comm = self.ledger.modeled_s - self._prev["comm_s"]
@@ -246,6 +265,9 @@ class SimClock:
         ``events`` the last closed step's schedule (label, kind, resource, start, finish: a
         Gantt chart of this rank)."""
         d = {"mode": self.mode, "compute_source": self.source.describe()}
+        profile = self.source.profile_info()
+        if profile is not None:
+            d["compute_profile"] = profile
         if self.timeline is not None:
             d["steps"] = self.timeline.steps
             d["links"] = ("one resource per link class; a transfer waits its alpha terms, then "

@@ -8,11 +8,13 @@ transfers in it), not against the engine's own arithmetic.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -26,7 +28,8 @@ from substrate.clock import SimClock
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
 from substrate.timeline import (CalibratedSource, ComputeSource, CpuTimeSource, FlopSource,
-                                LayerEvents, Timeline, make_source, transfer_parts)
+                                LayerEvents, ProfileRecorder, ProfileSource, Timeline,
+                                load_profile, make_source, transfer_parts, write_profile)
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
 
@@ -617,6 +620,217 @@ def test_cpu_source_names_its_mode():
     assert src.name == "cpu_process" and "blas_threads" in src.describe()
     with pytest.raises(ValueError, match="auto, thread or process"):
         CpuTimeSource("fast")
+
+
+# -- compute profiles (--compute-profile-out / --compute-source profile) ---------------------------
+
+def _record(base, steps):
+    """Run ``steps`` (lists of labels) through a ProfileRecorder over ``base``."""
+    rec = ProfileRecorder(base)
+    for labels in steps:
+        for label in labels:
+            with rec.measure(label=label):
+                pass
+        rec.new_step()
+    return rec
+
+
+def test_profile_round_trip_costs_each_event_its_least_measurement(tmp_path):
+    # 3 steps of [a, b, a]: a#0 measures 5, 4, 6; b#0 2, 3, 1; a#1 (the second a of a step) 9, 7, 8
+    base = _Scripted([5, 2, 9, 4, 3, 7, 6, 1, 8, 0.5])
+    rec = _record(base, [["a", "b", "a"]] * 3)
+    with rec.measure() as m:                          # unlabelled: measured, not recorded
+        pass
+    assert m.seconds == 0.5 and rec.unlabelled == 1
+    table = rec.table()
+    assert table == {"a": [{"min_s": 4, "median_s": 5, "count": 3},
+                           {"min_s": 7, "median_s": 8, "count": 3}],
+                     "b": [{"min_s": 1, "median_s": 2, "count": 3}]}
+    path = tmp_path / "p.json"
+    sha = write_profile(path, [table], {"source": base.describe(), "system": "test"})
+    assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    prof = load_profile(path)
+    assert prof["sha256"] == sha and prof["provenance"]["system"] == "test"
+    assert prof["provenance"]["host"] and prof["provenance"]["date"]
+    never = _Scripted([])                              # the fallback must not be asked
+    src = ProfileSource(path, fallback=never)
+    got = []
+    for _ in range(2):
+        for label in ("a", "b", "a"):
+            with src.measure(label=label) as m:
+                pass
+            got.append(m.seconds)
+        src.new_step()
+    assert got == [4, 1, 7] * 2 and never.calls == 0 and src.fallback_blocks == 0
+    info = src.profile_info()
+    assert info["file"] == str(path) and info["sha256"] == sha
+    assert sha in src.describe() and "0 blocks" in src.describe()
+
+
+def test_profile_misses_are_measured_by_the_fallback_and_counted(tmp_path):
+    path = tmp_path / "p.json"
+    write_profile(path, [{"a": [{"min_s": 1.0, "median_s": 1.0, "count": 1}]}], {})
+    fb = _Scripted([0.25, 0.5, 2.0])
+    src = ProfileSource(path, fallback=fb)
+    seconds = []
+    for label in ("a", "a", "c", None):               # a#1 and c are not in the profile
+        with src.measure(label=label) as m:
+            pass
+        seconds.append(m.seconds)
+    assert seconds == [1.0, 0.25, 0.5, 2.0] and fb.calls == 3
+    assert src.fallback_blocks == 3 and src.fallback_s == approx(2.75)
+    assert src.fallback_labels == {"a": 1, "c": 1, "None": 1}
+    assert src.profile_info()["fallback_blocks"] == 3 and "3 blocks" in src.describe()
+
+
+def test_profile_tables_per_rank_or_least_over_ranks(tmp_path):
+    path = tmp_path / "p.json"
+    write_profile(path, [{"a": [{"min_s": 2.0, "count": 1}]},
+                         {"a": [{"min_s": 1.0, "count": 1}, {"min_s": 5.0, "count": 1}]}], {})
+
+    def cost(**kw):
+        src = ProfileSource(path, fallback=_Scripted([9.0]), **kw)
+        out = []
+        for _ in range(2):
+            with src.measure(label="a") as m:
+                pass
+            out.append(m.seconds)
+        return out, src.table_of, src.fallback_blocks
+
+    assert cost(rank=0, ranks=2) == ([2.0, 9.0], "rank 0 of 2", 1)   # no a#1 on rank 0
+    assert cost(rank=1, ranks=2) == ([1.0, 5.0], "rank 1 of 2", 0)
+    got, how, missed = cost(rank=0, ranks=4)          # another world size: least over ranks
+    assert got == [1.0, 5.0] and missed == 0 and "least over the profile's 2 ranks" in how
+
+
+def test_clock_over_a_profile_is_the_table_whatever_the_block_takes(tmp_path):
+    """Per step: named block 'opt' (5 ms), then the same unnamed call site twice (1 ms, 2 ms in
+    the profile); the clock's compute is the table's sum however long the blocks run."""
+    path = tmp_path / "p.json"
+
+    def step(clock):
+        with clock.compute("opt"):
+            time.sleep(0.002)
+        for _ in range(2):
+            with clock.compute():
+                pass
+        return clock.step()
+
+    rec_clock = SimClock(Ledger(), source=ProfileRecorder(CpuTimeSource()),
+                         timeline=Timeline())
+    step(rec_clock)
+    labels = set(rec_clock.source.table())
+    site = next(lb for lb in labels if lb.startswith("compute@"))
+    assert labels == {"opt", site}
+    assert site.startswith(("compute@tests.test_timeline:", "compute@test_timeline:"))
+    assert "step" in site and "+" in site             # module:function+line within it
+    write_profile(path, [{"opt": [{"min_s": 5e-3, "count": 1}],
+                          site: [{"min_s": 1e-3, "count": 1}, {"min_s": 2e-3, "count": 1}]}], {})
+    clock = SimClock(Ledger(), source="profile", profile=str(path), timeline=Timeline())
+    for _ in range(3):
+        t = step(clock)
+        assert t.compute_s == approx(8e-3) and t.step_s == approx(8e-3)
+    assert clock.sim_s == approx(24e-3) and clock.source.fallback_blocks == 0
+    assert clock.describe()["compute_profile"]["file"] == str(path)
+
+
+def _profile_doc(**kw):
+    doc = {"format": "spardist-compute-profile", "version": 1,
+           "ranks": [{"a": [{"min_s": 1.0, "count": 1}]}]}
+    doc.update(kw)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, "no such file; record one first with --compute-profile-out"),
+    ("{not json", "is not valid JSON"),
+    ('{"format": "other"}', 'is not a compute profile'),
+    (_profile_doc(version=7), "has version 7, this spardist reads version 1"),
+    (_profile_doc(ranks=[]), "non-empty list of per-rank tables"),
+    (_profile_doc(ranks=[{"a": [{"min_s": -1.0, "count": 1}]}]), r"ranks\[0\]\['a'\]\[0\]"),
+    (_profile_doc(ranks=[{"a": [{"min_s": 1.0}]}]), '"count" >= 1'),
+    (_profile_doc(ranks=[{"a": []}]), "must be a non-empty list"),
+])
+def test_bad_profiles_are_refused_naming_the_flag_and_the_fix(tmp_path, text, match):
+    path = tmp_path / "p.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        load_profile(path)
+    assert f"--compute-profile {path}" in str(err.value)
+    with pytest.raises(ValueError, match="--compute-profile"):
+        make_source("profile", profile=str(path))
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"compute_source": "profile"}, "--compute-source profile needs --compute-profile FILE"),
+    ({"compute_profile": "p.json"}, "only read by --compute-source profile"),
+    ({"compute_source": "profile", "compute_profile": "p.json",
+      "compute_profile_out": "q.json"}, "--compute-profile-out records measured compute"),
+    ({"compute_source": "flops", "device_tflops": 1.0, "compute_profile_out": "q.json"},
+     "--compute-source flops measures none"),
+])
+def test_profile_flags_are_checked_together(kw, match):
+    from substrate.cli import CommonConfig
+
+    with pytest.raises(ValueError, match=match):
+        CommonConfig(**kw)
+    if "compute_profile_out" not in kw:
+        with pytest.raises(ValueError, match=match):
+            make_source(kw.get("compute_source", "cpu"), profile=kw.get("compute_profile"))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_profiled_ddp_runs_give_identical_simulated_steps(tmp_path):
+    """A 2 x 2 ddp run records a profile; two runs costed from it have the same step_sim_s on
+    every metrics line (whatever the host's load), every event comes from the profile, and the
+    summary names the file and its SHA-256."""
+    from tests.mpi_helpers import read_summary, run_mpi
+
+    steps = 4
+    base = ["train", "--method", "ddp", "--steps", steps, "--eval-every", 2,
+            "--ranks-per-node", 2, "--progress-every", 0]
+    prof = tmp_path / "profile.json"
+    run_mpi(None, 4, *base, "--out", tmp_path / "rec", "--compute-profile-out", prof,
+            module="dataparallel", timeout=300)
+    doc = json.loads(prof.read_text())
+    sha = hashlib.sha256(prof.read_bytes()).hexdigest()
+    assert read_summary(tmp_path / "rec")["timeline"]["compute_profile"]["sha256"] == sha
+    assert len(doc["ranks"]) == 4 and doc["provenance"]["method"] == "ddp"
+    for table in doc["ranks"]:
+        layers = [lb for lb in table if lb.startswith(("forward:", "backward:"))]
+        assert layers and "optimizer" in table
+        for lb in layers + ["optimizer"]:           # one block per step: k = 0 only
+            assert [e["count"] for e in table[lb]] == [steps], lb
+    sims = []
+    for i in range(2):
+        out = tmp_path / f"replay{i}"
+        run_mpi(None, 4, *base, "--out", out, "--compute-source", "profile",
+                "--compute-profile", prof, module="dataparallel", timeout=300)
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        sims.append([x["step_sim_s"] for x in lines])
+        info = read_summary(out)["timeline"]["compute_profile"]
+        assert info["file"] == str(prof) and info["sha256"] == sha
+        assert info["fallback_blocks_all_ranks"] == 0, info
+    assert sims[0] == sims[1] and len(sims[0]) == 2 and all(s > 0 for s in sims[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags,message", [
+    (["--compute-source", "profile", "--compute-profile", "missing.json"],
+     "--compute-profile missing.json: no such file"),
+    (["--compute-profile-out", "EXISTING"], "already exists: pass --overwrite"),
+])
+def test_profile_input_errors_stop_every_rank(tmp_path, flags, message):
+    from tests.mpi_helpers import assert_fails_on_every_rank
+
+    existing = tmp_path / "existing.json"
+    existing.write_text("{}")
+    flags = [str(existing) if f == "EXISTING" else f for f in flags]
+    assert_fails_on_every_rank("dataparallel", ["train", "--steps", "1", *flags], message,
+                               tmp_path / "x")
+    assert existing.read_text() == "{}"
 
 
 # -- wire-lab validation harness (substrate.wirelab) -----------------------------------------------
