@@ -61,7 +61,15 @@ the ``--link`` rate as TCP payload, :func:`link_payload_gbps`); ``--compare-step
 run's per-step wall time (``step_wall_s`` in ``metrics.jsonl``) against its predicted step time
 (:func:`compare_steps`, ``steps.json``); ``python -m substrate.wirelab --compare-steps OUT`` does
 the same offline.  :func:`per_step_from_pair` gets the time per step from two runs that differ
-only in their step count.
+only in their step count.  :func:`compare_systems` does it for several commands, link rates and
+shapes at once (``bench/bench_wirelab.py``, table by :func:`format_comparison`).
+
+Timing on a shared box: ``--nice N`` runs the MPI job at niceness ``N`` *and* gives every
+process in the host namespaces the autogroup niceness ``N`` (with
+``kernel.sched_autogroup_enabled`` CFS shares the cores between sessions first, and hydra starts
+every proxy and rank in a session of its own, so a plain ``nice`` would not order them against
+the box's other jobs); ``--yield`` (:data:`YIELD_ENV`) makes ranks waiting in MPI sleep instead
+of spinning, for more ranks than cores.
 
 Python API: :func:`run_lab` (one measurement), :class:`Lab` (set up once, measure many runs).
 """
@@ -92,7 +100,7 @@ from .results import atomic_write_json
 __all__ = ["LabError", "Lab", "run_lab", "check_root", "check_prerequisites", "main",
            "parse_link", "stale_labs", "cleanup_stale", "lab_namespaces", "PREFIX",
            "compare_steps", "format_steps", "per_step_from_pair", "link_payload_gbps",
-           "cost_flags", "PINGPONG_JSON"]
+           "cost_flags", "PINGPONG_JSON", "YIELD_ENV", "compare_systems", "format_comparison"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "spwl-"                      # every namespace this module creates starts with it
@@ -113,6 +121,16 @@ CALIBRATION_BYTES = 4 << 20
 #: data; a 2 x 2 ddp step on a 10 Mbit/s link took 1.19 s against 0.26 s without the restart
 #: (the alpha-beta model of the interconnects spardist models, RDMA, has no such window).
 HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_idle=0")
+#: MPICH (ch4) environment that makes a waiting rank sleep 1 us after this many progress polls
+#: without progress instead of spinning: with more ranks than cores (2 x 2 on 2 vCPUs), a rank
+#: busy-polling for its neighbour's data otherwise holds the core the neighbour needs to send it.
+YIELD_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
+             "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64"}
+#: tbf bucket, in seconds of the rate: a link idle for longer sends this much at once.  Short:
+#: with 4 ms (the old ``rate / 250``) an H-SADMM iteration's 145 kB all-reduce after 6 ms of
+#: compute took 9 ms on a 100 Mbit/s link instead of the 12.1 ms its size takes at the rate
+#: (50 kB went at once), and at 1 Gbit/s every idle gap was worth 0.5 MB.
+TBF_BURST_S = 1e-3
 QUEUE_PACKETS = 10000                 # pfifo limit on every veth end (backpressure, no drops)
 WIRE_JSON = "wire.json"
 PINGPONG_JSON = "pingpong.json"
@@ -240,6 +258,18 @@ def _proc_start(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _autogroup_nice(pid: int, nice: int) -> bool:
+    """Set the niceness of the scheduler autogroup of ``pid`` (its session).  With
+    ``kernel.sched_autogroup_enabled`` (this box), CFS shares the cores between sessions first,
+    so a process's own nice value only orders it within its session: the job runs in a new
+    session (``start_new_session``), whose group gets ``nice``.  Returns whether it applied."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(int(nice)))
+    except OSError:
+        return False
+    return True
 
 
 def _netns_list() -> list[str]:
@@ -657,6 +687,131 @@ def per_step_from_pair(short: dict, long: dict) -> dict:
     return out
 
 
+# -- predicted vs measured step time of several systems on shaped links ----------------------------
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else None
+
+
+def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),), repeat: int = 1,
+                    out_root, nice: int | None = None, env: dict | None = None,
+                    timeout: float = DEFAULT_TIMEOUT, launch: str = "mpiexec",
+                    netmod: str = "ucx", verbose: bool = False, progress=None) -> dict:
+    """Predicted vs measured time per step of several spardist commands on shaped links.
+
+    For every ``(hosts, ranks_per_host)`` of ``shapes`` and every ``(mbit, latency_us)`` of
+    ``links`` one :class:`Lab` is set up; its alpha is measured once (:meth:`Lab.ping_pong`) and
+    every workload runs ``repeat`` times with the cost model of :func:`cost_flags` (beta from the
+    link setting, alpha from the ping-pong: nothing fitted per run); :func:`compare_steps` reads
+    each run's per-step ``step_wall_s`` against ``step_sim_s`` (and ``step_no_overlap_s``),
+    skipping the workload's warm-up lines.
+
+    ``workloads``: ``{name: {"args": [MODULE, ARGS...], "skip": warm-up lines}}``; a callable
+    ``args(hosts, ranks_per_host)`` may stand for the list.  ``progress(text)`` is called after
+    every run (e.g. ``print``).
+
+    Returns ``{"labs": [...], "runs": [...], "rows": [...]}``: one ``runs`` entry per run (its
+    medians over steps, the 1-minute load average before and after, or its error), one ``rows``
+    entry per system x shape x link (medians over the repeats).
+    """
+    if not isinstance(repeat, int) or repeat < 1:
+        raise LabError(f"repeat must be an integer >= 1, got {repeat!r}")
+    if not workloads:
+        raise LabError("compare_systems: give at least one workload")
+    out_root = Path(out_root)
+    labs, runs = [], []
+    for hosts, rph in shapes:
+        for link in links:
+            mbit, lat = (float(link[0]), float(link[1]))
+            with Lab(hosts, rph, link=(mbit, lat), netmod=netmod, timeout=timeout,
+                     env={**(env or {})}, verbose=verbose, nice=nice) as lab:
+                tag = f"{hosts}x{rph}_{mbit:g}mbit"
+                pp = lab.ping_pong(launch=launch, out=out_root / f"pingpong_{tag}")
+                flags = cost_flags(lab.link, pp)
+                alpha = {k: v["alpha_s"] for k, v in pp["links"].items()}
+                labs.append({"lab_id": lab.id, "hosts": hosts, "ranks_per_host": rph,
+                             "link": lab.shaping,
+                             "alpha_s": alpha, "cost_flags": flags,
+                             "env": {k: v for k, v in lab.mpi_env().items()
+                                     if k.startswith(("MPIR_CVAR_", "UCX_", "FI_"))},
+                             "nice": nice, "loadavg": os.getloadavg()[0]})
+                for rep in range(repeat):
+                    for name, w in workloads.items():
+                        args = w["args"](hosts, rph) if callable(w["args"]) else w["args"]
+                        out = out_root / f"{name}_{tag}_r{rep}"
+                        run = {"system": name, "hosts": hosts, "ranks_per_host": rph,
+                               "mbit": mbit, "repeat": rep, "out": str(out),
+                               "skip": int(w.get("skip", 1)), "alpha_s": alpha,
+                               "load_before": os.getloadavg()[0]}
+                        try:
+                            wire = lab.measure([*args, *flags], out=out, launch=launch,
+                                               force=True)
+                            st = compare_steps(out, skip=run["skip"])
+                            _write_no_clobber(out / STEPS_JSON, st, True)
+                        except LabError as exc:
+                            run["error"] = str(exc).splitlines()[0][:300]
+                        else:
+                            run.update(
+                                wall_s=wire["wall_s"], steps_compared=st["steps_compared"],
+                                predicted_s=st["median_predicted_s"],
+                                measured_s=st["median_measured_s"], ratio=st["median_ratio"],
+                                no_overlap_s=st.get("median_no_overlap_s"),
+                                no_overlap_ratio=st.get("median_no_overlap_ratio"),
+                                payload_vs_booked=wire["ratios"]["payload_vs_booked"],
+                                cost_model=st.get("cost_model"))
+                        run["load_after"] = os.getloadavg()[0]
+                        runs.append(run)
+                        if progress is not None:
+                            progress(_format_run(run))
+    rows = []
+    for hosts, rph in shapes:
+        for link in links:
+            for name in workloads:
+                rs = [r for r in runs if (r["system"], r["hosts"], r["ranks_per_host"],
+                                          r["mbit"]) == (name, hosts, rph, float(link[0]))]
+                ok = [r for r in rs if "error" not in r]
+                rows.append({
+                    "system": name, "hosts": hosts, "ranks_per_host": rph,
+                    "mbit": float(link[0]), "alpha_s": rs[0]["alpha_s"] if rs else None,
+                    "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
+                    **{k: _median([r.get(k) for r in ok]) for k in (
+                        "predicted_s", "measured_s", "ratio", "no_overlap_s", "no_overlap_ratio",
+                        "load_before",
+                        "load_after")}})
+    return {"labs": labs, "runs": runs, "rows": rows}
+
+
+def _format_run(r: dict) -> str:
+    head = (f"{r['system']} {r['hosts']}x{r['ranks_per_host']} {r['mbit']:g} Mbit/s "
+            f"#{r['repeat']}: ")
+    if "error" in r:
+        return head + f"error: {r['error']}"
+    return head + (f"predicted {r['predicted_s']:.4f} s/step, measured {r['measured_s']:.4f}, "
+                   f"ratio {r['ratio']:.3f} ({r['steps_compared']} steps; load "
+                   f"{r['load_before']:.1f} -> {r['load_after']:.1f})")
+
+
+def format_comparison(res: dict) -> str:
+    """The table of :func:`compare_systems`: one line per system x hosts x ranks x link."""
+    f = lambda x, p=4: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    lines = [("| system | hosts x ranks | link | alpha inter / intra (us) | predicted s/step | "
+              "measured s/step | predicted / measured | no-overlap s/step | "
+              "no-overlap / measured | runs | load |"),
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in res["rows"]:
+        a = r["alpha_s"] or {}
+        alpha = " / ".join(f"{a[k] * 1e6:.1f}" if k in a else "-" for k in ("inter", "intra"))
+        load = f"{f(r['load_before'], 1)} -> {f(r['load_after'], 1)}"
+        lines.append(f"| {r['system']} | {r['hosts']} x {r['ranks_per_host']} | "
+                     f"{r['mbit']:g} Mbit/s | {alpha} | {f(r['predicted_s'])} | "
+                     f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | {f(r['no_overlap_s'])} | "
+                     f"{f(r['no_overlap_ratio'], 3)} | {r['runs']} | {load} |")
+        for e in r["errors"]:
+            lines.append(f"|   error: {e} |")
+    return "\n".join(lines)
+
+
 # -- the lab ---------------------------------------------------------------------------------------
 
 class _Signals:
@@ -714,12 +869,17 @@ class Lab:
     timeout : float
         Seconds allowed for each MPI run (the job is killed and the lab torn down past it).
     env : dict, optional
-        Extra environment for the MPI job (e.g. ``{"SPARDIST_COLLECTIVES": "native"}``).
+        Extra environment for the MPI job (e.g. ``{"SPARDIST_COLLECTIVES": "native"}``;
+        :data:`YIELD_ENV` makes waiting ranks yield their core).
+    nice : int, optional
+        Scheduling niceness of the MPI job (``nice -n``; -20 .. 19, below 0 needs root): a
+        timing run on a box that other jobs load gets its cores first (``--nice -20``).
     """
 
     def __init__(self, hosts: int, ranks_per_host: int, *, link=None, netmod: str = "ucx",
                  offload: bool = False, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
-                 python: str | None = None, verbose: bool = False) -> None:
+                 python: str | None = None, verbose: bool = False,
+                 nice: int | None = None) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 2:
             raise LabError(f"--hosts must be an integer >= 2, got {hosts!r}")
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
@@ -731,6 +891,10 @@ class Lab:
             raise LabError(f"--netmod must be ucx or ofi, got {netmod!r}")
         if not timeout > 0:
             raise LabError(f"--timeout must be > 0, got {timeout!r}")
+        if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
+                                 or not -20 <= nice <= 19):
+            raise LabError(f"--nice must be an integer in -20 .. 19, got {nice!r}")
+        self.nice = nice
         self.hosts, self.rph = hosts, ranks_per_host
         self.link = parse_link(link) if isinstance(link, str) else (
             tuple(map(float, link)) if link is not None else None)
@@ -905,7 +1069,7 @@ class Lab:
         mbit, lat = self.link
         rate = f"{mbit:g}mbit"
         rate_bps = mbit * 1e6 / 8
-        burst = int(max(2 * (MTU + ETH_HDR), rate_bps / 250))
+        burst = int(max(2 * (MTU + ETH_HDR), rate_bps * TBF_BURST_S))
         limit = int(max(8 << 20, rate_bps))          # >= 1 s of queue: shaping must not drop
         # each direction of a link gets half the latency: host egress + switch port egress
         delay_us = lat / 2
@@ -1097,6 +1261,22 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
                 _kill_pids(pids)
                 time.sleep(0.1)
 
+    def _renice(self, stop: threading.Event) -> None:
+        """While a job runs: give every new process in the host namespaces (hydra puts each
+        proxy and each rank in a session of its own, so in an autogroup of its own) the
+        autogroup niceness :attr:`nice` (:func:`_autogroup_nice`), again when it moved to a new
+        session since.  Polls every 50 ms, slowing to 1 s: the ranks appear at start-up."""
+        want = f" nice {int(self.nice)}"
+        wait = 0.05
+        while not stop.wait(wait):
+            for ns in self.names:
+                for pid in _netns_pids(ns):
+                    with contextlib.suppress(OSError):
+                        if not Path(f"/proc/{pid}/autogroup").read_text().rstrip() \
+                                .endswith(want):
+                            _autogroup_nice(pid, self.nice)
+            wait = min(1.0, wait * 1.3)
+
     def mpi_env(self) -> dict:
         """The job's environment: this one minus batch-system/PMI variables, plus the network
         selection that keeps inter-host traffic on the veth links."""
@@ -1156,8 +1336,12 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
         with open(log, "a") as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
-            p = self._popen(self.in_host0(cmd), cwd=ROOT, env=env, stdout=f,
+            niced = cmd if self.nice is None else ["nice", "-n", str(self.nice), *cmd]
+            p = self._popen(self.in_host0(niced), cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT)
+            stop = threading.Event()
+            if self.nice is not None:
+                threading.Thread(target=self._renice, args=(stop,), daemon=True).start()
             try:
                 rc = p.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
@@ -1166,6 +1350,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
                 raise LabError(f"the MPI job timed out after {self.timeout:g} s and was killed "
                                f"(raise --timeout); log: {log}\n{_tail(log)}") from None
             finally:
+                stop.set()
                 self._kill(p)
         wall = time.monotonic() - t0
         self._sweep()
@@ -1320,6 +1505,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
                         "mtu": MTU, "offload": self.features.get("mode"),
                         "addresses": dict(zip(self.hostnames, self.addrs))},
             "link": self.shaping,
+            "nice": self.nice,
             "calibration": self.calibration,
             "system": summary.get("system"), "method": summary.get("method"),
             "topology": topo,
@@ -1433,7 +1619,8 @@ def format_table(r: dict) -> str:
 def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: str = "mpiexec",
             out=None, timeout: float = DEFAULT_TIMEOUT, force: bool = False,
             netmod: str = "ucx", offload: bool = False, env: dict | None = None,
-            verbose: bool = False, calibrate_cost: bool = False, compare: bool = False) -> dict:
+            verbose: bool = False, calibrate_cost: bool = False, compare: bool = False,
+            nice: int | None = None) -> dict:
     """Set up a lab, measure one run (after its start-up baseline), tear down.
 
     ``calibrate_cost``: ping-pong first (:meth:`Lab.ping_pong`) and append the cost-model flags
@@ -1444,7 +1631,7 @@ def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: 
     Returns the ``wire.json`` dict (also written to ``OUT/wire.json``).
     """
     with Lab(hosts, ranks_per_host, link=link, netmod=netmod, offload=offload, timeout=timeout,
-             env=env, verbose=verbose) as lab:
+             env=env, verbose=verbose, nice=nice) as lab:
         module_args = list(module_args)
         if calibrate_cost:
             flags = cost_flags(lab.link, lab.ping_pong(launch=launch))
@@ -1491,6 +1678,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds allowed for each MPI run (default %(default)s)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the MPI job (repeatable)")
+    p.add_argument("--yield", dest="yield_", action="store_true",
+                   help="waiting MPI ranks sleep instead of spinning (MPICH's "
+                        "MPIR_CVAR_CH4_PROGRESS_THROTTLE): for more ranks than cores")
+    p.add_argument("--nice", type=int, default=None,
+                   help="run the MPI job at this niceness (-20 .. 19): a timing run gets the "
+                        "cores before the box's other jobs")
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUT/wire.json (and pass --overwrite to the command "
                         "when OUT already holds its summary.json)")
@@ -1531,7 +1724,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_steps(r))
         return 0
     ns = _parse(argv)
-    env = {}
+    env = dict(YIELD_ENV) if ns.yield_ else {}
     for kv in ns.env:
         if "=" not in kv:
             print(f"wirelab: error: --env {kv!r}: write KEY=VALUE", file=sys.stderr)
@@ -1543,7 +1736,7 @@ def main(argv: list[str] | None = None) -> int:
                          launch=ns.launch, out=ns.out, timeout=ns.timeout, force=ns.force,
                          netmod=ns.netmod, offload=ns.offload == "on", env=env,
                          verbose=ns.verbose, calibrate_cost=ns.calibrate_cost,
-                         compare=ns.compare_steps)
+                         compare=ns.compare_steps, nice=ns.nice)
     except LabError as exc:
         print(f"wirelab: error: {exc}", file=sys.stderr)
         return 2
