@@ -344,14 +344,26 @@ class Timeline:
                          deps=self._deps(deps, label), seconds=seconds)
 
     def transfer(self, phase: str, link: str, nbytes: float, *, algorithm: str = "p2p",
-                 p: int = 2, messages: int = 1, deps=(), label: str | None = None) -> Event:
+                 p: int = 2, messages: int = 1, deps=(), label: str | None = None,
+                 share: int = 1) -> Event:
         """A communication event on ``link`` whose time is the cost model's time of
-        ``algorithm`` (:func:`transfer_parts`); starts when ``deps`` are done."""
+        ``algorithm`` (:func:`transfer_parts`); starts when ``deps`` are done.
+
+        ``share``: how many ranks of this rank's node drive the node's ``link`` at the same time
+        in this phase, each with a transfer like this one (an exchange in which every rank of a
+        node sends across nodes, e.g. H-SGD's SpFF/SpBP messages or an all-to-all).  A node has
+        one link of each class (one NIC), so this rank's bandwidth part is ``share × W``: the
+        node's ``share`` flows split the link, as the wire lab measures.  Rings and trees cross
+        a node boundary with one flow per direction and keep ``share = 1``.
+        """
         if self.cost is None:
             raise ValueError("Timeline.transfer needs a cost model: Timeline(cost=run.cost), or "
                              "use transfer_seconds(phase, link, latency_s, bandwidth_s)")
+        if isinstance(share, bool) or not isinstance(share, int) or share < 1:
+            raise ValueError(f"transfer {phase!r}: share must be an integer >= 1 (ranks of the "
+                             f"node on the link at once), got {share!r}")
         lat, work = transfer_parts(self.cost, algorithm, nbytes, link, p=p, messages=messages)
-        return self.transfer_seconds(phase, link, lat, work, deps=deps, label=label,
+        return self.transfer_seconds(phase, link, lat, work * share, deps=deps, label=label,
                                      nbytes=nbytes)
 
     def collective(self, comm, phase: str, nbytes: float, *, algorithm: str = "allreduce",

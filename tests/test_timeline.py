@@ -175,6 +175,23 @@ def test_transfer_times_come_from_the_cost_model():
     assert ev.finish == approx(2 * 2e-6 + 2 / 3 * n / 300e9)
 
 
+def test_ranks_of_a_node_sending_at_once_share_its_link():
+    # two ranks of a node each send m bytes to the other node at the same time: the node's one
+    # inter link carries 2m, so each rank's transfer takes alpha + 2 m beta (what the wire lab
+    # measures for H-SGD's SpFF at 2 hosts x 2 ranks)
+    cm = CostModel.from_cli(2400, 100, 2, 5)
+    m = 3_000_000
+    tl = Timeline(cm)
+    ev = tl.transfer("spff", "inter", m, messages=2, share=2)
+    alone = tl.transfer("spff_alone", "inter", m, messages=2, deps=[ev])
+    tl.step()
+    assert ev.finish == approx(2 * 5e-6 + 2 * m / 12.5e9)
+    assert alone.finish - ev.finish == approx(2 * 5e-6 + m / 12.5e9)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="share must be an integer"):
+            tl.transfer("spff", "inter", m, share=bad)
+
+
 def test_empty_step_and_totals():
     tl = Timeline()
     assert tl.step().step_s == 0.0
