@@ -2,7 +2,7 @@
 
 Prints (not a test)::
 
-    python bench/bench_timeline.py [--part load,overlap,lab] [--lab-link 100,0] [--lab-steps 4,14]
+    python bench/bench_timeline.py [--part load,overlap,simload]
 
 ``load``
     A fixed NumPy workload (1 BLAS thread) timed alone and beside two busy-loop processes on the
@@ -21,12 +21,8 @@ Prints (not a test)::
     concurrent 4-rank run of the same job (8 ranks on the cores), with the compute sources
     ``cpu``, ``calibrated`` and ``profile`` (replaying the profile the ``cpu`` alone run recorded
     with ``--compute-profile-out``): simulated seconds per step and ``loaded / alone``.
-``lab`` (root only)
-    ``dataparallel train --method ddp`` on 2 x 2 emulated hosts with a shaped inter-host link:
-    alpha from a ping-pong on the lab, beta from the link setting (``--calibrate-cost``); two
-    runs that differ only in ``--steps`` (each repeated ``--lab-repeat`` times, least wall
-    kept); measured time per step ``Δwall / Δsteps`` against the clock's predicted
-    ``Δsim_s / Δsteps`` (today's additive clock).
+The wire-lab comparison (predicted vs measured time per step on shaped links, root only) is
+``bench/bench_wirelab.py``.
 """
 
 from __future__ import annotations
@@ -222,55 +218,14 @@ def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) 
             print(f"  {src}: {r['desc']}")
 
 
-def part_lab(link: str, steps: tuple[int, int], repeat: int = 1) -> None:
-    from substrate import wirelab as wl  # noqa: PLC0415
-
-    mbit, lat = (float(v) for v in link.split(","))
-    base = ["dataparallel", "train", "--method", "ddp", "--eval-every", "1000000"]
-    runs = {}
-    with wl.Lab(2, 2, link=(mbit, lat), timeout=600) as lab:
-        pp = lab.ping_pong()
-        flags = wl.cost_flags(lab.link, pp)
-        tmp = Path(tempfile.mkdtemp(prefix="bench-timeline-"))
-        for rep in range(repeat):
-            for n in steps:
-                out = tmp / f"ddp_{n}_{rep}"
-                wire = lab.measure([*base, "--steps", str(n), *flags], out=out, force=True)
-                run = {"steps": n, "wire": wire,
-                       "summary": json.loads((out / "summary.json").read_text())}
-                if n not in runs or wire["wall_s"] < runs[n]["wire"]["wall_s"]:
-                    runs[n] = run            # the least disturbed repetition
-    r = wl.per_step_from_pair(runs[steps[0]], runs[steps[1]])
-    inter = pp["links"]["inter"]
-    print(f"\n## wire lab: ddp 2 x 2, link {mbit:g} Mbit/s (tbf; latency not applied), "
-          f"cost flags {' '.join(flags)}")
-    print(f"ping-pong inter: alpha {inter['alpha_s'] * 1e6:.1f} us (median one-way of 8 B), "
-          f"1 MiB at {inter['bandwidth_gbps']:.4f} Gbit/s; intra alpha "
-          f"{pp['links'].get('intra', {}).get('alpha_s', float('nan')) * 1e6:.1f} us")
-    print(f"steps {steps[0]} and {steps[1]} (least wall of {repeat}): job wall {runs[steps[0]]['wire']['wall_s']:.2f} s "
-          f"and {runs[steps[1]]['wire']['wall_s']:.2f} s")
-    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-    print(f"per step: measured {r['measured_s']:.4f} s; predicted (additive clock) "
-          f"{r['predicted_s']:.4f} s = compute {r['compute_s']:.4f} + comm "
-          f"{r['comm_modeled_s']:.4f}; predicted/measured {ratio}"
-          + ("  (the longer run took less wall: load noise exceeds the signal)"
-             if r["measured_s"] <= 0 else ""))
-    booked = runs[steps[1]]["summary"]["traffic"]["measured"]["inter_node_bytes"]
-    print(f"inter-node bytes booked ({steps[1]} steps): {booked:,}; real/booked "
-          f"{runs[steps[1]]['wire']['ratios']['payload_vs_booked']:.4f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="load,overlap,simload",
-                    help="comma list of load, overlap, simload (ddpload: its ddp part), lab")
+                    help="comma list of load, overlap, simload (ddpload: its ddp part); the "
+                         "wire-lab comparison is bench/bench_wirelab.py")
     ap.add_argument("--sim-steps", default="ddp=20,ssfusion=20,hsadmm=4",
                     help="steps (iterations for hsadmm) per simload job")
     ap.add_argument("--sim-systems", default="ddp,ssfusion,hsadmm")
-    ap.add_argument("--lab-link", default="100,0")
-    ap.add_argument("--lab-steps", default="4,14")
-    ap.add_argument("--lab-repeat", type=int, default=1,
-                    help="runs per step count; the one with the least wall time is used")
     a = ap.parse_args()
     parts = a.part.split(",")
     if "load" in parts:
@@ -281,9 +236,6 @@ def main() -> None:
         steps = {k: int(v) for k, v in (kv.split("=") for kv in a.sim_steps.split(","))}
         systems = ("ddp",) if "simload" not in parts else tuple(a.sim_systems.split(","))
         part_sim_load(steps, systems)
-    if "lab" in parts:
-        s = tuple(int(v) for v in a.lab_steps.split(","))
-        part_lab(a.lab_link, s, a.lab_repeat)
 
 
 if __name__ == "__main__":
