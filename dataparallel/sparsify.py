@@ -28,7 +28,7 @@ import numpy as np
 from substrate.backend import array_module
 
 __all__ = ["SAMPLE_MIN", "segment_rng", "sample_magnitudes", "sample_rank", "sample_threshold",
-           "refine_threshold", "dgc_topk"]
+           "refine_threshold", "dgc_topk", "selection_flops"]
 
 #: Smallest sample; tensors with at most this many entries are selected exactly.
 SAMPLE_MIN = 256
@@ -159,3 +159,27 @@ def dgc_topk(x, k: int, rng: np.random.Generator, sample_ratio: float = 0.01, *,
     if cand.size > k:
         cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
     return cand.astype(np.int64, copy=False)
+
+
+def selection_flops(n: int, k: int, sparsifier: str = "dgc", sample_ratio: float = 0.01) -> float:
+    """Element operations of one top-``k`` selection of ``n`` entries (the FLOP count the
+    timeline's ``flops`` compute source turns into seconds; a model estimate, not a measurement).
+
+    ``dgc``: ``|x|`` (``n``), the sorted sample (``s log2 s``, ``s = max(SAMPLE_MIN, ⌈r n⌉)``),
+    two counting passes (``2n``, the typical refinement), the candidate scan (``n``) and the trim
+    over at most ``(1 + slack) k`` candidates (``2.5 k``): ``4n + s log2 s + 2.5k``.  ``exact``
+    and tensors too small to sample: ``|x|`` and an introselect (``≈ 2n`` comparisons), ``3n``.
+    ``gaussiank``: mean and standard deviation (``3n``), ``|x|`` (``n``), at most three counting
+    passes (``3n``) and the trim (``2k``): ``7n + 2k``.  ``k = n`` selects everything (``n``).
+    """
+    n, k = int(n), int(k)
+    if n <= 0:
+        return 0.0
+    if k >= n:
+        return float(n)
+    if sparsifier == "gaussiank":
+        return 7.0 * n + 2.0 * k
+    s = max(SAMPLE_MIN, math.ceil(sample_ratio * n))
+    if sparsifier == "exact" or s >= n:
+        return 3.0 * n
+    return 4.0 * n + s * math.log2(s) + 2.5 * k

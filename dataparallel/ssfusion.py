@@ -61,9 +61,14 @@ all ranks, rank 0 plans and broadcasts the plan, so every rank uses the same pla
 forms and the second source: :mod:`volume.ssfusion`.
 
 Simulation notes: the collectives are blocking and run in ``sync`` after the backward, buffer
-by buffer (all-reduce, then all-gather); the overlap of eq. 2 and §IV-D exists in the plan's time
-model, not on the simulated clock, which adds the modeled communication to the measured compute.
-The sparsification in ``sync`` is timed as compute (``sparsify_s_per_step`` in the report).
+by buffer (all-reduce, then all-gather), and so does the main-thread sparsification.  On the
+timeline clock every buffer declares its own events (:meth:`SSFusion.sync`): its sparsification
+on the compute stream after its gradients are ready (the compute stream is in order, so in this
+trainer it follows the whole backward), its offloaded segments on the ``offload`` stream (which
+runs during the backward), then its all-reduce and all-gather, one collective after another
+(one communication channel), overlapping the next buffers' sparsification.  Sparsification is timed by the run's compute
+source; the ``flops`` source counts its element operations
+(:func:`dataparallel.sparsify.selection_flops`), with no kernel-launch cost per tensor.
 """
 
 from __future__ import annotations
@@ -80,11 +85,12 @@ import numpy as np
 from substrate.backend import array_module
 from substrate.comm import bucket_groups
 from substrate.options import option
+from substrate.timeline import CpuTimeSource
 from volume import ssfusion as cv
 from volume.dataparallel import ddp_step_bytes, topk_k
 
 from .ddp import DDPOptions, flat_buckets
-from .sparsify import dgc_topk
+from .sparsify import dgc_topk, selection_flops
 from .strategy import Strategy, register
 from .topk import TopKOptions
 
@@ -741,6 +747,12 @@ class SSFusion(Strategy):
         self._step = 0  # the step whose backward runs (for on_ready)
         self._executor = ThreadPoolExecutor(1, "ssfusion-offload") if options.offload else None
         self._futures: dict[int, object] = {}
+        # the worker's events are timed on the worker thread by the run's compute source; a GPU
+        # run's worker does host work that CUDA events cannot see: its thread CPU time
+        self._worker_source = (CpuTimeSource("thread") if self.run.backend.is_gpu
+                               else self.run.clock.source)
+        self._profile_event = None  # timeline: the warm-up profiling event of this step
+        self._comm_event = None  # timeline: the last warm-up all-reduce of this step
         self._prof_futures: list = []
         self._k_full = topk_k(self.sizes, options.density)
         self._host_res: dict[int, np.ndarray] = {}
@@ -864,73 +876,134 @@ class SSFusion(Strategy):
 
     def _offload_job(self, buf: _Buffer, seg: _Segment, step: int):
         """Worker thread: sparsify one tensor on the CPU (on a GPU run: copy to the host, select
-        with NumPy, keep its residual on the host; the main thread copies the result back)."""
-        t = time.perf_counter()
-        if not self.run.backend.is_gpu:
-            self._select(buf, seg, step)
-            return time.perf_counter() - t, None
-        host = self.ctx.model.grads.flat[seg.a:seg.b].get()
-        if self.mu:
-            u = self._host_vel[seg.sid]
-            u *= self.mu
-            u += host
-            host = u
-        if self.options.error_feedback:
-            acc = self._host_res[seg.sid]
-            acc += host
-        else:
-            acc = host
-        idx = self._sparsify(acc, seg.k, self._rng(step, seg.sid))
-        values = acc[idx].copy()
-        if self.options.error_feedback:
-            acc[idx] = 0
-        if self.mu:
-            self._host_vel[seg.sid][idx] = 0
-        return time.perf_counter() - t, (values, idx)
+        with NumPy, keep its residual on the host; the main thread copies the result back).
 
-    def _sparsify_all(self, step: int) -> None:
-        xp = self.xp
-        for buf in self._bufs:
-            for seg in buf.segs:
-                if not (seg.offload and seg.sid in self._futures):
-                    self._select(buf, seg, step)
-        for l, fut in self._futures.items():
-            dt, host = fut.result()
+        Returns ``(wall seconds, simulated seconds, host result or None)``: the simulated
+        seconds are the run's compute source's reading taken on this thread (thread CPU time of
+        the worker, or the FLOP estimate :meth:`_segment_flops`; on a GPU run the worker's
+        thread CPU time, as CUDA events would not see host work)."""
+        t = time.perf_counter()
+        src = self._worker_source
+        with src.measure(self._segment_flops(seg), None, f"ssf_offload:{seg.sid}") as m:
+            if not self.run.backend.is_gpu:
+                self._select(buf, seg, step)
+                host_out = None
+            else:
+                host = self.ctx.model.grads.flat[seg.a:seg.b].get()
+                if self.mu:
+                    u = self._host_vel[seg.sid]
+                    u *= self.mu
+                    u += host
+                    host = u
+                if self.options.error_feedback:
+                    acc = self._host_res[seg.sid]
+                    acc += host
+                else:
+                    acc = host
+                idx = self._sparsify(acc, seg.k, self._rng(step, seg.sid))
+                values = acc[idx].copy()
+                if self.options.error_feedback:
+                    acc[idx] = 0
+                if self.mu:
+                    self._host_vel[seg.sid][idx] = 0
+                host_out = (values, idx)
+        return time.perf_counter() - t, m.seconds, host_out
+
+    def _segment_flops(self, seg: _Segment) -> float:
+        """Element operations of sparsifying one segment (the ``flops`` compute source's count):
+        momentum ``u = μ u + g`` (``2n``), error feedback ``a = e + u`` (``n``), the selection
+        (:func:`dataparallel.sparsify.selection_flops`) and the gather and masking of the ``k``
+        sent entries (``2k``)."""
+        n = seg.b - seg.a
+        return (selection_flops(n, seg.k, self.options.sparsifier, self.options.sample_ratio)
+                + (2 * n if self.mu else 0) + (n if self.options.error_feedback else 0)
+                + 2 * seg.k)
+
+    def _buffer_flops(self, buf: _Buffer) -> float:
+        """Element operations of one buffer's step on the compute stream: momentum of its dense
+        tensors (``2n``) and the sparsification of its segments not offloaded."""
+        dense = sum(rb - ra for ra, rb in buf.ar + buf.agd) if self.mu else 0
+        return 2.0 * dense + sum(self._segment_flops(s) for s in buf.segs
+                                 if not (s.offload and s.sid in self._futures))
+
+    def _prepare_buffer(self, buf: _Buffer, step: int) -> None:
+        """Main thread, one buffer: plain momentum ``u = μ u + g`` of its dense tensors (sent as
+        they are) and the sparsification of its segments not handed to the worker."""
+        g = self.ctx.model.grads.flat
+        if self.velocity is not None:
+            u = self.velocity
+            for ra, rb in buf.ar + buf.agd:
+                u[ra:rb] *= self.mu
+                u[ra:rb] += g[ra:rb]
+                g[ra:rb] = u[ra:rb]
+        for seg in buf.segs:
+            if not (seg.offload and seg.sid in self._futures):
+                self._select(buf, seg, step)
+
+    def _collect_offloaded(self, buf: _Buffer) -> list:
+        """Wait for the worker's segments of ``buf``, copy GPU-run results into the send buffer,
+        and declare each as an event on the timeline's ``offload`` stream after its gradients'
+        ready event (SSFusion-O, §IV-C: the worker runs during the backward)."""
+        clock, xp = self.run.clock, self.xp
+        tl = clock.timeline
+        events = []
+        for seg in buf.segs:
+            fut = self._futures.pop(seg.sid, None)
+            if fut is None:
+                continue
+            dt, sim, host = fut.result()
             self._stats["worker_s"] += dt
             if host is not None:
-                buf, seg = self._seg_of[l]
                 self._put(buf, seg, xp.asarray(host[0]), xp.asarray(host[1]))
-        self._futures.clear()
+            if tl is not None:
+                events.append(tl.compute(f"ssf_offload[{self.names[seg.sid]}]", sim,
+                                         deps=clock.ready(seg.a, seg.b), stream="offload"))
+        return events
 
     # -- one step ---------------------------------------------------------------------------------
     def sync(self, state, buffers):
+        """One sparse step, buffer by buffer in backward order: prepare (dense momentum,
+        sparsification on the compute stream; offloaded segments from the worker), all-reduce
+        ``Buffer_AR``, all-gather ``Buffer_AG``.
+
+        On the timeline each buffer's preparation is a compute event ``ssf_sparsify[i]`` after
+        its gradients' ready event (:meth:`SimClock.ready`), its offloaded segments are events
+        on the ``offload`` stream (:meth:`_collect_offloaded`), its all-reduce (``DENSE``, ring,
+        ``4 n_AR`` bytes) follows its preparation and its all-gather (``SPARSE``, ring, ``p``
+        blocks of ``4 n_AG + 8 K``) follows the preparation and the offloaded segments.  The
+        collectives run one after another, in this order, on one communication channel (the
+        blocking calls here; the paper's pipeline, in which buffer ``i`` starts its
+        communication when it is ready and buffer ``i-1``'s has ended: eq. 2, Fig. 10,
+        :func:`find_opt_fusion`), so buffer ``i``'s collectives overlap buffer ``i+1``'s
+        sparsification and the rest of the backward, not each other."""
         g = buffers.flat
         step = int(state.step)
         if self.plan is None or step < self.warmup:
             return self._warmup_sync(step, g)
         clock, sync_dev = self.run.clock, self.run.backend.synchronize
-        with clock.compute():
-            t = time.perf_counter()
-            if self.velocity is not None:  # dense tensors: plain momentum u = μ u + g, sent
-                u = self.velocity
-                for buf in self._bufs:
-                    for ra, rb in buf.ar + buf.agd:
-                        u[ra:rb] *= self.mu
-                        u[ra:rb] += g[ra:rb]
-                        g[ra:rb] = u[ra:rb]
-            self._sparsify_all(step)
-            sync_dev()
-            self._stats["sparsify_s"] += time.perf_counter() - t
+        tl = clock.timeline
         world, p = self.topo.world, self.topo.size
         xp = self.xp
         gathered_idx = []
-        for buf in self._bufs:
+        comm = None  # the last collective declared: they run one after another
+        for i, buf in enumerate(self._bufs):
+            with clock.compute(f"ssf_sparsify[{i}]", flops=self._buffer_flops(buf),
+                               deps=clock.ready(buf.a, buf.b)):
+                t = time.perf_counter()
+                self._prepare_buffer(buf, step)
+                sync_dev()
+                self._stats["sparsify_s"] += time.perf_counter() - t
+            prepared = clock.last_event if tl is not None else None
+            offloaded = self._collect_offloaded(buf)
             if buf.n_ar:
                 o = 0
                 for ra, rb in buf.ar:
                     buf.ar_buf[o:o + rb - ra] = g[ra:rb]
                     o += rb - ra
                 world.allreduce(buf.ar_buf, "avg", phase=cv.DENSE)
+                if tl is not None:
+                    comm = tl.collective(world, cv.DENSE, buf.ar_buf.nbytes,
+                                         deps=[prepared, comm], label=f"{cv.DENSE}[{i}]")
                 o = 0
                 for ra, rb in buf.ar:
                     g[ra:rb] = buf.ar_buf[o:o + rb - ra]
@@ -942,6 +1015,11 @@ class SSFusion(Strategy):
                     buf.send[o:o + rb - ra] = g[ra:rb].view(np.int32)
                     o += rb - ra
                 rows = world.allgather(buf.send, phase=cv.SPARSE)
+                if tl is not None:
+                    comm = tl.collective(world, cv.SPARSE, p * buf.send.nbytes,
+                                         algorithm="allgather",
+                                         deps=[prepared, *offloaded, comm],
+                                         label=f"{cv.SPARSE}[{i}]")
                 if nd:
                     dense = rows[:, :nd].view(np.float32).astype(np.float64).sum(axis=0) / p
                     o = 0
@@ -964,20 +1042,42 @@ class SSFusion(Strategy):
     def _warmup_sync(self, step: int, g):
         """Dense all-reduce of every warm-up buffer (with momentum correction, of ``u = μ u +
         g``); a plan that needs timings also profiles (T_b, T_sp, T_cpu) and, after the last
-        warm-up step, is decided."""
+        warm-up step, is decided.
+
+        On the timeline the profiling and the momentum update are compute events after the
+        backward (they read the whole gradient), each warm-up buffer's all-reduce (``WARMUP``)
+        starts when its gradients are ready, those events are done and the previous buffer's
+        all-reduce has ended, and the decision's profile all-reduce and plan broadcast
+        (:meth:`_decide`) follow the profiling and the last all-reduce."""
+        clock = self.run.clock
+        tl = clock.timeline
         profiling = self.plan is None
+        after = []
+        self._profile_event = None
         if profiling:
-            with self.run.clock.compute():
+            with clock.compute("ssf_profile"):
                 t = time.perf_counter()
                 self._profile_step(step, g)
                 self._stats["profile_s"] += time.perf_counter() - t
+            if tl is not None:
+                self._profile_event = clock.last_event
+                after.append(clock.last_event)
         if self.velocity is not None:
-            self.velocity *= self.mu
-            self.velocity += g
-            g[...] = self.velocity
+            with clock.compute("ssf_momentum", flops=2.0 * g.size):
+                self.velocity *= self.mu
+                self.velocity += g
+                g[...] = self.velocity
+            if tl is not None:
+                after.append(clock.last_event)
+        world = self.topo.world
+        self._comm_event = None
         for (t0, t1) in self._template.warmup_buffers:
-            self.topo.world.allreduce(g[self.offsets[t0]:self.offsets[t1]], "avg",
-                                      phase=cv.WARMUP)
+            a, b = int(self.offsets[t0]), int(self.offsets[t1])
+            world.allreduce(g[a:b], "avg", phase=cv.WARMUP)
+            if tl is not None and b > a:
+                self._comm_event = tl.collective(
+                    world, cv.WARMUP, (b - a) * g.itemsize,
+                    deps=[clock.ready(a, b), *after, self._comm_event])
         decided = profiling and step == self.warmup - 1
         if decided:
             self._decide()
@@ -1065,6 +1165,10 @@ class SSFusion(Strategy):
         prof = self._profile_vector()
         world = self.topo.world
         world.allreduce(prof, "max", phase=cv.PROFILE)
+        tl = self.run.clock.timeline
+        if tl is not None:
+            ev = tl.collective(world, cv.PROFILE, prof.nbytes,
+                               deps=[self._profile_event, self._comm_event])
         self._profile = prof[:3 * L].reshape(len(cv.PROFILE_FIELDS), L)
         T_b, T_sp, T_cpu = self._profile
         code = np.zeros(cv.plan_length(L), dtype=np.int64)
@@ -1082,6 +1186,8 @@ class SSFusion(Strategy):
                     plan = dataclasses.replace(plan, offload=(False,) * L)
             code[:] = plan.encode()
         world.bcast(code, 0, phase=cv.SELECT)
+        if tl is not None:  # rank 0 plans between the two (host work, not timed)
+            tl.collective(world, cv.SELECT, code.nbytes, algorithm="bcast", deps=ev)
         self._install(self._template.decode(code))
 
     def _count_missing(self, gathered_idx) -> None:

@@ -50,13 +50,14 @@ import numpy as np
 
 from models import SGD, ProximalHook, SGDConfig, iterate_batches
 from substrate.backend import array_module
+from substrate.costmodel import INTER, INTRA
 from volume.hsadmm import flat_admm_iteration_bytes, hsadmm_iteration_bytes
 
 from .penalty import balance_penalty, eps_dual, eps_primal, increase_penalty, penalty_groups
 from .projection import keep_count, structured_mask
 from .shrink import MaskCodec, ShrinkPlan, pruned_names
 
-__all__ = ["ADMMState", "HSADMM", "FlatADMM", "SOLVERS"]
+__all__ = ["HSADMM", "SOLVERS", "ADMMState", "FlatADMM"]
 
 
 class ADMMState:
@@ -370,6 +371,10 @@ class HSADMM(_Base):
     def _views(self, flat):
         return [flat[sl].reshape(self.layout.shape(n)) for sl, n in zip(self.slices, self.names)]
 
+    def _inter_link(self) -> str:
+        """Link class of the leaders' inter-node ring (``intra`` on one node)."""
+        return INTER if self.M > 1 else INTRA
+
     def iterate(self, k: int) -> dict:
         """One outer iteration; returns the metrics of this iteration (identical on all ranks).
 
@@ -379,13 +384,26 @@ class HSADMM(_Base):
         ``shrink`` (eq. 15), ``inter_allreduce`` (bucketed average and broadcast of the compact
         ``z``, eq. 11), ``expand`` (zero-fill recovery, §4.4.3) and ``duals_residuals``
         (eqs. 12-13, residuals, penalties).
+
+        Timeline (Algorithm 1's phases, which PruneX runs in sequence, §4.2): every collective
+        is an event after the compute it reads, and the compute after it waits for it: local
+        SGD -> ``intra_allreduce`` (SUM of ``theta + u``) -> z update and projection (with ``c
+        = z_i + v``) -> ``mask_sync`` (leaders' OR) -> ``mask_bcast`` -> mask update and
+        shrink -> ``inter_allreduce`` per compact bucket, each after the previous one (the
+        leaders' blocking loop) -> ``bcast_z`` (one broadcast of the whole compact buffer) ->
+        expand, duals and residual sums -> ``residuals`` -> penalties.  A follower declares the
+        leaders' inter-node phases too (it waits for them in ``bcast``) without booking them.
+        The code reduces whole vectors, phase after phase, so the data flow allows no
+        pipelining of intra- and inter-node phases across layers or buckets: the step's
+        critical path is its no-overlap sum, up to contention-free latency.
         """
         run, s, xp, topo = self.run, self.state, self.xp, self.topo
         clock, timed = run.clock, self.timed
+        tl = clock.timeline
         cfg = self.cfg
         rho1, rho2 = self.rho_flat(s.rho1), self.rho_flat(s.rho2)
         # Phase 1: local computation
-        with clock.compute():
+        with clock.compute("local_sgd"):
             with timed("local_sgd"):
                 loss = self.local_sgd()
             buf = self._buf
@@ -393,7 +411,9 @@ class HSADMM(_Base):
         # Phase 2: intra-node consensus (eq. 9)
         with timed("intra_allreduce"):
             topo.intra.allreduce(buf, "sum", phase="intra_allreduce")
-        with clock.compute():
+        ev = (tl.collective(topo.intra, "intra_allreduce", buf.nbytes, deps=clock.last_event)
+              if tl is not None else None)
+        with clock.compute("z_update", deps=ev):
             with timed("z_update"):
                 gamma = cfg.weight_decay / self.M + self.P * rho1 + rho2
                 z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
@@ -407,6 +427,7 @@ class HSADMM(_Base):
                     local_masks = None
                 else:
                     local_masks = self.project_into(z_tilde, s.z_i)
+            xp.add(s.z_i, s.v, out=buf)  # c = z_i + v (the masks do not change it)
         # Phase 4: mask OR-sync (leaders), broadcast of the global mask to followers
         drift = 0.0
         mask_synced = not self.frozen
@@ -414,17 +435,23 @@ class HSADMM(_Base):
             with timed("mask_sync"):
                 drift = self._sync_masks(local_masks)
         plan = self.plan
-        with clock.compute():
-            xp.add(s.z_i, s.v, out=buf)  # c = z_i + v
-            with timed("shrink"):
-                if topo.is_leader:
-                    plan.shrink(self._views(buf))
+        with clock.compute("shrink"), timed("shrink"):
+            if topo.is_leader:
+                plan.shrink(self._views(buf))
         with timed("inter_allreduce"):
             if topo.is_leader:
                 for a, b in plan.buckets:
                     topo.inter.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce")
             topo.intra.bcast(plan.buffer, 0, phase="bcast_z")
-        with clock.compute():
+        if tl is not None:
+            ev = clock.last_event
+            for a, b in plan.buckets:
+                ev = tl.transfer("inter_allreduce", self._inter_link(),
+                                 (b - a) * plan.buffer.itemsize, algorithm="allreduce",
+                                 p=self.M, deps=ev)
+            ev = tl.collective(topo.intra, "bcast_z", plan.buffer.nbytes, algorithm="bcast",
+                               deps=ev)
+        with clock.compute("expand_duals", deps=ev):
             with timed("expand"):
                 plan.expand(plan.buffer, self._views(s.z))
             with timed("duals_residuals"):
@@ -441,10 +468,11 @@ class HSADMM(_Base):
                                 lead * sq(s.z)])
         with timed("duals_residuals"):
             topo.world.allreduce(res, "sum", phase="residuals")
-        with clock.compute():
-            with timed("duals_residuals"):
-                out = self.penalties_and_stop(res, self.M, self.P)
-                self._maybe_freeze(k)
+        ev = (tl.collective(topo.world, "residuals", res.nbytes, deps=clock.last_event)
+              if tl is not None else None)
+        with clock.compute("penalties", deps=ev), timed("duals_residuals"):
+            out = self.penalties_and_stop(res, self.M, self.P)
+            self._maybe_freeze(k)
         out.update(loss=loss, mask_drift=drift, mask_synced=mask_synced, frozen=self.frozen,
                    compact_elems=plan.compact_size, dense_elems=plan.dense_size,
                    compact_buckets=[b - a for a, b in plan.buckets])
@@ -452,14 +480,24 @@ class HSADMM(_Base):
 
     def _sync_masks(self, local_masks) -> float:
         """Leaders OR-reduce the packed masks (eq. 14) and broadcast them in their node; the
-        shrink plan is rebuilt when the global mask changed.  Returns the mask drift."""
-        topo = self.topo
+        shrink plan is rebuilt when the global mask changed.  Returns the mask drift.
+
+        Timeline: the OR all-reduce (declared by followers too: they wait for it) after the
+        projection, the broadcast after it, the mask update after the broadcast."""
+        topo, clock = self.topo, self.run.clock
+        tl = clock.timeline
         packed = (self.codec.pack(local_masks) if topo.is_leader
                   else np.empty(self.codec.nbytes, dtype=np.uint8))
         if topo.is_leader:
             topo.inter.allreduce(packed, "bor", phase="mask_sync")
         topo.intra.bcast(packed, 0, phase="mask_bcast")
-        with self.run.clock.compute():
+        ev = None
+        if tl is not None:
+            ev = tl.transfer("mask_sync", self._inter_link(), packed.nbytes,
+                             algorithm="allreduce", p=self.M, deps=clock.last_event)
+            ev = tl.collective(topo.intra, "mask_bcast", packed.nbytes, algorithm="bcast",
+                               deps=ev)
+        with clock.compute("mask_update", deps=ev):
             drift = self._update_masks(self.codec.unpack(packed))
             if drift:
                 self.plan = self._make_plan()
@@ -487,18 +525,24 @@ class FlatADMM(_Base):
         self._z_old = self.xp.empty_like(self.state.theta)
 
     def iterate(self, k: int) -> dict:
+        """One iteration.  Timeline: local SGD -> ``world_allreduce`` -> z update, projection,
+        duals and residual sums -> ``residuals`` -> penalties, each after the previous (the
+        data flow is a chain: nothing overlaps)."""
         run, s, xp, w = self.run, self.state, self.xp, self.topo.world
         clock, cfg, timed = run.clock, self.cfg, self.timed
+        tl = clock.timeline
         rho1 = self.rho_flat(s.rho1)
-        with clock.compute():
+        with clock.compute("local_sgd"):
             with timed("local_sgd"):
                 loss = self.local_sgd()
             buf = self._buf
             xp.add(s.theta, s.u, out=buf)
         with timed("world_allreduce"):
             w.allreduce(buf, "sum", phase="world_allreduce")
+        ev = (tl.collective(w, "world_allreduce", buf.nbytes, deps=clock.last_event)
+              if tl is not None else None)
         drift = 0.0
-        with clock.compute():
+        with clock.compute("z_update", deps=ev):
             with timed("z_update"):
                 z_tilde = rho1 * buf / (cfg.weight_decay + w.size * rho1)
                 self._z_old[...] = s.z
@@ -517,10 +561,11 @@ class FlatADMM(_Base):
                                 sq(s.theta), sq(s.u), sq(s.z), zero, zero])
         with timed("duals_residuals"):
             w.allreduce(res, "sum", phase="residuals")
-        with clock.compute():
-            with timed("duals_residuals"):
-                out = self.penalties_and_stop(res, 1, w.size)
-                self._maybe_freeze(k)
+        ev = (tl.collective(w, "residuals", res.nbytes, deps=clock.last_event)
+              if tl is not None else None)
+        with clock.compute("penalties", deps=ev), timed("duals_residuals"):
+            out = self.penalties_and_stop(res, 1, w.size)
+            self._maybe_freeze(k)
         out.update(loss=loss, mask_drift=drift, mask_synced=False, frozen=self.frozen,
                    compact_elems=self.layout.total, dense_elems=self.layout.total,
                    compact_buckets=[])

@@ -140,6 +140,8 @@ def train(args) -> dict:
     model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                         seed=seed)
     solver = SOLVERS[tcfg.method](run, cfg, model, train_shard, overrides)
+    # per-layer compute events of the local SGD (timeline clock; the FLOP source's counts)
+    model.recorder = run.clock.layers
     eval_model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                              seed=seed)
     predicted: dict[str, dict] = {}
@@ -190,8 +192,8 @@ def train(args) -> dict:
         t0 = time.perf_counter()
         out = solver.iterate(k)
         step_wall_s = time.perf_counter() - t0
-        # one timeline step per ADMM iteration (its communication is appended after its
-        # compute: the solver's phases depend on each other's results)
+        # one timeline step per ADMM iteration (the solver declares its collectives, each
+        # after the compute it reads: see HSADMM.iterate)
         timing = run.clock.step()
         it_bytes = solver.predicted_phase_bytes(out["mask_synced"])  # == measured (tested)
         for phase, b in it_bytes.items():

@@ -299,6 +299,7 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
         flat[:-1] = np.concatenate(part.owners)
         flat[-1] = part.seconds
     run.world.bcast(flat, root=0, phase=PHASE_PARTITION)
+    _declare(run, PHASE_PARTITION, flat.nbytes, "bcast", deps=())  # rank 0 partitions first
     owners = np.split(flat[:-1].astype(np.int64), np.cumsum(sizes)[:-1])
     part = Partition(owners=tuple(owners), parts=run.size, method=method,
                      seconds=float(flat[-1]))
@@ -355,6 +356,15 @@ def _class_scores(net, out_class: np.ndarray, batch: int) -> np.ndarray:
     return scores
 
 
+def _declare(run, phase: str, nbytes: int, algorithm: str = "allreduce", deps="last") -> None:
+    """Declare a world collective just booked under ``phase`` on the timeline, after the last
+    compute block (``deps="last"``) or after ``deps``."""
+    clock = run.clock
+    if clock.timeline is not None:
+        clock.timeline.collective(run.world, phase, nbytes, algorithm=algorithm,
+                                  deps=clock.last_event if deps == "last" else deps)
+
+
 def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> tuple[float, list]:
     """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
     ``eval``) and one all-reduce of the class scores (``eval_scores``); returns the accuracy
@@ -363,14 +373,16 @@ def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> tuple
     scores = np.zeros((NUM_CLASSES, max(n, 1)))
     sizes = []
     for s in range(0, n, cfg.batch_size):
-        with run.clock.compute():
+        with run.clock.compute("eval_batch"):
             X0 = np.ascontiguousarray(ds.features[s:s + cfg.batch_size][:, in_rows].T,
                                       dtype=dtype)
-            net.forward(X0, phase=PHASE_EVAL)
+        net.forward(X0, phase=PHASE_EVAL)  # declares its events (phase eval)
+        with run.clock.compute("eval_scores"):
             scores[:, s:s + X0.shape[1]] = _class_scores(net, out_class, X0.shape[1])
         sizes.append(X0.shape[1])
     if n:
         run.world.allreduce(scores, "sum", phase=PHASE_EVAL_SCORES)
+        _declare(run, PHASE_EVAL_SCORES, scores.nbytes)
     pred = np.argmax(scores[:, :n] / class_size[:, None], axis=0)
     return (float(np.mean(pred == ds.labels)) if n else float("nan")), sizes
 
@@ -412,7 +424,7 @@ def _train(args) -> dict:
     plan = HSGDPlan.from_partition(weights, part, run.topo.node_of)
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
-                                   dtype=dtype)
+                                   dtype=dtype, clock=run.clock)
     if cfg.resume:
         _load_net_state(net, state)
     targets = class_targets(ds.labels, cfg.neurons, NUM_CLASSES)
@@ -433,14 +445,16 @@ def _train(args) -> dict:
     for it in range(start, cfg.steps):
         t_step = time.perf_counter()
         idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch_size, replace=False)
-        with run.clock.compute():
+        with run.clock.compute("batch"):
             X0 = np.ascontiguousarray(ds.features[idx][:, in_rows].T, dtype=dtype)
             Y = np.ascontiguousarray(targets[idx][:, out_rows].T, dtype=dtype)
-            red[0] = net.step(X0, Y, cfg.lr)
+        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet)
+        red[0] = net.step(X0, Y, cfg.lr)
+        with run.clock.compute("class_scores"):
             red[1:] = _class_scores(net, out_class, cfg.batch_size).ravel()  # pre-update
         run.world.allreduce(red, "sum", phase=PHASE_LOSS)
-        # one timeline step per SGD step; SpFF/SpBP messages are not yet declared as events,
-        # so they follow the step's compute (no overlap credited)
+        _declare(run, PHASE_LOSS, red.nbytes)
+        # one timeline step per SGD step
         timing = run.clock.step()
         loss = float(red[0])
         pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size) / class_size[:, None],

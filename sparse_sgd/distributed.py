@@ -5,9 +5,26 @@ the columns it owns and the columns it receives), the bias entries b^k_m and its
 Mini-batches are columns of X (§5.1), stored row-major ``(neurons, batch)`` so every message is a
 contiguous block of rows.  All messages go through :class:`substrate.Comm` under the ledger
 phases ``"spff"`` and ``"spbp"``.
+
+Timeline (``clock=``, a :class:`substrate.clock.SimClock`): every block of Algs. 2-3 is a
+compute event with its FLOP count and every message a point-to-point transfer on the link to
+its peer (intra- or inter-node), so the non-blocking messages overlap the local work the paper
+overlaps them with.  Per SpFF layer ``k``: ``spff_pack`` (line 4) -> one ``spff`` transfer per
+destination; ``spff_local`` (line 6, ``W_local x^{k-1}``) runs meanwhile; ``spff_remote`` (lines
+8-10: remote product and activation) waits for the local product and for the layer's messages.
+Per SpBP layer ``k``: ``spbp_remote`` (the sent part of line 4) -> one ``spbp`` transfer per
+destination; ``spbp_local`` (the local part) and ``spbp_update`` (lines 8-9) run meanwhile;
+``spbp_delta`` (lines 10-13) waits for the messages.  A rank's timeline holds only its own
+events: the rows it *receives* for layer ``k`` leave their senders at the same point of the
+same schedule, so their arrival is stood in for by the completion of the messages this rank
+sends for the layer (exact for a symmetric exchange, an estimate otherwise; the senders book
+the bytes).  The next layer's compute depends on its inputs only (the send buffers are per
+layer, so no send blocks the next layer).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 import scipy.sparse as sp
@@ -21,6 +38,9 @@ __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
 
 PHASE_SPFF = "spff"
 PHASE_SPBP = "spbp"
+
+#: FLOPs per element of an activation or its derivative (the timeline's FLOP counts)
+ACT_FLOPS = {"sigmoid": 4, "relu": 1}
 
 
 class _Buffers:
@@ -52,10 +72,13 @@ class DistributedSparseNet:
         ``"sigmoid"`` (paper, §6.1) or ``"relu"``.
     dtype : numpy dtype
         Floating type of weights and activations.
+    clock : substrate.clock.SimClock, optional
+        Declare compute blocks and messages as timeline events (see the module docstring);
+        without it the net does no timing of its own.
     """
 
     def __init__(self, weights, partition: Partition, comm, *, biases=None,
-                 activation: str = "sigmoid", dtype=np.float64) -> None:
+                 activation: str = "sigmoid", dtype=np.float64, clock=None) -> None:
         if partition.parts != comm.size:
             raise ValueError(f"partition has {partition.parts} parts but the communicator has "
                              f"{comm.size} ranks; partition for {comm.size} processors")
@@ -65,6 +88,7 @@ class DistributedSparseNet:
         self.rank = comm.rank
         self.dtype = np.dtype(dtype)
         self.f = ACTIVATIONS[activation]
+        self.act_flops = ACT_FLOPS[activation]
         self.L = len(weights)
         self.partition = partition
         self.maps = build_maps(weights, partition, comm.rank)  # Xsend/Xrecv, once
@@ -81,6 +105,33 @@ class DistributedSparseNet:
         self._buffers: dict[int, _Buffers] = {}
         self.X: list = []
         self.delta: list = []
+        self.clock = clock
+
+    # -- timeline --------------------------------------------------------------------------------
+    @contextmanager
+    def _compute(self, label: str, flops: float, deps=()):
+        """A compute block of ``flops`` FLOPs after ``deps`` on the clock (nothing without
+        one); :meth:`_last` is its event afterwards."""
+        if self.clock is None:
+            yield
+            return
+        with self.clock.compute(label, flops=float(flops), deps=deps):
+            yield
+
+    def _last(self):
+        """The event of the last compute block (``None`` off the timeline)."""
+        clock = self.clock
+        return clock.last_event if clock is not None and clock.timeline is not None else None
+
+    def _messages(self, phase: str, peers, sizes, deps) -> list:
+        """Declare one point-to-point transfer per destination (``sizes`` bytes on the link to
+        each of ``peers``), after ``deps``; returns their events."""
+        if self.clock is None or self.clock.timeline is None:
+            return []
+        tl = self.clock.timeline
+        return [tl.transfer(phase, self.comm.link_to(int(n)), int(nb), algorithm="p2p",
+                            deps=deps, label=f"{phase}->{int(n)}")
+                for n, nb in zip(peers, sizes) if int(n) != self.rank]
 
     # -- data layout ---------------------------------------------------------------------------
     @property
@@ -139,17 +190,27 @@ class DistributedSparseNet:
         if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
             raise ValueError(f"X0 must have shape ({self.input_rows.size}, batch) on rank "
                              f"{self.rank}, got {X0.shape}")
-        buf = self._bufs(X0.shape[1])
+        B = X0.shape[1]
+        buf = self._bufs(B)
         self.X = [X0]
         for k, mp in enumerate(self.maps, start=1):
             x_prev = self.X[-1]
-            rreq, sreq = self._post_x_exchange(k, x_prev, buf, phase)
-            z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
-            z += self.b[k - 1][:, None]
+            with self._compute(f"{phase}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
+                rreq, sreq = self._post_x_exchange(k, x_prev, buf, phase)
+            sent = self._messages(phase, mp.send_ranks, [b.nbytes for b in buf.xsend[k - 1]],
+                                  self._last())
+            rows = mp.rows.size
+            with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
+                z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
+                z += self.b[k - 1][:, None]
+            local = self._last()
             self.comm.waitall(rreq)  # line 8
-            if mp.recv_ptr[-1]:
-                z += mp.W_remote @ buf.xrecv[k - 1]  # line 9
-            self.X.append(self.f.apply(np.ascontiguousarray(z, dtype=self.dtype)))  # line 10
+            with self._compute(f"{phase}_remote[{k}]",
+                               (2 * mp.W_remote.nnz + self.act_flops * rows) * B,
+                               deps=[local, *sent]):
+                if mp.recv_ptr[-1]:
+                    z += mp.W_remote @ buf.xrecv[k - 1]  # line 9
+                self.X.append(self.f.apply(np.ascontiguousarray(z, dtype=self.dtype)))  # l. 10
             self.comm.waitall(sreq)
         return self.X[-1]
 
@@ -166,8 +227,9 @@ class DistributedSparseNet:
             raise ValueError(f"Y must have shape {XL.shape} on rank {self.rank}, got {Y.shape}")
         B = XL.shape[1]
         buf = self._bufs(B)
-        loss = float(0.5 * np.sum((XL - Y) ** 2) / B)
-        delta = np.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))  # line 2, eq. 6
+        with self._compute("spbp_output", (4 + self.act_flops) * XL.size):
+            loss = float(0.5 * np.sum((XL - Y) ** 2) / B)
+            delta = np.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))  # line 2, eq. 6
         self.delta = [None] * (self.L + 1)
         self.delta[self.L] = delta
         for k in range(self.L, 0, -1):
@@ -176,26 +238,38 @@ class DistributedSparseNet:
             xrecv = buf.xrecv[k - 1]
             tag = self.L + k
             exchange = k > 1  # s^1 would only give delta^0: nothing to send
+            sent = []
             if exchange:
                 rreq = [self.comm.irecv(rb, int(n), tag=tag, phase=PHASE_SPBP)
                         for n, rb in zip(mp.send_ranks, buf.srecv[k - 1])]
-                s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
+                with self._compute(f"spbp_remote[{k}]", 2 * mp.W_remote.nnz * B):
+                    s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
                 sreq = [self.comm.isend(s_remote[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n),
                                         tag=tag, phase=PHASE_SPBP)
                         for i, n in enumerate(mp.recv_ranks)]  # lines 5-7 (Ssend = Xrecv rows)
-                s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
+                itemsize = s_remote.itemsize * B
+                sent = self._messages(PHASE_SPBP, mp.recv_ranks,
+                                      np.diff(mp.recv_ptr) * itemsize, self._last())
+                with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
+                    s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
             # lines 8-9: outer-product update on the sparsity, overlapped with the messages
-            sddmm_update(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, delta, x_prev,
-                         lr)
-            if mp.recv_ptr[-1]:
-                sddmm_update(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data, delta,
-                             xrecv, lr)
-            self.b[k - 1] -= lr * delta.sum(axis=1)
+            with self._compute(f"spbp_update[{k}]",
+                               2 * (mp.W_local.nnz + mp.W_remote.nnz) * B + 2 * delta.size):
+                sddmm_update(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, delta,
+                             x_prev, lr)
+                if mp.recv_ptr[-1]:
+                    sddmm_update(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
+                                 delta, xrecv, lr)
+                self.b[k - 1] -= lr * delta.sum(axis=1)
             if exchange:
                 self.comm.waitall(rreq)  # lines 10-12
-                for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
-                    s[ix] += rb
-                delta = np.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
+                received = sum(ix.size for ix in mp.send_index) * B
+                with self._compute(f"spbp_delta[{k}]",
+                                   received + (1 + self.act_flops) * x_prev.size,
+                                   deps=[self._last(), *sent]):
+                    for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
+                        s[ix] += rb
+                    delta = np.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
                 self.delta[k - 1] = delta
                 self.comm.waitall(sreq)
         return loss
