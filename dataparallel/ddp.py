@@ -93,18 +93,21 @@ class DDP(Strategy):
 
     def sync(self, state, buffers):
         """All-reduce every bucket.  On the timeline each bucket's transfer starts as soon as
-        the backward has written its gradients (PyTorch DDP's overlap); the hierarchical
-        phases of a bucket are chained intra -> inter -> intra."""
+        the backward has written its gradients and the previous bucket's has ended (PyTorch
+        DDP's overlap: the buckets' all-reduces are issued in order on one communication
+        stream, so they overlap the backward, not each other); the hierarchical phases of a
+        bucket are chained intra -> inter -> intra on that stream."""
         g = buffers.flat
         topo, clock = self.topo, self.run.clock
         tl = clock.timeline
         nb = self.itemsize
+        prev = None                      # the last transfer declared on the stream
         if self.options.allreduce == "ring":
             for a, b in self.buckets:
                 topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce")
                 if tl is not None:
-                    tl.collective(topo.world, "grad_allreduce", (b - a) * nb,
-                                  deps=clock.ready(a, b))
+                    prev = tl.collective(topo.world, "grad_allreduce", (b - a) * nb,
+                                         deps=[clock.ready(a, b), prev])
             return g
         for a, b in self.buckets:
             topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce")
@@ -113,12 +116,12 @@ class DDP(Strategy):
             topo.intra.bcast(g[a:b], 0, phase="intra_bcast")
             if tl is not None:
                 ev = tl.collective(topo.intra, "intra_allreduce", (b - a) * nb,
-                                   deps=clock.ready(a, b))
+                                   deps=[clock.ready(a, b), prev])
                 # every rank of the node waits for its leader's inter-node phase
                 ev = tl.transfer("inter_allreduce", "inter" if self.M > 1 else "intra",
                                  (b - a) * nb, algorithm="allreduce", p=self.M, deps=ev)
-                tl.collective(topo.intra, "intra_bcast", (b - a) * nb, algorithm="bcast",
-                              deps=ev)
+                prev = tl.collective(topo.intra, "intra_bcast", (b - a) * nb,
+                                     algorithm="bcast", deps=ev)
         g /= topo.size
         return g
 

@@ -52,23 +52,29 @@ momentum over, ``u ← μ u + g``, ``v ← v + u``, sends top-``k`` of ``v`` and
 Without it, error feedback accumulates the raw gradient (``a = g + e``) and the optimizer
 applies momentum to the synchronized gradient.
 
-Profiling: ``T_b^l`` from :meth:`SSFusion.on_ready` timestamps (the gap to the previous
-tensor's; the first tensor gets 0 as the trainer has no backward-start hook), ``T_sp^l`` by
-timing the sparsifier on tensor ``l`` itself after the backward, ``T_cpu^l`` (with
-``--offload``, on every second warm-up step) by running it on the worker thread from
-``on_ready``; communication times from the run's α–β model.  The timings are max-reduced over
-all ranks, rank 0 plans and broadcasts the plan, so every rank uses the same plan.  Closed
-forms and the second source: :mod:`volume.ssfusion`.
+Profiling: ``T_b^l``, the gap between tensor ``l``'s gradient and the previous tensor's (the
+first tensor gets 0 as the trainer has no backward-start hook), from the per-layer compute events
+of the run's compute source (``on_ready`` wall-clock timestamps without per-layer events);
+``T_sp^l`` by timing the sparsifier on tensor ``l`` itself after the backward, with the run's
+compute source; so a loaded host or a replayed ``--compute-profile`` plans the same buffers.
+``T_cpu^l`` (with ``--offload``, on every second warm-up step) by running it on the worker thread
+from ``on_ready``, and the backward spans of the offload guard, stay wall-clock: they measure
+contention between threads.  Communication times from the run's α–β model.  The timings are
+max-reduced over all ranks, rank 0 plans and broadcasts the plan, so every rank uses the same
+plan.  Closed forms and the second source: :mod:`volume.ssfusion`.
 
 Simulation notes: the collectives are blocking and run in ``sync`` after the backward, buffer
 by buffer (all-reduce, then all-gather), and so does the main-thread sparsification.  On the
-timeline clock every buffer declares its own events (:meth:`SSFusion.sync`): its sparsification
-on the compute stream after its gradients are ready (the compute stream is in order, so in this
-trainer it follows the whole backward), its offloaded segments on the ``offload`` stream (which
-runs during the backward), then its all-reduce and all-gather, one collective after another
-(one communication channel), overlapping the next buffers' sparsification.  Sparsification is timed by the run's compute
-source; the ``flops`` source counts its element operations
-(:func:`dataparallel.sparsify.selection_flops`), with no kernel-launch cost per tensor.
+timeline clock every buffer declares the events of the paper's pipeline (:meth:`SSFusion.sync`,
+Fig. 10): its preparation (momentum, sparsification, packing) on the compute stream placed right
+after the backward event that completes the buffer (``after=``: it delays the rest of the
+backward, as a kernel launched on the compute stream would), its offloaded segments on the
+``offload`` stream, then its all-reduce and all-gather, one collective after another (one
+communication channel), overlapping the rest of the backward; unpacking the received buffers
+into the gradient follows each collective.  The tensor-missing count is a
+:meth:`SimClock.diagnostic` (not part of the step).  The ``flops`` source counts the
+sparsification's element operations (:func:`dataparallel.sparsify.selection_flops`), with no
+kernel-launch cost per tensor.
 """
 
 from __future__ import annotations
@@ -668,6 +674,15 @@ class _Segment:
     offload: bool = False
 
 
+def _placeable(event):
+    """``event`` if a compute event can be placed right after it on the compute stream
+    (:meth:`substrate.timeline.Timeline.compute`'s ``after``), else ``None`` (additive clock,
+    no per-layer events: the event then goes at the end of the stream)."""
+    if event is None or event.kind != "compute" or event.resource != "compute":
+        return None
+    return event if event.order == (event.index,) else None
+
+
 @dataclass
 class _Buffer:
     """The fixed communication layout of one fusion buffer."""
@@ -983,61 +998,74 @@ class SSFusion(Strategy):
         clock, sync_dev = self.run.clock, self.run.backend.synchronize
         tl = clock.timeline
         world, p = self.topo.world, self.topo.size
-        xp = self.xp
         gathered_idx = []
         comm = None  # the last collective declared: they run one after another
         for i, buf in enumerate(self._bufs):
+            ready = clock.ready(buf.a, buf.b)
+            # the buffer's preparation (momentum, sparsification, packing both send buffers:
+            # the all-reduced and all-gathered ranges are disjoint) is launched on the compute
+            # stream as soon as the backward has written the buffer (the paper's pipeline,
+            # Fig. 10), although this code runs it after the backward
             with clock.compute(f"ssf_sparsify[{i}]", flops=self._buffer_flops(buf),
-                               deps=clock.ready(buf.a, buf.b)):
+                               deps=ready, after=_placeable(ready)):
                 t = time.perf_counter()
                 self._prepare_buffer(buf, step)
+                o = 0
+                for ra, rb in buf.ar:
+                    buf.ar_buf[o:o + rb - ra] = g[ra:rb]
+                    o += rb - ra
+                o = 0
+                for ra, rb in buf.agd:
+                    buf.send[o:o + rb - ra] = g[ra:rb].view(np.int32)
+                    o += rb - ra
                 sync_dev()
                 self._stats["sparsify_s"] += time.perf_counter() - t
             prepared = clock.last_event if tl is not None else None
             offloaded = self._collect_offloaded(buf)
             if buf.n_ar:
-                o = 0
-                for ra, rb in buf.ar:
-                    buf.ar_buf[o:o + rb - ra] = g[ra:rb]
-                    o += rb - ra
                 world.allreduce(buf.ar_buf, "avg", phase=cv.DENSE)
                 if tl is not None:
                     comm = tl.collective(world, cv.DENSE, buf.ar_buf.nbytes,
                                          deps=[prepared, comm], label=f"{cv.DENSE}[{i}]")
-                o = 0
-                for ra, rb in buf.ar:
-                    g[ra:rb] = buf.ar_buf[o:o + rb - ra]
-                    o += rb - ra
+                with clock.compute(f"ssf_unpack_dense[{i}]", deps=comm):
+                    o = 0
+                    for ra, rb in buf.ar:
+                        g[ra:rb] = buf.ar_buf[o:o + rb - ra]
+                        o += rb - ra
             if buf.send.size:
-                nd, K = buf.n_agd, buf.K
-                o = 0
-                for ra, rb in buf.agd:
-                    buf.send[o:o + rb - ra] = g[ra:rb].view(np.int32)
-                    o += rb - ra
                 rows = world.allgather(buf.send, phase=cv.SPARSE)
                 if tl is not None:
                     comm = tl.collective(world, cv.SPARSE, p * buf.send.nbytes,
                                          algorithm="allgather",
                                          deps=[prepared, *offloaded, comm],
                                          label=f"{cv.SPARSE}[{i}]")
-                if nd:
-                    dense = rows[:, :nd].view(np.float32).astype(np.float64).sum(axis=0) / p
-                    o = 0
-                    for ra, rb in buf.agd:
-                        g[ra:rb] = dense[o:o + rb - ra]
-                        o += rb - ra
-                if K:
-                    values = rows[:, nd:nd + K].reshape(-1).view(np.float32)
-                    idx = rows[:, nd + K:].reshape(-1)
-                    summed = xp.bincount(idx - buf.a, weights=values.astype(np.float64),
-                                         minlength=buf.b - buf.a) / p
-                    for seg in buf.segs:
-                        g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
-                    gathered_idx.append(idx[values != 0])
-        self._count_missing(gathered_idx)
+                with clock.compute(f"ssf_unpack_sparse[{i}]", deps=comm):
+                    self._unpack_gathered(buf, rows, g, p, gathered_idx)
+        with clock.diagnostic():
+            self._count_missing(gathered_idx)
         self._stats["sparse_steps"] += 1
         self._last = ("sparse", False)
         return g
+
+    def _unpack_gathered(self, buf, rows, g, p: int, gathered_idx: list) -> None:
+        """Average the gathered dense tensors and scatter-add the gathered sparse entries of
+        one buffer into ``g``."""
+        xp = self.xp
+        nd, K = buf.n_agd, buf.K
+        if nd:
+            dense = rows[:, :nd].view(np.float32).astype(np.float64).sum(axis=0) / p
+            o = 0
+            for ra, rb in buf.agd:
+                g[ra:rb] = dense[o:o + rb - ra]
+                o += rb - ra
+        if K:
+            values = rows[:, nd:nd + K].reshape(-1).view(np.float32)
+            idx = rows[:, nd + K:].reshape(-1)
+            summed = xp.bincount(idx - buf.a, weights=values.astype(np.float64),
+                                 minlength=buf.b - buf.a) / p
+            for seg in buf.segs:
+                g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
+            gathered_idx.append(idx[values != 0])
 
     def _warmup_sync(self, step: int, g):
         """Dense all-reduce of every warm-up buffer (with momentum correction, of ``u = μ u +
@@ -1090,19 +1118,38 @@ class SSFusion(Strategy):
         CPU worker while the backward goes on (read-only: the result is discarded)."""
         t_start = time.perf_counter()
         x = self.ctx.model.grads.flat[self.offsets[l]:self.offsets[l + 1]]
-        self._sparsify(self.run.backend.asnumpy(x), self._k_full[l], self._rng(step, l))
-        return l, t_submit, t_start, time.perf_counter()
+        # service time by the run's compute source on this thread (consistent with T_b, T_sp)
+        with self._worker_source.measure(selection_flops(x.size, self._k_full[l],
+                                                          self.options.sparsifier,
+                                                          self.options.sample_ratio)) as m:
+            self._sparsify(self.run.backend.asnumpy(x), self._k_full[l], self._rng(step, l))
+        return l, t_submit, t_start, time.perf_counter(), m.seconds
+
+    def _source_ready_times(self) -> np.ndarray | None:
+        """When each tensor's gradient was written in this step's backward, in the compute
+        source's seconds: the compute-stream events up to its ready event
+        (:meth:`SimClock.ready`), summed; ``None`` without per-layer events (the ``on_ready``
+        wall-clock timestamps are used then)."""
+        clock = self.run.clock
+        if clock.timeline is None or clock.layers is None or clock.layers.last is None:
+            return None
+        events = clock.timeline.open_events
+        cum = np.cumsum([e.seconds if e.kind == "compute" and e.resource == "compute" else 0.0
+                         for e in events])
+        return np.array([cum[clock.ready(int(self.offsets[l]), int(self.offsets[l + 1])).index]
+                         for l in range(self.L)])
 
     def _profile_step(self, step: int, g) -> None:
         """One warm-up step's timings (sums, averaged in :meth:`_decide`).
 
-        ``T_b`` from the ``on_ready`` timestamps of steps without the worker; with
+        ``T_b`` from the compute source's per-layer events (:meth:`_source_ready_times`; else
+        the ``on_ready`` timestamps) of steps without the worker; with
         ``--offload`` every second warm-up step runs each tensor's sparsification on the worker
         from ``on_ready``, concurrently with the rest of the backward as it will run: ``T_cpu``
-        is its service time (job end minus the later of its submission and the previous job's
-        end: hand-off latency and contention included), and the backward span (first to last
-        ready) of those steps against the plain ones measures how much the worker slows the
-        backward down.  ``T_sp`` is timed on the main thread after the backward.  Without
+        is its service time on the worker by the run's compute source (contention with the
+        backward is left to the offload guard), and the backward span (first to last ready) of those steps against the plain ones measures how much the worker slows the
+        backward down.  ``T_sp`` is timed on the main thread after the backward by the compute
+        source (event ``ssf_tsp:l``).  Without
         offload profiling ``T_cpu = T_sp`` and both spans are 0.
         """
         backend = self.run.backend
@@ -1116,25 +1163,32 @@ class SSFusion(Strategy):
             else:
                 sums["span_plain"] += span
                 counts["span_plain"] += 1
-                sums["T_b"] += np.maximum(np.diff(self._t_ready, prepend=self._t_ready[0]), 0)
+                t_ready = self._source_ready_times()
+                if t_ready is None:            # no per-layer events: wall-clock timestamps
+                    t_ready = self._t_ready
+                sums["T_b"] += np.maximum(np.diff(t_ready, prepend=t_ready[0]), 0)
                 counts["T_b"] += 1
         t_cpu = np.zeros(self.L)
-        prev_end = -np.inf
         for fut in self._prof_futures:
-            l, t_submit, _, t_end = fut.result()
-            t_cpu[l] = t_end - max(t_submit, prev_end)
-            prev_end = t_end
+            l, _, _, _, service_s = fut.result()
+            t_cpu[l] = service_s
         if len(self._prof_futures) == self.L:
             sums["T_cpu"] += t_cpu
             counts["T_cpu"] += 1
         self._prof_futures.clear()
+        source = self.run.clock.source
         for l in range(self.L):
             a, b = int(self.offsets[l]), int(self.offsets[l + 1])
             backend.synchronize()
-            t = time.perf_counter()
-            self._sparsify(g[a:b], self._k_full[l], self._rng(step, l))
-            backend.synchronize()
-            sums["T_sp"][l] += time.perf_counter() - t
+            # timed by the run's compute source (not the wall clock), so a loaded host or a
+            # replayed profile plans the same buffers
+            with source.measure(selection_flops(b - a, self._k_full[l],
+                                                self.options.sparsifier,
+                                                self.options.sample_ratio),
+                                label=f"ssf_tsp:{l}") as m:
+                self._sparsify(g[a:b], self._k_full[l], self._rng(step, l))
+                backend.synchronize()
+            sums["T_sp"][l] += m.seconds
         counts["T_sp"] += 1
 
     def _profile_vector(self) -> np.ndarray:

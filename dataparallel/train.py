@@ -256,7 +256,8 @@ def train(args) -> dict:
                 loss, _ = model.loss_and_grad(x, y, ready=strategy.on_ready)
             state = StepState(step=step, epoch=epoch, loss=float(loss))
             strategy.sync(state, model.grads)
-            with run.clock.compute("optimizer", deps=run.clock.comm_events()):
+            with run.clock.compute("optimizer", flops=opt.flops(),
+                                   deps=run.clock.comm_events()):
                 opt.step()
             strategy.after_step(state)
             step += 1

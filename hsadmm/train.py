@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import build_model, load_dataset, shard
+from models import build_model, load_shard
 from models.data import check_batch_size
 from models.train import evaluate
 from substrate.cli import Progress, RunCheckpoints, add_common_args, add_training_args, start_run
@@ -131,10 +131,11 @@ def train(args) -> dict:
     run = start_run(args, system="hsadmm", method=tcfg.method, config=config, unit="iteration")
     seed = run.common.seed
     xp = run.xp
-    data = load_dataset(tcfg.dataset, tcfg.data_dir)
-    train_shard = shard(data.train, run.rank, run.size, seed=seed).to(xp)
+    # each rank reads only its shard of the training set (CIFAR-10: batch file by batch file)
+    data = load_shard(tcfg.dataset, tcfg.data_dir, rank=run.rank, size=run.size, seed=seed)
+    train_shard = data.train.to(xp)
     check_batch_size(cfg.batch_size, len(train_shard),
-                     f"each rank's shard of the {len(data.train)} {tcfg.dataset} training "
+                     f"each rank's shard of the {data.train_total} {tcfg.dataset} training "
                      f"samples split over {run.size} ranks")
     test = data.test.to(xp)
     model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,

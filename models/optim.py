@@ -365,6 +365,14 @@ class _FlatOptimizer:
         """Zero ``grads.flat`` (not needed between steps: backward overwrites gradients)."""
         self.grads.zero_()
 
+    def flops(self) -> float:
+        """Element operations of one :meth:`step` (``ops per parameter × parameters``, the
+        optimizer's event for the timeline's ``flops`` compute source; hooks not counted)."""
+        return float(self._ops_per_element()) * self.params.flat.size
+
+    def _weight_decayed(self) -> bool:
+        return not (isinstance(self._wd, float) and self._wd == 0.0)
+
 
 class SGD(_FlatOptimizer):
     """SGD with momentum / Nesterov / weight decay on flat buffers, with gradient hooks.
@@ -411,6 +419,11 @@ class SGD(_FlatOptimizer):
         theta -= tmp
         self.step_count += 1
         return lr
+
+    def _ops_per_element(self) -> int:
+        # copy g, [λθ, +], [μb, +], [μb, + (Nesterov)], lr·d, θ − …
+        return (1 + 2 * self._weight_decayed() + 2 * (self.momentum_buffer is not None)
+                + 2 * bool(self.config.nesterov) + 2)
 
     def state_dict(self) -> dict:
         """``{"step_count": int, "momentum_buffer": numpy array or None}`` (host copies)."""
@@ -527,6 +540,11 @@ class AdamW(_FlatOptimizer):
         theta -= tmp
         self.step_count = t
         return lr
+
+    def _ops_per_element(self) -> int:
+        # copy g; m: ·β1, (1−β1)·d, +; v: ·β2, d², ·(1−β2), +; [λθ, ·lr, −]; v/bc2, √, +ε, m/…,
+        # ·lr/bc1, θ − …
+        return 1 + 3 + 4 + 3 * self._weight_decayed() + 6
 
     def state_dict(self) -> dict:
         """``{"step_count", "momentum_buffer" (m), "exp_avg_sq" (v)}`` (host copies)."""

@@ -93,6 +93,7 @@ class SimClock:
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
         self.step_wall_s = 0.0
+        self._diagnostic_s = 0.0       # wall time of diagnostic() blocks in the open step
         self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
 
     @property
@@ -102,13 +103,14 @@ class SimClock:
     # -- compute ---------------------------------------------------------------------------------
     @contextmanager
     def compute(self, label: str = "compute", *, flops: float | None = None, deps=(),
-                stream: str = "compute"):
+                stream: str = "compute", after=None):
         """Time the enclosed block as compute (a block nested in another is part of the outer
         one).  In timeline mode the block becomes an event ``label`` on ``stream`` after
         ``deps`` (its handle is :attr:`last_event` afterwards); per-layer events the model
         recorded inside the block are events of their own and only the rest of the block (loss,
         Python) is added as ``label``.  ``flops`` gives the block's FLOP count to the ``flops``
-        source."""
+        source; ``after`` places the event in its stream right after that event
+        (:meth:`Timeline.compute`)."""
         if self._depth:
             yield None
             return
@@ -131,7 +133,8 @@ class SimClock:
             return
         rest = max(0.0, m.seconds - inner)
         if rest > 0 or not inner:
-            self.last_event = self.timeline.compute(label, rest, deps=deps, stream=stream)
+            self.last_event = self.timeline.compute(label, rest, deps=deps, stream=stream,
+                                                    after=after)
         else:
             self.last_event = self.layers.last
 
@@ -170,17 +173,31 @@ class SimClock:
         """Restart the wall-time interval of the next :meth:`step` (call it after work that is
         not part of a step, e.g. an evaluation)."""
         self._step_t0 = time.perf_counter()
+        self._diagnostic_s = 0.0
+
+    @contextmanager
+    def diagnostic(self):
+        """Work inside a step that is not part of the simulated system (a statistic the run
+        reports, such as SSFusion's tensor-missing rate): not a compute event, and its wall
+        time is left out of :attr:`step_wall_s`, so a measured step compares with the
+        simulated one."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._diagnostic_s += time.perf_counter() - t0
 
     def step(self) -> StepTiming:
         """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
-        time since the previous ``step()`` (or :meth:`mark`).
+        time since the previous ``step()`` (or :meth:`mark`), less :meth:`diagnostic` blocks.
 
         Timeline mode: append the undeclared communication serially at the end, schedule, and
         start a new step.  Additive mode: the step's compute and ledger α–β, added (so trainers
         call ``step()`` the same way in both modes)."""
         now = time.perf_counter()
-        self.step_wall_s = now - self._step_t0
+        self.step_wall_s = now - self._step_t0 - self._diagnostic_s
         self._step_t0 = now
+        self._diagnostic_s = 0.0
         self.source.new_step()
         if self.timeline is None:
             compute = self._compute_s - self._prev["compute_s"]

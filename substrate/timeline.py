@@ -203,6 +203,7 @@ class Event:
     nbytes: float = 0.0
     start: float = math.nan
     finish: float = math.nan
+    order: tuple = ()         # place in its stream's order: (index,), or (after.index, k)
     _owner: object = field(default=None, repr=False)
 
     @property
@@ -299,6 +300,7 @@ class Timeline:
         self.keep_events = bool(keep_events)
         self._events: list[Event] = []
         self._token = object()        # identifies the open step
+        self._placed: dict[int, int] = {}   # events placed after= each event of the open step
         self.steps = 0
         self.history: deque[StepTiming] = deque(maxlen=max(0, int(keep_steps)))
         self.totals = {"step_s": 0.0, "compute_s": 0.0, "offload_s": 0.0, "comm_s": 0.0,
@@ -329,19 +331,49 @@ class Timeline:
         label = kw["label"]
         if not isinstance(label, str) or not label:
             raise ValueError(f"every event needs a non-empty string label, got {label!r}")
-        ev = Event(index=len(self._events), _owner=self._token, **kw)
+        order = kw.pop("order", None) or (len(self._events),)
+        ev = Event(index=len(self._events), _owner=self._token, order=order, **kw)
         self._events.append(ev)
         self._cache = None
         return ev
 
-    def compute(self, label: str, seconds: float, deps=(), stream: str = "compute") -> Event:
+    def compute(self, label: str, seconds: float, deps=(), stream: str = "compute",
+                after: Event | None = None) -> Event:
         """A compute event of ``seconds`` on ``stream`` (``"compute"`` or ``"offload"``), after
-        every event in ``deps`` and after the earlier events of the same stream."""
+        every event in ``deps`` and after the earlier events of the same stream.
+
+        ``after``: place the event in its stream's order right after that (earlier declared)
+        event of the same stream instead of at the end, e.g. a fusion buffer's sparsification
+        launched on the compute stream as soon as the backward event that completes the buffer
+        has run, before the rest of the backward (SSFusion's pipeline), although the code
+        computes it after the backward.  Several events placed after one event keep their
+        declaration order.  Its ``deps`` may only name events declared up to ``after`` (so the
+        in-order stream cannot wait for an event behind it), and ``after`` must itself be in
+        declaration order (not placed with ``after``).
+        """
         if stream not in STREAMS:
             raise ValueError(f"event {label!r}: unknown stream {stream!r}; use one of {STREAMS}")
         seconds = _check_seconds(f"compute event {label!r}: seconds", seconds)
-        return self._add(label=label, kind="compute", resource=stream,
-                         deps=self._deps(deps, label), seconds=seconds)
+        deps = self._deps(deps, label)
+        order = None
+        if after is not None:
+            (after,) = self._deps(after, label)
+            if after.kind != "compute" or after.resource != stream:
+                raise ValueError(f"event {label!r}: after= must be a compute event of stream "
+                                 f"{stream!r}, got {after.kind} event {after.label!r} on "
+                                 f"{after.resource!r}")
+            if after.order != (after.index,):
+                raise ValueError(f"event {label!r}: after={after.label!r} was itself placed "
+                                 "with after=; place both after the same declared event")
+            late = [d.label for d in deps if d.index > after.index]
+            if late:
+                raise ValueError(f"event {label!r}: placed after {after.label!r} but depends on "
+                                 f"{late}, declared later (the stream would wait for an event "
+                                 "behind it); declare it at the end instead")
+            self._placed[after.index] = self._placed.get(after.index, 0) + 1
+            order = (after.index, self._placed[after.index])
+        return self._add(label=label, kind="compute", resource=stream, deps=deps,
+                         seconds=seconds, order=order)
 
     def transfer(self, phase: str, link: str, nbytes: float, *, algorithm: str = "p2p",
                  p: int = 2, messages: int = 1, deps=(), label: str | None = None,
@@ -424,6 +456,7 @@ class Timeline:
             self.totals[k] += getattr(timing, k)
         self.history.append(timing)
         self._events = []
+        self._placed = {}
         self._token = object()
         self._cache = None
         return timing
@@ -442,8 +475,8 @@ def _simulate(events: list[Event], keep: bool) -> StepTiming:
     for e in events:
         for d in e.deps:
             dependents[d.index].append(e.index)
-    queues = {s: deque(e.index for e in events if e.kind == "compute" and e.resource == s)
-              for s in STREAMS}
+    queues = {s: deque(e.index for e in sorted(events, key=lambda e: e.order)
+                       if e.kind == "compute" and e.resource == s) for s in STREAMS}
     running: dict[str, tuple[int, float]] = {}          # stream -> (event, end)
     latency: dict[int, float] = {}                      # transfer in latency part -> its end
     sharing: dict[str, dict[int, float]] = {link: {} for link in LINKS}  # remaining W

@@ -301,3 +301,23 @@ def test_warmup_start_and_make_optimizer():
         AdamWConfig(beta2=1.0)
     with pytest.raises(ValueError, match="warmup_start"):
         CosineLR(1.0, 10, warmup_start=1.0)
+
+
+@pytest.mark.parametrize("mu,nesterov,wd,per_element", [
+    # the update written out: d = g (1); d += wd θ (2); b = μ b + d (2); d += μ b (2); θ -= lr d (2)
+    (0.0, False, 0.0, 1 + 2),
+    (0.9, False, 0.0, 1 + 2 + 2),
+    (0.9, True, 1e-2, 1 + 2 + 2 + 2 + 2),
+])
+def test_sgd_flops_count_the_update_per_element(mu, nesterov, wd, per_element):
+    params, grads = make_buffers()
+    opt = SGD(params, grads, SGDConfig(lr=0.1, momentum=mu, nesterov=nesterov, weight_decay=wd))
+    assert opt.flops() == per_element * params.flat.size
+
+
+def test_adamw_flops_count_the_update_per_element():
+    # AdamW (Loshchilov & Hutter, Alg. 2): copy g (1); m = β1 m + (1-β1) g (3);
+    # v = β2 v + (1-β2) g² (4); θ -= lr λ θ (3); θ -= lr m̂ / (√v̂ + ε) (6)
+    params, grads = make_buffers()
+    assert AdamW(params, grads, AdamWConfig(weight_decay=0.0)).flops() == 14 * params.flat.size
+    assert AdamW(params, grads, AdamWConfig(weight_decay=0.1)).flops() == 17 * params.flat.size

@@ -192,6 +192,41 @@ def test_ranks_of_a_node_sending_at_once_share_its_link():
             tl.transfer("spff", "inter", m, share=bad)
 
 
+def test_an_event_placed_after_a_layer_runs_before_the_rest_of_the_backward():
+    # backward b1, b2, b3 (1 s each); a buffer's sparsification (0.5 s), declared after the
+    # backward as the code runs it, is placed right after b1 (it launches when b1 has written
+    # the buffer) and its transfer (2 s) overlaps b2, b3: by hand, sp runs 1-1.5, sp2 1.5-1.75,
+    # b2 1.75-2.75, b3 2.75-3.75, the transfer 1.5-3.5, the optimizer (0.5 s, after both)
+    # 3.75-4.25
+    tl = Timeline()
+    b1 = tl.compute("b1", 1.0)
+    tl.compute("b2", 1.0)
+    b3 = tl.compute("b3", 1.0)
+    sp = tl.compute("sp", 0.5, deps=b1, after=b1)
+    sp2 = tl.compute("sp2", 0.25, deps=b1, after=b1)          # after the same event: in order
+    comm = tl.transfer_seconds("ar", "inter", 0.0, 2.0, deps=sp)
+    end = tl.compute("opt", 0.5, deps=[comm, b3])
+    timing = tl.step()
+    assert (sp.start, sp.finish) == (approx(1.0), approx(1.5))
+    assert (sp2.start, sp2.finish) == (approx(1.5), approx(1.75))
+    assert b3.finish == approx(3.75) and comm.finish == approx(3.5)
+    assert end.finish == approx(4.25) and timing.step_s == approx(4.25)
+    assert timing.no_overlap_s == approx(3.75 + 2.0 + 0.5)
+    # placing can only move an event earlier past events it does not wait for
+    b1 = tl.compute("b1", 1.0)
+    b2 = tl.compute("b2", 1.0)
+    x = tl.transfer_seconds("x", "intra", 0.0, 1.0, deps=b2)
+    with pytest.raises(ValueError, match="declared later"):
+        tl.compute("sp", 0.5, deps=b2, after=b1)
+    with pytest.raises(ValueError, match="must be a compute event"):
+        tl.compute("sp", 0.5, after=x)
+    with pytest.raises(ValueError, match="must be a compute event of stream"):
+        tl.compute("sp", 0.5, after=b1, stream="offload")
+    placed = tl.compute("sp", 0.5, deps=b1, after=b1)
+    with pytest.raises(ValueError, match="itself placed"):
+        tl.compute("sp3", 0.5, after=placed)
+
+
 def test_empty_step_and_totals():
     tl = Timeline()
     assert tl.step().step_s == 0.0
