@@ -18,7 +18,10 @@ destination; ``spbp_local`` (the local part) and ``spbp_update`` (lines 8-9) run
 events: the rows it *receives* for layer ``k`` leave their senders at the same point of the
 same schedule, so their arrival is stood in for by the completion of the messages this rank
 sends for the layer (exact for a symmetric exchange, an estimate otherwise; the senders book
-the bytes).  The next layer's compute depends on its inputs only (the send buffers are per
+the bytes).  A node's ranks exchange a layer at the same time over the node's one inter-node
+link, so an inter-node message has ``share`` = the ranks of the node
+(:meth:`substrate.timeline.Timeline.transfer`): each gets 1/share of the link, as the wire lab
+measured at 2 hosts x 2 ranks (an equal-split estimate when the ranks send unequal amounts).  The next layer's compute depends on its inputs only (the send buffers are per
 layer, so no send blocks the next layer).
 """
 
@@ -33,6 +36,7 @@ from partition.maps import LayerMaps, build_maps
 from partition.partitioners import Partition
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.kernels import sddmm_update, spmm_add, spmm_add_challenge
+from substrate.costmodel import INTER
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
 
@@ -106,6 +110,9 @@ class DistributedSparseNet:
         self.X: list = []
         self.delta: list = []
         self.clock = clock
+        nodes = np.asarray(getattr(comm, "member_nodes", np.zeros(comm.size)))
+        #: ranks of this communicator on this rank's node (they share its inter-node link)
+        self._node_ranks = int(np.count_nonzero(nodes == nodes[self.rank]))
 
     # -- timeline --------------------------------------------------------------------------------
     @contextmanager
@@ -129,9 +136,17 @@ class DistributedSparseNet:
         if self.clock is None or self.clock.timeline is None:
             return []
         tl = self.clock.timeline
-        return [tl.transfer(phase, self.comm.link_to(int(n)), int(nb), algorithm="p2p",
-                            deps=deps, label=f"{phase}->{int(n)}")
-                for n, nb in zip(peers, sizes) if int(n) != self.rank]
+        out = []
+        for n, nb in zip(peers, sizes):
+            if int(n) == self.rank:
+                continue
+            link = self.comm.link_to(int(n))
+            # every rank of the node exchanges the layer at the same time, over the node's one
+            # inter-node link: its bandwidth is shared by the node's ranks (wire lab, 2 x 2)
+            share = self._node_ranks if link == INTER else 1
+            out.append(tl.transfer(phase, link, int(nb), algorithm="p2p", deps=deps,
+                                   label=f"{phase}->{int(n)}", share=share))
+        return out
 
     # -- data layout ---------------------------------------------------------------------------
     @property

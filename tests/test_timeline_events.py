@@ -40,7 +40,7 @@ TOL = 1e-9
 
 def _payload(event) -> float:
     """Payload bytes of one declared transfer in the ledger's terms (its own buffer)."""
-    algorithm, p = getattr(event, "_probe", ("p2p", 1))
+    algorithm, p, _ = getattr(event, "_probe", ("p2p", 1, 1))
     if algorithm == "barrier":
         return 0.0
     return event.nbytes / p if algorithm == "allgather" else event.nbytes
@@ -50,15 +50,23 @@ def _probe(clock) -> dict:
     """What the open step of ``clock`` declared and booked (before it is closed)."""
     tl = clock.timeline
     declared: dict[str, list] = {}
+    shares: dict[str, list] = {}
     for e in tl.open_events:
         if e.kind == "transfer":
+            share = getattr(e, "_probe", ("p2p", 1, 1))[2]
             d = declared.setdefault(e.phase, [0.0, 0.0])
             d[0] += _payload(e)
-            d[1] += e.standalone_s
+            # in the ledger's terms: a transfer sharing its node's link with `share` ranks
+            # books its own bytes at the full rate
+            d[1] += e.latency_s + e.work_s / share
+            key = f"{e.phase}:{e.resource}"
+            shares.setdefault(key, [])
+            if share not in shares[key]:
+                shares[key].append(share)
     booked = {ph: [e["payload_bytes"], e["modeled_s"], e["calls"]]
               for ph, e in clock.ledger.since(clock._snap).items()}
     return {"undeclared": [[ph, link, s] for ph, link, s in clock._undeclared()],
-            "declared": declared, "booked": booked}
+            "declared": declared, "booked": booked, "shares": shares}
 
 
 def _timing(t) -> dict:
@@ -83,9 +91,9 @@ def _main(argv) -> None:
     where: dict = {}
     transfer, step, finish = Timeline.transfer, SimClock.step, Run.finish
 
-    def probed_transfer(self, phase, link, nbytes, *, algorithm="p2p", p=2, **kw):
-        ev = transfer(self, phase, link, nbytes, algorithm=algorithm, p=p, **kw)
-        ev._probe = (algorithm, p)
+    def probed_transfer(self, phase, link, nbytes, *, algorithm="p2p", p=2, share=1, **kw):
+        ev = transfer(self, phase, link, nbytes, algorithm=algorithm, p=p, share=share, **kw)
+        ev._probe = (algorithm, p, share)
         return ev
 
     def probed_step(self):
@@ -209,6 +217,12 @@ def test_spff_spbp_messages_are_declared_per_peer(tmp_path, n, R, partition):
     _check(ranks, min_steps=3)
     steps = [s for r in ranks for s in r["records"] if not s.get("final")]
     assert all({"spff", "spbp"} <= set(s["declared"]) for s in steps)
+    # the R ranks of a node exchange at once over its one inter-node link: each inter-node
+    # message gets 1/R of it; intra-node messages do not share
+    for ph in ("spff", "spbp"):
+        assert all(s["shares"].get(f"{ph}:inter", [R]) == [R] for s in steps)
+        assert all(s["shares"].get(f"{ph}:intra", [1]) == [1] for s in steps)
+        assert any(f"{ph}:inter" in s["shares"] for s in steps) == (n > R)
     # the non-blocking messages overlap the local products on some rank and step
     assert any(s["step_s"] < s["no_overlap_s"] * (1 - 1e-9) for s in steps)
     # the held-out evaluation after the last step declares its SpFF messages too
