@@ -936,9 +936,12 @@ class SSFusion(Strategy):
 
     def _buffer_flops(self, buf: _Buffer) -> float:
         """Element operations of one buffer's step on the compute stream: momentum of its dense
-        tensors (``2n``) and the sparsification of its segments not offloaded."""
-        dense = sum(rb - ra for ra, rb in buf.ar + buf.agd) if self.mu else 0
-        return 2.0 * dense + sum(self._segment_flops(s) for s in buf.segs
+        tensors (``2n``), packing them into the send buffers (``n``) and the sparsification of
+        its segments not offloaded."""
+        n_dense = sum(rb - ra for ra, rb in buf.ar + buf.agd)
+        dense = n_dense if self.mu else 0
+        # + packing the dense ranges into the send buffers (one copy each)
+        return 2.0 * dense + n_dense + sum(self._segment_flops(s) for s in buf.segs
                                  if not (s.offload and s.sid in self._futures))
 
     def _prepare_buffer(self, buf: _Buffer, step: int) -> None:
@@ -1027,7 +1030,8 @@ class SSFusion(Strategy):
                 if tl is not None:
                     comm = tl.collective(world, cv.DENSE, buf.ar_buf.nbytes,
                                          deps=[prepared, comm], label=f"{cv.DENSE}[{i}]")
-                with clock.compute(f"ssf_unpack_dense[{i}]", deps=comm):
+                with clock.compute(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar),
+                                   deps=comm):
                     o = 0
                     for ra, rb in buf.ar:
                         g[ra:rb] = buf.ar_buf[o:o + rb - ra]
@@ -1039,7 +1043,11 @@ class SSFusion(Strategy):
                                          algorithm="allgather",
                                          deps=[prepared, *offloaded, comm],
                                          label=f"{cv.SPARSE}[{i}]")
-                with clock.compute(f"ssf_unpack_sparse[{i}]", deps=comm):
+                # element operations: the p dense blocks summed, the p K entries
+                # scatter-added, the buffer's dense and sparse ranges written back
+                with clock.compute(f"ssf_unpack_sparse[{i}]",
+                                   flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
+                                   deps=comm):
                     self._unpack_gathered(buf, rows, g, p, gathered_idx)
         with clock.diagnostic():
             self._count_missing(gathered_idx)
