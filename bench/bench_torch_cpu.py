@@ -2,8 +2,8 @@
 
 Prints (not a test)::
 
-    python bench/bench_torch_cpu.py [--models cnn resnet18] [--batch-size 32 128]
-                                    [--threads 1 2] [--windows 5] [--steps 3]
+    python bench/bench_torch_cpu.py [--models cnn resnet18] [--batches 32 128]
+                                    [--threads 1 2] [--repeat 3] [--windows 2] [--steps 0]
 
 PyTorch is an optional *bench* dependency only (never imported by the package)::
 
@@ -14,15 +14,19 @@ For every (model, batch size, thread count) cell, both frameworks run the same t
 same float32 weights (the project's initial weights are copied into the PyTorch module by name)
 and the same batch.  Threads: ``threadpoolctl.threadpool_limits(n)`` caps every BLAS/OpenMP
 pool loaded in the process (NumPy's OpenBLAS and PyTorch's OpenMP/MKL), ``torch.set_num_threads
-(n)`` sets PyTorch's intra-op pool, and ``numba.set_num_threads(n)`` the Numba pool when Numba
-is loaded.  Time is taken per window of ``--steps`` consecutive steps, as CPU time
-(``time.process_time``: all threads of the process) and wall time (``time.perf_counter``); the
-two frameworks' windows are interleaved and the minimum over ``--windows`` windows is reported
-(the least disturbed one; other processes on the machine perturb the rest).  ``ratio`` is
-project / PyTorch (lower is better for the project; 1.0 = parity).
+(n)`` sets PyTorch's intra-op pool, and ``numba.set_num_threads(n)`` the pool of the project's
+Numba kernels (loaded before timing for a model with BatchNorm, as its first forward would).
+Time is taken per window of ``--steps`` consecutive steps, as CPU time (``time.process_time``:
+all threads of the process) and wall time (``time.perf_counter``); the two frameworks' windows
+are interleaved and the minimum over ``--windows`` windows is one *repeat* (the least disturbed
+window; other processes on the machine perturb the rest).  Each cell is repeated ``--repeat``
+times and the table gives the **median** over repeats of each time and of each ratio (the
+ratio of one repeat compares windows taken side by side).  ``ratio`` is project / PyTorch
+(lower is better for the project; 1.0 = parity).  The load average (1 min) is printed before
+and after each cell.
 
-Before timing, one step of each is compared: the max relative difference of the logits, of the
-loss and of the updated parameters shows that both compute the same thing (float32 round-off).
+Before timing, one step of each is compared: the max relative difference of the logits and of
+the parameter update shows that both compute the same thing (float32 round-off).
 """
 
 from __future__ import annotations
@@ -210,16 +214,45 @@ def set_threads(torch, n: int):
     return limiter
 
 
+def run_cell(torch, name: str, batch: int, n: int, steps: int, windows: int, repeat: int):
+    """``repeat`` timings of one cell; returns per-repeat rows and the agreement of step 1."""
+    torch.manual_seed(0)
+    pair = build_pair(torch, name, batch)       # fresh: agreement from the same start
+    if name == "resnet18":
+        from models.layers import _kernels  # noqa: PLC0415
+
+        _kernels()          # Numba loaded as the first BatchNorm forward would, then capped
+    limiter = set_threads(torch, n)
+    try:
+        agree = agreement(torch, *pair)
+        rows = []
+        for _ in range(repeat):
+            t = time_pair(torch, *pair, steps=steps, windows=windows)
+            rows.append((*t["proj"], *t["torch"], os.getloadavg()[0]))
+    finally:
+        limiter.restore_original_limits()
+    return np.array(rows), agree
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"],
                         choices=("cnn", "resnet18"))
-    parser.add_argument("--batch-size", nargs="+", type=int, default=[32, 128])
+    parser.add_argument("--batches", "--batch-size", nargs="+", type=int, default=[32, 128],
+                        dest="batches")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--windows", type=int, default=5, help="timed windows per framework")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="repeats per cell; the table shows medians over repeats")
+    parser.add_argument("--windows", type=int, default=2,
+                        help="timed windows per framework and repeat (the minimum is kept)")
     parser.add_argument("--steps", type=int, default=0,
-                        help="steps per window (0: 20 for cnn, 2 for resnet18)")
+                        help="steps per window (0: 20 for cnn, 1 for resnet18)")
     args = parser.parse_args(argv)
+    for flag in ("repeat", "windows"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.steps < 0:
+        parser.error(f"--steps must be >= 0 (0: the per-model default), got {args.steps}")
     try:
         import torch  # noqa: PLC0415
     except ImportError:
@@ -233,28 +266,28 @@ def main(argv=None) -> int:
           f"momentum {MOMENTUM}), float32, NumPy {np.__version__} ({', '.join(blas)}), "
           f"PyTorch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.2f}")
-    print("threads: threadpoolctl.threadpool_limits(n) on every BLAS/OpenMP pool + "
-          "torch.set_num_threads(n); times = min over windows, per step")
-    print(f"{'model':<9} {'batch':>5} {'thr':>3} | {'proj cpu s':>10} {'torch cpu s':>11} "
-          f"{'ratio cpu':>9} | {'proj wall s':>11} {'torch wall s':>12} {'ratio wall':>10} | "
-          f"{'rel diff (logits, update)':>29}")
+    print(f"threads: threadpoolctl.threadpool_limits(n) on every BLAS/OpenMP pool + "
+          f"torch.set_num_threads(n) + numba.set_num_threads(n); per step: min over "
+          f"{args.windows} windows, median over {args.repeat} repeats")
+    print(f"{'model':<9} {'batch':>5} {'thr':>3} | {'proj cpu':>8} {'torch cpu':>9} "
+          f"{'ratio':>5} | {'proj wall':>9} {'torch wall':>10} {'ratio':>5} | "
+          f"{'ratios cpu / wall, each repeat':<32} | {'load':>9} | {'rel diff':>15}")
     for name in args.models:
-        for batch in args.batch_size:
+        for batch in args.batches:
             for n in args.threads:
-                torch.manual_seed(0)
-                pair = build_pair(torch, name, batch)     # fresh: agreement from the same start
-                limiter = set_threads(torch, n)
-                try:
-                    agree = agreement(torch, *pair)
-                    steps = args.steps or (20 if name == "cnn" else 2)
-                    t = time_pair(torch, *pair, steps=steps, windows=args.windows)
-                finally:
-                    limiter.restore_original_limits()
-                (pc, pw), (tc, tw) = t["proj"], t["torch"]
-                print(f"{name:<9} {batch:>5} {n:>3} | {pc:10.4f} {tc:11.4f} {pc / tc:9.2f} | "
-                      f"{pw:11.4f} {tw:12.4f} {pw / tw:10.2f} | "
-                      f"{agree['logits']:14.1e} {agree['update']:14.1e}", flush=True)
-    print(f"load average at end {os.getloadavg()[0]:.2f}")
+                load0 = os.getloadavg()[0]
+                steps = args.steps or (20 if name == "cnn" else 1)
+                rows, agree = run_cell(torch, name, batch, n, steps, args.windows, args.repeat)
+                pc, pw, tc, tw = (np.median(rows[:, i]) for i in range(4))
+                rc, rw = rows[:, 0] / rows[:, 2], rows[:, 1] / rows[:, 3]
+                each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rc, rw))
+                print(f"{name:<9} {batch:>5} {n:>3} | {pc:8.3f} {tc:9.3f} {np.median(rc):5.2f} | "
+                      f"{pw:9.3f} {tw:10.3f} {np.median(rw):5.2f} | {each:<32} | "
+                      f"{load0:4.1f}>{rows[-1, 4]:4.1f} | "
+                      f"{agree['logits']:7.1e} {agree['update']:7.1e}", flush=True)
+    print(f"times in s per step; ratio = project / PyTorch; rel diff = (logits, update) of "
+          f"step 1; load average (1 min) before>after each cell; at end "
+          f"{os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -1,12 +1,27 @@
 """Numba kernels for the memory-bound passes of the layers (CPU, NumPy arrays only).
 
 Imported lazily by :mod:`models.layers` (the first BatchNorm forward on a NumPy array), so a run
-whose model has no BatchNorm never imports Numba.  Every kernel works on a channels-last 2-D
-view ``X`` of shape ``(M, C)``, ``M = N*H*W`` (one row per pixel, one column per channel), and
-accumulates in float64 whatever the array dtype, so float32 models get per-channel statistics
-more accurate than a float32 reduction.
+whose model has no BatchNorm never imports Numba.  Compiled code is cached on disk
+(``cache=True``): ranks load it instead of each compiling.
 
-BatchNorm (Ioffe & Szegedy 2015, Alg. 1 and its gradient), per channel ``c`` over ``M`` values:
+Threads
+-------
+Every kernel is a serial, GIL-free loop over a range ``[lo, hi)`` of its outer index (rows of
+an image, blocks of rows, elements).  :func:`parallel_for` cuts the range into chunks that the
+calling thread and ``numba.get_num_threads() - 1`` helper threads take from a shared counter
+(dynamic scheduling: a helper that the OS has not scheduled yet leaves its chunks to the
+others, so a loaded machine costs no straggler wait, and idle helpers block rather than spin
+against OpenBLAS's threads).  The thread count is Numba's, which is the process's configured
+count: ``NUMBA_NUM_THREADS`` (the launcher sets it per rank), else ``OMP_NUM_THREADS`` when
+only that is set, else all cores; ``numba.set_num_threads`` changes it.  One thread, or a pass
+too small to share (:data:`MIN_PARALLEL`), runs inline.  Reductions sum fixed blocks of
+:data:`ROW_BLOCK` rows into per-block partials and add the partials in block order, so no
+result depends on the thread count.
+
+BatchNorm (Ioffe & Szegedy 2015, Alg. 1 and its gradient) works on a channels-last 2-D view
+``X`` of shape ``(M, C)``, ``M = N*H*W`` (one row per pixel, one column per channel), and
+accumulates in float64 whatever the array dtype, so float32 models get per-channel statistics
+more accurate than a float32 reduction.  Per channel ``c`` over ``M`` values:
 
 * ``mu = (1/M) sum x``, ``var = (1/M) sum (x - mu)^2`` (biased), ``x_hat = (x - mu) / sqrt(var +
   eps)``, ``y = gamma x_hat + beta``;
@@ -15,19 +30,134 @@ BatchNorm (Ioffe & Szegedy 2015, Alg. 1 and its gradient), per channel ``c`` ove
 
 The forward is two passes over ``X`` (statistics, then ``y``) and the backward two passes over
 ``dY`` and ``X`` (sums, then ``dx``); ``x_hat`` is recomputed from ``X`` rather than stored.
+
+Convolution data movement (channels-last, the kernels behind :func:`models.layers.im2col_nhwc`
+and :func:`models.layers.col2im_nhwc`):
+
+* ``im2col``: row ``(n, ho, wo)``, column ``(i, j, c)`` of the result is ``X[n, ho sh + i - ph,
+  wo sw + j - pw, c]``, zero outside the image (the zero border is never materialised);
+* ``col2im``, its adjoint: ``dX[n, h, w, c] = sum_{i, j} D[(n, ho, wo), (i, j, c)]`` over the
+  windows with ``ho sh + i - ph = h`` and ``wo sw + j - pw = w``, gathered per input pixel in
+  ``(i, j)`` order, which is the order of the array path's strided adds (same bits).
+
+ReLU and the residual sum are NumPy ufuncs on chunks of flat views of one memory order (the
+same operations as the layers' array path, shared out by :func:`parallel_for`).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
 
-__all__ = ["channel_stats", "bn_apply", "bn_backward_sums", "bn_backward_input"]
+__all__ = ["channel_stats", "bn_apply", "bn_backward_sums", "bn_backward_input",
+           "im2col_nhwc", "col2im_nhwc", "relu_forward", "add_relu_forward", "relu_backward",
+           "add", "parallel_for", "configured_threads", "ROW_BLOCK", "MIN_PARALLEL"]
 
 _JIT = dict(nopython=True, nogil=True, cache=True, fastmath=False)
 
+#: rows per block of the reductions (fixed, so the sums do not depend on the threads)
+ROW_BLOCK = 256
+#: passes touching fewer elements than this run on the calling thread alone
+MIN_PARALLEL = 1 << 15
+#: chunks per thread (more chunks balance better; each costs a few microseconds)
+CHUNKS_PER_THREAD = 4
 
+
+# ---------------------------------------------------------------------------------------------
+# threads
+# ---------------------------------------------------------------------------------------------
+def configured_threads() -> int:
+    """The process's thread count: ``NUMBA_NUM_THREADS`` when set (the launcher sets it per
+    rank), else ``OMP_NUM_THREADS`` when set (the BLAS convention), else all cores; at most
+    the pool Numba started with."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return limit
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return max(1, min(limit, int(omp))) if omp.isdigit() else limit
+
+
+numba.set_num_threads(configured_threads())
+
+_POOL: list = []                 # [(helper count, ThreadPoolExecutor)], grown on demand
+_POOL_LOCK = threading.Lock()
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """An executor with at least ``n`` helper threads (created on first use)."""
+    with _POOL_LOCK:
+        if not _POOL or _POOL[0][0] < n:
+            if _POOL:
+                _POOL.pop()[1].shutdown(wait=False)
+            _POOL.append((n, ThreadPoolExecutor(max_workers=n,
+                                                thread_name_prefix="spardist-kernels")))
+        return _POOL[0][1]
+
+
+def parallel_for(kernel, n: int, work: int, *args) -> None:
+    """``kernel(*args, lo, hi)`` over chunks covering ``[0, n)``, on up to
+    ``numba.get_num_threads()`` threads (the caller included).
+
+    ``work`` (elements touched) decides whether sharing pays (:data:`MIN_PARALLEL`).  Chunks go
+    to whichever thread asks next; the caller returns when every chunk is done, waiting only
+    on chunks a helper has started.
+    """
+    threads = numba.get_num_threads()
+    if threads <= 1 or n <= 1 or work < MIN_PARALLEL:
+        kernel(*args, 0, n)
+        return
+    nchunks = min(n, CHUNKS_PER_THREAD * threads)
+    bounds = [n * c // nchunks for c in range(nchunks + 1)]
+    counter = itertools.count()
+    state = {"done": 0, "error": None}
+    cv = threading.Condition()
+
+    def drain() -> None:
+        taken = 0
+        try:
+            while (c := next(counter)) < nchunks:
+                taken += 1
+                kernel(*args, bounds[c], bounds[c + 1])
+        except BaseException as exc:            # noqa: BLE001 (handed to the caller)
+            state["error"] = exc
+            while next(counter) < nchunks:      # skip (and count) the chunks left
+                taken += 1
+        finally:
+            if taken:
+                with cv:
+                    state["done"] += taken
+                    cv.notify_all()
+
+    pool = _helpers(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(drain)
+    drain()
+    with cv:
+        cv.wait_for(lambda: state["done"] >= nchunks)
+    if state["error"] is not None:
+        raise state["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm
+# ---------------------------------------------------------------------------------------------
 @numba.jit(**_JIT)
+def _stats_blocks(X, shift, S, Q, lo, hi):
+    """Blocks ``lo..hi-1``: ``S[b] = sum (x - shift)``, ``Q[b] = sum (x - shift)^2``."""
+    M, C = X.shape
+    for b in range(lo, hi):
+        for i in range(b * ROW_BLOCK, min(M, (b + 1) * ROW_BLOCK)):
+            for c in range(C):
+                d = np.float64(X[i, c]) - shift[c]
+                S[b, c] += d
+                Q[b, c] += d * d
+
+
 def channel_stats(X):
     """Per-column mean and biased variance of ``X`` (M, C), float64.
 
@@ -35,64 +165,177 @@ def channel_stats(X):
     large against the spread.
     """
     M, C = X.shape
-    shift = np.empty(C, np.float64)
-    s = np.zeros(C, np.float64)
-    q = np.zeros(C, np.float64)
-    for c in range(C):
-        shift[c] = X[0, c]
-    for i in range(M):
-        for c in range(C):
-            d = np.float64(X[i, c]) - shift[c]
-            s[c] += d
-            q[c] += d * d
-    mean = np.empty(C, np.float64)
-    var = np.empty(C, np.float64)
-    for c in range(C):
-        m1 = s[c] / M
-        mean[c] = shift[c] + m1
-        v = q[c] / M - m1 * m1
-        var[c] = v if v > 0.0 else 0.0
-    return mean, var
+    nb = -(-M // ROW_BLOCK)
+    shift = X[0].astype(np.float64)
+    S = np.zeros((nb, C), np.float64)
+    Q = np.zeros((nb, C), np.float64)
+    parallel_for(_stats_blocks, nb, X.size, X, shift, S, Q)
+    m1 = S.sum(axis=0) / M
+    var = Q.sum(axis=0) / M - m1 * m1
+    return shift + m1, np.maximum(var, 0.0)
 
 
 @numba.jit(**_JIT)
-def bn_apply(X, mean, scale, beta, Y):
-    """``Y = (X - mean) * scale + beta`` per column (float64 arithmetic, cast on store)."""
-    M, C = X.shape
-    for i in range(M):
+def _apply_rows(X, mean, scale, beta, Y, lo, hi):
+    C = X.shape[1]
+    for i in range(lo, hi):
         for c in range(C):
             Y[i, c] = (np.float64(X[i, c]) - mean[c]) * scale[c] + beta[c]
 
 
+def bn_apply(X, mean, scale, beta, Y):
+    """``Y = (X - mean) * scale + beta`` per column (float64 arithmetic, cast on store)."""
+    parallel_for(_apply_rows, X.shape[0], 2 * X.size, X, mean, scale, beta, Y)
+
+
 @numba.jit(**_JIT)
+def _backward_sum_blocks(dY, X, mean, DB, DXM, lo, hi):
+    """Blocks ``lo..hi-1``: ``DB[b] = sum dy``, ``DXM[b] = sum dy (x - mean)``."""
+    M, C = X.shape
+    for b in range(lo, hi):
+        for i in range(b * ROW_BLOCK, min(M, (b + 1) * ROW_BLOCK)):
+            for c in range(C):
+                g = np.float64(dY[i, c])
+                DB[b, c] += g
+                DXM[b, c] += g * (np.float64(X[i, c]) - mean[c])
+
+
 def bn_backward_sums(dY, X, mean, inv_std):
     """``d_beta = sum dY`` and ``d_gamma = sum dY * x_hat`` per column, float64."""
     M, C = X.shape
-    db = np.zeros(C, np.float64)
-    dxm = np.zeros(C, np.float64)
-    for i in range(M):
-        for c in range(C):
-            g = np.float64(dY[i, c])
-            db[c] += g
-            dxm[c] += g * (np.float64(X[i, c]) - mean[c])
-    dg = np.empty(C, np.float64)
-    for c in range(C):
-        dg[c] = dxm[c] * inv_std[c]
-    return db, dg
+    nb = -(-M // ROW_BLOCK)
+    DB = np.zeros((nb, C), np.float64)
+    DXM = np.zeros((nb, C), np.float64)
+    parallel_for(_backward_sum_blocks, nb, 2 * X.size, dY, X, mean, DB, DXM)
+    return DB.sum(axis=0), DXM.sum(axis=0) * inv_std
 
 
 @numba.jit(**_JIT)
-def bn_backward_input(dY, X, mean, inv_std, gamma, d_beta, d_gamma, dX):
-    """``dX = gamma inv_std / M (M dY - d_beta - x_hat d_gamma)``, ``x_hat`` from ``X``."""
-    M, C = X.shape
-    a = np.empty(C, np.float64)       # gamma * inv_std
-    b = np.empty(C, np.float64)       # -(gamma * inv_std / M) * d_beta
-    k = np.empty(C, np.float64)       # -(gamma * inv_std / M) * d_gamma * inv_std
-    for c in range(C):
-        a[c] = gamma[c] * inv_std[c]
-        b[c] = -a[c] * d_beta[c] / M
-        k[c] = -a[c] * d_gamma[c] * inv_std[c] / M
-    for i in range(M):
+def _backward_input_rows(dY, X, mean, a, b, k, dX, lo, hi):
+    C = X.shape[1]
+    for i in range(lo, hi):
         for c in range(C):
             dX[i, c] = a[c] * np.float64(dY[i, c]) + b[c] + k[c] * (np.float64(X[i, c])
                                                                      - mean[c])
+
+
+def bn_backward_input(dY, X, mean, inv_std, gamma, d_beta, d_gamma, dX):
+    """``dX = gamma inv_std / M (M dY - d_beta - x_hat d_gamma)``, ``x_hat`` from ``X``."""
+    M = X.shape[0]
+    a = gamma * inv_std                       # gamma / sqrt(var + eps)
+    b = -a * d_beta / M
+    k = -a * d_gamma * inv_std / M
+    parallel_for(_backward_input_rows, M, 3 * X.size, dY, X, mean, a, b, k, dX)
+
+
+# ---------------------------------------------------------------------------------------------
+# convolution data movement
+# ---------------------------------------------------------------------------------------------
+@numba.jit(**_JIT)
+def _im2col_rows(X, kh, kw, sh, sw, ph, pw, out, lo, hi):
+    """Output image rows ``r = n*Ho + ho`` for ``lo <= r < hi``."""
+    _, H, W, C = X.shape
+    Ho = (H + 2 * ph - kh) // sh + 1
+    Wo = (W + 2 * pw - kw) // sw + 1
+    for r in range(lo, hi):
+        n = r // Ho
+        ho = r - n * Ho
+        for wo in range(Wo):
+            row = r * Wo + wo
+            for i in range(kh):
+                h = ho * sh + i - ph
+                for j in range(kw):
+                    w = wo * sw + j - pw
+                    base = (i * kw + j) * C
+                    if 0 <= h < H and 0 <= w < W:
+                        for c in range(C):
+                            out[row, base + c] = X[n, h, w, c]
+                    else:
+                        for c in range(C):
+                            out[row, base + c] = 0
+
+
+def im2col_nhwc(X, kh, kw, sh, sw, ph, pw, out):
+    """Channels-last im2col of ``X`` (N, H, W, C) into ``out`` (N*Ho*Wo, kh*kw*C), zero padding
+    ``(ph, pw)`` on each side, parallel over output image rows."""
+    N, H = X.shape[0], X.shape[1]
+    Ho = (H + 2 * ph - kh) // sh + 1
+    parallel_for(_im2col_rows, N * Ho, out.size, X, kh, kw, sh, sw, ph, pw, out)
+
+
+@numba.jit(**_JIT)
+def _col2im_rows(D, kh, kw, sh, sw, ph, pw, out, lo, hi):
+    """Input image rows ``r = n*H + h`` for ``lo <= r < hi`` (overwritten)."""
+    _, H, W, C = out.shape
+    Ho = (H + 2 * ph - kh) // sh + 1
+    Wo = (W + 2 * pw - kw) // sw + 1
+    for r in range(lo, hi):
+        n = r // H
+        h = r - n * H
+        for w in range(W):
+            for c in range(C):
+                out[n, h, w, c] = 0
+            for i in range(kh):
+                t = h + ph - i
+                if t < 0 or t % sh != 0 or t // sh >= Ho:
+                    continue
+                ho = t // sh
+                for j in range(kw):
+                    u = w + pw - j
+                    if u < 0 or u % sw != 0 or u // sw >= Wo:
+                        continue
+                    row = (n * Ho + ho) * Wo + u // sw
+                    base = (i * kw + j) * C
+                    for c in range(C):
+                        out[n, h, w, c] += D[row, base + c]
+
+
+def col2im_nhwc(D, kh, kw, sh, sw, ph, pw, out):
+    """Adjoint of :func:`im2col_nhwc`: ``D`` (N*Ho*Wo, kh*kw*C) summed into ``out`` (N, H, W, C)
+    (overwritten), parallel over input image rows."""
+    N, H = out.shape[0], out.shape[1]
+    parallel_for(_col2im_rows, N * H, D.size + out.size, D, kh, kw, sh, sw, ph, pw, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise passes of ReLU and the residual sum (flat arrays of one memory order): NumPy
+# ufuncs on chunks (they release the GIL), the same operations as the layers' array path
+# ---------------------------------------------------------------------------------------------
+def _relu_forward(X, Y, mask, lo, hi):
+    np.greater(X[lo:hi], 0, out=mask[lo:hi])
+    np.multiply(X[lo:hi], mask[lo:hi], out=Y[lo:hi])
+
+
+def relu_forward(X, Y, mask):
+    """``mask = X > 0``, ``Y = X * mask``."""
+    parallel_for(_relu_forward, X.shape[0], 2 * X.size, X, Y, mask)
+
+
+def _add_relu_forward(A, B, Y, mask, lo, hi):
+    y = Y[lo:hi]
+    np.add(A[lo:hi], B[lo:hi], out=y)
+    np.greater(y, 0, out=mask[lo:hi])
+    np.multiply(y, mask[lo:hi], out=y)
+
+
+def add_relu_forward(A, B, Y, mask):
+    """``relu(A + B)`` of a residual block, chunk by chunk (the sum rounded to the dtype)."""
+    parallel_for(_add_relu_forward, A.shape[0], 3 * A.size, A, B, Y, mask)
+
+
+def _relu_backward(dY, mask, dX, lo, hi):
+    np.multiply(dY[lo:hi], mask[lo:hi], out=dX[lo:hi])
+
+
+def relu_backward(dY, mask, dX):
+    """``dX = dY * mask``."""
+    parallel_for(_relu_backward, dY.shape[0], 2 * dY.size, dY, mask, dX)
+
+
+def _add(A, B, Y, lo, hi):
+    np.add(A[lo:hi], B[lo:hi], out=Y[lo:hi])
+
+
+def add(A, B, Y):
+    """``Y = A + B`` (the two branches' input gradients of a residual block)."""
+    parallel_for(_add, A.shape[0], 3 * A.size, A, B, Y)

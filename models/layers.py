@@ -218,10 +218,12 @@ def im2col_nhwc(xl, kh: int, kw: int, stride: tuple[int, int], padding: tuple[in
     """Channels-last im2col: ``(N, H, W, C)`` (any strides) → ``(N*Ho*Wo, kh*kw*C)``.
 
     Row ``(n, ho, wo)`` and column ``(i, j, c)`` hold ``xpad[n, ho*sh + i, wo*sw + j, c]``
-    (``xpad``: ``xl`` inside a zero border of ``padding``).  The padded image is one copy into a
-    shared scratch buffer whose border stays zero (a transposed ``NCHW`` input becomes
-    channels-last in the same copy); the windows are an ``as_strided`` view copied once into
-    ``out``, in runs of ``kw*C`` contiguous values (stride 1).
+    (``xpad``: ``xl`` inside a zero border of ``padding``).  With the Numba kernels loaded
+    (:func:`_kernels`), one pass shared out over threads by output image rows, the border never
+    materialised.  Otherwise the padded image is one copy into a shared scratch buffer whose
+    border stays zero (a transposed ``NCHW`` input becomes channels-last in the same copy); the
+    windows are an ``as_strided`` view copied once into ``out``, in runs of ``kw*C`` contiguous
+    values (stride 1).  Both give the same array.
 
     Parameters
     ----------
@@ -238,6 +240,12 @@ def im2col_nhwc(xl, kh: int, kw: int, stride: tuple[int, int], padding: tuple[in
     N, H, W, C = xl.shape
     (sh, sw), (ph, pw) = stride, padding
     Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    k = _numba_kernels(xp)
+    if k is not None:                  # one parallel pass, the zero border never materialised
+        if out is None:
+            out = np.empty((N * Ho * Wo, kh * kw * C), dtype=xl.dtype)
+        k.im2col_nhwc(np.ascontiguousarray(xl), kh, kw, sh, sw, ph, pw, out)
+        return out
     if ph or pw:
         shape = (N, H + 2 * ph, W + 2 * pw, C)
         xpad = (_transient(f"pad{ph}x{pw}", shape, xl.dtype, xp) if ws is None
@@ -259,12 +267,19 @@ def col2im_nhwc(dcols, in_nhwc: tuple[int, int, int, int], kh: int, kw: int,
     """Adjoint of :func:`im2col_nhwc`: ``(N*Ho*Wo, kh*kw*C)`` → a fresh ``(N, H, W, C)``.
 
     One strided add per kernel offset ``(i, j)`` over all pixels and channels, into a zeroed
-    padded accumulator, whose interior is returned.
+    padded accumulator, whose interior is returned; with the Numba kernels loaded, one gather
+    pass per input pixel in the same ``(i, j)`` order, shared out over threads by image rows
+    (the same bits).
     """
     xp = array_module(dcols)
     N, H, W, C = in_nhwc
     (sh, sw), (ph, pw) = stride, padding
     Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
+    k = _numba_kernels(xp)
+    if k is not None:                  # one parallel gather pass, same summation order
+        dx = np.empty((N, H, W, C), dtype=dcols.dtype)
+        k.col2im_nhwc(np.ascontiguousarray(dcols), kh, kw, sh, sw, ph, pw, dx)
+        return dx
     d = dcols.reshape(N, Ho, Wo, kh, kw, C)
     if ph or pw:
         acc = _transient(f"acc{ph}x{pw}", (N, H + 2 * ph, W + 2 * pw, C), dcols.dtype, xp,
@@ -289,15 +304,49 @@ def _rows(x):
 _KERNELS: list = []
 
 
-def _kernels():
-    """:mod:`models.kernels` (Numba), imported on first use; ``None`` without Numba."""
+def _kernels(load: bool = True):
+    """:mod:`models.kernels` (Numba), imported on first use; ``None`` without Numba.
+
+    BatchNorm loads it (``load=True``).  The convolutions' data movement asks with
+    ``load=False``: they use the kernels once a BatchNorm has paid for Numba (~40 MiB a rank),
+    and keep their NumPy copies in a model without BatchNorm (the digits CNN), which then never
+    imports Numba.  Both give the same bits.
+    """
     if not _KERNELS:
+        if not load:
+            return None
         try:
             from . import kernels  # noqa: PLC0415 (lazy: Numba costs ~40 MiB and ~0.3 s)
         except ImportError:
             kernels = None
         _KERNELS.append(kernels)
     return _KERNELS[0]
+
+
+def _numba_kernels(xp):
+    """The loaded Numba kernels for NumPy arrays, else ``None`` (CuPy, or not loaded yet)."""
+    return _kernels(load=False) if xp is np else None
+
+
+def _flat_layout(*arrays):
+    """1-D views of ``arrays`` in one shared memory order (row-major, or channels-last for
+    4-D ``NCHW``-shaped views of ``NHWC`` memory), so element ``i`` of each view is the same
+    tensor element; ``None`` when the arrays do not share such a layout."""
+    if all(a.flags.c_contiguous for a in arrays):
+        return [a.reshape(-1) for a in arrays]
+    if all(a.ndim == 4 and a.transpose(0, 2, 3, 1).flags.c_contiguous for a in arrays):
+        return [a.transpose(0, 2, 3, 1).reshape(-1) for a in arrays]
+    return None
+
+
+def _empty_like_layout(x, dtype=None):
+    """An empty array shaped like ``x`` with the same memory order (row-major or
+    channels-last), so :func:`_flat_layout` pairs them."""
+    dtype = x.dtype if dtype is None else dtype
+    if not x.flags.c_contiguous and x.ndim == 4:
+        N, C, H, W = x.shape
+        return np.empty((N, H, W, C), dtype=dtype).transpose(0, 3, 1, 2)
+    return np.empty(x.shape, dtype=dtype)
 
 
 def _channel_sum(m):
@@ -730,16 +779,46 @@ class BatchNorm2d(Layer):
 # parameter-free layers
 # ---------------------------------------------------------------------------------------------
 class ReLU(Layer):
-    """``y = max(x, 0)``; the subgradient at 0 is 0."""
+    """``y = max(x, 0)`` (as ``x * (x > 0)``); the subgradient at 0 is 0.
+
+    With the Numba kernels loaded, NumPy arrays take one parallel pass each way that keeps the
+    input's memory order (channels-last stays channels-last); the values are the same.
+    """
 
     def forward(self, x, training: bool = True):
+        k = _numba_kernels(array_module(x))
+        if k is not None and x.dtype.kind == "f":
+            y, mask = _empty_like_layout(x), _empty_like_layout(x, np.bool_)
+            flat = _flat_layout(x, y, mask)
+            if flat is not None:
+                k.relu_forward(*flat)
+                self._mask = mask
+                return y
         self._mask = x > 0
         return x * self._mask
 
+    def forward_sum(self, a, b, training: bool = True):
+        """``relu(a + b)`` (a residual block's output), fused into one pass when it can be."""
+        k = _numba_kernels(array_module(a))
+        if k is not None and a.dtype.kind == "f" and a.dtype == b.dtype and a.shape == b.shape:
+            y, mask = _empty_like_layout(a), _empty_like_layout(a, np.bool_)
+            flat = _flat_layout(a, b, y, mask)
+            if flat is not None:
+                k.add_relu_forward(*flat)
+                self._mask = mask
+                return y
+        return self.forward(a + b, training)
+
     def backward(self, dy):
-        out = dy * self._mask
-        self._mask = None
-        return out
+        mask, self._mask = self._mask, None
+        k = _numba_kernels(array_module(dy))
+        if k is not None and dy.shape == mask.shape:
+            dx = _empty_like_layout(mask, dy.dtype)
+            flat = _flat_layout(dy, mask, dx)
+            if flat is not None:
+                k.relu_backward(*flat)
+                return dx
+        return dy * mask
 
 
 class MaxPool2d(Layer):
@@ -880,6 +959,18 @@ class Sequential(Layer):
         return f"Sequential(\n  {inner}\n)"
 
 
+def _sum(a, b):
+    """``a + b`` (one parallel pass with the Numba kernels when both share a memory order)."""
+    k = _numba_kernels(array_module(a))
+    if k is not None and a.dtype == b.dtype and a.shape == b.shape:
+        y = _empty_like_layout(a)
+        flat = _flat_layout(a, b, y)
+        if flat is not None:
+            k.add(*flat)
+            return y
+    return a + b
+
+
 class _Residual(Layer):
     """``relu(main(x) + shortcut(x))``; the shortcut is identity or 1x1 conv (stride) + BN.
 
@@ -904,14 +995,14 @@ class _Residual(Layer):
         for layer in self._main:
             h = layer.forward(h, training)
         s = self.shortcut.forward(x, training) if self.projection else x
-        return self._relu.forward(h + s, training)
+        return self._relu.forward_sum(h, s, training)
 
     def backward(self, dy):
         d = self._relu.backward(dy)
         dx = self.shortcut.backward(d) if self.projection else d
         for layer in reversed(self._main):
             d = layer.backward(d)
-        return dx + d
+        return _sum(dx, d)
 
     def output_shape(self, in_shape):
         for layer in self._main:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gradcheck import central_difference
@@ -501,3 +506,117 @@ def test_conv_backward_after_evaluation_forward():
     ref_dx, ref_dw = conv_backward_loops(x, a.P["weight"], dy, a.stride, a.padding)
     np.testing.assert_allclose(dx, ref_dx, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(a.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- threaded kernels
+@pytest.fixture
+def threaded_kernels(monkeypatch):
+    """The Numba kernels with every pass shared out (no size threshold) on 2 threads, or 1
+    where Numba's pool has 1; the previous thread count is restored afterwards."""
+    from models import layers as L
+    k = L._kernels()
+    if k is None:
+        pytest.skip("Numba not installed")
+    import numba
+    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    yield k
+    numba.set_num_threads(before)
+
+
+def array_path(monkeypatch):
+    """Make the layers take their NumPy array path for conv data movement, ReLU and sums."""
+    from models import layers as L
+    monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+
+
+@pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
+                                          ((1, 1), (2, 2), (0, 0)), ((2, 3), (1, 2), (1, 0)),
+                                          ((3, 3), (2, 2), (2, 1))])
+def test_threaded_im2col_col2im_kernels_match_definition_and_array_path(threaded_kernels,
+                                                                        monkeypatch, k, stride,
+                                                                        pad):
+    """The parallel kernels on odd shapes: im2col equals the loop definition exactly, col2im
+    equals the array path's strided adds bit for bit (same summation order) and is the
+    adjoint of im2col."""
+    from models.layers import col2im_nhwc
+    kern = threaded_kernels
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((3, 5, 7, 5)).astype(np.float32)     # (N, C, H, W)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    ref = im2col_nhwc_loops(x, *k, stride, pad).astype(np.float32)
+    out = np.full(ref.shape, np.nan, np.float32)
+    kern.im2col_nhwc(xl, *k, *stride, *pad, out)
+    np.testing.assert_array_equal(out, ref)
+    D = rng.standard_normal(ref.shape).astype(np.float32)
+    got = np.full(xl.shape, np.nan, np.float32)
+    kern.col2im_nhwc(D, *k, *stride, *pad, got)
+    with monkeypatch.context() as m:
+        array_path(m)
+        want = col2im_nhwc(D, xl.shape, *k, stride, pad)
+    np.testing.assert_array_equal(got, want)
+    assert float((ref.astype(np.float64) * D).sum()) == pytest.approx(
+        float((xl.astype(np.float64) * got).sum()), rel=1e-5)
+
+
+def test_threaded_kernels_give_the_array_path_bits_in_a_resnet(threaded_kernels, monkeypatch):
+    """A small ResNet step (odd spatial size, float32): conv data movement, ReLU and residual
+    sums through the threaded kernels give exactly the array path's logits and gradients; the
+    BatchNorm sums do not depend on the thread count."""
+    import numba
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((3, 3, 9, 7)).astype(np.float32)
+    labels = rng.integers(0, 5, 3)
+
+    def step():
+        m = resnet((3, 9, 7), 5, depths=(1, 1), planes=(4, 8), seed=4)
+        _, logits = m.loss_and_grad(x, labels)
+        return logits, m.grads.flat.copy(), m.buffers["bn1.running_var"].copy()
+
+    threaded = step()
+    numba.set_num_threads(1)
+    one_thread = step()
+    with monkeypatch.context() as m:
+        array_path(m)
+        reference = step()
+    for got, one, want in zip(threaded, one_thread, reference):
+        np.testing.assert_array_equal(got, one)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_parallel_for_covers_the_range_once_and_reports_errors(threaded_kernels):
+    kern = threaded_kernels
+    hits = np.zeros(37, np.int64)
+
+    def mark(h, lo, hi):
+        h[lo:hi] += 1
+
+    kern.parallel_for(mark, 37, 37, hits)
+    np.testing.assert_array_equal(hits, 1)
+
+    def fail(lo, hi):
+        if lo == 0:
+            raise RuntimeError("chunk failed")
+
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        kern.parallel_for(fail, 8, 8)
+
+    def fail_all(lo, hi):
+        raise RuntimeError("every chunk failed")
+
+    with pytest.raises(RuntimeError, match="every chunk failed"):    # returns, no hang
+        kern.parallel_for(fail_all, 64, 64)
+
+
+def test_kernel_threads_follow_omp_num_threads():
+    """A process configured with ``OMP_NUM_THREADS=1`` (and no ``NUMBA_NUM_THREADS``) runs the
+    kernels on one thread."""
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    env["OMP_NUM_THREADS"] = "1"
+    code = "import numba, models.kernels; print(numba.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=False, timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
