@@ -39,7 +39,12 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
+# OpenBLAS workers sleep after a GEMM instead of spinning ~0.1 s, which starves the layer kernels'
+# helper threads on small core counts (what substrate.launch sets for MPI ranks); read when NumPy
+# loads OpenBLAS. PyTorch's wheel has its own pools and is not affected.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

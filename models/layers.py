@@ -328,6 +328,21 @@ def _numba_kernels(xp):
     return _kernels(load=False) if xp is np else None
 
 
+def _copy_slab(dst, src, lo, hi):
+    dst[lo:hi] = src[lo:hi]
+
+
+def _copy(dst, src) -> None:
+    """``dst[...] = src`` (same shape, any strides): the weight-layout copies of the
+    convolutions, in slabs of the first axis shared over the process's threads once the Numba
+    kernels are loaded (a copy: the same bits however it is cut)."""
+    k = _numba_kernels(array_module(dst))
+    if k is None:
+        dst[...] = src
+    else:
+        k.parallel_for(_copy_slab, dst.shape[0], dst.size, dst, src)
+
+
 def _flat_layout(*arrays):
     """1-D views of ``arrays`` in one shared memory order (row-major, or channels-last for
     4-D ``NCHW``-shaped views of ``NHWC`` memory), so element ``i`` of each view is the same
@@ -575,7 +590,7 @@ class Conv2d(Layer):
         else:                                               # freed after the call
             cols = self._cols(xl, None, Workspace())
         w_mat = ws.get("w_mat", (c_out, K), x.dtype, xp)    # (C_out, kh*kw*C_in)
-        w_mat.reshape(c_out, kh, kw, C)[...] = self.P["weight"].transpose(0, 2, 3, 1)
+        _copy(w_mat.reshape(c_out, kh, kw, C), self.P["weight"].transpose(0, 2, 3, 1))
         y = xp.empty((N * Ho * Wo, c_out), dtype=x.dtype)
         xp.matmul(cols, w_mat.T, out=y)
         if self.bias:
@@ -611,7 +626,7 @@ class Conv2d(Layer):
         else:
             g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
             xp.matmul(dym.T, cols, out=g_mat)
-            gw[...] = g_mat.reshape(c_out, kh, kw, C).transpose(0, 3, 1, 2)
+            _copy(gw, g_mat.reshape(c_out, kh, kw, C).transpose(0, 3, 1, 2))
         if self.bias:
             self.G["bias"][...] = _channel_sum(dym)
         self._emit_ready()
@@ -622,8 +637,8 @@ class Conv2d(Layer):
             ph, pw = self.padding
             # dX = full correlation of dY with W flipped in space, C_in and C_out swapped
             w_flip = ws.get("w_flip", (kh * kw * c_out, C), dy.dtype, xp)
-            w_flip.reshape(kh, kw, c_out, C)[...] = (
-                self.P["weight"][:, :, ::-1, ::-1].transpose(2, 3, 0, 1))
+            _copy(w_flip.reshape(kh, kw, c_out, C).transpose(2, 0, 1, 3),   # C_out first
+                  self.P["weight"][:, :, ::-1, ::-1].transpose(0, 2, 3, 1))
             dcols = im2col_nhwc(dyl, kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
                                 out=_transient("dcols", (N * H * W, kh * kw * c_out),
                                                dy.dtype, xp))

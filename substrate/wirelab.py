@@ -1288,6 +1288,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "NUMBA_NUM_THREADS"):
             env.setdefault(var, threads)
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")   # as substrate.launch: no spinning
         if self.netmod == "ucx":
             env.update(MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES=HOST_IF,
                        UCX_WARN_UNUSED_ENV_VARS="n")

@@ -260,6 +260,9 @@ def test_mpi_env_caps_threads_per_rank(monkeypatch):
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
     assert launch.mpi_env(4, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
     assert int(env["NUMBA_NUM_THREADS"]) >= 1
+    # OpenBLAS workers do not spin after a GEMM (a user's own setting wins)
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert launch.mpi_env(4, {"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
 
 
 # -- closed forms for uneven chunks (issue 11: rank counts that do not divide the count) -------
