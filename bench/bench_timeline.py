@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from substrate.costmodel import CostModel  # noqa: E402
+from substrate.testing import busy_loops  # noqa: E402
 from substrate.timeline import FlopSource, LayerEvents, Timeline  # noqa: E402
 
 _WORK = r"""
@@ -78,13 +79,8 @@ def part_load() -> None:
           "shared with other jobs: numbers taken under load)")
     print(f"{'source':>10s} {'alone s':>10s} {'beside 2 busy s':>16s} {'loaded/alone':>13s}")
     alone = _work(env)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with busy_loops(2):
         loaded = _work(env)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
     for k in ("wall", "thread", "process"):
         print(f"{k:>10s} {alone[k]:10.4f} {loaded[k]:16.4f} {loaded[k] / alone[k]:13.3f}")
 
@@ -188,10 +184,8 @@ def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) 
             print("  " + " ".join(_sim_cmd(system, n, Path("OUT"), extra)).replace(str(prof),
                                                                                    "FILE"))
         for cond in ("alone", "busy", "8 ranks"):
-            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                    for _ in range(2 if cond == "busy" else 0)]
             before = _load()
-            try:
+            with busy_loops(2 if cond == "busy" else 0):
                 for src in SIM_SOURCES:
                     extra = list(flags[src])
                     if src == "cpu" and cond == "alone":
@@ -202,10 +196,6 @@ def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) 
                     got = _sim_jobs([_sim_cmd(system, n, o, extra) for o in outs], outs)
                     rows[src][cond] = [g[0] for g in got]
                     rows[src]["desc"] = got[0][1]
-            finally:
-                for p in busy:
-                    p.kill()
-                    p.wait()
             print(f"  {cond}: load average before {before}, after {_load()}")
         print(f"{'source':>10s} {'alone s':>10s} {'beside 2 busy s':>16s} "
               f"{'8 ranks s (job 1, job 2)':>26s} {'busy/alone':>11s} {'8 ranks/alone':>14s}")

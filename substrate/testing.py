@@ -1,8 +1,25 @@
-"""Helpers for MPI tests (convention 7: collective assertions)."""
+"""Helpers for MPI tests (convention 7: collective assertions) and load experiments."""
 
 from __future__ import annotations
 
-__all__ = ["collective_check"]
+import subprocess
+import sys
+from contextlib import contextmanager
+
+__all__ = ["busy_loops", "collective_check"]
+
+
+@contextmanager
+def busy_loops(n: int = 2):
+    """Run ``n`` Python processes spinning ``while True: pass`` for the enclosed block (the
+    "beside busy processes" load of issue 12's timing checks); always ended and reaped."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def collective_check(comm, ok: bool, message: str = "") -> None:

@@ -27,6 +27,7 @@ from models.zoo import build_model
 from substrate.clock import SimClock
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
+from substrate.testing import busy_loops
 from substrate.timeline import (CalibratedSource, ComputeSource, CpuTimeSource, FlopSource,
                                 LayerEvents, ProfileRecorder, ProfileSource, Timeline,
                                 load_profile, make_source, transfer_parts, write_profile)
@@ -584,13 +585,8 @@ def test_thread_cpu_time_does_not_grow_beside_busy_processes():
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     alone = _measure(env)
     cores = os.sched_getaffinity(0)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with busy_loops(2):
         loaded = _measure(env)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
     print(f"thread CPU time: alone {alone:.4f} s, beside 2 busy loops {loaded:.4f} s "
           f"({len(cores)} cores)")
     assert loaded == pytest.approx(alone, rel=0.10), (alone, loaded, len(cores))
