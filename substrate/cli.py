@@ -230,6 +230,8 @@ def versions() -> dict:
 
 #: units a ``metrics.jsonl`` index may count
 UNITS = ("iteration", "step", "epoch")
+#: tag of the one point-to-point message of finish(): the busiest rank's last step to rank 0
+_TAG_BUSIEST = 7301
 
 
 class Run:
@@ -310,18 +312,26 @@ class Run:
         t = self.clock.as_dict()
         timing = {k: float(self.world.mpi.allreduce(v, op=MPI.MAX)) for k, v in t.items()}
         # the timeline of rank 0 and of the rank with the longest simulated time (for Gantt
-        # charts), and which compute source timed the events
-        descs = self.world.mpi.gather(self.clock.describe(events=True), root=0)
-        sims = self.world.mpi.gather(self.clock.sim_s, root=0)
+        # charts), and which compute source timed the events.  Only those two ranks' events
+        # travel (the busiest sends its own to rank 0): this run-level bookkeeping is unbooked
+        # traffic, so it is kept O(1) in the world size (a few KB; see the wire lab).
+        sims = self.world.mpi.allgather(float(self.clock.sim_s))
+        busiest = int(np.argmax(sims))
+        desc = self.clock.describe(events=self.rank in (0, busiest))
+        infos = self.world.mpi.gather(desc.get("compute_profile"), root=0)
+        busiest_step = desc.get("last_step")
+        if busiest != 0:
+            if self.rank == busiest:
+                self.world.mpi.send(busiest_step, dest=0, tag=_TAG_BUSIEST)
+            elif self.rank == 0:
+                busiest_step = self.world.mpi.recv(source=busiest, tag=_TAG_BUSIEST)
         tables = self.world.mpi.gather(self.profile_recorder.table(), root=0) \
             if self.profile_recorder is not None else None
         timeline = None
         if self.rank == 0:
-            busiest = int(np.argmax(sims))
-            timeline = {**{k: v for k, v in descs[0].items() if k != "last_step"},
-                        "rank0": descs[0].get("last_step"), "busiest_rank": busiest,
-                        "busiest": descs[busiest].get("last_step")}
-            infos = [d.get("compute_profile") for d in descs]
+            timeline = {**{k: v for k, v in desc.items() if k != "last_step"},
+                        "rank0": desc.get("last_step"), "busiest_rank": busiest,
+                        "busiest": busiest_step}
             if infos[0] is not None and "fallback_blocks" in infos[0]:
                 fb = sum(i["fallback_blocks"] for i in infos)
                 timeline["compute_profile"] = {

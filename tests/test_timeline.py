@@ -998,3 +998,13 @@ def test_lab_ping_pong_on_a_shaped_link(tmp_path):
     # the shaper holds the rate: 1 MiB cannot cross faster than 100 Mbit/s of frames allows
     # (two token buckets of rate/250 bytes in series: at most about 10 % early)
     assert inter["bandwidth_gbps"] < 1.1 * wl.link_payload_gbps(100)
+
+
+@pytest.mark.mpi
+def test_summary_holds_the_busiest_ranks_events_sent_to_rank0_alone(tmp_path):
+    """Run.finish with 3 ranks whose last rank is the busiest: rank 0's summary holds rank 0's
+    and rank 2's schedules, each with the FLOP time that rank declared (the busiest rank sends
+    its own events; no rank gathers every rank's, which the wire lab sees as unbooked bytes)."""
+    from tests.mpi_helpers import run_mpi
+    res = run_mpi("finish_checks.py", 3, tmp_path / "run", timeout=120)
+    assert "finish checks ok" in res.stdout, res.stdout + res.stderr

@@ -133,7 +133,7 @@ def test_sendrecv_bytes_appear_on_the_wire(lab22, tmp_path):
 #: small, fast settings (each books 0.6-3 MB inter-node at 2 x 2, so the few KB of unbooked
 #: bookkeeping and MPI envelopes stay well under 2 %)
 SYSTEMS = {
-    "hsadmm": ["hsadmm", "train", "--iters", "3", "--local-steps", "3"],
+    "hsadmm": ["hsadmm", "train", "--iters", "5", "--local-steps", "3"],
     "flat-admm": ["hsadmm", "train", "--method", "flat-admm", "--iters", "2",
                   "--local-steps", "3"],
     "ddp": ["dataparallel", "train", "--method", "ddp", "--steps", "6", "--eval-every", "6"],
