@@ -405,6 +405,47 @@ def test_conv_backward_paths_match_loops(c_in, c_out, k, stride, pad):
     np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocked convolutions on small test shapes: blocks of ~84 im2col rows, 2 blocks enough."""
+    from models import layers as L
+    monkeypatch.setattr(L, "BLOCK_ROWS", 84)
+    monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_blocked_conv_matches_loops_and_the_one_gemm_path(small_blocks, training):
+    """The blocked path (2 images of 7x6 per block, 5 images: blocks of 2, 2, 1) gives the loop
+    definition's output, input gradient and weight gradient, after a training or an evaluation
+    forward, and agrees with the one-GEMM path to round-off."""
+    from models import layers as L
+    rng = np.random.default_rng(23)
+    layer = Conv2d(3, 4, 3, padding=1, bias=True)
+    m = wrap(layer, (3, 7, 6))
+    x = rng.standard_normal((5, 3, 7, 6))
+    y = m.forward(x, training=training)
+    assert layer._cache[3] == 2                      # images per block: the blocked path ran
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)
+    ref_dx, ref_dw = conv_backward_loops(x, layer.P["weight"], dy, layer.stride, layer.padding)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(layer.G["bias"], dy.sum(axis=(0, 2, 3)), rtol=1e-12)
+    xpad = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref_y = np.empty(y.shape)
+    for n, o, h, w in np.ndindex(*y.shape):
+        ref_y[n, o, h, w] = (xpad[n, :, h:h + 3, w:w + 3] * layer.P["weight"][o]).sum()
+    np.testing.assert_allclose(y, ref_y + layer.P["bias"][:, None, None], rtol=1e-12,
+                               atol=1e-12)
+    blocked = (y.copy(), dx.copy(), layer.G["weight"].copy())
+    L.BLOCK_ROWS = 10**9                             # one block is too few: the one-GEMM path
+    y1 = m.forward(x, training=training)
+    assert layer._cache[3] == 0
+    dx1 = m.backward(dy)
+    for got, want in zip(blocked, (y1, dx1, layer.G["weight"])):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_layers_give_the_same_results_for_any_memory_layout():
     """NCHW-contiguous and channels-last inputs (and gradients) give identical results: layouts
     are an implementation detail (conv/BN outputs are channels-last views)."""
@@ -560,11 +601,18 @@ def test_threaded_im2col_col2im_kernels_match_definition_and_array_path(threaded
         float((xl.astype(np.float64) * got).sum()), rel=1e-5)
 
 
-def test_threaded_kernels_give_the_array_path_bits_in_a_resnet(threaded_kernels, monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_threaded_kernels_give_the_array_path_bits_in_a_resnet(threaded_kernels, monkeypatch,
+                                                               blocked):
     """A small ResNet step (odd spatial size, float32): conv data movement, ReLU and residual
     sums through the threaded kernels give exactly the array path's logits and gradients; the
-    BatchNorm sums do not depend on the thread count."""
+    BatchNorm sums do not depend on the thread count.  Also with the stride-1 convs blocked
+    (one image per block): both paths block alike."""
     import numba
+    if blocked:
+        from models import layers as L
+        monkeypatch.setattr(L, "BLOCK_ROWS", 1)
+        monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
     rng = np.random.default_rng(21)
     x = rng.standard_normal((3, 3, 9, 7)).astype(np.float32)
     labels = rng.integers(0, 5, 3)
