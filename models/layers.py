@@ -613,7 +613,7 @@ class Conv2d(Layer):
         xl = x.transpose(0, 2, 3, 1)                        # (N, H, W, C) view
         per = self._block_images(xp, N, Ho, Wo)
         if per:
-            return self._forward_blocked(xl, per, training)
+            return self._forward_blocked(xl, per)
         if training:                                        # cols kept for backward
             cols = self._cols(xl, ws.get("cols", (N * Ho * Wo, K), x.dtype, xp))
         else:                                               # freed after the call
@@ -642,8 +642,9 @@ class Conv2d(Layer):
             n1 = min(N, n0 + per)
             yield n0, n1, n0 * rows, n1 * rows
 
-    def _forward_blocked(self, xl, per: int, training: bool):
-        """``Y_b = cols_b @ W_mat^T`` block by block (the class docstring); caches the input."""
+    def _forward_blocked(self, xl, per: int):
+        """``Y_b = cols_b @ W_mat^T`` block by block (the class docstring); caches the input
+        (training or evaluation alike: backward rebuilds the blocks either way)."""
         xp = np
         N, H, W, C = xl.shape
         kh, kw = self.kernel_size
@@ -680,11 +681,7 @@ class Conv2d(Layer):
             xp.matmul(dym[r0:r1].T, cols, out=part if b else g_mat)
             if b:
                 g_mat += part
-        _copy(self.G["weight"], g_mat.reshape(c_out, kh, kw, C).transpose(0, 3, 1, 2))
-        if self.bias:
-            self.G["bias"][...] = _channel_sum(dym)
-        self._emit_ready()
-        self._cache = None
+        self._weight_grad_done(g_mat, dym)
         w_flip = self._w_flip(dyl.dtype, xp)
         dbuf = _transient("dcols_block", (per * H * W, kh * kw * c_out), dyl.dtype, xp)
         dx = xp.empty((N * H * W, C), dtype=dyl.dtype)
@@ -693,6 +690,18 @@ class Conv2d(Layer):
                                 out=dbuf[:r1 - r0])
             xp.matmul(dcols, w_flip, out=dx[r0:r1])
         return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
+
+    def _weight_grad_done(self, g_mat, dym) -> None:
+        """Store ``dW`` from ``g_mat`` (``W_mat`` layout; ``None``: already in place) and the
+        bias gradient, announce the gradients ready, drop the forward cache."""
+        if g_mat is not None:
+            kh, kw = self.kernel_size
+            _copy(self.G["weight"], g_mat.reshape(self.out_channels, kh, kw, self.in_channels)
+                  .transpose(0, 3, 1, 2))
+        if self.bias:
+            self.G["bias"][...] = _channel_sum(dym)
+        self._emit_ready()
+        self._cache = None
 
     def _w_flip(self, dtype, xp):
         """The kernel flipped in space with ``C_in`` and ``C_out`` swapped, as a
@@ -729,14 +738,11 @@ class Conv2d(Layer):
         gw = self.G["weight"]
         if kh == kw == 1:
             xp.matmul(dym.T, cols, out=gw.reshape(c_out, C))
+            self._weight_grad_done(None, dym)
         else:
             g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
             xp.matmul(dym.T, cols, out=g_mat)
-            _copy(gw, g_mat.reshape(c_out, kh, kw, C).transpose(0, 3, 1, 2))
-        if self.bias:
-            self.G["bias"][...] = _channel_sum(dym)
-        self._emit_ready()
-        self._cache = None
+            self._weight_grad_done(g_mat, dym)
         if self._pointwise():
             dx = xp.matmul(dym, w_mat)
         elif self._transposed_input_grad():

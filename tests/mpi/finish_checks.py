@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-from mpi4py import MPI
 
 from substrate.cli import CommonConfig, main_guard, start_run
 
