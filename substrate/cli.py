@@ -437,24 +437,32 @@ def check_world_size(size: int, env=None) -> None:
 
 
 # -- the results directory ---------------------------------------------------------------------
+def _dir_write_error(d: Path) -> str | None:
+    """Why a file cannot be created in directory ``d`` (its ``OSError`` text), or ``None``:
+    create ``d`` (and its missing parents) and a temporary file in it, then remove the
+    directories created (the writer creates them again when it writes)."""
+    missing = [p for p in (d, *d.parents) if not p.exists()]
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    finally:
+        for m in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                m.rmdir()
+    return None
+
+
 def _writable_check(out: Path) -> str | None:
-    """Why ``out`` cannot hold results, or ``None``: create it (and its missing parents) and a
-    temporary file in it, then remove what was created."""
+    """Why ``out`` cannot hold results, or ``None``."""
     if out.exists() and not out.is_dir():
         return (f"--out {out} is an existing file, not a directory: pass a directory path (it is "
                 "created when missing)")
-    missing = [p for p in (out, *out.parents) if not p.exists()]
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        return (f"--out {out} is not writable ({exc.strerror or exc}): choose a directory you "
-                "can write to")
-    finally:
-        for d in missing:  # deepest first; the results writer creates them again
-            with contextlib.suppress(OSError):
-                d.rmdir()
+    why = _dir_write_error(out)
+    if why:
+        return f"--out {out} is not writable ({why}): choose a directory you can write to"
     return None
 
 
@@ -496,19 +504,10 @@ def _inspect_profile_out(path: Path, *, overwrite: bool) -> str | None:
     if path.exists() and not overwrite:
         return (f"--compute-profile-out {path} already exists: pass --overwrite to replace it, "
                 "or choose another file")
-    parent = path.parent
-    missing = [p for p in (parent, *parent.parents) if not p.exists()]
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as exc:
-        return (f"--compute-profile-out {path}: its directory is not writable "
-                f"({exc.strerror or exc}): choose a file in a directory you can write to")
-    finally:
-        for d in missing:  # deepest first; written again when the run finishes
-            with contextlib.suppress(OSError):
-                d.rmdir()
+    why = _dir_write_error(path.parent)
+    if why:
+        return (f"--compute-profile-out {path}: its directory is not writable ({why}): choose a "
+                "file in a directory you can write to")
     return None
 
 
