@@ -87,7 +87,7 @@ def part_load() -> None:
 
 def part_overlap() -> None:
     from models.zoo import resnet  # noqa: PLC0415
-    from substrate.comm import bucket_groups  # noqa: PLC0415
+    from substrate.buckets import bucket_groups  # noqa: PLC0415
 
     model = resnet((3, 32, 32), 10, depths=(2, 2, 2, 2), planes=(64, 128, 256, 512))
     batch, p, tflops = 32, 8, 15.7

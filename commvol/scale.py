@@ -38,9 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataparallel.ddp import DDPPlan
-from dataparallel.topk import TopKPlan
 from substrate.backend import get_backend
+from substrate.calls import Call, Ready, Work
 from substrate.costmodel import CostModel
 
 from .predict import (
@@ -53,14 +52,7 @@ from .predict import (
 )
 from .specs import SPEC_ARCH, build_trainable
 from .systems import ITEMSIZE, get_system
-from .timeline_scale import (
-    PLANS,
-    SELECT_PASSES,
-    ComputeModel,
-    _shrink_plan,
-    epoch_timing,
-    units_for_spec,
-)
+from .timeline_scale import ComputeModel, epoch_timing, units_for_spec
 
 __all__ = ["SPEC_ARCH", "build_trainable", "measure_compute_s_per_sample", "strong_scaling",
            "timeline_scaling", "format_scaling", "format_paper_comparison", "PRUNEX_FIG9",
@@ -241,30 +233,29 @@ def format_paper_comparison(table: dict, additive: dict | None = None, p0: int =
     return "\n".join(lines) if any_row else None
 
 
-def _system_notes(name: str, spec, opts) -> str:
-    """One line on how ``name``'s communication is laid on the timeline."""
-    layout = spec.layout
-    plan = PLANS.get(name)
-    if name in ("ddp", "ddp-hierarchical"):
-        n = len(DDPPlan.for_layout(layout, opts, ITEMSIZE).buckets)
-        what = f"{n} gradient buckets of <= {opts.bucket_mib:g} MiB"
-    elif name == "topk":
-        K = TopKPlan.for_layout(layout, opts).K
-        what = (f"K = {K:,} of {layout.total:,} (density {opts.density:g} per tensor), "
-                f"8 B per entry; selection = {SELECT_PASSES} passes over the float32 gradient, "
-                "decode = the gathered entries + one dense write, at --device-gbs")
-    elif name in ("hsadmm", "flat-admm"):
-        what = f"{opts.local_epochs:g} local epochs per outer iteration"
-        if name == "hsadmm":
-            sp, _ = _shrink_plan(spec, opts)
-            what += (f"; compact/dense = {sp.ratio:.3f} ({opts.sparsity}, keep {opts.keep:g}), "
-                     f"{len(sp.buckets)} compact buckets of <= {opts.bucket_mib:g} MiB; masks "
-                     + ("frozen (steady state after the freeze)" if opts.freeze_iter
-                        else "synchronized every iteration"))
-    else:
-        what = "no timeline plan: predicted phases appended serially after the backward"
-    overlap = plan.overlap if plan else "none"
-    return f"{name}: {what}; overlap: {overlap}"
+def _system_notes(name: str, spec, opts, cost: CostModel | None = None, M: int = 2,
+                  P: int = 4) -> str:
+    """One line on how ``name``'s iteration is laid on the timeline, read off its records (the
+    plan's ``calls()``, the same for every system): calls per phase, compute items, and whether
+    the calls overlap the backward (a call that waits for part of the gradients only)."""
+    sm = get_system(name)
+    pred = sm.predict(spec, M, P, opts, cost) if sm.Assumptions is None else \
+        sm.predict(spec, M, P, opts, cost, None)
+    calls = [c for c in pred.steady.calls if isinstance(c, Call)]
+    work = [w.label for w in pred.steady.calls if isinstance(w, Work)]
+    phases: dict[str, int] = {}
+    for c in calls:
+        phases[c.phase] = phases.get(c.phase, 0) + 1
+    T = spec.layout.total
+    early = sum(any(isinstance(t, Ready) and (t.lo, t.hi) != (0, T) for t in c.after)
+                for c in calls)
+    what = ", ".join(f"{n} x {ph}" for ph, n in phases.items())
+    if work:
+        what += f"; compute items {', '.join(work)} (roofline at --device-gbs)"
+    overlap = (f"{early} call(s) start before the backward ends" if early else
+               "none: the calls start after the whole backward / the local epochs")
+    head = pred.notes[0] if pred.notes else ""
+    return f"{name}: {head}; records per iteration ({M} x {P}): {what}; overlap: {overlap}"
 
 
 def add_parser(sub) -> None:
@@ -341,7 +332,8 @@ def run(args) -> dict:
         sm = get_system(name)
         opts, _ = sm.split({**kw, **({"batch_size": args.batch_size}
                                      if "batch_size" in sm.fields() else {})})
-        notes.append(_system_notes(name, spec, opts))
+        notes.append(_system_notes(name, spec, opts, cost, args.gpus[0] // args.gpus_per_node,
+                                   args.gpus_per_node))
     d = cost.describe()
     fwd = sum(u.forward_flops for u in units)
     iters = ", ".join(f"{g} GPUs: {math.ceil(args.dataset_size / (g * args.batch_size))}"

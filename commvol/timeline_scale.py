@@ -17,15 +17,14 @@ with the engine the runs use (no second scheduler):
 * **gradient-ready order**: the backward event of a unit makes its flat-gradient slice ready
   (:meth:`LayerEvents.grads_ready`); a transfer of ``flat[a:b]`` waits for
   :meth:`LayerEvents.ready_event` ``(a, b)``.
-* **communication**: every call of the system's plan (the plans its trainer builds:
-  :class:`dataparallel.ddp.DDPPlan`, :class:`dataparallel.topk.TopKPlan`,
-  :class:`hsadmm.shrink.ShrinkPlan`) is a :meth:`Timeline.transfer` with the dependencies the
-  plan dictates (:data:`PLANS`), on the link class the ledger books it on, so its standalone time
-  is the cost model's.  Systems without a declared plan have their predicted phases
-  (:mod:`commvol.systems`) appended serially after the backward: the clock's rule for
-  undeclared communication, never less than the additive clock.
-* **memory-bound events** without a FLOP model (Top-K selection and decoding, the optimizer
-  update) cost ``bytes / --device-gbs``.
+* **communication**: the records of the system's plan, the ones its trainer executes
+  (``plan.calls()``, carried by the prediction: :attr:`commvol.systems.core.IterCost.calls`),
+  laid on rank 0's timeline by the one generic rule :func:`substrate.calls.declare`: each call
+  after what its ``after`` names (the backward event that writes its gradients, the previous
+  call on its stream, the local epochs of an ADMM iteration), on the link class the ledger books
+  it on, so its standalone time is the cost model's.  Nothing here knows a system.
+* **compute items of the plan** (:class:`substrate.calls.Work`: Top-K's selection and decoding)
+  and the optimizer update cost their roofline (``max(FLOPs / rate, bytes / --device-gbs)``).
 
 An iteration's time is the timeline's critical path (:attr:`StepTiming.step_s`) and its
 no-overlap time the additive clock's sum (:attr:`StepTiming.no_overlap_s`) over the same events.
@@ -38,30 +37,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from dataparallel.ddp import DDPPlan
-from dataparallel.topk import TopKPlan
-from hsadmm.config import read_keep_file
-from hsadmm.penalty import penalty_groups
-from hsadmm.shrink import ShrinkPlan
 from models import MODELS, build_model
 from models.network import BACKWARD_FLOP_FACTOR, compute_units
 from models.zoo import resnet_layers
-from substrate.costmodel import INTER, INTRA, CostModel
+from substrate.calls import Ready, declare
+from substrate.costmodel import CostModel
 from substrate.timeline import FlopSource, LayerEvents, StepTiming, Timeline
-from volume.hsadmm import RESIDUALS_PER_LAYER
 
 from .specs import DATASET_SHAPES, MODEL_ALIASES, SPEC_ARCH
 from .systems import ITEMSIZE, get_system
+from .systems.core import IterCost
 
-__all__ = ["Unit", "ComputeModel", "units_for_spec", "PLANS", "SELECT_PASSES",
-           "OPTIMIZER_FLOPS_PER_PARAM", "OPTIMIZER_BYTES_PER_PARAM", "dp_step",
-           "admm_iteration", "epoch_timing"]
+__all__ = ["Unit", "ComputeModel", "units_for_spec", "OPTIMIZER_FLOPS_PER_PARAM",
+           "OPTIMIZER_BYTES_PER_PARAM", "dp_step", "admm_iteration", "epoch_timing"]
 
-#: Passes over the ``T`` float32 gradient entries of Top-K's selection (an assumption): error
-#: feedback ``acc = residual + g`` (read 2, write 1), a radix select of the per-tensor threshold
-#: over ``|acc|`` (2 reads), and the residual update (1 write).  A sort-based selection costs
-#: more (``log`` passes).
-SELECT_PASSES = 6
 #: SGD with momentum and weight decay per parameter: ``d = g + wd θ``, ``v = μ v + d``,
 #: ``θ -= lr v`` (6 FLOPs), reading ``θ, g, v`` and writing ``θ, v`` (5 float32).
 OPTIMIZER_FLOPS_PER_PARAM = 6
@@ -168,151 +157,33 @@ class ComputeModel:
     def memory_s(self, nbytes: float) -> float:
         return float(nbytes) / (self.device_gbs * 1e9)
 
+    def work_s(self, flops: float, nbytes: float) -> float:
+        """Roofline of a plan's compute item (:class:`substrate.calls.Work`)."""
+        return max(float(flops) / (self.rate_tflops * 1e12), self.memory_s(nbytes))
+
     def optimizer_s(self, num_params: int) -> float:
         """Roofline of the SGD-with-momentum update of ``num_params`` parameters."""
         return max(OPTIMIZER_FLOPS_PER_PARAM * num_params / (self.rate_tflops * 1e12),
                    self.memory_s(OPTIMIZER_BYTES_PER_PARAM * num_params))
 
 
-@dataclass(frozen=True)
-class Context:
-    """What a plan declares its communication from."""
-
-    spec: object
-    M: int
-    P: int
-    options: object
-    cost: CostModel
-    compute: ComputeModel
-
-    @property
-    def p(self) -> int:
-        return self.M * self.P
-
-    @property
-    def world_link(self) -> str:
-        """A ring over all ranks crosses nodes (the ledger's ``slowest``) when ``M > 1``."""
-        return INTER if self.M > 1 else INTRA
-
-    @property
-    def leaders_link(self) -> str:
-        return INTER if self.M > 1 else INTRA
-
-
-# -- data-parallel plans: compute of one step, then the transfers ------------------------------
-def _ddp(tl: Timeline, rec: LayerEvents, c: Context) -> None:
-    """Dense DDP, ring all-reduce per bucket over all ranks, each bucket starting when the
-    backward has written its gradients (PyTorch DDP's overlap; ``dataparallel.ddp.DDP.sync``)."""
-    plan = DDPPlan.for_layout(c.spec.layout, c.options, ITEMSIZE)
-    for k, (a, b) in enumerate(plan.buckets):
-        tl.transfer("grad_allreduce", c.world_link, ITEMSIZE * (b - a), algorithm="allreduce",
-                    p=c.p, deps=rec.ready_event(a, b), label=f"grad_allreduce[{k}]")
-
-
-def _ddp_hierarchical(tl: Timeline, rec: LayerEvents, c: Context) -> None:
-    """DDP with the two-level all-reduce per bucket: SUM ring in the node -> leaders' ring ->
-    binomial bcast in the node, chained per bucket (``dataparallel.ddp.DDP.sync``)."""
-    plan = DDPPlan.for_layout(c.spec.layout, c.options, ITEMSIZE)
-    for k, (a, b) in enumerate(plan.buckets):
-        n = ITEMSIZE * (b - a)
-        ev = tl.transfer("intra_allreduce", INTRA, n, algorithm="allreduce", p=c.P,
-                         deps=rec.ready_event(a, b), label=f"intra_allreduce[{k}]")
-        ev = tl.transfer("inter_allreduce", c.leaders_link, n, algorithm="allreduce", p=c.M,
-                         deps=ev, label=f"inter_allreduce[{k}]")
-        tl.transfer("intra_bcast", INTRA, n, algorithm="bcast", p=c.P, deps=ev,
-                    label=f"intra_bcast[{k}]")
-
-
-def _topk(tl: Timeline, rec: LayerEvents, c: Context) -> None:
-    """Top-K (DGC): selection over every tensor after the whole backward (compute stream), one
-    ring all-gather of ``K`` values + indices per rank, then the scatter-add of the ``p K``
-    gathered entries into the dense gradient (``dataparallel.topk.TopK.sync``)."""
-    plan = TopKPlan.for_layout(c.spec.layout, c.options)
-    T, K = c.spec.layout.total, plan.K
-    sel = tl.compute("topk_select", c.compute.memory_s(SELECT_PASSES * ITEMSIZE * T),
-                     deps=rec.ready_event(0, T))
-    ag = tl.transfer("topk_allgather", c.world_link, c.p * 8 * K, algorithm="allgather",
-                     p=c.p, deps=sel)
-    tl.compute("topk_decode", c.compute.memory_s(c.p * 8 * K + ITEMSIZE * T), deps=ag)
-
-
-@lru_cache(maxsize=8)
-def _shrink_plan(spec, options) -> tuple[ShrinkPlan, int]:
-    """The solver's shrink plan for keep-rate masks and the penalty-group count (cached: the
-    plan of ResNet-152 takes seconds and does not depend on the GPU count)."""
-    plan = ShrinkPlan.from_keep_rates(spec.layout, options, read_keep_file(options.keep_file))
-    return plan, len(penalty_groups(spec.layout, options.rho_scope)[0])
-
-
-def _hsadmm(tl: Timeline, local, c: Context) -> None:
-    """H-SADMM (PruneX Algorithm 1) after local training: dense intra-node all-reduce of
-    ``θ + u`` (line 9) -> [mask OR-sync and bcast while not frozen] -> compact inter-node
-    all-reduce per bucket (line 23) -> bcast of ``z`` in the node (line 24) -> residual norms
-    (world), chained as the solver calls them (the shrink plan of ``predict_hsadmm``)."""
-    o = c.options
-    T = c.spec.layout.total
-    plan, L = _shrink_plan(c.spec, o)
-    ev = tl.transfer("intra_allreduce", INTRA, ITEMSIZE * T, algorithm="allreduce", p=c.P,
-                     deps=local)
-    if not o.freeze_iter:   # masks synchronized every iteration (never frozen)
-        ev = tl.transfer("mask_sync", c.leaders_link, plan.mask_bytes, algorithm="allreduce",
-                         p=c.M, deps=ev)
-        ev = tl.transfer("mask_bcast", INTRA, plan.mask_bytes, algorithm="bcast", p=c.P,
-                         deps=ev)
-    inter = [tl.transfer("inter_allreduce", c.leaders_link, ITEMSIZE * (b - a),
-                         algorithm="allreduce", p=c.M, deps=ev, label=f"inter_allreduce[{k}]")
-             for k, (a, b) in enumerate(plan.buckets)]
-    C = sum(b - a for a, b in plan.buckets)
-    ev = tl.transfer("bcast_z", INTRA, ITEMSIZE * C, algorithm="bcast", p=c.P, deps=inter)
-    tl.transfer("residuals", c.world_link, 8 * RESIDUALS_PER_LAYER * L, algorithm="allreduce",
-                p=c.p, deps=ev)
-
-
-def _flat_admm(tl: Timeline, local, c: Context) -> None:
-    """Flat consensus ADMM (PruneX (AR)): one dense world all-reduce of ``θ + u``, then the
-    residual norms."""
-    T = c.spec.layout.total
-    L = len(penalty_groups(c.spec.layout, c.options.rho_scope)[0])
-    ev = tl.transfer("world_allreduce", c.world_link, ITEMSIZE * T, algorithm="allreduce",
-                     p=c.p, deps=local)
-    tl.transfer("residuals", c.world_link, 8 * RESIDUALS_PER_LAYER * L, algorithm="allreduce",
-                p=c.p, deps=ev)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a system's iteration is laid on the timeline: ``kind`` ``"dp"`` (one optimizer step:
-    forward, backward, ``declare(tl, rec, ctx)``, update) or ``"admm"`` (local epochs of SGD,
-    then ``declare(tl, local_event, ctx)``)."""
-
-    kind: str
-    declare: Callable
-    overlap: str
-
-
-#: Systems whose communication is declared call by call with its dependencies.
-PLANS = {
-    "ddp": Plan("dp", _ddp, "buckets all-reduced as soon as the backward has written them"),
-    "ddp-hierarchical": Plan("dp", _ddp_hierarchical, "per bucket intra -> inter -> bcast, "
-                             "each bucket as soon as the backward has written it"),
-    "topk": Plan("dp", _topk, "none: selection after the whole backward, then the all-gather"),
-    "hsadmm": Plan("admm", _hsadmm, "none: consensus phases chained after local training"),
-    "flat-admm": Plan("admm", _flat_admm, "none: world all-reduce after local training"),
-}
-
-
-def _serial_predicted(tl: Timeline, after, system: str, c: Context) -> None:
-    """A system without a plan here: its predicted steady phases (``commvol.systems``), one
-    transfer each, serially after ``after`` (the clock's rule for undeclared communication)."""
+def _step_records(system: str, spec, M: int, P: int, options, cost: CostModel) -> IterCost:
+    """The steady iteration of ``system``'s prediction on ``M`` x ``P`` ranks, node-major: its
+    priced records (:attr:`commvol.systems.core.IterCost.calls`, the plan's ``calls()``)."""
     sm = get_system(system)
-    pred = sm.predict(c.spec, c.M, c.P, c.options, c.cost) if sm.Assumptions is None else \
-        sm.predict(c.spec, c.M, c.P, c.options, c.cost, None)
+    pred = sm.predict(spec, M, P, options, cost) if sm.Assumptions is None else \
+        sm.predict(spec, M, P, options, cost, None)
     it = pred.steady
-    ev = after
-    for phase, secs in it.modeled_s.items():
-        link = INTER if it.phases.get(phase, {}).get(INTER, 0) else INTRA
-        ev = tl.transfer_seconds(phase, link, 0.0, float(secs), deps=ev,
-                                 label=f"{phase} (serial)")
+    if not it.calls:
+        raise ValueError(f"--system {system}: its prediction carries no call records")
+    return it
+
+
+def _declare(tl: Timeline, it: IterCost, compute: "ComputeModel", resolve) -> list:
+    """Lay the records of rank 0 (a node leader: it takes part in, or waits for, every phase)
+    on ``tl`` (:func:`substrate.calls.declare`); compute items cost their roofline."""
+    return declare(tl, it.calls, it.placement, 0, resolve=resolve,
+                   work=lambda w: compute.work_s(w.flops, w.nbytes))
 
 
 def _check(M: int, P: int, batch) -> None:
@@ -325,8 +196,15 @@ def _check(M: int, P: int, batch) -> None:
 
 def dp_step(system: str, spec, M: int, P: int, options, cost: CostModel,
             compute: ComputeModel, batch: float, keep_events: bool = False) -> StepTiming:
-    """Schedule one data-parallel optimizer step of ``batch`` samples on one rank."""
+    """Schedule one data-parallel optimizer step of ``batch`` samples on one rank: the layers'
+    forward and backward events, the plan's records (each call after the backward event that
+    writes its gradients, :class:`substrate.calls.Ready`), then the update after every
+    transfer."""
     _check(M, P, batch)
+    sm = get_system(system)
+    if sm.loop != "dp":
+        raise ValueError(f"--system {system} is not data-parallel; use admm_iteration")
+    it = _step_records(system, spec, M, P, options, cost)
     tl = Timeline(cost, keep_events=keep_events, keep_steps=0)
     rec = LayerEvents(tl, compute.source())
     for u in compute.units:
@@ -336,14 +214,13 @@ def dp_step(system: str, spec, M: int, P: int, options, cost: CostModel,
         with rec.layer("backward", u.name, batch * u.backward_flops):
             pass
         rec.grads_ready(u.name, u.lo, u.hi)
-    ctx = Context(spec, M, P, options, cost, compute)
-    plan = PLANS.get(system)
-    if plan is None:
-        _serial_predicted(tl, rec.last, system, ctx)
-    elif plan.kind != "dp":
-        raise ValueError(f"--system {system} is not data-parallel; use admm_iteration")
-    else:
-        plan.declare(tl, rec, ctx)
+
+    def resolve(token):
+        if isinstance(token, Ready):
+            return rec.ready_event(token.lo, token.hi)
+        raise ValueError(f"--system {system}: a data-parallel record waits for {token!r}")
+
+    _declare(tl, it, compute, resolve)
     tl.compute("optimizer", compute.optimizer_s(spec.layout.total),
                deps=[e for e in tl.open_events if e.kind != "compute"] or None)
     return tl.step()
@@ -359,12 +236,12 @@ def admm_iteration(system: str, spec, M: int, P: int, options, cost: CostModel,
                    compute: ComputeModel, samples_per_rank: float, batch: int,
                    keep_events: bool = False) -> StepTiming:
     """Schedule one outer ADMM iteration on one rank: ``local_epochs`` passes of local SGD over
-    the shard (one compute event per epoch, the last batch partial), then the consensus
-    communication of :data:`PLANS`."""
+    the shard (one compute event per epoch, the last batch partial), then the plan's consensus
+    records after it (the token ``"local"``)."""
     _check(M, P, batch)
-    plan = PLANS[system]
-    if plan.kind != "admm":
+    if get_system(system).loop != "admm":
         raise ValueError(f"--system {system} is data-parallel; use dp_step")
+    it = _step_records(system, spec, M, P, options, cost)
     E = float(options.local_epochs)
     steps, _ = _batches(samples_per_rank, batch)
     epoch_s = (samples_per_rank * compute.seconds_per_sample
@@ -376,7 +253,13 @@ def admm_iteration(system: str, spec, M: int, P: int, options, cost: CostModel,
         ev = tl.compute(f"local SGD epoch {k + 1}", frac * epoch_s, deps=ev)
         left -= frac
         k += 1
-    plan.declare(tl, ev, Context(spec, M, P, options, cost, compute))
+
+    def resolve(token):
+        if token == "local":
+            return ev
+        raise ValueError(f"--system {system}: an ADMM record waits for {token!r}")
+
+    _declare(tl, it, compute, resolve)
     return tl.step()
 
 
@@ -393,8 +276,7 @@ def epoch_timing(system: str, spec, M: int, P: int, options, cost: CostModel,
     iteration).
     """
     keys = ("step_s", "no_overlap_s", "compute_s", "offload_s", "comm_s", "exposed_comm_s")
-    plan = PLANS.get(system)
-    if plan is not None and plan.kind == "admm":
+    if get_system(system).loop == "admm":
         t = admm_iteration(system, spec, M, P, options, cost, compute, samples_per_rank, batch)
         E = float(options.local_epochs)
         tot = {k: getattr(t, k) / E for k in keys}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from substrate.comm import bucket_groups
+from substrate.buckets import bucket_groups
+from substrate.calls import Call, Placement, Ready
 from substrate.options import option
-from volume.dataparallel import ddp_step_bytes, hierarchical_step_bytes
 
 from .strategy import Strategy, register
 
@@ -72,10 +72,40 @@ class DDPPlan:
     def bucket_sizes(self) -> list[int]:
         return [b - a for a, b in self.buckets]
 
-    def step_bytes(self, M: int, P: int) -> dict[str, dict]:
-        """``{phase: {"intra", "inter"}}`` of one step on ``M`` nodes of ``P`` ranks."""
-        fn = ddp_step_bytes if self.allreduce == "ring" else hierarchical_step_bytes
-        return fn(M=M, P=P, bucket_sizes=self.bucket_sizes, itemsize=self.itemsize)
+    def calls(self, placement: Placement) -> list[Call]:
+        """The records of one step on ``placement``.
+
+        ``ring``: per bucket one all-reduce (average) over all ranks, after the backward wrote
+        the bucket and after the previous bucket's (PyTorch DDP issues the buckets in order on
+        one communication stream).  ``hierarchical``: per bucket a SUM all-reduce in every
+        node, the leaders' all-reduce, a broadcast from the leader in every node, chained on
+        each node's stream (Horovod / NCCL's two-level scheme).
+        """
+        out: list[Call] = []
+        n = self.itemsize
+        if self.allreduce == "ring":
+            for a, b in self.buckets:
+                prev = (len(out) - 1,) if out else ()
+                out.append(Call("grad_allreduce", "allreduce", placement.world, (b - a) * n, n,
+                                op="avg", after=(Ready(a, b), *prev)))
+            return out
+        nodes = [placement.members(m) for m in range(placement.num_nodes)]
+        last = [None] * len(nodes)            # each node's previous bcast
+        for a, b in self.buckets:
+            intra = []
+            for m, members in enumerate(nodes):
+                prev = () if last[m] is None else (last[m],)
+                intra.append(len(out))
+                out.append(Call("intra_allreduce", "allreduce", members, (b - a) * n, n,
+                                op="sum", after=(Ready(a, b), *prev)))
+            inter = len(out)
+            out.append(Call("inter_allreduce", "allreduce", placement.leaders, (b - a) * n, n,
+                            op="sum", after=tuple(intra)))
+            for m, members in enumerate(nodes):
+                last[m] = len(out)
+                out.append(Call("intra_bcast", "bcast", members, (b - a) * n, n,
+                                after=(inter,)))
+        return out
 
 
 @register
@@ -92,41 +122,27 @@ class DDP(Strategy):
         self.buckets = self.plan.buckets
 
     def sync(self, state, buffers):
-        """All-reduce every bucket.  On the timeline each bucket's transfer starts as soon as
-        the backward has written its gradients and the previous bucket's has ended (PyTorch
-        DDP's overlap: the buckets' all-reduces are issued in order on one communication
-        stream, so they overlap the backward, not each other); the hierarchical phases of a
-        bucket are chained intra -> inter -> intra on that stream."""
+        """All-reduce every bucket as :meth:`DDPPlan.calls` lists them: each bucket's call waits
+        for the backward event that wrote it and for the previous bucket's (one communication
+        stream), so on the timeline the buckets overlap the rest of the backward."""
         g = buffers.flat
         topo, clock = self.topo, self.run.clock
-        tl = clock.timeline
-        nb = self.itemsize
-        prev = None                      # the last transfer declared on the stream
+        h = None                         # the previous call on the stream
         if self.options.allreduce == "ring":
             for a, b in self.buckets:
-                topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce")
-                if tl is not None:
-                    prev = tl.collective(topo.world, "grad_allreduce", (b - a) * nb,
-                                         deps=[clock.ready(a, b), prev])
+                h = topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce",
+                                         after=[clock.ready(a, b), h])
             return g
         for a, b in self.buckets:
-            topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce")
-            if topo.is_leader:
-                topo.inter.allreduce(g[a:b], "sum", phase="inter_allreduce")
-            topo.intra.bcast(g[a:b], 0, phase="intra_bcast")
-            if tl is not None:
-                ev = tl.collective(topo.intra, "intra_allreduce", (b - a) * nb,
-                                   deps=[clock.ready(a, b), prev])
-                # every rank of the node waits for its leader's inter-node phase
-                ev = tl.transfer("inter_allreduce", "inter" if self.M > 1 else "intra",
-                                 (b - a) * nb, algorithm="allreduce", p=self.M, deps=ev)
-                prev = tl.collective(topo.intra, "intra_bcast", (b - a) * nb,
-                                     algorithm="bcast", deps=ev)
+            h = topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce",
+                                     after=[clock.ready(a, b), h])
+            h = topo.leaders.allreduce(g[a:b], "sum", phase="inter_allreduce", after=h)
+            h = topo.intra.bcast(g[a:b], 0, phase="intra_bcast", after=h)
         g /= topo.size
         return g
 
-    def step_bytes(self) -> dict[str, dict]:
-        return self.plan.step_bytes(self.M, self.P)
+    def step_calls(self) -> list[Call]:
+        return self.plan.calls(self.topo.placement)
 
     def report(self) -> dict:
         return {"payload_ratio": 1.0, "buckets": len(self.buckets)}

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from substrate.calls import Call, Placement, Ready
 from substrate.options import option
-from volume.fp16 import FP16_ITEMSIZE, fp16_step_bytes
+
+#: bytes of one half-precision value on the wire
+FP16_ITEMSIZE = np.dtype(np.float16).itemsize
 
 from .ddp import flat_buckets
 from .strategy import Strategy, register
 
-__all__ = ["FP16", "FP16Options"]
+__all__ = ["FP16", "FP16Options", "FP16Plan", "FP16_ITEMSIZE"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,29 @@ class FP16Options:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
 
 
+@dataclass(frozen=True)
+class FP16Plan:
+    """DDP's buckets (whole float32 tensors of at most ``--bucket-mib``), each all-reduced as
+    half-precision values, in order after the backward."""
+
+    buckets: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def for_layout(cls, layout, options: FP16Options, itemsize: int = 4) -> "FP16Plan":
+        return cls(tuple(flat_buckets(layout, int(options.bucket_mib * (1 << 20)), itemsize)))
+
+    def calls(self, placement: Placement) -> list[Call]:
+        """One step: per bucket a ring all-reduce (SUM) of its fp16 values over all ranks, the
+        first after the whole backward, each after the previous."""
+        out: list[Call] = []
+        total = self.buckets[-1][1] if self.buckets else 0
+        for a, b in self.buckets:
+            after = (len(out) - 1,) if out else (Ready(0, total),)
+            out.append(Call("fp16_allreduce", "allreduce", placement.world,
+                            (b - a) * FP16_ITEMSIZE, FP16_ITEMSIZE, op="sum", after=after))
+        return out
+
+
 @register
 class FP16(Strategy):
     """Average every gradient bucket in half precision (see the module docstring)."""
@@ -48,8 +74,8 @@ class FP16(Strategy):
     def __init__(self, ctx, options: FP16Options) -> None:
         super().__init__(ctx, options)
         g = ctx.model.grads.flat
-        self.buckets = flat_buckets(self.layout, int(options.bucket_mib * (1 << 20)),
-                                    g.dtype.itemsize)
+        self.plan = FP16Plan.for_layout(self.layout, options, g.dtype.itemsize)
+        self.buckets = self.plan.buckets
         self._half = [self.xp.empty(b - a, dtype=np.float16) for a, b in self.buckets]
 
     def sync(self, state, buffers):
@@ -61,8 +87,8 @@ class FP16(Strategy):
             g[a:b] = h
         return g
 
-    def step_bytes(self) -> dict[str, dict]:
-        return fp16_step_bytes(M=self.M, P=self.P, bucket_sizes=[b - a for a, b in self.buckets])
+    def step_calls(self) -> list[Call]:
+        return self.plan.calls(self.topo.placement)
 
     def report(self) -> dict:
         return {"payload_ratio": FP16_ITEMSIZE / self.ctx.model.grads.flat.dtype.itemsize,

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from substrate.backend import array_module
-from substrate.comm import bucket_groups
+from substrate.buckets import bucket_groups
 from substrate.options import option
 from substrate.timeline import CpuTimeSource
 from volume import ssfusion as cv

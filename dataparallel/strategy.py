@@ -15,7 +15,7 @@ Adding a method::
         name = "mine"
         Options = MyOptions          # frozen dataclass; fields become CLI flags
         def sync(self, state, buffers): ...
-        def step_bytes(self): ...    # closed form of the last sync, from commvol
+        def step_calls(self): ...    # the plan's call records of the last sync
         def state_dict(self): ...    # state carried from step to step, for checkpoints
         def load_state_dict(self, state): ...
 """
@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from substrate.calls import bytes_by_phase
 from substrate.options import add_dataclass_args, flag_of, from_args
 
 __all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
@@ -125,10 +126,16 @@ class Strategy:
         """Called after the optimizer applied the synchronized gradient (e.g. to re-apply a
         weight mask or to track a mask's stability).  Default: nothing."""
 
-    def step_bytes(self) -> dict[str, dict]:
-        """Closed-form ``{phase: {"intra": bytes, "inter": bytes}}`` of the last :meth:`sync`
-        (from :mod:`commvol`); the trainer checks it against the ledger."""
+    def step_calls(self) -> list:
+        """The call records (:class:`substrate.calls.Call`) of the last :meth:`sync` on this
+        run's placement, from the strategy's pure plan: what the sync executed, call for call."""
         raise NotImplementedError
+
+    def step_bytes(self) -> dict[str, dict]:
+        """``{phase: {"intra": bytes, "inter": bytes}}`` of the last :meth:`sync`, priced from
+        :meth:`step_calls` (:func:`substrate.calls.bytes_by_phase`); the trainer checks it
+        against the ledger."""
+        return bytes_by_phase(self.step_calls(), self.topo.placement)
 
     def eval_params(self):
         """The flat parameter vector to evaluate (default: the model's own)."""

@@ -15,12 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from substrate.backend import array_module
+from substrate.calls import Call, Placement, Ready, Work
 from substrate.options import option
-from volume.dataparallel import topk_step_bytes
 
 from .strategy import Strategy, register
 
-__all__ = ["TopKOptions", "TopKPlan", "TopK", "topk_select"]
+__all__ = ["TopKOptions", "TopKPlan", "TopK", "topk_select", "SELECT_PASSES"]
+
+#: Passes over the ``T`` float32 gradient entries of the selection (an assumption of the
+#: paper-scale timeline): error feedback ``acc = residual + g`` (read 2, write 1), a radix select
+#: of the per-tensor threshold over ``|acc|`` (2 reads), and the residual update (1 write).  A
+#: sort-based selection costs more (``log`` passes).
+SELECT_PASSES = 6
 
 
 def topk_select(acc, offsets, ks, out_idx) -> None:
@@ -74,9 +80,18 @@ class TopKPlan:
     def K(self) -> int:
         return int(sum(self.ks))
 
-    def step_bytes(self, M: int, P: int) -> dict[str, dict]:
-        """One step: a ring all-gather of ``K`` float32 values + ``K`` int32 indices per rank."""
-        return topk_step_bytes(M=M, P=P, k_total=self.K)
+    def calls(self, placement: Placement) -> list:
+        """One step: the selection over every tensor after the whole backward (compute), one
+        ring all-gather over all ranks of ``K`` float32 values + ``K`` int32 indices per rank,
+        then the scatter-add of the ``p K`` gathered entries (compute).  The compute items
+        (:class:`~substrate.calls.Work`) carry the bytes they stream: error feedback, the
+        threshold and the residual (:data:`SELECT_PASSES` passes over the ``T`` float32
+        entries), and the decode (the gathered pairs and the dense gradient)."""
+        p, T, K = placement.size, self.total, self.K
+        return [Work("topk_select", nbytes=SELECT_PASSES * 4 * T, after=(Ready(0, T),)),
+                Call("topk_allgather", "allgather", placement.world, blocks=(8 * K,) * p,
+                     itemsize=4, after=(0,)),
+                Work("topk_decode", nbytes=p * 8 * K + 4 * T, after=(1,))]
 
 
 @register
@@ -112,11 +127,8 @@ class TopK(Strategy):
         clock = self.run.clock
         with clock.compute("topk_select", deps=clock.ready(0, g.size)):
             self._select(g)
-        gathered = self.topo.world.allgather(self._send, phase="topk_allgather")
-        if clock.timeline is not None:
-            clock.timeline.collective(self.topo.world, "topk_allgather",
-                                      self.topo.size * self._send.nbytes,
-                                      algorithm="allgather", deps=clock.last_event)
+        gathered = self.topo.world.allgather(self._send, phase="topk_allgather",
+                                             after=clock.last_event).result
         K = self.K
         values = gathered[:, :K].reshape(-1).view(np.float32)
         indices = gathered[:, K:].reshape(-1)
@@ -141,8 +153,8 @@ class TopK(Strategy):
             self.residual[...] = acc
             self.residual[idx] = 0
 
-    def step_bytes(self) -> dict[str, dict]:
-        return self.plan.step_bytes(self.M, self.P)
+    def step_calls(self) -> list:
+        return self.plan.calls(self.topo.placement)
 
     def report(self) -> dict:
         return {"payload_ratio": 2 * self.K / self.layout.total, "k_total": self.K}

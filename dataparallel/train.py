@@ -268,7 +268,8 @@ def train(args) -> dict:
             wall_acc += run.clock.step_wall_s
             sim_acc += timing.step_s
             serial_acc += timing.no_overlap_s
-            b = predicted.add(strategy.step_bytes())  # == measured (tested)
+            # the plan's records of the step, held against the calls that ran, priced
+            b = predicted.add(run.recorder.account(strategy.step_calls()))
             interval["intra"] += b["intra"]
             interval["inter"] += b["inter"]
             losses.append(float(loss))

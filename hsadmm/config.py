@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from substrate.cli import check_range
+from substrate.options import check_range
 from substrate.options import option
 
 from .penalty import RHO_UPDATES

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from substrate.backend import array_module
-from substrate.comm import bucket_groups
+from substrate.buckets import bucket_groups
 
 from .projection import keep_count, parse_sparsity
 

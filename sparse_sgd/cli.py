@@ -71,7 +71,8 @@ from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
 from sparse_sgd.table1 import format_table1, table1_rows
 from sparse_sgd.traffic import TrafficPrediction, allreduce_phase, bcast_phase, p2p_phases
 from substrate import add_common_args, main_guard, start_run
-from substrate.cli import Progress, RunCheckpoints, add_training_args, check_range
+from substrate.cli import Progress, RunCheckpoints, add_training_args
+from substrate.options import check_range
 from substrate.options import add_dataclass_args, from_args, option
 
 __all__ = [

@@ -44,12 +44,12 @@ from .backend import Backend, get_backend
 from .clock import SimClock
 from .costmodel import CostModel
 from .ledger import Ledger
-from .options import add_dataclass_args, option
+from .options import add_dataclass_args, check_range, option
 from .timeline import SOURCES, ProfileRecorder, Timeline, make_source, write_profile
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
 
-__all__ = ["add_common_args", "add_training_args", "check_range", "CommonConfig", "Run",
+__all__ = ["add_common_args", "add_training_args", "CommonConfig", "Run",
            "start_run", "main_guard", "versions", "check_world_size", "expected_world_size",
            "RunCheckpoints", "Progress"]
 
@@ -88,20 +88,6 @@ def add_training_args(parser: argparse.ArgumentParser, unit: str,
                    help=f"rank 0 reports progress every N {unit}s on stderr (a progress bar when "
                         "stderr is a terminal; default %(default)s, 0: quiet)")
     return parser
-
-
-def check_range(flag: str, value: float, *, gt: float | None = None, ge: float | None = None,
-                lt: float | None = None, unit: str = "") -> None:
-    """Raise ``ValueError`` naming ``flag`` unless ``value`` is finite and within the bounds
-    (``gt < value``, ``ge <= value``, ``value < lt``); ``unit`` is echoed after the numbers."""
-    ok = math.isfinite(value) and (gt is None or value > gt) and (ge is None or value >= ge) \
-        and (lt is None or value < lt)
-    if not ok:
-        u = f" {unit}" if unit else ""
-        bounds = " and ".join(b for b in (
-            f"> {gt:g}{u}" if gt is not None else "", f">= {ge:g}{u}" if ge is not None else "",
-            f"< {lt:g}{u}" if lt is not None else "") if b)
-        raise ValueError(f"{flag} must be {bounds} (a finite number), got {value:g}{u}")
 
 
 RUN = "run (shared by every spardist command)"
@@ -259,8 +245,9 @@ class Run:
         self.size = topo.size
         self.backend = backend
         self.xp = backend.xp
-        self.ledger = topo.ledger
-        self.cost = topo.cost
+        self.recorder = topo.recorder
+        self.ledger = topo.recorder.ledger
+        self.cost = topo.recorder.cost
         sync = backend.synchronize if backend.is_gpu else None
         # every rank reads --compute-profile itself: a bad file stops every rank alike
         source = make_source(common.compute_source, sync=sync, gpu=backend.is_gpu,
@@ -273,6 +260,7 @@ class Run:
         self.clock = SimClock(
             self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
             timeline=Timeline(self.cost) if common.clock == "timeline" else None)
+        self.recorder.timeline = self.clock.timeline   # every call declares its own event
         self.writer = writer
         self.out = writer.out
         self.previous = previous
@@ -318,7 +306,9 @@ class Run:
         sims = self.world.mpi.allgather(float(self.clock.sim_s))
         busiest = int(np.argmax(sims))
         desc = self.clock.describe(events=self.rank in (0, busiest))
-        infos = self.world.mpi.gather(desc.get("compute_profile"), root=0)
+        gathered = self.world.mpi.gather((desc.get("compute_profile"),
+                                          self.recorder.log.describe()), root=0)
+        infos = [g[0] for g in gathered] if gathered is not None else None
         busiest_step = desc.get("last_step")
         if busiest != 0:
             if self.rank == busiest:
@@ -357,6 +347,9 @@ class Run:
             "metrics": metrics or {},
             "timing": timing,
             "timeline": timeline,
+            "calls": ({"per_rank": [g[1] for g in gathered],
+                       "placement": self.topo.placement.describe()}
+                      if gathered is not None else None),
         }
         if extra:
             summary.update(extra)

@@ -9,12 +9,11 @@ Two modes, one interface (``with clock.compute(): ...``, ``clock.sim_s``, ``comp
 
 **timeline** (``SimClock(ledger, timeline=Timeline(cost))``)
     Every ``compute()`` block and every per-layer event of a model whose ``recorder`` is
-    :attr:`SimClock.layers` is a compute event of a :class:`~substrate.timeline.Timeline`;
-    strategies declare their transfers on :attr:`SimClock.timeline` with dependencies;
-    :meth:`SimClock.step` closes a step and ``sim_s`` is the sum of the steps' critical paths.
-    Communication the ledger booked in a step but no strategy declared (per phase: ledger α–β
-    minus declared ``L + W``) is appended at the end of the step, serially, after every other
-    event: an undeclared strategy gets exactly the additive clock, never less.
+    :attr:`SimClock.layers` is a compute event of a :class:`~substrate.timeline.Timeline`; every
+    communication call declares its own transfer event on the same timeline from its record
+    (:class:`substrate.recorder.Recorder`), after the events its ``after=`` names (by default
+    after everything declared before it); :meth:`SimClock.step` closes a step and ``sim_s`` is
+    the sum of the steps' critical paths.
 
 Compute is timed by a :class:`~substrate.timeline.ComputeSource` (``source=``): ``"wall"``
 (default, the old behaviour, grows with the host's load), ``"cpu"`` (per-thread CPU time; does
@@ -34,7 +33,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-from .costmodel import INTER, INTRA
 from .ledger import Ledger
 from .timeline import ComputeSource, FlopSource, LayerEvents, StepTiming, Timeline, make_source
 
@@ -88,7 +86,6 @@ class SimClock:
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
         self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
         self._depth = 0
-        self._snap = ledger.snapshot()
         self.last_event = None
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
@@ -158,17 +155,6 @@ class SimClock:
         return [e for e in self.timeline.open_events if e.kind == "transfer"]
 
     # -- steps -----------------------------------------------------------------------------------
-    def _undeclared(self) -> list[tuple[str, str, float]]:
-        """(phase, link, seconds) booked in the ledger this step but not declared."""
-        declared = self.timeline.declared_comm_s()
-        out = []
-        for phase, e in self.ledger.since(self._snap).items():
-            extra = e["modeled_s"] - declared.get(phase, 0.0)
-            if extra > 1e-12 * max(1.0, e["modeled_s"]):
-                out.append((phase, INTER if e["inter_bytes"] or e["link"] in (INTER, "mixed")
-                            else INTRA, extra))
-        return out
-
     def mark(self) -> None:
         """Restart the wall-time interval of the next :meth:`step` (call it after work that is
         not part of a step, e.g. an evaluation)."""
@@ -191,9 +177,8 @@ class SimClock:
         """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
         time since the previous ``step()`` (or :meth:`mark`), less :meth:`diagnostic` blocks.
 
-        Timeline mode: append the undeclared communication serially at the end, schedule, and
-        start a new step.  Additive mode: the step's compute and ledger α–β, added (so trainers
-        call ``step()`` the same way in both modes)."""
+        Timeline mode: schedule and start a new step.  Additive mode: the step's compute and
+        ledger α–β, added (so trainers call ``step()`` the same way in both modes)."""
         now = time.perf_counter()
         self.step_wall_s = now - self._step_t0 - self._diagnostic_s
         self._step_t0 = now
@@ -207,25 +192,16 @@ class SimClock:
                                         comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
                                         no_overlap_s=compute + comm)
             return self.last_step
-        tail = self.timeline.open_events
-        for phase, link, seconds in self._undeclared():
-            ev = self.timeline.transfer_seconds(phase, link, 0.0, seconds, deps=tail,
-                                                label=f"{phase} (undeclared)")
-            tail = [ev]
-        self._snap = self.ledger.snapshot()
         self.last_step = self.timeline.step()
         return self.last_step
 
     # -- readings --------------------------------------------------------------------------------
     def _open(self) -> tuple[float, float, float]:
-        """(critical path, no-overlap sum, compute) of the open step, undeclared comm included."""
-        if self.timeline is None:
+        """(critical path, no-overlap sum, compute) of the open step."""
+        if self.timeline is None or not self.timeline.open_events:
             return 0.0, 0.0, 0.0
-        extra = sum(s for _, _, s in self._undeclared())
-        if not self.timeline.open_events:
-            return extra, extra, 0.0
         t = self.timeline.schedule()
-        return t.step_s + extra, t.no_overlap_s + extra, t.compute_s + t.offload_s
+        return t.step_s, t.no_overlap_s, t.compute_s + t.offload_s
 
     @property
     def compute_s(self) -> float:
@@ -307,7 +283,6 @@ class SimClock:
 
     def _resnap(self) -> None:
         """Start the step accounting from the ledger as it is now (after a resume restored it)."""
-        self._snap = self.ledger.snapshot()
         self._prev = {"compute_s": self._compute_s, "comm_s": self.ledger.modeled_s}
 
     def load_state(self, state: dict) -> None:

@@ -25,37 +25,45 @@ The link class of every byte follows from the two endpoints' nodes (``Topology.n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as coll
 from .backend import Backend, array_module, get_backend
+from .buckets import BucketPlan, bucket_groups
+from .calls import Call, Placement
 from .costmodel import (
     INTER,
     INTRA,
-    CostModel,
     binomial_children,
     binomial_depth,
     ring_allgatherv_sent,
     ring_allreduce_sent,
 )
-from .ledger import Ledger
+from .recorder import Handle, Recorder
 
-__all__ = ["Comm", "Request", "bucketed_allreduce", "BucketPlan", "bucket_groups"]
+__all__ = ["Comm", "Waiting", "Request", "Handle", "bucketed_allreduce", "BucketPlan",
+           "bucket_groups"]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 
 
-@dataclass
-class Request:
-    """A pending point-to-point operation; :meth:`Comm.waitall` completes it."""
+class Request(Handle):
+    """A pending point-to-point operation: a :class:`~substrate.recorder.Handle` (record and
+    timeline event of a send; none for a receive) that :meth:`Comm.waitall` completes."""
 
-    mpi: MPI.Request
-    buf: object = None
-    view: object = None
-    backend: Backend | None = None
+    __slots__ = ("mpi", "buf", "view", "backend")
+
+    def __init__(self, mpi: MPI.Request, call: Call | None = None, event=None, buf=None,
+                 view=None, backend: Backend | None = None) -> None:
+        super().__init__(call, event, buf)
+        self.mpi, self.buf, self.view, self.backend = mpi, buf, view, backend
+        self._wait = self._complete
+
+    def _complete(self) -> None:
+        self.mpi.Wait()
+        self._finish()
 
     def _finish(self) -> None:
         if self.backend is not None and self.view is not None:
@@ -65,16 +73,21 @@ class Request:
 class Comm:
     """A communicator that records its traffic.
 
+    Every collective and point-to-point method builds the call's record
+    (:class:`~substrate.calls.Call`), executes it, books what this rank sent in the ledger,
+    declares the record's timeline event after ``after=`` (default: after everything declared
+    before) and returns a :class:`~substrate.recorder.Handle` (``.result``, ``.event``).
+
     Parameters
     ----------
     mpi : mpi4py.MPI.Intracomm
         The communicator (owned: created by the topology, never ``COMM_WORLD`` itself).
-    node_of_world : numpy.ndarray
-        Node id of every world rank.
+    placement : Placement
+        Node of every world rank.
     world_ranks : numpy.ndarray
         World rank of each member, indexed by rank in ``mpi``.
-    ledger, cost : Ledger, CostModel
-        Shared by every communicator of the run.
+    recorder : Recorder
+        The run's books (ledger, cost model, timeline, call log), shared by every communicator.
     backend : Backend, optional
         Array backend used to hand buffers to MPI (CPU by default).
     collectives : {"exact", "native"}, optional
@@ -82,32 +95,36 @@ class Comm:
         ``exact``.
     """
 
-    def __init__(self, mpi: MPI.Intracomm, node_of_world: np.ndarray, world_ranks: np.ndarray,
-                 ledger: Ledger, cost: CostModel, backend: Backend | None = None,
+    def __init__(self, mpi: MPI.Intracomm, placement: Placement, world_ranks: np.ndarray,
+                 recorder: Recorder, backend: Backend | None = None,
                  collectives: str | None = None) -> None:
         self.mpi = mpi
         self.mode = coll.check_mode(collectives) if collectives else coll.default_mode()
         self._coll_mpi: MPI.Intracomm | None = None
         self.rank = mpi.Get_rank()
         self.size = mpi.Get_size()
-        self.node_of_world = np.asarray(node_of_world)
+        self.placement = placement
+        self.node_of_world = placement.nodes_array
         self.world_ranks = np.asarray(world_ranks, dtype=np.int64)
-        self.ledger = ledger
-        self.cost = cost
+        self.group = tuple(int(r) for r in self.world_ranks)
+        self.world_rank = self.group[self.rank]
+        self.recorder = recorder
         self.backend = backend or get_backend("cpu")
         self.member_nodes = self.node_of_world[self.world_ranks]
         p = self.size
         # ring link i -> i+1 classes, fixed for the life of the communicator
         nxt = np.roll(self.member_nodes, -1)
         self.ring_links = np.where(self.member_nodes == nxt, 0, 1)  # 0 intra, 1 inter
-        self.inter_ring_links = int(self.ring_links.sum()) if p > 1 else 0
         self.out_link = INTER if (p > 1 and self.ring_links[self.rank]) else INTRA
-        self.slowest = INTER if self.inter_ring_links else INTRA
         self.link = "none" if p == 1 else (
-            INTRA if self.inter_ring_links == 0 else
-            INTER if self.inter_ring_links == p else "mixed")
-        self._bcast_cache: dict[int, tuple[int, int, int]] = {}
+            INTRA if not self.ring_links.any() else
+            INTER if self.ring_links.all() else "mixed")
+        self._bcast_cache: dict[int, tuple[int, int]] = {}
         self._bucket_plans: dict = {}
+
+    @property
+    def ledger(self):
+        return self.recorder.ledger
 
     # -- helpers ---------------------------------------------------------------------------------
     def link_to(self, other: int) -> str:
@@ -120,18 +137,14 @@ class Comm:
             raise ValueError(f"{what} needs a C-contiguous array (got {type(buf).__name__}); "
                              "pass np.ascontiguousarray(buf)")
 
-    def _by_link(self, nbytes: int, link: str) -> tuple[int, int]:
-        return (nbytes, 0) if link == INTRA else (0, nbytes)
-
     def sub(self, color: int, key: int | None = None) -> "Comm | None":
         """Split into sub-communicators (collective); ``color < 0`` gets ``None``."""
         c = self.mpi.Split(MPI.UNDEFINED if color < 0 else color,
                            self.rank if key is None else key)
         if c == MPI.COMM_NULL:
             return None
-        members = np.array(c.allgather(int(self.world_ranks[self.rank])), dtype=np.int64)
-        return Comm(c, self.node_of_world, members, self.ledger, self.cost, self.backend,
-                    self.mode)
+        members = np.array(c.allgather(self.world_rank), dtype=np.int64)
+        return Comm(c, self.placement, members, self.recorder, self.backend, self.mode)
 
     @property
     def exact(self) -> bool:
@@ -145,24 +158,39 @@ class Comm:
             self._coll_mpi = self.mpi.Dup()
         return self._coll_mpi
 
-    def _record_sent(self, phase: str, payload: int, sent, modeled_s: float) -> None:
-        """Record the messages an exact collective handed to MPI: ``(dest, nbytes)`` pairs."""
-        intra = inter = 0
-        links = set()
-        for dest, nb in sent:
-            link = self.link_to(dest)
-            if link == INTRA:
-                intra += nb
-            else:
-                inter += nb
-            if nb:
-                links.add(link)
-        self.ledger.record(phase, payload=payload, intra=intra, inter=inter, messages=len(sent),
-                           modeled_s=modeled_s, links=links)
+    def _done(self, call: Call, after, result, *, payload: int, sent=None,
+              per_rank: tuple[int, str] | None = None, messages: int = 0, links=()) -> Handle:
+        """Book ``call`` (the ``(dest, nbytes)`` messages an exact collective handed to MPI, or
+        ``per_rank = (bytes, link)`` of the algorithm's accounting), declare it, return its
+        handle."""
+        rec = self.recorder
+        if sent is not None:
+            intra = inter = 0
+            links = set()
+            for dest, nb in sent:
+                link = self.link_to(dest)
+                if link == INTRA:
+                    intra += nb
+                else:
+                    inter += nb
+                if nb:
+                    links.add(link)
+            messages = len(sent)
+        elif per_rank is not None:
+            nb, link = per_rank
+            intra, inter = (nb, 0) if link == INTRA else (0, nb)
+        else:
+            intra = inter = 0
+        rec.book(call, payload=payload, intra=intra, inter=inter, messages=messages,
+                 links=links)
+        return Handle(call, rec.declare(call, after), result)
+
+    def _call(self, phase: str, algorithm: str, **kw) -> Call:
+        return Call(phase, algorithm, self.group, **kw)
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce(self, buf, op: str = "sum", *, phase: str):
-        """In-place all-reduce of ``buf`` (ring algorithm in the ledger).
+    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None) -> Handle:
+        """In-place all-reduce of ``buf`` (ring algorithm in the ledger); ``.result`` is ``buf``.
 
         ``op`` is ``"sum"``, ``"avg"`` (sum divided by the size), ``"max"``, ``"min"`` or
         ``"bor"`` (bitwise OR; unsigned-integer arrays, e.g. ``numpy.packbits`` masks).
@@ -175,79 +203,74 @@ class Comm:
                              f"{buf.dtype}; pack masks with numpy.packbits first")
         if op == "avg" and buf.dtype.kind != "f":
             raise ValueError(f"'avg' all-reduce needs floating-point data, got {buf.dtype}")
+        call = self._call(phase, "allreduce", nbytes=buf.nbytes, itemsize=buf.itemsize, op=op)
         if self.exact:
             view = self.backend.mpi_view(buf)
             sent = coll.ring_allreduce(self._cmpi(), view.reshape(-1), op, array_module(view))
             self.backend.mpi_done(buf, view)
-            self._record_sent(phase, buf.nbytes, sent, self.cost.ring_allreduce_time(
-                buf.nbytes, self.size, self.slowest))
+            h = self._done(call, after, buf, payload=buf.nbytes, sent=sent)
         else:
             if self.size > 1:
                 view = self.backend.mpi_view(buf)
                 self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
                 self.backend.mpi_done(buf, view)
-            self._record_allreduce(phase, buf.size, buf.itemsize)
+            p = self.size
+            h = self._done(call, after, buf, payload=buf.nbytes,
+                           per_rank=(ring_allreduce_sent(buf.size, buf.itemsize, p, self.rank),
+                                     self.out_link),
+                           messages=2 * (p - 1), links=(self.out_link,) if p > 1 else ())
         if op == "avg" and self.size > 1:
             buf /= self.size
-        return buf
+        return h
 
-    def _record_allreduce(self, phase: str, count: int, itemsize: int) -> None:
-        p = self.size
-        sent = ring_allreduce_sent(count, itemsize, p, self.rank)
-        intra, inter = self._by_link(sent, self.out_link)
-        self.ledger.record(phase, payload=count * itemsize, intra=intra, inter=inter,
-                           messages=2 * (p - 1),
-                           modeled_s=self.cost.ring_allreduce_time(count * itemsize, p,
-                                                                   self.slowest),
-                           links=(self.out_link,) if p > 1 else ())
-
-    def bcast(self, buf, root: int = 0, *, phase: str):
-        """In-place broadcast from ``root`` (binomial tree in the ledger)."""
+    def bcast(self, buf, root: int = 0, *, phase: str, after=None) -> Handle:
+        """In-place broadcast from ``root`` (binomial tree in the ledger); ``.result`` is
+        ``buf``."""
         self._check(buf, "bcast")
         if not 0 <= root < self.size:
             raise ValueError(f"bcast root {root} outside communicator of size {self.size}")
-        intra_kids, inter_kids, slow = self._bcast_plan(root)
         n = buf.nbytes
+        call = self._call(phase, "bcast", nbytes=n, itemsize=buf.itemsize, root=root)
         if self.exact:
             view = self.backend.mpi_view(buf, fill=self.rank == root)
             sent = coll.binomial_bcast(self._cmpi(), view, root)
             self.backend.mpi_done(buf, view)
-            self._record_sent(phase, n, sent, self.cost.bcast_time(n, self.size, slow))
-            return buf
+            return self._done(call, after, buf, payload=n, sent=sent)
         if self.size > 1:
             view = self.backend.mpi_view(buf, fill=self.rank == root)
             self.mpi.Bcast(view, root=root)
             self.backend.mpi_done(buf, view)
+        intra_kids, inter_kids = self._bcast_children(root)
         links = tuple(x for x, k in ((INTRA, intra_kids), (INTER, inter_kids)) if k)
-        self.ledger.record(phase, payload=n, intra=intra_kids * n, inter=inter_kids * n,
-                           messages=intra_kids + inter_kids,
-                           modeled_s=self.cost.bcast_time(n, self.size, slow), links=links)
-        return buf
+        rec = self.recorder
+        rec.book(call, payload=n, intra=intra_kids * n, inter=inter_kids * n,
+                 messages=intra_kids + inter_kids, links=links)
+        return Handle(call, rec.declare(call, after), buf)
 
-    def _bcast_plan(self, root: int) -> tuple[int, int, str]:
-        plan = self._bcast_cache.get(root)
-        if plan is None:
+    def _bcast_children(self, root: int) -> tuple[int, int]:
+        """This rank's children in the binomial tree from ``root``: (intra, inter) counts."""
+        kids = self._bcast_cache.get(root)
+        if kids is None:
             p = self.size
             rel = (self.rank - root) % p
-            kids = [(k + root) % p for k in binomial_children(rel, p)]
-            inter = sum(self.link_to(k) == INTER for k in kids)
-            any_inter = any(
-                self.member_nodes[(r + root) % p] != self.member_nodes[(c + root) % p]
-                for r in range(p) for c in binomial_children(r, p))
-            plan = (len(kids) - inter, inter, INTER if any_inter else INTRA)
-            self._bcast_cache[root] = plan
-        return plan
+            ch = [(k + root) % p for k in binomial_children(rel, p)]
+            inter = sum(self.link_to(k) == INTER for k in ch)
+            kids = self._bcast_cache[root] = (len(ch) - inter, inter)
+        return kids
 
-    def allgather(self, buf, *, phase: str):
-        """Gather equal-size ``buf`` from every rank: returns shape ``(size, *buf.shape)``."""
+    def allgather(self, buf, *, phase: str, after=None) -> Handle:
+        """Gather equal-size ``buf`` from every rank: ``.result`` has shape
+        ``(size, *buf.shape)``."""
         self._check(buf, "allgather")
         xp = array_module(buf)
         out = xp.empty((self.size, *buf.shape), dtype=buf.dtype)
+        call = self._call(phase, "allgather", blocks=(buf.nbytes,) * self.size,
+                          itemsize=buf.itemsize)
         if self.exact:
             out[self.rank] = buf
             counts = np.full(self.size, buf.size, dtype=np.int64)
-            self._exact_allgatherv(out.reshape(-1), counts, buf.nbytes, phase)
-            return out
+            sent = self._exact_allgatherv(out.reshape(-1), counts)
+            return self._done(call, after, out, payload=buf.nbytes, sent=sent)
         if self.size > 1:
             sview = self.backend.mpi_view(buf)
             rview = self.backend.mpi_view(out, fill=False)
@@ -255,55 +278,52 @@ class Comm:
             self.backend.mpi_done(out, rview)
         else:
             out[0] = buf
-        self._record_allgather(phase, [buf.nbytes] * self.size, buf.nbytes)
-        return out
+        return self._gathered(call, after, out, buf.nbytes)
 
-    def _exact_allgatherv(self, flat, counts: np.ndarray, payload: int, phase: str) -> None:
+    def _exact_allgatherv(self, flat, counts: np.ndarray) -> list:
         """Ring all-gather(v) in place on ``flat`` (own block already at its offset)."""
         displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
         view = self.backend.mpi_view(flat)
         sent = coll.ring_allgatherv(self._cmpi(), view, counts, displs)
         self.backend.mpi_done(flat, view)
-        self._record_sent(phase, payload, sent, self.cost.ring_allgather_time(
-            int(counts.sum()) * flat.itemsize, self.size, self.slowest))
+        return sent
 
-    def _record_allgather(self, phase: str, block_bytes: Sequence[int], payload: int) -> None:
+    def _gathered(self, call: Call, after, result, payload: int) -> Handle:
+        """Book a native all-gather(v) with the ring's accounting."""
         p = self.size
-        sent = ring_allgatherv_sent(block_bytes, self.rank)
-        intra, inter = self._by_link(sent, self.out_link)
-        self.ledger.record(phase, payload=payload, intra=intra, inter=inter,
-                           messages=p - 1,
-                           modeled_s=self.cost.ring_allgather_time(sum(block_bytes), p,
-                                                                   self.slowest),
-                           links=(self.out_link,) if p > 1 else ())
+        return self._done(call, after, result, payload=payload,
+                          per_rank=(ring_allgatherv_sent(call.blocks, self.rank), self.out_link),
+                          messages=p - 1, links=(self.out_link,) if p > 1 else ())
 
-    def allgatherv(self, buf, counts: Sequence[int] | None = None, *, phase: str):
+    def allgatherv(self, buf, counts: Sequence[int] | None = None, *, phase: str,
+                   after=None) -> Handle:
         """Gather 1-D ``buf`` of varying length from every rank.
 
         ``counts`` (element counts per rank) may be passed when known from a plan; otherwise
         they are exchanged first with a recorded all-gather of one ``int64`` per rank.
-
-        Returns
-        -------
-        (numpy or cupy array, numpy.ndarray)
-            The concatenation in rank order and the counts.
+        ``.result`` is ``(concatenation in rank order, counts)``.
         """
         self._check(buf, "allgatherv")
         if buf.ndim != 1:
             raise ValueError(f"allgatherv takes a 1-D array, got shape {buf.shape}; ravel it")
         if counts is None:
-            counts = self.allgather(np.array([buf.size], dtype=np.int64), phase=phase)[:, 0]
+            counts = self.allgather(np.array([buf.size], dtype=np.int64), phase=phase,
+                                    after=after).result[:, 0]
+            after = None
         counts = np.asarray(counts, dtype=np.int64)
         if counts.shape != (self.size,) or counts[self.rank] != buf.size:
             raise ValueError(f"allgatherv counts {counts.tolist()} do not match this rank's "
                              f"buffer of {buf.size} elements")
         xp = array_module(buf)
         out = xp.empty(int(counts.sum()), dtype=buf.dtype)
+        call = self._call(phase, "allgather", blocks=tuple(int(c) * buf.itemsize
+                                                          for c in counts),
+                          itemsize=buf.itemsize)
         if self.exact:
             start = int(counts[:self.rank].sum())
             out[start:start + buf.size] = buf
-            self._exact_allgatherv(out, counts, buf.nbytes, phase)
-            return out, counts
+            sent = self._exact_allgatherv(out, counts)
+            return self._done(call, after, (out, counts), payload=buf.nbytes, sent=sent)
         if self.size > 1:
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
             sview = self.backend.mpi_view(buf)
@@ -312,11 +332,12 @@ class Comm:
             self.backend.mpi_done(out, rview)
         else:
             out[:] = buf
-        self._record_allgather(phase, (counts * buf.itemsize).tolist(), buf.nbytes)
-        return out, counts
+        return self._gathered(call, after, (out, counts), buf.nbytes)
 
-    def alltoallv(self, sendbuf, sendcounts: Sequence[int], recvcounts=None, *, phase: str):
-        """Personalized all-to-all of a 1-D buffer cut into ``sendcounts`` per destination.
+    def alltoallv(self, sendbuf, sendcounts: Sequence[int], recvcounts=None, *, phase: str,
+                  after=None) -> Handle:
+        """Personalized all-to-all of a 1-D buffer cut into ``sendcounts`` per destination;
+        ``.result`` is ``(received, recvcounts)``.
 
         ``recvcounts`` may be passed from a plan; otherwise they are exchanged first with a
         recorded all-to-all of one ``int64`` per pair.
@@ -328,18 +349,21 @@ class Comm:
             raise ValueError(f"alltoallv: sendcounts {sendcounts.tolist()} must have one entry "
                              f"per rank ({p}) summing to the 1-D buffer length {sendbuf.size}")
         if recvcounts is None:
-            if self.exact:
-                recvcounts, _ = self.alltoallv(sendcounts.copy(), np.ones(p, dtype=np.int64),
-                                               np.ones(p, dtype=np.int64), phase=phase)
-            else:
-                rc = np.empty(p, dtype=np.int64)
-                self.mpi.Alltoall(sendcounts, rc)
-                self._record_pairwise(phase, np.full(p, 8, dtype=np.int64), p * 8)
-                recvcounts = rc
+            recvcounts = self.alltoallv(sendcounts.copy(), np.ones(p, dtype=np.int64),
+                                        np.ones(p, dtype=np.int64), phase=phase,
+                                        after=after).result[0]
+            after = None
         recvcounts = np.asarray(recvcounts, dtype=np.int64)
         if recvcounts.shape != (p,) or (recvcounts < 0).any():
             raise ValueError(f"alltoallv: recvcounts {recvcounts.tolist()} must have one "
                              f"non-negative entry per rank ({p})")
+        # a member knows its own row of the byte matrix only: its record carries that row
+        # (the others zero), which is all its booking and its timeline event need
+        mine = sendcounts * sendbuf.itemsize
+        matrix = np.zeros((p, p), dtype=np.int64)
+        matrix[self.rank] = mine
+        call = self._call(phase, "alltoallv", blocks=tuple(matrix.reshape(-1).tolist()),
+                          itemsize=sendbuf.itemsize)
         xp = array_module(sendbuf)
         out = xp.empty(int(recvcounts.sum()), dtype=sendbuf.dtype)
         sd = np.concatenate(([0], np.cumsum(sendcounts)[:-1]))
@@ -350,46 +374,24 @@ class Comm:
             sent = coll.pairwise_alltoallv(self._cmpi() if p > 1 else self.mpi, sview, sendcounts,
                                            sd, rview, recvcounts, rd, array_module(sview))
             self.backend.mpi_done(out, rview)
-            self._record_sent(phase, sendbuf.nbytes, sent,
-                              sum(self.cost.p2p_time(nb, self.link_to(d)) for d, nb in sent))
-            return out, recvcounts
+            return self._done(call, after, (out, recvcounts), payload=sendbuf.nbytes,
+                              sent=sent)
         self.mpi.Alltoallv([sview, (sendcounts, sd)], [rview, (recvcounts, rd)])
         self.backend.mpi_done(out, rview)
-        self._record_pairwise(phase, sendcounts * sendbuf.itemsize, sendbuf.nbytes)
-        return out, recvcounts
+        sent = [(j, int(nb)) for j, nb in enumerate(mine.tolist()) if j != self.rank and nb]
+        return self._done(call, after, (out, recvcounts), payload=sendbuf.nbytes, sent=sent)
 
-    def _record_pairwise(self, phase: str, bytes_to: np.ndarray, payload: int) -> None:
-        intra = inter = msgs = 0
-        t = 0.0
-        links = set()
-        for j, nb in enumerate(bytes_to.tolist()):
-            if j == self.rank or nb == 0:
-                continue
-            link = self.link_to(j)
-            links.add(link)
-            if link == INTRA:
-                intra += nb
-            else:
-                inter += nb
-            msgs += 1
-            t += self.cost.p2p_time(nb, link)
-        self.ledger.record(phase, payload=payload, intra=intra, inter=inter, messages=msgs,
-                           modeled_s=t, links=links)
-
-    def barrier(self, *, phase: str) -> None:
+    def barrier(self, *, phase: str, after=None) -> Handle:
         """Barrier (dissemination algorithm in the ledger: messages, no bytes)."""
+        call = self._call(phase, "barrier")
         if self.exact:
             sent = coll.dissemination_barrier(self._cmpi())
-            self.ledger.record(phase, payload=0, messages=len(sent),
-                               modeled_s=self.cost.barrier_time(self.size, self.slowest))
-            return
+            return self._done(call, after, None, payload=0, sent=sent)
         self.mpi.Barrier()
-        d = binomial_depth(self.size)
-        self.ledger.record(phase, payload=0, messages=d,
-                           modeled_s=self.cost.barrier_time(self.size, self.slowest))
+        return self._done(call, after, None, payload=0, messages=binomial_depth(self.size))
 
     # -- point to point --------------------------------------------------------------------------
-    def isend(self, buf, dest: int, tag: int = 0, *, phase: str) -> Request:
+    def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None) -> Request:
         """Non-blocking send; the bytes are recorded here, on the sender."""
         self._check(buf, "isend")
         if array_module(buf) is np or self.backend.cuda_aware:
@@ -398,21 +400,22 @@ class Comm:
         else:
             view = buf.get()  # a private host copy: stays valid until the request completes
         req = self.mpi.Isend(view, dest=dest, tag=tag)
+        dst = self.group[dest]
+        call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),))
+        rec = self.recorder
         if dest == self.rank:  # a self-message is a local copy: no link, no wire bytes
-            self.ledger.record(phase, payload=buf.nbytes)
-            return Request(req, buf=view)
+            rec.book(call, payload=buf.nbytes)
+            return Request(req, call, None, buf=view)
         link = self.link_to(dest)
-        intra, inter = self._by_link(buf.nbytes, link)
-        self.ledger.record(phase, payload=buf.nbytes, intra=intra, inter=inter, messages=1,
-                           modeled_s=self.cost.p2p_time(buf.nbytes, link), links=(link,))
-        return Request(req, buf=view)
+        intra, inter = (buf.nbytes, 0) if link == INTRA else (0, buf.nbytes)
+        rec.book(call, payload=buf.nbytes, intra=intra, inter=inter, messages=1, links=(link,))
+        return Request(req, call, rec.declare(call, after), buf=view)
 
     def irecv(self, buf, source: int, tag: int = 0, *, phase: str) -> Request:
         """Non-blocking receive into ``buf`` (nothing recorded: the sender records)."""
         self._check(buf, "irecv")
         if array_module(buf) is np or self.backend.cuda_aware:
-            req = self.mpi.Irecv(buf, source=source, tag=tag)
-            return Request(req)
+            return Request(self.mpi.Irecv(buf, source=source, tag=tag), buf=buf)
         host = np.empty(buf.shape, dtype=buf.dtype)
         req = self.mpi.Irecv(host, source=source, tag=tag)
         return Request(req, buf=buf, view=host, backend=self.backend)
@@ -420,57 +423,54 @@ class Comm:
     @staticmethod
     def waitall(requests: Sequence[Request]) -> None:
         """Complete every request (and copy staged receives back to the device)."""
+        requests = [r for r in requests if not r.done]
         if not requests:
             return
         MPI.Request.Waitall([r.mpi for r in requests])
         for r in requests:
+            r._wait = None
             r._finish()
 
     def bucketed_allreduce(self, tensors, bucket_bytes: int = 32 << 20, op: str = "sum", *,
-                           phase: str):
+                           phase: str, after=None) -> list:
         """See :func:`bucketed_allreduce`."""
-        return bucketed_allreduce(tensors, self, bucket_bytes, op, phase=phase)
+        return bucketed_allreduce(tensors, self, bucket_bytes, op, phase=phase, after=after)
 
 
-def bucket_groups(nbytes, bucket_bytes: int, keys=None) -> list[list[int]]:
-    """Greedy, order-preserving grouping of items of ``nbytes[i]`` bytes into buckets of at most
-    ``bucket_bytes`` (an item larger than a bucket gets one of its own; a change of ``keys[i]``,
-    e.g. the dtype, starts a new bucket).  Returns lists of item indices."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    cur_bytes = 0
-    for i, nb in enumerate(nbytes):
-        if cur and (cur_bytes + nb > bucket_bytes or (keys is not None and keys[i] != keys[cur[0]])):
-            groups.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(i)
-        cur_bytes += nb
-    if cur:
-        groups.append(cur)
-    return groups
+class Waiting:
+    """A communicator this rank is not a member of, as the rank sees it: the node leaders'
+    communicator seen from a follower (:attr:`substrate.topology.Topology.leaders`).
 
+    Its collectives execute nothing, book nothing and leave the buffer alone; each declares the
+    leaders' call on this rank's timeline, so that what the rank does next waits for it (a
+    broadcast from the leader after the leaders' all-reduce cannot start before it ends).
+    """
 
-class BucketPlan:
-    """Assignment of tensors to contiguous buckets (:func:`bucket_groups`) with the flat bucket
-    buffers allocated once."""
+    def __init__(self, group, recorder: Recorder) -> None:
+        self.group = tuple(int(r) for r in group)
+        self.size = len(self.group)
+        self.recorder = recorder
+        self.rank = None
 
-    def __init__(self, shapes_dtypes, bucket_bytes: int, xp) -> None:
-        sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes_dtypes]
-        dtypes = [np.dtype(d) for _, d in shapes_dtypes]
-        groups = bucket_groups([s * d.itemsize for s, d in zip(sizes, dtypes)], bucket_bytes,
-                               dtypes)
-        self.buckets: list[list[tuple[int, int, int]]] = []  # (tensor idx, offset, size)
-        self.buffers = []
-        for g in groups:
-            offs = np.concatenate(([0], np.cumsum([sizes[i] for i in g])[:-1]))
-            self.buckets.append([(i, int(o), sizes[i]) for i, o in zip(g, offs)])
-            self.buffers.append(xp.empty(sum(sizes[i] for i in g), dtype=dtypes[g[0]]))
+    def _wait(self, call: Call, after, result) -> Handle:
+        return Handle(call, self.recorder.declare(call, after, member=False), result)
+
+    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None) -> Handle:
+        return self._wait(Call(phase, "allreduce", self.group, nbytes=buf.nbytes,
+                               itemsize=buf.itemsize, op=op), after, buf)
+
+    def bcast(self, buf, root: int = 0, *, phase: str, after=None) -> Handle:
+        return self._wait(Call(phase, "bcast", self.group, nbytes=buf.nbytes,
+                               itemsize=buf.itemsize, root=root), after, buf)
+
+    def allgather(self, buf, *, phase: str, after=None) -> Handle:
+        return self._wait(Call(phase, "allgather", self.group,
+                               blocks=(buf.nbytes,) * self.size, itemsize=buf.itemsize),
+                          after, None)
 
 
 def bucketed_allreduce(tensors, comm: Comm, bucket_bytes: int = 32 << 20, op: str = "sum", *,
-                       phase: str):
+                       phase: str, after=None):
     """All-reduce many arrays in place with one collective per contiguous bucket.
 
     Tensors are coalesced, in order, into buckets of at most ``bucket_bytes`` (PyTorch DDP /
@@ -508,7 +508,7 @@ def bucketed_allreduce(tensors, comm: Comm, bucket_bytes: int = 32 << 20, op: st
     for bucket, flat in zip(plan.buckets, plan.buffers):
         for i, off, size in bucket:
             flat[off:off + size] = tensors[i].reshape(-1)
-        comm.allreduce(flat, op, phase=phase)
+        comm.allreduce(flat, op, phase=phase, after=after)
         for i, off, size in bucket:
             tensors[i].reshape(-1)[...] = flat[off:off + size]
     return tensors

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 import weakref
 from pathlib import Path
 
-__all__ = ["option", "add_dataclass_args", "from_args", "flag_of", "option_flags"]
+__all__ = ["option", "add_dataclass_args", "from_args", "flag_of", "option_flags", "check_range"]
 
 #: flags added through this module, per parser: dest -> (flag, default)
 _ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -158,3 +159,17 @@ def from_args(cls: type, args: argparse.Namespace, **overrides):
             kw[f.name] = tuple(kw[f.name] or ())
     kw.update(overrides)
     return cls(**kw)
+
+
+def check_range(flag: str, value: float, *, gt: float | None = None, ge: float | None = None,
+                lt: float | None = None, unit: str = "") -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``value`` is finite and within the bounds
+    (``gt < value``, ``ge <= value``, ``value < lt``); ``unit`` is echoed after the numbers."""
+    ok = math.isfinite(value) and (gt is None or value > gt) and (ge is None or value >= ge) \
+        and (lt is None or value < lt)
+    if not ok:
+        u = f" {unit}" if unit else ""
+        bounds = " and ".join(b for b in (
+            f"> {gt:g}{u}" if gt is not None else "", f">= {ge:g}{u}" if ge is not None else "",
+            f"< {lt:g}{u}" if lt is not None else "") if b)
+        raise ValueError(f"{flag} must be {bounds} (a finite number), got {value:g}{u}")

@@ -193,7 +193,7 @@ class Event:
 
     index: int
     label: str
-    kind: str                 # "compute" | "transfer" | "join"
+    kind: str                 # "compute" | "transfer" | "wait" | "join"
     resource: str             # stream name, link class, or "none"
     deps: tuple
     seconds: float = 0.0      # compute duration
@@ -301,6 +301,7 @@ class Timeline:
         self._events: list[Event] = []
         self._token = object()        # identifies the open step
         self._placed: dict[int, int] = {}   # events placed after= each event of the open step
+        self._sinks: dict[int, Event] = {}   # events of the open step nothing waits for yet
         self.steps = 0
         self.history: deque[StepTiming] = deque(maxlen=max(0, int(keep_steps)))
         self.totals = {"step_s": 0.0, "compute_s": 0.0, "offload_s": 0.0, "comm_s": 0.0,
@@ -311,10 +312,11 @@ class Timeline:
     def _deps(self, deps, label: str) -> tuple:
         if deps is None:
             deps = ()
-        elif isinstance(deps, Event):
+        elif isinstance(deps, Event) or hasattr(deps, "event"):
             deps = (deps,)
         out = []
         for d in deps:
+            d = getattr(d, "event", d)      # a communication Handle stands for its event
             if d is None:
                 continue
             if not isinstance(d, Event):
@@ -334,8 +336,16 @@ class Timeline:
         order = kw.pop("order", None) or (len(self._events),)
         ev = Event(index=len(self._events), _owner=self._token, order=order, **kw)
         self._events.append(ev)
+        for d in ev.deps:
+            self._sinks.pop(d.index, None)
+        self._sinks[ev.index] = ev
         self._cache = None
         return ev
+
+    def frontier(self) -> list[Event]:
+        """The open step's events no later event waits for: a call that waits for these waits
+        for everything declared so far (a blocking call in program order)."""
+        return list(self._sinks.values())
 
     def compute(self, label: str, seconds: float, deps=(), stream: str = "compute",
                 after: Event | None = None) -> Event:
@@ -398,14 +408,6 @@ class Timeline:
         return self.transfer_seconds(phase, link, lat, work * share, deps=deps, label=label,
                                      nbytes=nbytes)
 
-    def collective(self, comm, phase: str, nbytes: float, *, algorithm: str = "allreduce",
-                   deps=(), label: str | None = None) -> Event:
-        """:meth:`transfer` for a collective on ``comm`` (a :class:`substrate.comm.Comm`, used
-        duck-typed: its ``size`` and its ring's slowest link class ``slowest``), booked the way
-        the ledger books the same call."""
-        return self.transfer(phase, comm.slowest, nbytes, algorithm=algorithm, p=comm.size,
-                             deps=deps, label=label)
-
     def transfer_seconds(self, phase: str, link: str, latency_s: float, bandwidth_s: float, *,
                          deps=(), label: str | None = None, nbytes: float = 0.0) -> Event:
         """A communication event with explicit latency part ``L`` and bandwidth part ``W``
@@ -421,6 +423,16 @@ class Timeline:
         return self._add(label=label, kind="transfer", resource=link,
                          deps=self._deps(deps, label), latency_s=lat, work_s=work, phase=phase,
                          nbytes=float(nbytes))
+
+    def wait(self, phase: str, seconds: float, *, deps=(), label: str | None = None,
+             nbytes: float = 0.0) -> Event:
+        """A wait of ``seconds`` for communication on other ranks' links (e.g. the other nodes'
+        intra-node phase before the leaders' all-reduce): it delays what depends on it, takes
+        no resource of this rank and is not this rank's communication time."""
+        seconds = _check_seconds(f"wait {phase!r}: seconds", seconds)
+        label = label or phase
+        return self._add(label=label, kind="wait", resource="none", deps=self._deps(deps, label),
+                         latency_s=seconds, phase=phase, nbytes=float(nbytes))
 
     def join(self, label: str, deps=()) -> Event:
         """A zero-duration marker done when every event in ``deps`` is."""
@@ -457,6 +469,7 @@ class Timeline:
         self.history.append(timing)
         self._events = []
         self._placed = {}
+        self._sinks = {}
         self._token = object()
         self._cache = None
         return timing

@@ -23,9 +23,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .backend import Backend
-from .comm import Comm
+from .calls import Placement
+from .comm import Comm, Waiting
 from .costmodel import CostModel
-from .ledger import Ledger
+from .recorder import Recorder
 
 __all__ = ["Topology", "TopologyError", "Level", "assign_nodes"]
 
@@ -100,6 +101,14 @@ class Topology:
     ----------
     world, intra, inter : Comm
         All ranks; my node's ranks; the node leaders (``None`` on followers).
+    leaders : Comm or Waiting
+        The node leaders' communicator as every rank sees it: :attr:`inter` on a leader; on a
+        follower a :class:`~substrate.comm.Waiting` view whose calls only declare the leaders'
+        call on its timeline (a follower waits for its leader's inter-node phase).
+    placement : Placement
+        Node of every world rank (the pure description plans take).
+    recorder : Recorder
+        The run's books, shared by every communicator.
     rank, size, node, num_nodes, ranks_per_node, local_rank : int
     is_leader : bool
     node_of : numpy.ndarray
@@ -116,8 +125,8 @@ class Topology:
 
     @classmethod
     def from_comm(cls, comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None, *,
-                  nodes_per_rack: int | None = None, ledger: Ledger | None = None,
-                  cost: CostModel | None = None, backend: Backend | None = None,
+                  nodes_per_rack: int | None = None, cost: CostModel | None = None,
+                  backend: Backend | None = None,
                   collectives: str | None = None) -> "Topology":
         """Discover (or simulate) the node structure of ``comm`` (collective).
 
@@ -129,7 +138,9 @@ class Topology:
             Virtual nodes of ``R`` consecutive ranks; ``None`` uses shared-memory nodes.
         nodes_per_rack : int, optional
             Adds a rack level of ``K`` consecutive nodes.
-        ledger, cost, backend :
+        cost : CostModel, optional
+            The run's α–β model (its :class:`~substrate.recorder.Recorder` prices calls with it).
+        backend : Backend, optional
             Shared by every communicator created here.
         collectives : {"exact", "native"}, optional
             How every communicator runs its collectives (:mod:`substrate.collectives`); default
@@ -142,8 +153,6 @@ class Topology:
         """
         comm = MPI.COMM_WORLD if comm is None else comm
         self = cls()
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.cost = cost if cost is not None else CostModel()
         self.backend = backend
         world = comm.Dup()
         rank, size = world.Get_rank(), world.Get_size()
@@ -180,14 +189,17 @@ class Topology:
         self.is_leader = self.local_rank == 0
         self.gpu_index = self.local_rank
 
+        self.placement = placement = Placement(tuple(int(n) for n in node_of))
+        self.recorder = recorder = Recorder(placement, rank, cost)
         ranks = np.arange(size)
-        mk = lambda c, members: Comm(c, node_of, members, self.ledger, self.cost,  # noqa: E731
+        mk = lambda c, members: Comm(c, placement, members, recorder,  # noqa: E731
                                      self.backend, collectives)
         self.world = mk(world, ranks)
         self.intra = mk(intra_mpi, ranks[node_of == self.node])
         inter_mpi = world.Split(0 if self.is_leader else MPI.UNDEFINED, rank)
         leaders = uniq  # the lowest world rank of each node leads it (node ids sort by it)
         self.inter = mk(inter_mpi, leaders) if inter_mpi != MPI.COMM_NULL else None
+        self.leaders = self.inter if self.inter is not None else Waiting(leaders, recorder)
         self.levels = [Level("node", self.intra, self.inter, node_of)]
 
         if nodes_per_rack is not None:

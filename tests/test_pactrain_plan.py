@@ -15,7 +15,7 @@ from commvol.predict import predict
 from commvol.systems import pactrain_plan
 from dataparallel.pactrain import PacTrainOptions, PacTrainPlan, prune_mask
 from models import ModelSpec, ParamLayout, ParamSpec
-from substrate.comm import bucket_groups
+from substrate.buckets import bucket_groups
 from volume.pactrain import bucketed_step_bytes, grasp_score_bytes, is_dense_step, kept_count
 
 # odd shapes; flat order is backward order (the last spec comes first)

@@ -22,7 +22,7 @@ from substrate import (
 )
 from substrate import costmodel as cm
 from substrate import launch
-from substrate.comm import BucketPlan
+from substrate.buckets import BucketPlan
 from substrate.ledger import merge_phase_dicts
 
 ROOT = Path(__file__).resolve().parents[1]

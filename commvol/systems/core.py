@@ -9,9 +9,12 @@ from typing import Callable
 import numpy as np
 
 from substrate import costmodel as cm
+from substrate.calls import Call, Placement, price
 from substrate.costmodel import CostModel
 
-__all__ = ["IterCost", "Prediction", "CallCost", "SystemModel", "register", "get_system", "ITEMSIZE", "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch", "_admm_units_per_epoch"]
+__all__ = ["IterCost", "Prediction", "CallCost", "SystemModel", "register", "get_system", "ITEMSIZE",
+           "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch",
+           "_admm_units_per_epoch"]
 
 #: float32 parameters/gradients, as every trainer of the project builds its models
 ITEMSIZE = 4
@@ -41,11 +44,14 @@ class IterCost:
         compact buffer of one leader; the dense model for DDP; ``8K`` for Top-K) and the dense
         equivalent.
     rank_s : tuple of float
-        Modeled seconds of every world rank (all phases), when the calls involve different
-        ranks (SDP's holder groups): the run's ``timing.comm_modeled_s`` is the maximum over
-        ranks of their sums, which differs from the sum of the phases' maxima when no rank takes
-        part in every call.  Empty: some rank takes part in all calls (:attr:`time_s` is then the
-        sum of the phases).
+        Modeled seconds of every world rank (all phases): the run's ``timing.comm_modeled_s``
+        is the maximum over ranks of their sums, which differs from the sum of the phases'
+        maxima when no rank takes part in every call (SDP's holder groups).  Empty:
+        :attr:`time_s` is the sum of the phases.
+    calls : tuple
+        The plan's records of one repetition (:class:`substrate.calls.Call`, and
+        :class:`substrate.calls.Work` compute items) the numbers were priced from, on
+        :attr:`placement`.
     """
 
     phases: dict
@@ -54,6 +60,19 @@ class IterCost:
     payload_bytes: int = 0
     dense_payload_bytes: int = 0
     rank_s: tuple = ()
+    calls: tuple = ()
+    placement: Placement | None = None
+
+    @classmethod
+    def from_calls(cls, calls, placement: Placement, cost: CostModel | None = None,
+                   payload: int = 0, dense: int = 0) -> "IterCost":
+        """Price the records of one iteration (:func:`substrate.calls.price`): every number of
+        a prediction comes from the plan's records by the one generic rule; ``calls`` are kept
+        for the paper-scale timeline (:mod:`commvol.timeline_scale`)."""
+        calls = tuple(calls)
+        pr = price([c for c in calls if isinstance(c, Call)], placement, cost)
+        return cls(pr.phases, pr.messages, pr.seconds, int(payload), int(dense), pr.rank_s,
+                   calls, placement)
 
     @property
     def intra(self) -> int:
@@ -82,7 +101,7 @@ class IterCost:
                         {p: k * m for p, m in self.messages.items()},
                         {p: k * t for p, t in self.modeled_s.items()},
                         k * self.payload_bytes, k * self.dense_payload_bytes,
-                        tuple(k * t for t in self.rank_s))
+                        tuple(k * t for t in self.rank_s), self.calls, self.placement)
 
     @staticmethod
     def sum(costs) -> "IterCost":
@@ -253,6 +272,8 @@ class Prediction:
                 "total": self.total(iters).as_dict(), "notes": list(self.notes)}
 
 
+# TEMPORARY during the call-record migration (issue 23): removed once every system prices
+# its records with IterCost.from_calls.
 # ---------------------------------------------------------------------------------------------
 # messages and α–β time of the collective calls (ledger conventions)
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +431,10 @@ class SystemModel:
         ``scale``); default: data-parallel steps.
     baseline : str or None
         System ``predict`` compares against (dense DDP for the data-parallel family).
+    loop : {"dp", "admm", "hsgd"}
+        What one iteration is on the paper-scale timeline (:mod:`commvol.timeline_scale`): a
+        data-parallel optimizer step (records wait for :class:`substrate.calls.Ready` tokens),
+        an ADMM iteration (records wait for ``"local"``, the local epochs), or H-SGD's own.
     """
 
     name: str
@@ -420,6 +445,7 @@ class SystemModel:
     units_per_epoch: Callable = _dp_units_per_epoch
     baseline: str | None = "ddp"
     Assumptions: type | None = None
+    loop: str = "dp"
 
     def __post_init__(self) -> None:
         if self.Assumptions is not None:

@@ -9,11 +9,12 @@ import numpy as np
 
 from dataparallel.ddp import DDPOptions, DDPPlan
 from dataparallel.topk import TopKOptions, TopKPlan
+from substrate.calls import Placement
 from substrate.options import option
 
 from .core import (
     ITEMSIZE,
-    CallCost,
+    IterCost,
     Prediction,
     SystemModel,
     _check_topology,
@@ -47,36 +48,23 @@ def _unit(steps: int) -> str:
     return f"{steps} step" + ("s" if steps > 1 else "")
 
 
-def _ddp_buckets(spec, bucket_mib: float) -> list[int]:
-    """Bucket sizes of the DDP plan for ``spec`` (also PacTrain's dense phase)."""
-    return DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=bucket_mib),
-                              ITEMSIZE).bucket_sizes
-
-
 def _predict_ddp(spec, nodes, gpus_per_node, options: DDPOptions, cost,
                  assumptions: DPAssumptions | None) -> Prediction:
     _check_topology(nodes, gpus_per_node)
     M, P = nodes, gpus_per_node
+    placement = Placement.node_major(M, P)
     plan = DDPPlan.for_layout(spec.layout, options, ITEMSIZE)
-    buckets = plan.bucket_sizes
     T = spec.layout.total
-    calls = CallCost(M, P, cost)
-    phases = plan.step_bytes(M, P)
+    step = IterCost.from_calls(plan.calls(placement), placement, cost, ITEMSIZE * T,
+                               ITEMSIZE * T)
     if options.allreduce == "hierarchical":
-        for n in buckets:
-            calls.allreduce("intra_allreduce", ITEMSIZE * n, "intra")
-            calls.allreduce("inter_allreduce", ITEMSIZE * n, "inter")
-            calls.bcast("intra_bcast", ITEMSIZE * n, "intra")
         name = "ddp-hierarchical"
         how = "per bucket: SUM ring all-reduce in each node, leaders' ring, binomial bcast"
     else:
-        for n in buckets:
-            calls.allreduce("grad_allreduce", ITEMSIZE * n, "world")
         name = "ddp"
         how = "per bucket: one ring all-reduce over all ranks (node-major)"
-    step = calls.finish(phases, ITEMSIZE * T, ITEMSIZE * T)
     s = (assumptions or DPAssumptions()).steps_per_iter
-    notes = (f"{len(buckets)} gradient bucket(s) of <= {options.bucket_mib:g} MiB; {how}",
+    notes = (f"{len(plan.buckets)} gradient bucket(s) of <= {options.bucket_mib:g} MiB; {how}",
              f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
     return Prediction(name, spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
                       num_params=T)
@@ -103,13 +91,12 @@ def predict_topk(spec, nodes, gpus_per_node, options: TopKOptions, cost=None,
     :func:`volume.dataparallel.topk_step_bytes`)."""
     _check_topology(nodes, gpus_per_node)
     M, P = nodes, gpus_per_node
+    placement = Placement.node_major(M, P)
     layout = spec.layout
     plan = TopKPlan.for_layout(layout, options)
     K = plan.K
-    phases = plan.step_bytes(M, P)
-    calls = CallCost(M, P, cost)
-    calls.allgather("topk_allgather", 8 * K, "world")
-    step = calls.finish(phases, 8 * K, ITEMSIZE * layout.total)
+    step = IterCost.from_calls(plan.calls(placement), placement, cost, 8 * K,
+                               ITEMSIZE * layout.total)
     s = (assumptions or DPAssumptions()).steps_per_iter
     notes = (f"K = sum_l max(1, ceil({options.density:g} n_l)) = {K} of {layout.total} "
              f"(float32 value + int32 index each: payload ratio {2 * K / layout.total:.4f})",

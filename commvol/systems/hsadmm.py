@@ -153,7 +153,7 @@ def predict_flat_admm(spec, nodes: int, gpus_per_node: int, options: HSADMMConfi
 register(SystemModel("hsadmm", predict_hsadmm, HSADMMConfig, Assumptions=HSADMMAssumptions,
                      description="PruneX H-SADMM: intra all-reduce, mask OR-sync, compact "
                                  "inter-node all-reduce, bcast",
-                     units_per_epoch=_admm_units_per_epoch))
+                     units_per_epoch=_admm_units_per_epoch, loop="admm"))
 register(SystemModel("flat-admm", predict_flat_admm, HSADMMConfig,
                      description="flat consensus ADMM (PruneX (AR)): dense world all-reduce",
-                     units_per_epoch=_admm_units_per_epoch))
+                     units_per_epoch=_admm_units_per_epoch, loop="admm"))

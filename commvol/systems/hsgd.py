@@ -71,7 +71,7 @@ def predict_sgd(spec, nodes, gpus_per_node, options: HSGDOptions, cost=None) -> 
     return predict_partitioned(spec, nodes, gpus_per_node, options, cost, "random")
 
 
-register(SystemModel("hsgd", predict_hsgd, HSGDOptions, spec_kind="radixnet",
+register(SystemModel("hsgd", predict_hsgd, HSGDOptions, spec_kind="radixnet", loop="hsgd",
                      description="H-SGD: SpFF/SpBP, hypergraph row partition", baseline="sgd"))
-register(SystemModel("sgd", predict_sgd, HSGDOptions, spec_kind="radixnet",
+register(SystemModel("sgd", predict_sgd, HSGDOptions, spec_kind="radixnet", loop="hsgd",
                      description="SGD: SpFF/SpBP, random row partition", baseline=None))

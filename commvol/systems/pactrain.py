@@ -4,10 +4,9 @@ paper's FP16 all-reduce baseline (:mod:`dataparallel.fp16`, :mod:`volume.fp16`).
 
 from __future__ import annotations
 
-from dataparallel.ddp import flat_buckets
-from dataparallel.fp16 import FP16Options
+from dataparallel.fp16 import FP16_ITEMSIZE, FP16Options, FP16Plan
 from dataparallel.pactrain import PacTrainOptions, PacTrainPlan
-from volume.fp16 import FP16_ITEMSIZE, fp16_step_bytes
+from substrate.calls import Placement
 
 from .core import ITEMSIZE, CallCost, IterCost, Prediction, SystemModel, _check_topology, register
 
@@ -105,16 +104,15 @@ register(SystemModel("pactrain", predict_pactrain, PacTrainOptions,
 
 def predict_fp16(spec, nodes, gpus_per_node, options: FP16Options, cost=None) -> Prediction:
     """FP16 all-reduce (PacTrain's quantization baseline): DDP's buckets, each one ring
-    all-reduce of half-precision values (:func:`volume.fp16.fp16_step_bytes`)."""
+    all-reduce of half-precision values (:class:`dataparallel.fp16.FP16Plan`; closed form
+    :func:`volume.fp16.fp16_step_bytes`)."""
     _check_topology(nodes, gpus_per_node)
-    sizes = [b - a for a, b in flat_buckets(spec.layout, int(options.bucket_mib * (1 << 20)),
-                                            ITEMSIZE)]
-    calls = CallCost(nodes, gpus_per_node, cost)
-    for n in sizes:
-        calls.allreduce("fp16_allreduce", FP16_ITEMSIZE * n, "world")
+    placement = Placement.node_major(nodes, gpus_per_node)
+    plan = FP16Plan.for_layout(spec.layout, options, ITEMSIZE)
+    sizes = [b - a for a, b in plan.buckets]
     T = spec.layout.total
-    step = calls.finish(fp16_step_bytes(M=nodes, P=gpus_per_node, bucket_sizes=sizes),
-                        FP16_ITEMSIZE * T, ITEMSIZE * T)
+    step = IterCost.from_calls(plan.calls(placement), placement, cost, FP16_ITEMSIZE * T,
+                               ITEMSIZE * T)
     notes = ((f"{len(sizes)} gradient bucket(s) of <= {options.bucket_mib:g} MiB of float32, "
               "each cast to fp16 (2 bytes per entry) and summed by one ring all-reduce"),)
     return Prediction("fp16", spec.name, nodes, gpus_per_node, "1 step", ((None, step),),

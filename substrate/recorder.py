@@ -1,0 +1,124 @@
+"""The run's books: every executed call is booked in the ledger, declared on the timeline and
+logged, from its one record (:class:`substrate.calls.Call`).
+
+A :class:`Recorder` is shared by every :class:`~substrate.comm.Comm` of a run.  For each call a
+communicator runs (or, on a rank outside the group, waits for) it
+
+* books what this rank handed to MPI in the :class:`~substrate.ledger.Ledger`, with the α–β
+  seconds :func:`substrate.calls.rank_seconds` gives the record;
+* declares the record's event on the run's :class:`~substrate.timeline.Timeline` (when the clock
+  keeps one) after its dependencies (:func:`substrate.calls.declare_one`): by default after
+  everything the rank declared before (a blocking call in program order), or after exactly the
+  events passed as ``after=`` (overlap);
+* appends the record to the :class:`~substrate.calls.CallLog` (count and digest: a run and its
+  replay agree call for call); :meth:`Recorder.account` holds the calls of an interval against
+  the plan's records of the interval and prices them for the run's ``predicted`` block, so a
+  run that does not execute exactly its plan stops with the first difference.
+
+It returns a :class:`Handle` carrying the record, its event and the call's result.
+"""
+
+from __future__ import annotations
+
+from .calls import Call, CallLog, Placement, bytes_by_phase, declare_one, rank_seconds
+from .costmodel import CostModel
+from .ledger import Ledger
+
+__all__ = ["Recorder", "Handle"]
+
+
+class Handle:
+    """What a communication call returns: its record, its timeline event (``None`` without a
+    timeline) and its result (the reduced buffer, the gathered array, ...).
+
+    Pass a handle (or its :attr:`event`) in a later call's ``after=`` or a compute block's
+    ``deps=``.  :meth:`wait` completes a non-blocking call and returns the result.
+    """
+
+    __slots__ = ("call", "event", "result", "_wait")
+
+    def __init__(self, call: Call | None, event=None, result=None, wait=None) -> None:
+        self.call = call
+        self.event = event
+        self.result = result
+        self._wait = wait
+
+    def wait(self):
+        """Complete the call (a no-op for blocking calls) and return its result."""
+        if self._wait is not None:
+            w, self._wait = self._wait, None
+            w()
+        return self.result
+
+    @property
+    def done(self) -> bool:
+        return self._wait is None
+
+    def __repr__(self) -> str:
+        what = self.call.phase if self.call is not None else "none"
+        return f"Handle({what}, event={getattr(self.event, 'label', None)!r})"
+
+
+def _events(after) -> list:
+    """Timeline events of ``after`` (events, handles or ``None``s, one or a sequence)."""
+    if after is None:
+        return []
+    if not isinstance(after, (list, tuple)):
+        after = (after,)
+    out = []
+    for a in after:
+        if a is None:
+            continue
+        ev = a.event if isinstance(a, Handle) else a
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
+class Recorder:
+    """Ledger, timeline and call log of one rank (see the module docstring).
+
+    Parameters
+    ----------
+    placement : Placement
+        Node of every world rank.
+    rank : int
+        This process's world rank.
+    cost : CostModel, optional
+    ledger : Ledger, optional
+    """
+
+    def __init__(self, placement: Placement, rank: int, cost: CostModel | None = None,
+                 ledger: Ledger | None = None) -> None:
+        self.placement = placement
+        self.rank = int(rank)
+        self.cost = cost if cost is not None else CostModel()
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.timeline = None
+        self.log = CallLog()
+
+    def book(self, call: Call, *, payload: int, intra: int = 0, inter: int = 0,
+             messages: int = 0, links=()) -> None:
+        """Book this rank's part of ``call`` in the ledger (bytes it handed to MPI)."""
+        seconds = rank_seconds(call, self.cost, self.placement).get(self.rank, 0.0)
+        self.ledger.record(call.phase, payload=payload, intra=intra, inter=inter,
+                           messages=messages, modeled_s=seconds, links=links)
+
+    def declare(self, call: Call, after=None, member: bool = True):
+        """Log ``call`` and declare it on the timeline (``None`` without one): after ``after``
+        (events or handles), or, when ``after`` is ``None``, after everything declared before.
+        ``member=False``: this rank does not take part, it waits for the call."""
+        self.log.add(call, member)
+        tl = self.timeline
+        if tl is None:
+            return None
+        deps = tl.frontier() if after is None else _events(after)
+        return declare_one(tl, call, self.placement, self.rank, deps)
+
+    def account(self, planned) -> dict:
+        """The plan's records of the calls executed since the previous ``account``: check them
+        against what ran (:meth:`substrate.calls.CallLog.check`) and return their
+        ``{phase: {"intra": bytes, "inter": bytes}}`` (the run's predicted traffic)."""
+        planned = list(planned)
+        self.log.check(planned, self.rank)
+        return bytes_by_phase(planned, self.placement)
