@@ -8,8 +8,9 @@ communicator runs (or, on a rank outside the group, waits for) it
   seconds :func:`substrate.calls.rank_seconds` gives the record;
 * declares the record's event on the run's :class:`~substrate.timeline.Timeline` (when the clock
   keeps one) after its dependencies (:func:`substrate.calls.declare_one`): by default after
-  everything the rank declared before (a blocking call in program order), or after exactly the
-  events passed as ``after=`` (overlap);
+  everything the rank declared before, and the rank's next compute waits for it (a blocking
+  call in program order); or after exactly the events passed as ``after=`` (a call issued
+  to a communication stream: it overlaps what the rank computes next);
 * appends the record to the :class:`~substrate.calls.CallLog` (count and digest: a run and its
   replay agree call for call); :meth:`Recorder.account` holds the calls of an interval against
   the plan's records of the interval and prices them for the run's ``predicted`` block, so a
@@ -112,8 +113,11 @@ class Recorder:
         tl = self.timeline
         if tl is None:
             return None
-        deps = tl.frontier() if after is None else _events(after)
-        return declare_one(tl, call, self.placement, self.rank, deps)
+        if after is not None:
+            return declare_one(tl, call, self.placement, self.rank, _events(after))
+        ev = declare_one(tl, call, self.placement, self.rank, tl.frontier())
+        tl.block(ev)
+        return ev
 
     def account(self, planned) -> dict:
         """The plan's records of the calls executed since the previous ``account``: check them

@@ -302,6 +302,7 @@ class Timeline:
         self._token = object()        # identifies the open step
         self._placed: dict[int, int] = {}   # events placed after= each event of the open step
         self._sinks: dict[int, Event] = {}   # events of the open step nothing waits for yet
+        self._blocking: list[Event] = []     # blocking calls the next compute event waits for
         self.steps = 0
         self.history: deque[StepTiming] = deque(maxlen=max(0, int(keep_steps)))
         self.totals = {"step_s": 0.0, "compute_s": 0.0, "offload_s": 0.0, "comm_s": 0.0,
@@ -347,6 +348,12 @@ class Timeline:
         for everything declared so far (a blocking call in program order)."""
         return list(self._sinks.values())
 
+    def block(self, event: Event | None) -> None:
+        """``event`` is a blocking call: the next compute event of the compute stream waits for
+        it (the thread that issued it computes nothing until it returns)."""
+        if event is not None:
+            self._blocking.append(event)
+
     def compute(self, label: str, seconds: float, deps=(), stream: str = "compute",
                 after: Event | None = None) -> Event:
         """A compute event of ``seconds`` on ``stream`` (``"compute"`` or ``"offload"``), after
@@ -365,6 +372,11 @@ class Timeline:
             raise ValueError(f"event {label!r}: unknown stream {stream!r}; use one of {STREAMS}")
         seconds = _check_seconds(f"compute event {label!r}: seconds", seconds)
         deps = self._deps(deps, label)
+        if stream == "compute" and after is None and self._blocking:
+            # the thread that runs the compute stream waited for these calls (blocking calls
+            # in program order): nothing it computes next starts before they end
+            deps = tuple(dict.fromkeys((*deps, *self._blocking)))
+            self._blocking = []
         order = None
         if after is not None:
             (after,) = self._deps(after, label)
@@ -470,6 +482,7 @@ class Timeline:
         self._events = []
         self._placed = {}
         self._sinks = {}
+        self._blocking = []
         self._token = object()
         self._cache = None
         return timing

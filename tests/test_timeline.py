@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from models.layers import Conv2d, Linear, ReLU, Sequential
 from models.network import Model
 from models.zoo import build_model
+from substrate.calls import Call, Placement, declare_one
+from substrate.recorder import Recorder
 from substrate.clock import SimClock
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
@@ -169,11 +171,16 @@ def test_transfer_times_come_from_the_cost_model():
     tl.step()
     assert ev.finish == approx(cm.ring_allreduce_time(n, p, "inter"))
 
-    class FakeComm:                      # what Timeline.collective reads from a Comm
-        size, slowest = 3, "intra"
-    ev = tl.collective(FakeComm(), "grad", n, algorithm="allgather")
+    # a call record declared from its record: an all-gather of n bytes in all over 3 ranks of
+    # one node is timed at the intra link with the all-gather's formula
+    call = Call("grad", "allgather", (0, 1, 2), blocks=(2666667, 2666667, 2666666))
+    ev = declare_one(tl, call, Placement.node_major(1, 3), 0, ())
     tl.step()
     assert ev.finish == approx(2 * 2e-6 + 2 / 3 * n / 300e9)
+    # on two nodes the ring crosses one: the inter link's alpha and beta
+    ev = declare_one(tl, call, Placement.from_sizes([2, 1]), 0, ())
+    tl.step()
+    assert ev.finish == approx(2 * 5e-6 + 2 / 3 * n / 12.5e9)
 
 
 def test_ranks_of_a_node_sending_at_once_share_its_link():
@@ -338,20 +345,35 @@ def test_additive_clock_is_compute_plus_ledger():
         assert resumed.step().step_s == approx(0.0) and resumed.sim_s == approx(2.5)
 
 
-def test_timeline_clock_without_declared_transfers_equals_the_additive_one():
+def test_blocking_calls_add_up_like_the_additive_clock():
+    """A call declared without ``after=`` is blocking: it waits for everything before it and
+    the next compute waits for it, so compute + call + compute add up (the additive clock)."""
     led = Ledger()
-    clock = _flop_clock(led, Timeline(CostModel()))
+    tl = Timeline(CostModel(inter_bw=8 / 0.25, inter_lat=0.0))    # 8 bytes take 0.25 s
+    clock = _flop_clock(led, tl)
+    rec = Recorder(Placement.node_major(2, 1), 0, tl.cost, led)
+    rec.timeline = tl
+    call = Call("grad", "p2p", (0, 1), pairs=((0, 1, 8),))
     for _ in range(3):
         with clock.compute("fwd", flops=1e12):
             pass
-        led.record("grad", payload=8, inter=8, modeled_s=0.25, links=("inter",))
+        rec.book(call, payload=8, inter=8, messages=1, links=("inter",))
+        ev = rec.declare(call)
         with clock.compute("opt", flops=0.5e12):
             pass
+        assert ev in clock.last_event.deps
         t = clock.step()
         assert t.step_s == approx(1.75)
     assert clock.sim_s == approx(3 * 1.75) and clock.no_overlap_s == approx(3 * 1.75)
     assert clock.compute_s == approx(4.5) and clock.comm_modeled_s == approx(0.75)
-    assert [e.label for e in t.events][-1] == "grad (undeclared)"
+    assert [e.label for e in t.events] == ["fwd", "grad->1", "opt"]
+    # with after= the call is issued to a stream: the next compute overlaps it
+    with clock.compute("fwd", flops=1e12):
+        pass
+    rec.declare(call, after=clock.last_event)
+    with clock.compute("opt", flops=0.5e12):
+        pass
+    assert clock.step().step_s == approx(1.5)
 
 
 def test_timeline_clock_overlaps_declared_transfers():

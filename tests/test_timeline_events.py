@@ -5,11 +5,10 @@ Each test trains a system for a few steps under MPI with this file as the launch
 :meth:`substrate.clock.SimClock.step` (and :meth:`substrate.cli.Run.finish`, for the
 communication after the last step) to record, per rank and step, before the step is closed:
 
-* the communication the ledger booked but no event declared (:meth:`SimClock._undeclared`,
-  the remainder the clock appends serially at the end of the step);
 * per phase, the payload bytes and the α–β seconds the ledger booked (:meth:`Ledger.since`) and
-  those of the declared transfers (payload from each transfer's ``nbytes``: an all-gather
-  declares the ``p`` gathered blocks, every other algorithm the buffer itself);
+  those of the declared transfers (each call's record, priced for the timeline by
+  :func:`substrate.calls.event_parts` independently of the ledger's
+  :func:`substrate.calls.rank_seconds`);
 * the scheduled step: critical path, no-overlap sum, compute, offload and each link's busy
   time.
 
@@ -38,41 +37,16 @@ TOL = 1e-9
 
 # -- the MPI side ----------------------------------------------------------------------------------
 
-def _payload(event) -> float:
-    """Payload bytes of one declared transfer in the ledger's terms (its own buffer)."""
-    algorithm, p, _ = getattr(event, "_probe", ("p2p", 1, 1))
-    if algorithm == "barrier":
+def _ledger_terms(call, rank: int) -> float:
+    """Payload bytes of ``call`` on ``rank`` in the ledger's terms (its own buffer)."""
+    if call.algorithm == "barrier":
         return 0.0
-    return event.nbytes / p if algorithm == "allgather" else event.nbytes
-
-
-def _probe(clock) -> dict:
-    """What the open step of ``clock`` declared and booked (before it is closed)."""
-    tl = clock.timeline
-    declared: dict[str, list] = {}
-    shares: dict[str, list] = {}
-    for e in tl.open_events:
-        if e.kind == "transfer":
-            share = getattr(e, "_probe", ("p2p", 1, 1))[2]
-            d = declared.setdefault(e.phase, [0.0, 0.0])
-            d[0] += _payload(e)
-            # in the ledger's terms: a transfer sharing its node's link with `share` ranks
-            # books its own bytes at the full rate
-            d[1] += e.latency_s + e.work_s / share
-            key = f"{e.phase}:{e.resource}"
-            shares.setdefault(key, [])
-            if share not in shares[key]:
-                shares[key].append(share)
-    booked = {ph: [e["payload_bytes"], e["modeled_s"], e["calls"]]
-              for ph, e in clock.ledger.since(clock._snap).items()}
-    return {"undeclared": [[ph, link, s] for ph, link, s in clock._undeclared()],
-            "declared": declared, "booked": booked, "shares": shares}
-
-
-def _timing(t) -> dict:
-    return {"step_s": t.step_s, "no_overlap_s": t.no_overlap_s, "compute_s": t.compute_s,
-            "offload_s": t.offload_s, "busy_s": max(t.comm_busy_s.values(), default=0.0),
-            "transfers": sum(1 for e in t.events if e.kind == "transfer")}
+    if call.algorithm == "allgather":
+        return float(call.blocks[call.group.index(rank)]) if rank in call.group else \
+            float(call.nbytes) / call.size
+    if call.algorithm == "p2p":
+        return float(call.pairs[call.pairs[:, 0] == rank, 2].sum())
+    return float(call.nbytes)
 
 
 def _main(argv) -> None:
@@ -82,35 +56,56 @@ def _main(argv) -> None:
 
     from mpi4py import MPI
 
+    from substrate.calls import event_parts
     from substrate.cli import Run
     from substrate.clock import SimClock
-    from substrate.timeline import Timeline
+    from substrate.recorder import Recorder
 
     out, module, args = argv[0], argv[1], argv[2:]
     records: list = []
     where: dict = {}
-    transfer, step, finish = Timeline.transfer, SimClock.step, Run.finish
+    declare, step, finish = Recorder.declare, SimClock.step, Run.finish
+    open_step: dict = {"declared": {}, "shares": {}, "snap": {}}
 
-    def probed_transfer(self, phase, link, nbytes, *, algorithm="p2p", p=2, share=1, **kw):
-        ev = transfer(self, phase, link, nbytes, algorithm=algorithm, p=p, share=share, **kw)
-        ev._probe = (algorithm, p, share)
+    def probed_declare(self, call, after=None, member=True):
+        ev = declare(self, call, after, member)
+        if self.timeline is not None:
+            parts = event_parts(call, self.cost, self.placement, self.rank)
+            d = open_step["declared"].setdefault(call.phase, [0.0, 0.0])
+            d[0] += _ledger_terms(call, self.rank)
+            # in the ledger's terms: a transfer sharing its node's link with `share` ranks
+            # books its own bytes at the full rate
+            d[1] += sum(lat + work for _, lat, work, _, _, _ in parts)
+            for link, _, _, share, _, _ in parts:
+                key = f"{call.phase}:{link}"
+                have = open_step["shares"].setdefault(key, [])
+                if share not in have:
+                    have.append(share)
         return ev
 
+    def probe(clock) -> dict:
+        booked = {ph: [e["payload_bytes"], e["modeled_s"], e["calls"]]
+                  for ph, e in clock.ledger.since(open_step["snap"]).items()}
+        rec = {"declared": open_step["declared"], "booked": booked,
+               "shares": open_step["shares"]}
+        open_step.update(declared={}, shares={}, snap=clock.ledger.snapshot())
+        return rec
+
     def probed_step(self):
-        rec = _probe(self) if self.timeline is not None else {}
+        rec = probe(self) if self.timeline is not None else {}
         timing = step(self)
         records.append({**rec, **_timing(timing)})
         return timing
 
     def probed_finish(self, *a, **kw):
         if self.clock.timeline is not None and self.clock.timeline.open_events:
-            rec = _probe(self.clock)
+            rec = probe(self.clock)
             rec.update(_timing(self.clock.timeline.schedule()), final=True)
             records.append(rec)
         where.update(node=self.topo.node, leader=bool(self.topo.is_leader))
         return finish(self, *a, **kw)
 
-    Timeline.transfer, SimClock.step, Run.finish = probed_transfer, probed_step, probed_finish
+    Recorder.declare, SimClock.step, Run.finish = probed_declare, probed_step, probed_finish
     main = importlib.import_module({"dataparallel": "dataparallel.train",
                                     "hsadmm": "hsadmm.train",
                                     "sparse_sgd": "sparse_sgd.cli"}[module]).main
@@ -119,6 +114,12 @@ def _main(argv) -> None:
     if MPI.COMM_WORLD.rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+
+
+def _timing(t) -> dict:
+    return {"step_s": t.step_s, "no_overlap_s": t.no_overlap_s, "compute_s": t.compute_s,
+            "offload_s": t.offload_s, "busy_s": max(t.comm_busy_s.values(), default=0.0),
+            "transfers": sum(1 for e in t.events if e.kind == "transfer")}
 
 
 # -- the test side ---------------------------------------------------------------------------------
@@ -142,7 +143,8 @@ def _check(ranks, *, strict=False, chain: bool = False, min_steps: int = 1) -> N
         for i, s in enumerate(r["records"]):
             where = f"rank {rank} step {i}"
             # (a) everything the ledger booked was declared
-            assert s["undeclared"] == [], (where, s["undeclared"])
+            for phase, (_, seconds, _) in s["booked"].items():
+                assert seconds == 0 or phase in s["declared"], (where, phase, "undeclared")
             # (b) declared bytes and seconds per phase equal the booked ones
             for phase, (nbytes, seconds) in s["declared"].items():
                 if phase in s["booked"]:
@@ -153,8 +155,6 @@ def _check(ranks, *, strict=False, chain: bool = False, min_steps: int = 1) -> N
                 assert nbytes == want_b, (where, phase, nbytes, want_b)
                 assert math.isclose(seconds, want_s, rel_tol=1e-9, abs_tol=1e-15), \
                     (where, phase, seconds, want_s)
-            for phase, (nbytes, seconds, calls) in s["booked"].items():
-                assert seconds == 0 or phase in s["declared"], (where, phase)
             # (c) the critical path lies between the busiest resource and the serial sum
             lower = max(s["compute_s"], s["offload_s"], s["busy_s"])
             assert lower <= s["step_s"] * (1 + TOL) + 1e-15, (where, s)
