@@ -63,18 +63,18 @@ def _exercise(run) -> dict[str, bool]:
     w.bcast(a, 0, phase="probe_world_bcast")
     ok["probe_world_bcast"] = bool(np.all(a == np.arange(n)))
 
-    g = w.allgather(np.full(K, r, dtype=np.int32), phase="probe_world_allgather")
+    g = w.allgather(np.full(K, r, dtype=np.int32), phase="probe_world_allgather").result
     ok["probe_world_allgather"] = bool(np.all(g == np.arange(p)[:, None]))
 
     counts = (np.arange(p) + 1) * K
     gv, _ = w.allgatherv(np.full(counts[r], r, dtype=np.float32), counts,
-                         phase="probe_world_allgatherv")
+                         phase="probe_world_allgatherv").result
     ok["probe_world_allgatherv"] = bool(np.all(gv == np.repeat(np.arange(p), counts)))
 
     sendcounts = (np.arange(p) + 1) * K // 4
     send = np.repeat(np.arange(p, dtype=np.float32) + 100 * r, sendcounts)
     recvcounts = np.full(p, sendcounts[r])
-    got, _ = w.alltoallv(send, sendcounts, recvcounts, phase="probe_world_alltoallv")
+    got, _ = w.alltoallv(send, sendcounts, recvcounts, phase="probe_world_alltoallv").result
     ok["probe_world_alltoallv"] = bool(np.all(got == np.repeat(100 * np.arange(p) + r,
                                                                recvcounts)))
 

@@ -86,6 +86,12 @@ def test_exact_ring_sends_what_the_ring_books(n, R):
         "substrate_checks.py", n, "exact_sent_equals_formula", R, timeout=90).stdout
 
 
+@pytest.mark.parametrize("n,R", MODE_LAYOUTS, ids=[f"{n}x{R}" for n, R in MODE_LAYOUTS])
+def test_call_records_price_what_the_exact_collectives_sent(n, R):
+    assert "OK records_price_the_ledger" in run_mpi(
+        "substrate_checks.py", n, "records_price_the_ledger", R, timeout=120).stdout
+
+
 def _collectives_block(tmp_path, *extra, env_drop=()):
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415

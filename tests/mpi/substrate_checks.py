@@ -32,12 +32,12 @@ def ring_inter(R):
     t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
     M = t.num_nodes
     for n in (1000, 1001, 7):  # also counts the ring cannot split evenly: the total is exact
-        t.ledger.reset()
+        t.recorder.ledger.reset()
         if t.inter is not None:
             x = np.full(n, t.node + 1.0, dtype=np.float32)
             t.inter.allreduce(x, phase="inter_allreduce")
             collective_check(t.inter, np.all(x == M * (M + 1) / 2), "wrong sum")
-        tot = t.ledger.totals(t.world)
+        tot = t.recorder.ledger.totals(t.world)
         e = tot["by_phase"].get("inter_allreduce", {})
         want = 2 * (M - 1) * 4 * n
         ok = (tot["inter_node_bytes"] == want and tot["intra_node_bytes"] == 0
@@ -45,12 +45,12 @@ def ring_inter(R):
               and e.get("payload_bytes") == 4 * n * M)
         collective_check(t.world, ok, f"n={n}: measured {tot}, want inter {want}")
     # the same over all p = M*P ranks (node-major ring): M * 2(p-1)/p * n across nodes
-    t.ledger.reset()
+    t.recorder.ledger.reset()
     p = t.size
     n = 64 * p
     x = np.ones(n, dtype=np.float32)
     t.world.allreduce(x, "avg", phase="world_allreduce")
-    tot = t.ledger.totals(t.world)
+    tot = t.recorder.ledger.totals(t.world)
     want = cm.ring_allreduce_wire_bytes(4 * n, p, M if M > 1 else 0)
     collective_check(t.world, np.all(x == 1) and tot["inter_node_bytes"] == want["inter"]
                      and tot["intra_node_bytes"] == want["intra"]
@@ -74,7 +74,7 @@ def p2p(R):
             reqs.append(w.isend(np.full(sizes[r, j], r * 100.0 + j), j, tag=5, phase="p2p"))
     w.waitall(reqs)
     ok = all(np.all(bufs[j] == j * 100.0 + r) for j in bufs)
-    tot = t.ledger.totals(w)
+    tot = t.recorder.ledger.totals(w)
     node = np.arange(p) // R
     inter = sum(8 * sizes[i, j] for i in range(p) for j in range(p) if node[i] != node[j])
     intra = sum(8 * sizes[i, j] for i in range(p) for j in range(p)
@@ -94,7 +94,7 @@ def mask_or(R):
     packed = np.packbits(masks[t.rank])
     t.world.allreduce(packed, "bor", phase="mask_or")
     got = np.unpackbits(packed, count=nbits).astype(bool)
-    tot = t.ledger.totals(t.world)
+    tot = t.recorder.ledger.totals(t.world)
     ok = np.array_equal(got, want)
     # 155 bytes do not split evenly over p ranks: the wire total is still exactly 2(p-1)n
     ok = ok and tot["inter_node_bytes"] + tot["intra_node_bytes"] == 2 * (t.size - 1) * packed.size
@@ -127,7 +127,7 @@ def bucketed(R):
     plan2 = next(iter(t.world._bucket_plans.values()))
     ok = ok and plan2 is plan and [id(b) for b in plan2.buffers] == ids
     ok = ok and len(t.world._bucket_plans) == 1
-    tot = t.ledger.totals(t.world)["by_phase"]
+    tot = t.recorder.ledger.totals(t.world)["by_phase"]
     ok = ok and tot["bucketed"]["calls"] == 2 * nb and tot["per_tensor"]["calls"] == len(shapes)
     # the ring's wire total is 2(p-1) n per call whatever the cut, so two bucketed rounds move
     # exactly twice the per-tensor bytes, in far fewer calls
@@ -139,14 +139,14 @@ def gathers(R):
     """allgather / allgatherv / alltoallv / bcast against explicit references."""
     t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)
     w, p, r = t.world, t.size, t.rank
-    g = w.allgather(np.array([r, r * r], dtype=np.int64), phase="ag")
+    g = w.allgather(np.array([r, r * r], dtype=np.int64), phase="ag").result
     ok = np.array_equal(g, np.array([[i, i * i] for i in range(p)]))
-    v, counts = w.allgatherv(np.arange(r + 2, dtype=np.float64) + 10 * r, phase="agv")
+    v, counts = w.allgatherv(np.arange(r + 2, dtype=np.float64) + 10 * r, phase="agv").result
     ok = ok and np.array_equal(counts, np.arange(p) + 2) and np.array_equal(
         v, np.concatenate([np.arange(i + 2) + 10.0 * i for i in range(p)]))
     sc = np.array([(r + j) % 3 for j in range(p)])
     send = np.concatenate([np.full(sc[j], 1000 * r + j, dtype=np.int32) for j in range(p)])
-    out, rc = w.alltoallv(send, sc, phase="a2a")
+    out, rc = w.alltoallv(send, sc, phase="a2a").result
     ok = ok and np.array_equal(rc, [(i + r) % 3 for i in range(p)]) and np.array_equal(
         out, np.concatenate([np.full((i + r) % 3, 1000 * i + r, dtype=np.int32)
                              for i in range(p)]))
@@ -154,7 +154,7 @@ def gathers(R):
         b = np.arange(10.0) * (root + 1) if r == root else np.zeros(10)
         w.bcast(b, root, phase="bcast")
         ok = ok and np.array_equal(b, np.arange(10.0) * (root + 1))
-    tot = t.ledger.totals(w)["by_phase"]
+    tot = t.recorder.ledger.totals(w)["by_phase"]
     # binomial bcast: p-1 tree edges of 80 bytes per call, whatever the root
     ok = ok and tot["bcast"]["bytes"] == p * (p - 1) * 80 and tot["bcast"]["messages"] == p * (p - 1)
     ok = ok and tot["ag"]["bytes"] == (p - 1) * p * 16
@@ -191,19 +191,19 @@ def _exercise(t, rng_seed=3):
             res.append(x.copy())
     counts = np.array([(3 * i + 1) % 4 for i in range(p)], dtype=np.int64)  # zeros included
     mine = np.arange(counts[r], dtype=np.float32) + 100 * r
-    v, c = w.allgatherv(mine, counts, phase="agv")
+    v, c = w.allgatherv(mine, counts, phase="agv").result
     want = np.concatenate([np.arange(counts[i], dtype=np.float32) + 100 * i for i in range(p)])
     if not np.array_equal(v, want):
         ok = False
         why.append(f"allgatherv {v} != {want}")
     res.append(v)
-    g = w.allgather(np.array([[r, -r], [r * r, 7]], dtype=np.int16), phase="ag")
+    g = w.allgather(np.array([[r, -r], [r * r, 7]], dtype=np.int16), phase="ag").result
     if not np.array_equal(g, np.array([[[i, -i], [i * i, 7]] for i in range(p)])):
         ok = False
         why.append("allgather wrong")
     sc = np.array([(r * 5 + 3 * j) % 4 for j in range(p)], dtype=np.int64)
     send = np.concatenate([np.full(sc[j], 1000 * r + j, dtype=np.int64) for j in range(p)])
-    out, rc = w.alltoallv(send, sc, phase="a2a")  # counts exchanged first (recorded)
+    out, rc = w.alltoallv(send, sc, phase="a2a").result  # counts exchanged first (recorded)
     want = np.concatenate([np.full((i * 5 + 3 * r) % 4, 1000 * i + r, dtype=np.int64)
                            for i in range(p)])
     if not (np.array_equal(out, want) and np.array_equal(rc, [(i * 5 + 3 * r) % 4
@@ -243,7 +243,7 @@ def exact_vs_native(R):
                          f"mode not propagated: {t.world.mode}, {t.intra.mode}")
         res, ok, why = _exercise(t)
         collective_check(t.world, ok, f"{mode}: {why}")
-        out[mode] = (res, t.ledger.local())
+        out[mode] = (res, t.recorder.ledger.local())
     (rx, lx), (rn, ln) = out["exact"], out["native"]
     same_res = all(a.dtype == b.dtype and np.allclose(a, b, rtol=1e-12, atol=1e-12)
                    for a, b in zip(rx, rn)) and len(rx) == len(rn)
@@ -262,6 +262,38 @@ def exact_vs_native(R):
                      f"results equal: {same_res}; ledger differences: {diffs[:6]}")
 
 
+def records_price_the_ledger(R):
+    """The records every call logged, priced by the generic rule (:func:`substrate.calls.
+    wire_bytes`, written from the algorithms' definitions), equal the bytes the exact collectives
+    really handed to MPI, per phase and link class, for every algorithm on uneven sizes and every
+    root: one record, two derivations."""
+    from substrate.calls import wire_bytes
+
+    t = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, collectives="exact")
+    _exercise(t)
+    mine: dict = {}
+    for call, member in t.recorder.log.pending:
+        # a collective's record is logged by every member: count it once (its first member); a
+        # message by its sender; an all-to-all record carries its member's own row
+        if member and (call.algorithm in ("p2p", "alltoallv") or call.group[0] == t.rank):
+            b = wire_bytes(call, t.placement)
+            e = mine.setdefault(call.phase, [0, 0])
+            e[0] += b["intra"]
+            e[1] += b["inter"]
+    priced: dict = {}
+    for d in MPI.COMM_WORLD.allgather(mine):
+        for ph, (a, b) in d.items():
+            e = priced.setdefault(ph, [0, 0])
+            e[0] += a
+            e[1] += b
+    booked = t.recorder.ledger.totals(t.world)["by_phase"]
+    diffs = [f"{ph}: priced {priced.get(ph, [0, 0])} booked "
+             f"{[e['intra_bytes'], e['inter_bytes']]}"
+             for ph, e in booked.items() if priced.get(ph, [0, 0]) != [e["intra_bytes"],
+                                                                      e["inter_bytes"]]]
+    collective_check(t.world, not diffs, "; ".join(diffs[:6]))
+
+
 def exact_sent_equals_formula(R):
     """Per rank, the exact ring all-reduce hands MPI ``2n - c_(i+1) - c_(i+2)`` elements, all to
     the right neighbour (second source: the chunk arithmetic written out here)."""
@@ -269,13 +301,13 @@ def exact_sent_equals_formula(R):
     w, p, i = t.world, t.size, t.rank
     ok, why = True, ""
     for count in (1, 5, 1000, 1001, 1003):
-        t.ledger.reset()
+        t.recorder.ledger.reset()
         x = np.ones(count, dtype=np.float32)
         w.allreduce(x, phase="ar")
         base, extra = divmod(count, p)
         c = [base + (j < extra) for j in range(p)]
         want = 0 if p == 1 else 4 * (2 * count - c[(i + 1) % p] - c[(i + 2) % p])
-        e = t.ledger.local()["ar"]
+        e = t.recorder.ledger.local()["ar"]
         right_is_other_node = (i + 1) % p // R != i // R
         got = e["inter_bytes"] if right_is_other_node else e["intra_bytes"]
         other = e["intra_bytes"] if right_is_other_node else e["inter_bytes"]
@@ -313,7 +345,7 @@ def collective_fail(R):
 
 CHECKS = {f.__name__: f for f in (topo_2x2, ring_inter, p2p, mask_or, bucketed, gathers,
                                    racks, collective_fail, exact_vs_native,
-                                   exact_sent_equals_formula)}
+                                   exact_sent_equals_formula, records_price_the_ledger)}
 
 if __name__ == "__main__":
     name = sys.argv[1]
