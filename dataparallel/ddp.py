@@ -84,27 +84,29 @@ class DDPPlan:
         out: list[Call] = []
         n = self.itemsize
         if self.allreduce == "ring":
-            for a, b in self.buckets:
+            for k, (a, b) in enumerate(self.buckets):
                 prev = (len(out) - 1,) if out else ()
                 out.append(Call("grad_allreduce", "allreduce", placement.world, (b - a) * n, n,
-                                op="avg", after=(Ready(a, b), *prev)))
+                                op="avg", after=(Ready(a, b), *prev),
+                                label=f"grad_allreduce[{k}]"))
             return out
         nodes = [placement.members(m) for m in range(placement.num_nodes)]
         last = [None] * len(nodes)            # each node's previous bcast
-        for a, b in self.buckets:
+        for k, (a, b) in enumerate(self.buckets):
             intra = []
             for m, members in enumerate(nodes):
                 prev = () if last[m] is None else (last[m],)
                 intra.append(len(out))
                 out.append(Call("intra_allreduce", "allreduce", members, (b - a) * n, n,
-                                op="sum", after=(Ready(a, b), *prev)))
+                                op="sum", after=(Ready(a, b), *prev),
+                                label=f"intra_allreduce[{k}]"))
             inter = len(out)
             out.append(Call("inter_allreduce", "allreduce", placement.leaders, (b - a) * n, n,
-                            op="sum", after=tuple(intra)))
+                            op="sum", after=tuple(intra), label=f"inter_allreduce[{k}]"))
             for m, members in enumerate(nodes):
                 last[m] = len(out)
                 out.append(Call("intra_bcast", "bcast", members, (b - a) * n, n,
-                                after=(inter,)))
+                                after=(inter,), label=f"intra_bcast[{k}]"))
         return out
 
 

@@ -24,9 +24,20 @@ from models import get_spec
 from models.specs import spec_from_layers
 from models.zoo import build_model
 
-from traffic_reference import simulated_ring
+from substrate.calls import Placement, bytes_by_phase
+from traffic_reference import simulated_bcast, simulated_ring
 
 LAYOUTS = [(1, 3), (2, 2), (2, 3), (3, 3), (4, 1)]
+#: placements a launcher produces: node-major (block), round-robin (a hostfile cycled), uneven
+PLACEMENTS = [Placement.node_major(M, P) for M, P in LAYOUTS] + [
+    Placement.round_robin(2, 2), Placement.round_robin(3, 2), Placement.round_robin(2, 3),
+    Placement.from_sizes([3, 1]), Placement.from_sizes([1, 2, 3]),
+    Placement((0, 1, 1, 0, 2, 1))]
+
+
+def _plan_bytes(plan, placement: Placement) -> dict:
+    """What the run executes and ``commvol`` predicts: the plan's records, priced."""
+    return bytes_by_phase(plan.calls(placement), placement)
 
 
 def _specs():
@@ -43,10 +54,6 @@ def _sizes(spec):
     """Tensor sizes in the flat (backward) order, from the shapes alone."""
     layout = spec.layout
     return [int(np.prod(layout.shape(n), dtype=np.int64)) for n in layout.names]
-
-
-def _node_major(M, P):
-    return np.repeat(np.arange(M), P)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -72,16 +79,18 @@ def test_ddp_buckets_are_whole_tensors_under_the_cap(spec, bucket_mib):
 
 
 @pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s.name)
-@pytest.mark.parametrize("M,P", LAYOUTS)
-def test_ddp_ring_bytes_against_a_simulated_ring(spec, M, P):
+@pytest.mark.parametrize("pl", PLACEMENTS, ids=lambda p: p.describe())
+def test_ddp_ring_bytes_against_a_simulated_ring(spec, pl):
+    """Any placement: the world ring visits the ranks in rank order, so a round-robin placement
+    crosses nodes on every link (twice node-major's inter-node bytes at 2 x 2)."""
     plan = DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=0.05), itemsize=4)
-    got = plan.step_bytes(M, P)["grad_allreduce"]
-    p = M * P
+    got = _plan_bytes(plan, pl)["grad_allreduce"]
+    p = pl.size
     # a ring moves 2 (p-1) n elements whatever the cut: the total is the parameter count's
     assert got["intra"] + got["inter"] == 2 * (p - 1) * 4 * spec.num_params
     want = {"intra": 0, "inter": 0}
     for n in plan.bucket_sizes:
-        r = simulated_ring(n, 4, _node_major(M, P))
+        r = simulated_ring(n, 4, pl.node_of)
         want = {k: want[k] + r[k] for k in want}
     assert got == want
 
@@ -90,12 +99,33 @@ def test_ddp_ring_bytes_against_a_simulated_ring(spec, M, P):
 def test_ddp_hierarchical_bytes_from_the_three_phases(M, P):
     spec = SPECS[1]
     plan = DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=0.05, allreduce="hierarchical"))
-    got = plan.step_bytes(M, P)
+    got = _plan_bytes(plan, Placement.node_major(M, P))
     T = 4 * spec.num_params
     # every node's ring is intra; the leaders' ring (one per node) inter; a tree of P-1 edges
     assert got["intra_allreduce"] == {"intra": M * 2 * (P - 1) * T, "inter": 0}
     assert got["inter_allreduce"] == {"intra": 0, "inter": 2 * (M - 1) * T}
     assert got["intra_bcast"] == {"intra": M * (P - 1) * T, "inter": 0}
+
+
+@pytest.mark.parametrize("pl", PLACEMENTS[5:], ids=lambda p: p.describe())
+def test_ddp_hierarchical_on_any_placement(pl):
+    """Round-robin and uneven nodes: each node's ring and tree stay inside the node, the
+    leaders' ring crosses on every link, whatever ranks the nodes hold."""
+    spec = SPECS[1]
+    plan = DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=0.05, allreduce="hierarchical"))
+    got = _plan_bytes(plan, pl)
+    T = 4 * spec.num_params
+    sizes = np.bincount(np.asarray(pl.node_of))
+    M = sizes.size
+    want_ar = {"intra": 0, "inter": 0}
+    for n in plan.bucket_sizes:
+        for g in sizes:
+            r = simulated_ring(n, 4, np.zeros(g, dtype=int))
+            want_ar["intra"] += r["intra"]
+    assert got["intra_allreduce"] == want_ar
+    assert got["inter_allreduce"] == {"intra": 0, "inter": 2 * (M - 1) * T}
+    want_bc = sum(simulated_bcast(T, np.zeros(g, dtype=int))["intra"] for g in sizes)
+    assert got["intra_bcast"] == {"intra": want_bc, "inter": 0}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -107,26 +137,36 @@ def test_topk_k_is_dgc_per_tensor(spec, density):
     assert plan.K == sum(want)
 
 
-@pytest.mark.parametrize("M,P", LAYOUTS)
-def test_topk_allgather_bytes(M, P):
+@pytest.mark.parametrize("pl", PLACEMENTS, ids=lambda p: p.describe())
+def test_topk_allgather_bytes(pl):
     spec = SPECS[1]
     plan = TopKPlan.for_layout(spec.layout, TopKOptions(density=0.01))
-    p = M * P
+    p = pl.size
     block = 8 * plan.K                          # float32 value + int32 index per entry
     per_link = (p - 1) * block                  # a ring all-gather forwards p-1 blocks per link
-    inter_links = M if M > 1 else 0
-    assert plan.step_bytes(M, P)["topk_allgather"] == {
+    nodes = np.asarray(pl.node_of)
+    inter_links = int(np.count_nonzero(nodes != np.roll(nodes, -1))) if p > 1 else 0
+    assert _plan_bytes(plan, pl)["topk_allgather"] == {
         "intra": (p - inter_links) * per_link, "inter": inter_links * per_link}
 
 
 def test_prediction_executes_the_plan():
-    """``commvol predict`` reads the same plan: its per-step bytes are the plan's."""
+    """``commvol predict`` prices the plan's records: its per-step bytes are the simulated
+    ring's / the all-gather's (independent of the plan code)."""
     spec = SPECS[1]
-    for system, opts, plan in (
-            ("ddp", {"bucket_mib": 0.05}, DDPPlan.for_layout(spec.layout, DDPOptions(0.05))),
-            ("topk", {"density": 0.02}, TopKPlan.for_layout(spec.layout, TopKOptions(0.02)))):
-        pred = predict(system, spec=spec, nodes=2, gpus_per_node=3, **opts)
-        assert pred.steady.phases == plan.step_bytes(2, 3)
+    M, P = 2, 3
+    nodes = np.repeat(np.arange(M), P)
+    plan = DDPPlan.for_layout(spec.layout, DDPOptions(0.05))
+    pred = predict("ddp", spec=spec, nodes=M, gpus_per_node=P, bucket_mib=0.05)
+    want = {"intra": 0, "inter": 0}
+    for n in plan.bucket_sizes:
+        r = simulated_ring(n, 4, nodes)
+        want = {k: want[k] + r[k] for k in want}
+    assert pred.steady.phases == {"grad_allreduce": want}
+    pred = predict("topk", spec=spec, nodes=M, gpus_per_node=P, density=0.02)
+    K = TopKPlan.for_layout(spec.layout, TopKOptions(0.02)).K
+    assert pred.steady.phases == {"topk_allgather": {"intra": (6 - 2) * 5 * 8 * K,
+                                                     "inter": 2 * 5 * 8 * K}}
 
 
 def test_prediction_assumptions_are_not_options():
