@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from substrate.costmodel import CostModel  # noqa: E402
 from substrate.testing import busy_loops  # noqa: E402
-from substrate.timeline import FlopSource, LayerEvents, Timeline  # noqa: E402
+from substrate.compute import FlopSource, LayerEvents  # noqa: E402
+from substrate.timeline import Timeline  # noqa: E402
 
 _WORK = r"""
 import sys, time

@@ -7,8 +7,8 @@ with the engine the runs use (no second scheduler):
 
 * **compute**: one forward event per compute unit (stem layers, residual blocks, head: the units
   of :func:`models.network.compute_units`) in forward order, then one backward event per unit in
-  reverse order, recorded through :class:`substrate.timeline.LayerEvents` exactly as a model with
-  a ``recorder`` reports them, timed by a :class:`substrate.timeline.FlopSource`:
+  reverse order, recorded through :class:`substrate.compute.LayerEvents` exactly as a model with
+  a ``recorder`` reports them, timed by a :class:`substrate.compute.FlopSource`:
   ``seconds = batch x FLOPs per sample / rate`` with backward FLOPs = 2 x forward
   (:data:`models.network.BACKWARD_FLOP_FACTOR`).  The rate is ``--device-tflops``, or, when the
   compute time per sample is given or measured, the rate that reproduces it
@@ -42,7 +42,8 @@ from models.network import BACKWARD_FLOP_FACTOR, compute_units
 from models.zoo import resnet_layers
 from substrate.calls import Ready, declare
 from substrate.costmodel import CostModel
-from substrate.timeline import FlopSource, LayerEvents, StepTiming, Timeline
+from substrate.compute import FlopSource, LayerEvents
+from substrate.timeline import StepTiming, Timeline
 
 from .specs import DATASET_SHAPES, MODEL_ALIASES, SPEC_ARCH
 from .systems import ITEMSIZE, get_system

@@ -91,7 +91,7 @@ import numpy as np
 from substrate.backend import array_module
 from substrate.buckets import bucket_groups
 from substrate.options import option
-from substrate.timeline import CpuTimeSource
+from substrate.compute import CpuTimeSource
 from volume import ssfusion as cv
 from volume.dataparallel import ddp_step_bytes, topk_k
 

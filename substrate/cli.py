@@ -45,7 +45,9 @@ from .clock import SimClock
 from .costmodel import CostModel
 from .ledger import Ledger
 from .options import add_dataclass_args, check_range, option
-from .timeline import SOURCES, ProfileRecorder, Timeline, make_source, write_profile
+from .clock import SOURCES, make_source
+from .profile import ProfileRecorder, write_profile
+from .timeline import Timeline
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
 

@@ -15,7 +15,7 @@ Two modes, one interface (``with clock.compute(): ...``, ``clock.sim_s``, ``comp
     after everything declared before it); :meth:`SimClock.step` closes a step and ``sim_s`` is
     the sum of the steps' critical paths.
 
-Compute is timed by a :class:`~substrate.timeline.ComputeSource` (``source=``): ``"wall"``
+Compute is timed by a :class:`~substrate.compute.ComputeSource` (``source=``): ``"wall"``
 (default, the old behaviour, grows with the host's load), ``"cpu"`` (per-thread CPU time; does
 not grow when ranks share cores), ``"cuda"`` (CUDA events), ``"flops"`` (roofline from the
 model's per-layer FLOP counts, ``device_tflops``), ``"profile"`` (each event's least cost in a
@@ -34,9 +34,61 @@ import time
 from contextlib import contextmanager
 
 from .ledger import Ledger
-from .timeline import ComputeSource, FlopSource, LayerEvents, StepTiming, Timeline, make_source
+from .compute import (
+    CalibratedSource,
+    ComputeSource,
+    CpuTimeSource,
+    CudaEventSource,
+    FlopSource,
+    LayerEvents,
+    WallSource,
+)
+from .profile import ProfileSource
+from .timeline import StepTiming, Timeline
 
-__all__ = ["SimClock"]
+__all__ = ["SimClock", "make_source", "SOURCES"]
+
+#: Names :func:`make_source` accepts (the ``--compute-source`` choices).
+SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops",
+           "profile")
+
+
+def make_source(name: str, *, sync=None, gpu: bool = False, device_tflops: float | None = None,
+                device_gbs: float | None = None, profile=None, rank: int = 0,
+                ranks: int = 1) -> ComputeSource:
+    """Build a source by name: ``auto`` (``cuda`` when ``gpu``, else ``cpu``), ``wall``,
+    ``cpu`` (thread or process CPU time, see :class:`CpuTimeSource`), ``cpu_thread``,
+    ``cpu_process``, ``calibrated`` (:class:`CalibratedSource` over ``cpu``, or ``cuda`` on a
+    GPU), ``cuda``, ``flops`` (needs ``device_tflops``), ``profile`` (needs ``profile``, a
+    file written by ``--compute-profile-out``; ``rank`` of ``ranks`` picks its table)."""
+    if profile is not None and name != "profile":
+        raise ValueError(f"--compute-profile {profile} is only read by --compute-source "
+                         f"profile (got --compute-source {name}): add --compute-source profile "
+                         "or drop --compute-profile")
+    if name == "profile":
+        if profile is None:
+            raise ValueError("--compute-source profile needs --compute-profile FILE (a profile "
+                             "written by --compute-profile-out FILE on a quiet run of the same "
+                             "job)")
+        return ProfileSource(profile, rank=rank, ranks=ranks,
+                             fallback=CudaEventSource() if gpu else CpuTimeSource())
+    if name == "auto":
+        name = "cuda" if gpu else "cpu"
+    if name == "wall":
+        return WallSource(sync)
+    if name in ("cpu", "cpu_thread", "cpu_process"):
+        return CpuTimeSource({"cpu": "auto", "cpu_thread": "thread",
+                              "cpu_process": "process"}[name])
+    if name == "calibrated":
+        return CalibratedSource(CudaEventSource() if gpu else CpuTimeSource())
+    if name == "cuda":
+        return CudaEventSource()
+    if name == "flops":
+        if device_tflops is None:
+            raise ValueError("--compute-source flops needs --device-tflops (peak TFLOP/s of the "
+                             "modeled device, e.g. 15.7 for a V100)")
+        return FlopSource(device_tflops, device_gbs)
+    raise ValueError(f"unknown compute source {name!r}; use one of {SOURCES}")
 
 
 def _call_site(frame) -> str:
@@ -68,7 +120,7 @@ class SimClock:
         Whether compute runs on a GPU (for ``auto``); default: ``sync`` was given.
     profile : str or dict, optional
         The compute profile of ``source="profile"`` (a file written by
-        ``--compute-profile-out``, or :func:`~substrate.timeline.load_profile`'s dict).
+        ``--compute-profile-out``, or :func:`~substrate.profile.load_profile`'s dict).
     """
 
     def __init__(self, ledger: Ledger, sync=None, *, source="wall",

@@ -30,9 +30,11 @@ from substrate.clock import SimClock
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
 from substrate.testing import busy_loops
-from substrate.timeline import (CalibratedSource, ComputeSource, CpuTimeSource, FlopSource,
-                                LayerEvents, ProfileRecorder, ProfileSource, Timeline,
-                                load_profile, make_source, transfer_parts, write_profile)
+from substrate.clock import make_source
+from substrate.compute import (CalibratedSource, ComputeSource, CpuTimeSource, FlopSource,
+                               LayerEvents)
+from substrate.profile import ProfileRecorder, ProfileSource, load_profile, write_profile
+from substrate.timeline import Timeline, transfer_parts
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
 
@@ -571,7 +573,7 @@ _WORKLOAD = r"""
 import os, sys, time
 from threadpoolctl import threadpool_limits
 import numpy as np
-from substrate.timeline import CpuTimeSource
+from substrate.compute import CpuTimeSource
 threadpool_limits(1)
 src = CpuTimeSource("auto")
 assert src.mode == "thread", src.describe()

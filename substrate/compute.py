@@ -1,0 +1,309 @@
+"""Compute sources: how long a compute block of the simulated clock takes, independently of how
+loaded the host is, and the per-layer events of a model on a timeline.
+
+Compute sources (:class:`ComputeSource`) say how long a compute block takes, independently of
+how loaded the host is:
+
+``cpu`` (:class:`CpuTimeSource`)
+    CPU time of the measuring thread (``time.thread_time_ns``), which does not grow when ranks
+    share cores: a descheduled thread accrues none.  Multi-threaded BLAS spreads a block's work
+    over threads the calling thread's clock does not see, so the source checks the BLAS/OpenMP
+    pools (``threadpoolctl``): with one thread it uses thread time (``"cpu_thread"``), with more
+    it uses the CPU time of the whole process (``"cpu_process"``: the sum over threads, i.e.
+    single-core-equivalent seconds, which also counts any helper thread busy during the block).
+    Run several ranks per core with ``OMP_NUM_THREADS=1`` / ``OPENBLAS_NUM_THREADS=1`` (the
+    launchers and the wire lab set them) to get ``cpu_thread``.
+``wall`` (:class:`WallSource`)
+    ``time.perf_counter`` (the old clock; grows with the host's load).
+``calibrated`` (:class:`CalibratedSource`)
+    The least of the first few measurements of each event (by label), then fixed: a profiling
+    pass taken in place, which drops warm-up and interference bursts.
+``cuda`` (:class:`CudaEventSource`)
+    CUDA events on the current CuPy stream (GPU time of the kernels of the block).
+``flops`` (:class:`FlopSource`)
+    ``seconds = max(FLOPs / peak, bytes / memory bandwidth)`` (a roofline with peak
+    ``device_tflops`` and, optionally, ``device_gbs``) from the FLOP counts a model reports per
+    layer (:meth:`models.network.Model.compute_units`); blocks without a FLOP count fall back to
+    ``cpu`` and the fallback seconds are reported.
+``profile`` (:class:`substrate.profile.ProfileSource`)
+    Every event costs its least measurement in a compute profile (:mod:`substrate.profile`).
+
+Every source has a ``name`` and :meth:`ComputeSource.describe` for ``summary.json``;
+:func:`substrate.clock.make_source` builds one by its ``--compute-source`` name.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+from .timeline import Event, Timeline
+
+__all__ = ["ComputeSource", "WallSource", "CpuTimeSource", "CudaEventSource", "FlopSource",
+           "CalibratedSource", "blas_threads", "LayerEvents"]
+
+
+# -- compute sources -------------------------------------------------------------------------------
+
+def blas_threads() -> int | None:
+    """Largest thread count of the BLAS/OpenMP pools loaded in this process (threadpoolctl), or
+    ``None`` when it cannot be read."""
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+    except ImportError:
+        return None
+    info = threadpool_info()
+    return max((int(p.get("num_threads", 1)) for p in info), default=1)
+
+
+class ComputeSource:
+    """How long a compute block takes.  ``with src.measure(flops=F, nbytes=B) as m: ...`` runs the
+    block and sets ``m.seconds``."""
+
+    name = "base"
+
+    class Measurement:
+        __slots__ = ("seconds",)
+
+        def __init__(self) -> None:
+            self.seconds = 0.0
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        m = self.Measurement()
+        t0 = self._now()
+        try:
+            yield m
+        finally:
+            m.seconds = max(0.0, self._now() - t0)
+
+    def _now(self) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def new_step(self) -> None:
+        """A step ended (:meth:`substrate.clock.SimClock.step`): sources that count the
+        occurrences of a label per step start again."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def profile_info(self) -> dict | None:
+        """The compute profile read or recorded, for ``summary.json`` (``None``: none)."""
+        return None
+
+
+class WallSource(ComputeSource):
+    """Wall time (``time.perf_counter``), synchronizing the device first when ``sync`` is given.
+    Grows with the host's load: the old clock's source."""
+
+    name = "wall"
+
+    def __init__(self, sync=None) -> None:
+        self._sync = sync
+
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+
+class CpuTimeSource(ComputeSource):
+    """CPU time (see the module docstring).
+
+    Parameters
+    ----------
+    mode : {"auto", "thread", "process"}
+        ``thread``: ``time.thread_time_ns`` of the measuring thread; ``process``:
+        ``time.process_time_ns`` (all threads of the process); ``auto``: ``thread`` when the
+        BLAS/OpenMP pools have one thread, else ``process``.
+    """
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in ("auto", "thread", "process"):
+            raise ValueError(f"CPU-time mode must be auto, thread or process, got {mode!r}")
+        self.blas_threads = blas_threads()
+        if mode == "auto":
+            mode = "thread" if (self.blas_threads or 1) <= 1 else "process"
+        self.mode = mode
+        self.name = f"cpu_{mode}"
+        self._clock = time.thread_time_ns if mode == "thread" else time.process_time_ns
+
+    def _now(self) -> float:
+        return self._clock() * 1e-9
+
+    def describe(self) -> str:
+        return f"{self.name} (blas_threads={self.blas_threads})"
+
+
+class CudaEventSource(ComputeSource):
+    """GPU time of the block's kernels from two CUDA events on the current CuPy stream
+    (``cupy.cuda.get_elapsed_time``); the host waits for the end event."""
+
+    name = "cuda_events"
+
+    def __init__(self) -> None:
+        import cupy  # noqa: PLC0415
+
+        self._cp = cupy
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        cp = self._cp
+        m = self.Measurement()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        try:
+            yield m
+        finally:
+            end.record()
+            end.synchronize()
+            m.seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+
+
+class FlopSource(ComputeSource):
+    """Roofline time from FLOP (and byte) counts: ``max(flops / (device_tflops 1e12),
+    nbytes / (device_gbs 1e9))``; blocks without a FLOP count are measured by ``fallback``
+    (default :class:`CpuTimeSource`) and summed in :attr:`fallback_s`."""
+
+    def __init__(self, device_tflops: float, device_gbs: float | None = None,
+                 fallback: ComputeSource | None = None) -> None:
+        if not (isinstance(device_tflops, (int, float)) and math.isfinite(device_tflops)
+                and device_tflops > 0):
+            raise ValueError(f"--device-tflops must be a finite number > 0, got {device_tflops!r}")
+        if device_gbs is not None and not (math.isfinite(device_gbs) and device_gbs > 0):
+            raise ValueError(f"--device-gbs must be a finite number > 0, got {device_gbs!r}")
+        self.device_tflops = float(device_tflops)
+        self.device_gbs = None if device_gbs is None else float(device_gbs)
+        self.fallback = fallback or CpuTimeSource()
+        self.fallback_s = 0.0
+        self.fallback_blocks = 0
+        self.name = "flops"
+
+    def seconds(self, flops: float, nbytes: float | None = None) -> float:
+        s = float(flops) / (self.device_tflops * 1e12)
+        if nbytes is not None and self.device_gbs is not None:
+            s = max(s, float(nbytes) / (self.device_gbs * 1e9))
+        return s
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        if flops is None:
+            with self.fallback.measure() as m:
+                yield m
+            self.fallback_s += m.seconds
+            self.fallback_blocks += 1
+            return
+        m = self.Measurement()
+        yield m
+        m.seconds = self.seconds(flops, nbytes)
+
+    def describe(self) -> str:
+        mem = "" if self.device_gbs is None else f", {self.device_gbs:g} GB/s"
+        return (f"flops ({self.device_tflops:g} TFLOP/s{mem}); blocks without a FLOP count: "
+                f"{self.fallback.describe()}, {self.fallback_blocks} blocks, "
+                f"{self.fallback_s:.6g} s")
+
+
+
+
+class CalibratedSource(ComputeSource):
+    """Per-event cost calibrated from the run itself: the first ``samples`` blocks with the same
+    ``label`` are measured by ``base`` (default :class:`CpuTimeSource`) and every block of that
+    label then costs the least of them (the quiet profiling pass of issue 12, taken in place).
+    The minimum drops warm-up (first-call allocation, page faults) and interference bursts;
+    blocks without a label are measured every time."""
+
+    def __init__(self, base: ComputeSource | None = None, samples: int = 5) -> None:
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"calibration samples must be an integer >= 1, got {samples!r}")
+        self.base = base or CpuTimeSource()
+        self.samples = samples
+        self._seen: dict[str, list[float]] = {}
+        self.name = f"calibrated_{self.base.name}"
+
+    @contextmanager
+    def measure(self, flops: float | None = None, nbytes: float | None = None,
+                label: str | None = None):
+        seen = self._seen.get(label) if label is not None else None
+        if seen is not None and len(seen) >= self.samples:
+            m = self.Measurement()
+            yield m
+            m.seconds = min(seen)
+            return
+        with self.base.measure(flops, nbytes, label) as m:
+            yield m
+        if label is not None:
+            self._seen.setdefault(label, []).append(m.seconds)
+            m.seconds = min(self._seen[label])
+
+    def describe(self) -> str:
+        return (f"calibrated: least of the first {self.samples} measurements per event by "
+                f"{self.base.describe()}; {len(self._seen)} events")
+
+
+# -- per-layer events from a model -----------------------------------------------------------------
+
+class LayerEvents:
+    """Recorder for :attr:`models.network.Model.recorder`: turns the model's per-layer forward
+    and backward (and its loss) into compute events of ``timeline`` timed by ``source``, and
+    remembers after which backward event each flat-parameter range is ready.
+
+    The model calls ``layer(phase, name, flops, nbytes)`` (a context manager around the unit's
+    computation) and ``grads_ready(name, lo, hi)`` (after the backward of a unit whose
+    parameters are ``flat[lo:hi]``).  Strategies ask :meth:`ready_event` for the dependency of a
+    bucket.
+    """
+
+    def __init__(self, timeline: Timeline, source: ComputeSource) -> None:
+        self.timeline = timeline
+        self.source = source
+        self.recorded_s = 0.0            # Σ seconds of events recorded (for residuals)
+        self._ranges: list[tuple[int, int, Event]] = []
+        self._token = None
+        self._last: Event | None = None
+
+    def _sync_step(self) -> None:
+        if self._token is not self.timeline._token:
+            self._token = self.timeline._token
+            self._ranges = []
+            self._last = None
+
+    @contextmanager
+    def layer(self, phase: str, name: str, flops: float | None = None,
+              nbytes: float | None = None):
+        self._sync_step()
+        label = f"{phase}:{name}"
+        with self.source.measure(flops, nbytes, label) as m:
+            yield m
+        self._last = self.timeline.compute(label, m.seconds)
+        self.recorded_s += m.seconds
+
+    def grads_ready(self, name: str, lo: int, hi: int) -> None:
+        self._sync_step()
+        if self._last is None:
+            raise ValueError(f"grads_ready({name!r}) before any backward event of this step")
+        if hi > lo:
+            self._ranges.append((int(lo), int(hi), self._last))
+
+    @property
+    def last(self) -> Event | None:
+        """The last layer event of the open step (e.g. the end of the backward)."""
+        self._sync_step()
+        return self._last
+
+    def ready_event(self, lo: int, hi: int) -> Event:
+        """The backward event after which every gradient in ``flat[lo:hi]`` is written."""
+        self._sync_step()
+        if not 0 <= lo < hi:
+            raise ValueError(f"ready_event: need 0 <= lo < hi, got [{lo}, {hi})")
+        covering = [(a, b, e) for a, b, e in self._ranges if a < hi and b > lo]
+        covered = sum(min(b, hi) - max(a, lo) for a, b, _ in covering)
+        if covered < hi - lo:
+            raise ValueError(f"ready_event: flat[{lo}:{hi}] is not covered by the gradients "
+                             f"reported this step ({covered} of {hi - lo} elements); run the "
+                             "backward with model.recorder set before declaring the transfer")
+        return max((e for _, _, e in covering), key=lambda e: e.index)
