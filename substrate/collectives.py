@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -95,7 +96,26 @@ def _sync_for(xp):
     return lambda: xp.cuda.get_current_stream().synchronize()
 
 
-def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np) -> list[tuple[int, int]]:
+def _sendrecv(mpi: MPI.Intracomm, sbuf, dest: int, rbuf, source: int, poll) -> None:
+    """``Sendrecv``; with ``poll`` (seconds), a non-blocking pair tested every ``poll`` seconds
+    instead (the communication thread: it sleeps between tests, so it does not take a core
+    from the computation it overlaps, and MPI progresses at every test)."""
+    if poll is None:
+        mpi.Sendrecv(sbuf, dest, _TAG, rbuf, source, _TAG)
+        return
+    _wait([mpi.Irecv(rbuf, source, _TAG), mpi.Isend(sbuf, dest, _TAG)], poll)
+
+
+def _wait(reqs, poll) -> None:
+    """``Waitall``, or testing every ``poll`` seconds (see :func:`_sendrecv`)."""
+    if poll is None:
+        MPI.Request.Waitall(reqs)
+        return
+    while not MPI.Request.Testall(reqs):
+        time.sleep(poll)
+
+
+def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[tuple[int, int]]:
     """In-place ring all-reduce (reduce-scatter + all-gather) of the 1-D contiguous ``buf``.
 
     Reduce-scatter step ``s`` (``0..p-2``): send chunk ``(i-s) % p`` to ``i+1``, receive chunk
@@ -118,18 +138,18 @@ def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np) -> list[tuple[int, i
     for s in range(p - 1):
         si, ri = (i - s) % p, (i - s - 1) % p
         recv = tmp[:counts[ri]]
-        mpi.Sendrecv(chunk[si], right, _TAG, recv, left, _TAG)
+        _sendrecv(mpi, chunk[si], right, recv, left, poll)
         ufunc(chunk[ri], recv, out=chunk[ri])
         sync()
         sent.append((right, int(counts[si]) * itemsize))
     for s in range(p - 1):
         si, ri = (i + 1 - s) % p, (i - s) % p
-        mpi.Sendrecv(chunk[si], right, _TAG, chunk[ri], left, _TAG)
+        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
         sent.append((right, int(counts[si]) * itemsize))
     return sent
 
 
-def ring_allgatherv(mpi: MPI.Intracomm, out, counts, displs) -> list[tuple[int, int]]:
+def ring_allgatherv(mpi: MPI.Intracomm, out, counts, displs, poll=None) -> list[tuple[int, int]]:
     """Ring all-gather(v) into ``out`` (rank ``i``'s own block already in place at
     ``displs[i]``): step ``s`` sends block ``(i-s) % p`` to ``i+1`` and receives block
     ``(i-s-1) % p`` from ``i-1``."""
@@ -141,12 +161,12 @@ def ring_allgatherv(mpi: MPI.Intracomm, out, counts, displs) -> list[tuple[int, 
     sent = []
     for s in range(p - 1):
         si, ri = (i - s) % p, (i - s - 1) % p
-        mpi.Sendrecv(blocks[si], right, _TAG, blocks[ri], left, _TAG)
+        _sendrecv(mpi, blocks[si], right, blocks[ri], left, poll)
         sent.append((right, int(counts[si]) * out.itemsize))
     return sent
 
 
-def binomial_bcast(mpi: MPI.Intracomm, buf, root: int) -> list[tuple[int, int]]:
+def binomial_bcast(mpi: MPI.Intracomm, buf, root: int, poll=None) -> list[tuple[int, int]]:
     """Binomial-tree broadcast of ``buf`` from ``root``: relative rank ``r > 0`` receives from
     ``r - lowbit(r)``, then sends to its children (:func:`~substrate.costmodel.binomial_children`),
     farthest first so the larger subtrees start early."""
@@ -156,10 +176,10 @@ def binomial_bcast(mpi: MPI.Intracomm, buf, root: int) -> list[tuple[int, int]]:
     rel = (i - root) % p
     if rel:
         parent = (rel - (rel & -rel) + root) % p
-        mpi.Recv(buf, parent, _TAG)
+        _wait([mpi.Irecv(buf, parent, _TAG)], poll)
     kids = [(k + root) % p for k in reversed(binomial_children(rel, p))]
     reqs = [mpi.Isend(buf, k, _TAG) for k in kids]
-    MPI.Request.Waitall(reqs)
+    _wait(reqs, poll)
     return [(k, buf.nbytes) for k in kids]
 
 

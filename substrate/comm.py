@@ -42,6 +42,7 @@ from .costmodel import (
     ring_allreduce_sent,
 )
 from .recorder import Handle, Recorder
+from .stream import POLL_S, CommStream
 
 __all__ = ["Comm", "Waiting", "Request", "Handle", "bucketed_allreduce", "BucketPlan",
            "bucket_groups"]
@@ -93,12 +94,15 @@ class Comm:
     collectives : {"exact", "native"}, optional
         How collectives run (:mod:`substrate.collectives`); default ``SPARDIST_COLLECTIVES`` or
         ``exact``.
+    stream : CommStream, optional
+        The process's communication stream (shared by every communicator of a topology).
     """
 
     def __init__(self, mpi: MPI.Intracomm, placement: Placement, world_ranks: np.ndarray,
                  recorder: Recorder, backend: Backend | None = None,
-                 collectives: str | None = None) -> None:
+                 collectives: str | None = None, stream: CommStream | None = None) -> None:
         self.mpi = mpi
+        self.stream = stream if stream is not None else CommStream()
         self.mode = coll.check_mode(collectives) if collectives else coll.default_mode()
         self._coll_mpi: MPI.Intracomm | None = None
         self.rank = mpi.Get_rank()
@@ -144,7 +148,8 @@ class Comm:
         if c == MPI.COMM_NULL:
             return None
         members = np.array(c.allgather(self.world_rank), dtype=np.int64)
-        return Comm(c, self.placement, members, self.recorder, self.backend, self.mode)
+        return Comm(c, self.placement, members, self.recorder, self.backend, self.mode,
+                    self.stream)
 
     @property
     def exact(self) -> bool:
@@ -158,12 +163,10 @@ class Comm:
             self._coll_mpi = self.mpi.Dup()
         return self._coll_mpi
 
-    def _done(self, call: Call, after, result, *, payload: int, sent=None,
-              per_rank: tuple[int, str] | None = None, messages: int = 0, links=()) -> Handle:
-        """Book ``call`` (the ``(dest, nbytes)`` messages an exact collective handed to MPI, or
-        ``per_rank = (bytes, link)`` of the algorithm's accounting), declare it, return its
-        handle."""
-        rec = self.recorder
+    def _book(self, call: Call, *, payload: int, sent=None,
+              per_rank: tuple[int, str] | None = None, messages: int = 0, links=()) -> None:
+        """Book ``call``: the ``(dest, nbytes)`` messages an exact collective handed to MPI, or
+        ``per_rank = (bytes, link)`` of the algorithm's accounting (native mode)."""
         if sent is not None:
             intra = inter = 0
             links = set()
@@ -181,19 +184,44 @@ class Comm:
             intra, inter = (nb, 0) if link == INTRA else (0, nb)
         else:
             intra = inter = 0
-        rec.book(call, payload=payload, intra=intra, inter=inter, messages=messages,
-                 links=links)
-        return Handle(call, rec.declare(call, after), result)
+        self.recorder.book(call, payload=payload, intra=intra, inter=inter, messages=messages,
+                           links=links)
+
+    def _done(self, call: Call, after, result, **book) -> Handle:
+        """Book a call that has run, declare it, return its handle (a blocking call)."""
+        self._book(call, **book)
+        return Handle(call, self.recorder.declare(call, after), result)
+
+    def _issue(self, call: Call, after, result, run, finish, wait: bool) -> Handle:
+        """Run a collective: ``run(poll)`` moves the data (returns what :meth:`_book` needs),
+        ``finish(out)`` books it and completes the result.
+
+        ``wait=True`` (or no stream): after the stream has drained, here and now; the handle is
+        complete.  ``wait=False``: on the communication stream (:mod:`substrate.stream`), in
+        issue order, while this thread goes on; the event is declared now (after ``after``),
+        the booking and completion happen in :meth:`Handle.wait`.  Without overlap
+        (``--overlap off``) every call blocks."""
+        rec = self.recorder
+        if wait or not rec.overlap or not self.stream.enabled:
+            self.stream.drain()
+            finish(run(None))
+            return Handle(call, rec.declare(call, after), result)
+        event = rec.declare(call, after)
+        fut = self.stream.submit(lambda: run(POLL_S))
+        return Handle(call, event, result, wait=lambda: finish(fut.result()))
 
     def _call(self, phase: str, algorithm: str, **kw) -> Call:
         return Call(phase, algorithm, self.group, **kw)
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None) -> Handle:
+    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None,
+                  wait: bool = True) -> Handle:
         """In-place all-reduce of ``buf`` (ring algorithm in the ledger); ``.result`` is ``buf``.
 
         ``op`` is ``"sum"``, ``"avg"`` (sum divided by the size), ``"max"``, ``"min"`` or
         ``"bor"`` (bitwise OR; unsigned-integer arrays, e.g. ``numpy.packbits`` masks).
+        ``wait=False`` issues it to the communication stream (:meth:`_issue`): leave ``buf``
+        alone until :meth:`Handle.wait` returns.
         """
         if op not in _OPS:
             raise ValueError(f"unknown all-reduce op {op!r}; use one of {sorted(_OPS)}")
@@ -204,48 +232,65 @@ class Comm:
         if op == "avg" and buf.dtype.kind != "f":
             raise ValueError(f"'avg' all-reduce needs floating-point data, got {buf.dtype}")
         call = self._call(phase, "allreduce", nbytes=buf.nbytes, itemsize=buf.itemsize, op=op)
+        p = self.size
+        view = self.backend.mpi_view(buf) if p > 1 else None
         if self.exact:
-            view = self.backend.mpi_view(buf)
-            sent = coll.ring_allreduce(self._cmpi(), view.reshape(-1), op, array_module(view))
-            self.backend.mpi_done(buf, view)
-            h = self._done(call, after, buf, payload=buf.nbytes, sent=sent)
+            cmpi = self._cmpi()             # created here: a Dup is collective, in call order
+
+            def run(poll):
+                return coll.ring_allreduce(cmpi, view.reshape(-1), op, array_module(view), poll)
         else:
-            if self.size > 1:
-                view = self.backend.mpi_view(buf)
-                self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
+            def run(poll):
+                if view is not None:
+                    self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
+
+        def finish(sent):
+            if view is not None:
                 self.backend.mpi_done(buf, view)
-            p = self.size
-            h = self._done(call, after, buf, payload=buf.nbytes,
+            if self.exact:
+                self._book(call, payload=buf.nbytes, sent=sent)
+            else:
+                self._book(call, payload=buf.nbytes,
                            per_rank=(ring_allreduce_sent(buf.size, buf.itemsize, p, self.rank),
                                      self.out_link),
                            messages=2 * (p - 1), links=(self.out_link,) if p > 1 else ())
-        if op == "avg" and self.size > 1:
-            buf /= self.size
-        return h
+            if op == "avg" and p > 1:
+                buf[...] /= p
 
-    def bcast(self, buf, root: int = 0, *, phase: str, after=None) -> Handle:
+        return self._issue(call, after, buf, run, finish, wait)
+
+    def bcast(self, buf, root: int = 0, *, phase: str, after=None, wait: bool = True) -> Handle:
         """In-place broadcast from ``root`` (binomial tree in the ledger); ``.result`` is
-        ``buf``."""
+        ``buf``; ``wait=False`` as for :meth:`allreduce`."""
         self._check(buf, "bcast")
         if not 0 <= root < self.size:
             raise ValueError(f"bcast root {root} outside communicator of size {self.size}")
         n = buf.nbytes
         call = self._call(phase, "bcast", nbytes=n, itemsize=buf.itemsize, root=root)
+        view = self.backend.mpi_view(buf, fill=self.rank == root) if self.size > 1 else None
         if self.exact:
-            view = self.backend.mpi_view(buf, fill=self.rank == root)
-            sent = coll.binomial_bcast(self._cmpi(), view, root)
-            self.backend.mpi_done(buf, view)
-            return self._done(call, after, buf, payload=n, sent=sent)
-        if self.size > 1:
-            view = self.backend.mpi_view(buf, fill=self.rank == root)
-            self.mpi.Bcast(view, root=root)
-            self.backend.mpi_done(buf, view)
-        intra_kids, inter_kids = self._bcast_children(root)
-        links = tuple(x for x, k in ((INTRA, intra_kids), (INTER, inter_kids)) if k)
-        rec = self.recorder
-        rec.book(call, payload=n, intra=intra_kids * n, inter=inter_kids * n,
-                 messages=intra_kids + inter_kids, links=links)
-        return Handle(call, rec.declare(call, after), buf)
+            cmpi = self._cmpi()
+
+            def run(poll):
+                return coll.binomial_bcast(cmpi, view, root, poll)
+        else:
+            def run(poll):
+                if view is not None:
+                    self.mpi.Bcast(view, root=root)
+
+        def finish(sent):
+            if view is not None:
+                self.backend.mpi_done(buf, view)
+            if self.exact:
+                self._book(call, payload=n, sent=sent)
+                return
+            intra_kids, inter_kids = self._bcast_children(root)
+            self.recorder.book(call, payload=n, intra=intra_kids * n, inter=inter_kids * n,
+                               messages=intra_kids + inter_kids,
+                               links=tuple(x for x, k in ((INTRA, intra_kids),
+                                                          (INTER, inter_kids)) if k))
+
+        return self._issue(call, after, buf, run, finish, wait)
 
     def _bcast_children(self, root: int) -> tuple[int, int]:
         """This rank's children in the binomial tree from ``root``: (intra, inter) counts."""
@@ -258,27 +303,47 @@ class Comm:
             kids = self._bcast_cache[root] = (len(ch) - inter, inter)
         return kids
 
-    def allgather(self, buf, *, phase: str, after=None) -> Handle:
+    def allgather(self, buf, *, phase: str, after=None, wait: bool = True) -> Handle:
         """Gather equal-size ``buf`` from every rank: ``.result`` has shape
-        ``(size, *buf.shape)``."""
+        ``(size, *buf.shape)``; ``wait=False`` as for :meth:`allreduce`."""
         self._check(buf, "allgather")
         xp = array_module(buf)
-        out = xp.empty((self.size, *buf.shape), dtype=buf.dtype)
-        call = self._call(phase, "allgather", blocks=(buf.nbytes,) * self.size,
-                          itemsize=buf.itemsize)
+        p = self.size
+        out = xp.empty((p, *buf.shape), dtype=buf.dtype)
+        call = self._call(phase, "allgather", blocks=(buf.nbytes,) * p, itemsize=buf.itemsize)
         if self.exact:
             out[self.rank] = buf
-            counts = np.full(self.size, buf.size, dtype=np.int64)
-            sent = self._exact_allgatherv(out.reshape(-1), counts)
-            return self._done(call, after, out, payload=buf.nbytes, sent=sent)
-        if self.size > 1:
-            sview = self.backend.mpi_view(buf)
-            rview = self.backend.mpi_view(out, fill=False)
-            self.mpi.Allgather(sview, rview)
-            self.backend.mpi_done(out, rview)
+            flat = out.reshape(-1)
+            counts = np.full(p, buf.size, dtype=np.int64)
+            displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            view = self.backend.mpi_view(flat)
+            cmpi = self._cmpi()
+
+            def run(poll):
+                return coll.ring_allgatherv(cmpi, view, counts, displs, poll)
+
+            def finish(sent):
+                self.backend.mpi_done(flat, view)
+                self._book(call, payload=buf.nbytes, sent=sent)
         else:
-            out[0] = buf
-        return self._gathered(call, after, out, buf.nbytes)
+            sview = self.backend.mpi_view(buf) if p > 1 else None
+            rview = self.backend.mpi_view(out, fill=False) if p > 1 else None
+
+            def run(poll):
+                if p > 1:
+                    self.mpi.Allgather(sview, rview)
+                else:
+                    out[0] = buf
+
+            def finish(_):
+                if rview is not None:
+                    self.backend.mpi_done(out, rview)
+                self._book(call, payload=buf.nbytes,
+                           per_rank=(ring_allgatherv_sent(call.blocks, self.rank),
+                                     self.out_link),
+                           messages=p - 1, links=(self.out_link,) if p > 1 else ())
+
+        return self._issue(call, after, out, run, finish, wait)
 
     def _exact_allgatherv(self, flat, counts: np.ndarray) -> list:
         """Ring all-gather(v) in place on ``flat`` (own block already at its offset)."""
@@ -304,6 +369,7 @@ class Comm:
         ``.result`` is ``(concatenation in rank order, counts)``.
         """
         self._check(buf, "allgatherv")
+        self.stream.drain()
         if buf.ndim != 1:
             raise ValueError(f"allgatherv takes a 1-D array, got shape {buf.shape}; ravel it")
         if counts is None:
@@ -343,6 +409,7 @@ class Comm:
         recorded all-to-all of one ``int64`` per pair.
         """
         self._check(sendbuf, "alltoallv")
+        self.stream.drain()
         p = self.size
         sendcounts = np.asarray(sendcounts, dtype=np.int64)
         if sendbuf.ndim != 1 or sendcounts.shape != (p,) or sendcounts.sum() != sendbuf.size:
@@ -384,6 +451,7 @@ class Comm:
     def barrier(self, *, phase: str, after=None) -> Handle:
         """Barrier (dissemination algorithm in the ledger: messages, no bytes)."""
         call = self._call(phase, "barrier")
+        self.stream.drain()
         if self.exact:
             sent = coll.dissemination_barrier(self._cmpi())
             return self._done(call, after, None, payload=0, sent=sent)
@@ -394,6 +462,7 @@ class Comm:
     def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None) -> Request:
         """Non-blocking send; the bytes are recorded here, on the sender."""
         self._check(buf, "isend")
+        self.stream.drain()
         if array_module(buf) is np or self.backend.cuda_aware:
             self.backend.synchronize()
             view = buf

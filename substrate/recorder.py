@@ -97,6 +97,9 @@ class Recorder:
         self.ledger = ledger if ledger is not None else Ledger()
         self.timeline = None
         self.log = CallLog()
+        #: ``--overlap``: calls issued without waiting overlap what follows (False: every call
+        #: blocks, and the timeline declares every call as blocking)
+        self.overlap = True
 
     def book(self, call: Call, *, payload: int, intra: int = 0, inter: int = 0,
              messages: int = 0, links=()) -> None:
@@ -113,7 +116,7 @@ class Recorder:
         tl = self.timeline
         if tl is None:
             return None
-        if after is not None:
+        if after is not None and self.overlap:
             return declare_one(tl, call, self.placement, self.rank, _events(after))
         ev = declare_one(tl, call, self.placement, self.rank, tl.frontier())
         tl.block(ev)

@@ -27,6 +27,7 @@ from .calls import Placement
 from .comm import Comm, Waiting
 from .costmodel import CostModel
 from .recorder import Recorder
+from .stream import CommStream
 
 __all__ = ["Topology", "TopologyError", "Level", "assign_nodes"]
 
@@ -192,8 +193,9 @@ class Topology:
         self.placement = placement = Placement(tuple(int(n) for n in node_of))
         self.recorder = recorder = Recorder(placement, rank, cost)
         ranks = np.arange(size)
+        self.stream = stream = CommStream()
         mk = lambda c, members: Comm(c, placement, members, recorder,  # noqa: E731
-                                     self.backend, collectives)
+                                     self.backend, collectives, stream)
         self.world = mk(world, ranks)
         self.intra = mk(intra_mpi, ranks[node_of == self.node])
         inter_mpi = world.Split(0 if self.is_leader else MPI.UNDEFINED, rank)
