@@ -6,13 +6,13 @@ Prints (not a test; root only)::
         [--systems ddp,ssfusion,hsadmm,sparse_sgd] [--repeat 3] [--nice -20] [--out DIR]
 
 For every shape (emulated hosts x MPI ranks per host) and link rate, one wire lab
-(:mod:`substrate.wirelab`) is set up with every host link shaped by ``tbf`` to the rate
-(this kernel has no ``sch_netem``: the latency is the unshaped link's own); alpha is measured once
-by an MPI ping-pong on the lab, beta is the link rate as TCP payload
-(:func:`substrate.wirelab.link_payload_gbps`); nothing is fitted per run.  Every system then runs
+(:mod:`lab`, the package beside ``bench/``) is set up with every host link shaped by ``tbf`` to
+the rate (this kernel has no ``sch_netem``: the latency is the unshaped link's own); alpha is
+measured once by an MPI ping-pong on the lab, beta is the link rate as TCP payload
+(:func:`lab.analysis.link_payload_gbps`); nothing is fitted per run.  Every system then runs
 ``--repeat`` times with that cost model, the timeline clock (the default) and the ``cpu``
 compute source (per-thread CPU time, the default on a CPU), logging one ``metrics.jsonl`` line
-per step; :func:`substrate.wirelab.compare_steps` takes the median over the steps (after the
+per step; :func:`lab.analysis.compare_steps` takes the median over the steps (after the
 warm-up lines below) of the predicted ``step_sim_s`` over the measured ``step_wall_s``.  The
 table prints the medians over the repeats, with the no-overlap sum (``step_no_overlap_s``)
 beside the timeline's step.
@@ -40,7 +40,7 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     ddp on an MLP 64-1024x4-10, batch 128: compute comparable to the transfer, so the timeline's
     overlap shows against the no-overlap sum.
 
-Ranks that wait in MPI sleep instead of spinning (:data:`substrate.wirelab.YIELD_ENV`), and the
+Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the
 ranks' own, not the other jobs' on this box.  ``--tiny`` runs a seconds-long version (the test).
 """
@@ -54,10 +54,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: the repo root
 
-from substrate import wirelab as wl  # noqa: E402
+import lab as wl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 QUIET = ["--progress-every", "0"]
 
@@ -107,8 +108,24 @@ def _shapes(text: str) -> list[tuple[int, int]]:
         try:
             h, r = (int(v) for v in part.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"--shapes {text!r}: write HOSTSxRANKS, e.g. 2x1,2x2") from None
+            raise wl.LabError(f"--shapes {text!r}: write HOSTSxRANKS. Fix: e.g. --shapes "
+                              "2x1,2x2") from None
         out.append((h, r))
+    return out
+
+
+def _links(text: str) -> list[tuple[float, float]]:
+    """``--links`` (Mbit/s, comma list) -> unshaped-latency links, each checked like the lab's
+    ``--link`` (:func:`lab.check_link`)."""
+    example = "--links 100,1000"
+    out = []
+    for part in text.split(","):
+        try:
+            mbit = float(part)
+        except ValueError:
+            raise wl.LabError(f"--links {text!r}: write Mbit/s rates separated by commas. Fix: "
+                              f"e.g. {example}") from None
+        out.append(wl.check_link(mbit, 0.0, flag="--links", given=text, example=example))
     return out
 
 
@@ -140,16 +157,15 @@ def main(argv=None) -> int:
         list(loads) if a.tiny else ["ddp", "ssfusion", "hsadmm", "sparse_sgd"])
     unknown = sorted(set(names) - set(loads))
     if unknown:
-        raise SystemExit(f"--systems: unknown {unknown}; choose from {sorted(loads)}")
+        print(f"bench_wirelab: error: --systems: unknown {unknown}; choose from "
+              f"{sorted(loads)}", file=sys.stderr)
+        return 2
     loads = {n: loads[n] for n in names}
-    try:
-        links = [(float(m), 0.0) for m in a.links.split(",")]
-    except ValueError:
-        raise SystemExit(f"--links {a.links!r}: write Mbit/s rates, e.g. 100,1000") from None
-    shapes = _shapes(a.shapes)
     t0 = time.monotonic()
-    print(f"# wire lab: predicted vs measured s/step; load average {os.getloadavg()}", flush=True)
     try:
+        links, shapes = _links(a.links), _shapes(a.shapes)
+        print(f"# wire lab: predicted vs measured s/step; load average {os.getloadavg()}",
+              flush=True)
         res = wl.compare_systems(loads, shapes=shapes, links=links, repeat=a.repeat,
                                  out_root=a.out, nice=a.nice,
                                  env=None if a.no_yield else wl.YIELD_ENV, timeout=a.timeout,

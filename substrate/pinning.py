@@ -36,7 +36,8 @@ OPENMPI_PINNING = {
 }
 
 #: Library family -> (version prefix, what was checked): native pinning checked on the wire
-#: (``substrate.wirelab``, real/booked within 2 % for every system).  Nothing else is claimed.
+#: (the wire lab, ``python -m lab``: real/booked within 2 % for every system).  Nothing else is
+#: claimed.
 WIRE_VERIFIED = {"mpich": ("5.0", "MPICH 5.0 (PyPI wheel, ch4:ucx over TCP, 2x2 and 4x2 hosts)")}
 
 

@@ -2,7 +2,8 @@
 
 Bottom: ``substrate`` and ``volume`` (closed forms: numpy + substrate only).  Above:
 ``models`` <- ``hsadmm``, ``dataparallel``, ``sparse_sgd`` (datasets); ``partition`` <-
-``sparse_sgd``.  Top: ``commvol``.
+``sparse_sgd``.  Top: ``commvol``, and beside it the wire lab ``lab`` (a harness that runs the
+other packages' commands; nothing imports it).
 No package imports one above it or beside it, there are no import cycles between packages, and a
 function-local import is only for an optional or heavy dependency that a run may not need.
 """
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("substrate", "volume", "models", "hsadmm", "dataparallel", "partition", "sparse_sgd",
-            "commvol")
+            "commvol", "lab")
 
 #: which project packages each package may import (besides itself)
 ALLOWED = {
@@ -29,6 +30,8 @@ ALLOWED = {
     "sparse_sgd": {"substrate", "volume", "models", "partition"},
     "commvol": {"substrate", "volume", "models", "hsadmm", "dataparallel", "partition",
                 "sparse_sgd"},
+    "lab": {"substrate", "volume", "models", "hsadmm", "dataparallel", "partition", "sparse_sgd",
+            "commvol"},
 }
 
 #: top-level modules a function may import lazily, with the reason
@@ -63,7 +66,7 @@ def _imports(path: Path, pkg: str):
     """``(imported module, lineno, is_module_level)`` of every import in ``path``."""
     tree = ast.parse(path.read_text(), str(path))
     parts = path.relative_to(ROOT).with_suffix("").parts
-    here = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    here = parts[:-1]             # the package a relative import starts from (__init__ too)
     top = {id(n) for n in tree.body}
     # imports under a module-level ``if``/``try`` still run at import time
     for n in tree.body:
@@ -94,6 +97,17 @@ def test_no_package_imports_upward_or_sideways():
             if target in PACKAGES and target != pkg and target not in ALLOWED[pkg]:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_nothing_imports_the_lab():
+    """The wire lab is on the top floor: it runs the other packages' commands, none imports it
+    (``substrate`` holds only what the systems run on)."""
+    assert all("lab" not in ALLOWED[p] for p in PACKAGES if p != "lab")
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {mod}"
+           for pkg, path in _modules() if pkg != "lab"
+           for mod, line, _ in _imports(path, pkg) if mod.split(".")[0] == "lab"]
+    assert not bad, "the wire lab is imported by:\n" + "\n".join(bad)
+    assert not (ROOT / "substrate" / "wirelab.py").exists()
 
 
 def test_no_cycles_between_packages():

@@ -905,11 +905,11 @@ def test_profile_input_errors_stop_every_rank(tmp_path, flags, message):
     assert existing.read_text() == "{}"
 
 
-# -- wire-lab validation harness (substrate.wirelab) -----------------------------------------------
+# -- wire-lab validation harness (lab) -------------------------------------------------------------
 
 from pathlib import Path  # noqa: E402
 
-from substrate import wirelab as wl  # noqa: E402
+import lab as wl  # noqa: E402
 
 
 def _write_metrics(d: Path, lines):
@@ -987,7 +987,7 @@ def test_pingpong_writes_alpha_per_link(tmp_path):
     # --budget-s 0: both ends stop together after the minimum of 5 timed round trips (a
     # disagreement would hang the pair and fail on the timeout)
     run_mpi(None, 3, "--pingpong", "--out", tmp_path, "--reps", "50", "--warmup", "1",
-            "--sizes", "8,4096", "--budget-s", "0", module="substrate.wirelab", timeout=120)
+            "--sizes", "8,4096", "--budget-s", "0", module="lab", timeout=120)
     pp = json.loads((tmp_path / wl.PINGPONG_JSON).read_text())
     assert pp["sizes"] == [8, 4096] and pp["reps"] == 50
     assert [pp["links"]["intra"]["sizes"][k]["round_trips"] for k in ("8", "4096")] == [5, 5]
