@@ -122,25 +122,65 @@ class DDP(Strategy):
         self.itemsize = ctx.model.grads.flat.dtype.itemsize
         self.plan = DDPPlan.for_layout(self.layout, options, self.itemsize)
         self.buckets = self.plan.buckets
+        # the bucket of every tensor, and how many of its tensors the backward has still to
+        # write (buckets are whole tensors, contiguous in backward order)
+        ends = [b for _, b in self.buckets]
+        offsets = self.layout.offsets
+        self._bucket_of = {n: next(k for k, e in enumerate(ends) if offsets[n] < e)
+                           for n in self.layout.names}
+        self._tensors = [sum(1 for n in self.layout.names if self._bucket_of[n] == k)
+                         for k in range(len(self.buckets))]
+        self._left = list(self._tensors)
+        self._grads = ctx.model.grads.flat
+        self._issued: list = []          # handles of this step's calls, in issue order
+        self._prev = None                # the last call on the communication stream
+
+    def on_ready(self, name: str) -> None:
+        """The backward wrote ``name``'s gradient: when that completes a bucket, hand the
+        bucket to the communication stream at once (it is reduced while the backward goes on,
+        PyTorch DDP's overlap); :meth:`sync` waits for every bucket."""
+        k = self._bucket_of.get(name)
+        if k is None:
+            return
+        self._left[k] -= 1
+        if self._left[k] == 0:
+            self._issue(k, self.run.clock.now())
+
+    def _issue(self, k: int, ready) -> None:
+        """Issue bucket ``k`` without waiting: its call(s) after ``ready`` (the backward event
+        that wrote it) and the previous call on the stream."""
+        a, b = self.buckets[k]
+        g, topo = self._grads, self.topo
+        if self.options.allreduce == "ring":
+            self._prev = topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce",
+                                              after=[ready, self._prev], wait=False)
+            self._issued.append(self._prev)
+            return
+        h = topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce",
+                                 after=[ready, self._prev], wait=False)
+        h2 = topo.leaders.allreduce(g[a:b], "sum", phase="inter_allreduce", after=h,
+                                    wait=False)
+        self._prev = topo.intra.bcast(g[a:b], 0, phase="intra_bcast", after=h2, wait=False)
+        self._issued += [h, h2, self._prev]
 
     def sync(self, state, buffers):
-        """All-reduce every bucket as :meth:`DDPPlan.calls` lists them: each bucket's call waits
-        for the backward event that wrote it and for the previous bucket's (one communication
-        stream), so on the timeline the buckets overlap the rest of the backward."""
+        """Every bucket, as :meth:`DDPPlan.calls` lists them.  Buckets the backward completed
+        were issued then (:meth:`on_ready`); the rest (a backward run without the ready hook)
+        are issued here, each after the backward event that wrote it; then wait for all.  The
+        stream runs the same exact algorithm in the same order as a blocking call: the result
+        is bitwise the blocking run's."""
+        clock = self.run.clock
+        for k, (a, b) in enumerate(self.buckets):
+            if self._left[k] > 0:                # not issued during the backward
+                self._left[k] = 0
+                self._issue(k, clock.ready(a, b))
+        for h in self._issued:
+            h.wait()
+        self._issued, self._prev = [], None
+        self._left = list(self._tensors)
         g = buffers.flat
-        topo, clock = self.topo, self.run.clock
-        h = None                         # the previous call on the stream
-        if self.options.allreduce == "ring":
-            for a, b in self.buckets:
-                h = topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce",
-                                         after=[clock.ready(a, b), h])
-            return g
-        for a, b in self.buckets:
-            h = topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce",
-                                     after=[clock.ready(a, b), h])
-            h = topo.leaders.allreduce(g[a:b], "sum", phase="inter_allreduce", after=h)
-            h = topo.intra.bcast(g[a:b], 0, phase="intra_bcast", after=h)
-        g /= topo.size
+        if self.options.allreduce == "hierarchical":
+            g /= self.topo.size
         return g
 
     def step_calls(self) -> list[Call]:

@@ -120,6 +120,12 @@ class CommonConfig:
         None, "exact: spardist's own point-to-point collectives, the bytes booked are the bytes "
         "sent on any MPI; native: the MPI library's, pinned to the booked algorithm where known "
         "(default: $SPARDIST_COLLECTIVES or exact)", choices=coll.MODES, group=RUN)
+    overlap: str = option(
+        "on", "on: calls the system issues without waiting (DDP's buckets during the backward, "
+        "SSFusion's buffers) run on a communication thread while the rank computes, and the "
+        "timeline overlaps them the same way; off: every call blocks where it is issued, in "
+        "the run and on the timeline (the no-overlap reference)", choices=("on", "off"),
+        group=RUN)
     intra_bw: float = option(cm.DEFAULT_INTRA_GBPS, "intra-node bandwidth in Gbit/s "
                              "(default %(default)s: NVLink-class)", metavar="GBPS", group=COST)
     inter_bw: float = option(cm.DEFAULT_INTER_GBPS, "inter-node bandwidth in Gbit/s "
@@ -263,6 +269,7 @@ class Run:
             self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
             timeline=Timeline(self.cost) if common.clock == "timeline" else None)
         self.recorder.timeline = self.clock.timeline   # every call declares its own event
+        self.recorder.overlap = common.overlap == "on"
         self.writer = writer
         self.out = writer.out
         self.previous = previous
@@ -345,6 +352,11 @@ class Run:
             "topology": self.topo.describe(),
             "cost_model": self.cost.describe(),
             "collectives": self.collectives,
+            "overlap": {"mode": self.common.overlap,
+                        "communication_thread": bool(self.topo.stream.enabled),
+                        "why_not": None if self.topo.stream.enabled else
+                        "MPI was not initialized with MPI_THREAD_MULTIPLE: calls issued "
+                        "without waiting ran blocking"},
             "traffic": {"measured": measured, "predicted": predicted or {}},
             "metrics": metrics or {},
             "timing": timing,

@@ -199,6 +199,14 @@ class SimClock:
             return self.layers.ready_event(lo, hi)
         return self.last_event
 
+    def now(self):
+        """Dependency for a call issued from inside the backward of a unit (e.g. a bucket its
+        gradients complete): that unit's event (:attr:`LayerEvents.open`), else the last
+        compute event; ``None`` in additive mode."""
+        if self.timeline is None:
+            return None
+        return self.layers.open or self.last_event or self.layers.last
+
     def comm_events(self) -> list:
         """The transfers declared so far in the open step (e.g. ``deps`` of the optimizer
         step); ``[]`` in additive mode."""

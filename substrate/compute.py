@@ -265,22 +265,40 @@ class LayerEvents:
         self._ranges: list[tuple[int, int, Event]] = []
         self._token = None
         self._last: Event | None = None
+        self._open: Event | None = None
 
     def _sync_step(self) -> None:
         if self._token is not self.timeline._token:
             self._token = self.timeline._token
             self._ranges = []
             self._last = None
+            self._open = None
 
     @contextmanager
     def layer(self, phase: str, name: str, flops: float | None = None,
               nbytes: float | None = None):
+        """The unit's computation: its event is declared when the block starts (:attr:`open`,
+        so a call issued from inside the block, e.g. a gradient bucket handed to the
+        communication stream as soon as the layer wrote it, can wait for it) and timed when
+        it ends."""
         self._sync_step()
         label = f"{phase}:{name}"
-        with self.source.measure(flops, nbytes, label) as m:
-            yield m
-        self._last = self.timeline.compute(label, m.seconds)
+        ev = self.timeline.compute(label, 0.0)
+        self._open = ev
+        try:
+            with self.source.measure(flops, nbytes, label) as m:
+                yield m
+        finally:
+            self._open = None
+        self.timeline.set_seconds(ev, m.seconds)
+        self._last = ev
         self.recorded_s += m.seconds
+
+    @property
+    def open(self) -> Event | None:
+        """The event of the unit being computed now (``None`` between units)."""
+        self._sync_step()
+        return self._open
 
     def grads_ready(self, name: str, lo: int, hi: int) -> None:
         self._sync_step()

@@ -335,6 +335,15 @@ class Timeline:
         return self._add(label=label, kind="compute", resource=stream, deps=deps,
                          seconds=seconds, order=order)
 
+    def set_seconds(self, event: Event, seconds: float) -> None:
+        """Time a compute event declared before its block ran (see
+        :meth:`substrate.compute.LayerEvents.layer`)."""
+        if event.kind != "compute" or event._owner is not self._token:
+            raise ValueError(f"set_seconds: {event.label!r} is not a compute event of the open "
+                             "step")
+        event.seconds = _check_seconds(f"compute event {event.label!r}: seconds", seconds)
+        self._cache = None
+
     def transfer(self, phase: str, link: str, nbytes: float, *, algorithm: str = "p2p",
                  p: int = 2, messages: int = 1, deps=(), label: str | None = None,
                  share: int = 1) -> Event:
