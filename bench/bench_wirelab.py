@@ -37,8 +37,11 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     H-SGD on a 1024-neuron, 4-layer Graph Challenge network, batch 128, ``--partition random``
     (random rows: most SpFF/SpBP messages cross hosts; 7.4 MB between the hosts per step).
 ``ddp_overlap`` (only with ``--systems``)
-    ddp on an MLP 64-1024x4-10, batch 128: compute comparable to the transfer, so the timeline's
+    ddp on an MLP 64-1024x4-10, batch 128: compute comparable to the transfer, so the
     overlap shows against the no-overlap sum.
+``ddp_off``, ``ddp_overlap_off`` (only with ``--systems``)
+    The same runs with ``--overlap off``: every call blocks where it is issued (the measured
+    no-overlap reference; the timeline then declares every call as blocking).
 
 Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the
@@ -85,13 +88,25 @@ def workloads(steps: int, tiny: bool = False) -> dict:
                               "--density", "0.1", "--profile-steps", "2",
                               "--steps", str(steps + 2), "--eval-every", "1", *QUIET],
                      "skip": 3},
-        # not in the default set: compute comparable to communication, so the timeline's overlap
-        # shows (the trainer itself all-reduces after the backward: no real overlap on a CPU)
+        # not in the default set: compute comparable to communication, so the overlap shows
+        # (the buckets are reduced on the communication thread while the backward goes on)
         "ddp_overlap": {"args": ["dataparallel", "train", "--method", "ddp", "--model", "mlp",
                                  "--arch", "hidden=1024,1024,1024,1024", "--batch-size", "128",
                                  "--steps", str(steps), "--eval-every", "1", "--bucket-mib", "1",
                                  *QUIET],
                         "skip": 2},
+        # the same runs with every call blocking where it is issued: the measured no-overlap
+        # reference of the two above
+        "ddp_off": {"args": ["dataparallel", "train", "--method", "ddp", *mlp, "--steps",
+                             str(steps), "--eval-every", "1", "--bucket-mib", "1",
+                             "--overlap", "off", *QUIET],
+                    "skip": 2},
+        "ddp_overlap_off": {"args": ["dataparallel", "train", "--method", "ddp", "--model",
+                                     "mlp", "--arch", "hidden=1024,1024,1024,1024",
+                                     "--batch-size", "128", "--steps", str(steps),
+                                     "--eval-every", "1", "--bucket-mib", "1", "--overlap",
+                                     "off", *QUIET],
+                            "skip": 2},
         "hsadmm": {"args": ["hsadmm", "train", "--model", "cnn", "--iters", str(steps),
                             "--local-steps", "1", *QUIET],
                    "skip": 2},
@@ -136,7 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="2x1,2x2",
                     help="HOSTSxRANKS per host, comma list (default %(default)s)")
     ap.add_argument("--systems", default=None,
-                    help="comma list of ddp, ssfusion, hsadmm, sparse_sgd, ddp_overlap "
+                    help="comma list of ddp, ssfusion, hsadmm, sparse_sgd, ddp_overlap, "
+                         "ddp_off, ddp_overlap_off "
                          "(default: the first four; with --tiny: ddp, sparse_sgd)")
     ap.add_argument("--steps", type=int, default=12,
                     help="steps (iterations) per run (default %(default)s)")

@@ -140,8 +140,8 @@ class DDP(Strategy):
         bucket to the communication stream at once (it is reduced while the backward goes on,
         PyTorch DDP's overlap); :meth:`sync` waits for every bucket."""
         k = self._bucket_of.get(name)
-        if k is None:
-            return
+        if k is None or not self.run.recorder.overlap:
+            return           # --overlap off: every bucket blocks, after the backward
         self._left[k] -= 1
         if self._left[k] == 0:
             self._issue(k, self.run.clock.now())

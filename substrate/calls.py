@@ -125,6 +125,33 @@ class Placement:
         sizes = [_positive(s, "node size") for s in sizes]
         return cls(tuple(m for m, s in enumerate(sizes) for _ in range(s)))
 
+    @classmethod
+    def parse(cls, text: str, size: int) -> "Placement":
+        """A ``--node-map`` for ``size`` ranks: ``block:R`` (nodes of ``R`` consecutive ranks),
+        ``round-robin:R`` (``size / R`` nodes, rank ``r`` on node ``r mod (size / R)``: a
+        hostfile cycled over the hosts) or the node of every rank (``0,1,0,1``)."""
+        text = str(text).strip()
+        example = "e.g. --node-map round-robin:2, block:2 or 0,1,0,1"
+        kind, _, arg = text.partition(":")
+        if kind in ("block", "round-robin"):
+            try:
+                R = int(arg)
+            except ValueError:
+                R = 0
+            if R < 1 or size % R:
+                raise ValueError(f"--node-map {text!r}: {kind}:R needs R ranks per node, a "
+                                 f"positive divisor of the {size} ranks; {example}")
+            M = size // R
+            return cls.node_major(M, R) if kind == "block" else cls.round_robin(M, R)
+        try:
+            nodes = [int(x) for x in text.replace(" ", "").split(",")]
+        except ValueError:
+            raise ValueError(f"--node-map {text!r}: not a placement; {example}") from None
+        if len(nodes) != size or min(nodes) < 0:
+            raise ValueError(f"--node-map {text!r}: gives {len(nodes)} node ids for {size} "
+                             f"ranks (one non-negative id per rank); {example}")
+        return cls(tuple(nodes))
+
     # -- views -----------------------------------------------------------------------------------
     @property
     def nodes_array(self) -> np.ndarray:

@@ -116,6 +116,10 @@ class CommonConfig:
     ranks_per_node: int | None = option(
         None, "simulate nodes of R consecutive ranks (default: real shared-memory nodes)",
         metavar="R", group=RUN)
+    node_map: str | None = option(
+        None, "simulate nodes of any placement: round-robin:R (rank r on node r mod (world/R), "
+        "as a hostfile cycled over hosts gives), block:R (= --ranks-per-node R) or the node of "
+        "every rank (0,1,0,1)", metavar="MAP", group=RUN)
     collectives: str | None = option(
         None, "exact: spardist's own point-to-point collectives, the bytes booked are the bytes "
         "sent on any MPI; native: the MPI library's, pinned to the booked algorithm where known "
@@ -548,7 +552,8 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
         check_world_size(MPI.COMM_WORLD.Get_size())
     cost = common.cost_model()
     topo = Topology.from_comm(comm if comm is not None else MPI.COMM_WORLD,
-                              ranks_per_node=common.ranks_per_node, cost=cost,
+                              ranks_per_node=common.ranks_per_node,
+                              node_map=common.node_map, cost=cost,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
     previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,

@@ -42,7 +42,7 @@ from .costmodel import (
     ring_allreduce_sent,
 )
 from .recorder import Handle, Recorder
-from .stream import POLL_S, CommStream
+from .stream import CommStream
 
 __all__ = ["Comm", "Waiting", "Request", "Handle", "bucketed_allreduce", "BucketPlan",
            "bucket_groups"]
@@ -207,7 +207,7 @@ class Comm:
             finish(run(None))
             return Handle(call, rec.declare(call, after), result)
         event = rec.declare(call, after)
-        fut = self.stream.submit(lambda: run(POLL_S))
+        fut = self.stream.submit(lambda: run(self.stream.poll))
         return Handle(call, event, result, wait=lambda: finish(fut.result()))
 
     def _call(self, phase: str, algorithm: str, **kw) -> Call:
@@ -524,15 +524,16 @@ class Waiting:
     def _wait(self, call: Call, after, result) -> Handle:
         return Handle(call, self.recorder.declare(call, after, member=False), result)
 
-    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None) -> Handle:
+    def allreduce(self, buf, op: str = "sum", *, phase: str, after=None,
+                  wait: bool = True) -> Handle:
         return self._wait(Call(phase, "allreduce", self.group, nbytes=buf.nbytes,
                                itemsize=buf.itemsize, op=op), after, buf)
 
-    def bcast(self, buf, root: int = 0, *, phase: str, after=None) -> Handle:
+    def bcast(self, buf, root: int = 0, *, phase: str, after=None, wait: bool = True) -> Handle:
         return self._wait(Call(phase, "bcast", self.group, nbytes=buf.nbytes,
                                itemsize=buf.itemsize, root=root), after, buf)
 
-    def allgather(self, buf, *, phase: str, after=None) -> Handle:
+    def allgather(self, buf, *, phase: str, after=None, wait: bool = True) -> Handle:
         return self._wait(Call(phase, "allgather", self.group,
                                blocks=(buf.nbytes,) * self.size, itemsize=buf.itemsize),
                           after, None)

@@ -20,6 +20,7 @@ two threads never use one communicator at the same time.
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,6 +30,8 @@ __all__ = ["CommStream", "POLL_S", "available"]
 
 #: Seconds between two tests of the stream's pending requests.
 POLL_S = 50e-6
+#: Python's thread switch interval while a stream exists (seconds; the default is 5 ms).
+SWITCH_INTERVAL_S = 1e-4
 
 
 def available() -> bool:
@@ -44,6 +47,10 @@ class CommStream:
         self._last: Future | None = None
         self._lock = threading.Lock()
         self.enabled = available()
+        #: how the thread waits for its requests: ``None`` blocks in MPI (the GIL is released;
+        #: MPICH spins unless its progress throttle is set, as the launchers set it when ranks
+        #: outnumber cores), or test every ``poll`` seconds and sleep in between
+        self.poll = None
 
     def submit(self, fn) -> Future:
         """Run ``fn()`` on the stream after everything submitted before; returns its future.
@@ -59,6 +66,10 @@ class CommStream:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="spardist-comm")
+                # the thread needs the GIL for a moment between its MPI waits and reductions;
+                # at Python's default 5 ms switch interval a computing main thread would hold
+                # it up to 5 ms each time (every ring step of every bucket)
+                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._last = self._pool.submit(fn)
             return self._last
 

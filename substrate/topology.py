@@ -115,7 +115,8 @@ class Topology:
     node_of : numpy.ndarray
         Node id of every world rank.
     gpu_index : int
-        Device to bind: the node-local rank (never ``rank % ngpus``).
+        Device to bind: the local rank on the real (shared-memory) node, also with virtual
+        nodes (never ``rank % ngpus``, never a virtual node's local rank).
     levels : list of Level
     virtual : bool
         True when nodes were formed with ``ranks_per_node`` instead of shared memory.
@@ -126,7 +127,8 @@ class Topology:
 
     @classmethod
     def from_comm(cls, comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None, *,
-                  nodes_per_rack: int | None = None, cost: CostModel | None = None,
+                  nodes_per_rack: int | None = None, node_map: str | None = None,
+                  cost: CostModel | None = None,
                   backend: Backend | None = None,
                   collectives: str | None = None) -> "Topology":
         """Discover (or simulate) the node structure of ``comm`` (collective).
@@ -139,6 +141,9 @@ class Topology:
             Virtual nodes of ``R`` consecutive ranks; ``None`` uses shared-memory nodes.
         nodes_per_rack : int, optional
             Adds a rack level of ``K`` consecutive nodes.
+        node_map : str, optional
+            Virtual nodes of any placement (:meth:`substrate.calls.Placement.parse`:
+            ``round-robin:R``, ``block:R`` or a node id per rank).
         cost : CostModel, optional
             The run's α–β model (its :class:`~substrate.recorder.Recorder` prices calls with it).
         backend : Backend, optional
@@ -159,7 +164,19 @@ class Topology:
         rank, size = world.Get_rank(), world.Get_size()
         self.rank, self.size = rank, size
 
-        if ranks_per_node is not None:
+        if node_map is not None:
+            if ranks_per_node is not None:
+                raise TopologyError("--node-map and --ranks-per-node both place ranks on "
+                                    "virtual nodes: give one (--ranks-per-node R is "
+                                    "--node-map block:R)")
+            try:
+                mapped = Placement.parse(node_map, size)
+            except ValueError as exc:
+                world.Free()
+                raise TopologyError(str(exc)) from None
+            intra_mpi = world.Split(mapped.node(rank), rank)
+            self.virtual = True
+        elif ranks_per_node is not None:
             r = _check_positive_int(ranks_per_node, "--ranks-per-node")
             if size % r:
                 sizes = sorted({n for n in (r * (size // r), r * (size // r + 1)) if n > 0})
@@ -188,7 +205,12 @@ class Topology:
         self.ranks_per_node = int(counts[0])
         self.local_rank = intra_mpi.Get_rank()
         self.is_leader = self.local_rank == 0
-        self.gpu_index = self.local_rank
+        if self.virtual:   # GPUs belong to the real node: bind by the real node's local rank
+            real = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            self.gpu_index = real.Get_rank()
+            real.Free()
+        else:
+            self.gpu_index = self.local_rank
 
         self.placement = placement = Placement(tuple(int(n) for n in node_of))
         self.recorder = recorder = Recorder(placement, rank, cost)
@@ -243,6 +265,7 @@ class Topology:
             "nodes": self.num_nodes,
             "ranks_per_node": self.ranks_per_node,
             "virtual_nodes": self.virtual,
+            "placement": self.placement.describe(),
             "levels": [lv.name for lv in self.levels],
             "node_of": self.node_of.tolist(),
         }
