@@ -16,12 +16,13 @@ MPI_DIR = Path(__file__).resolve().parent / "mpi"
 
 
 def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = False,
-            module: str | None = None) -> subprocess.CompletedProcess:
+            module: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python -m mpi4py SCRIPT ARGS`` (or ``-m MODULE``) from the repo root.
 
     ``script`` is a path, or a file name under ``tests/mpi/``.  Fails the test with every rank's
     stdout/stderr on a non-zero exit (or, with ``expect_fail``, on a zero exit) and kills the
-    whole process group on timeout, so a hung rank never hangs the suite.
+    whole process group on timeout, so a hung rank never hangs the suite.  ``env`` adds
+    variables to the launcher's environment.
     """
     args = [str(a) for a in args]
     if module is not None:
@@ -31,7 +32,8 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
         if not path.is_absolute():
             path = MPI_DIR / path
         cmd = launch_command(n, None, args, script=str(path))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(n), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**mpi_env(n), **(env or {})},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -1,0 +1,104 @@
+"""Real overlap and placement-true traffic (issue 24).
+
+* ``--overlap on`` hands DDP's buckets to the communication thread during the backward; the
+  run must give bitwise the results of ``--overlap off`` (every call blocking where it is
+  issued), with the same bytes, and its simulated step may only be shorter.
+* Every placement a launcher can produce (round-robin, any node map) keeps measured ==
+  predicted: the plans price their records on the run's real placement.
+* Without ``MPI_THREAD_MULTIPLE`` the stream falls back to blocking calls and says so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
+                         read_summary, run_mpi)
+from substrate.calls import Placement
+
+pytestmark = pytest.mark.mpi
+
+DDP = ["train", "--method", "ddp", "--steps", 4, "--eval-every", 2, "--bucket-mib", 0.02,
+       "--compute-source", "flops", "--device-tflops", 0.01]
+
+
+def _lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("allreduce,shape", [("ring", ("--ranks-per-node", 2)),
+                                             ("hierarchical", ("--node-map", "0,1,0,1"))])
+def test_overlap_on_equals_overlap_off_bitwise(tmp_path, allreduce, shape):
+    runs = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        run_mpi(None, 4, *DDP, "--allreduce", allreduce, *shape, "--overlap", mode,
+                "--out", out, module="dataparallel", timeout=180)
+        runs[mode] = (read_summary(out), _lines(out))
+    (s_on, l_on), (s_off, l_off) = runs["on"], runs["off"]
+    # the same numbers to the last bit: losses, accuracies, bytes of every interval
+    keys = ("loss", "test_accuracy", "inter_node_bytes", "intra_node_bytes")
+    assert [[x[k] for k in keys] for x in l_on] == [[x[k] for k in keys] for x in l_off]
+    assert s_on["traffic"] == s_off["traffic"]
+    assert_measured_equals_predicted(s_on)
+    assert s_on["overlap"]["communication_thread"] is True
+    assert s_on["overlap"]["mode"] == "on" and s_off["overlap"]["mode"] == "off"
+    # off: every call blocks, so the critical path is the no-overlap sum; on: the buckets
+    # (more than one) overlap the backward on the timeline, as in the run
+    t_on, t_off = s_on["timing"], s_off["timing"]
+    assert t_off["sim_s"] == pytest.approx(t_off["no_overlap_s"], rel=1e-9)
+    assert t_on["sim_s"] < t_on["no_overlap_s"] * (1 - 1e-6)
+
+
+def test_without_thread_multiple_the_stream_blocks_and_says_so(tmp_path):
+    out = tmp_path / "serialized"
+    env = {"MPI4PY_RC_THREAD_LEVEL": "serialized"}
+    run_mpi(None, 2, *DDP, "--ranks-per-node", 1, "--out", out, module="dataparallel",
+            timeout=180, env=env)
+    s = read_summary(out)
+    assert s["overlap"]["communication_thread"] is False
+    assert "MPI_THREAD_MULTIPLE" in s["overlap"]["why_not"]
+    assert_measured_equals_predicted(s)
+
+
+@pytest.mark.parametrize("method,extra", [("ddp", []), ("ddp", ["--allreduce", "hierarchical"]),
+                                          ("topk", ["--density", "0.02"]), ("fp16", [])])
+@pytest.mark.parametrize("n,node_map", [(4, "round-robin:2"), (6, "round-robin:3"),
+                                        (6, "0,1,2,0,1,2"), (6, "2,2,0,1,1,0")])
+def test_any_placement_measured_equals_predicted(tmp_path, method, extra, n, node_map):
+    """Round-robin puts neighbouring ranks on different nodes: a world ring crosses nodes on
+    every link, so the inter-node bytes are not node-major's; measured == predicted holds
+    because the prediction prices the plan's records on the run's placement."""
+    out = tmp_path / "run"
+    run_mpi(None, n, "train", "--method", method, "--steps", 3, "--eval-every", 3,
+            "--node-map", node_map, "--out", out, *extra, module="dataparallel", timeout=180)
+    s = read_summary(out)
+    assert_measured_equals_predicted(s)
+    placement = Placement.parse(node_map, n)
+    assert s["topology"]["node_of"] == list(placement.node_of)
+    if method == "ddp" and not extra and node_map.startswith("round-robin"):
+        # every ring link crosses nodes: inter = total = 2 (p-1) x the gradient bytes x steps
+        tr = s["traffic"]["measured"]
+        assert tr["intra_node_bytes"] == 0 and tr["inter_node_bytes"] > 0
+
+
+@pytest.mark.parametrize("node_map,message", [
+    ("round-robin:3", "positive divisor of the 4 ranks"),
+    ("0,1,0", "gives 3 node ids for 4 ranks"),
+    ("zero,one", "not a placement"),
+    ("block:0", "positive divisor"),
+    ("0,1,-1,0", "one non-negative id per rank"),
+])
+def test_bad_node_map_is_refused_on_every_rank(tmp_path, node_map, message):
+    assert_fails_on_every_rank("dataparallel", ["train", "--method", "ddp", "--steps", 1,
+                                                "--node-map", node_map],
+                               message, tmp_path / "x", n=4)
+
+
+def test_node_map_and_ranks_per_node_are_exclusive(tmp_path):
+    assert_fails_on_every_rank("dataparallel", ["train", "--method", "ddp", "--steps", 1,
+                                                "--node-map", "block:2", "--ranks-per-node",
+                                                2],
+                               "give one", tmp_path / "x", n=4)
