@@ -305,22 +305,32 @@ def test_ring_allreduce_split_any_ring_any_count(nodes, count, itemsize):
         _simulated_ring(count, itemsize, nodes)
 
 
-def test_ring_allreduce_closed_form_is_not_the_divisible_formula():
-    """The reproduction of issue 11 (digits CNN, T = 38,282 float32, 3 ranks per node): the old
-    ``P * (2 (P-1) n // P)`` booked 612,510 bytes per node's ring; the ring sends 612,512."""
-    T = 38282
-    assert cm.ring_allreduce_wire_bytes(4 * T, 3, 0, 4) == {"intra": 612512, "inter": 0}
-    assert 3 * (2 * 2 * 4 * T // 3) == 612510
-    # 2 nodes x 3, node-major: links 2 and 5 cross, carrying 2n - c_3 - c_4 and 2n - c_0 - c_1
-    c = [len(x) for x in np.array_split(np.arange(T), 6)]  # 6381 6381 6380 6380 6380 6380
-    inter = 4 * ((2 * T - c[3] - c[4]) + (2 * T - c[0] - c[1]))
-    assert cm.ring_allreduce_wire_bytes(4 * T, 6, 2, 4)["inter"] == inter == 510424
-    assert 2 * (2 * 5 * 4 * T // 6) != inter
+@pytest.mark.parametrize("T,M,P", [(38282, 1, 3), (38282, 2, 3), (1001, 2, 2), (7, 3, 3),
+                                    (600, 2, 3)])
+def test_ring_allreduce_closed_form_is_the_ring_not_the_divisible_formula(T, M, P):
+    """The reproduction of issue 11 (digits CNN, T = 38,282 float32, 3 ranks per node): the
+    closed form equals a ring walked message by message (:func:`simulated_ring`), and where
+    ``p`` does not divide the element count it is not ``M * 2 (p-1)/p * n`` (the old booking,
+    612,510 instead of 612,512 bytes per node's ring)."""
+    p = M * P
+    nodes = np.arange(p) // P
+    walked = _simulated_ring(T, 4, nodes)
+    got = cm.ring_allreduce_wire_bytes(4 * T, p, M if M > 1 else 0, 4)
+    assert got == walked
+    divisible = {"intra": (p - (M if M > 1 else 0)) * (2 * (p - 1) * 4 * T // p),
+                 "inter": (M if M > 1 else 0) * (2 * (p - 1) * 4 * T // p)}
+    if T % p == 0:
+        assert got == divisible
+    if T == 38282:          # issue 11's shapes: the ring is not the divisible formula
+        assert got != divisible
     # without itemsize the chunks are cut in bytes: still exact when p divides the count
-    assert cm.ring_allreduce_wire_bytes(4 * 600, 6, 2) == cm.ring_allreduce_wire_bytes(
-        4 * 600, 6, 2, 4)
+    if T % p == 0:
+        assert cm.ring_allreduce_wire_bytes(4 * T, p, M if M > 1 else 0) == walked
+
+
+def test_ring_allreduce_closed_form_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="ring_allreduce_split"):
-        cm.ring_allreduce_wire_bytes(4 * T, 6, 4, 4)
+        cm.ring_allreduce_wire_bytes(4 * 38282, 6, 4, 4)
     with pytest.raises(ValueError, match="whole number"):
         cm.ring_allreduce_wire_bytes(10, 3, 0, 4)
 
