@@ -348,6 +348,26 @@ class Call:
         object.__setattr__(self, "after", tuple(self.after))
 
     # -- identity --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready record (``after`` and ``label`` left out: run-time dependencies are
+        events, not plan tokens)."""
+        d = {"phase": self.phase, "algorithm": self.algorithm, "group": list(self.group),
+             "nbytes": self.nbytes, "itemsize": self.itemsize, "root": self.root,
+             "op": self.op}
+        if self.blocks is not None:
+            d["blocks"] = list(self.blocks)
+        if self.pairs is not None:
+            d["pairs"] = self.pairs.tolist()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Call":
+        return cls(d["phase"], d["algorithm"], tuple(d["group"]), nbytes=d.get("nbytes", 0),
+                   itemsize=d.get("itemsize", 1), root=d.get("root", 0), op=d.get("op"),
+                   blocks=tuple(d["blocks"]) if "blocks" in d else None,
+                   pairs=np.asarray(d["pairs"], dtype=np.int64).reshape(-1, 3)
+                   if "pairs" in d else None)
+
     def key(self) -> tuple:
         """Everything that defines the communication (not its dependencies or label): equal
         keys send the same messages."""

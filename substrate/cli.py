@@ -47,6 +47,7 @@ from .ledger import Ledger
 from .options import add_dataclass_args, check_range, option
 from .clock import SOURCES, make_source
 from .profile import ProfileRecorder, write_profile
+from .program import Program
 from .timeline import Timeline
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
 from .topology import Topology
@@ -274,6 +275,12 @@ class Run:
             timeline=Timeline(self.cost) if common.clock == "timeline" else None)
         self.recorder.timeline = self.clock.timeline   # every call declares its own event
         self.recorder.overlap = common.overlap == "on"
+        #: the rank's event program, recorded beside the compute profile (for replay)
+        self.program = None
+        if common.compute_profile_out is not None and self.clock.timeline is not None:
+            self.program = Program()
+            self.recorder.program = self.clock.program = self.clock.layers.program = \
+                self.program
         self.writer = writer
         self.out = writer.out
         self.previous = previous
@@ -328,7 +335,9 @@ class Run:
                 self.world.mpi.send(busiest_step, dest=0, tag=_TAG_BUSIEST)
             elif self.rank == 0:
                 busiest_step = self.world.mpi.recv(source=busiest, tag=_TAG_BUSIEST)
-        tables = self.world.mpi.gather(self.profile_recorder.table(), root=0) \
+        tables = self.world.mpi.gather(
+            (self.profile_recorder.table(),
+             self.program.entries if self.program is not None else None), root=0) \
             if self.profile_recorder is not None else None
         timeline = None
         if self.rank == 0:
@@ -383,10 +392,15 @@ class Run:
         """Rank 0: write ``--compute-profile-out`` (every rank's table; atomic) and say what was
         written, for ``summary.json``."""
         path = self.common.compute_profile_out
-        sha = write_profile(path, tables, _profile_provenance(self))
+        programs = [p for _, p in tables]
+        tables = [t for t, _ in tables]
+        sha = write_profile(path, tables, _profile_provenance(self),
+                            programs if all(p is not None for p in programs) else None)
         return {"recorded_to": str(path), "sha256": sha,
                 "events_per_rank": [sum(len(p) for p in t.values()) for t in tables],
-                "unlabelled_blocks": self.profile_recorder.unlabelled}
+                "unlabelled_blocks": self.profile_recorder.unlabelled,
+                "program_entries_per_rank": [len(p or ()) for p in programs],
+                "program_unknown_deps": len(self.program.unknown) if self.program else None}
 
 
 def _profile_provenance(run: "Run") -> dict:

@@ -135,6 +135,8 @@ class SimClock:
                         device_gbs=device_gbs, profile=profile)
         self.timeline = timeline
         self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
+        #: the rank's recorded program (:mod:`substrate.program`), when a profile is recorded
+        self.program = None
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
         self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
         self._depth = 0
@@ -152,20 +154,24 @@ class SimClock:
     # -- compute ---------------------------------------------------------------------------------
     @contextmanager
     def compute(self, label: str = "compute", *, flops: float | None = None, deps=(),
-                stream: str = "compute", after=None):
+                stream: str = "compute", after=None, key: str | None = None):
         """Time the enclosed block as compute (a block nested in another is part of the outer
         one).  In timeline mode the block becomes an event ``label`` on ``stream`` after
         ``deps`` (its handle is :attr:`last_event` afterwards); per-layer events the model
         recorded inside the block are events of their own and only the rest of the block (loss,
         Python) is added as ``label``.  ``flops`` gives the block's FLOP count to the ``flops``
         source; ``after`` places the event in its stream right after that event
-        (:meth:`Timeline.compute`)."""
+        (:meth:`Timeline.compute`); ``key`` overrides the block's profile key (a replay
+        repeats the recorded one)."""
         if self._depth:
             yield None
             return
-        key = label
-        if label == "compute":          # unnamed block: its call site names it (calibration)
-            key = _call_site(sys._getframe(2))
+        if key is None:
+            key = label
+            if label == "compute":      # unnamed block: its call site names it (calibration)
+                key = _call_site(sys._getframe(2))
+        if self.program is not None:
+            self.program.begin("clock", label, key, deps, stream, after)
         self._depth += 1
         inner0 = self.layers.recorded_s if self.layers is not None else 0.0
         try:
@@ -175,17 +181,19 @@ class SimClock:
             self._depth -= 1
         if self.timeline is None:
             self._compute_s += m.seconds
-            return
-        inner = self.layers.recorded_s - inner0
-        if inner > 0 and isinstance(self.source, FlopSource):
-            self.last_event = self.layers.last        # the layers' FLOPs are the block
-            return
-        rest = max(0.0, m.seconds - inner)
-        if rest > 0 or not inner:
-            self.last_event = self.timeline.compute(label, rest, deps=deps, stream=stream,
-                                                    after=after)
         else:
-            self.last_event = self.layers.last
+            inner = self.layers.recorded_s - inner0
+            if inner > 0 and isinstance(self.source, FlopSource):
+                self.last_event = self.layers.last        # the layers' FLOPs are the block
+            else:
+                rest = max(0.0, m.seconds - inner)
+                if rest > 0 or not inner:
+                    self.last_event = self.timeline.compute(label, rest, deps=deps,
+                                                            stream=stream, after=after)
+                else:
+                    self.last_event = self.layers.last
+        if self.program is not None:
+            self.program.end(self.last_event if self.timeline is not None else None)
 
     # -- dependencies for strategies ------------------------------------------------------------
     def ready(self, lo: int, hi: int):
@@ -239,6 +247,8 @@ class SimClock:
 
         Timeline mode: schedule and start a new step.  Additive mode: the step's compute and
         ledger α–β, added (so trainers call ``step()`` the same way in both modes)."""
+        if self.program is not None:
+            self.program.step()
         now = time.perf_counter()
         self.step_wall_s = now - self._step_t0 - self._diagnostic_s
         self._step_t0 = now

@@ -190,7 +190,7 @@ class Comm:
     def _done(self, call: Call, after, result, **book) -> Handle:
         """Book a call that has run, declare it, return its handle (a blocking call)."""
         self._book(call, **book)
-        return Handle(call, self.recorder.declare(call, after), result)
+        return self.recorder.handle(call, self.recorder.declare(call, after), result)
 
     def _issue(self, call: Call, after, result, run, finish, wait: bool) -> Handle:
         """Run a collective: ``run(poll)`` moves the data (returns what :meth:`_book` needs),
@@ -205,10 +205,10 @@ class Comm:
         if wait or not rec.overlap or not self.stream.enabled:
             self.stream.drain()
             finish(run(None))
-            return Handle(call, rec.declare(call, after), result)
-        event = rec.declare(call, after)
+            return rec.handle(call, rec.declare(call, after), result)
+        event = rec.declare(call, after, wait=False)
         fut = self.stream.submit(lambda: run(self.stream.poll))
-        return Handle(call, event, result, wait=lambda: finish(fut.result()))
+        return rec.handle(call, event, result, wait=lambda: finish(fut.result()))
 
     def _call(self, phase: str, algorithm: str, **kw) -> Call:
         return Call(phase, algorithm, self.group, **kw)
@@ -478,23 +478,32 @@ class Comm:
         link = self.link_to(dest)
         intra, inter = (buf.nbytes, 0) if link == INTRA else (0, buf.nbytes)
         rec.book(call, payload=buf.nbytes, intra=intra, inter=inter, messages=1, links=(link,))
-        return Request(req, call, rec.declare(call, after), buf=view)
+        r = Request(req, call, rec.declare(call, after, wait=False, tag=tag), buf=view)
+        r.entry = rec.last_entry if rec.program is not None else None
+        return r
 
     def irecv(self, buf, source: int, tag: int = 0, *, phase: str) -> Request:
         """Non-blocking receive into ``buf`` (nothing recorded: the sender records)."""
         self._check(buf, "irecv")
         if array_module(buf) is np or self.backend.cuda_aware:
-            return Request(self.mpi.Irecv(buf, source=source, tag=tag), buf=buf)
-        host = np.empty(buf.shape, dtype=buf.dtype)
-        req = self.mpi.Irecv(host, source=source, tag=tag)
-        return Request(req, buf=buf, view=host, backend=self.backend)
+            r = Request(self.mpi.Irecv(buf, source=source, tag=tag), buf=buf)
+        else:
+            host = np.empty(buf.shape, dtype=buf.dtype)
+            r = Request(self.mpi.Irecv(host, source=source, tag=tag), buf=buf, view=host,
+                        backend=self.backend)
+        prog = self.recorder.program
+        if prog is not None:
+            r.entry = prog.receive(self.group[source], buf.nbytes, tag, self.group)
+        return r
 
-    @staticmethod
-    def waitall(requests: Sequence[Request]) -> None:
+    def waitall(self, requests: Sequence[Request]) -> None:
         """Complete every request (and copy staged receives back to the device)."""
         requests = [r for r in requests if not r.done]
         if not requests:
             return
+        prog = self.recorder.program
+        if prog is not None:
+            prog.waitall([r.entry for r in requests if r.entry is not None])
         MPI.Request.Waitall([r.mpi for r in requests])
         for r in requests:
             r._wait = None
@@ -522,7 +531,8 @@ class Waiting:
         self.rank = None
 
     def _wait(self, call: Call, after, result) -> Handle:
-        return Handle(call, self.recorder.declare(call, after, member=False), result)
+        rec = self.recorder
+        return rec.handle(call, rec.declare(call, after, member=False), result)
 
     def allreduce(self, buf, op: str = "sum", *, phase: str, after=None,
                   wait: bool = True) -> Handle:

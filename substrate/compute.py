@@ -266,6 +266,7 @@ class LayerEvents:
         self._token = None
         self._last: Event | None = None
         self._open: Event | None = None
+        self.program = None               # the recorded program (replay), set by the run
 
     def _sync_step(self) -> None:
         if self._token is not self.timeline._token:
@@ -285,11 +286,15 @@ class LayerEvents:
         label = f"{phase}:{name}"
         ev = self.timeline.compute(label, 0.0)
         self._open = ev
+        if self.program is not None:
+            self.program.begin("layer", label, label, event=ev)
         try:
             with self.source.measure(flops, nbytes, label) as m:
                 yield m
         finally:
             self._open = None
+            if self.program is not None:
+                self.program.end(ev)
         self.timeline.set_seconds(ev, m.seconds)
         self._last = ev
         self.recorded_s += m.seconds

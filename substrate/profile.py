@@ -33,7 +33,9 @@ __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileRecorder", "ProfileSourc
 
 #: ``format`` and ``version`` of a compute profile file (``--compute-profile-out``)
 PROFILE_FORMAT = "spardist-compute-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+#: versions :func:`load_profile` reads (1: the compute tables only, no programs to replay)
+READABLE_VERSIONS = (1, 2)
 
 
 class _Occurrences:
@@ -105,7 +107,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_profile(path, tables: list[dict], provenance: dict) -> str:
+def write_profile(path, tables: list[dict], provenance: dict,
+                  programs: list | None = None) -> str:
     """Write a compute profile atomically (temporary file in the same directory, then
     ``os.replace``); returns the SHA-256 of the file.
 
@@ -122,6 +125,10 @@ def write_profile(path, tables: list[dict], provenance: dict) -> str:
                           .isoformat(timespec="seconds"),
                           "host": platform.node(), **provenance},
            "ranks": list(tables)}
+    if programs is not None:
+        doc["programs"] = list(programs)
+        doc["program"] = ("per rank, the entries of substrate.program in program order: what "
+                          "python -m substrate.replay runs again")
     data = json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write_bytes(path, data)
     return _sha256(data)
@@ -157,9 +164,13 @@ def load_profile(path) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
         raise _bad_profile(path, f"is not a compute profile (no \"format\": "
                                  f"\"{PROFILE_FORMAT}\")")
-    if doc.get("version") != PROFILE_VERSION:
+    if doc.get("version") not in READABLE_VERSIONS:
         raise _bad_profile(path, f"has version {doc.get('version')!r}, this spardist reads "
-                                 f"version {PROFILE_VERSION}")
+                                 f"versions {list(READABLE_VERSIONS)}")
+    progs = doc.get("programs")
+    if progs is not None and (not isinstance(progs, list) or len(progs) != len(
+            doc.get("ranks") or ()) or not all(isinstance(p, list) for p in progs)):
+        raise _bad_profile(path, "\"programs\" must hold one entry list per rank")
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or not ranks:
         raise _bad_profile(path, "\"ranks\" must be a non-empty list of per-rank tables")
@@ -245,6 +256,7 @@ class ProfileSource(ComputeSource):
         seconds = self.cost(label, self._k.next(label)) if label is not None else None
         if seconds is not None:
             m = self.Measurement()
+            m.seconds = seconds          # known before the block runs (a replay sleeps it)
             yield m
             m.seconds = seconds
             return

@@ -36,18 +36,23 @@ class Handle:
     ``deps=``.  :meth:`wait` completes a non-blocking call and returns the result.
     """
 
-    __slots__ = ("call", "event", "result", "_wait")
+    __slots__ = ("call", "event", "result", "_wait", "entry", "program")
 
-    def __init__(self, call: Call | None, event=None, result=None, wait=None) -> None:
+    def __init__(self, call: Call | None, event=None, result=None, wait=None, entry=None,
+                 program=None) -> None:
         self.call = call
         self.event = event
         self.result = result
         self._wait = wait
+        self.entry = entry            # its entry in the rank's recorded program (replay)
+        self.program = program
 
     def wait(self):
         """Complete the call (a no-op for blocking calls) and return its result."""
         if self._wait is not None:
             w, self._wait = self._wait, None
+            if self.program is not None and self.entry is not None:
+                self.program.waited(self.entry)
             w()
         return self.result
 
@@ -100,6 +105,10 @@ class Recorder:
         #: ``--overlap``: calls issued without waiting overlap what follows (False: every call
         #: blocks, and the timeline declares every call as blocking)
         self.overlap = True
+        #: the rank's event program, recorded for replay (:mod:`substrate.program`; ``None``:
+        #: not recorded)
+        self.program = None
+        self.last_entry: int | None = None
 
     def book(self, call: Call, *, payload: int, intra: int = 0, inter: int = 0,
              messages: int = 0, links=()) -> None:
@@ -108,19 +117,30 @@ class Recorder:
         self.ledger.record(call.phase, payload=payload, intra=intra, inter=inter,
                            messages=messages, modeled_s=seconds, links=links)
 
-    def declare(self, call: Call, after=None, member: bool = True):
+    def declare(self, call: Call, after=None, member: bool = True, wait: bool = True,
+                tag: int | None = None):
         """Log ``call`` and declare it on the timeline (``None`` without one): after ``after``
         (events or handles), or, when ``after`` is ``None``, after everything declared before.
-        ``member=False``: this rank does not take part, it waits for the call."""
+        ``member=False``: this rank does not take part, it waits for the call; ``wait``:
+        whether it was issued blocking (for the recorded program)."""
         self.log.add(call, member)
         tl = self.timeline
-        if tl is None:
-            return None
-        if after is not None and self.overlap:
-            return declare_one(tl, call, self.placement, self.rank, _events(after))
-        ev = declare_one(tl, call, self.placement, self.rank, tl.frontier())
-        tl.block(ev)
+        ev = None
+        if tl is not None:
+            if after is not None and self.overlap:
+                ev = declare_one(tl, call, self.placement, self.rank, _events(after))
+            else:
+                ev = declare_one(tl, call, self.placement, self.rank, tl.frontier())
+                tl.block(ev)
+        if self.program is not None:
+            self.last_entry = self.program.call(call, after if self.overlap else None, member,
+                                                wait, ev, tag)
         return ev
+
+    def handle(self, call: Call, event, result, wait=None) -> Handle:
+        """The handle of the call just declared (its program entry attached)."""
+        return Handle(call, event, result, wait, self.last_entry if self.program else None,
+                      self.program)
 
     def account(self, planned) -> dict:
         """The plan's records of the calls executed since the previous ``account``: check them

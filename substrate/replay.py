@@ -1,0 +1,215 @@
+"""Replay a recorded run: compute replaced by the time its profile gives, communication real.
+
+::
+
+    python -m mpi4py -m substrate.replay --compute-profile FILE [--node-map ...] [--out DIR]
+    ./run_mpi.sh -n P substrate.replay --compute-profile FILE ...
+
+A run that recorded ``--compute-profile-out FILE`` (timeline clock) also wrote every rank's
+event program (:mod:`substrate.program`) into ``FILE``.  The replay runs those programs again on
+a world of the same size: each compute block costs its profile time (``--compute-source
+profile``) and the rank sleeps that long instead of computing (``--sleep off``: not even
+that); every communication call runs for real through the same :class:`~substrate.comm.Comm`
+methods, on buffers of the recorded sizes, in the recorded order, with the recorded
+dependencies, issued blocking or to the communication stream as the run issued it.  So
+
+* the replay's calls are the run's, call for call (the call digests in ``summary.json`` agree)
+  and its ledger is the run's, byte for byte, whatever the placement it was recorded on or is
+  replayed on (the records carry world ranks; their links follow the replay's placement);
+* its simulated time is what ``--compute-source profile --compute-profile FILE`` gives the same
+  job (the same blocks, costed the same, the same calls declared the same way);
+* many ranks fit on few cores: a sleeping rank leaves its core to the others (SimGrid SMPI's
+  method), which is how the wire lab emulates 8-16 hosts on a small machine.
+
+Receives and the results of reductions are not meaningful (the buffers hold zeros); sizes,
+order and timing are.  A program that used a pairwise all-to-all is refused (a member's record
+holds its own row only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from .calls import Call
+from .cli import add_common_args, main_guard, start_run
+
+__all__ = ["replay", "main"]
+
+
+def _dtype(itemsize: int, op: str | None):
+    """A buffer type of ``itemsize`` bytes for which the op is defined."""
+    if op == "bor" or itemsize == 1:
+        return np.dtype(f"u{itemsize}")
+    return np.dtype(f"f{itemsize}")
+
+
+def _groups(programs) -> list[tuple]:
+    """Every communicator group the programs use (members' calls and receives), sorted."""
+    out = set()
+    for prog in programs:
+        for e in prog:
+            if e[0] == "C" and e[3]:
+                out.add(tuple(e[1]["group"]))
+            elif e[0] == "R":
+                out.add(tuple(e[4]))
+    return sorted(out, key=lambda g: (len(g), g))
+
+
+def _communicators(run, programs) -> dict:
+    """``{group: Comm}``: the topology's world / node / leaders communicators, and a split of
+    the world for every other group (collective: every rank splits for every such group in the
+    same order, decided by the file and the placement alone)."""
+    topo = run.topo
+    pl = topo.placement
+    comms = {c.group: c for c in (topo.world, topo.intra, topo.inter) if c is not None}
+    known = {pl.world, pl.leaders, *(pl.members(m) for m in range(pl.num_nodes))}
+    for g in _groups(programs):
+        if g in known:
+            continue
+        mine = run.rank in g
+        c = topo.world.sub(0 if mine else -1, key=g.index(run.rank) if mine else run.rank)
+        if mine:
+            if c.group != g:
+                raise ValueError(f"replay: communicator {list(g)} came out as {list(c.group)}")
+            comms[g] = c
+    return comms
+
+
+def replay(run, program: list, comms: dict, sleep: bool = True) -> int:
+    """Run one rank's ``program``; returns the steps closed."""
+    clock, rec = run.clock, run.recorder
+    world = run.topo.world
+    events: dict = {}                      # entry -> timeline event (this step)
+    handles: dict = {}                     # entry -> handle / request
+    blocks: list = []                      # open blocks: (entry, kind, context manager)
+    steps = 0
+
+    def ev(i):
+        return None if i is None else events.get(i)
+
+    for i, e in enumerate(program):
+        t = e[0]
+        if t == "B":
+            kind, label, key, deps, stream, after = e[1:]
+            if kind == "clock":
+                cm = clock.compute(label, deps=[ev(d) for d in deps], stream=stream,
+                                   after=ev(after), key=key)
+            else:
+                phase, _, name = label.partition(":")
+                cm = clock.layers.layer(phase, name)
+            m = cm.__enter__()
+            if kind == "layer":
+                events[i] = clock.layers.open
+                if sleep and m is not None and m.seconds > 0:
+                    time.sleep(m.seconds)
+            blocks.append((i, kind, cm))
+        elif t == "E":
+            j, kind, cm = blocks.pop()
+            cm.__exit__(None, None, None)
+            if kind == "layer":
+                events[j] = clock.layers.last
+            else:
+                own = events[j] = clock.last_event
+                # the block's own rest (its layers slept their part when they began)
+                if sleep and own is not None and own is not clock.layers.last:
+                    time.sleep(own.seconds)
+        elif t == "C":
+            d, after, member, wait, tag = e[1:]
+            call = Call.from_dict(d)
+            deps = None if after is None else [ev(a) for a in after]
+            if not member:
+                events[i] = rec.declare(call, deps, member=False)
+                continue
+            h = _call(comms, call, deps, wait, tag, run.rank)
+            handles[i] = h
+            events[i] = h.event
+        elif t == "W":
+            handles[e[1]].wait()
+        elif t == "R":
+            source, nbytes, tag, group = e[1:]
+            comm = comms[tuple(group)]
+            handles[i] = comm.irecv(np.zeros(nbytes, dtype=np.uint8),
+                                    comm.group.index(source), tag=tag, phase="replay")
+        elif t == "A":
+            world.waitall([handles[j] for j in e[1]])
+        elif t == "S":
+            clock.step()
+            steps += 1
+            events = {}
+    return steps
+
+
+def _call(comms, call: Call, after, wait: bool, tag, rank: int):
+    """Execute ``call`` on zeros of the recorded sizes through the group's communicator."""
+    comm = comms[call.group]
+    a = call.algorithm
+    if a == "p2p":
+        (src, dst, nbytes), = call.pairs.tolist()
+        return comm.isend(np.zeros(nbytes, dtype=np.uint8), comm.group.index(dst),
+                          tag=tag or 0, phase=call.phase, after=after)
+    dt = _dtype(call.itemsize, call.op)
+    if a == "allreduce":
+        return comm.allreduce(np.zeros(call.nbytes // dt.itemsize, dtype=dt), call.op,
+                              phase=call.phase, after=after, wait=wait)
+    if a == "bcast":
+        return comm.bcast(np.zeros(call.nbytes // dt.itemsize, dtype=dt), call.root,
+                          phase=call.phase, after=after, wait=wait)
+    if a == "allgather":
+        counts = [b // dt.itemsize for b in call.blocks]
+        mine = np.zeros(counts[comm.rank], dtype=dt)
+        if len(set(counts)) == 1:
+            return comm.allgather(mine, phase=call.phase, after=after, wait=wait)
+        return comm.allgatherv(mine, counts, phase=call.phase, after=after)
+    if a == "barrier":
+        return comm.barrier(phase=call.phase, after=after)
+    raise ValueError(f"replay: a {a} call ({call.phase}) cannot be replayed: a member's record "
+                     "holds its own sends only")
+
+
+@main_guard
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m substrate.replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--sleep", choices=("on", "off"), default="on",
+                        help="sleep each compute block's profile time (default on; off: the "
+                             "calls back to back, same simulated time)")
+    args = parser.parse_args(argv)
+    if args.compute_profile is None:
+        raise ValueError("substrate.replay needs --compute-profile FILE (a profile written by "
+                         "--compute-profile-out on a run with the timeline clock)")
+    args.compute_source = "profile"
+    if args.clock != "timeline":
+        raise ValueError("substrate.replay needs --clock timeline (the programs are timelines)")
+    run = start_run(args, system="replay", method="replay", unit="step")
+    doc = run.clock.source.profile
+    programs = doc.get("programs")
+    if programs is None:
+        raise ValueError(f"--compute-profile {args.compute_profile}: holds no programs to replay "
+                         "(recorded by an older spardist or with --clock additive); record it "
+                         "again with --compute-profile-out")
+    if len(programs) != run.size:
+        raise ValueError(f"--compute-profile {args.compute_profile}: recorded on "
+                         f"{len(programs)} ranks; replay it on {len(programs)} (launch with "
+                         f"-n {len(programs)})")
+    comms = _communicators(run, programs)
+    steps = replay(run, programs[run.rank], comms, sleep=args.sleep == "on")
+    prov = doc.get("provenance", {})
+    summary = run.finish(metrics={"replay_of": str(args.compute_profile),
+                                  "recorded_by": {k: prov.get(k) for k in
+                                                  ("system", "method", "model", "world")},
+                                  "steps": steps})
+    if run.rank == 0:
+        t = summary["traffic"]["measured"]
+        print(f"replay of {args.compute_profile}: {steps} steps, inter-node bytes "
+              f"{t['inter_node_bytes']}, intra-node bytes {t['intra_node_bytes']}, simulated "
+              f"{summary['timing']['sim_s']:.4g} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
