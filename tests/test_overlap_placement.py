@@ -102,3 +102,79 @@ def test_node_map_and_ranks_per_node_are_exclusive(tmp_path):
                                                 "--node-map", "block:2", "--ranks-per-node",
                                                 2],
                                "give one", tmp_path / "x", n=4)
+
+
+# -- replay (compute from the profile, communication real) -------------------------------------
+REPLAYED = [
+    ("ddp", ["--bucket-mib", 0.02], ("--ranks-per-node", 2)),
+    ("ddp", ["--allreduce", "hierarchical", "--bucket-mib", 0.02], ("--node-map", "0,1,0,1")),
+    ("topk", ["--density", 0.02], ("--ranks-per-node", 2)),
+    ("fp16", [], ("--node-map", "round-robin:2")),
+]
+
+
+@pytest.mark.parametrize("method,extra,shape", REPLAYED,
+                         ids=[f"{m}-{'-'.join(map(str, e))}" for m, e, _ in REPLAYED])
+def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra, shape):
+    """A recorded run, the same job costed from its profile, and the replay of its programs:
+    the replay's calls are the run's (per-rank digests), its ledger is the run's byte for byte,
+    and its simulated time is the profile-costed run's exactly."""
+    prof = tmp_path / "prof.json"
+    args = ["train", "--method", method, "--steps", 4, "--eval-every", 2, *extra, *shape]
+    run_mpi(None, 4, *args, "--out", tmp_path / "run", "--compute-profile-out", prof,
+            module="dataparallel", timeout=180)
+    run_mpi(None, 4, *args, "--out", tmp_path / "costed", "--compute-source", "profile",
+            "--compute-profile", prof, module="dataparallel", timeout=180)
+    run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", *shape, "--out",
+            tmp_path / "replay", module="substrate.replay", timeout=180)
+    real, costed, rep = (read_summary(tmp_path / d) for d in ("run", "costed", "replay"))
+    assert rep["calls"]["per_rank"] == real["calls"]["per_rank"]
+    assert rep["traffic"]["measured"] == real["traffic"]["measured"]
+    assert rep["timing"]["sim_s"] == pytest.approx(costed["timing"]["sim_s"], rel=1e-12)
+    assert rep["timing"]["no_overlap_s"] == pytest.approx(costed["timing"]["no_overlap_s"],
+                                                          rel=1e-12)
+    assert rep["metrics"]["steps"] == 4
+
+
+def test_replay_on_another_placement_moves_the_bytes_to_its_links(tmp_path):
+    """The records carry world ranks: replayed round-robin, the same calls cross nodes on
+    every ring link (the ledger follows the replay's placement, the calls do not change)."""
+    prof = tmp_path / "prof.json"
+    run_mpi(None, 4, "train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 2,
+            "--out", tmp_path / "run", "--compute-profile-out", prof, module="dataparallel",
+            timeout=180)
+    run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", "--node-map",
+            "round-robin:2", "--out", tmp_path / "rr", module="substrate.replay", timeout=180)
+    real, rr = read_summary(tmp_path / "run"), read_summary(tmp_path / "rr")
+    assert rr["calls"]["per_rank"] == real["calls"]["per_rank"]
+    m0, m1 = real["traffic"]["measured"], rr["traffic"]["measured"]
+    total = m0["inter_node_bytes"] + m0["intra_node_bytes"]
+    assert m1["inter_node_bytes"] + m1["intra_node_bytes"] == total
+    assert m1["intra_node_bytes"] == 0 and m1["inter_node_bytes"] == total
+
+
+def _old_profile(t):
+    """A version-1 profile: compute tables, no programs."""
+    p = t / "old.json"
+    p.write_text(json.dumps({"format": "spardist-compute-profile", "version": 1,
+                             "ranks": [{}, {}]}))
+    return p
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda t: t / "missing.json", "no such file"),
+    (_old_profile, "holds no programs to replay"),
+])
+def test_replay_refuses_what_it_cannot_replay(tmp_path, make, message):
+    prof = make(tmp_path)
+    assert_fails_on_every_rank("substrate.replay", ["--compute-profile", prof], message,
+                               tmp_path / "x", n=2)
+
+
+def test_replay_refuses_another_world_size(tmp_path):
+    prof = tmp_path / "prof.json"
+    run_mpi(None, 2, "train", "--method", "ddp", "--steps", 1, "--ranks-per-node", 1,
+            "--out", tmp_path / "run", "--compute-profile-out", prof, module="dataparallel",
+            timeout=180)
+    assert_fails_on_every_rank("substrate.replay", ["--compute-profile", prof],
+                               "recorded on 2 ranks; replay it on 2", tmp_path / "x", n=4)
