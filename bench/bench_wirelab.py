@@ -26,6 +26,8 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     buckets (5 buckets: the backward of the later layers overlaps the first buckets'
     all-reduce); one evaluation per step (not in the measured step: the trainer restarts the
     step's wall clock after it).
+``topk``
+    The same MLP, Top-K at density 0.01 (one all-gather of K values + indices per step).
 ``ssfusion``
     The same MLP, density 0.1 (DGC selection), 2 dense profiling steps (skipped with the
     first sparse step).
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,6 +87,9 @@ def workloads(steps: int, tiny: bool = False) -> dict:
         "ddp": {"args": ["dataparallel", "train", "--method", "ddp", *mlp, "--steps", str(steps),
                          "--eval-every", "1", "--bucket-mib", "1", *QUIET],
                 "skip": 2},
+        "topk": {"args": ["dataparallel", "train", "--method", "topk", *mlp, "--density",
+                          "0.01", "--steps", str(steps), "--eval-every", "1", *QUIET],
+                 "skip": 2},
         "ssfusion": {"args": ["dataparallel", "train", "--method", "ssfusion", *mlp,
                               "--density", "0.1", "--profile-steps", "2",
                               "--steps", str(steps + 2), "--eval-every", "1", *QUIET],
@@ -115,6 +121,31 @@ def workloads(steps: int, tiny: bool = False) -> dict:
                                 "--steps", str(steps), "--log-every", "1", *QUIET],
                        "skip": 2},
     }
+
+
+def replayed(loads: dict, tmp: Path, timeout: float) -> dict:
+    """The workloads replayed (:mod:`substrate.replay`): for every shape, one real run outside
+    the lab records the compute profile and the ranks' programs (``--compute-profile-out``, on
+    virtual nodes of the lab's block placement); the lab then runs the replay, whose ranks
+    sleep their compute and communicate for real, so 16-32 ranks share two cores without
+    their compute competing (the issue's "replayed compute")."""
+    out = {}
+    for name, w in loads.items():
+        def args(hosts, rph, name=name, w=w):
+            prof = tmp / f"{name}_{hosts}x{rph}.profile.json"
+            if not prof.exists():
+                n = hosts * rph
+                cmd = [str(ROOT / "run_mpi.sh"), "-n", str(n), *w["args"], "--node-map",
+                       f"block:{rph}", "--out", str(tmp / f"{name}_{hosts}x{rph}_recorded"),
+                       "--overwrite", "--compute-profile-out", str(prof)]
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                      timeout=timeout, check=False)
+                if proc.returncode:
+                    raise wl.LabError(f"recording {name} on {n} ranks failed: "
+                                      f"{(proc.stderr or proc.stdout).strip()[-300:]}")
+            return ["substrate.replay", "--compute-profile", str(prof)]
+        out[name] = {"args": args, "skip": w["skip"]}
+    return out
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -166,6 +197,9 @@ def main(argv=None) -> int:
                     help="a seconds-long check: ddp and sparse_sgd on small models (tests)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "wirelab_compare",
                     help="runs and compare.json go here (default %(default)s)")
+    ap.add_argument("--replay", action="store_true",
+                    help="run every workload as a replay of a recorded run: compute slept from "
+                         "its profile, communication real (many ranks on few cores)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     loads = workloads(a.steps, a.tiny)
@@ -177,6 +211,9 @@ def main(argv=None) -> int:
               f"{sorted(loads)}", file=sys.stderr)
         return 2
     loads = {n: loads[n] for n in names}
+    if a.replay:
+        (a.out / "profiles").mkdir(parents=True, exist_ok=True)
+        loads = replayed(loads, a.out / "profiles", a.timeout)
     t0 = time.monotonic()
     try:
         links, shapes = _links(a.links), _shapes(a.shapes)
@@ -195,7 +232,9 @@ def main(argv=None) -> int:
     res["settings"] = {"links_mbit": [m for m, _ in links], "shapes": shapes,
                        "steps": a.steps, "repeat": a.repeat, "nice": a.nice,
                        "yield_env": None if a.no_yield else wl.YIELD_ENV,
-                       "workloads": {n: {"args": w["args"], "skip": w["skip"]}
+                       "replay": a.replay,
+                       "workloads": {n: {"args": w["args"] if not callable(w["args"]) else
+                                         "replay of a recorded run", "skip": w["skip"]}
                                      for n, w in loads.items()},
                        "wall_s": time.monotonic() - t0}
     a.out.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from .calls import Call
+from .calls import Call, wire_bytes
 from .cli import add_common_args, main_guard, start_run
 
 __all__ = ["replay", "main"]
@@ -79,8 +79,11 @@ def _communicators(run, programs) -> dict:
     return comms
 
 
-def replay(run, program: list, comms: dict, sleep: bool = True) -> int:
-    """Run one rank's ``program``; returns the steps closed."""
+def replay(run, program: list, comms: dict, sleep: bool = True,
+           world_bytes: list | None = None) -> int:
+    """Run one rank's ``program``; returns the steps closed.  ``world_bytes``: the world's
+    bytes per step (:func:`step_bytes`), for the metrics lines."""
+    world_bytes = world_bytes or []
     clock, rec = run.clock, run.recorder
     world = run.topo.world
     events: dict = {}                      # entry -> timeline event (this step)
@@ -137,10 +140,38 @@ def replay(run, program: list, comms: dict, sleep: bool = True) -> int:
         elif t == "A":
             world.waitall([handles[j] for j in e[1]])
         elif t == "S":
-            clock.step()
+            timing = clock.step()
             steps += 1
             events = {}
+            b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
+            run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=timing.step_s,
+                    step_no_overlap_s=timing.no_overlap_s, sim_s=clock.sim_s,
+                    inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0))
     return steps
+
+
+def step_bytes(programs, placement) -> list[dict]:
+    """World ``{"intra", "inter"}`` bytes of every step of the programs, priced from their
+    records on ``placement`` (a collective's record counted once, on its first member; a
+    message on its sender): the metrics lines need world totals without communicating."""
+    out: list[dict] = []
+    for rank, prog in enumerate(programs):
+        k = 0
+        for e in prog:
+            if e[0] == "S":
+                k += 1
+                continue
+            if e[0] != "C" or not e[3]:
+                continue
+            d = e[1]
+            if d["algorithm"] not in ("p2p", "alltoallv") and d["group"][0] != rank:
+                continue
+            while len(out) <= k:
+                out.append({"intra": 0, "inter": 0})
+            w = wire_bytes(Call.from_dict(d), placement)
+            out[k]["intra"] += w["intra"]
+            out[k]["inter"] += w["inter"]
+    return out
 
 
 def _call(comms, call: Call, after, wait: bool, tag, rank: int):
@@ -197,7 +228,9 @@ def main(argv=None) -> int:
                          f"{len(programs)} ranks; replay it on {len(programs)} (launch with "
                          f"-n {len(programs)})")
     comms = _communicators(run, programs)
-    steps = replay(run, programs[run.rank], comms, sleep=args.sleep == "on")
+    steps = replay(run, programs[run.rank], comms, sleep=args.sleep == "on",
+                   world_bytes=step_bytes(programs, run.topo.placement) if run.rank == 0
+                   else None)
     prov = doc.get("provenance", {})
     summary = run.finish(metrics={"replay_of": str(args.compute_profile),
                                   "recorded_by": {k: prov.get(k) for k in
