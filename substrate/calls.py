@@ -753,7 +753,14 @@ class CallLog:
 
 
 def _show(c: Call) -> str:
-    what = {"allgather": f"blocks {list(c.blocks)}", "alltoallv": "a byte matrix",
-            "p2p": f"messages {c.pairs.tolist()}", "barrier": ""}.get(
-        c.algorithm, f"{c.nbytes} bytes")
+    if c.algorithm == "allgather":
+        what = f"blocks {list(c.blocks)}"
+    elif c.algorithm == "alltoallv":
+        what = "a byte matrix"
+    elif c.algorithm == "p2p":
+        what = f"messages {c.pairs.tolist()}"
+    elif c.algorithm == "barrier":
+        what = "no bytes"
+    else:
+        what = f"{c.nbytes} bytes"
     return f"{c.phase} ({c.algorithm} over ranks {list(c.group)}, {what})"

@@ -154,6 +154,10 @@ class CommonConfig:
     compute_profile: str | None = option(
         None, "compute profile read by --compute-source profile (a file written by "
         "--compute-profile-out on a quiet run of the same job)", metavar="FILE", group=CLOCK)
+    compute_profile_partial: bool = option(
+        False, "use --compute-profile although it was recorded for another job (other model, "
+        "system, options or world size): events it lacks are measured, and the summary says "
+        "what fraction of the compute that was", group=CLOCK)
     compute_profile_out: str | None = option(
         None, "record a compute profile of this run (per event: the least, median and count of "
         "its measurements by the compute source, per rank) into FILE when the run finishes; an "
@@ -266,6 +270,12 @@ class Run:
         source = make_source(common.compute_source, sync=sync, gpu=backend.is_gpu,
                              device_tflops=common.device_tflops, device_gbs=common.device_gbs,
                              profile=common.compute_profile, rank=topo.rank, ranks=topo.size)
+        #: how this run's job differs from the one --compute-profile describes (``[]``: none)
+        self.profile_differences = []
+        if common.compute_profile is not None and system != "replay":
+            self.profile_differences = check_profile_job(
+                source.profile, job_of(system, method, topo.size, config),
+                common.compute_profile_partial)
         #: the recorder of --compute-profile-out (``None`` without it)
         self.profile_recorder = None
         if common.compute_profile_out is not None:
@@ -346,9 +356,12 @@ class Run:
                         "busiest": busiest_step}
             if infos[0] is not None and "fallback_blocks" in infos[0]:
                 fb = sum(i["fallback_blocks"] for i in infos)
+                fs = sum(i["fallback_s"] for i in infos)
                 timeline["compute_profile"] = {
-                    **infos[0], "fallback_blocks_all_ranks": fb,
-                    "fallback_s_all_ranks": sum(i["fallback_s"] for i in infos)}
+                    **infos[0], "fallback_blocks_all_ranks": fb, "fallback_s_all_ranks": fs,
+                    "job_differences": self.profile_differences,
+                    "fraction_measured_instead": fs / max(timing.get("compute_s", 0.0)
+                                                          * self.size, 1e-300)}
                 if fb:
                     print(f"spardist: warning: {fb} compute blocks (all ranks) are not in "
                           f"--compute-profile {infos[0]['file']} and were measured instead "
@@ -403,10 +416,53 @@ class Run:
                 "program_unknown_deps": len(self.program.unknown) if self.program else None}
 
 
+#: config fields that do not change what a step computes (a profile recorded with other values
+#: still describes the job): run length, output, evaluation, checkpoints, seed, initial weights
+JOB_NEUTRAL = frozenset({"out", "overwrite", "resume", "checkpoint_every", "progress_every",
+                         "steps", "iters", "epochs", "seed", "eval_every", "log_every",
+                         "target_accuracy", "init", "data_dir"})
+
+
+def job_of(system: str, method: str, world: int, config) -> dict:
+    """What a compute profile describes: the system, method, world size and every config field
+    that changes the work of a step (not :data:`JOB_NEUTRAL`)."""
+    cfg = {k: v for k, v in _config_dict(config).items()
+           if k not in JOB_NEUTRAL and k != "method"}
+    return to_jsonable({"system": system, "method": method, "world": int(world), "config": cfg})
+
+
+def check_profile_job(profile: dict, job: dict, partial: bool) -> list[str]:
+    """The fields in which ``profile``'s job differs from ``job`` (``[]``: the same job).
+
+    Raises
+    ------
+    ValueError
+        Naming ``--compute-profile``, the differences and the fix, unless ``partial``
+        (``--compute-profile-partial``: use it anyway; the summary then says what fraction of
+        the compute was measured instead).
+    """
+    have = (profile.get("provenance") or {}).get("job")
+    if have is None:
+        diffs = ["the profile records no job (written by an older spardist)"]
+    else:
+        diffs = [f"{k}: profile {have.get(k)!r}, this run {job[k]!r}"
+                 for k in ("system", "method", "world") if have.get(k) != job[k]]
+        a, b = have.get("config") or {}, job["config"]
+        diffs += [f"{k}: profile {a.get(k)!r}, this run {b.get(k)!r}"
+                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diffs and not partial:
+        raise ValueError(f"--compute-profile {profile.get('path')}: recorded for another job "
+                         f"({'; '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}); record "
+                         "one for this job with --compute-profile-out, or pass "
+                         "--compute-profile-partial to cost what matches and measure the rest")
+    return diffs
+
+
 def _profile_provenance(run: "Run") -> dict:
     rec = run.profile_recorder
     return {"source": rec.base.describe(), "blas_threads": getattr(rec.base, "blas_threads",
                                                                    None),
+            "job": job_of(run.system, run.method, run.size, run.config),
             "system": run.system, "method": run.method,
             "model": _config_dict(run.config).get("model"), "world": run.size,
             "ranks_per_node": run.common.ranks_per_node, "clock": run.common.clock,

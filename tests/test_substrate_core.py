@@ -350,3 +350,28 @@ def test_bcast_closed_forms_any_ranks_per_node(M, P):
 def test_bcast_split_any_layout_any_root(nodes, data):
     root = data.draw(st.integers(0, len(nodes) - 1))
     assert cm.bcast_split(3, nodes, root) == _simulated_bcast(3, nodes, root)
+
+
+@pytest.mark.parametrize("ran,planned,message", [
+    ([("a", "allreduce", 8)], [("a", "allreduce", 12)], "call 0 of the interval differs"),
+    ([("a", "allgather", 8)], [("a", "bcast", 8)], "blocks"),
+    ([("a", "barrier", 0)], [], "1 calls ran, 0 planned; first ran only: a (barrier"),
+    ([], [("p", "p2p", 8)], "0 calls ran, 1 planned; first planned only: p (p2p"),
+])
+def test_call_log_check_names_the_first_difference(ran, planned, message):
+    """A run that executes anything but its plan stops with one line naming the first
+    difference (every algorithm is shown without failing itself)."""
+    from substrate.calls import Call, CallLog  # noqa: PLC0415
+
+    def make(phase, algorithm, n):
+        if algorithm == "allgather":
+            return Call(phase, algorithm, (0, 1), blocks=(n, n))
+        if algorithm == "p2p":
+            return Call(phase, algorithm, (0, 1), pairs=((0, 1, n),))
+        return Call(phase, algorithm, (0, 1), nbytes=n)
+
+    log = CallLog()
+    for c in ran:
+        log.add(make(*c))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        log.check([make(*c) for c in planned], 0)
