@@ -18,17 +18,18 @@ def test_solver_check(check):
     assert f"OK {check}" in run_mpi("hsadmm_checks.py", 4, check, timeout=180).stdout
 
 
-#: (ranks, ranks per node): 2 x 2, 2 x 3, 1 x 3, 1 x 6, 4 x 2
-LAYOUTS = [(4, 2), (6, 3), (3, 3), (6, 6), (8, 2)]
-LAYOUT_IDS = [f"{n // R}x{R}" for n, R in LAYOUTS]
+#: (ranks, ranks per node or node map): 2 x 2, 2 x 3, 1 x 3, 1 x 6, 4 x 2 node-major, 2 x 2
+#: round-robin (a hostfile cycled over hosts) and nodes holding ranks (0, 3), (1, 2), (4, 5)
+LAYOUTS = [(4, 2), (6, 3), (3, 3), (6, 6), (8, 2), (4, "round-robin:2"), (6, "0,1,1,0,2,2")]
+LAYOUT_IDS = ["2x2", "2x3", "1x3", "1x6", "4x2", "round-robin-2x2", "map-0,1,1,0,2,2"]
 
 
 @pytest.mark.parametrize("n,R", LAYOUTS, ids=LAYOUT_IDS)
 def test_every_iteration_runs_its_plan_and_books_the_closed_form(n, R):
     """Per iteration, H-SADMM (masks synced then frozen, several compact buckets) and flat
     ADMM: the calls that ran are the plan's records (``Recorder.account``), whose bytes equal
-    the ledgers of all ranks and :mod:`volume.hsadmm`'s closed forms; a wrong plan is refused
-    (tests/mpi/hsadmm_checks.py ``accounting``)."""
+    the ledgers of all ranks and (node-major layouts) :mod:`volume.hsadmm`'s closed forms; a
+    wrong plan is refused (tests/mpi/hsadmm_checks.py ``accounting``)."""
     assert "OK accounting" in run_mpi("hsadmm_checks.py", n, "accounting", R,
                                       timeout=300).stdout
 

@@ -16,6 +16,7 @@ import itertools
 
 import numpy as np
 import pytest
+from traffic_reference import simulated_bcast, simulated_ring
 
 from commvol.predict import predict
 from hsadmm.config import PAPER_DEFAULTS, HSADMMConfig
@@ -107,6 +108,40 @@ def test_flat_admm_records_equal_the_closed_form(M, P):
     assert [(c.phase, c.group, c.nbytes, c.itemsize, c.op, c.after) for c in calls] == [
         ("world_allreduce", tuple(range(M * P)), 4 * T, 4, "sum", ("local",)),
         ("residuals", tuple(range(M * P)), 8 * RESIDUALS_PER_LAYER * L, 8, "sum", (0,))]
+
+
+def _add(*parts):
+    return {k: sum(x[k] for x in parts) for k in ("intra", "inter")}
+
+
+@pytest.mark.parametrize("placement", [Placement.round_robin(2, 3), Placement.round_robin(3, 2),
+                                       Placement.from_sizes([1, 3, 2]),
+                                       Placement((1, 0, 1, 0, 2, 2))],
+                         ids=lambda p: p.describe())
+def test_records_bytes_on_any_placement_equal_simulated_rings_and_trees(placement):
+    """Off the node-major layouts :mod:`volume.hsadmm` has no closed form; the records' bytes
+    equal a walk of every ring (in communicator order: a node's ranks, the leaders, the world)
+    and every binomial tree over the nodes the placement gives its members."""
+    cfg = HSADMMConfig(keep=0.5, bucket_mib=0.0005)
+    shrink = ShrinkPlan.from_keep_rates(ODD.layout, cfg)
+    L, T = _groups(ODD.layout, cfg), ODD.layout.total
+    nodes = np.asarray(placement.node_of)
+    members = [nodes[list(placement.members(m))] for m in range(placement.num_nodes)]
+    leaders = nodes[list(placement.leaders)]
+    buckets = [b - a for a, b in shrink.buckets]
+    C, B = sum(buckets), shrink.mask_bytes
+    want = {"intra_allreduce": _add(*(simulated_ring(T, 4, g) for g in members)),
+            "mask_sync": simulated_ring(B, 1, leaders),
+            "mask_bcast": _add(*(simulated_bcast(B, g) for g in members)),
+            "inter_allreduce": _add(*(simulated_ring(n, 4, leaders) for n in buckets)),
+            "bcast_z": _add(*(simulated_bcast(4 * C, g) for g in members)),
+            "residuals": simulated_ring(RESIDUALS_PER_LAYER * L, 8, nodes)}
+    got = bytes_by_phase(_records(shrink, ODD.layout, cfg, placement, True), placement)
+    assert got == want
+    assert got["intra_allreduce"]["inter"] == got["bcast_z"]["inter"] == 0
+    flat = bytes_by_phase(FlatADMMPlan(T, L).calls(placement), placement)
+    assert flat == {"world_allreduce": simulated_ring(T, 4, nodes),
+                    "residuals": want["residuals"]}
 
 
 def _algorithm1(rank, placement, buckets, synced):
