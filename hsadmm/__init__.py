@@ -1,9 +1,11 @@
 """H-SADMM (PruneX): hierarchical structured ADMM on leader/follower communicators.
 
 * :mod:`hsadmm.projection` — structured projections onto filter / channel / shape sets (eq. 10);
-* :mod:`hsadmm.shrink` — bitwise mask codec for the OR-sync (eq. 14) and the one pure plan,
-  :class:`~hsadmm.shrink.ShrinkPlan` (physical shrinkage and recovery, eq. 15, §4.4), used by the
-  solver and by ``commvol``'s prediction;
+* :mod:`hsadmm.shrink` — bitwise mask codec for the OR-sync (eq. 14) and the shrink plan,
+  :class:`~hsadmm.shrink.ShrinkPlan` (physical shrinkage and recovery, eq. 15, §4.4);
+* :mod:`hsadmm.plan` — the call records of one iteration (:class:`~hsadmm.plan.HSADMMPlan` from
+  a shrink plan, :class:`~hsadmm.plan.FlatADMMPlan`): what the solver executes and accounts and
+  what ``commvol`` prices;
 * :mod:`hsadmm.penalty` — residual balancing of layer-wise penalties and their groups (§3.4);
 * :mod:`hsadmm.config` — :class:`~hsadmm.config.HSADMMConfig`, the solver's options (and flags);
 * :mod:`hsadmm.solver` — Algorithm 1 (:class:`~hsadmm.solver.HSADMM`) and flat consensus ADMM,

@@ -50,10 +50,9 @@ import numpy as np
 
 from models import SGD, ProximalHook, SGDConfig, iterate_batches
 from substrate.backend import array_module
-from substrate.costmodel import INTER, INTRA
-from volume.hsadmm import flat_admm_iteration_bytes, hsadmm_iteration_bytes
 
 from .penalty import balance_penalty, eps_dual, eps_primal, increase_penalty, penalty_groups
+from .plan import FlatADMMPlan, HSADMMPlan
 from .projection import keep_count, structured_mask
 from .shrink import MaskCodec, ShrinkPlan, pruned_names
 
@@ -371,10 +370,6 @@ class HSADMM(_Base):
     def _views(self, flat):
         return [flat[sl].reshape(self.layout.shape(n)) for sl, n in zip(self.slices, self.names)]
 
-    def _inter_link(self) -> str:
-        """Link class of the leaders' inter-node ring (``intra`` on one node)."""
-        return INTER if self.M > 1 else INTRA
-
     def iterate(self, k: int) -> dict:
         """One outer iteration; returns the metrics of this iteration (identical on all ranks).
 
@@ -385,21 +380,22 @@ class HSADMM(_Base):
         ``z``, eq. 11), ``expand`` (zero-fill recovery, §4.4.3) and ``duals_residuals``
         (eqs. 12-13, residuals, penalties).
 
-        Timeline (Algorithm 1's phases, which PruneX runs in sequence, §4.2): every collective
-        is an event after the compute it reads, and the compute after it waits for it: local
-        SGD -> ``intra_allreduce`` (SUM of ``theta + u``) -> z update and projection (with ``c
-        = z_i + v``) -> ``mask_sync`` (leaders' OR) -> ``mask_bcast`` -> mask update and
-        shrink -> ``inter_allreduce`` per compact bucket, each after the previous one (the
-        leaders' blocking loop) -> ``bcast_z`` (one broadcast of the whole compact buffer) ->
-        expand, duals and residual sums -> ``residuals`` -> penalties.  A follower declares the
-        leaders' inter-node phases too (it waits for them in ``bcast``) without booking them.
-        The code reduces whole vectors, phase after phase, so the data flow allows no
-        pipelining of intra- and inter-node phases across layers or buckets: the step's
-        critical path is its no-overlap sum, up to contention-free latency.
+        The calls are :meth:`iteration_calls`' records, executed in their order (PruneX runs
+        Algorithm 1's phases in sequence, §4.2): each call after the compute that writes its
+        buffer, each compute that reads a result after its call: local SGD ->
+        ``intra_allreduce`` (SUM of ``theta + u``) -> z update and projection (with ``c = z_i +
+        v``) -> ``mask_sync`` (leaders' OR) -> ``mask_bcast`` -> mask update and shrink ->
+        ``inter_allreduce`` per compact bucket, each after the previous one (the leaders'
+        blocking loop) -> ``bcast_z`` (one broadcast of the whole compact buffer) -> expand,
+        duals and residual sums -> ``residuals`` -> penalties.  The leaders' phases go through
+        ``topo.leaders`` on every rank: a follower waits for them on its timeline (its
+        ``bcast`` cannot start earlier) without executing or booking them.  The code reduces
+        whole vectors, phase after phase, so the data flow allows no pipelining of intra- and
+        inter-node phases across layers or buckets: the step's critical path is its no-overlap
+        sum.
         """
         run, s, xp, topo = self.run, self.state, self.xp, self.topo
         clock, timed = run.clock, self.timed
-        tl = clock.timeline
         cfg = self.cfg
         rho1, rho2 = self.rho_flat(s.rho1), self.rho_flat(s.rho2)
         # Phase 1: local computation
@@ -410,10 +406,9 @@ class HSADMM(_Base):
             xp.add(s.theta, s.u, out=buf)
         # Phase 2: intra-node consensus (eq. 9)
         with timed("intra_allreduce"):
-            topo.intra.allreduce(buf, "sum", phase="intra_allreduce")
-        ev = (tl.collective(topo.intra, "intra_allreduce", buf.nbytes, deps=clock.last_event)
-              if tl is not None else None)
-        with clock.compute("z_update", deps=ev):
+            h = topo.intra.allreduce(buf, "sum", phase="intra_allreduce",
+                                     after=clock.last_event)
+        with clock.compute("z_update", deps=h):
             with timed("z_update"):
                 gamma = cfg.weight_decay / self.M + self.P * rho1 + rho2
                 z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
@@ -439,19 +434,12 @@ class HSADMM(_Base):
             if topo.is_leader:
                 plan.shrink(self._views(buf))
         with timed("inter_allreduce"):
-            if topo.is_leader:
-                for a, b in plan.buckets:
-                    topo.inter.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce")
-            topo.intra.bcast(plan.buffer, 0, phase="bcast_z")
-        if tl is not None:
-            ev = clock.last_event
-            for a, b in plan.buckets:
-                ev = tl.transfer("inter_allreduce", self._inter_link(),
-                                 (b - a) * plan.buffer.itemsize, algorithm="allreduce",
-                                 p=self.M, deps=ev)
-            ev = tl.collective(topo.intra, "bcast_z", plan.buffer.nbytes, algorithm="bcast",
-                               deps=ev)
-        with clock.compute("expand_duals", deps=ev):
+            h = clock.last_event
+            for a, b in plan.buckets:  # the leaders' loop; followers wait for it
+                h = topo.leaders.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce",
+                                           after=h)
+            h = topo.intra.bcast(plan.buffer, 0, phase="bcast_z", after=h)
+        with clock.compute("expand_duals", deps=h):
             with timed("expand"):
                 plan.expand(plan.buffer, self._views(s.z))
             with timed("duals_residuals"):
@@ -467,10 +455,8 @@ class HSADMM(_Base):
                                 sq(s.theta), sq(s.u), sq(s.z_i), lead * sq(s.v),
                                 lead * sq(s.z)])
         with timed("duals_residuals"):
-            topo.world.allreduce(res, "sum", phase="residuals")
-        ev = (tl.collective(topo.world, "residuals", res.nbytes, deps=clock.last_event)
-              if tl is not None else None)
-        with clock.compute("penalties", deps=ev), timed("duals_residuals"):
+            h = topo.world.allreduce(res, "sum", phase="residuals", after=clock.last_event)
+        with clock.compute("penalties", deps=h), timed("duals_residuals"):
             out = self.penalties_and_stop(res, self.M, self.P)
             self._maybe_freeze(k)
         out.update(loss=loss, mask_drift=drift, mask_synced=mask_synced, frozen=self.frozen,
@@ -482,36 +468,29 @@ class HSADMM(_Base):
         """Leaders OR-reduce the packed masks (eq. 14) and broadcast them in their node; the
         shrink plan is rebuilt when the global mask changed.  Returns the mask drift.
 
-        Timeline: the OR all-reduce (declared by followers too: they wait for it) after the
-        projection, the broadcast after it, the mask update after the broadcast."""
+        Timeline: the OR all-reduce (a follower waits for it) after the projection, the
+        broadcast after it, the mask update after the broadcast."""
         topo, clock = self.topo, self.run.clock
-        tl = clock.timeline
         packed = (self.codec.pack(local_masks) if topo.is_leader
                   else np.empty(self.codec.nbytes, dtype=np.uint8))
-        if topo.is_leader:
-            topo.inter.allreduce(packed, "bor", phase="mask_sync")
-        topo.intra.bcast(packed, 0, phase="mask_bcast")
-        ev = None
-        if tl is not None:
-            ev = tl.transfer("mask_sync", self._inter_link(), packed.nbytes,
-                             algorithm="allreduce", p=self.M, deps=clock.last_event)
-            ev = tl.collective(topo.intra, "mask_bcast", packed.nbytes, algorithm="bcast",
-                               deps=ev)
-        with clock.compute("mask_update", deps=ev):
+        h = topo.leaders.allreduce(packed, "bor", phase="mask_sync", after=clock.last_event)
+        h = topo.intra.bcast(packed, 0, phase="mask_bcast", after=h)
+        with clock.compute("mask_update", deps=h):
             drift = self._update_masks(self.codec.unpack(packed))
             if drift:
                 self.plan = self._make_plan()
                 self.plan_builds += 1
         return drift
 
-    def predicted_phase_bytes(self, mask_synced: bool) -> dict:
-        """Closed-form bytes of the iteration just run, from the plan
-        (:func:`volume.hsadmm.hsadmm_iteration_bytes`)."""
-        return hsadmm_iteration_bytes(
-            M=self.M, P=self.P, total_params=self.layout.total,
-            compact_sizes=[b - a for a, b in self.plan.buckets],
-            mask_bytes=self.plan.mask_bytes, mask_synced=mask_synced,
-            num_layers=len(self.group_names), itemsize=self.state.theta.dtype.itemsize)
+    def iteration_plan(self) -> HSADMMPlan:
+        """The communication plan of an iteration with the current shrink plan (the one the
+        last :meth:`iterate` used after its mask synchronization)."""
+        return HSADMMPlan.from_shrink(self.plan, len(self.group_names))
+
+    def iteration_calls(self, mask_synced: bool) -> list:
+        """The records of the iteration just run (:meth:`HSADMMPlan.calls` on this run's
+        placement): what :meth:`iterate` executed, call for call."""
+        return self.iteration_plan().calls(self.topo.placement, mask_synced=mask_synced)
 
 
 class FlatADMM(_Base):
@@ -525,12 +504,12 @@ class FlatADMM(_Base):
         self._z_old = self.xp.empty_like(self.state.theta)
 
     def iterate(self, k: int) -> dict:
-        """One iteration.  Timeline: local SGD -> ``world_allreduce`` -> z update, projection,
-        duals and residual sums -> ``residuals`` -> penalties, each after the previous (the
-        data flow is a chain: nothing overlaps)."""
+        """One iteration: :meth:`iteration_calls`' records in their order.  Timeline: local
+        SGD -> ``world_allreduce`` -> z update, projection, duals and residual sums ->
+        ``residuals`` -> penalties, each after the previous (the data flow is a chain: nothing
+        overlaps)."""
         run, s, xp, w = self.run, self.state, self.xp, self.topo.world
         clock, cfg, timed = run.clock, self.cfg, self.timed
-        tl = clock.timeline
         rho1 = self.rho_flat(s.rho1)
         with clock.compute("local_sgd"):
             with timed("local_sgd"):
@@ -538,11 +517,9 @@ class FlatADMM(_Base):
             buf = self._buf
             xp.add(s.theta, s.u, out=buf)
         with timed("world_allreduce"):
-            w.allreduce(buf, "sum", phase="world_allreduce")
-        ev = (tl.collective(w, "world_allreduce", buf.nbytes, deps=clock.last_event)
-              if tl is not None else None)
+            h = w.allreduce(buf, "sum", phase="world_allreduce", after=clock.last_event)
         drift = 0.0
-        with clock.compute("z_update", deps=ev):
+        with clock.compute("z_update", deps=h):
             with timed("z_update"):
                 z_tilde = rho1 * buf / (cfg.weight_decay + w.size * rho1)
                 self._z_old[...] = s.z
@@ -560,10 +537,8 @@ class FlatADMM(_Base):
                 res = np.stack([sq(s.theta, s.z), sq(s.z, self._z_old), zero, zero,
                                 sq(s.theta), sq(s.u), sq(s.z), zero, zero])
         with timed("duals_residuals"):
-            w.allreduce(res, "sum", phase="residuals")
-        ev = (tl.collective(w, "residuals", res.nbytes, deps=clock.last_event)
-              if tl is not None else None)
-        with clock.compute("penalties", deps=ev), timed("duals_residuals"):
+            h = w.allreduce(res, "sum", phase="residuals", after=clock.last_event)
+        with clock.compute("penalties", deps=h), timed("duals_residuals"):
             out = self.penalties_and_stop(res, 1, w.size)
             self._maybe_freeze(k)
         out.update(loss=loss, mask_drift=drift, mask_synced=False, frozen=self.frozen,
@@ -571,12 +546,14 @@ class FlatADMM(_Base):
                    compact_buckets=[])
         return out
 
-    def predicted_phase_bytes(self, mask_synced: bool) -> dict:
-        """Closed-form bytes of one iteration (:func:`volume.hsadmm.flat_admm_iteration_bytes`)."""
-        return flat_admm_iteration_bytes(M=self.topo.num_nodes, P=self.topo.ranks_per_node,
-                                         total_params=self.layout.total,
-                                         num_layers=len(self.group_names),
-                                         itemsize=self.state.theta.dtype.itemsize)
+    def iteration_plan(self) -> FlatADMMPlan:
+        return FlatADMMPlan(self.layout.total, len(self.group_names),
+                            self.state.theta.dtype.itemsize)
+
+    def iteration_calls(self, mask_synced: bool = False) -> list:
+        """The records of one iteration (:meth:`FlatADMMPlan.calls` on this run's placement);
+        masks never travel (``mask_synced`` is ignored)."""
+        return self.iteration_plan().calls(self.topo.placement)
 
 
 SOLVERS = {"hsadmm": HSADMM, "flat-admm": FlatADMM}

@@ -193,10 +193,11 @@ def train(args) -> dict:
         t0 = time.perf_counter()
         out = solver.iterate(k)
         step_wall_s = time.perf_counter() - t0
-        # one timeline step per ADMM iteration (the solver declares its collectives, each
-        # after the compute it reads: see HSADMM.iterate)
+        # one timeline step per ADMM iteration (each call declares its own event, after the
+        # compute that writes its buffer: see HSADMM.iterate)
         timing = run.clock.step()
-        it_bytes = solver.predicted_phase_bytes(out["mask_synced"])  # == measured (tested)
+        # the plan's records of the iteration, held against the calls that ran, priced
+        it_bytes = run.recorder.account(solver.iteration_calls(out["mask_synced"]))
         for phase, b in it_bytes.items():
             add_predicted(phase, b)
         delta = run.ledger.since(snap)

@@ -127,23 +127,29 @@ def test_ddp_hierarchical_and_topk_chains(tiny):
     assert t.exposed_comm_s == pytest.approx(gather, rel=1e-9)
 
 
-@pytest.mark.parametrize("system,freeze", [("hsadmm", 4), ("hsadmm", 0), ("flat-admm", 4)])
-def test_admm_iteration_is_local_epochs_then_the_predicted_chain(system, freeze):
-    """No overlap is possible in an ADMM iteration (every phase waits for the one before), so
-    its time is the local training plus the prediction's communication (commvol.systems)."""
+@pytest.mark.parametrize("system,freeze,bucket_mib,M", [
+    ("hsadmm", 4, 32.0, 2), ("hsadmm", 0, 32.0, 2), ("hsadmm", 4, 0.02, 3),
+    ("hsadmm", 0, 0.02, 1), ("flat-admm", 4, 32.0, 2)])
+def test_admm_iteration_is_local_epochs_then_the_predicted_chain(system, freeze, bucket_mib, M):
+    """No overlap is possible in an ADMM iteration (every phase waits for the one before, the
+    compact buckets one after the other as the leaders' loop sends them), so its time is the
+    local training plus the prediction's communication (commvol.systems)."""
     spec = resolve_model("cnn")
     units, _ = units_for_spec(spec, "cnn")
     cm = ComputeModel(tuple(units), 0.01, 5.0)
     cost = CostModel()
-    D, b, E, M, P = 4000, 32, 2.0, 2, 2
-    o = HSADMMConfig(local_epochs=E, batch_size=b, freeze_iter=freeze)
+    D, b, E, P = 4000, 32, 2.0, 2
+    o = HSADMMConfig(local_epochs=E, batch_size=b, freeze_iter=freeze, bucket_mib=bucket_mib)
     r = epoch_timing(system, spec, M, P, o, cost, cm, D / (M * P), b)
     steps = math.ceil(D / (M * P) / b)
     T = spec.layout.total
     flops = sum(u.forward_flops + u.backward_flops for u in units)
     epoch = D / (M * P) * flops / (0.01e12) + steps * max(6 * T / 0.01e12, 20 * T / 5e9)
-    comm = predict(system, spec=spec, nodes=M, gpus_per_node=P, cost=cost, local_epochs=E,
-                   batch_size=b, freeze_iter=freeze).steady.time_s
+    pred = predict(system, spec=spec, nodes=M, gpus_per_node=P, cost=cost, local_epochs=E,
+                   batch_size=b, freeze_iter=freeze, bucket_mib=bucket_mib)
+    comm = pred.steady.time_s
+    if bucket_mib < 1:   # several compact buckets
+        assert pred.steady.messages["inter_allreduce"] >= 3 * 2 * (M - 1) * M
     assert r["iterations_per_epoch"] == pytest.approx(1 / E)
     assert r["step_s"] == pytest.approx(E * epoch + comm, rel=1e-9)
     assert r["time_s"] == pytest.approx((E * epoch + comm) / E, rel=1e-9)

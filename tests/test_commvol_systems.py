@@ -57,6 +57,23 @@ def test_hsadmm_hand_computed_iteration():
     assert [(a, b) for a, b, _ in pred.schedule(3)] == [(0, 0), (1, 2)]
 
 
+def test_hsadmm_measured_compact_sizes_give_one_stage_each():
+    """``--compact-elems`` (a run's per-iteration compact sizes, the OR of eq. 14 included):
+    each iteration's bytes are the closed form's with that C, masks synced before the freeze;
+    the last size repeats; the stage's records are laid after the local epochs."""
+    from volume.hsadmm import hsadmm_iteration_bytes
+
+    pred = _p("hsadmm", keep=0.5, freeze_iter=2, compact_elems=[170, 206, 242])
+    for k, (c, synced) in enumerate([(170, True), (206, True), (242, False), (242, False)]):
+        it = pred.per_iteration(k)
+        assert it.phases == hsadmm_iteration_bytes(M=2, P=2, total_params=242,
+                                                   compact_sizes=[c], mask_bytes=18,
+                                                   mask_synced=synced, num_layers=3), k
+        assert it.payload_bytes == 4 * c
+        assert it.calls[0].after == ("local",)
+    assert [(a, b) for a, b, _ in pred.schedule(5)] == [(0, 0), (1, 1), (2, 2), (3, 4)]
+
+
 def test_data_parallel_hand_computed_steps():
     ddp = _p("ddp").steady
     # ring of 242 floats over 4 ranks, chunks (61, 61, 60, 60): ranks send 363, 364, 363, 362

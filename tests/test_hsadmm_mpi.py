@@ -18,6 +18,34 @@ def test_solver_check(check):
     assert f"OK {check}" in run_mpi("hsadmm_checks.py", 4, check, timeout=180).stdout
 
 
+#: (ranks, ranks per node or node map): 2 x 2, 2 x 3, 1 x 3, 1 x 6, 4 x 2 node-major, 2 x 2
+#: round-robin (a hostfile cycled over hosts) and nodes holding ranks (0, 3), (1, 2), (4, 5)
+LAYOUTS = [(4, 2), (6, 3), (3, 3), (6, 6), (8, 2), (4, "round-robin:2"), (6, "0,1,1,0,2,2")]
+LAYOUT_IDS = ["2x2", "2x3", "1x3", "1x6", "4x2", "round-robin-2x2", "map-0,1,1,0,2,2"]
+
+
+@pytest.mark.parametrize("n,R", LAYOUTS, ids=LAYOUT_IDS)
+def test_every_iteration_runs_its_plan_and_books_the_closed_form(n, R):
+    """Per iteration, H-SADMM (masks synced then frozen, several compact buckets) and flat
+    ADMM: the calls that ran are the plan's records (``Recorder.account``), whose bytes equal
+    the ledgers of all ranks and (node-major layouts) :mod:`volume.hsadmm`'s closed forms; a
+    wrong plan is refused (tests/mpi/hsadmm_checks.py ``accounting``)."""
+    assert "OK accounting" in run_mpi("hsadmm_checks.py", n, "accounting", R,
+                                      timeout=300).stdout
+
+
+def test_four_nodes_of_two_measured_equals_predicted(tmp_path):
+    """4 virtual nodes x 2: both trainers' summaries (predicted: the records the run
+    accounted) equal the ledger per phase and link class (2 x 3, 1 x 3 and 1 x 6 run in
+    tests/test_commvol_mpi.py)."""
+    run_mpi("uneven_checks.py", 8, tmp_path, 2, "hsadmm", "flat-admm", timeout=300)
+    for name in ("hsadmm", "flat-admm"):
+        s = read_summary(tmp_path / name)
+        assert s["topology"]["nodes"] == 4
+        assert_measured_equals_predicted(s)
+        assert s["traffic"]["measured"]["inter_node_bytes"] > 0
+
+
 def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
     out = tmp_path / "hs"
     run_mpi(None, 4, "train", "--ranks-per-node", 2, "--out", out, module="hsadmm",

@@ -1,27 +1,38 @@
-"""The H-SADMM shrink plan against eq. 15 written from the paper (no MPI), the solver's options
-as flags, keep counts and penalty groups.
+"""The H-SADMM and flat-ADMM records against eq. 15 written from the paper (no MPI), the solver's
+options as flags, keep counts and penalty groups.
 
-The second source is :func:`volume.hsadmm.hsadmm_eq15_iteration_bytes`: bytes per phase from
-layer shapes and keep rates alone (``|K_out| |K_in| K_H K_W`` per conv weight, every other tensor
-whole, ``B = ceil(conv numel / 8)``), sharing no code with :class:`hsadmm.shrink.ShrinkPlan`,
-whose buckets give the bytes the run books and ``commvol`` predicts.
+The records of one iteration (:meth:`hsadmm.plan.HSADMMPlan.calls` with the buckets of
+:class:`hsadmm.shrink.ShrinkPlan`, :meth:`hsadmm.plan.FlatADMMPlan.calls`) are what the run
+executes and accounts and what ``commvol`` prices.  The second sources are
+:func:`volume.hsadmm.hsadmm_eq15_iteration_bytes` (bytes per phase from layer shapes and keep
+rates alone: ``|K_out| |K_in| K_H K_W`` per conv weight, every other tensor whole,
+``B = ceil(conv numel / 8)``), :func:`volume.hsadmm.hsadmm_iteration_bytes` /
+:func:`volume.hsadmm.flat_admm_iteration_bytes` (ring and tree closed forms) and Algorithm 1's
+order of phases, written out here; none of them shares code with the plan.
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
+from traffic_reference import simulated_bcast, simulated_ring
 
 from commvol.predict import predict
 from hsadmm.config import PAPER_DEFAULTS, HSADMMConfig
 from hsadmm.penalty import increase_penalty, penalty_groups
+from hsadmm.plan import FlatADMMPlan, HSADMMPlan
 from hsadmm.projection import keep_count, parse_sparsity, structured_mask
 from hsadmm.shrink import ShrinkPlan, kept_indices
 from hsadmm.train import TrainConfig, build_parser, solver_config
 from models import ModelSpec, ParamSpec, build_model
+from substrate.calls import Placement, bytes_by_phase, calls_of_rank
 from substrate.options import option_flags
 from volume.hsadmm import (
+    RESIDUALS_PER_LAYER,
+    eq15_compact_elems,
     eq15_kept_sets,
+    flat_admm_iteration_bytes,
     hsadmm_eq15_iteration_bytes,
     hsadmm_iteration_bytes,
     kept_groups,
@@ -41,32 +52,165 @@ def _layers(layout):
     return [(n, layout.kind(n), layout.shape(n)) for n in layout.names]
 
 
+def _groups(layout, cfg):
+    return len(penalty_groups(layout, cfg.rho_scope)[0])
+
+
+def _records(plan, layout, cfg, placement, synced):
+    """The records of one iteration: what the run executes and commvol prices."""
+    return HSADMMPlan.from_shrink(plan, _groups(layout, cfg)).calls(placement,
+                                                                     mask_synced=synced)
+
+
 def _plan_bytes(plan, layout, cfg, M, P, synced):
-    """What the run books and commvol predicts: the plan's buckets through the ring formulas."""
-    L = len(penalty_groups(layout, cfg.rho_scope)[0])
-    return hsadmm_iteration_bytes(M=M, P=P, total_params=layout.total,
-                                  compact_sizes=[b - a for a, b in plan.buckets],
-                                  mask_bytes=plan.mask_bytes, mask_synced=synced,
-                                  num_layers=L)
+    """What the run books and commvol predicts: the records' bytes on ``M x P`` (node-major)."""
+    p = Placement.node_major(M, P)
+    return bytes_by_phase(_records(plan, layout, cfg, p, synced), p)
 
 
 def _eq15_bytes(layout, cfg, M, P, synced, overrides=None):
-    L = len(penalty_groups(layout, cfg.rho_scope)[0])
     return hsadmm_eq15_iteration_bytes(M=M, P=P, layers=_layers(layout), keep=cfg.keep,
-                                       sparsity=cfg.sparsity, mask_synced=synced, num_groups=L,
-                                       keep_overrides=overrides)
+                                       sparsity=cfg.sparsity, mask_synced=synced,
+                                       num_groups=_groups(layout, cfg), keep_overrides=overrides)
+
+
+#: node-major layouts M x P: the trainers' 2 x 2, 3 ranks per node, one node, one rank per node
+LAYOUTS = [(2, 2), (2, 3), (1, 3), (1, 6), (4, 2), (3, 1), (3, 5)]
 
 
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize("keep", [0.3, 0.5, 0.7])
-@pytest.mark.parametrize("M,P", [(2, 3), (3, 1), (1, 3), (3, 5)])
+@pytest.mark.parametrize("keep", [0.3, 0.45, 0.5, 0.7])
+@pytest.mark.parametrize("M,P", LAYOUTS, ids=[f"{M}x{P}" for M, P in LAYOUTS])
 def test_plan_bytes_equal_eq15_on_odd_shapes(sparsity, keep, M, P):
     cfg = HSADMMConfig(keep=keep, sparsity=sparsity, bucket_mib=0.0005)  # several buckets
     plan = ShrinkPlan.from_keep_rates(ODD.layout, cfg)
     assert len(plan.buckets) > 1
     for synced in (True, False):
-        assert _plan_bytes(plan, ODD.layout, cfg, M, P, synced) == \
-            _eq15_bytes(ODD.layout, cfg, M, P, synced)
+        got = _plan_bytes(plan, ODD.layout, cfg, M, P, synced)
+        assert got == _eq15_bytes(ODD.layout, cfg, M, P, synced)
+        # and the ring / tree closed forms with the plan's bucket sizes
+        assert got == hsadmm_iteration_bytes(
+            M=M, P=P, total_params=ODD.layout.total,
+            compact_sizes=[b - a for a, b in plan.buckets], mask_bytes=plan.mask_bytes,
+            mask_synced=synced, num_layers=_groups(ODD.layout, cfg))
+
+
+@pytest.mark.parametrize("M,P", LAYOUTS, ids=[f"{M}x{P}" for M, P in LAYOUTS])
+def test_flat_admm_records_equal_the_closed_form(M, P):
+    """One dense world ring of theta + u and the residuals, split per link class by the
+    node-major ring's chunks (T = 1,239 elements: 4, 6, 8 and 15 ranks cut it unevenly)."""
+    T, L = ODD.layout.total, _groups(ODD.layout, HSADMMConfig())
+    assert T == 1239
+    p = Placement.node_major(M, P)
+    calls = FlatADMMPlan(T, L).calls(p)
+    assert bytes_by_phase(calls, p) == flat_admm_iteration_bytes(M=M, P=P, total_params=T,
+                                                                 num_layers=L)
+    assert [(c.phase, c.group, c.nbytes, c.itemsize, c.op, c.after) for c in calls] == [
+        ("world_allreduce", tuple(range(M * P)), 4 * T, 4, "sum", ("local",)),
+        ("residuals", tuple(range(M * P)), 8 * RESIDUALS_PER_LAYER * L, 8, "sum", (0,))]
+
+
+def _add(*parts):
+    return {k: sum(x[k] for x in parts) for k in ("intra", "inter")}
+
+
+@pytest.mark.parametrize("placement", [Placement.round_robin(2, 3), Placement.round_robin(3, 2),
+                                       Placement.from_sizes([1, 3, 2]),
+                                       Placement((1, 0, 1, 0, 2, 2))],
+                         ids=lambda p: p.describe())
+def test_records_bytes_on_any_placement_equal_simulated_rings_and_trees(placement):
+    """Off the node-major layouts :mod:`volume.hsadmm` has no closed form; the records' bytes
+    equal a walk of every ring (in communicator order: a node's ranks, the leaders, the world)
+    and every binomial tree over the nodes the placement gives its members."""
+    cfg = HSADMMConfig(keep=0.5, bucket_mib=0.0005)
+    shrink = ShrinkPlan.from_keep_rates(ODD.layout, cfg)
+    L, T = _groups(ODD.layout, cfg), ODD.layout.total
+    nodes = np.asarray(placement.node_of)
+    members = [nodes[list(placement.members(m))] for m in range(placement.num_nodes)]
+    leaders = nodes[list(placement.leaders)]
+    buckets = [b - a for a, b in shrink.buckets]
+    C, B = sum(buckets), shrink.mask_bytes
+    want = {"intra_allreduce": _add(*(simulated_ring(T, 4, g) for g in members)),
+            "mask_sync": simulated_ring(B, 1, leaders),
+            "mask_bcast": _add(*(simulated_bcast(B, g) for g in members)),
+            "inter_allreduce": _add(*(simulated_ring(n, 4, leaders) for n in buckets)),
+            "bcast_z": _add(*(simulated_bcast(4 * C, g) for g in members)),
+            "residuals": simulated_ring(RESIDUALS_PER_LAYER * L, 8, nodes)}
+    got = bytes_by_phase(_records(shrink, ODD.layout, cfg, placement, True), placement)
+    assert got == want
+    assert got["intra_allreduce"]["inter"] == got["bcast_z"]["inter"] == 0
+    flat = bytes_by_phase(FlatADMMPlan(T, L).calls(placement), placement)
+    assert flat == {"world_allreduce": simulated_ring(T, 4, nodes),
+                    "residuals": want["residuals"]}
+
+
+def _algorithm1(rank, placement, buckets, synced):
+    """Algorithm 1's calls as one rank takes part in them, in order (phase, group): its node's
+    SUM of theta + u (line 9); while masks are synchronized the leaders' OR (eq. 14) and the
+    node's mask broadcast; the leaders' average per compact bucket (line 23); the node's
+    broadcast of z (line 24); the world's residual sums."""
+    node = placement.members(placement.node(rank))
+    lead = placement.leaders if rank in placement.leaders else None
+    out = [("intra_allreduce", node)]
+    if synced:
+        out += [("mask_sync", lead)] * (lead is not None) + [("mask_bcast", node)]
+    out += [("inter_allreduce", lead)] * (len(buckets) if lead is not None else 0)
+    return out + [("bcast_z", node), ("residuals", placement.world)]
+
+
+@pytest.mark.parametrize("placement", [Placement.node_major(2, 3), Placement.node_major(4, 2),
+                                       Placement.node_major(1, 3), Placement.round_robin(2, 3),
+                                       Placement.from_sizes([1, 3, 2])],
+                         ids=lambda p: p.describe())
+@pytest.mark.parametrize("synced", [True, False])
+def test_records_follow_algorithm_1_on_any_placement(placement, synced):
+    """Every rank's records in order are Algorithm 1's on its own node's group and the leaders'
+    (round-robin and unequal nodes included: the plan takes the placement's groups); sizes,
+    ops and roots are the solver's buffers; ``after`` chains the phases as the solver runs
+    them: the local epochs, then each phase after every call of the phase before it, bucket
+    after bucket."""
+    cfg = HSADMMConfig(keep=0.5, bucket_mib=0.0005)
+    shrink = ShrinkPlan.from_keep_rates(ODD.layout, cfg)
+    L = _groups(ODD.layout, cfg)
+    calls = _records(shrink, ODD.layout, cfg, placement, synced)
+    buckets = [b - a for a, b in shrink.buckets]
+    assert len(buckets) > 1
+    for r in range(placement.size):
+        mine = [(c.phase, c.group) for c in calls if c.involves(r)]
+        assert mine == _algorithm1(r, placement, buckets, synced), r
+    layers = _layers(ODD.layout)
+    T, C = ODD.layout.total, eq15_compact_elems(layers, 0.5, "channel")
+    B = -(-sum(int(np.prod(s)) for _, k, s in layers if k == "conv") // 8)
+    M = placement.num_nodes
+    want = {"intra_allreduce": (M, 4 * T, 4, "sum"), "mask_sync": (1, B, 1, "bor"),
+            "mask_bcast": (M, B, 1, None), "bcast_z": (M, 4 * C, 4, None),
+            "residuals": (1, 8 * RESIDUALS_PER_LAYER * L, 8, "sum")}
+    for phase, (n, nbytes, itemsize, op) in want.items():
+        got = [c for c in calls if c.phase == phase]
+        if phase.startswith("mask") and not synced:
+            assert got == []
+            continue
+        assert len(got) == n, phase
+        assert {(c.nbytes, c.itemsize, c.op, c.root) for c in got} == \
+            {(nbytes, itemsize, op, 0)}, phase
+    inter = [c for c in calls if c.phase == "inter_allreduce"]
+    assert [c.nbytes for c in inter] == [4 * n for n in buckets]
+    assert sum(c.nbytes for c in inter) == 4 * C
+    assert all(c.op == "avg" and c.group == placement.leaders for c in inter)
+    # dependencies: every call waits for all the calls of the phase before it
+    steps: list = []
+    for i, c in enumerate(calls):
+        key = c.phase if c.phase != "inter_allreduce" else f"inter_allreduce {i}"
+        if not steps or steps[-1][0] != key:
+            steps.append((key, []))
+        steps[-1][1].append(i)
+    assert all(calls[i].after == ("local",) for i in steps[0][1])
+    for (_, before), (_, now) in itertools.pairwise(steps):
+        for i in now:
+            assert calls[i].after == tuple(before), (calls[i].phase, calls[i].after, before)
+    assert [k for k, _ in steps][-2:] == ["bcast_z", "residuals"]
+    for r in range(placement.size):  # every rank waits for the whole chain before residuals
+        assert calls_of_rank(calls, r)[-1] == len(calls) - 1
 
 
 @pytest.mark.parametrize("model", ["cnn", "resnet"])
