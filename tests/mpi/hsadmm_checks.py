@@ -302,10 +302,6 @@ def accounting(layout="2"):
                 refused = False
             except ValueError:
                 refused = True
-            except (TypeError, AttributeError):
-                # substrate.calls._show (the refusal's message) formats every algorithm's
-                # description at once and trips on the fields a record lacks: still refused
-                refused = True
             if refused != refuse:
                 failures.append(f"{solver_cls.__name__}: {mutate.__name__} was "
                                 f"{'refused' if refused else 'accepted'}")
