@@ -15,17 +15,21 @@ default); Open MPI run as root also gets ``--allow-run-as-root``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .pinning import pinning_env
 
-__all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB"]
+__all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB",
+           "descendants", "kill_tree", "run_tree"]
 
 #: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).  It replaces its own
 #: previous output in ``results/headline`` (``--overwrite``, said in the README): the demo is
@@ -197,11 +201,84 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), read from ``/proc``: the ranks of an
+    MPI job are the launcher's descendants even when each sits in a process group of its own
+    (Open MPI's ``prterun`` daemons put them there, so killing a group misses them)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pid: int, grace: float = 3.0) -> None:
+    """End ``pid`` and all its descendants: SIGTERM to every one (the MPI launcher forwards it
+    and tears its job down), then, after ``grace`` seconds, SIGKILL to whatever is left."""
+    procs = [pid, *descendants(pid)]
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        time.sleep(0.05)
+    for p in [*procs, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().decode(errors="replace")
+        return state[state.rindex(")") + 2] != "Z"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def run_tree(cmd: list[str], env: dict | None = None) -> int:
+    """Run ``cmd`` in a session of its own and wait; on SIGINT or SIGTERM end it with every
+    process it started (:func:`kill_tree`: ranks, launcher daemons, a test run's MPI jobs), so
+    an interrupted ``run_mpi.sh`` leaves nothing behind; returns its exit code (128 + signal
+    when interrupted)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    got: list[int] = []
+
+    def stop(signum, _frame):
+        got.append(signum)
+        kill_tree(proc.pid)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() itself
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 + got[0] if got else rc
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--test":
         cmd = [sys.executable, "-m", "pytest", *argv[1:]]
-        return subprocess.call(cmd)
+        return run_tree(cmd)
     if not argv:
         argv = list(DEFAULT_JOB)
     ns = _parse(argv)
@@ -212,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dry_run:
         print(shlex.join(cmd))
         return 0
-    return subprocess.call(cmd, env=mpi_env(ns.np))
+    return run_tree(cmd, env=mpi_env(ns.np))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,14 @@
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/mpi_helpers.py
+
+
+def _terminate(signum, frame):
+    """SIGTERM ends the test run like Ctrl-C does: the running MPI job is ended with every
+    process it started (``mpi_helpers.run_mpi``) before pytest exits."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _terminate)

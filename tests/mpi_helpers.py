@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from substrate.launch import launch_command, mpi_env
+from substrate.launch import kill_tree, launch_command, mpi_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = Path(__file__).resolve().parent / "mpi"
+#: the MPI jobs running now (their launchers' pids)
+_RUNNING: set[int] = set()
 
 
 def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = False,
@@ -35,11 +36,19 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**mpi_env(n), **(env or {})},
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _RUNNING.add(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid, grace=1.0)
         out, err = proc.communicate()
+    except BaseException:
+        # interrupted (Ctrl-C, or SIGTERM turned into KeyboardInterrupt by conftest): the job
+        # and every process it started go with the test run
+        kill_tree(proc.pid, grace=1.0)
+        raise
+    finally:
+        _RUNNING.discard(proc.pid)
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s (a rank hung)\n"
                     f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
     res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
