@@ -41,15 +41,15 @@ from mpi4py import MPI
 from . import collectives as coll
 from . import costmodel as cm
 from .backend import Backend, get_backend
-from .clock import SimClock
+from .clock import SOURCES, SimClock, make_source
 from .costmodel import CostModel
 from .ledger import Ledger
 from .options import add_dataclass_args, check_range, option
-from .clock import SOURCES, make_source
 from .profile import ProfileRecorder, write_profile
 from .program import Program
-from .timeline import Timeline
 from .results import CHECKPOINTS, SUMMARY, Checkpointer, RunWriter, recover_publish, to_jsonable
+from .threads import cap_threads
+from .timeline import Timeline
 from .topology import Topology
 
 __all__ = ["add_common_args", "add_training_args", "CommonConfig", "Run",
@@ -378,6 +378,7 @@ class Run:
             "topology": self.topo.describe(),
             "cost_model": self.cost.describe(),
             "collectives": self.collectives,
+            "threads": getattr(self, "threads", None),
             "overlap": {"mode": self.common.overlap,
                         "communication_thread": bool(self.topo.stream.enabled),
                         "why_not": None if self.topo.stream.enabled else
@@ -628,11 +629,23 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
     out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
     previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
                             profile_out=common.compute_profile_out)
+    # however the ranks were launched, each caps its own compute threads (plain mpiexec/srun
+    # set nothing: its BLAS pools would take every core and the cpu clock would change)
+    threads = cap_threads(topo.real_node_ranks)
     backend = get_backend(common.device, topo.gpu_index)
     topo.bind_backend(backend)
     writer = RunWriter(out, enabled=topo.rank == 0)
-    return Run(system=system, method=method, common=common, config=config, topo=topo, unit=unit,
-               backend=backend, writer=writer, previous=previous)
+    run = Run(system=system, method=method, common=common, config=config, topo=topo,
+              unit=unit, backend=backend, writer=writer, previous=previous)
+    run.threads = threads
+    blas = threads["blas_threads"] or 1
+    if topo.rank == 0 and blas > 1 and common.compute_source in ("auto", "cpu") and \
+            not backend.is_gpu:
+        print(f"spardist: note: {blas} BLAS threads per rank ({threads['set_by']}): the cpu "
+              "compute source reads the process's CPU time (all its threads), not the "
+              "thread's; set OMP_NUM_THREADS=1 for load-independent per-thread times",
+              file=sys.stderr, flush=True)
+    return run
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -208,9 +208,12 @@ class Topology:
         if self.virtual:   # GPUs belong to the real node: bind by the real node's local rank
             real = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             self.gpu_index = real.Get_rank()
+            #: ranks sharing this rank's real (shared-memory) node: its cores and GPUs
+            self.real_node_ranks = real.Get_size()
             real.Free()
         else:
             self.gpu_index = self.local_rank
+            self.real_node_ranks = intra_mpi.Get_size()
 
         self.placement = placement = Placement(tuple(int(n) for n in node_of))
         self.recorder = recorder = Recorder(placement, rank, cost)

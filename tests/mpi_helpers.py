@@ -42,6 +42,8 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid, grace=1.0)
         out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s (a rank hung)\n"
+                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
     except BaseException:
         # interrupted (Ctrl-C, or SIGTERM turned into KeyboardInterrupt by conftest): the job
         # and every process it started go with the test run
@@ -49,8 +51,6 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
         raise
     finally:
         _RUNNING.discard(proc.pid)
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s (a rank hung)\n"
-                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
     res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if expect_fail and proc.returncode == 0:
         pytest.fail(f"{' '.join(cmd)} was expected to fail but exited 0\n{out}\n{err}")

@@ -1,0 +1,66 @@
+"""Each rank caps its own compute threads, however it was launched.
+
+``run_mpi.sh`` sets ``OMP_NUM_THREADS`` and friends to ``cores // ranks`` for the ranks it
+starts; a rank started by a plain ``mpiexec`` or ``srun`` inherits nothing, so its BLAS and Numba
+pools would each take every core of the node, ranks would oversubscribe the node many times over,
+and the ``cpu`` compute source (thread CPU time with one BLAS thread, process CPU time with
+more) would read a different clock: the same job simulated twenty-fold slower (issue 26).  So
+every run caps its pools itself (:func:`cap_threads`, called by
+:func:`substrate.cli.start_run`) at ``cores // ranks on this node`` (``cores``: the CPUs this
+process may run on), unless the environment already says how many threads to use, and
+``summary.json`` records the result.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["THREAD_VARS", "cap_threads", "usable_cores"]
+
+#: the variables that size the BLAS / OpenMP / Numba pools
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask: a Slurm or cgroup cpuset, ``taskset``),
+    else the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def cap_threads(ranks_on_node: int, cores: int | None = None) -> dict:
+    """Cap this rank's BLAS/OpenMP (``threadpoolctl``) and Numba pools at ``cores //
+    ranks_on_node`` (at least 1), and set :data:`THREAD_VARS` for what is loaded later, unless
+    one of :data:`THREAD_VARS` is already set (a launcher's or the user's choice, kept).
+
+    Returns ``{"threads", "set_by", "ranks_on_node", "cores", "blas_threads"}`` for
+    ``summary.json``.
+    """
+    cores = usable_cores() if cores is None else int(cores)
+    ranks_on_node = max(1, int(ranks_on_node))
+    given = {v: os.environ[v] for v in THREAD_VARS if os.environ.get(v, "").strip()}
+    if given:
+        first = next(iter(given.values()))
+        n = int(first) if first.isdigit() and int(first) > 0 else None
+        set_by = "environment (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
+    else:
+        n = max(1, cores // ranks_on_node)
+        for v in THREAD_VARS:
+            os.environ[v] = str(n)
+        set_by = f"spardist: {cores} usable cores // {ranks_on_node} ranks on this node"
+        try:
+            from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+            threadpool_limits(limits=n)
+        except ImportError:  # pragma: no cover - a dependency of spardist
+            pass
+        numba = sys.modules.get("numba")
+        if numba is not None:
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    from .compute import blas_threads  # noqa: PLC0415 - threadpoolctl is read lazily there too
+
+    return {"threads": n, "set_by": set_by, "ranks_on_node": ranks_on_node, "cores": cores,
+            "blas_threads": blas_threads()}

@@ -1,0 +1,60 @@
+"""Same answer however launched (issue 26): a plain ``mpiexec`` (no launcher environment)
+gives every rank the thread caps ``run_mpi.sh`` gives it, so the ``cpu`` compute source reads
+the same clock (thread CPU time, one BLAS thread per rank); the summary records the caps and
+who set them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_helpers import read_summary, run_mpi
+from substrate.launch import find_mpiexec, launch_command
+from substrate.threads import THREAD_VARS, cap_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.mpi
+JOB = ["train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 2, "--progress-every", 0]
+
+
+def test_plain_mpiexec_caps_threads_like_the_launcher(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS and k != "SPARDIST_NP"}
+    cmd = [find_mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", "-m", "dataparallel",
+           *map(str, JOB), "--out", str(tmp_path / "plain")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    run_mpi(None, 4, *JOB, "--out", tmp_path / "launcher", module="dataparallel", timeout=240)
+    plain, launched = (read_summary(tmp_path / d) for d in ("plain", "launcher"))
+    cores = len(os.sched_getaffinity(0))
+    want = max(1, cores // 4)
+    assert plain["threads"]["threads"] == launched["threads"]["threads"] == want
+    assert plain["threads"]["set_by"].startswith("spardist:")
+    assert launched["threads"]["set_by"].startswith("environment")
+    assert plain["threads"]["blas_threads"] == launched["threads"]["blas_threads"] == want
+    src = plain["timeline"]["compute_source"]
+    assert src == launched["timeline"]["compute_source"]
+    assert src.startswith("cpu_thread" if want == 1 else "cpu_process")
+    assert "OMP_NUM_THREADS" not in " ".join(launch_command(4, "x", []))
+
+
+def test_cap_threads_keeps_what_the_environment_says(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    got = cap_threads(4, cores=16)
+    assert got["threads"] == 3 and "OMP_NUM_THREADS=3" in got["set_by"]
+
+
+def test_cap_threads_divides_the_cores_among_the_node_s_ranks(monkeypatch):
+    for v in THREAD_VARS:
+        monkeypatch.delenv(v, raising=False)
+    got = cap_threads(3, cores=8)
+    assert got["threads"] == 2 and all(os.environ[v] == "2" for v in THREAD_VARS)
+    assert got["set_by"] == "spardist: 8 usable cores // 3 ranks on this node"
+    for v in THREAD_VARS:
+        monkeypatch.delenv(v, raising=False)
+    got = cap_threads(16, cores=8)
+    assert got["threads"] == 1
