@@ -31,10 +31,12 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cap_threads(ranks_on_node: int, cores: int | None = None) -> dict:
+def cap_threads(ranks_on_node: int, cores: int | None = None, apply: bool = True) -> dict:
     """Cap this rank's BLAS/OpenMP (``threadpoolctl``) and Numba pools at ``cores //
     ranks_on_node`` (at least 1), and set :data:`THREAD_VARS` for what is loaded later, unless
     one of :data:`THREAD_VARS` is already set (a launcher's or the user's choice, kept).
+
+    ``apply=False`` decides without touching the environment or the pools (tests).
 
     Returns ``{"threads", "set_by", "ranks_on_node", "cores", "blas_threads"}`` for
     ``summary.json``.
@@ -48,19 +50,26 @@ def cap_threads(ranks_on_node: int, cores: int | None = None) -> dict:
         set_by = "environment (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
     else:
         n = max(1, cores // ranks_on_node)
-        for v in THREAD_VARS:
-            os.environ[v] = str(n)
         set_by = f"spardist: {cores} usable cores // {ranks_on_node} ranks on this node"
-        try:
-            from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    if given or not apply:
+        return {"threads": n, "set_by": set_by, "ranks_on_node": ranks_on_node,
+                "cores": cores, "blas_threads": None if not apply else _blas()}
+    for v in THREAD_VARS:
+        os.environ[v] = str(n)
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
-            threadpool_limits(limits=n)
-        except ImportError:  # pragma: no cover - a dependency of spardist
-            pass
-        numba = sys.modules.get("numba")
-        if numba is not None:
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        threadpool_limits(limits=n)
+    except ImportError:  # pragma: no cover - a dependency of spardist
+        pass
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    return {"threads": n, "set_by": set_by, "ranks_on_node": ranks_on_node, "cores": cores,
+            "blas_threads": _blas()}
+
+
+def _blas() -> int | None:
     from .compute import blas_threads  # noqa: PLC0415 - threadpoolctl is read lazily there too
 
-    return {"threads": n, "set_by": set_by, "ranks_on_node": ranks_on_node, "cores": cores,
-            "blas_threads": blas_threads()}
+    return blas_threads()
