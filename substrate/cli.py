@@ -608,6 +608,56 @@ def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
     return previous
 
 
+#: the link to the newest run folder in ``results/<system>_<method>/``
+LATEST = "latest"
+
+
+def _default_out(system: str, method: str, topo: Topology, resume: bool) -> Path:
+    """The run folder when ``--out`` is not given (collective): a new
+    ``results/<system>_<method>/run-N`` (``N`` one more than the largest there, created
+    atomically, so no run ever lands in another's folder) with ``latest`` pointing at it; with
+    ``--resume``, the folder ``latest`` points at."""
+    base = Path("results") / f"{system}_{method}"
+    verdict = None
+    if topo.rank == 0:
+        try:
+            verdict = (str(_new_run_dir(base)), None) if not resume else _latest(base)
+        except OSError as exc:
+            verdict = (None, f"cannot create a run folder under {base} ({exc.strerror or exc}): "
+                             "pass --out DIR in a directory you can write to")
+    path, error = topo.world.mpi.bcast(verdict, root=0)
+    if error:
+        raise ValueError(error)
+    return Path(path)
+
+
+def _new_run_dir(base: Path) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[4:]) for p in base.glob("run-*") if p.name[4:].isdigit()]
+    n = max(taken, default=0) + 1
+    while True:
+        d = base / f"run-{n}"
+        try:
+            d.mkdir()
+            break
+        except FileExistsError:     # another run took it a moment ago
+            n += 1
+    link = base / LATEST
+    tmp = base / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(d.name)
+    os.replace(tmp, link)
+    return d
+
+
+def _latest(base: Path) -> tuple[str | None, str | None]:
+    link = base / LATEST
+    if not link.is_symlink() and not link.is_dir():
+        return None, (f"--resume without --out continues the newest run in {base}, and there is "
+                      f"none: pass --out DIR of the run to continue")
+    return str(link.resolve()), None
+
+
 def start_run(args, *, system: str, method: str, config=None, comm=None,
               unit: str = "step") -> Run:
     """Build the run context from parsed common args (collective over ``comm``).
@@ -626,7 +676,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               ranks_per_node=common.ranks_per_node,
                               node_map=common.node_map, cost=cost,
                               collectives=common.collectives)
-    out = Path(common.out) if common.out else Path("results") / f"{system}_{method}"
+    out = Path(common.out) if common.out else _default_out(system, method, topo, resume)
     previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
                             profile_out=common.compute_profile_out)
     # however the ranks were launched, each caps its own compute threads (plain mpiexec/srun

@@ -17,13 +17,15 @@ _RUNNING: set[int] = set()
 
 
 def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = False,
-            module: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+            module: str | None = None, env: dict | None = None,
+            cwd=None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python -m mpi4py SCRIPT ARGS`` (or ``-m MODULE``) from the repo root.
 
     ``script`` is a path, or a file name under ``tests/mpi/``.  Fails the test with every rank's
     stdout/stderr on a non-zero exit (or, with ``expect_fail``, on a zero exit) and kills the
     whole process group on timeout, so a hung rank never hangs the suite.  ``env`` adds
-    variables to the launcher's environment.
+    variables to the launcher's environment; ``cwd`` (default: the repository) is where the
+    job runs.
     """
     args = [str(a) for a in args]
     if module is not None:
@@ -33,7 +35,11 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
         if not path.is_absolute():
             path = MPI_DIR / path
         cmd = launch_command(n, None, args, script=str(path))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**mpi_env(n), **(env or {})},
+    run_env = {**mpi_env(n), **(env or {})}
+    if cwd is not None:   # the modules must still import from the checkout
+        run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
+                                                             run_env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=run_env,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _RUNNING.add(proc.pid)

@@ -55,3 +55,29 @@ def test_cap_threads_divides_the_cores_among_the_node_s_ranks(monkeypatch):
     assert got["threads"] == 2 and not any(v in os.environ for v in THREAD_VARS)
     assert got["set_by"] == "spardist: 8 usable cores // 3 ranks on this node"
     assert cap_threads(16, cores=8, apply=False)["threads"] == 1
+
+
+def test_default_out_never_collides_and_latest_follows(tmp_path):
+    """Without --out every run gets a folder of its own, results/<system>_<method>/run-N, and
+    ``latest`` points at the newest; --resume without --out continues the newest."""
+    job = ["train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 1,
+           "--progress-every", 0, "--checkpoint-every", 1]
+    for _ in range(2):
+        run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path)
+    base = tmp_path / "results" / "dataparallel_ddp"
+    assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
+    assert (base / "latest").resolve() == (base / "run-2").resolve()
+    assert (base / "run-1" / "summary.json").is_file()
+    assert (base / "run-2" / "summary.json").is_file()
+    # continuing the newest run (finished at 2 steps) to 3 steps, in its own folder
+    longer = [*job[:4], 3, *job[5:]]
+    run_mpi(None, 2, *longer, "--resume", module="dataparallel", timeout=180, cwd=tmp_path)
+    assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
+    assert read_summary(base / "run-2")["metrics"]["steps"] == 3
+
+
+def test_resume_without_out_and_without_runs_is_refused(tmp_path):
+    res = run_mpi(None, 2, "train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 1,
+                  "--resume", module="dataparallel", timeout=180, cwd=tmp_path,
+                  expect_fail=True)
+    assert "--resume without --out continues the newest run" in res.stderr
