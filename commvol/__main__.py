@@ -1,6 +1,6 @@
-"""``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta}``: the
-sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`, :mod:`commvol.scale`,
-:mod:`commvol.report` and :mod:`commvol.plots`."""
+"""``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta,rerun}``:
+the sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`,
+:mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.plots` and :mod:`commvol.rerun`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from substrate.cli import main_guard
 
-from . import partition_table, plots, predict, report, scale
+from . import partition_table, plots, predict, report, rerun, scale
 
 __all__ = ["build_parser", "main"]
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "partition table, strong scaling, run reports "
                                             "and timeline plots")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for mod in (predict, partition_table, scale, report, plots):
+    for mod in (predict, partition_table, scale, report, plots, rerun):
         mod.add_parser(sub)
     return p
 

@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -226,9 +227,53 @@ def versions() -> dict:
         spardist = version("spardist")
     except PackageNotFoundError:
         spardist = "unknown"
+    mpi = MPI.Get_library_version().replace("\x00", "").strip()   # Open MPI ends it in a NUL
     return {"spardist": spardist, "python": platform.python_version(), "numpy": np.__version__,
             "scipy": _dist_version("scipy"), "mpi4py": mpi4py.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
+            "mpi": mpi.splitlines()[0].strip() if mpi else "unknown"}
+
+
+#: version of the ``summary.json`` layout (the ``record`` block and everything beside it)
+SUMMARY_SCHEMA = 2
+
+
+def git_commit(where: Path | None = None) -> str:
+    """The commit of the checkout spardist runs from (``+dirty`` with local changes), or
+    ``"not a checkout"``."""
+    where = where or Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=False)
+        if head.returncode:
+            return "not a checkout"
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10, check=False).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "not a checkout"
+
+
+def run_record(argv, started: float, hosts: list[str]) -> dict:
+    """The ``record`` block of ``summary.json``: how to run it again and where it ran."""
+    argv = list(argv)
+    prog = Path(argv[0]) if argv else Path("?")
+    module = prog.parent.name if prog.name == "__main__.py" else ".".join(
+        prog.with_suffix("").parts[-2:]) if prog.suffix == ".py" else str(prog)
+    return {"schema": SUMMARY_SCHEMA, "argv": argv, "module": module, "args": argv[1:],
+            "cwd": os.getcwd(), "git_commit": git_commit(), "versions": versions(),
+            "hosts": sorted(set(hosts)), "hosts_per_rank": list(hosts),
+            "launcher": {k: v for k, v in os.environ.items()
+                         if k in ("SPARDIST_NP", "SLURM_JOB_ID", "PMI_SIZE",
+                                  "OMPI_COMM_WORLD_SIZE")},
+            "started": _iso(started), "finished": _iso(time.time())}
+
+
+def _iso(t: float) -> str:
+    import datetime  # noqa: PLC0415
+
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(
+        timespec="seconds")
 
 
 #: units a ``metrics.jsonl`` index may count
@@ -334,6 +379,7 @@ class Run:
         # travel (the busiest sends its own to rank 0): this run-level bookkeeping is unbooked
         # traffic, so it is kept O(1) in the world size (a few KB; see the wire lab).
         sims = self.world.mpi.allgather(float(self.clock.sim_s))
+        hosts = self.world.mpi.gather(platform.node(), root=0)
         busiest = int(np.argmax(sims))
         desc = self.clock.describe(events=self.rank in (0, busiest))
         gathered = self.world.mpi.gather((desc.get("compute_profile"),
@@ -370,6 +416,7 @@ class Run:
             if tables is not None:
                 timeline["compute_profile"] = self._write_profile(tables)
         summary = {
+            "record": run_record(sys.argv, self._t0, hosts) if self.rank == 0 else None,
             "system": self.system,
             "method": self.method,
             "config": _config_dict(self.config),

@@ -81,3 +81,34 @@ def test_resume_without_out_and_without_runs_is_refused(tmp_path):
                   "--resume", module="dataparallel", timeout=180, cwd=tmp_path,
                   expect_fail=True)
     assert "--resume without --out continues the newest run" in res.stderr
+
+
+def test_summary_records_the_run_and_rerun_repeats_it(tmp_path):
+    """``summary.json``'s record says how the run was launched and where; ``commvol rerun``
+    repeats it into a new folder with the same bytes and accuracy."""
+    out = tmp_path / "first"
+    run_mpi(None, 2, "train", "--method", "topk", "--steps", 2, "--ranks-per-node", 1,
+            "--out", out, module="dataparallel", timeout=180)
+    rec = read_summary(out)["record"]
+    assert rec["schema"] >= 2 and rec["module"] == "dataparallel"
+    assert rec["args"][:3] == ["train", "--method", "topk"]
+    assert rec["git_commit"] and rec["hosts"] and len(rec["hosts_per_rank"]) == 2
+    assert rec["started"] <= rec["finished"]
+    assert "\x00" not in rec["versions"]["mpi"] and rec["versions"]["numpy"]
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, "-m", "commvol", "rerun", str(out), "--out",
+                           str(again)], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    a, b = read_summary(out), read_summary(again)
+    assert a["traffic"] == b["traffic"]
+    assert a["metrics"]["final_test_accuracy"] == b["metrics"]["final_test_accuracy"]
+    assert b["record"]["args"][-2:] == ["--out", str(again)]
+
+
+def test_rerun_refuses_a_folder_without_a_record(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text('{"system": "x"}')
+    proc = subprocess.run([sys.executable, "-m", "commvol", "rerun", str(tmp_path / "old")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "has no run record" in proc.stderr
