@@ -37,7 +37,7 @@ import numpy as np
 from .calls import Call, wire_bytes
 from .cli import add_common_args, main_guard, start_run
 
-__all__ = ["replay", "main"]
+__all__ = ["replay", "communicators", "execute", "step_bytes", "main"]
 
 
 def _dtype(itemsize: int, op: str | None):
@@ -59,19 +59,20 @@ def _groups(programs) -> list[tuple]:
     return sorted(out, key=lambda g: (len(g), g))
 
 
-def _communicators(run, programs) -> dict:
-    """``{group: Comm}``: the topology's world / node / leaders communicators, and a split of
-    the world for every other group (collective: every rank splits for every such group in the
-    same order, decided by the file and the placement alone)."""
-    topo = run.topo
+def communicators(topo, groups) -> dict:
+    """``{group: Comm}`` for every group (world ranks in communicator order): the topology's
+    world / node / leaders communicators, and a split of the world for every other group
+    (collective: every rank must pass the same groups, and splits for each in the same
+    order)."""
     pl = topo.placement
     comms = {c.group: c for c in (topo.world, topo.intra, topo.inter) if c is not None}
     known = {pl.world, pl.leaders, *(pl.members(m) for m in range(pl.num_nodes))}
-    for g in _groups(programs):
+    rank = topo.rank
+    for g in sorted({tuple(g) for g in groups}, key=lambda g: (len(g), g)):
         if g in known:
             continue
-        mine = run.rank in g
-        c = topo.world.sub(0 if mine else -1, key=g.index(run.rank) if mine else run.rank)
+        mine = rank in g
+        c = topo.world.sub(0 if mine else -1, key=g.index(rank) if mine else rank)
         if mine:
             if c.group != g:
                 raise ValueError(f"replay: communicator {list(g)} came out as {list(c.group)}")
@@ -127,7 +128,7 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
             if not member:
                 events[i] = rec.declare(call, deps, member=False)
                 continue
-            h = _call(comms, call, deps, wait, tag, run.rank)
+            h = execute(comms, call, deps, wait, tag)
             handles[i] = h
             events[i] = h.event
         elif t == "W":
@@ -174,14 +175,27 @@ def step_bytes(programs, placement) -> list[dict]:
     return out
 
 
-def _call(comms, call: Call, after, wait: bool, tag, rank: int):
-    """Execute ``call`` on zeros of the recorded sizes through the group's communicator."""
+def execute(comms, call: Call, after=None, wait: bool = True, tag=None):
+    """Execute a record on zeros of its sizes through its group's communicator (``comms``:
+    :func:`communicators`); returns the call's handle.  Any plan's records can be run this way
+    (a replay; a system that is only a plan)."""
     comm = comms[call.group]
     a = call.algorithm
     if a == "p2p":
-        (src, dst, nbytes), = call.pairs.tolist()
-        return comm.isend(np.zeros(nbytes, dtype=np.uint8), comm.group.index(dst),
-                          tag=tag or 0, phase=call.phase, after=after)
+        me = comm.group[comm.rank]
+        rows = call.pairs.tolist()
+        if len(rows) == 1 and rows[0][0] == me:    # one message this rank sends (a replay)
+            return comm.isend(np.zeros(rows[0][2], dtype=np.uint8),
+                              comm.group.index(rows[0][1]), tag=tag or 0, phase=call.phase,
+                              after=after)
+        # an exchange of a plan: receive what comes here, send this rank's rows, wait for all
+        reqs = [comm.irecv(np.zeros(nb, dtype=np.uint8), comm.group.index(src), tag=tag or 0,
+                           phase=call.phase) for src, dst, nb in rows if dst == me != src]
+        sends = [comm.isend(np.zeros(nb, dtype=np.uint8), comm.group.index(dst), tag=tag or 0,
+                            phase=call.phase, after=after)
+                 for src, dst, nb in rows if src == me != dst]
+        comm.waitall(reqs + sends)
+        return sends[-1] if sends else reqs[-1] if reqs else None
     dt = _dtype(call.itemsize, call.op)
     if a == "allreduce":
         return comm.allreduce(np.zeros(call.nbytes // dt.itemsize, dtype=dt), call.op,
@@ -227,7 +241,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--compute-profile {args.compute_profile}: recorded on "
                          f"{len(programs)} ranks; replay it on {len(programs)} (launch with "
                          f"-n {len(programs)})")
-    comms = _communicators(run, programs)
+    comms = communicators(run.topo, _groups(programs))
     steps = replay(run, programs[run.rank], comms, sleep=args.sleep == "on",
                    world_bytes=step_bytes(programs, run.topo.placement) if run.rank == 0
                    else None)

@@ -1,0 +1,84 @@
+"""Adding a system needs only a plan with ``calls()`` (issue 23): a made-up system, defined
+here, is executed and booked (measured == predicted under MPI, on any placement), timed (its
+records are events of the timeline), predicted (``IterCost.from_calls``) and scaled (the
+paper-scale timeline), with no other code of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
+from substrate.calls import Call, Placement, Ready, price, wire_bytes
+from substrate.costmodel import CostModel
+
+
+@dataclass(frozen=True)
+class ToyPlan:
+    """A made-up system: a world all-reduce of the gradients (after the backward), a broadcast
+    inside every node after it, and a ring of messages between the node leaders."""
+
+    elements: int
+
+    def calls(self, placement: Placement) -> list:
+        n = 4 * self.elements
+        out = [Call("toy_allreduce", "allreduce", placement.world, n, 4, op="sum",
+                    after=(Ready(0, self.elements),))]
+        for m in range(placement.num_nodes):
+            out.append(Call("toy_bcast", "bcast", placement.members(m), n, 4, after=(0,)))
+        lead = placement.leaders
+        if len(lead) > 1:           # one node: no leaders' ring, no record (nothing is sent)
+            pairs = [(lead[i], lead[(i + 1) % len(lead)], 8 * (i + 1))
+                     for i in range(len(lead))]
+            out.append(Call("toy_ring", "p2p", placement.world, pairs=pairs, after=(0,)))
+        return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,node_map", [(4, "block:2"), (4, "round-robin:2"),
+                                        (6, "0,1,2,0,1,2"), (3, "block:3")])
+def test_a_plan_alone_is_executed_booked_and_accounted(tmp_path, n, node_map):
+    out = tmp_path / "toy"
+    run_mpi("toy_checks.py", n, "--out", out, "--node-map", node_map, timeout=120)
+    s = read_summary(out)
+    assert_measured_equals_predicted(s)
+    pl = Placement.parse(node_map, n)
+    want = price(ToyPlan(1001).calls(pl), pl)
+    got = s["traffic"]["measured"]["by_phase"]
+    for ph, b in want.phases.items():
+        assert (got[ph]["intra_bytes"], got[ph]["inter_bytes"]) == (3 * b["intra"],
+                                                                   3 * b["inter"])
+    assert s["timing"]["sim_s"] > 0 and s["timeline"]["steps"] == 3
+
+
+def test_a_plan_alone_is_predicted_and_scaled(monkeypatch):
+    from commvol.systems import core  # noqa: PLC0415
+    from commvol.timeline_scale import ComputeModel, Unit, dp_step  # noqa: PLC0415
+    from models.layers import Linear, Sequential  # noqa: PLC0415
+    from models.modelspec import spec_from_layers  # noqa: PLC0415
+    from substrate.options import option  # noqa: PLC0415
+
+    @dataclass(frozen=True)
+    class ToyOptions:
+        elements: int = option(1001, "toy elements")
+
+    def predict(spec, M, P, options, cost=None):
+        pl = Placement.node_major(M, P)
+        it = core.IterCost.from_calls(ToyPlan(spec.layout.total).calls(pl), pl, cost)
+        return core.Prediction("toy", spec.name, M, P, "1 step", ((None, it),))
+
+    monkeypatch.setitem(core.SYSTEMS, "toy", core.SystemModel("toy", predict, ToyOptions))
+    spec = spec_from_layers("tiny", Sequential([("fc", Linear(4, 8, bias=False))]), (4,), 8)
+    pred = core.get_system("toy")(spec, 2, 2, {})
+    pl = Placement.node_major(2, 2)
+    assert pred.steady.phases == {c.phase: wire_bytes(c, pl) for c in
+                                  ToyPlan(32).calls(pl) if c.phase != "toy_bcast"} | {
+        "toy_bcast": {"intra": 2 * 4 * 32, "inter": 0}}
+    cost = CostModel(inter_bw=1e6, inter_lat=1e-4)
+    compute = ComputeModel((Unit("fc", 0, 32, 1e6, 2e6),), 1.0, 1.0)
+    t = dp_step("toy", spec, 2, 2, ToyOptions(), cost, compute, 10, keep_events=True)
+    labels = [e.label for e in t.events]
+    assert "toy_allreduce" in labels and "toy_bcast" in labels
+    assert any(x.startswith("toy_ring->") for x in labels)
+    assert t.comm_s > 0 and t.step_s >= t.compute_s
