@@ -2,13 +2,12 @@
 
 Nothing is re-derived here: the partition and the per-pair word counts ``D^k[m, n]`` come from
 :class:`sparse_sgd.plan.HSGDPlan` (:func:`sparse_sgd.plan.plan_partition`, the function
-``sparse_sgd train`` runs on rank 0), the bytes per link class and messages of SpFF/SpBP, the
-loss all-reduce and the partition broadcast from the plan's :meth:`~HSGDPlan.step_phases` and
-:meth:`~HSGDPlan.setup_phase`.  This module adds the per-rank alpha-beta time of the
-point-to-point pattern and the network plumbing of ``python -m commvol predict --system
-hsgd|sgd`` and ``partition-table``.  The plan's bytes are tested against a brute-force count
-written from eqs. 8-9 (``tests/test_commvol_tables.py``), the run's ledger against the plan
-(``tests/test_sparse_mpi.py``).
+``sparse_sgd train`` runs on rank 0), and the records of SpFF/SpBP, the loss all-reduce and the
+partition broadcast from the plan's :meth:`~HSGDPlan.calls`, priced by the generic rule of
+:mod:`substrate.calls` (:mod:`commvol.systems.hsgd`).  This module holds the network plumbing of
+``python -m commvol predict --system hsgd|sgd`` and ``partition-table``.  The plan's records are
+tested against a brute-force count written from eqs. 8-9 (``tests/test_hsgd_plan.py``), the
+run's calls against the plan's records, message by message (``tests/test_sparse_mpi.py``).
 
 One **step** is one SpFF + SpBP pass on a mini-batch of ``batch_size`` input vectors (each word of
 Table 1 is ``batch_size * itemsize`` bytes) followed by the loss/score all-reduce of
@@ -21,8 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from sparse_sgd.radixnet import (
     CHALLENGE_BIAS,
     CHALLENGE_BLOCK,
@@ -30,13 +27,10 @@ from sparse_sgd.radixnet import (
     challenge_config,
     radixnet,
 )
-from substrate import costmodel as cm
-from substrate.costmodel import CostModel
 
 __all__ = [
     "PAPER_LAYERS",
     "RadixNetSpec",
-    "p2p_rank_seconds",
     "radixnet_config",
     "radixnet_weights",
 ]
@@ -92,19 +86,3 @@ class RadixNetSpec:
 
     def weights(self) -> list:
         return radixnet(self.config())
-
-
-def p2p_rank_seconds(metrics, node_of, *, batch: int, word_bytes: int,
-                     cost: CostModel) -> dict:
-    """alpha-beta time of SpFF and SpBP on their busiest rank: every message ``n -> m`` of ``w``
-    words costs ``alpha_link + w * batch * word_bytes * beta_link`` on the sender (as the ledger's
-    ``isend`` records it)."""
-    node_of = np.asarray(node_of)
-    same = node_of[:, None] == node_of[None, :]
-    alpha = np.where(same, cost.alpha(cm.INTRA), cost.alpha(cm.INTER))
-    beta = np.where(same, cost.beta(cm.INTRA), cost.beta(cm.INTER))
-    D = metrics.pair_words.astype(np.float64)  # (L, m, n): SpFF n -> m, SpBP m -> n (k >= 2)
-    t = (D > 0) * alpha + D * batch * word_bytes * beta  # time of message m <- n (or m -> n)
-    spff = t.sum(axis=0).sum(axis=0)  # per sender n
-    spbp = t[1:].sum(axis=0).sum(axis=1)  # per sender m
-    return {"spff": float(spff.max(initial=0.0)), "spbp": float(spbp.max(initial=0.0))}

@@ -37,7 +37,7 @@ import scipy.sparse as sp
 from partition.partitioners import Partition, partitioner_errors
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.data import class_targets, digits_dataset, mnist_dataset, train_test_split
-from sparse_sgd.distributed import PHASE_SPFF, DistributedSparseNet
+from sparse_sgd.distributed import DistributedSparseNet
 from sparse_sgd.io import (
     categories_path,
     images_path,
@@ -52,8 +52,11 @@ from sparse_sgd.plan import (
     METHODS,
     NUM_CLASSES,
     PHASE_CATEGORIES,
+    PHASE_EVAL,
+    PHASE_EVAL_SCORES,
     PHASE_LOSS,
     PHASE_PARTITION,
+    PHASE_SYNC,
     HSGDOptions,
     HSGDPlan,
     PartitionOptions,
@@ -69,9 +72,9 @@ from sparse_sgd.radixnet import (
 )
 from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
 from sparse_sgd.table1 import format_table1, table1_rows
-from sparse_sgd.traffic import TrafficPrediction, allreduce_phase, bcast_phase, p2p_phases
 from substrate import add_common_args, main_guard, start_run
 from substrate.cli import Progress, RunCheckpoints, add_training_args
+from substrate.ledger import Predicted
 from substrate.options import check_range
 from substrate.options import add_dataclass_args, from_args, option
 
@@ -85,10 +88,6 @@ __all__ = [
     "load_network",
     "main",
 ]
-
-#: ledger phases of the held-out evaluation after training
-PHASE_EVAL = "eval"
-PHASE_EVAL_SCORES = "eval_scores"
 
 NET = "network"
 TRAIN = "training"
@@ -299,8 +298,7 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
                                   seed=seed, network=network)
         flat[:-1] = np.concatenate(part.owners)
         flat[-1] = part.seconds
-    run.world.bcast(flat, root=0, phase=PHASE_PARTITION)
-    _declare(run, PHASE_PARTITION, flat.nbytes, "bcast", deps=())  # rank 0 partitions first
+    run.world.bcast(flat, root=0, phase=PHASE_PARTITION)  # after rank 0 partitioned
     owners = np.split(flat[:-1].astype(np.int64), np.cumsum(sizes)[:-1])
     part = Partition(owners=tuple(owners), parts=run.size, method=method,
                      seconds=float(flat[-1]))
@@ -357,35 +355,30 @@ def _class_scores(net, out_class: np.ndarray, batch: int) -> np.ndarray:
     return scores
 
 
-def _declare(run, phase: str, nbytes: int, algorithm: str = "allreduce", deps="last") -> None:
-    """Declare a world collective just booked under ``phase`` on the timeline, after the last
-    compute block (``deps="last"``) or after ``deps``."""
-    clock = run.clock
-    if clock.timeline is not None:
-        clock.timeline.collective(run.world, phase, nbytes, algorithm=algorithm,
-                                  deps=clock.last_event if deps == "last" else deps)
+def _account_setup(run, plan: HSGDPlan, predicted: Predicted, part_bytes: int) -> None:
+    """Hold the set-up against the plan: the partition broadcast when rank 0 partitioned
+    (``part_bytes``), nothing when every rank read the partition from a file."""
+    setup = plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
+    predicted.add(run.recorder.account(setup))
 
 
-def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> tuple[float, list]:
+def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> float:
     """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
-    ``eval``) and one all-reduce of the class scores (``eval_scores``); returns the accuracy
-    and the batch sizes."""
+    ``eval``) and one all-reduce of the class scores (``eval_scores``): the records of
+    :meth:`HSGDPlan.calls` ``(phase="eval")``."""
     n = ds.features.shape[0]
     scores = np.zeros((NUM_CLASSES, max(n, 1)))
-    sizes = []
     for s in range(0, n, cfg.batch_size):
         with run.clock.compute("eval_batch"):
             X0 = np.ascontiguousarray(ds.features[s:s + cfg.batch_size][:, in_rows].T,
                                       dtype=dtype)
-        net.forward(X0, phase=PHASE_EVAL)  # declares its events (phase eval)
+        net.forward(X0, phase=PHASE_EVAL)  # its sends declare their events (phase eval)
         with run.clock.compute("eval_scores"):
             scores[:, s:s + X0.shape[1]] = _class_scores(net, out_class, X0.shape[1])
-        sizes.append(X0.shape[1])
     if n:
         run.world.allreduce(scores, "sum", phase=PHASE_EVAL_SCORES)
-        _declare(run, PHASE_EVAL_SCORES, scores.nbytes)
     pred = np.argmax(scores[:, :n] / class_size[:, None], axis=0)
-    return (float(np.mean(pred == ds.labels)) if n else float("nan")), sizes
+    return float(np.mean(pred == ds.labels)) if n else float("nan")
 
 
 def _train(args) -> dict:
@@ -411,6 +404,7 @@ def _train(args) -> dict:
                           unit="step", flag="--steps")
     batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
     start, losses, accs, train_s = 0, [], [], 0.0
+    predicted = Predicted()
     if cfg.resume:
         start, state = ckpt.resume(cfg.steps)
         part, part_bytes = _saved_partition(state)
@@ -418,11 +412,16 @@ def _train(args) -> dict:
         batch_rng.bit_generator.state = json.loads(str(state["train/batch_rng"]))
         losses, accs = state["train/losses"].tolist(), state["train/accs"].tolist()
         train_s = float(state["train/train_s"])
+        predicted = Predicted.from_state(json.loads(str(state["train/predicted"])))
+        plan = HSGDPlan.from_partition(weights, part)
     else:
         part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                                 partition_file=cfg.partition_file,
                                                 seed=args.seed, options=cfg, network=network)
-    plan = HSGDPlan.from_partition(weights, part, run.topo.node_of)
+        plan = HSGDPlan.from_partition(weights, part)
+        _account_setup(run, plan, predicted, part_bytes)
+    # the plan's records of one step (held against the calls each step runs)
+    step_calls = plan.calls(run.topo.placement, cfg.batch_size, dtype.itemsize)
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
                                    dtype=dtype, clock=run.clock)
@@ -433,10 +432,6 @@ def _train(args) -> dict:
     out_class = out_rows % NUM_CLASSES
     class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES)
     red = np.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
-    # bytes of one step from the plan (== the ledger: tested), for metrics.jsonl and progress
-    per_step = plan.step_phases(cfg.batch_size, dtype.itemsize)
-    step_bytes = {link: sum(e[f"{link}_bytes"] for e in per_step.values())
-                  for link in ("intra", "inter")}
     progress = Progress(run, total=cfg.steps, unit="step",
                         every=getattr(args, "progress_every", 0), start=start)
     last_logged, t0 = start, time.perf_counter()
@@ -454,9 +449,9 @@ def _train(args) -> dict:
         with run.clock.compute("class_scores"):
             red[1:] = _class_scores(net, out_class, cfg.batch_size).ravel()  # pre-update
         run.world.allreduce(red, "sum", phase=PHASE_LOSS)
-        _declare(run, PHASE_LOSS, red.nbytes)
-        # one timeline step per SGD step
+        # one timeline step per SGD step; the step's calls were the plan's (or this raises)
         timing = run.clock.step()
+        step_bytes = predicted.add(run.recorder.account(step_calls))
         loss = float(red[0])
         pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size) / class_size[:, None],
                          axis=0)
@@ -477,22 +472,14 @@ def _train(args) -> dict:
             ckpt.save(done, {**_net_state(net, part, part_bytes),
                              "train/batch_rng": json.dumps(batch_rng.bit_generator.state),
                              "train/losses": np.array(losses), "train/accs": np.array(accs),
-                             "train/train_s": train_s + time.perf_counter() - t0})
+                             "train/train_s": train_s + time.perf_counter() - t0,
+                             "train/predicted": json.dumps(predicted.state())})
     progress.close()
     train_s += time.perf_counter() - t0
-    test_acc, eval_sizes = _evaluate(run, net, test, cfg, dtype, in_rows, out_class, class_size)
-    pred = TrafficPrediction()
-    for phase, e in plan.step_phases(cfg.batch_size, dtype.itemsize, cfg.steps).items():
-        pred.add(phase, e)
-    for b in eval_sizes:
-        pred.add(PHASE_EVAL, p2p_phases(plan.metrics, plan.node_of, batch=b,
-                                        itemsize=dtype.itemsize, iterations=1,
-                                        spbp=False)[PHASE_SPFF])
-    if eval_sizes:
-        pred.add(PHASE_EVAL_SCORES, allreduce_phase(NUM_CLASSES * test.features.shape[0], 8,
-                                                    plan.node_of))
-    if part_bytes:
-        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, plan.node_of))
+    test_acc = _evaluate(run, net, test, cfg, dtype, in_rows, out_class, class_size)
+    predicted.add(run.recorder.account(plan.calls(
+        run.topo.placement, cfg.batch_size, dtype.itemsize, phase="eval",
+        samples=test.features.shape[0])))
     nnz = sum(W.nnz for W in weights)
     tail = max(1, min(10, len(losses)))
     result = {"final_loss": losses[-1], "initial_loss": losses[0],
@@ -507,7 +494,7 @@ def _train(args) -> dict:
               "edges_per_second": 3 * nnz * cfg.batch_size * cfg.steps / max(train_s, 1e-12)}
     if cfg.resume:
         result["resumed_from_step"] = start
-    out = run.finish(metrics=result, predicted=pred.as_dict())
+    out = run.finish(metrics=result, predicted=predicted.block())
     if run.rank == 0:
         print(f"test accuracy {test_acc:.3f} on {test.features.shape[0]} held-out images "
               f"({cfg.activation}, init {cfg.init}, {cfg.steps} steps)")
@@ -516,17 +503,22 @@ def _train(args) -> dict:
 
 
 def _print_traffic(summary: dict) -> None:
+    """Measured (ledger) and predicted (the plan's records, accounted call by call: the
+    messages are the plan's or the run stopped) bytes per phase."""
     m, p = summary["traffic"]["measured"], summary["traffic"]["predicted"]
-    print(f"{'phase':<12}{'measured bytes':>16}{'predicted bytes':>17}{'meas msgs':>11}"
-          f"{'pred msgs':>11}")
+    print(f"{'phase':<12}{'measured bytes':>16}{'predicted bytes':>17}{'messages':>11}")
     for ph in sorted(set(m["by_phase"]) | set(p["by_phase"])):
         a, b = m["by_phase"].get(ph, {}), p["by_phase"].get(ph, {})
-        print(f"{ph:<12}{a.get('bytes', 0):>16d}{b.get('bytes', 0):>17d}"
-              f"{a.get('messages', 0):>11d}{b.get('messages', 0):>11d}")
+        got = a.get("intra_bytes", 0) + a.get("inter_bytes", 0)
+        want = b.get("intra_bytes", 0) + b.get("inter_bytes", 0)
+        print(f"{ph:<12}{got:>16d}{want:>17d}{a.get('messages', 0):>11d}")
+    same = all((m["by_phase"].get(ph, {}).get(f, 0) == p["by_phase"].get(ph, {}).get(f, 0))
+               for ph in set(m["by_phase"]) | set(p["by_phase"])
+               for f in ("intra_bytes", "inter_bytes"))
     tot_m = m["inter_node_bytes"] + m["intra_node_bytes"]
     tot_p = p["inter_node_bytes"] + p["intra_node_bytes"]
-    print(f"{'total':<12}{tot_m:>16d}{tot_p:>17d}{m['messages']:>11d}{p['messages']:>11d}"
-          f"   {'EQUAL' if (tot_m, m['messages']) == (tot_p, p['messages']) else 'DIFFERENT'}")
+    print(f"{'total':<12}{tot_m:>16d}{tot_p:>17d}{m['messages']:>11d}"
+          f"   {'EQUAL' if same else 'DIFFERENT'}")
 
 
 def _infer(args) -> dict:
@@ -548,22 +540,28 @@ def _infer(args) -> dict:
     part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                             partition_file=cfg.partition_file, seed=args.seed,
                                             options=cfg, network=network)
-    plan = HSGDPlan.from_partition(weights, part, run.topo.node_of)
-    net = DistributedSparseNet(weights, part, run.world, dtype=dtype)
+    plan = HSGDPlan.from_partition(weights, part)
+    predicted = Predicted()
+    _account_setup(run, plan, predicted, part_bytes)
+    net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock)
     in_rows = net.input_rows
     nonzero = np.zeros(n_in + 1, dtype=np.float64)  # categories, then the elapsed time
-    run.world.barrier(phase="sync")
+    run.world.barrier(phase=PHASE_SYNC)
     t0 = time.perf_counter()
     for s in range(0, n_in, cfg.batch_size):
-        with run.clock.compute():
+        with run.clock.compute("infer_batch"):
             block = Y0[s:s + cfg.batch_size][:, in_rows]
             block = block.toarray() if sp.issparse(block) else block
             X0 = np.ascontiguousarray(block.T, dtype=dtype)
-            XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)
+        XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)  # its blocks and sends: events
+        with run.clock.compute("infer_categories"):
             nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
         run.log(s // cfg.batch_size, step_wall_s=time.perf_counter() - t0)
     nonzero[-1] = time.perf_counter() - t0
     run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
+    predicted.add(run.recorder.account(plan.calls(run.topo.placement, cfg.batch_size,
+                                                  dtype.itemsize, phase="infer",
+                                                  samples=n_in)))
     elapsed = float(nonzero[-1])
     categories = np.flatnonzero(nonzero[:-1])
     nnz = sum(W.nnz for W in weights)
@@ -580,19 +578,7 @@ def _infer(args) -> dict:
         result["serial_reference_match"] = bool(np.array_equal(ref_cats, categories))
     if cfg.write_categories and run.rank == 0:
         write_categories(cfg.write_categories, categories)
-    pred = TrafficPrediction()
-    for s in range(0, n_in, cfg.batch_size):
-        b = min(cfg.batch_size, n_in - s)
-        pred.add(PHASE_SPFF, p2p_phases(plan.metrics, plan.node_of, batch=b,
-                                        itemsize=dtype.itemsize, iterations=1,
-                                        spbp=False)[PHASE_SPFF])
-    pred.add(PHASE_CATEGORIES, allreduce_phase(n_in + 1, 8, plan.node_of))
-    pred.add("sync", {"bytes": 0, "intra_bytes": 0, "inter_bytes": 0,
-                      "messages": run.size * int(np.ceil(np.log2(run.size))) if run.size > 1
-                      else 0})
-    if part_bytes:
-        pred.add(PHASE_PARTITION, bcast_phase(part_bytes, plan.node_of))
-    out = run.finish(metrics=result, predicted=pred.as_dict())
+    out = run.finish(metrics=result, predicted=predicted.block())
     if run.rank == 0:
         print(f"inputs {n_in}  categories {categories.size}  edges/s {edges_per_s:.3e}  "
               f"({elapsed:.3f} s)")

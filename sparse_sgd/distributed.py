@@ -7,22 +7,25 @@ contiguous block of rows.  All messages go through :class:`substrate.Comm` under
 phases ``"spff"`` and ``"spbp"``.
 
 Timeline (``clock=``, a :class:`substrate.clock.SimClock`): every block of Algs. 2-3 is a
-compute event with its FLOP count and every message a point-to-point transfer on the link to
-its peer (intra- or inter-node), so the non-blocking messages overlap the local work the paper
-overlaps them with.  Per SpFF layer ``k``: ``spff_pack`` (line 4) -> one ``spff`` transfer per
-destination; ``spff_local`` (line 6, ``W_local x^{k-1}``) runs meanwhile; ``spff_remote`` (lines
-8-10: remote product and activation) waits for the local product and for the layer's messages.
-Per SpBP layer ``k``: ``spbp_remote`` (the sent part of line 4) -> one ``spbp`` transfer per
-destination; ``spbp_local`` (the local part) and ``spbp_update`` (lines 8-9) run meanwhile;
-``spbp_delta`` (lines 10-13) waits for the messages.  A rank's timeline holds only its own
-events: the rows it *receives* for layer ``k`` leave their senders at the same point of the
-same schedule, so their arrival is stood in for by the completion of the messages this rank
-sends for the layer (exact for a symmetric exchange, an estimate otherwise; the senders book
+compute event with its FLOP count; every message is declared by the send itself
+(:meth:`substrate.comm.Comm.isend` with ``after=`` the compute event that produced its buffer:
+one point-to-point event per message on the link to its peer, intra- or inter-node), so the
+non-blocking messages overlap the local work the paper overlaps them with.  Per SpFF layer
+``k``: ``spff_pack`` (line 4) -> one ``spff`` message per destination; ``spff_local`` (line 6,
+``W_local x^{k-1}``) runs meanwhile; ``spff_remote`` (lines 8-10: remote product and activation)
+waits for the local product and for the layer's messages.  Per SpBP layer ``k``:
+``spbp_remote`` (the sent part of line 4) -> one ``spbp`` message per destination;
+``spbp_local`` (the local part) and ``spbp_update`` (lines 8-9) run meanwhile; ``spbp_delta``
+(lines 10-13) waits for the messages.  Receives are not declared: a rank's timeline holds only
+its own events, and the rows it *receives* for layer ``k`` leave their senders at the same point
+of the same schedule, so their arrival is stood in for by the completion of the messages this
+rank sends for the layer (exact for a symmetric exchange, an estimate otherwise; the senders book
 the bytes).  A node's ranks exchange a layer at the same time over the node's one inter-node
-link, so an inter-node message has ``share`` = the ranks of the node
-(:meth:`substrate.timeline.Timeline.transfer`): each gets 1/share of the link, as the wire lab
-measured at 2 hosts x 2 ranks (an equal-split estimate when the ranks send unequal amounts).  The next layer's compute depends on its inputs only (the send buffers are per
-layer, so no send blocks the next layer).
+link: the send's event shares it with the node's other ranks of the communicator
+(:func:`substrate.calls.event_parts`), as the wire lab measured at 2 hosts x 2 ranks.  The next
+layer's compute depends on its inputs only (the send buffers are per layer, so no send blocks
+the next layer).  What the sends carry is :meth:`sparse_sgd.plan.HSGDPlan.calls`'s records,
+message by message (the run accounts them).
 """
 
 from __future__ import annotations
@@ -36,12 +39,9 @@ from partition.maps import LayerMaps, build_maps
 from partition.partitioners import Partition
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.kernels import sddmm_update, spmm_add, spmm_add_challenge
-from substrate.costmodel import INTER
+from sparse_sgd.plan import PHASE_SPBP, PHASE_SPFF
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
-
-PHASE_SPFF = "spff"
-PHASE_SPBP = "spbp"
 
 #: FLOPs per element of an activation or its derivative (the timeline's FLOP counts)
 ACT_FLOPS = {"sigmoid": 4, "relu": 1}
@@ -77,8 +77,9 @@ class DistributedSparseNet:
     dtype : numpy dtype
         Floating type of weights and activations.
     clock : substrate.clock.SimClock, optional
-        Declare compute blocks and messages as timeline events (see the module docstring);
-        without it the net does no timing of its own.
+        Declare compute blocks as timeline events and send every message after the block
+        that packed it (see the module docstring); without it the net does no timing of its
+        own (its sends are then blocking calls in program order on the run's timeline).
     """
 
     def __init__(self, weights, partition: Partition, comm, *, biases=None,
@@ -110,9 +111,6 @@ class DistributedSparseNet:
         self.X: list = []
         self.delta: list = []
         self.clock = clock
-        nodes = np.asarray(getattr(comm, "member_nodes", np.zeros(comm.size)))
-        #: ranks of this communicator on this rank's node (they share its inter-node link)
-        self._node_ranks = int(np.count_nonzero(nodes == nodes[self.rank]))
 
     # -- timeline --------------------------------------------------------------------------------
     @contextmanager
@@ -130,23 +128,12 @@ class DistributedSparseNet:
         clock = self.clock
         return clock.last_event if clock is not None and clock.timeline is not None else None
 
-    def _messages(self, phase: str, peers, sizes, deps) -> list:
-        """Declare one point-to-point transfer per destination (``sizes`` bytes on the link to
-        each of ``peers``), after ``deps``; returns their events."""
-        if self.clock is None or self.clock.timeline is None:
-            return []
-        tl = self.clock.timeline
-        out = []
-        for n, nb in zip(peers, sizes):
-            if int(n) == self.rank:
-                continue
-            link = self.comm.link_to(int(n))
-            # every rank of the node exchanges the layer at the same time, over the node's one
-            # inter-node link: its bandwidth is shared by the node's ranks (wire lab, 2 x 2)
-            share = self._node_ranks if link == INTER else 1
-            out.append(tl.transfer(phase, link, int(nb), algorithm="p2p", deps=deps,
-                                   label=f"{phase}->{int(n)}", share=share))
-        return out
+    def _after(self):
+        """``after=`` of a send posted right after the compute block that filled its buffer:
+        that block's event (it overlaps what the rank computes next); ``None`` without a clock
+        (a blocking call in program order)."""
+        ev = self._last()
+        return None if ev is None else [ev]
 
     # -- data layout ---------------------------------------------------------------------------
     @property
@@ -181,19 +168,25 @@ class DistributedSparseNet:
         return buf
 
     # -- Alg. 2 --------------------------------------------------------------------------------
-    def _post_x_exchange(self, k: int, x_prev: np.ndarray, buf: _Buffers,
-                         phase: str = PHASE_SPFF) -> tuple[list, list]:
-        """Lines 3-5 of Alg. 2 (and the matching receives of line 8), tag k."""
+    def _post_recvs(self, k: int, buf: _Buffers, phase: str) -> list:
+        """The receives of line 8 of Alg. 2 for layer ``k`` (tag k), posted first."""
         mp = self.maps[k - 1]
         recv = buf.xrecv[k - 1]
-        rreq = [self.comm.irecv(recv[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n), tag=k,
+        return [self.comm.irecv(recv[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n), tag=k,
                                 phase=phase)
                 for i, n in enumerate(mp.recv_ranks)]
-        sreq = []
-        for n, ix, sbuf in zip(mp.send_ranks, mp.send_index, buf.xsend[k - 1]):
-            np.take(x_prev, ix, axis=0, out=sbuf)  # line 4: update x̄ with entries of x^{k-1}_m
-            sreq.append(self.comm.isend(sbuf, int(n), tag=k, phase=phase))
-        return rreq, sreq
+
+    def _pack(self, k: int, x_prev: np.ndarray, buf: _Buffers) -> None:
+        """Line 4 of Alg. 2: update every x̄ with the entries of x^{k-1}_m its receiver uses."""
+        mp = self.maps[k - 1]
+        for ix, sbuf in zip(mp.send_index, buf.xsend[k - 1]):
+            np.take(x_prev, ix, axis=0, out=sbuf)
+
+    def _post_sends(self, k: int, buf: _Buffers, phase: str, after) -> list:
+        """Line 5 of Alg. 2 (tag k): one non-blocking send per destination, after ``after``."""
+        mp = self.maps[k - 1]
+        return [self.comm.isend(sbuf, int(n), tag=k, phase=phase, after=after)
+                for n, sbuf in zip(mp.send_ranks, buf.xsend[k - 1])]
 
     def forward(self, X0: np.ndarray, phase: str = PHASE_SPFF) -> np.ndarray:
         """SpFF (Alg. 2) on a mini-batch: ``X0`` holds x^0_m, shape (len(input_rows), B).
@@ -210,10 +203,10 @@ class DistributedSparseNet:
         self.X = [X0]
         for k, mp in enumerate(self.maps, start=1):
             x_prev = self.X[-1]
+            rreq = self._post_recvs(k, buf, phase)
             with self._compute(f"{phase}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-                rreq, sreq = self._post_x_exchange(k, x_prev, buf, phase)
-            sent = self._messages(phase, mp.send_ranks, [b.nbytes for b in buf.xsend[k - 1]],
-                                  self._last())
+                self._pack(k, x_prev, buf)
+            sreq = self._post_sends(k, buf, phase, self._after())
             rows = mp.rows.size
             with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
                 z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
@@ -222,7 +215,7 @@ class DistributedSparseNet:
             self.comm.waitall(rreq)  # line 8
             with self._compute(f"{phase}_remote[{k}]",
                                (2 * mp.W_remote.nnz + self.act_flops * rows) * B,
-                               deps=[local, *sent]):
+                               deps=[local, *sreq]):
                 if mp.recv_ptr[-1]:
                     z += mp.W_remote @ buf.xrecv[k - 1]  # line 9
                 self.X.append(self.f.apply(np.ascontiguousarray(z, dtype=self.dtype)))  # l. 10
@@ -253,18 +246,15 @@ class DistributedSparseNet:
             xrecv = buf.xrecv[k - 1]
             tag = self.L + k
             exchange = k > 1  # s^1 would only give delta^0: nothing to send
-            sent = []
             if exchange:
                 rreq = [self.comm.irecv(rb, int(n), tag=tag, phase=PHASE_SPBP)
                         for n, rb in zip(mp.send_ranks, buf.srecv[k - 1])]
                 with self._compute(f"spbp_remote[{k}]", 2 * mp.W_remote.nnz * B):
                     s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
+                after = self._after()
                 sreq = [self.comm.isend(s_remote[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n),
-                                        tag=tag, phase=PHASE_SPBP)
+                                        tag=tag, phase=PHASE_SPBP, after=after)
                         for i, n in enumerate(mp.recv_ranks)]  # lines 5-7 (Ssend = Xrecv rows)
-                itemsize = s_remote.itemsize * B
-                sent = self._messages(PHASE_SPBP, mp.recv_ranks,
-                                      np.diff(mp.recv_ptr) * itemsize, self._last())
                 with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
                     s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
             # lines 8-9: outer-product update on the sparsity, overlapped with the messages
@@ -281,7 +271,7 @@ class DistributedSparseNet:
                 received = sum(ix.size for ix in mp.send_index) * B
                 with self._compute(f"spbp_delta[{k}]",
                                    received + (1 + self.act_flops) * x_prev.size,
-                                   deps=[self._last(), *sent]):
+                                   deps=[self._last(), *sreq]):
                     for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
                         s[ix] += rb
                     delta = np.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
@@ -302,15 +292,25 @@ class DistributedSparseNet:
         Numba kernels.  ``X0`` is x^0_m for a batch, shape (len(input_rows), B).
         """
         X0 = np.ascontiguousarray(X0, dtype=self.dtype)
-        buf = self._bufs(X0.shape[1])
+        B = X0.shape[1]
+        buf = self._bufs(B)
         x_prev = X0
         for k, mp in enumerate(self.maps, start=1):
-            rreq, sreq = self._post_x_exchange(k, x_prev, buf)
-            z = np.zeros((mp.rows.size, X0.shape[1]), dtype=self.dtype)
-            spmm_add(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, x_prev, z)
+            rows = mp.rows.size
+            rreq = self._post_recvs(k, buf, PHASE_SPFF)
+            with self._compute(f"infer_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
+                self._pack(k, x_prev, buf)
+            sreq = self._post_sends(k, buf, PHASE_SPFF, self._after())
+            with self._compute(f"infer_local[{k}]", 2 * mp.W_local.nnz * B):
+                z = np.zeros((rows, B), dtype=self.dtype)
+                spmm_add(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, x_prev, z)
+            local = self._last()
             self.comm.waitall(rreq)
-            spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
-                               buf.xrecv[k - 1], z, self.dtype.type(bias), self.dtype.type(ymax))
+            with self._compute(f"infer_remote[{k}]", (2 * mp.W_remote.nnz + 3 * rows) * B,
+                               deps=[local, *sreq]):
+                spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
+                                   buf.xrecv[k - 1], z, self.dtype.type(bias),
+                                   self.dtype.type(ymax))
             self.comm.waitall(sreq)
             x_prev = z
         return x_prev

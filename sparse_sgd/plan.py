@@ -5,9 +5,13 @@ row partition and the words every processor pair exchanges (paper 001, §4-§5).
 train``/``infer`` call it on rank 0 (then broadcast it), ``sparse_sgd partition`` calls it
 serially and ``commvol predict --system hsgd|sgd`` calls it at any scale.  :class:`HSGDPlan`
 holds the partition and its :class:`partition.PartitionMetrics` (``pair_words[k-1, m, n]`` =
-|x̂^{k-1}_{nm}|, the size of the receive block of :mod:`partition.maps`) and gives the bytes and
-messages per phase and link class of one training step or inference batch; the run's ledger is
-tested against it and it is tested against a brute-force count written from eqs. 8-9.
+|x̂^{k-1}_{nm}|, the size of the receive block of :mod:`partition.maps`) and hands over the call
+records (:class:`substrate.calls.Call`) of one interval of a run on any placement
+(:meth:`HSGDPlan.calls`): a training step (per layer the SpFF exchange, per layer k >= 2 the SpBP
+exchange, the loss all-reduce), the set-up (the partition broadcast), the held-out evaluation and
+an inference pass.  The run holds what it executes against these records message by message
+(:meth:`substrate.recorder.Recorder.account`), ``commvol predict`` prices them, and they are
+tested against a brute-force count written from eqs. 8-9.
 
 No MPI and no communicator here.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -29,15 +34,21 @@ from partition.partitioners import (
     random_partition,
 )
 from sparse_sgd.radixnet import RadixNetConfig, radixnet, relabel_owners, relabelling
-from sparse_sgd.traffic import allreduce_phase, bcast_phase, p2p_phases
+from substrate.calls import Call, Placement
 from substrate.options import option
 
 __all__ = [
+    "INTERVALS",
     "METHODS",
     "NUM_CLASSES",
     "PHASE_CATEGORIES",
+    "PHASE_EVAL",
+    "PHASE_EVAL_SCORES",
     "PHASE_LOSS",
     "PHASE_PARTITION",
+    "PHASE_SPBP",
+    "PHASE_SPFF",
+    "PHASE_SYNC",
     "HSGDOptions",
     "HSGDPlan",
     "PartitionOptions",
@@ -45,10 +56,20 @@ __all__ = [
     "plan_partition",
 ]
 
-#: ledger phases of the sparse-SGD driver besides "spff"/"spbp"
+#: ledger phases of the SpFF (Alg. 2) and SpBP (Alg. 3) messages
+PHASE_SPFF = "spff"
+PHASE_SPBP = "spbp"
+#: ledger phases of the sparse-SGD driver: the partition broadcast, the loss/score all-reduce of
+#: a step, the held-out evaluation's SpFF and score all-reduce, inference's start barrier and
+#: category all-reduce
 PHASE_PARTITION = "partition"
 PHASE_LOSS = "loss"
+PHASE_EVAL = "eval"
+PHASE_EVAL_SCORES = "eval_scores"
+PHASE_SYNC = "sync"
 PHASE_CATEGORIES = "categories"
+#: the intervals a run accounts (:meth:`HSGDPlan.calls`)
+INTERVALS = ("step", "setup", "eval", "infer")
 #: digit classes: output neuron j scores class j mod 10
 NUM_CLASSES = 10
 #: row partitioners: the paper's H-SGD (hypergraph) and SGD (random rows) baselines
@@ -138,7 +159,7 @@ def partition_bytes(weights) -> int:
 
 @dataclass(frozen=True)
 class HSGDPlan:
-    """A partition and the communication it implies, for ``node_of[r]`` the node of rank r.
+    """A row partition and the communication it implies.
 
     Attributes
     ----------
@@ -146,20 +167,16 @@ class HSGDPlan:
     metrics : PartitionMetrics
         ``pair_words[k-1, m, n]`` words of x^{k-1} that n sends to m in SpFF of layer k (and m
         sends back to n in SpBP for k >= 2).
-    node_of : np.ndarray
+
+    The plan does not depend on where the ranks run: :meth:`calls` takes the placement.
     """
 
     partition: Partition
     metrics: PartitionMetrics
-    node_of: np.ndarray
 
     @classmethod
-    def from_partition(cls, weights, partition: Partition, node_of) -> HSGDPlan:
-        node_of = np.asarray(node_of, dtype=np.int64)
-        if node_of.size != partition.parts:
-            raise ValueError(f"node_of has {node_of.size} ranks, the partition "
-                             f"{partition.parts} parts")
-        return cls(partition, partition_metrics(weights, partition), node_of)
+    def from_partition(cls, weights, partition: Partition) -> HSGDPlan:
+        return cls(partition, partition_metrics(weights, partition))
 
     @classmethod
     def build(cls, weights, nodes: int, ranks_per_node: int, method: str,
@@ -169,19 +186,135 @@ class HSGDPlan:
         if nodes < 1 or ranks_per_node < 1:
             raise ValueError(f"nodes and ranks per node must be >= 1, got {nodes}, "
                              f"{ranks_per_node}")
-        p = nodes * ranks_per_node
-        part = plan_partition(weights, p, method, options, seed=seed, network=network)
-        return cls.from_partition(weights, part, np.arange(p) // ranks_per_node)
+        part = plan_partition(weights, nodes * ranks_per_node, method, options, seed=seed,
+                              network=network)
+        return cls.from_partition(weights, part)
 
-    def step_phases(self, batch: int, itemsize: int, steps: int = 1) -> dict:
-        """``{"spff", "spbp", "loss": {"bytes", "intra_bytes", "inter_bytes", "messages"}}`` of
-        ``steps`` training steps (SpFF + SpBP + the loss/score all-reduce of 1 + 10 batch
-        float64 of ``sparse_sgd train``)."""
-        out = p2p_phases(self.metrics, self.node_of, batch=batch, itemsize=itemsize,
-                         iterations=steps)
-        out[PHASE_LOSS] = allreduce_phase(1 + NUM_CLASSES * batch, 8, self.node_of, calls=steps)
+    @property
+    def parts(self) -> int:
+        return self.partition.parts
+
+    @property
+    def num_layers(self) -> int:
+        return self.partition.num_layers
+
+    @property
+    def partition_bytes(self) -> int:
+        """Bytes rank 0 broadcasts (:func:`partition_bytes`): every owner and the time."""
+        return 8 * (sum(np.asarray(o).size for o in self.partition.owners) + 1)
+
+    @cached_property
+    def _words(self) -> tuple:
+        """Per layer k (index k - 1): ``(spff, spbp)`` int64 rows ``(src, dst, words)`` of the
+        non-empty pairs, in the order the ranks post their sends: by sender, then by receiver
+        (:mod:`partition.maps` lists ``send_ranks`` and ``recv_ranks`` in ascending order).
+
+        SpFF (Alg. 2, line 5): n sends D^k[m, n] words of x^{k-1} to m.  SpBP (Alg. 3, line 6,
+        k >= 2): m sends the D^k[m, n] partial sums of the received rows back to n."""
+        out = []
+        for D in self.metrics.pair_words:
+            n, m = np.nonzero(D.T)          # row-major over (sender n, receiver m)
+            ff = np.stack([n, m, D[m, n]], axis=1).astype(np.int64)
+            m2, n2 = np.nonzero(D)          # row-major over (sender m, receiver n)
+            bp = np.stack([m2, n2, D[m2, n2]], axis=1).astype(np.int64)
+            out.append((ff, bp))
+        return tuple(out)
+
+    def _exchange(self, world: tuple, k: int, direction: int, word_bytes: int, phase: str,
+                  itemsize: int, after: tuple) -> Call | None:
+        """The p2p record of layer ``k``'s SpFF (``direction`` 0) or SpBP (1) exchange
+        (``None`` when no processor sends in it)."""
+        rows = self._words[k - 1][direction]
+        if not rows.shape[0]:
+            return None
+        pairs = rows.copy()
+        pairs[:, 2] *= word_bytes
+        return Call(phase, "p2p", world, pairs=pairs, itemsize=itemsize, after=after)
+
+    def _forward(self, out: list, world: tuple, batch: int, itemsize: int, phase: str) -> None:
+        """Append the SpFF records of one forward pass on ``batch`` input vectors, each after
+        the previous record of ``out`` (layer k's sends wait for layer k-1's products)."""
+        for k in range(1, self.num_layers + 1):
+            c = self._exchange(world, k, 0, batch * itemsize, phase, itemsize, _prev(out))
+            if c is not None:
+                out.append(c)
+
+    def calls(self, placement: Placement, batch: int, itemsize: int, phase: str = "step", *,
+              samples: int = 0) -> list[Call]:
+        """The records of one interval of ``sparse_sgd train`` / ``infer`` on ``placement``.
+
+        Parameters
+        ----------
+        placement : Placement
+            Node of every world rank (one rank per part).
+        batch : int
+            Input vectors per mini-batch (a word is ``batch * itemsize`` bytes).
+        itemsize : int
+            Bytes per value (``--dtype``).
+        phase : {"step", "setup", "eval", "infer"}
+            ``"step"``: one SGD iteration: per layer k = 1..L the SpFF exchange (one ``p2p``
+            record, phase ``spff``), per layer k = L..2 the SpBP exchange (``spbp``), then the
+            loss/score all-reduce of ``1 + 10 batch`` float64 (``loss``).  ``"setup"``: the
+            partition broadcast from rank 0 (``partition``).  ``"eval"``: the held-out
+            evaluation of ``samples`` images in batches of ``batch``: SpFF of every batch
+            (phase ``eval``), then the all-reduce of the ``10 samples`` float64 class scores
+            (``eval_scores``; nothing at all without samples).  ``"infer"``: Graph Challenge
+            inference of ``samples`` inputs: the start barrier (``sync``), SpFF of every batch
+            (``spff``), the max all-reduce of ``samples + 1`` float64 (``categories``).
+        samples : int
+            Images (``eval``) or inputs (``infer``).
+
+        Layers nobody sends in have no record.  Each record's ``after`` names the previous one
+        (every exchange and collective of H-SGD waits for the compute the previous one fed).
+        """
+        if not isinstance(placement, Placement):
+            raise TypeError(f"calls() needs a substrate.calls.Placement, got "
+                             f"{type(placement).__name__}")
+        if placement.size != self.parts:
+            raise ValueError(f"the placement has {placement.size} ranks, the partition "
+                             f"{self.parts} parts")
+        if phase not in INTERVALS:
+            raise ValueError(f"unknown interval {phase!r}; use one of {INTERVALS}")
+        for name, v in (("batch", batch), ("itemsize", itemsize)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) \
+                or samples < 0:
+            raise ValueError(f"samples must be an integer >= 0, got {samples!r}")
+        batch, itemsize, samples = int(batch), int(itemsize), int(samples)
+        world = placement.world
+        out: list[Call] = []
+        if phase == "setup":
+            out.append(Call(PHASE_PARTITION, "bcast", world, self.partition_bytes, 8, root=0))
+        elif phase == "step":
+            self._forward(out, world, batch, itemsize, PHASE_SPFF)
+            for k in range(self.num_layers, 1, -1):  # s^1 would only give delta^0: not sent
+                c = self._exchange(world, k, 1, batch * itemsize, PHASE_SPBP, itemsize,
+                                   _prev(out))
+                if c is not None:
+                    out.append(c)
+            out.append(Call(PHASE_LOSS, "allreduce", world, 8 * (1 + NUM_CLASSES * batch), 8,
+                            op="sum", after=_prev(out)))
+        elif phase == "eval":
+            for b in _batches(samples, batch):
+                self._forward(out, world, b, itemsize, PHASE_EVAL)
+            if samples:
+                out.append(Call(PHASE_EVAL_SCORES, "allreduce", world,
+                                8 * NUM_CLASSES * samples, 8, op="sum", after=_prev(out)))
+        else:  # infer
+            out.append(Call(PHASE_SYNC, "barrier", world))
+            for b in _batches(samples, batch):
+                self._forward(out, world, b, itemsize, PHASE_SPFF)
+            out.append(Call(PHASE_CATEGORIES, "allreduce", world, 8 * (samples + 1), 8,
+                            op="max", after=_prev(out)))
         return out
 
-    def setup_phase(self, weights) -> dict:
-        """The partition broadcast from rank 0 (once per run, when not read from a file)."""
-        return bcast_phase(partition_bytes(weights), self.node_of)
+
+def _prev(out: list) -> tuple:
+    """``after`` of the next record: the last one of ``out``."""
+    return (len(out) - 1,) if out else ()
+
+
+def _batches(samples: int, batch: int) -> list[int]:
+    """Sizes of the batches of ``samples`` inputs taken ``batch`` at a time (last one short)."""
+    return [min(batch, samples - s) for s in range(0, samples, batch)]

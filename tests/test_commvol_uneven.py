@@ -12,8 +12,11 @@ from volume.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_s
                                   world_ring_bytes)
 from volume.hsadmm import (RESIDUALS_PER_LAYER, flat_admm_iteration_bytes,
                             hsadmm_iteration_bytes)
-from sparse_sgd.traffic import allreduce_phase, bcast_phase
+from commvol.hsgd import radixnet_config
+from sparse_sgd.plan import HSGDPlan, partition_bytes
+from sparse_sgd.radixnet import radixnet
 from substrate import costmodel as cm
+from substrate.calls import Placement, bytes_by_phase, price
 from traffic_reference import simulated_bcast as tree
 from traffic_reference import simulated_ring as ring
 
@@ -104,19 +107,25 @@ def test_pactrain_sdp_ssfusion_uneven(M, P):
 
 @pytest.mark.parametrize("M,P", LAYOUTS, ids=IDS)
 def test_sparse_sgd_collectives_uneven(M, P):
+    """The H-SGD plan's loss all-reduce (1 + 10 batch float64), score all-reduce (10 images
+    float64) and category all-reduce (inputs + 1 float64), and its partition broadcast."""
     p = M * P
     nodes = np.arange(p) // P
+    placement = Placement.node_major(M, P)
+    weights = radixnet(radixnet_config(64, 2, seed=1))
+    plan = HSGDPlan.build(weights, M, P, "random", seed=0)
+    step = plan.calls(placement, 7, 4)
+    loss = [c for c in step if c.phase == "loss"]
     count = 1 + 10 * 7  # the loss vector at --batch 7
-    e = allreduce_phase(count, 8, nodes, calls=3)
-    want = times(ring(count, 8, nodes), 3)
-    assert (e["intra_bytes"], e["inter_bytes"], e["bytes"]) == (
-        want["intra"], want["inter"], 3 * 2 * (p - 1) * 8 * count)
-    assert e["messages"] == 3 * p * 2 * (p - 1)
-    for root in (0, p - 1):
-        b = bcast_phase(1000, nodes, root=root)
-        want = tree(1000, nodes, root)
-        assert (b["intra_bytes"], b["inter_bytes"], b["messages"]) == (
-            want["intra"], want["inter"], p - 1)
+    assert bytes_by_phase(loss, placement)["loss"] == ring(count, 8, nodes)
+    assert price(loss, placement).messages["loss"] == p * 2 * (p - 1)
+    ev = plan.calls(placement, 4, 4, phase="eval", samples=13)
+    assert bytes_by_phase(ev, placement)["eval_scores"] == ring(10 * 13, 8, nodes)
+    inf = plan.calls(placement, 4, 4, phase="infer", samples=13)
+    assert bytes_by_phase(inf, placement)["categories"] == ring(14, 8, nodes)
+    setup = plan.calls(placement, 7, 4, phase="setup")
+    assert bytes_by_phase(setup, placement)["partition"] == tree(partition_bytes(weights), nodes)
+    assert price(setup, placement).messages["partition"] == p - 1
 
 
 def test_one_rank_communicators_list_their_phases_with_zero_bytes():

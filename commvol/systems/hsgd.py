@@ -1,5 +1,7 @@
 """H-SGD / SGD predictions on RadiX-Nets (paper 001) from the run's own plan,
-:meth:`sparse_sgd.plan.HSGDPlan.build`.
+:meth:`sparse_sgd.plan.HSGDPlan.build`, priced from its records (:meth:`HSGDPlan.calls`: the
+calls ``sparse_sgd train`` executes and accounts) by the one generic rule
+(:meth:`commvol.systems.core.IterCost.from_calls`).
 
 ``SystemModel.Options`` is the trainer's :class:`sparse_sgd.plan.HSGDOptions` (``--batch-size``,
 ``--dtype`` and the partition options); the network (``--neurons``, ``--layers``) and the seed
@@ -8,13 +10,13 @@ come with the spec (:class:`commvol.hsgd.RadixNetSpec`).
 
 from __future__ import annotations
 
-from sparse_sgd.plan import NUM_CLASSES, PHASE_LOSS, PHASE_PARTITION, HSGDOptions, HSGDPlan
+from sparse_sgd.plan import HSGDOptions, HSGDPlan
 from sparse_sgd.radixnet import radixnet
-from substrate import costmodel as cm
+from substrate.calls import Placement
 from substrate.costmodel import CostModel
 
-from ..hsgd import RadixNetSpec, p2p_rank_seconds
-from .core import CallCost, Prediction, SystemModel, _check_topology, register
+from ..hsgd import RadixNetSpec
+from .core import IterCost, Prediction, SystemModel, _check_topology, register
 
 __all__ = ["predict_hsgd", "predict_partitioned", "predict_sgd"]
 
@@ -28,30 +30,20 @@ def predict_partitioned(spec: RadixNetSpec, nodes: int, gpus_per_node: int,
     weights = radixnet(network)
     plan = HSGDPlan.build(weights, nodes, gpus_per_node, method, options, seed=spec.seed,
                           network=network)
+    placement = Placement.node_major(nodes, gpus_per_node)
     p, batch, itemsize = nodes * gpus_per_node, options.batch_size, options.itemsize
-    ph = plan.step_phases(batch, itemsize)
-    secs = p2p_rank_seconds(plan.metrics, plan.node_of, batch=batch, word_bytes=itemsize,
-                            cost=cost)
-    calls = CallCost(nodes, gpus_per_node, cost)
-    calls.add("spff", ph["spff"]["messages"], secs["spff"])
-    calls.add("spbp", ph["spbp"]["messages"], secs["spbp"])
-    calls.allreduce(PHASE_LOSS, 8 * (1 + NUM_CLASSES * batch), "world")
-    phases = {k: {cm.INTRA: v["intra_bytes"], cm.INTER: v["inter_bytes"]} for k, v in ph.items()
-              if v["bytes"]}
-    p2p = sum(ph[k]["bytes"] for k in ("spff", "spbp"))
-    it = calls.finish(phases, payload=p2p // max(p, 1))
-    b = plan.setup_phase(weights)
-    setup_calls = CallCost(nodes, gpus_per_node, cost)
-    setup_calls.bcast(PHASE_PARTITION, b["bytes"], "world")
-    setup = setup_calls.finish({PHASE_PARTITION: {cm.INTRA: b["intra_bytes"],
-                                                  cm.INTER: b["inter_bytes"]}})
+    step = plan.calls(placement, batch, itemsize)
+    p2p = sum(c.nbytes for c in step if c.algorithm == "p2p")
+    it = IterCost.from_calls(step, placement, cost, payload=p2p // max(p, 1))
+    setup = IterCost.from_calls(plan.calls(placement, batch, itemsize, phase="setup"),
+                                placement, cost)
     t1 = plan.metrics.table1()
-    notes = (f"{method} row partition into p = {p} parts ({plan.partition.seconds:.2f} s); "
-             f"Table 1 (SpFF words per processor per layer): avg volume {t1['avg_volume']:.1f}, "
-             f"max {t1['max_volume']:.1f}, avg messages {t1['avg_messages']:.2f}, imbalance "
-             f"{t1['imbalance']:.3f}",
-             f"one step = SpFF + SpBP on a batch of {batch} vectors ({itemsize}-byte values) + "
-             "loss all-reduce; payload = average bytes a processor sends",
+    notes = ((f"{method} row partition into p = {p} parts ({plan.partition.seconds:.2f} s); "
+              f"Table 1 (SpFF words per processor per layer): avg volume "
+              f"{t1['avg_volume']:.1f}, max {t1['max_volume']:.1f}, avg messages "
+              f"{t1['avg_messages']:.2f}, imbalance {t1['imbalance']:.3f}"),
+             (f"one step = SpFF + SpBP on a batch of {batch} vectors ({itemsize}-byte values) + "
+              "loss all-reduce; payload = average bytes a processor sends"),
              "setup: partition broadcast from rank 0 (counted once in totals)")
     nnz = int(sum(W.nnz for W in weights))
     return Prediction("hsgd" if method == "hypergraph" else "sgd", spec.name, nodes,

@@ -1,10 +1,14 @@
-"""MPI checks of distributed SpFF/SpBP against the serial SciPy reference.
+"""MPI checks of distributed SpFF/SpBP against the serial SciPy reference and the plan.
 
 Usage: ``python -m mpi4py sparse_checks.py MODE METHOD RANKS_PER_NODE OUT``
 MODE ``train``: forward, backward (delta), weight and bias updates on 2 iterations for sigmoid
-and ReLU equal :class:`SerialSparseNet` to 1e-5, and the ledger's spff/spbp bytes and messages
-equal the partition metrics exactly.  MODE ``infer``: H-SpFF outputs and category set equal the
-serial Graph Challenge reference, and the spff ledger equals the metrics.
+and ReLU equal :class:`SerialSparseNet` to 1e-5; every interval's calls are held against the
+plan's records, message by message (:meth:`substrate.recorder.Recorder.account`), and the
+ledger's bytes per phase and link class and messages equal the records', its SpFF bytes the
+partition metrics' per-processor volumes.  MODE ``infer``: H-SpFF outputs and category set equal
+the serial Graph Challenge reference, with the same ledger checks.  MODE ``mutant``:
+``sparse_sgd train`` with a plan whose SpFF messages are one word short (an off-by-one in the
+pair words): the run must stop at the first step's account (``differs from the plan``).
 """
 
 import sys
@@ -15,10 +19,12 @@ from partition.metrics import partition_metrics
 from sparse_sgd.cli import distribute_partition
 from sparse_sgd.data import digits_dataset
 from sparse_sgd.distributed import DistributedSparseNet
+from sparse_sgd.plan import PHASE_LOSS, PHASE_SPFF, HSGDPlan
 from sparse_sgd.radixnet import CHALLENGE_YMAX, graph_challenge_network
 from sparse_sgd.serial import SerialSparseNet, challenge_inference_serial
-from sparse_sgd.traffic import p2p_phases
 from substrate import CommonConfig, collective_check, start_run
+from substrate.calls import Call, price
+from substrate.ledger import Predicted
 
 TOL = 1e-5
 
@@ -31,27 +37,42 @@ def _err(a, b):
     return float(np.abs(np.asarray(a) - b).max() / max(1.0, float(np.abs(b).max())))
 
 
-def _ledger_check(run, metrics, *, batch_sizes, itemsize, spbp):
-    tot = run.ledger.totals(run.world)["by_phase"]
-    problems = []
-    expect = {}
-    for b in batch_sizes:
-        for ph, e in p2p_phases(metrics, run.topo.node_of, batch=b, itemsize=itemsize,
-                                iterations=1, spbp=spbp).items():
-            cur = expect.setdefault(ph, {"bytes": 0, "intra_bytes": 0, "inter_bytes": 0,
-                                         "messages": 0})
-            for f in cur:
-                cur[f] += e[f]
-    # independent of p2p_phases: the per-processor sums of the Table-1 metrics
-    per_iter = sum(b * itemsize for b in batch_sizes)
-    if expect["spff"]["bytes"] != int(metrics.spff_volume.sum()) * per_iter:
-        problems.append("p2p_phases spff bytes disagree with metrics.spff_volume")
-    for ph, e in expect.items():
-        got = tot.get(ph, {"bytes": 0, "intra_bytes": 0, "inter_bytes": 0, "messages": 0})
-        for f in e:
-            if got[f] != e[f]:
-                problems.append(f"{ph}.{f}: ledger {got[f]} != predicted {e[f]}")
-    return problems
+class Books:
+    """The plan's records of every interval, accounted as the run goes."""
+
+    def __init__(self, run):
+        self.run, self.records, self.predicted, self.problems = run, [], Predicted(), []
+
+    def account(self, records, what):
+        records = list(records)
+        self.records += records
+        try:
+            self.predicted.add(self.run.recorder.account(records))
+        except ValueError as e:
+            self.problems.append(f"{what}: {e}")
+
+    def check(self, metrics, per_iter_words):
+        """Ledger == the records (bytes per phase and link class, messages) and the SpFF
+        bytes == the partition metrics' per-processor volumes (independent of the plan)."""
+        tot = self.run.ledger.totals(self.run.world)["by_phase"]
+        want = self.predicted.block()["by_phase"]
+        msgs = price(self.records, self.run.topo.placement).messages
+        problems = list(self.problems)
+        if set(tot) != set(want):
+            problems.append(f"phases: ledger {sorted(tot)} != records {sorted(want)}")
+        for ph, e in want.items():
+            got = tot.get(ph, {})
+            for f in ("intra_bytes", "inter_bytes"):
+                if got.get(f) != e[f]:
+                    problems.append(f"{ph}.{f}: ledger {got.get(f)} != records {e[f]}")
+            if got.get("messages") != msgs.get(ph, 0):
+                problems.append(f"{ph}.messages: ledger {got.get('messages')} != records "
+                                f"{msgs.get(ph, 0)}")
+        spff = tot.get(PHASE_SPFF, {}).get("bytes", 0)
+        if spff != int(metrics.spff_volume.sum()) * per_iter_words:
+            problems.append(f"spff bytes {spff} != metrics.spff_volume "
+                            f"{int(metrics.spff_volume.sum())} x {per_iter_words}")
+        return problems
 
 
 def check_train(method, R, out):
@@ -64,7 +85,10 @@ def check_train(method, R, out):
     biases = [rng.uniform(-0.1, 0.1, W.shape[0]) for W in weights]
     # ReLU on U[-1, 1] weights grows ~|W| per layer; errors are relative to each array's scale
     part, _ = distribute_partition(run, weights, method, seed=5)
+    plan = HSGDPlan.from_partition(weights, part)
     metrics = partition_metrics(weights, part)
+    books = Books(run)
+    books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
     problems = []
     batches = []
     for act in ("sigmoid", "relu"):
@@ -83,7 +107,12 @@ def check_train(method, R, out):
                     problems.append(f"{act} it{it} forward x^{k} err {err:.2e}")
             ls = ser.backward(Y, lr=0.1)
             ld = dist.backward(Y[dist.output_rows], lr=0.1)
-            tot = run.world.allreduce(np.array([ld]), "sum", phase="check")[0]
+            tot = run.world.allreduce(np.array([ld]), "sum", phase="check").result[0]
+            # the step's records (this script all-reduces its own one-float "check", not the
+            # trainer's loss vector)
+            step = [c for c in plan.calls(run.topo.placement, B, 8) if c.phase != PHASE_LOSS]
+            books.account([*step, Call("check", "allreduce", run.topo.placement.world, 8, 8,
+                                       op="sum")], f"{act} it{it}")
             if abs(tot - ls) > TOL * max(1.0, abs(ls)):
                 problems.append(f"{act} it{it} loss {tot} != {ls}")
             for k in range(2, len(weights) + 1):
@@ -102,7 +131,7 @@ def check_train(method, R, out):
                 if err > TOL:
                     problems.append(f"{act} it{it} b^{k} err {err:.2e}")
             del xs, xd
-    problems += _ledger_check(run, metrics, batch_sizes=batches, itemsize=8, spbp=True)
+    problems += books.check(metrics, sum(batches) * 8)
     collective_check(run.world, not problems, "; ".join(problems[:8]))
     if run.rank == 0:
         print(f"OK train {method} P={run.size}")
@@ -117,7 +146,10 @@ def check_infer(method, R, out):
     Y0[17, :] = 0.0
     Y0[17, :3] = 1.0  # a nearly empty one dies in the first layers
     part, _ = distribute_partition(run, net.weights, method, seed=5)
+    plan = HSGDPlan.from_partition(net.weights, part)
     metrics = partition_metrics(net.weights, part)
+    books = Books(run)
+    books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
     dist = DistributedSparseNet(net.weights, part, run.world, dtype=np.float64)
     ref = challenge_inference_serial(net.weights, net.bias, CHALLENGE_YMAX, Y0).toarray()
     problems, batches = [], []
@@ -131,18 +163,42 @@ def check_infer(method, R, out):
             problems.append(f"batch {s}: output err {err:.2e}")
         nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
     run.world.allreduce(nonzero, "max", phase="check")
+    # inference's records without the CLI's barrier and category all-reduce, and this script's
+    spff = [c for c in plan.calls(run.topo.placement, 16, 8, phase="infer",
+                                  samples=Y0.shape[0]) if c.phase == PHASE_SPFF]
+    books.account([*spff, Call("check", "allreduce", run.topo.placement.world,
+                               8 * Y0.shape[0], 8, op="max")], "inference")
     cats = np.flatnonzero(nonzero)
     ref_cats = np.flatnonzero(np.any(ref != 0, axis=1))
     if not np.array_equal(cats, ref_cats):
         problems.append(f"categories {cats.tolist()} != reference {ref_cats.tolist()}")
     if 5 in cats.tolist():
         problems.append("the empty image has a category")
-    problems += _ledger_check(run, metrics, batch_sizes=batches, itemsize=8, spbp=False)
+    problems += books.check(metrics, sum(batches) * 8)
     collective_check(run.world, not problems, "; ".join(problems[:8]))
     if run.rank == 0:
         print(f"OK infer {method} P={run.size} categories {cats.size}/{Y0.shape[0]}")
 
 
+def check_mutant(method, R, out):
+    """``sparse_sgd train`` on a plan whose SpFF messages are one word short."""
+    from sparse_sgd.cli import main
+
+    words = HSGDPlan._words.func
+
+    def short(self):
+        out = []
+        for ff, bp in words(self):
+            ff = ff.copy()
+            ff[:, 2] -= 1
+            out.append((ff, bp))
+        return tuple(out)
+
+    HSGDPlan._words = property(short)
+    main(["train", "--neurons", "1024", "--layers", "3", "--partition", method, "--steps", "2",
+          "--batch-size", "4", "--ranks-per-node", str(R), "--out", out])
+
+
 if __name__ == "__main__":
     mode, method, R, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    {"train": check_train, "infer": check_infer}[mode](method, R, out)
+    {"train": check_train, "infer": check_infer, "mutant": check_mutant}[mode](method, R, out)
