@@ -67,8 +67,8 @@ def _main(argv) -> None:
     declare, step, finish = Recorder.declare, SimClock.step, Run.finish
     open_step: dict = {"declared": {}, "shares": {}, "snap": {}}
 
-    def probed_declare(self, call, after=None, member=True):
-        ev = declare(self, call, after, member)
+    def probed_declare(self, call, after=None, member=True, **kw):
+        ev = declare(self, call, after, member, **kw)
         if self.timeline is not None:
             parts = event_parts(call, self.cost, self.placement, self.rank)
             d = open_step["declared"].setdefault(call.phase, [0.0, 0.0])
