@@ -63,6 +63,22 @@ __all__ = ["SPEC_ARCH", "build_trainable", "measure_compute_s_per_sample", "stro
 PRUNEX_FIG9 = {"hsadmm": 6.75, "ddp": 5.81, "topk": 3.71}
 #: V100 HBM2 memory bandwidth (GB/s): the memory-bound events' default rate
 V100_GBS = 900.0
+#: PruneX §5.3, Fig. 7: the dense DDP baseline's measured communication latency per iteration,
+#: "approximately 0.50 s" (ResNet-152, 64 GPUs on 16 nodes of Puhti).
+PRUNEX_FIG7_DDP_COMM_S = 0.50
+PRUNEX_FIG7_GPUS = 64
+
+
+def paper_inter_gbps(spec, comm_s: float = PRUNEX_FIG7_DDP_COMM_S,
+                     gpus: int = PRUNEX_FIG7_GPUS) -> float:
+    """The inter-node bandwidth (Gbit/s) at which a ring all-reduce of ``spec``'s float32
+    gradients over ``gpus`` ranks takes ``comm_s`` (PruneX Fig. 7's measured DDP latency):
+    ``2 (p-1)/p · 4 T / comm_s``.  The cluster's nominal link is 100 Gbit/s HDR InfiniBand; the
+    paper's own measurement says its DDP synchronization moved gradients at this effective rate
+    (NCCL over the shared fabric, framework overhead included), which is the rate a prediction
+    of the paper's runs has to use.  It is read off Fig. 7, not fitted to Fig. 9."""
+    p = int(gpus)
+    return 2 * (p - 1) / p * 4 * spec.layout.total / comm_s * 8 / 1e9
 
 def measure_compute_s_per_sample(model: str, dataset: str = "digits", *, batch: int = 4,
                                  reps: int = 2, device: str = "cpu") -> float:
@@ -252,7 +268,8 @@ def _system_notes(name: str, spec, opts, cost: CostModel | None = None, M: int =
     what = ", ".join(f"{n} x {ph}" for ph, n in phases.items())
     if work:
         what += f"; compute items {', '.join(work)} (roofline at --device-gbs)"
-    overlap = (f"{early} call(s) start before the backward ends" if early else
+    overlap = (f"{early} call(s) wait for part of the gradients only (they can start "
+               "during the backward)" if early else
                "none: the calls start after the whole backward / the local epochs")
     head = pred.notes[0] if pred.notes else ""
     return f"{name}: {head}; records per iteration ({M} x {P}): {what}; overlap: {overlap}"
@@ -283,6 +300,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device-gbs", type=float, default=V100_GBS,
                    help="memory bandwidth (GB/s) of the memory-bound events: Top-K selection "
                         "and decoding, the optimizer update (default %(default)s: V100 HBM2)")
+    p.add_argument("--paper-network", action="store_true",
+                   help="inter-node bandwidth from PruneX Fig. 7's measured DDP communication "
+                        f"({PRUNEX_FIG7_DDP_COMM_S:g} s per iteration at "
+                        f"{PRUNEX_FIG7_GPUS} GPUs) instead of --inter-bw")
     p.add_argument("--out", type=Path, default=None,
                    help="write the rows as JSON (input of `plot-scaling` and `report --scaling`)")
     add_system_option_args(p, exclude=("batch_size",))
@@ -318,6 +339,8 @@ def run(args) -> dict:
         how += (f", spread over the layers by their FLOPs (effective "
                 f"{compute.rate_tflops:.4g} TFLOP/s)")
     t_s = compute.seconds_per_sample
+    if args.paper_network:
+        args.inter_bw = paper_inter_gbps(spec)
     cost = cost_from_args(args)
     table, additive, notes = {}, {}, []
     for name in args.system:
@@ -352,6 +375,11 @@ def run(args) -> dict:
         f"{d['inter_gbps']:g} Gbit/s ({d['inter_lat_us']:g} us), {args.gpus_per_node} GPUs per "
         "node; a ring that crosses nodes runs at the inter-node rate; concurrent transfers on "
         "one link share its bandwidth; one rank's timeline (every rank does the same work)",
+        *([f"inter-node bandwidth {args.inter_bw:.4g} Gbit/s: the effective rate of PruneX "
+           f"Fig. 7 (dense DDP's measured {PRUNEX_FIG7_DDP_COMM_S:g} s of communication per "
+           f"iteration at {PRUNEX_FIG7_GPUS} GPUs = a ring all-reduce of the "
+           f"{4 * spec.layout.total / 1e6:.1f} MB gradient at that rate; --paper-network)"]
+          if args.paper_network else []),
         *notes,
     ]
     print(f"# strong scaling of {spec.name} ({spec.num_params:,} parameters), baseline "
