@@ -1,8 +1,8 @@
 """``commvol scale`` on the event timeline: one step of a tiny two-layer model against closed
 forms written here (compute + ring time; two buckets overlapping the backward and sharing the
 link: a max-plus formula), Top-K's selection chain, SSFusion's buffers on one channel, the
-ADMM chain against the systems' predicted communication, the no-overlap sum against the earlier additive model, speedup sanity,
-the paper comparison, and bad input."""
+ADMM chain against the systems' predicted communication, the no-overlap sum against the earlier
+additive model, speedup sanity, the paper comparison, and bad input."""
 
 import json
 import math
