@@ -389,9 +389,14 @@ def test_mpi_reference_sum_residuals_and_missing_rate(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("configs", ["selective,per-tensor,multi-tensor", "naive,offload"])
-def test_mpi_measured_bytes_equal_predicted(tmp_path, configs):
-    assert "OK traffic" in run_mpi("dp_ssfusion_checks.py", 4, "traffic", tmp_path, configs,
+@pytest.mark.parametrize("ranks,configs", [(4, "selective,per-tensor,multi-tensor"),
+                                           (4, "naive,offload"),
+                                           (8, "selective,per-tensor,multi-tensor")],
+                         ids=["2x2", "2x2-naive-offload", "4x2"])
+def test_mpi_measured_bytes_equal_predicted(tmp_path, ranks, configs):
+    """Measured == the trainer's per-step records == volume.ssfusion's whole-run closed form,
+    per phase and link class, on 2 and 4 virtual nodes of 2 ranks."""
+    assert "OK traffic" in run_mpi("dp_ssfusion_checks.py", ranks, "traffic", tmp_path, configs,
                                    timeout=300).stdout
 
 

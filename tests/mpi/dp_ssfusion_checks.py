@@ -13,7 +13,8 @@ with them zeroed (momentum factor masking).  It also recomputes the tensor-missi
 (Table I), holds every step's calls to the plan's records (``Recorder.account``) and checks that
 the ledger's ``ssf_*`` phases equal the sum of the records' bytes (``step_bytes()``).
 
-``traffic CONFIGS``: ``dataparallel.train`` for selective (with and without interleaving,
+``traffic CONFIGS``: ``dataparallel.train`` (``M`` nodes of 2 ranks, ``M`` from the world size)
+for selective (with and without interleaving,
 with offload), per-tensor and multi-tensor; measured bytes == the trainer's per-step prediction ==
 :func:`volume.ssfusion.run_bytes` for the whole run, per phase.
 """
@@ -240,7 +241,8 @@ def traffic():
         sel = met["selection"]
         L = sum(len(t) for t in met["buffer_tensors"])
         sizes = [int(v) for v in _buffer_sizes(met["warmup_buffer_tensors"])]
-        whole = cv.run_bytes(M=2, P=R, steps=STEPS, warmup_steps=WARM,
+        M = MPI.COMM_WORLD.size // R
+        whole = cv.run_bytes(M=M, P=R, steps=STEPS, warmup_steps=WARM,
                              warmup_buffer_sizes=sizes, ar_counts=sel["allreduce_elements"],
                              ag_dense_counts=sel["allgather_dense_elements"],
                              ag_sparse_counts=sel["sparse_elements"], num_tensors=L,
