@@ -27,8 +27,21 @@ import numpy as np
 
 from substrate.backend import array_module
 
-__all__ = ["SAMPLE_MIN", "segment_rng", "sample_magnitudes", "sample_rank", "sample_threshold",
-           "refine_threshold", "dgc_topk", "selection_flops"]
+from .codec import exact_topk
+
+__all__ = [
+    "SAMPLE_MIN",
+    "dgc_topk",
+    "exact_select",
+    "gaussiank_select",
+    "refine_threshold",
+    "sample_magnitudes",
+    "sample_rank",
+    "sample_threshold",
+    "segment_rng",
+    "select",
+    "selection_flops",
+]
 
 #: Smallest sample; tensors with at most this many entries are selected exactly.
 SAMPLE_MIN = 256
@@ -159,6 +172,56 @@ def dgc_topk(x, k: int, rng: np.random.Generator, sample_ratio: float = 0.01, *,
     if cand.size > k:
         cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
     return cand.astype(np.int64, copy=False)
+
+
+#: full top-``k`` (``argpartition``): ``--sparsifier exact``
+exact_select = exact_topk
+
+
+def gaussiank_select(x, k: int):
+    """Gaussian-k (Shi et al. 2019 [22]): at most ``k`` positions of large ``|x|``.
+
+    Fit ``x ~ N(μ, σ²)`` and take the threshold ``τ = μ + σ Φ^{-1}(1 - k/(2n))`` (the two-sided
+    tail holding ``k`` of ``n``); rescale it at most three times, ``τ ← τ/2`` while fewer than
+    ``2k/3`` entries pass and ``τ ← 1.5 τ`` while more than ``4k/3`` do; keep ``{|x| > τ}``,
+    trimmed to the ``k`` largest when more pass.  Fewer than ``k`` may be returned (the caller
+    pads the fixed-size message with zeros).
+    """
+    xp = array_module(x)
+    n = int(x.size)
+    if k >= n:
+        return xp.arange(n, dtype=np.int64)
+    mu, sigma = float(x.mean()), float(x.std())
+    from scipy.special import ndtri
+
+    tau = mu + sigma * float(ndtri(1.0 - k / (2.0 * n)))
+    mag = xp.abs(x)
+    for _ in range(3):
+        c = int(xp.count_nonzero(mag > tau))
+        if c < 2 * k / 3:
+            tau *= 0.5
+        elif c > 4 * k / 3:
+            tau *= 1.5
+        else:
+            break
+    cand = xp.flatnonzero(mag > tau)
+    if cand.size > k:
+        cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+    return cand.astype(np.int64, copy=False)
+
+
+
+def select(sparsifier: str, x, k: int, key, sample_ratio: float = 0.01):
+    """Positions of (at most) ``k`` large ``|x|`` by ``sparsifier``: ``dgc`` (:func:`dgc_topk`,
+    sampled with the generator of ``key``, see :func:`segment_rng`), ``gaussiank``
+    (:func:`gaussiank_select`, at most ``k``) or ``exact`` (:func:`exact_select`)."""
+    if sparsifier == "dgc":
+        return dgc_topk(x, k, key, sample_ratio)
+    if sparsifier == "gaussiank":
+        return gaussiank_select(x, k)
+    if sparsifier == "exact":
+        return exact_select(x, k)
+    raise ValueError(f"sparsifier {sparsifier!r} unknown; use dgc, gaussiank or exact")
 
 
 def selection_flops(n: int, k: int, sparsifier: str = "dgc", sample_ratio: float = 0.01) -> float:

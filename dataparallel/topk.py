@@ -18,9 +18,10 @@ from substrate.backend import array_module
 from substrate.calls import Call, Placement, Ready, Work
 from substrate.options import option
 
+from .codec import ErrorFeedback, SparseRow, scatter_mean
 from .strategy import Strategy, register
 
-__all__ = ["TopKOptions", "TopKPlan", "TopK", "topk_select", "SELECT_PASSES"]
+__all__ = ["SELECT_PASSES", "TopK", "TopKOptions", "TopKPlan", "topk_select"]
 
 #: Passes over the ``T`` float32 gradient entries of the selection (an assumption of the
 #: paper-scale timeline): error feedback ``acc = residual + g`` (read 2, write 1), a radix select
@@ -71,7 +72,7 @@ class TopKPlan:
     total: int
 
     @classmethod
-    def for_layout(cls, layout, options: TopKOptions) -> "TopKPlan":
+    def for_layout(cls, layout, options: TopKOptions) -> TopKPlan:
         sizes = np.array([layout.sizes[n] for n in layout.names], dtype=np.int64)
         ks = np.minimum(sizes, np.maximum(1, np.ceil(options.density * sizes).astype(np.int64)))
         return cls(tuple(int(k) for k in ks), int(sizes.sum()))
@@ -115,43 +116,34 @@ class TopK(Strategy):
         if layout.total >= 2 ** 31:
             raise ValueError(f"{layout.total} parameters do not fit int32 indices")
         self.residual = xp.zeros_like(g)
-        self._acc = xp.empty_like(g)
+        self._ef = ErrorFeedback(self.residual, options.error_feedback)
         self._idx = xp.empty(self.K, dtype=np.int64)
-        self._send = xp.empty(2 * self.K, dtype=np.int32)  # [values as int32 bits | indices]
+        self._row = SparseRow(0, self.K)             # [values as int32 bits | indices]
+        self._send = self._row.empty(xp)
 
     def sync(self, state, buffers):
         """Select, all-gather, scatter.  On the timeline the selection is a compute event after
         the whole backward and the all-gather starts when it ends (DGC selects over every
         tensor before its one all-gather)."""
-        xp, g = self.xp, buffers.flat
+        g = buffers.flat
         clock = self.run.clock
         with clock.compute("topk_select", deps=clock.ready(0, g.size)):
             self._select(g)
         gathered = self.topo.world.allgather(self._send, phase="topk_allgather",
                                              after=clock.last_event).result
-        K = self.K
-        values = gathered[:, :K].reshape(-1).view(np.float32)
-        indices = gathered[:, K:].reshape(-1)
-        dense = xp.bincount(indices, weights=values.astype(np.float64), minlength=g.size)
-        g[...] = dense / self.topo.size
+        row = self._row
+        g[...] = scatter_mean(row.values(gathered), row.indices(gathered), g.size,
+                              self.topo.size)
         return g
 
     def _select(self, g) -> None:
-        """Error feedback and per-tensor Top-K into the send buffer ``[values | indices]``."""
-        xp = self.xp
-        acc = self._acc
-        if self.options.error_feedback:
-            xp.add(g, self.residual, out=acc)
-        else:
-            acc[...] = g
+        """Error feedback ``a = e + g`` and per-tensor Top-K of ``a`` into the send buffer
+        ``[values | indices]`` (:class:`dataparallel.codec.SparseRow`); ``e = a - sparse(a)``."""
+        acc = self._ef.accumulate(g)
         idx = self._idx
         topk_select(acc, self.offsets, self.ks, idx)
-        K = self.K
-        self._send[:K] = acc[idx].view(np.int32)
-        self._send[K:] = idx.astype(np.int32)
-        if self.options.error_feedback:
-            self.residual[...] = acc
-            self.residual[idx] = 0
+        self._row.put(self._send, 0, acc[idx], idx)
+        self._ef.sent(idx)
 
     def step_calls(self) -> list:
         return self.plan.calls(self.topo.placement)

@@ -1,8 +1,8 @@
 """``commvol scale`` on the event timeline: one step of a tiny two-layer model against closed
 forms written here (compute + ring time; two buckets overlapping the backward and sharing the
-link: a max-plus formula), Top-K's selection chain, the ADMM chain against the systems'
-predicted communication, the no-overlap sum against the earlier additive model, speedup sanity,
-the paper comparison, and bad input."""
+link: a max-plus formula), Top-K's selection chain, SSFusion's buffers on one channel, the
+ADMM chain against the systems' predicted communication, the no-overlap sum against the earlier
+additive model, speedup sanity, the paper comparison, and bad input."""
 
 import json
 import math
@@ -125,6 +125,45 @@ def test_ddp_hierarchical_and_topk_chains(tiny):
     decode = (p * 8 * K + 4 * 48) / (GBS * 1e9)
     assert t.step_s == pytest.approx(compute + select + gather + decode + _opt(48), rel=1e-12)
     assert t.exposed_comm_s == pytest.approx(gather, rel=1e-9)
+
+
+def test_ssfusion_buffers_chain_on_one_channel(tiny):
+    """SSFusion per-tensor on two fusion buffers (fc2's 16 weights, then fc1's 32), k = 1 each:
+    the plan's records at paper scale.  Each buffer's sparsification is a compute item after
+    the backward wrote its tensors, on the compute stream (momentum 2n, error feedback n, the
+    exact selection of a tensor too small to sample 3n, the gather of k entries 2k, each
+    streaming 4 bytes an operation); each buffer's all-gather (8 bytes a rank) waits for its
+    sparsification and the previous all-gather (one channel); decoding (p n_AGd + 2 p K + n
+    operations) follows each all-gather; the update waits for everything.  Max-plus,
+    with the compute items of :func:`substrate.calls.declare` appended to the compute stream in
+    the order of the records."""
+    from dataparallel.ssfusion import SSFusionOptions
+
+    spec, cm = tiny
+    cost = CostModel(intra_bw=4e6, intra_lat=1e-5, inter_bw=1e6, inter_lat=1e-4)
+    batch, M, P = 50, 2, 2
+    p = M * P
+    o = SSFusionOptions(fusion="per-tensor", fusion_policy="count", buffers=2)
+    t = dp_step("ssfusion", spec, M, P, o, cost, cm, batch, keep_events=True)
+
+    def mem(ops):                       # roofline of a compute item (memory-bound here)
+        return max(ops / (RATE * 1e12), 4 * ops / (GBS * 1e9))
+
+    backward_end = batch * _sec(3 * F1 + 3 * F2)
+    sp0, sp1 = mem(3 * 16 + 2 * 16 + 16 + 2), mem(3 * 32 + 2 * 32 + 32 + 2)
+    gather = (p - 1) * 1e-4 + (p - 1) / p * (p * 8) / 1e6
+    un0, un1 = mem(2 * p + 16), mem(2 * p + 32)
+    s0 = backward_end + sp0
+    s1 = s0 + sp1
+    g0 = s0 + gather
+    g1 = max(s1, g0) + gather
+    u0 = max(s1, g0) + un0
+    u1 = max(u0, g1) + un1
+    assert t.step_s == pytest.approx(max(u1, g1) + _opt(48), rel=1e-12)
+    assert t.comm_s == pytest.approx(2 * gather, rel=1e-12)
+    fin = {e.label: e.finish for e in t.events}
+    assert fin["ssf_sparsify[0]"] == pytest.approx(s0, rel=1e-12)
+    assert fin["ssf_unpack_sparse[1]"] == pytest.approx(u1, rel=1e-12)
 
 
 @pytest.mark.parametrize("system,freeze,bucket_mib,M", [

@@ -28,11 +28,13 @@ from dataparallel.ssfusion import (
     find_opt_fusion,
     gaussiank_select,
     interleave_split,
+    needs_profile,
     plan_offload,
     plan_ssfusion,
     select_dense,
 )
 from substrate import costmodel as cm
+from substrate.calls import Placement
 from substrate.costmodel import CostModel
 from volume import ssfusion as cv
 from volume.dataparallel import topk_k, world_ring_bytes
@@ -306,8 +308,8 @@ def test_closed_forms(M, P):
 
 
 def test_run_bytes_sums_the_steps():
-    kw = dict(M=2, P=2, warmup_buffer_sizes=[650, 32832], ar_counts=[0, 64],
-              ag_dense_counts=[0, 0], ag_sparse_counts=[8, 265], num_tensors=4)
+    kw = {"M": 2, "P": 2, "warmup_buffer_sizes": [650, 32832], "ar_counts": [0, 64],
+          "ag_dense_counts": [0, 0], "ag_sparse_counts": [8, 265], "num_tensors": 4}
     whole = cv.run_bytes(steps=7, warmup_steps=3, **kw)
     w = cv.warmup_step_bytes(M=2, P=2, buffer_sizes=kw["warmup_buffer_sizes"])[cv.WARMUP]
     s = cv.sparse_step_bytes(M=2, P=2, ar_counts=[0, 64], ag_dense_counts=[0, 0],
@@ -349,11 +351,34 @@ def test_bad_options(kw, message):
 
 
 def test_documented_options():
-    SSFusionOptions(density=0.0005, density_floor=0.0005)  # lower the floor to go below it
-    # baselines on fixed buffers need no warm-up
-    SSFusionOptions(fusion="multi-tensor", fusion_policy="count", profile_steps=0)
-    SSFusionOptions(error_feedback=False, momentum_correction=False)
-    SSFusionOptions(density=1.0)
+    """The documented ways around the option checks build options whose plan does what the
+    help says."""
+    sizes = [10, 640, 64, 32768]
+    p4 = Placement.node_major(2, 2)
+    # lower the floor to go below it: per-tensor counts at density 0.0005
+    low = SSFusionOptions(density=0.0005, density_floor=0.0005, fusion="per-tensor",
+                          fusion_policy="count", buffers=2)
+    assert plan_ssfusion(sizes, 4, cm.INTER, low, CostModel()).k == (1, 1, 1, 17)
+    # baselines on fixed buffers need no warm-up: no profile, no warm-up step, no decision
+    multi = SSFusionOptions(fusion="multi-tensor", fusion_policy="count", profile_steps=0)
+    assert not needs_profile(multi)
+    plan = plan_ssfusion(sizes, 4, cm.INTER, multi, CostModel())
+    assert not plan.profiled and plan.buffers == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert [c.phase for c in plan.calls(p4, "warmup", decided=True)] == [cv.WARMUP] * 4
+    # no error feedback and no momentum correction: the compute items count neither
+    bare = SSFusionOptions(error_feedback=False, momentum_correction=False,
+                           fusion="per-tensor", fusion_policy="count")
+    ef = SSFusionOptions(fusion="per-tensor", fusion_policy="count")
+    bare_plan = plan_ssfusion(sizes, 4, cm.INTER, bare, CostModel())
+    ef_plan = plan_ssfusion(sizes, 4, cm.INTER, ef, CostModel())
+    assert not bare_plan.error_feedback and ef_plan.error_feedback
+    assert ef_plan.segment_flops(32768, 328, False) - bare_plan.segment_flops(
+        32768, 328, False) == 32768
+    assert ef_plan.segment_flops(32768, 328, True) - ef_plan.segment_flops(
+        32768, 328, False) == 2 * 32768
+    # density 1: every entry is sent
+    full = SSFusionOptions(density=1.0, fusion="per-tensor", fusion_policy="count")
+    assert plan_ssfusion(sizes, 4, cm.INTER, full, CostModel()).k == tuple(sizes)
 
 
 # -- MPI ------------------------------------------------------------------------------------------
@@ -364,9 +389,14 @@ def test_mpi_reference_sum_residuals_and_missing_rate(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("configs", ["selective,per-tensor,multi-tensor", "naive,offload"])
-def test_mpi_measured_bytes_equal_predicted(tmp_path, configs):
-    assert "OK traffic" in run_mpi("dp_ssfusion_checks.py", 4, "traffic", tmp_path, configs,
+@pytest.mark.parametrize("ranks,configs", [(4, "selective,per-tensor,multi-tensor"),
+                                           (4, "naive,offload"),
+                                           (8, "selective,per-tensor,multi-tensor")],
+                         ids=["2x2", "2x2-naive-offload", "4x2"])
+def test_mpi_measured_bytes_equal_predicted(tmp_path, ranks, configs):
+    """Measured == the trainer's per-step records == volume.ssfusion's whole-run closed form,
+    per phase and link class, on 2 and 4 virtual nodes of 2 ranks."""
+    assert "OK traffic" in run_mpi("dp_ssfusion_checks.py", ranks, "traffic", tmp_path, configs,
                                    timeout=300).stdout
 
 

@@ -1,7 +1,9 @@
 """SSFusion's plan (:func:`dataparallel.ssfusion.plan_ssfusion`, executed by the run and used by
-``commvol`` to predict) against the second source written from the paper
+``commvol`` to predict): the bytes of its records (:meth:`SSFusionPlan.calls`, priced by
+:func:`substrate.calls.bytes_by_phase`) against the second source written from the paper
 (:mod:`volume.ssfusion`: what each buffer sends from tensor sizes, density and the dense set),
-and against references written here from §IV-B: eq. 2's selection and density-aware counts.
+the records' order and dependencies against §IV-D, and the selection against references written
+here from §IV-B: eq. 2's selection and density-aware counts.
 
 Several models (the digits CNN and ResNet, the CIFAR ResNet-18 spec, an odd synthetic layout),
 odd topologies (3 ranks per node, one node, one rank per node) and every fusion mode.
@@ -16,6 +18,7 @@ from commvol.predict import resolve_model
 from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
 from dataparallel.ssfusion import SSFusionOptions, plan_ssfusion
 from substrate import costmodel as cm
+from substrate.calls import Call, Placement, Ready, Work, bytes_by_phase, messages
 from substrate.costmodel import CostModel
 from volume import ssfusion as cv
 from volume.dataparallel import world_allgather_bytes, world_ring_bytes
@@ -24,7 +27,7 @@ COST = CostModel()
 #: odd sizes: a 1-entry tensor, primes, one tensor far larger than the rest
 ODD = [7, 1, 333, 12, 5, 1001, 3, 64, 17, 40_961, 2, 9]
 MODELS = {"cnn": None, "resnet": None, "resnet18": None, "odd": ODD}
-TOPOLOGIES = [(3, 3), (2, 3), (1, 3), (5, 1), (4, 2)]
+TOPOLOGIES = [(2, 2), (2, 3), (1, 3), (1, 6), (4, 2), (3, 3), (5, 1)]
 
 
 def _sizes(name):
@@ -32,6 +35,12 @@ def _sizes(name):
         return list(MODELS[name])
     layout = resolve_model(name).layout
     return [int(layout.sizes[n]) for n in layout.names]
+
+
+def _bytes(plan, M, P, kind="sparse", decided=False):
+    """Bytes per phase and link class of the plan's records of one step, node-major."""
+    p = Placement.node_major(M, P)
+    return bytes_by_phase(plan.calls(p, kind, decided), p)
 
 
 def _equal_count_cut(L, n):
@@ -84,7 +93,7 @@ def test_plan_bytes_equal_the_second_source(model, fusion, M, P):
         kw = {"dense": dense, "split": splits}
     plan = plan_ssfusion(sizes, p, link, o, COST, profile=_profile(sizes), **kw)
     assert [t1 - t0 for t0, t1 in plan.buffers] == counts
-    assert plan.step_bytes(M, P, "sparse") == cv.mode_step_bytes(
+    assert _bytes(plan, M, P) == cv.mode_step_bytes(
         M=M, P=P, sizes=sizes, buffer_tensor_counts=counts, density=d, fusion=fusion,
         dense=dense, splits=splits)
     assert plan.dense() == sorted(dense)
@@ -97,9 +106,13 @@ def test_plan_bytes_equal_the_second_source(model, fusion, M, P):
     # warm-up all-reduces and the decision (selective: profile MAX + plan broadcast)
     ring = [world_ring_bytes(sum(sizes[a:a + c]), 4, M, P)
             for a, c in zip(np.cumsum([0] + counts[:-1]), counts)]
-    warm = plan.step_bytes(M, P, "warmup", decided=True)
+    warm = _bytes(plan, M, P, "warmup", decided=True)
     assert warm[cv.WARMUP] == {k: sum(r[k] for r in ring) for k in ("intra", "inter")}
     assert (cv.SELECT in warm) == (fusion == "selective")
+    if fusion == "selective":
+        assert {ph: warm[ph] for ph in (cv.PROFILE, cv.SELECT)} == cv.selection_bytes(
+            M=M, P=P, num_tensors=L)
+    assert _bytes(plan, M, P, "warmup") == {cv.WARMUP: warm[cv.WARMUP]}
 
 
 @pytest.mark.parametrize("M,P", [(3, 3), (2, 3)])
@@ -113,7 +126,7 @@ def test_cupcake_plans_send_what_the_paper_says(model, M, P):
         plan = plan_ssfusion(sizes, M * P, cm.INTER, o, COST, profile=_profile(sizes))
         counts = [t1 - t0 for t0, t1 in plan.buffers]
         assert sum(counts) == len(sizes) and plan.profiled
-        assert plan.step_bytes(M, P, "sparse") == cv.mode_step_bytes(
+        assert _bytes(plan, M, P) == cv.mode_step_bytes(
             M=M, P=P, sizes=sizes, buffer_tensor_counts=counts, density=0.02, fusion=fusion,
             dense=plan.dense() if fusion == "selective" else (), splits=plan.split)
 
@@ -199,8 +212,9 @@ def test_density_aware_counts_are_the_adjusted_density(model):
 
 
 def test_prediction_is_the_plan():
-    """commvol's prediction of a selective run with a given selection is the plan's bytes,
-    step for step (warm-up, decision, sparse)."""
+    """commvol's prediction of a selective run with a given selection prices the plan's
+    records: its bytes equal volume.ssfusion's closed forms step for step (warm-up, decision,
+    sparse), its messages the rings' counts, and the records it carries are the plan's."""
     spec = resolve_model("resnet")
     names = list(spec.layout.names)
     sizes = [int(spec.layout.sizes[n]) for n in names]
@@ -226,9 +240,120 @@ def test_prediction_is_the_plan():
     assert total == cv.run_bytes(M=3, P=3, steps=7, warmup_steps=3, warmup_buffer_sizes=wsizes,
                                  ar_counts=ar, ag_dense_counts=agd, ag_sparse_counts=ks,
                                  num_tensors=len(sizes))
-    # the all-gather of a buffer with neither dense nor sparse... never empty: each buffer gathers
+    # every buffer gathers; the all-gather carries 4 n_AGd + 8 k bytes a rank
     assert sum(pred.steady.phases[cv.SPARSE].values()) == sum(
         sum(world_allgather_bytes(4 * n + 8 * k, 3, 3).values()) for n, k in zip(agd, ks))
+    # messages of the rings over p = 9 ranks, one call per non-empty part
+    p = 9
+    assert pred.steady.messages == {cv.DENSE: sum(1 for n in ar if n) * p * 2 * (p - 1),
+                                    cv.SPARSE: len(counts) * p * (p - 1)}
+    # the prediction carries the plan's records, in the order the run executes them
+    calls = [c for c in pred.steady.calls if isinstance(c, Call)]
+    order = []
+    for n in ar:
+        order += ([cv.DENSE] if n else []) + [cv.SPARSE]
+    assert [c.phase for c in calls] == order
+    assert [messages(c) for c in calls] == [p * 2 * (p - 1) if ph == cv.DENSE else p * (p - 1)
+                                            for ph in order]
+
+
+@pytest.mark.parametrize("fusion", ["selective", "per-tensor", "multi-tensor"])
+def test_sparse_step_records_follow_the_interleaved_pipeline(fusion):
+    """§IV-D, Fig. 10, written from the paper: per fusion buffer the all-reduce of Buffer_AR
+    waits for the tensors before the split l'_i (backward and sparsification: T1) and for the
+    previous buffer's communication (one channel); the all-gather of Buffer_AG waits for the
+    whole buffer and for the all-reduce (T2 = max(T_AR, rest) + T_AG); the sparsification is a
+    compute item after the backward wrote its tensors; decoding follows each call."""
+    sizes = ODD
+    counts = _equal_count_cut(len(sizes), 4)
+    kw = {}
+    if fusion == "selective":
+        dense, splits = _given_dense(sizes, counts, 0.05, 0.001)
+        kw = {"dense": dense, "split": splits}
+    else:
+        splits = [0] * 4
+    o = SSFusionOptions(fusion=fusion, fusion_policy="count", buffers=4, density=0.05)
+    plan = plan_ssfusion(sizes, 6, cm.INTER, o, COST, profile=_profile(sizes), **kw)
+    items = plan.calls(Placement.node_major(2, 3), momentum=True)
+    off = np.concatenate(([0], np.cumsum(sizes)))
+    t0, prev, seen = 0, None, 0
+    calls = [i for i, c in enumerate(items) if isinstance(c, Call)]
+    ar_counts = plan.counts()[0]
+    for b, (c, lp) in enumerate(zip(counts, splits)):
+        a, cut, end = int(off[t0]), int(off[t0 + lp]), int(off[t0 + c])
+        if ar_counts[b]:
+            i = calls[seen]
+            seen += 1
+            call = items[i]
+            assert call.phase == cv.DENSE and call.op == "avg"
+            assert Ready(a, cut) in call.after and (prev is None or prev in call.after)
+            heads = [d for d in call.after if isinstance(d, int) and isinstance(items[d], Work)]
+            assert [items[d].after for d in heads] == [(Ready(a, cut),)]
+            prev_ar = i
+            prev = i
+        else:
+            prev_ar = None
+        i = calls[seen]
+        seen += 1
+        call = items[i]
+        assert call.phase == cv.SPARSE and Ready(a, end) in call.after
+        assert prev is None or prev in call.after
+        assert prev_ar is None or prev_ar in call.after
+        parts = sorted((r.lo, r.hi) for d in call.after
+                       if isinstance(d, int) and isinstance(items[d], Work)
+                       for r in items[d].after)
+        # the compute parts cover the buffer: [a, cut) and [cut, end)
+        assert parts == [(lo, hi) for lo, hi in ((a, cut), (cut, end)) if hi > lo]
+        prev = i
+        t0 += c
+    assert seen == len(calls)
+    # decoding: one compute item after each call, at the end of the list
+    tail = items[len(items) - len(calls):]
+    assert all(isinstance(w, Work) and w.after == (j,) for w, j in zip(tail, calls))
+    assert all(w.flops > 0 and w.nbytes > 0 for w in items if isinstance(w, Work))
+
+
+def test_warmup_records():
+    """Warm-up: per warm-up buffer an average all-reduce after its gradients (and the profiling
+    when the plan is profiled), chained; the decision's profile MAX all-reduce (3L + 2 float64)
+    after the last one and the plan's broadcast from rank 0 (4L int64) after that."""
+    sizes = ODD
+    o = SSFusionOptions(fusion_policy="count", buffers=3, density=0.05)
+    plan = plan_ssfusion(sizes, 4, cm.INTER, o, COST, profile=_profile(sizes))
+    items = plan.calls(Placement.node_major(2, 2), "warmup", decided=True)
+    L, off = len(sizes), np.concatenate(([0], np.cumsum(sizes)))
+    assert isinstance(items[0], Work) and items[0].after == (Ready(0, int(off[-1])),)
+    warm = items[1:4]
+    for j, (t0, t1) in enumerate(_pairs(_equal_count_cut(L, 3))):
+        c = warm[j]
+        assert (c.phase, c.algorithm, c.op, c.nbytes) == (cv.WARMUP, "allreduce", "avg",
+                                                          4 * int(off[t1] - off[t0]))
+        assert c.after[0] == Ready(int(off[t0]), int(off[t1])) and 0 in c.after
+        assert j == 0 or j in c.after
+    prof, sel = items[4], items[5]
+    assert (prof.phase, prof.op, prof.nbytes, prof.itemsize) == (cv.PROFILE, "max",
+                                                                  8 * (3 * L + 2), 8)
+    assert 3 in prof.after and 0 in prof.after
+    assert (sel.phase, sel.algorithm, sel.root, sel.nbytes, sel.after) == (
+        cv.SELECT, "bcast", 0, 8 * 4 * L, (4,))
+    assert len(items) == 6
+    # not the deciding step: no decision; a plan fixed by its options profiles nothing
+    assert [c.phase for c in plan.calls(Placement.node_major(2, 2), "warmup")
+            if isinstance(c, Call)] == [cv.WARMUP] * 3
+    fixed = plan_ssfusion(sizes, 4, cm.INTER, SSFusionOptions(
+        fusion="per-tensor", fusion_policy="count", buffers=3), COST)
+    assert not any(isinstance(c, Work) for c in fixed.calls(Placement.node_major(2, 2),
+                                                             "warmup", decided=True))
+    with pytest.raises(ValueError, match="step kind 'dense' unknown"):
+        plan.calls(Placement.node_major(2, 2), "dense")
+
+
+def _pairs(counts):
+    out, t = [], 0
+    for c in counts:
+        out.append((t, t + c))
+        t += c
+    return out
 
 
 def test_bad_plan_inputs():

@@ -17,15 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
-from dataparallel.ssfusion import SSFusionOptions, needs_profile, plan_ssfusion
+from dataparallel.ssfusion import (
+    SSFusionOptions,
+    needs_profile,
+    plan_ssfusion,
+    profile_length,
+)
 from substrate import costmodel as cm
+from substrate.calls import Placement
 from substrate.costmodel import CostModel
 from substrate.options import option
-from volume import ssfusion as cv
 
 from .core import (
     ITEMSIZE,
-    CallCost,
     IterCost,
     Prediction,
     SystemModel,
@@ -171,39 +175,36 @@ def ssfusion_plan(spec, p: int, link: str, options: SSFusionOptions,
 
 def predict_ssfusion(spec, nodes, gpus_per_node, options: SSFusionOptions, cost=None,
                      assumptions: SSFusionAssumptions | None = None) -> Prediction:
-    """SSFusion from :func:`ssfusion_plan`: ``--profile-steps`` dense steps (a ring all-reduce
-    per warm-up buffer); when the plan depends on timings, the one-off profile MAX all-reduce and
-    plan broadcast at the end of warm-up; then per fusion buffer the all-reduce of
-    ``Buffer_AR`` and the all-gather of ``Buffer_AG`` (:meth:`SSFusionPlan.step_bytes`)."""
+    """SSFusion from :func:`ssfusion_plan`, priced from the plan's records
+    (:meth:`dataparallel.ssfusion.SSFusionPlan.calls`, the ones the run executes):
+    ``--profile-steps`` dense steps (a ring all-reduce per warm-up buffer); when the plan depends
+    on timings, the one-off profile MAX all-reduce and plan broadcast at the end of warm-up; then
+    per fusion buffer the all-reduce of ``Buffer_AR`` and the all-gather of ``Buffer_AG``, with
+    the sparsification and decoding as compute items for the paper-scale timeline.  The
+    compute items assume the trainer's default optimizer (SGD with momentum: DGC's momentum
+    correction moves it into the strategy when ``--momentum-correction`` is on)."""
     _check_topology(nodes, gpus_per_node)
     M, P = int(nodes), int(gpus_per_node)
     o = options
+    placement = Placement.node_major(M, P)
     link = cm.INTER if M > 1 else cm.INTRA
     plan, source = ssfusion_plan(spec, M * P, link, o, assumptions, cost)
     names, L = list(spec.layout.names), plan.L
     T = spec.layout.total
     dense_payload = ITEMSIZE * T
+    momentum = bool(o.momentum_correction)
+
+    def step(kind: str, decided: bool = False, payload: int = dense_payload) -> IterCost:
+        return IterCost.from_calls(plan.calls(placement, kind, decided, momentum=momentum),
+                                   placement, cost, payload, dense_payload)
 
     def warm(decided: bool) -> IterCost:
-        calls = CallCost(M, P, cost)
-        for n in plan.buffer_sizes(warmup=True):
-            calls.allreduce(cv.WARMUP, ITEMSIZE * n, "world")
-        if decided:
-            calls.allreduce(cv.PROFILE, 8 * cv.profile_length(L), "world")
-            calls.bcast(cv.SELECT, 8 * cv.plan_length(L), "world")
-        return calls.finish(plan.step_bytes(M, P, "warmup", decided), dense_payload,
-                            dense_payload)
+        return step("warmup", decided)
 
     ar, agd, ks = plan.counts()
-    calls = CallCost(M, P, cost)
-    for n_ar, n_agd, k in zip(ar, agd, ks):
-        if n_ar:
-            calls.allreduce(cv.DENSE, ITEMSIZE * n_ar, "world")
-        if n_agd + k:
-            calls.allgather(cv.SPARSE, ITEMSIZE * n_agd + 8 * k, "world")
-    ratio = cv.payload_ratio(T, ar, agd, ks)
-    sparse = calls.finish(plan.step_bytes(M, P, "sparse"), round(ratio * dense_payload),
-                          dense_payload)
+    payload = ITEMSIZE * (sum(ar) + sum(agd)) + 8 * sum(ks)   # one rank's rows and Buffer_AR
+    ratio = payload / dense_payload
+    sparse = step("sparse", payload=payload)
     w = int(o.profile_steps)
     stages = ([(w - 1, warm(False)), (1, warm(True)), (None, sparse)] if plan.profiled
               else [(w, warm(False)), (None, sparse)])
@@ -217,10 +218,10 @@ def predict_ssfusion(spec, nodes, gpus_per_node, options: SSFusionOptions, cost=
                    f"all-reduce of Buffer_AR ({ar} elements) and a ring all-gather of "
                    f"Buffer_AG ({agd} dense float32 + {ks} sparse float32 values with int32 "
                    f"indices per rank); payload ratio {ratio:.4f} of dense")
-    notes = [warm_note, fusion_note, f"timing-dependent parts: {source}"]
+    notes = [fusion_note, warm_note, f"timing-dependent parts: {source}"]
     if plan.profiled:
-        notes.append(f"step {w - 1}: + MAX all-reduce of the {cv.profile_length(L)} float64 "
-                     f"timings and binomial broadcast of the {cv.plan_length(L)} int64 plan")
+        notes.append(f"step {w - 1}: + MAX all-reduce of the {profile_length(L)} float64 "
+                     f"timings and binomial broadcast of the {plan.encode().size} int64 plan")
     if o.fusion == "selective":
         dense_note = (f"dense tensors {[names[l] for l in plan.dense()] or 'none'}, splits "
                       f"l'_i = {list(plan.split)}; the sparse ones at density-aware counts "

@@ -10,9 +10,11 @@ g``, ``a = e + u``; DGC Alg. 1), exact top-``k`` per sparse tensor (per buffer f
 by a full sort, dense tensors summed as they are (``u`` with momentum correction), the sum
 divided by ``p``; the new residual is ``a`` with the sent entries zeroed, the new velocity ``u``
 with them zeroed (momentum factor masking).  It also recomputes the tensor-missing rate
-(Table I) and checks that the ledger's ``ssf_*`` phases equal the sum of ``step_bytes()``.
+(Table I), holds every step's calls to the plan's records (``Recorder.account``) and checks that
+the ledger's ``ssf_*`` phases equal the sum of the records' bytes (``step_bytes()``).
 
-``traffic CONFIGS``: ``dataparallel.train`` for selective (with and without interleaving,
+``traffic CONFIGS``: ``dataparallel.train`` (``M`` nodes of 2 ranks, ``M`` from the world size)
+for selective (with and without interleaving,
 with offload), per-tensor and multi-tensor; measured bytes == the trainer's per-step prediction ==
 :func:`volume.ssfusion.run_bytes` for the whole run, per phase.
 """
@@ -30,6 +32,7 @@ from dataparallel.ssfusion import SSFusion, SSFusionOptions
 from dataparallel.train import DPConfig, build_parser, train
 from models import SGD, SGDConfig, build_model, load_digits
 from substrate import collective_check, start_run
+from substrate.calls import Call
 from volume import ssfusion as cv
 
 R = 2
@@ -112,13 +115,17 @@ def _check_mode(tag, plan=None, momentum=0.0, **opts):
         g[...] = _gradient(layout, run.rank, step)
         e = strat.residual.copy()
         u = strat.velocity.copy() if momentum else np.zeros_like(e)
-        gs = run.world.allgather(g.copy(), phase="test_gather")
-        es = run.world.allgather(e, phase="test_gather")
-        us = run.world.allgather(u, phase="test_gather")
+        gs = run.world.allgather(g.copy(), phase="test_gather").result
+        es = run.world.allgather(e, phase="test_gather").result
+        us = run.world.allgather(u, phase="test_gather").result
+        gathers = [Call("test_gather", "allgather", run.world.group,
+                        blocks=(a.nbytes,) * run.size, itemsize=a.itemsize) for a in (g, e, u)]
         if plan is not None and step == warm:
             strat._install(plan)
         strat.sync(StepState(step=step, epoch=0, loss=0.0), model.grads)
         strat.after_step(StepState(step=step, epoch=0, loss=0.0))
+        # the run holds itself to the plan's records (raises on the first difference)
+        run.recorder.account([*gathers, *strat.step_calls()])
         for ph, b in strat.step_bytes().items():
             acc = bytes_pred.setdefault(ph, {"intra": 0, "inter": 0})
             acc["intra"] += b["intra"]
@@ -234,7 +241,8 @@ def traffic():
         sel = met["selection"]
         L = sum(len(t) for t in met["buffer_tensors"])
         sizes = [int(v) for v in _buffer_sizes(met["warmup_buffer_tensors"])]
-        whole = cv.run_bytes(M=2, P=R, steps=STEPS, warmup_steps=WARM,
+        M = MPI.COMM_WORLD.size // R
+        whole = cv.run_bytes(M=M, P=R, steps=STEPS, warmup_steps=WARM,
                              warmup_buffer_sizes=sizes, ar_counts=sel["allreduce_elements"],
                              ag_dense_counts=sel["allgather_dense_elements"],
                              ag_sparse_counts=sel["sparse_elements"], num_tensors=L,
