@@ -49,17 +49,15 @@ One run follows Algorithm 1 of the paper:
    (``ternary_allgather``: a sum all-reduce of 2-bit codes is not closed), then every rank
    decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased estimate of the average.
 
-**One plan.** :meth:`PacTrainPlan.build` (pure: layout, topology shape, options and either the
-run's kept index set or, for a prediction, the keep rate) gives the kept count ``K`` per
-tensor and per bucket, the packed chunking, the TernGrad scale segments, the
-dense-until-stable schedule and the bytes of every step; the strategy executes it and
-:mod:`commvol.systems.pactrain` predicts from it.  Independent closed forms written from the
-paper: :mod:`volume.pactrain`.
+**One plan.** :meth:`PacTrainPlan.build` (pure: layout, options and the run's kept index set
+or, for a prediction, the keep rate) gives ``K`` per tensor and bucket, the chunks, the TernGrad
+segments, the dense-until-stable schedule and every step's call records
+(:meth:`PacTrainPlan.calls`); the strategy executes them and :mod:`commvol.systems.pactrain`
+prices them.  Independent closed forms from the paper: :mod:`volume.pactrain`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import zipfile
@@ -70,9 +68,8 @@ import numpy as np
 
 from models import MaskHook, iterate_batches
 from substrate.backend import array_module
-from substrate.costmodel import INTER, INTRA
+from substrate.calls import Call, Placement, Ready, price
 from substrate.options import option
-from volume.dataparallel import world_allgather_bytes, world_ring_bytes
 
 from .ddp import flat_buckets
 from .strategy import Strategy, register
@@ -356,8 +353,6 @@ def load_init(path, model) -> None:
             buf[...] = model.xp.asarray(f[key], dtype=buf.dtype)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # options and the plan
 # ---------------------------------------------------------------------------------------------
@@ -428,12 +423,6 @@ class PacTrainOptions:
         if self.warmup_steps is not None:
             return int(self.warmup_steps)
         return 0 if self.init is not None else DEFAULT_WARMUP_STEPS
-
-
-def _add(out: dict, phase: str, v: dict) -> None:
-    e = out.setdefault(phase, {INTRA: 0, INTER: 0})
-    e[INTRA] += int(v[INTRA])
-    e[INTER] += int(v[INTER])
 
 
 @dataclass(frozen=True, eq=False)
@@ -574,58 +563,66 @@ class PacTrainPlan:
         """TernGrad scales of a step in which every unit is ternary."""
         return int(sum(len(s) for s in self.segments))
 
-    # -- the schedule and its bytes -------------------------------------------------------------
+    # -- the schedule and its records -----------------------------------------------------------
     def modes_at(self, step: int) -> tuple:
         """Every unit's mode at ``step`` when the mask stays stable once pruned: dense before
         :attr:`dense_steps`, :attr:`packed_mode` from then on."""
         mode = "dense" if step < self.dense_steps else self.packed_mode
         return (mode,) * self.num_units
 
-    def unit_bytes(self, u: int, mode: str) -> dict:
-        """``{phase: {"intra", "inter"}}`` of unit ``u`` in ``mode`` (ring all-reduces over all
-        ranks, node-major; phases without a call are left out, as the ledger does)."""
-        M, P, w = self.nodes, self.ranks_per_node, self.itemsize
-        out: dict = {}
-        if mode == "dense":
-            for b in self.unit_buckets[u]:
-                a, e = self.buckets[b]
-                _add(out, "dense_allreduce", world_ring_bytes(e - a, w, M, P))
-        elif mode == "packed":
-            for k in self.chunks[u]:
-                _add(out, "packed_allreduce", world_ring_bytes(k, w, M, P))
-        elif mode == "ternary":
-            _add(out, "ternary_scale", world_ring_bytes(len(self.segments[u]), w, M, P))
-            _add(out, "ternary_allgather",
-                 world_allgather_bytes(-(-self.unit_kept[u] // 4), M, P))
-        else:
-            raise ValueError(f"unknown PacTrain step mode {mode!r}; use dense, packed or "
-                             "ternary")
-        return out
-
-    def grasp_bytes(self) -> dict:
-        """GraSP's score (eq. 4): two ring all-reduces of ``T`` (``∇ℓ`` and ``H ∇ℓ``)."""
-        out: dict = {}
-        one = world_ring_bytes(self.total, self.itemsize, self.nodes, self.ranks_per_node)
-        _add(out, "grasp_allreduce", one)
-        _add(out, "grasp_allreduce", one)
-        return out
-
-    def step_bytes(self, modes, grasp: bool = False) -> dict:
-        """Bytes of a step whose units run ``modes`` (plus GraSP's all-reduces)."""
+    def calls(self, placement: Placement, modes=None, grasp: bool = False) -> list[Call]:
+        """The world records of a step whose units run ``modes`` (default: dense), in the
+        strategy's order, on one stream: per unit ``u`` (``[a, b)``), ``dense``: an average
+        all-reduce per bucket after its gradients (:class:`~substrate.calls.Ready`) and the
+        previous record; ``packed``: one per chunk of the ``K_u`` survivors, the first after
+        ``Ready(a, b)``; ``ternary``: a MAX all-reduce of the scales, then the all-gather of
+        ``⌈K_u/4⌉`` code bytes per rank.  ``grasp``: GraSP's two all-reduces of ``T`` (eq. 4),
+        before the step's records when pruning precedes the first step (``w = 0``), else after
+        them (pruning follows the update of step ``w - 1``)."""
+        modes = ("dense",) * self.num_units if modes is None else tuple(modes)
         if len(modes) != self.num_units:
             raise ValueError(f"{len(modes)} modes for {self.num_units} mask units")
-        out: dict = {}
+        world, w = placement.world, self.itemsize
+        out: list[Call] = []
+
+        def prev() -> tuple:
+            return (len(out) - 1,) if out else ()
+
+        def grasp_calls() -> None:
+            for _ in range(2):
+                out.append(Call("grasp_allreduce", "allreduce", world, w * self.total, w,
+                                op="avg", after=prev()))
+
+        if grasp and self.warmup_steps == 0:
+            grasp_calls()
         for u, mode in enumerate(modes):
-            for phase, v in self.unit_bytes(u, mode).items():
-                _add(out, phase, v)
-        if grasp:
-            for phase, v in self.grasp_bytes().items():
-                _add(out, phase, v)
+            a, b = self.units[u]
+            if mode == "dense":
+                for bi in self.unit_buckets[u]:
+                    lo, hi = self.buckets[bi]
+                    out.append(Call("dense_allreduce", "allreduce", world, w * (hi - lo), w,
+                                    op="avg", after=(Ready(lo, hi), *prev())))
+            elif mode == "packed":
+                for c, k in enumerate(self.chunks[u]):
+                    dep = (Ready(a, b), *prev()) if c == 0 else prev()
+                    out.append(Call("packed_allreduce", "allreduce", world, w * k, w, op="avg",
+                                    after=dep))
+            elif mode == "ternary":
+                out.append(Call("ternary_scale", "allreduce", world, w * len(self.segments[u]),
+                                w, op="max", after=(Ready(a, b), *prev())))
+                out.append(Call("ternary_allgather", "allgather", world,
+                                blocks=(-(-self.unit_kept[u] // 4),) * placement.size,
+                                after=prev()))
+            else:
+                raise ValueError(f"unknown PacTrain step mode {mode!r}; use dense, packed or "
+                                 "ternary")
+        if grasp and self.warmup_steps > 0:
+            grasp_calls()
         return out
 
-    def bytes_at(self, step: int) -> dict:
-        """Bytes of ``step`` of the schedule (:meth:`modes_at`, GraSP at :attr:`grasp_step`)."""
-        return self.step_bytes(self.modes_at(step), grasp=step == self.grasp_step)
+    def calls_at(self, placement: Placement, step: int) -> list[Call]:
+        """The records of ``step`` of the schedule (:meth:`modes_at`, :attr:`grasp_step`)."""
+        return self.calls(placement, self.modes_at(step), grasp=step == self.grasp_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,9 +654,10 @@ class PacTrain(Strategy):
         self.pruned = False
         self.prune_step: int | None = None
         self.scores = None                           # host copy of the GraSP scores
-        # pruning traffic outside sync is charged to the current step
-        self._pending: dict[str, dict] = {}
-        self._step_bytes: dict[str, dict] = {}
+        # what the last step executed (step_calls): its plan and modes, and whether GraSP's
+        # all-reduces ran in it; GraSP in the constructor belongs to the first step
+        self._step: tuple = (self.plan, ("dense",) * self.plan.num_units)
+        self._grasp_pending = self._grasp_in_step = False
         self.steps = 0
         self.packed_unit_steps = 0                   # Σ over steps of the units sent packed
         self.stable_steps: list[int] = []            # steps at which every unit (re)started packing
@@ -720,34 +718,30 @@ class PacTrain(Strategy):
             return model.grads.flat.copy()
 
         world = self.topo.world
-        v = world.allreduce(grad_fn(theta0), "avg", phase="grasp_allreduce")
+        v = world.allreduce(grad_fn(theta0), "avg", phase="grasp_allreduce").result
         vnorm = float(xp.linalg.norm(v))
         if vnorm > 0:
             eps = GRASP_REL_STEP * max(float(xp.linalg.norm(theta0)), 1.0) / vnorm
             hv = hessian_vector_fd(grad_fn, theta0, v, eps)
         else:
             hv = xp.zeros_like(theta0)
-        hv = world.allreduce(xp.ascontiguousarray(hv), "avg", phase="grasp_allreduce")
+        hv = world.allreduce(xp.ascontiguousarray(hv), "avg", phase="grasp_allreduce").result
         model.params.flat[...] = theta0
         model.grads.flat[...] = grads0
         for k, buf in model.buffers.items():
             buf[...] = buffers0[k]
         score = grasp_score(theta0, hv)
         self.scores = score.get() if hasattr(score, "get") else np.array(score)
-        self._charge(self.plan.grasp_bytes())
+        if self.steps:                   # after a step's update: part of that step
+            self._grasp_in_step = True
+        else:                            # in the constructor: part of the first step
+            self._grasp_pending = True
         return score
-
-    def _charge(self, phases: dict) -> None:
-        """Add the plan's bytes of work done outside :meth:`sync` (pruning) to the current
-        step, or to the first step when it happens in the constructor."""
-        target = self._step_bytes if self.steps else self._pending
-        for phase, v in phases.items():
-            _add(target, phase, v)
 
     # -- the step ---------------------------------------------------------------------------------
     def sync(self, state, buffers):
-        xp, g, world = self.xp, buffers.flat, self.topo.world
-        self._step_bytes, self._pending = self._pending, {}
+        xp, g, world, clock = self.xp, buffers.flat, self.topo.world, self.run.clock
+        self._grasp_in_step, self._grasp_pending = self._grasp_pending, False
         self.steps += 1
         modes = ["dense"] * self.plan.num_units
         if self.pruned:
@@ -764,30 +758,35 @@ class PacTrain(Strategy):
                 self.hook.set_mask(self._m)
                 self.plan = self._build_plan(self._m)
         plan = self.plan
+        self._step = (plan, tuple(modes))
         uniforms = None
+        h = None                     # the previous call on the communication stream
         for u, mode in enumerate(modes):
             if mode == "dense":
                 for bi in plan.unit_buckets[u]:
                     a, b = plan.buckets[bi]
                     if self.pruned:
                         g[a:b] *= self._m[a:b]           # eq. 2 (GSE)
-                    world.allreduce(g[a:b], "avg", phase="dense_allreduce")
+                    h = world.allreduce(g[a:b], "avg", phase="dense_allreduce",
+                                        after=[clock.ready(a, b), h])
                 continue
+            a, b = plan.units[u]
             packed, idx = self._packed[u], self._idx[u]
             xp.take(g, idx, out=packed)                  # eq. 2 + pack
+            dep = [clock.ready(a, b), h]                 # the unit's gradients, the stream
             if mode == "packed":
-                a = 0
+                off = 0
                 for k in plan.chunks[u]:
-                    world.allreduce(packed[a:a + k], "avg", phase="packed_allreduce")
-                    a += k
+                    h = world.allreduce(packed[off:off + k], "avg", phase="packed_allreduce",
+                                        after=dep)
+                    dep, off = [h], off + k
             else:
                 if uniforms is None:                     # one stream per rank and step
                     uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
                                                            state.step, plan.kept,
                                                            dtype=packed.dtype))
                 off = plan.packed_offsets[u]
-                self._ternary_average(u, packed, uniforms[off:off + packed.size])
-            a, b = plan.units[u]
+                h = self._ternary_average(u, packed, uniforms[off:off + packed.size], dep)
             g[a:b] = 0
             g[idx] = packed
         n_packed = sum(m != "dense" for m in modes)
@@ -796,34 +795,38 @@ class PacTrain(Strategy):
         if all_packed and not self._was_packed:
             self.stable_steps.append(state.step)
         self._was_packed = all_packed
-        self._charge(plan.step_bytes(modes))
         return g
 
-    def _ternary_average(self, u: int, packed, uniforms) -> None:
+    def _ternary_average(self, u: int, packed, uniforms, after):
         """Replace unit ``u``'s ``packed`` by ``(s/p) Σ_j ternarize(g_j)`` (eq. 3), identical on
-        all ranks; ``s`` is the MAX all-reduce of each segment's (tensor's, or the whole
-        vector's) max|g|."""
+        all ranks; ``s`` is the MAX all-reduce (after ``after``) of each segment's (tensor's, or
+        the whole vector's) max|g|.  Returns the all-gather's handle."""
         xp, world = self.xp, self.topo.world
         scale = self._scale[u]
         for l, (a, b) in enumerate(self.plan.segments[u]):
             scale[l] = xp.abs(packed[a:b]).max() if b > a else 0
-        world.allreduce(scale, "max", phase="ternary_scale")
+        h = world.allreduce(scale, "max", phase="ternary_scale", after=after)
         s = scale[self._segment_of[u]]
         pack_2bit(ternarize(packed, s, uniforms), out=self._codes[u])
-        gathered = world.allgather(self._codes[u], phase="ternary_allgather")
-        total = unpack_2bit(gathered, packed.size).sum(axis=0, dtype=np.int32)
+        h = world.allgather(self._codes[u], phase="ternary_allgather", after=h)
+        total = unpack_2bit(h.result, packed.size).sum(axis=0, dtype=np.int32)
         packed[...] = total * s / self.topo.size
+        return h
 
     def after_step(self, state) -> None:
         if not self.pruned and state.step + 1 == self.options.warmup:
             self._prune(step=state.step + 1)
 
-    def step_bytes(self) -> dict[str, dict]:
-        return self._step_bytes
+    def step_calls(self) -> list:
+        """The plan's records of the last step as executed: its units' modes, and GraSP's
+        all-reduces when pruning ran in it (no side effect: called any number of times)."""
+        plan, modes = self._step
+        return plan.calls(self.topo.placement, modes, grasp=self._grasp_in_step)
 
     def state_dict(self) -> dict:
-        """Mask, pruning and mask-tracker state, step counters and the pruning bytes still to
-        charge (the plan is rebuilt from the mask)."""
+        """Mask, pruning and mask-tracker state and step counters (the plan is rebuilt from the
+        mask; GraSP's calls of a constructor that pruned again belong to this process's first
+        step, whatever the checkpoint)."""
         host = self.run.backend.asnumpy
         out = {
             "mask": host(self._m).copy(), "pruned": np.bool_(self.pruned),
@@ -832,7 +835,7 @@ class PacTrain(Strategy):
                           else np.zeros(0, np.float32)),
             "steps": np.int64(self.steps), "packed_unit_steps": np.int64(self.packed_unit_steps),
             "stable_steps": np.array(self.stable_steps, dtype=np.int64),
-            "was_packed": np.bool_(self._was_packed), "pending": json.dumps(self._pending),
+            "was_packed": np.bool_(self._was_packed),
         }
         for u, tr in enumerate(self.trackers):
             out.update({f"tracker/{u}/{k}": v for k, v in tr.state_dict(host).items()})
@@ -858,7 +861,6 @@ class PacTrain(Strategy):
         self.packed_unit_steps = int(state["packed_unit_steps"])
         self.stable_steps = state["stable_steps"].tolist()
         self._was_packed = bool(state["was_packed"])
-        self._pending = json.loads(str(state["pending"]))
 
     def report(self) -> dict:
         """``payload_ratio`` (packed payload / dense payload per rank and step, every unit
@@ -871,21 +873,18 @@ class PacTrain(Strategy):
         plan = self.plan
         K = plan.kept if self.pruned else self.T
         U = plan.num_units
-        dense = plan.step_bytes(("dense",) * U)
-        packed = plan.step_bytes((plan.packed_mode,) * U)
-
-        def wire(d, links=(INTRA, INTER)):
-            return sum(v[k] for v in d.values() for k in links)
-
+        where = self.topo.placement
+        dense, packed = (price(plan.calls(where, (m,) * U), where)
+                         for m in ("dense", plan.packed_mode))
         w = self.itemsize
         payload = (sum(-(-k // 4) for k in plan.unit_kept) + w * plan.num_scales
                    if self.options.ternary else w * K) / (w * self.T)
         kept_prunable = int((self._m & self.prunable).sum()) if self.pruned else self.n_prunable
         return {
             "payload_ratio": payload,
-            "wire_ratio": wire(packed) / wire(dense) if wire(dense) else None,
-            "inter_wire_ratio": (wire(packed, (INTER,)) / wire(dense, (INTER,))
-                                 if wire(dense, (INTER,)) else None),
+            "wire_ratio": ((packed.intra + packed.inter) / (dense.intra + dense.inter)
+                           if dense.intra + dense.inter else None),
+            "inter_wire_ratio": packed.inter / dense.inter if dense.inter else None,
             "prune_step": self.prune_step,
             "mask_stable_step": self.stable_steps[0] if self.stable_steps else None,
             "mask_stable_steps": self.stable_steps,

@@ -4,6 +4,7 @@ link: a max-plus formula), Top-K's selection chain, SSFusion's buffers on one ch
 ADMM chain against the systems' predicted communication, the no-overlap sum against the earlier
 additive model, speedup sanity, the paper comparison, and bad input."""
 
+import dataclasses
 import json
 import math
 
@@ -21,11 +22,15 @@ from commvol.timeline_scale import (
     epoch_timing,
     units_for_spec,
 )
+from commvol.systems import sdp_plan
 from dataparallel.ddp import DDPOptions, DDPPlan
+from dataparallel.pactrain import PacTrainOptions
+from dataparallel.sdp import SDPOptions
 from dataparallel.topk import SELECT_PASSES, TopKOptions
 from hsadmm.config import HSADMMConfig
 from models.layers import Linear, Sequential
 from models.modelspec import spec_from_layers
+from substrate.calls import Placement, Ready
 from substrate.costmodel import CostModel
 
 RATE = 1.0          # TFLOP/s
@@ -164,6 +169,82 @@ def test_ssfusion_buffers_chain_on_one_channel(tiny):
     fin = {e.label: e.finish for e in t.events}
     assert fin["ssf_sparsify[0]"] == pytest.approx(s0, rel=1e-12)
     assert fin["ssf_unpack_sparse[1]"] == pytest.approx(u1, rel=1e-12)
+
+
+def test_pactrain_packed_buckets_overlap_the_backward_like_ddps(tiny):
+    """PacTrain's steady step all-reduces every bucket's survivors after the backward wrote the
+    bucket, one bucket after the other on one stream (the strategy's order): with nothing
+    pruned its records are DDP's (same buckets, sizes and dependencies: the same step); at
+    ratio 0.5 bucket A (fc2: K = 8 of 16) starts when fc2's backward ends and overlaps fc1's
+    backward, bucket B (fc1: K = 16 of 32) starts when both fc1's gradients and A are done."""
+    spec, cm = tiny
+    alpha, batch, bw = 2e-5, 200, 2e4
+    cost = CostModel(inter_bw=bw, inter_lat=alpha)
+    mib = 64 / 2 ** 20
+    ddp = dp_step("ddp", spec, 2, 1, DDPOptions(bucket_mib=mib), cost, cm, batch)
+    o = PacTrainOptions(prune_ratio=0.0, bucket_mib=mib, warmup_steps=0,
+                        prune_score="magnitude")
+    assert dp_step("pactrain", spec, 2, 1, o, cost, cm, batch).step_s == \
+        pytest.approx(ddp.step_s, rel=1e-12)
+    t = dp_step("pactrain", spec, 2, 1, dataclasses.replace(o, prune_ratio=0.5), cost, cm, batch)
+    ready_a = batch * _sec(F1 + F2 + 2 * F2)
+    ready_b = ready_a + batch * _sec(2 * F1)
+    La, Wa = _ring(4 * 8, 2, alpha, bw)
+    Lb, Wb = _ring(4 * 16, 2, alpha, bw)
+    end_a = ready_a + La + Wa
+    assert ready_a < ready_b < end_a             # A overlaps the backward, B waits for A
+    assert t.step_s == pytest.approx(end_a + Lb + Wb + _opt(48), rel=1e-9)
+    assert t.no_overlap_s == pytest.approx(ready_b + La + Wa + Lb + Wb + _opt(48), rel=1e-9)
+
+
+@pytest.mark.parametrize("coverage", ["4/4", "3/4"])
+def test_sdp_holder_groups_run_one_after_another_after_their_gradients(coverage):
+    """N-SDP on one node of 4: the world ring of the unmasked coordinates and one ring per
+    window of 3 holders.  Every rank runs its calls one after another and any two windows
+    share a rank, so the records form one chain: each ring starts when the backward has
+    written its coordinates (the span of its holder set) and the ring before it has ended;
+    the update follows the last one.  At coverage 4/4 it is one world ring of all T."""
+    spec = resolve_model("cnn")
+    units, _ = units_for_spec(spec, "cnn")
+    rate, batch = 0.02, 32
+    cm = ComputeModel(tuple(units), rate, 10.0)
+    cost = CostModel(intra_bw=50.0, intra_lat=1e-5)
+    opts = SDPOptions(coverage=coverage)
+    t = dp_step("sdp", spec, 1, 4, opts, cost, cm, batch)
+    # backward in reverse unit order: unit k's gradients are written at fwd + its suffix sum
+    fwd = batch * sum(u.forward_flops for u in units) / (rate * 1e12)
+    done, acc = {}, fwd
+    for u in reversed(units):
+        acc += batch * u.backward_flops / (rate * 1e12)
+        done[u.name] = acc
+
+    def ready(lo, hi):
+        return max(done[u.name] for u in units if u.lo < hi and u.hi > lo)
+
+    calls = sdp_plan(spec, 1, 4, opts).calls(Placement.node_major(1, 4))
+    assert len(calls) == (1 if coverage == "4/4" else 5)
+    # rank 0's timeline (the scale's): up to its last ring, the window it is not in included
+    # when one of its later rings waits for it
+    last = max(i for i, c in enumerate(calls) if 0 in c.group)
+    end, comm = 0.0, 0.0
+    for i, c in enumerate(calls[:last + 1]):
+        assert i == 0 or i - 1 in c.after               # one chain
+        (r,) = [d for d in c.after if isinstance(d, Ready)]
+        ring = cost.ring_allreduce_time(c.nbytes, c.size, "intra")
+        end, comm = max(ready(r.lo, r.hi), end) + ring, comm + ring
+    T = spec.layout.total
+    assert t.step_s == pytest.approx(max(end, acc) + cm.optimizer_s(T), rel=1e-9)
+    assert t.comm_s == pytest.approx(comm, rel=1e-9)
+
+
+def test_cli_scales_pactrain_and_sdp_from_their_records(capsys):
+    assert main(["scale", "--system", "pactrain", "sdp", "--model", "cnn", "--gpus", "4", "8",
+                 "--gpus-per-node", "2", "--device-tflops", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "| pactrain | 4 | 2 |" in text and "| sdp | 8 | 4 |" in text
+    assert "no timeline plan" not in text
+    assert "pactrain: " in text and "x packed_allreduce" in text
+    assert "x sdp_gated_allreduce" in text
 
 
 @pytest.mark.parametrize("system,freeze,bucket_mib,M", [

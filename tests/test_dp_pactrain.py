@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mpi_helpers import assert_fails_on_every_rank, run_mpi
 
+from commvol.predict import predict
 from commvol.systems import pactrain_plan
 from dataparallel.pactrain import (
     DEFAULT_WARMUP_STEPS,
@@ -28,9 +29,11 @@ from dataparallel.strategy import options_from_args
 from dataparallel.train import build_parser
 from models import build_model, load_digits
 from models.params import ParamLayout, ParamSpec
+from substrate.calls import Placement, bytes_by_phase
 from volume.dataparallel import ddp_step_bytes
 from volume.pactrain import (
     dense_allreduce_bytes,
+    grasp_score_bytes,
     packed_allreduce_bytes,
     packed_chunks,
     pactrain_step_bytes,
@@ -271,9 +274,10 @@ def _plan_total(summary, steps):
     o = summary["config"]["options"]
     model = build_model("cnn", load_digits().train.input_shape, 10)
     plan = pactrain_plan(model, 2, 2, PacTrainOptions(**o))
+    where = Placement.node_major(2, 2)
     total = {}
     for k in range(steps):
-        for phase, v in plan.bytes_at(k).items():
+        for phase, v in bytes_by_phase(plan.calls_at(where, k), where).items():
             e = total.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
             e["intra_bytes"] += v["intra"]
             e["inter_bytes"] += v["inter"]
@@ -365,3 +369,35 @@ def test_digits_accuracy_close_to_ddp(tmp_path):
 def test_bad_flags_error_on_every_rank(tmp_path, args, message):
     assert_fails_on_every_rank("dataparallel", ["train", "--method", "pactrain", *args], message,
                                tmp_path / "x")
+
+
+@pytest.mark.mpi
+def test_run_executes_the_plan_on_4_nodes_of_2(tmp_path):
+    """8 ranks as 4 nodes x 2, TernGrad after GraSP pruning: the trainer held every step to
+    the plan's records (it raises otherwise); the ledger equals ``commvol predict`` (bytes,
+    messages, modeled time) and the paper's closed forms step by step."""
+    out = tmp_path / "p"
+    run_mpi(None, 8, "train", "--ranks-per-node", 2, "--out", out, "--method", "pactrain",
+            "--steps", 4, "--warmup-steps", 1, "--stable-window", 1, "--ternary",
+            "--prune-score", "grasp", module="dataparallel", timeout=400)
+    s = json.loads((out / "summary.json").read_text())
+    _assert_measured_equals_predicted(s)
+    kw = {"warmup_steps": 1, "stable_window": 1, "ternary": True, "prune_score": "grasp"}
+    total = predict("pactrain", "cnn", nodes=4, gpus_per_node=2, **kw).total(4)
+    m = s["traffic"]["measured"]
+    assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == \
+        (total.inter, total.intra, total.total_messages)
+    assert s["timing"]["comm_modeled_s"] == pytest.approx(total.time_s, rel=1e-9)
+    # the paper's closed forms: steps 0, 1 dense (GraSP at step 0), steps 2, 3 ternary
+    layout = build_model("cnn", load_digits().train.input_shape, 10).layout
+    sizes = [layout.sizes[n] for n in layout.names]
+    ratio = [0.5 if layout.kind(n) in ("conv", "fc") else 0.0 for n in layout.names]
+    K = sum(n - math.floor(r * n) for n, r in zip(sizes, ratio))
+    dense = dense_allreduce_bytes(M=4, P=2, bucket_sizes=[sum(sizes)])
+    tern = ternary_bytes(M=4, P=2, kept=K, scales=len(sizes))
+    grasp = grasp_score_bytes(M=4, P=2, total=sum(sizes))
+    want = {"dense_allreduce": {k: 2 * v for k, v in dense.items()},
+            "grasp_allreduce": grasp,
+            **{ph: {k: 2 * v for k, v in b.items()} for ph, b in tern.items()}}
+    assert {ph: {"intra": e["intra_bytes"], "inter": e["inter_bytes"]}
+            for ph, e in m["by_phase"].items()} == want

@@ -10,7 +10,7 @@ import pytest
 from scipy.linalg import null_space
 
 from volume.dataparallel import world_ring_bytes
-from volume.sdp import (assemble_bytes, gated_allreduce_bytes,
+from volume.sdp import (assemble_bytes, gated_allreduce_bytes, neuron_sdp_bytes,
                          param_bcast_bytes, sdp_step_bytes)
 from dataparallel.sdp import (SDPOptions, SDPPlan, _check_connected, parse_active_blocks,
                               parse_fraction, plan_masks, spectral_gap, window_sets,
@@ -352,3 +352,31 @@ def test_run_executes_the_plan_on_3_ranks_per_node(tmp_path, args, kw):
                                                         pred.phases[phase]["inter"]), phase
     if args[1] == "cnn":
         assert s["metrics"]["degree_histogram"] == {"4": 38240, "6": 42}
+
+
+@pytest.mark.mpi
+def test_run_executes_the_plan_on_4_nodes_of_2(tmp_path):
+    """8 ranks as 4 nodes x 2, N-SDP 3/8 (windows of 3 that cross up to two node boundaries):
+    the trainer held every step to the plan's records (it raises otherwise), and the ledger's
+    bytes, messages and modeled time equal ``commvol predict``'s (gated average every step,
+    assembly at every evaluation) and the paper's closed form."""
+    out = tmp_path / "sdp"
+    run_mpi(None, 8, "train", "--method", "sdp", "--ranks-per-node", 2, "--steps", 2,
+            "--eval-every", 1, "--coverage", "3/8", "--out", out, module="dataparallel",
+            timeout=400)
+    s = read_summary(out)
+    assert_measured_equals_predicted(s)
+    pred = predict("sdp", "cnn", nodes=4, gpus_per_node=2, coverage="3/8", eval_every=1)
+    total = pred.total(2)
+    m = s["traffic"]["measured"]
+    assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == \
+        (total.inter, total.intra, total.total_messages)
+    assert s["timing"]["comm_modeled_s"] == pytest.approx(total.time_s, rel=1e-9)
+    from test_sdp_plan import neuron_layers  # the closed form's inputs, from the shapes
+
+    layers, rest = neuron_layers(build_model("cnn", SHAPE, 10))
+    closed = neuron_sdp_bytes(layers, rest, 3, np.arange(8) // 2)
+    for phase, part in (("sdp_gated_allreduce", "gated"), ("sdp_assemble", "assemble")):
+        e = m["by_phase"][phase]
+        assert (e["intra_bytes"], e["inter_bytes"]) == (2 * closed[part]["intra"],
+                                                        2 * closed[part]["inter"]), phase

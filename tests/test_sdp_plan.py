@@ -1,5 +1,7 @@
-"""SDP's plan (:class:`dataparallel.sdp.SDPPlan`) against the paper's closed forms
-(:func:`volume.sdp.neuron_sdp_bytes`, :func:`volume.sdp.block_sdp_bytes`).
+"""SDP's plan (:class:`dataparallel.sdp.SDPPlan`): the bytes of its call records
+(:meth:`~dataparallel.sdp.SDPPlan.calls`) against the paper's closed forms
+(:func:`volume.sdp.neuron_sdp_bytes`, :func:`volume.sdp.block_sdp_bytes`) on node-major and
+round-robin placements, and the records' groups and dependencies.
 
 The closed-form side is computed here from the layer shapes by the paper's definitions only:
 N-SDP at coverage ``p/n`` puts every masked parameter on exactly ``p`` of the ``n`` workers (§4),
@@ -17,9 +19,11 @@ import numpy as np
 import pytest
 
 from commvol.predict import predict
-from dataparallel.sdp import SDPOptions, SDPPlan
+from dataparallel.sdp import ASSEMBLE, BCAST, GATED, SDPOptions, SDPPlan
 from models import build_model, cnn, resnet
 from substrate import costmodel as cm
+from substrate.calls import Placement, Ready, bytes_by_phase
+from volume import sdp as vsdp
 from volume.sdp import block_sdp_bytes, neuron_sdp_bytes
 
 SHAPE = (1, 8, 8)
@@ -85,8 +89,31 @@ def _wire(b):
     return b["intra"] + b["inter"]
 
 
+ZERO = {"intra": 0, "inter": 0}
+
+
+def records(plan, where, **kw):
+    """``{phase: {"intra", "inter"}}`` of one step's records and of the assembly."""
+    step = bytes_by_phase(plan.calls(where, **kw), where)
+    return step, bytes_by_phase(plan.assembly_calls(where), where).get(ASSEMBLE, ZERO)
+
+
+def placements(M, P):
+    """The node-major placement and, with several nodes of several ranks, the round-robin one,
+    each with its node ids for the closed forms."""
+    out = [(Placement.node_major(M, P), np.arange(M * P) // P)]
+    if M > 1 and P > 1:
+        out.append((Placement.round_robin(M, P), np.arange(M * P) % M))
+    return out
+
+
+def test_phase_names_are_the_closed_forms():
+    assert (GATED, BCAST, ASSEMBLE) == (vsdp.GATED, vsdp.BCAST, vsdp.ASSEMBLE)
+
+
 # -- N-SDP ---------------------------------------------------------------------------------------
-NEURON_CASES = [(name, M, P, p) for name in MODELS for M, P in ((2, 2), (2, 3), (3, 3))
+SHAPES = ((2, 2), (2, 3), (3, 3), (1, 3), (1, 6), (4, 2))
+NEURON_CASES = [(name, M, P, p) for name in MODELS for M, P in SHAPES
                 for p in range(1, M * P + 1)]
 
 
@@ -101,13 +128,16 @@ def test_neuron_plan_equals_paper_closed_form(name, M, P, p):
     want_hist = {p: masked, n: rest} if p < n else {n: model.layout.total}
     assert plan.degree_histogram() == want_hist
     assert plan.coverage_realized == Fraction(p * masked + n * rest, n * model.layout.total)
-    node_of = np.arange(n) // P
-    closed = neuron_sdp_bytes(layers, rest, p, node_of)
-    assert plan.gated_bytes() == closed["gated"]
-    assert plan.assembly_bytes() == closed["assemble"]
-    # §3.2: each parameter is all-reduced among its holders, 2 (d - 1) floats per parameter
-    assert _wire(plan.gated_bytes()) == 8 * ((p - 1) * masked + (n - 1) * rest)
-    assert plan.bcast_bytes() is None
+    for where, node_of in placements(M, P):
+        closed = neuron_sdp_bytes(layers, rest, p, node_of)
+        step, assembly = records(plan, where)
+        assert step.get(GATED, ZERO) == closed["gated"], where.describe()
+        assert assembly == closed["assemble"], where.describe()
+        # §3.2: each parameter is all-reduced among its holders, 2 (d - 1) floats per parameter
+        assert _wire(step.get(GATED, ZERO)) == 8 * ((p - 1) * masked + (n - 1) * rest)
+        assert set(step) <= {GATED}            # forward masking: no broadcast
+        with_eval = bytes_by_phase(plan.calls(where, assemble=True), where)
+        assert with_eval.get(ASSEMBLE, ZERO) == closed["assemble"]
 
 
 def test_digits_cnn_masks_conv1_and_fc1():
@@ -120,13 +150,14 @@ def test_digits_cnn_masks_conv1_and_fc1():
     assert plan.detail["masked"] == ["conv1", "fc1"]
     # the issue's case: at 2/4 the gated traffic is (p-1)/(n-1) = 1/3 of DDP's, not 0.008
     ddp = 8 * 3 * 38282
-    assert _wire(plan.gated_bytes()) / ddp == pytest.approx((38240 / 3 + 42) / 38282)
+    gated = records(plan, Placement.node_major(2, 2))[0][GATED]
+    assert _wire(gated) / ddp == pytest.approx((38240 / 3 + 42) / 38282)
 
 
 # -- B-SDP / B_b-SDP -----------------------------------------------------------------------------
 BLOCK_CASES = [(name, mode, M, P, b, seed)
                for name in ("resnet", "resnet-odd") for mode in ("block", "block-backward")
-               for M, P in ((2, 2), (2, 3)) for b in (1, 2, 3) for seed in (0, 7)]
+               for M, P in SHAPES for b in (1, 2, 3) for seed in (0, 7)]
 
 
 @pytest.mark.parametrize("name,mode,M,P,b,seed", BLOCK_CASES)
@@ -141,10 +172,19 @@ def test_block_plan_equals_paper_closed_form(name, mode, M, P, b, seed):
                              seed=seed)
     order = plan.detail["order"]
     assert sorted(order) == list(range(d))
-    closed = block_sdp_bytes(sizes, rest, b, order, np.arange(n) // P,
-                             backward=mode == "block-backward")
-    assert plan.gated_bytes() == closed["gated"]
-    assert plan.bcast_bytes() == closed["bcast"]
+    for where, node_of in placements(M, P):
+        closed = block_sdp_bytes(sizes, rest, b, order, node_of,
+                                 backward=mode == "block-backward")
+        step, assembly = records(plan, where)
+        assert step.get(GATED, ZERO) == closed["gated"], where.describe()
+        if closed["bcast"] is None:
+            assert BCAST not in step
+        else:
+            assert step.get(BCAST, ZERO) == closed["bcast"], where.describe()
+            # the refresh is the strategy's after_step: left out when it did not run
+            assert BCAST not in records(plan, where, refresh=False)[0]
+        # B-SDP: rank 0 lacks the blocks it dropped; B_b-SDP holds the full model everywhere
+        assert (assembly == ZERO) == (mode == "block-backward" or plan.held(0) == plan.total)
     # every worker runs exactly b blocks (paper §4: A = b/d)
     L = model.layout
     firsts = [next(nm for nm in L.names if nm.startswith(blk + ".") and ".shortcut." not in nm)
@@ -164,15 +204,81 @@ def test_prediction_is_the_closed_form(model, kw, M, P):
     n = M * P
     if model == "cnn":
         layers, rest = neuron_layers(m)
-        closed = neuron_sdp_bytes(layers, rest, 2, np.arange(n) // P)
+        node_of = np.arange(n) // P
+        closed = neuron_sdp_bytes(layers, rest, 2, node_of)
         assert pred.steady.phases == {"sdp_gated_allreduce": closed["gated"]}
         assert pred.evaluation.phases == {"sdp_assemble": closed["assemble"]}
+        # N-SDP 2/6 by hand: the world ring of the rest (6 x 2 x 5 messages) and 6 windows
+        # {c, c+1} of 2 (2 x 2 x 1 each); windows 1..4 lack rank 0, one message each
+        assert pred.steady.messages == {GATED: 60 + 6 * 4}
+        assert pred.evaluation.messages == {ASSEMBLE: 4}
+        # every rank's modeled time is its own calls': the world ring and its 2 windows
+        cost = cm.CostModel()
+        per_window = sum(np.array([len(a) for a in np.array_split(np.arange(w), n)]) * per
+                         for w, per, _ in layers)
+        link = [cm.INTRA if node_of[c] == node_of[(c + 1) % n] else cm.INTER for c in range(n)]
+        window_s = [cost.ring_allreduce_time(4 * int(per_window[c]), 2, link[c])
+                    for c in range(n)]
+        world_s = cost.ring_allreduce_time(4 * rest, n, cm.INTER)
+        assert pred.steady.rank_s == pytest.approx(
+            [world_s + window_s[r] + window_s[(r - 1) % n] for r in range(n)], rel=1e-12)
+        assert pred.evaluation.rank_s == pytest.approx(
+            [0.0] + [cost.p2p_time(4 * int(per_window[c]), cm.INTRA if node_of[c] == 0 else
+                                   cm.INTER) for c in range(1, n - 1)] + [0.0], rel=1e-12)
     else:
         sizes, rest = block_sizes(m)
         order = SDPPlan.for_model(m, M, P, SDPOptions(**kw)).detail["order"]
         closed = block_sdp_bytes(sizes, rest, 2, order, np.arange(n) // P, backward=True)
         assert pred.steady.phases == {"sdp_gated_allreduce": closed["gated"],
                                       "sdp_param_bcast": closed["bcast"]}
+
+
+@pytest.mark.parametrize("name,M,P,kw", [
+    ("cnn", 2, 3, {"coverage": "2/6"}), ("resnet-odd", 4, 2, {"coverage": "3/8"}),
+    ("resnet", 2, 2, {"sdp_mode": "block-backward", "active_blocks": "1/3"}),
+    ("resnet", 1, 3, {"sdp_mode": "block", "active_blocks": "2/3"})])
+def test_records_are_the_holder_groups_in_each_ranks_order(name, M, P, kw):
+    """Per holder set with two or more holders one SUM all-reduce over its members (ascending
+    world ranks, the sub-communicator's order) of its coordinates, after the backward wrote
+    them; B_b-SDP's broadcasts from the set's lowest holder; the assembly's messages to rank 0.
+    Each record waits for exactly the previous record of each of its members (every rank runs
+    its calls one after another; disjoint groups overlap)."""
+    model = MODELS[name]
+    plan = SDPPlan.for_model(model, M, P, SDPOptions(**kw), seed=3)
+    where = Placement.round_robin(M, P)
+    calls = plan.calls(where, assemble=True)
+    n = M * P
+    sets = {}
+    for s_ in range(len(plan.sets)):
+        idx = np.flatnonzero(plan.set_id == s_)
+        if idx.size:
+            sets[tuple(r for r in range(n) if plan.sets[s_] >> r & 1)] = idx
+    gated = [c for c in calls if c.phase == GATED]
+    assert {c.group: c.nbytes // 4 for c in gated} == {g: idx.size for g, idx in sets.items()
+                                                       if len(g) >= 2}
+    last = {}
+    for i, c in enumerate(calls):
+        members = c.pairs[:, 0].tolist() if c.algorithm == "p2p" else c.group
+        deps = sorted({last[r] for r in members if r in last})
+        assert [d for d in c.after if not isinstance(d, Ready)] == deps, (i, c.phase)
+        ready = [d for d in c.after if isinstance(d, Ready)]
+        if c.phase == GATED:
+            idx = sets[c.group]
+            assert c.op == "sum" and ready == [Ready(int(idx[0]), int(idx[-1]) + 1)]
+        else:
+            assert not ready
+        if c.phase == BCAST:
+            holders = next(g for g in sets if g[0] == c.group[c.root] and len(g) < n
+                           and sets[g].size * 4 == c.nbytes)
+            assert set(c.group) == {holders[0]} | (set(range(n)) - set(holders))
+        if c.phase == ASSEMBLE:
+            assert c.group == where.world and set(c.pairs[:, 1].tolist()) == {0}
+        if c.algorithm != "p2p":
+            for r in members:
+                last[r] = i
+    assert (BCAST in {c.phase for c in calls}) == (kw.get("sdp_mode") == "block-backward")
+    with pytest.raises(ValueError, match="on a placement of"):
+        plan.calls(Placement.node_major(1, n + 1))
 
 
 def test_closed_forms_hand_computed():

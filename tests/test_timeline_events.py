@@ -197,6 +197,45 @@ def test_ssfusion_buffers_are_declared_and_overlap(tmp_path, n, R, extra):
         assert any(s["offload_s"] > 0 for r in ranks for s in r["records"])
 
 
+@pytest.mark.parametrize("n,R,extra,phase", [
+    (6, 3, ("--warmup-steps", 1, "--stable-window", 1, "--prune-score", "grasp"),
+     "packed_allreduce"),
+    (4, 2, ("--ternary", "--warmup-steps", 0, "--stable-window", 0), "ternary_allgather"),
+])
+def test_pactrain_buckets_are_declared_and_overlap(tmp_path, n, R, extra, phase):
+    """Dense, packed and ternary calls per bucket after its gradients (GraSP's all-reduces in
+    the pruning step, blocking; with --warmup-steps 0 in the constructor, before the first
+    step's calls): the packed / ternary buckets overlap the backward."""
+    ranks = _run(tmp_path, n, "dataparallel", "train", "--method", "pactrain", *DP,
+                 "--bucket-mib", 0.02, *extra, "--ranks-per-node", R)
+    _check(ranks, strict=phase, min_steps=3)
+    steps = [s for r in ranks for s in r["records"] if not s.get("final")]
+    assert any(phase in s["declared"] for s in steps)
+    # GraSP's scores (grasp, or the default grasp-abs) prune in the first step on every rank
+    assert all(["grasp_allreduce" in s["declared"] for s in r["records"][:2]] == [True, False]
+               for r in ranks)
+
+
+@pytest.mark.parametrize("n,R,extra,strict", [
+    (6, 3, ("--coverage", "2/3"), "sdp_gated_allreduce"),
+    (4, 2, ("--model", "resnet", "--sdp-mode", "block-backward", "--active-blocks", "2/3"),
+     False),
+])
+def test_sdp_holder_groups_are_declared(tmp_path, n, R, extra, strict):
+    """The gated all-reduces on the holder groups' sub-communicators (the first, the world's
+    ring of the unmasked coordinates, overlaps the backward of the first layer), B_b-SDP's
+    broadcasts after the update, the assembly's messages at the evaluation."""
+    ranks = _run(tmp_path, n, "dataparallel", "train", "--method", "sdp", *DP, *extra,
+                 "--ranks-per-node", R)
+    _check(ranks, strict=strict, min_steps=3)
+    steps = [s for r in ranks for s in r["records"] if not s.get("final")]
+    assert all("sdp_gated_allreduce" in s["declared"] for s in steps)
+    if "block-backward" in extra:
+        assert any("sdp_param_bcast" in s["declared"] for s in steps)
+    else:  # the evaluation after step 3 assembles the model on rank 0
+        assert any("sdp_assemble" in s["declared"] for s in steps)
+
+
 @pytest.mark.parametrize("n,R,method", [(6, 3, "hsadmm"), (3, 1, "hsadmm"),
                                         (4, 2, "flat-admm")])
 def test_admm_phases_are_declared_as_a_chain(tmp_path, n, R, method):

@@ -8,7 +8,7 @@ from dataparallel.fp16 import FP16_ITEMSIZE, FP16Options, FP16Plan
 from dataparallel.pactrain import PacTrainOptions, PacTrainPlan
 from substrate.calls import Placement
 
-from .core import ITEMSIZE, CallCost, IterCost, Prediction, SystemModel, _check_topology, register
+from .core import ITEMSIZE, IterCost, Prediction, SystemModel, _check_topology, register
 
 __all__ = ["pactrain_kept", "pactrain_plan", "predict_fp16", "predict_pactrain"]
 
@@ -28,22 +28,10 @@ def pactrain_kept(layout, prune_ratio: float) -> int:
 
 
 def _step(plan: PacTrainPlan, modes, grasp: bool, cost) -> IterCost:
-    """Messages and α–β time of the plan's calls in a step running ``modes``."""
-    calls = CallCost(plan.nodes, plan.ranks_per_node, cost)
+    """A step running ``modes``: the plan's records (:meth:`PacTrainPlan.calls`) on the
+    node-major placement, priced by the generic rule."""
+    placement = Placement.node_major(plan.nodes, plan.ranks_per_node)
     w = plan.itemsize
-    for u, mode in enumerate(modes):
-        if mode == "dense":
-            for b in plan.unit_buckets[u]:
-                a, e = plan.buckets[b]
-                calls.allreduce("dense_allreduce", w * (e - a), "world")
-        elif mode == "packed":
-            for k in plan.chunks[u]:
-                calls.allreduce("packed_allreduce", w * k, "world")
-        else:
-            calls.allreduce("ternary_scale", w * len(plan.segments[u]), "world")
-            calls.allgather("ternary_allgather", -(-plan.unit_kept[u] // 4), "world")
-    if grasp:
-        calls.allreduce("grasp_allreduce", w * plan.total, "world", calls=2)
     dense = w * plan.total
     if all(m == "dense" for m in modes):
         payload = dense
@@ -51,14 +39,15 @@ def _step(plan: PacTrainPlan, modes, grasp: bool, cost) -> IterCost:
         payload = w * plan.kept
     else:
         payload = sum(-(-k // 4) for k in plan.unit_kept) + w * plan.num_scales
-    return calls.finish(plan.step_bytes(modes, grasp), payload, dense)
+    return IterCost.from_calls(plan.calls(placement, modes, grasp), placement, cost, payload,
+                               dense)
 
 
 def predict_pactrain(spec, nodes, gpus_per_node, options: PacTrainOptions,
                      cost=None) -> Prediction:
     """PacTrain: dense all-reduce of DDP's buckets until the masks are stable, then every
     bucket's packed survivors (or TernGrad's scales and 2-bit codes): the stages of
-    :meth:`PacTrainPlan.bytes_at`."""
+    :meth:`PacTrainPlan.calls_at`."""
     _check_topology(nodes, gpus_per_node)
     plan = pactrain_plan(spec, nodes, gpus_per_node, options)
     D, g = plan.dense_steps, plan.grasp_step

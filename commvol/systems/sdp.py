@@ -12,15 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataparallel.sdp import SDPOptions, SDPPlan
+from dataparallel.sdp import BCAST, GATED, SDPOptions, SDPPlan
 from models import MODELS, build_model
-from substrate import costmodel as cm
+from substrate.calls import Call, Placement, price
 from substrate.options import option
-from volume.dataparallel import world_ring_bytes
-from volume.sdp import ASSEMBLE, BCAST, GATED, sdp_step_bytes
 
 from ..specs import SPEC_ARCH, build_trainable
-from .core import ITEMSIZE, CallCost, Prediction, SystemModel, _check_topology, register
+from .core import ITEMSIZE, IterCost, Prediction, SystemModel, _check_topology, register
 
 __all__ = ["SDPAssumptions", "predict_sdp", "sdp_plan"]
 
@@ -70,43 +68,34 @@ def predict_sdp(spec, nodes, gpus_per_node, options: SDPOptions, cost=None,
     """SDP: per step a ring all-reduce of every holder set of the plan on its own
     sub-communicator, B_b-SDP's parameter broadcasts and, at the trainer's evaluations (after
     every ``eval_every``-th step and the last; 0: the last only), the assembly of the model on
-    rank 0 -- the calls and bytes of :class:`~dataparallel.sdp.SDPPlan`, built exactly as the
-    run builds it (``assumptions.seed``: the run seed)."""
+    rank 0 -- the records of :meth:`~dataparallel.sdp.SDPPlan.calls` (and
+    :meth:`~dataparallel.sdp.SDPPlan.assembly_calls`), built exactly as the run builds them
+    (``assumptions.seed``: the run seed), priced by the generic rule: every rank's time is
+    the sum of its own calls' (:attr:`IterCost.rank_s`)."""
     _check_topology(nodes, gpus_per_node)
     assumptions = assumptions or SDPAssumptions()
     seed, eval_every = assumptions.seed, assumptions.eval_every
     M, P = nodes, gpus_per_node
+    placement = Placement.node_major(M, P)
     plan = sdp_plan(spec, M, P, options, seed)
     T, counts = plan.total, plan.counts
 
-    calls = CallCost(M, P, cost, per_rank=True)
-    for s in plan.reduce_sets:
-        calls.allreduce_ranks(GATED, ITEMSIZE * int(counts[s]), plan.members(s))
-    for s, ranks, root in plan.bcast_groups:
-        calls.bcast_ranks(BCAST, ITEMSIZE * int(counts[s]), ranks, root)
-    gated = plan.gated_bytes(itemsize=ITEMSIZE)
-    bcast = plan.bcast_bytes(itemsize=ITEMSIZE)
     held = ITEMSIZE * sum(int(counts[s] * plan.degrees[s]) for s in plan.reduce_sets)
-    step = calls.finish(sdp_step_bytes(gated=gated, bcast=bcast), round(held / plan.n),
-                        ITEMSIZE * T)
-
+    step = IterCost.from_calls(plan.calls(placement, ITEMSIZE), placement, cost,
+                               round(held / plan.n), ITEMSIZE * T)
     senders = plan.assemble_counts
     evaluation = None
     if senders:
-        ecalls = CallCost(M, P, cost, per_rank=True)
-        for r, size in senders.items():
-            ecalls.send(ASSEMBLE, ITEMSIZE * size, r, 0)
-        evaluation = ecalls.finish(sdp_step_bytes(gated=gated, syncs=0,
-                                                  assemble=plan.assembly_bytes(
-                                                      itemsize=ITEMSIZE)))
+        evaluation = IterCost.from_calls(plan.assembly_calls(placement, ITEMSIZE), placement,
+                                         cost)
     hist = ", ".join(f"{c:,} on {d}" for d, c in plan.degree_histogram().items())
     what = (f"coverage {plan.coverage} (every masked parameter on p = {plan.detail['p']} of "
             f"n = {plan.n}: {', '.join(plan.detail['masked'])})" if plan.mode == "neuron" else
             f"{plan.detail['b']}/{plan.detail['d']} residual blocks per worker, block degrees "
             f"{plan.detail['block_degrees']} (order from --seed {seed})")
-    gated_wire = gated[cm.INTRA] + gated[cm.INTER]
-    bcast_wire = 0 if bcast is None else bcast[cm.INTRA] + bcast[cm.INTER]
-    ddp_wire = sum(world_ring_bytes(T, ITEMSIZE, M, P).values())
+    gated_wire, bcast_wire = (sum(step.phases.get(ph, {}).values()) for ph in (GATED, BCAST))
+    ddp = price([Call("ddp", "allreduce", placement.world, ITEMSIZE * T, ITEMSIZE)], placement)
+    ddp_wire = ddp.intra + ddp.inter
     notes = [(f"--sdp-mode {plan.mode}: {what}; degrees: {hist} parameters "
               f"(realized coverage {float(plan.coverage_realized):.4f}); "
               f"plan of dataparallel.sdp.SDPPlan.for_model"),
@@ -115,7 +104,7 @@ def predict_sdp(spec, nodes, gpus_per_node, options: SDPOptions, cost=None,
              f"{gated_wire:,} wire bytes"
              + (f" = {gated_wire / ddp_wire:.4f} of DDP's world ring" if ddp_wire else ""),
              "payload / sender: mean bytes a rank feeds into the gated all-reduces"]
-    if bcast is not None:
+    if plan.bcast_groups:
         notes.append(f"B_b-SDP: {len(plan.bcast_groups)} binomial broadcast(s) per step of the "
                      f"updated parameters from each set's lowest holder to its non-holders: "
                      f"{bcast_wire:,} wire bytes"

@@ -2,7 +2,9 @@
 
 Every check compares the strategy's synchronized gradient with a serial NumPy reference built
 here from all ranks' local gradients (gathered with a recorded all-gather), written from the
-paper (eqs. 2-4) without the strategy's helpers:
+paper (eqs. 2-4) without the strategy's helpers, and holds the calls every sync ran to the
+strategy's ``step_calls()`` (the plan's records of the step, mask changes and re-plans included;
+``Recorder.account`` raises on the first difference):
 
 ``packed``   per-layer magnitude pruning; dense sync while the mask is new, packed sync once it
              is stable, both == the masked average; a mask change falls back to dense and
@@ -91,16 +93,30 @@ def _local_grad(rank, step, T):
     return np.random.default_rng([77, rank, step]).standard_normal(T).astype(np.float32)
 
 
+def _gather(run, x):
+    """All-gather ``x`` for a check; the call is the check's own, accounted by itself (the
+    run's call log then holds exactly the strategy's calls of the next step)."""
+    h = run.world.allgather(np.ascontiguousarray(x), phase="test_gather")
+    run.recorder.account([h.call])
+    return h.result
+
+
 def _sync(run, model, st, step):
+    """One sync of seeded gradients; the calls it ran must be the strategy's
+    :meth:`step_calls` (``Recorder.account`` raises on the first difference) and asking twice
+    gives the same records."""
     g = _local_grad(run.rank, step, model.layout.total)
     model.grads.flat[...] = g
-    everyone = run.world.allgather(g, phase="test_gather").astype(np.float64)
+    everyone = _gather(run, g).astype(np.float64)
     out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
+    calls = st.step_calls()
+    run.recorder.account(calls)
+    collective_check(run.world, calls == st.step_calls(), "step_calls() changed when asked again")
     return out, everyone
 
 
 def _same_everywhere(run, out, what):
-    rows = run.world.allgather(np.ascontiguousarray(out), phase="test_gather")
+    rows = _gather(run, out)
     collective_check(run.world, bool((rows == rows[0]).all()),
                      f"{what}: synchronized gradient differs between ranks")
 
@@ -202,7 +218,7 @@ def grasp():
     collective_check(run.world, ok, f"GraSP mask: kept weights != lowest S of the strategy's "
                                     f"scores, or agreement with the reference {agree:.4f}")
     bits = np.packbits(m)
-    rows = run.world.allgather(bits, phase="test_gather")
+    rows = run.world.allgather(bits, phase="test_gather").result
     collective_check(run.world, bool((rows == rows[0]).all()), "GraSP masks differ across ranks")
 
 
@@ -255,7 +271,7 @@ def fp16():
     for step in range(2):
         g = _local_grad(run.rank, step, model.layout.total) * (10.0 ** (run.rank - 2))
         model.grads.flat[...] = g
-        everyone = run.world.allgather(g, phase="test_gather")
+        everyone = _gather(run, g)
         snap = run.ledger.snapshot()
         out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
         sent = run.ledger.since(snap)
@@ -272,7 +288,7 @@ def fp16():
         # the world's bytes (ledger, all ranks) == a ring of 2-byte values per bucket
         mine = np.array([sent["fp16_allreduce"]["intra_bytes"],
                          sent["fp16_allreduce"]["inter_bytes"]], dtype=np.int64)
-        world = run.world.allgather(mine, phase="test_gather").sum(axis=0)
+        world = _gather(run, mine).sum(axis=0)
         closed = st.step_bytes()["fp16_allreduce"]
         ring = [world_ring_bytes(n, 2, 2, 3) for n in sizes]
         ok = (world.tolist() == [closed["intra"], closed["inter"]]

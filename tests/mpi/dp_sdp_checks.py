@@ -11,6 +11,10 @@ On 2 virtual nodes x 2 ranks:
            evaluation model equals the reference assembly from the holders (times the weight
            scaling rule with a third argument ``rescale``: ``--eval-rescale``), and the ledger
            equals the closed form summed over the steps.
+
+Both hold every step's executed calls to the strategy's ``step_calls()`` (the plan's records:
+gated all-reduces, B_b's broadcasts when ``after_step`` ran, the assembly when ``before_eval``
+ran) and check that asking for them twice gives the same answer.
 """
 
 import sys
@@ -51,6 +55,18 @@ def _setup(model_name, steps=3, **options):
     strat = cls(SyncContext(run=run, model=model, opt=opt, train=train, config=cfg),
                 cls.Options(**options))
     return cfg, run, data, train, model, opt, strat
+
+
+def _account(run, strat):
+    """The calls the step ran must be the plan's records of it (``Recorder.account`` raises on
+    the first difference), and asking for them has no side effect (issue 23: ``step_bytes``
+    used to reset the strategy's counters, so a second call returned nothing)."""
+    calls = strat.step_calls()
+    run.recorder.account(calls)
+    again = strat.step_calls()
+    if again != calls or strat.step_bytes() != strat.step_bytes():
+        return ["step_calls() / step_bytes() changed when asked again"]
+    return []
 
 
 def reference_cnn_mask(model, n, p):
@@ -150,6 +166,7 @@ def gated(mode, coverage="3/4"):
         all_g = np.array(COMM.allgather(g), dtype=np.float64)
         want = np.where(ref[rank], (ref * all_g).sum(axis=0) / deg, 0.0)
         out = strat.sync(StepState(step, 0, 0.0), model.grads)
+        msgs += _account(run, strat)
         preds.append(strat.step_bytes())
         if out is not model.grads.flat:
             msgs.append("sync did not return the flat gradient buffer")
@@ -193,6 +210,7 @@ def train(mode, coverage="3/4", rescale=""):
         strat.after_step(StepState(step, 0, float(loss)))
         if step == steps - 1:  # the trainer's hook before rank 0 evaluates
             strat.before_eval()
+        msgs += _account(run, strat)
         preds.append(strat.step_bytes())
         if step == 0:
             got1 = model.params.flat
