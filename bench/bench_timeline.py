@@ -42,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from substrate.costmodel import CostModel  # noqa: E402
 from substrate.testing import busy_loops  # noqa: E402
+from dataparallel.ddp import DDPPlan  # noqa: E402
+from substrate.calls import Placement, declare  # noqa: E402
 from substrate.compute import FlopSource, LayerEvents  # noqa: E402
 from substrate.timeline import Timeline  # noqa: E402
 
@@ -110,10 +112,13 @@ def part_overlap() -> None:
         rec = LayerEvents(tl, FlopSource(tflops))
         model.recorder = rec
         model.loss_and_grad(x, y)
-        # the strategy's declarations: one all-reduce per bucket, after its gradients
-        ars = [tl.transfer("ddp_allreduce", "inter", (hi - lo) * item, algorithm="allreduce",
-                           p=p, deps=rec.ready_event(lo, hi)) for lo, hi in buckets]
-        tl.compute("optimizer", rec.source.seconds(4 * model.num_params), deps=ars)
+        # DDP's plan (one all-reduce per bucket, after its gradients, on one stream), laid on
+        # rank 0's timeline by the generic rule
+        placement = Placement.node_major(2, p // 2)
+        plan = DDPPlan(tuple(buckets), "ring", item)
+        ev = declare(tl, plan.calls(placement), placement, 0,
+                     resolve=lambda r: rec.ready_event(r.lo, r.hi))
+        tl.compute("optimizer", rec.source.seconds(4 * model.num_params), deps=ev)
         t = tl.step()
         model.recorder = None
         print(f"{gbps:12g} {t.compute_s:10.5f} {t.comm_s:9.5f} {t.no_overlap_s:13.5f} "

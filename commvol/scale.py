@@ -258,7 +258,11 @@ def _system_notes(name: str, spec, opts, cost: CostModel | None = None, M: int =
     pred = sm.predict(spec, M, P, opts, cost) if sm.Assumptions is None else \
         sm.predict(spec, M, P, opts, cost, None)
     calls = [c for c in pred.steady.calls if isinstance(c, Call)]
-    work = [w.label for w in pred.steady.calls if isinstance(w, Work)]
+    work: dict[str, int] = {}
+    for w in pred.steady.calls:
+        if isinstance(w, Work):
+            base = w.label.split("[", 1)[0]
+            work[base] = work.get(base, 0) + 1
     phases: dict[str, int] = {}
     for c in calls:
         phases[c.phase] = phases.get(c.phase, 0) + 1
@@ -267,7 +271,9 @@ def _system_notes(name: str, spec, opts, cost: CostModel | None = None, M: int =
                 for c in calls)
     what = ", ".join(f"{n} x {ph}" for ph, n in phases.items())
     if work:
-        what += f"; compute items {', '.join(work)} (roofline at --device-gbs)"
+        what += "; compute items " + ", ".join(f"{n} x {w}" if n > 1 else w
+                                               for w, n in work.items()) + \
+            " (roofline at --device-gbs)"
     overlap = (f"{early} call(s) wait for part of the gradients only (they can start "
                "during the backward)" if early else
                "none: the calls start after the whole backward / the local epochs")

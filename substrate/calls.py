@@ -637,19 +637,32 @@ def declare(timeline, calls: Sequence, placement: Placement, rank: int,
     events: list = [None] * len(calls)
     for i in calls_of_rank(calls, rank):
         c = calls[i]
-        deps = []
+        deps, ready = [], []
         for d in c.after:
             if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
                 deps.append(events[d])
             elif resolve is None:
-                raise ValueError(f"call {i} ({c.phase}) waits for {d!r}: pass resolve=")
+                raise ValueError(f"call {i} ({getattr(c, 'phase', c)}) waits for {d!r}: pass "
+                                 "resolve=")
             else:
-                deps.append(resolve(d))
+                ev = resolve(d)
+                deps.append(ev)
+                if isinstance(d, Ready):
+                    ready.append(ev)
         if isinstance(c, Work):
             if work is None:
                 raise ValueError(f"plan item {c.label!r} is compute: pass work= (seconds of a "
                                  "Work item)")
-            events[i] = timeline.compute(c.label, float(work(c)), deps=deps)
+            # a compute item that waits only for a backward event runs on the compute stream
+            # right after it (as a strategy places it with clock.compute(after=...)): a fusion
+            # buffer is sparsified while the rest of the backward goes on, not after all of it
+            place = None
+            if len(deps) == 1 and ready and ready[0] is deps[0]:
+                e = ready[0]
+                if e is not None and e.kind == "compute" and e.resource == "compute" and \
+                        e.order == (e.index,):
+                    place = e
+            events[i] = timeline.compute(c.label, float(work(c)), deps=deps, after=place)
         else:
             events[i] = declare_one(timeline, c, placement, rank, deps)
     return events

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -270,8 +271,6 @@ def run_record(argv, started: float, hosts: list[str]) -> dict:
 
 
 def _iso(t: float) -> str:
-    import datetime  # noqa: PLC0415
-
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(
         timespec="seconds")
 

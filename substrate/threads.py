@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .compute import blas_threads
+
 __all__ = ["THREAD_VARS", "cap_threads", "usable_cores"]
 
 #: the variables that size the BLAS / OpenMP / Numba pools
@@ -70,6 +72,4 @@ def cap_threads(ranks_on_node: int, cores: int | None = None, apply: bool = True
 
 
 def _blas() -> int | None:
-    from .compute import blas_threads  # noqa: PLC0415 - threadpoolctl is read lazily there too
-
     return blas_threads()

@@ -139,9 +139,10 @@ def test_ssfusion_buffers_chain_on_one_channel(tiny):
     exact selection of a tensor too small to sample 3n, the gather of k entries 2k, each
     streaming 4 bytes an operation); each buffer's all-gather (8 bytes a rank) waits for its
     sparsification and the previous all-gather (one channel); decoding (p n_AGd + 2 p K + n
-    operations) follows each all-gather; the update waits for everything.  Max-plus,
-    with the compute items of :func:`substrate.calls.declare` appended to the compute stream in
-    the order of the records."""
+    operations) follows each all-gather; the update waits for everything.  Max-plus, with a
+    buffer's sparsification placed on the compute stream right after the backward event that
+    completes the buffer (:func:`substrate.calls.declare`), so it overlaps the rest of the
+    backward and buffer 0's all-gather starts before fc1's backward ends."""
     from dataparallel.ssfusion import SSFusionOptions
 
     spec, cm = tiny
@@ -154,12 +155,13 @@ def test_ssfusion_buffers_chain_on_one_channel(tiny):
     def mem(ops):                       # roofline of a compute item (memory-bound here)
         return max(ops / (RATE * 1e12), 4 * ops / (GBS * 1e9))
 
-    backward_end = batch * _sec(3 * F1 + 3 * F2)
     sp0, sp1 = mem(3 * 16 + 2 * 16 + 16 + 2), mem(3 * 32 + 2 * 32 + 32 + 2)
     gather = (p - 1) * 1e-4 + (p - 1) / p * (p * 8) / 1e6
     un0, un1 = mem(2 * p + 16), mem(2 * p + 32)
-    s0 = backward_end + sp0
-    s1 = s0 + sp1
+    # buffer 0 (fc2) is sparsified right after fc2's backward, before fc1's (the pipeline)
+    s0 = batch * _sec(F1 + F2 + 2 * F2) + sp0
+    backward_end = s0 + batch * _sec(2 * F1)
+    s1 = backward_end + sp1
     g0 = s0 + gather
     g1 = max(s1, g0) + gather
     u0 = max(s1, g0) + un0

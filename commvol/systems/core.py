@@ -12,7 +12,7 @@ from substrate import costmodel as cm
 from substrate.calls import Call, Placement, price
 from substrate.costmodel import CostModel
 
-__all__ = ["IterCost", "Prediction", "CallCost", "SystemModel", "register", "get_system", "ITEMSIZE",
+__all__ = ["IterCost", "Prediction", "SystemModel", "register", "get_system", "ITEMSIZE",
            "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch",
            "_admm_units_per_epoch"]
 
@@ -270,117 +270,6 @@ class Prediction:
                 "evaluation": self.evaluation.as_dict() if self.evaluation else None,
                 "eval_iterations": self.eval_iterations(iters),
                 "total": self.total(iters).as_dict(), "notes": list(self.notes)}
-
-
-# TEMPORARY during the call-record migration (issue 23): removed once every system prices
-# its records with IterCost.from_calls.
-# ---------------------------------------------------------------------------------------------
-# messages and α–β time of the collective calls (ledger conventions)
-# ---------------------------------------------------------------------------------------------
-class CallCost:
-    """Accumulates messages and modeled time of one iteration's collective calls.
-
-    Groups are ``"world"`` (all ``p = M P`` ranks, node-major), ``"intra"`` (the ``M`` node
-    communicators of ``P`` ranks, calling in parallel) and ``"inter"`` (the ``M`` leaders).
-    A communicator whose ring crosses nodes is timed at the inter-node link (the ledger's
-    ``slowest``), as :mod:`substrate.comm` does.
-
-    With ``per_rank=True`` the time of every call is charged to the world ranks that make it,
-    so the calls may also run on arbitrary member sets (:meth:`allreduce_ranks`,
-    :meth:`bcast_ranks`, :meth:`send`): a phase's time is then its busiest rank's and the
-    iteration keeps every rank's total (:attr:`IterCost.rank_s`).
-    """
-
-    def __init__(self, nodes: int, gpus_per_node: int, cost: CostModel | None = None,
-                 per_rank: bool = False) -> None:
-        self.M, self.P = int(nodes), int(gpus_per_node)
-        self.cost = cost or CostModel()
-        self.messages: dict[str, int] = {}
-        self.seconds: dict[str, float] = {}
-        self._rank_s: dict[str, np.ndarray] | None = {} if per_rank else None
-
-    def _group(self, group: str) -> tuple[int, int, str, object]:
-        """(size, parallel groups, slowest link, world ranks taking part)."""
-        M, P = self.M, self.P
-        if group == "world":
-            return M * P, 1, cm.INTER if M > 1 else cm.INTRA, slice(None)
-        if group == "intra":
-            return P, M, cm.INTRA, slice(None)
-        if group == "inter":
-            return M, 1, cm.INTER if M > 1 else cm.INTRA, np.arange(M) * P
-        raise ValueError(f"unknown group {group!r}; use world, intra or inter")
-
-    def _add(self, phase: str, messages: int, seconds: float, ranks=None) -> None:
-        self.messages[phase] = self.messages.get(phase, 0) + int(messages)
-        if self._rank_s is None:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + float(seconds)
-            return
-        if ranks is None:
-            raise ValueError(f"phase {phase!r}: a per-rank CallCost needs the ranks of every "
-                             "call; pass ranks=")
-        v = self._rank_s.setdefault(phase, np.zeros(self.M * self.P))
-        v[ranks] += float(seconds)
-
-    def _members_link(self, ranks) -> str:
-        """Slowest link of a communicator of these world ranks: its ring (or any spanning
-        tree) crosses nodes iff the members live on more than one node."""
-        nodes = {int(r) // self.P for r in ranks}
-        return cm.INTER if len(nodes) > 1 else cm.INTRA
-
-    def allreduce(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
-        """Ring all-reduce of ``nbytes`` per rank: ``2 (g-1)`` messages per rank."""
-        g, n, link, ranks = self._group(group)
-        self._add(phase, calls * n * g * 2 * (g - 1),
-                  calls * self.cost.ring_allreduce_time(nbytes, g, link), ranks)
-
-    def bcast(self, phase: str, nbytes: int, group: str, calls: int = 1) -> None:
-        """Binomial broadcast of ``nbytes``: ``g - 1`` messages per group."""
-        g, n, link, ranks = self._group(group)
-        self._add(phase, calls * n * (g - 1), calls * self.cost.bcast_time(nbytes, g, link),
-                  ranks)
-
-    def allgather(self, phase: str, block_bytes: int, group: str, calls: int = 1) -> None:
-        """Ring all-gather of one ``block_bytes`` block per rank: ``g - 1`` messages per rank."""
-        g, n, link, ranks = self._group(group)
-        self._add(phase, calls * n * g * (g - 1),
-                  calls * self.cost.ring_allgather_time(g * block_bytes, g, link), ranks)
-
-    def allreduce_ranks(self, phase: str, nbytes: int, ranks) -> None:
-        """Ring all-reduce of ``nbytes`` on a sub-communicator of the world ranks ``ranks``."""
-        ranks = sorted(int(r) for r in ranks)
-        g = len(ranks)
-        self._add(phase, g * 2 * (g - 1),
-                  self.cost.ring_allreduce_time(nbytes, g, self._members_link(ranks)), ranks)
-
-    def bcast_ranks(self, phase: str, nbytes: int, ranks, root: int) -> None:
-        """Binomial broadcast of ``nbytes`` from world rank ``root`` to the world ranks
-        ``ranks`` (``g - 1`` messages; every member waits for the whole tree)."""
-        ranks = sorted(int(r) for r in ranks)
-        if int(root) not in ranks:
-            raise ValueError(f"bcast root {root} is not one of the ranks {ranks}")
-        g = len(ranks)
-        self._add(phase, g - 1,
-                  self.cost.bcast_time(nbytes, g, self._members_link(ranks)), ranks)
-
-    def send(self, phase: str, nbytes: int, src: int, dst: int) -> None:
-        """One point-to-point message of ``nbytes`` (timed on the sender, as the ledger)."""
-        link = cm.INTRA if int(src) // self.P == int(dst) // self.P else cm.INTER
-        self._add(phase, 1, self.cost.p2p_time(nbytes, link), [int(src)])
-
-    def add(self, phase: str, messages: int, seconds: float, ranks=None) -> None:
-        """Messages and time computed elsewhere (e.g. point-to-point patterns); ``ranks``:
-        the world ranks that spend ``seconds`` (needed with ``per_rank``)."""
-        self._add(phase, messages, seconds, ranks)
-
-    def finish(self, phases: dict, payload: int = 0, dense: int = 0) -> IterCost:
-        """Bind the calls to the phase bytes of the closed form."""
-        if self._rank_s is None:
-            return IterCost(dict(phases), dict(self.messages), dict(self.seconds),
-                            int(payload), int(dense))
-        secs = {p: float(v.max()) for p, v in self._rank_s.items()}
-        total = sum(self._rank_s.values(), np.zeros(self.M * self.P))
-        return IterCost(dict(phases), dict(self.messages), secs, int(payload), int(dense),
-                        tuple(float(t) for t in total))
 
 
 def _check_topology(nodes: int, gpus_per_node: int) -> None:
