@@ -97,4 +97,4 @@ bootstrap() {
 
 bootstrap
 cd "$ROOT"
-exec "$VENV/bin/python" -m substrate.launch "$@"
+exec "$VENV/bin/python" -m runner.launch "$@"

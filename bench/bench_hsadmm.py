@@ -44,7 +44,8 @@ from hsadmm.config import HSADMMConfig
 from hsadmm.shrink import ShrinkPlan
 from hsadmm.solver import HSADMM
 from models import build_model, get_spec, load_digits, shard
-from substrate import Topology, start_run
+from runner.run import start_run
+from substrate import Topology
 
 OVERHEAD = ("projection", "mask_sync", "plan_build", "shrink", "expand")
 

@@ -5,7 +5,7 @@ Prints (not a test)::
     python bench/bench_memory.py [--ranks 8 32 64 128] [--systems hsadmm ddp]
                                  [--ranks-per-node 4] [--timeout 600] [--keep DIR]
 
-Every run is ``python -m substrate.launch -n NP --ranks-per-node R bench.rss_probe MODULE train
+Every run is ``python -m runner.launch -n NP --ranks-per-node R bench.rss_probe MODULE train
 ...`` (what ``./run_mpi.sh`` runs), so each rank executes the unmodified trainer and reports, at
 exit, its peak resident set (``VmHWM`` of ``/proc/self/status``) through
 :mod:`bench.rss_probe`.  Budgets are small (the digits CNN, ``--iters 1`` of H-SADMM with
@@ -48,7 +48,7 @@ def run_one(system: str, np_: int, rpn: int, timeout: float, workdir: Path) -> d
     out_dir = workdir / f"{system}_{np_}_out"
     shutil.rmtree(rss_dir, ignore_errors=True)
     rss_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "substrate.launch", "-n", str(np_), "--ranks-per-node",
+    cmd = [sys.executable, "-m", "runner.launch", "-n", str(np_), "--ranks-per-node",
            str(rpn), "bench.rss_probe", *SYSTEMS[system], "--out", str(out_dir), "--overwrite",
            "--progress-every", "0"]
     env = dict(os.environ, SPARDIST_RSS_DIR=str(rss_dir))

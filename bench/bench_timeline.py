@@ -40,11 +40,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from substrate.costmodel import CostModel  # noqa: E402
-from substrate.testing import busy_loops  # noqa: E402
 from dataparallel.ddp import DDPPlan  # noqa: E402
 from substrate.calls import Placement, declare  # noqa: E402
 from substrate.compute import FlopSource, LayerEvents  # noqa: E402
+from substrate.costmodel import CostModel  # noqa: E402
+from substrate.testing import busy_loops  # noqa: E402
 from substrate.timeline import Timeline  # noqa: E402
 
 _WORK = r"""
@@ -137,7 +137,7 @@ SIM_SOURCES = ("cpu", "calibrated", "profile")
 
 
 def _sim_cmd(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
-    from substrate.launch import launch_command  # noqa: PLC0415
+    from runner.launch import launch_command  # noqa: PLC0415
 
     module, args, flag = SIM_JOBS[system]
     return launch_command(4, module, [*args, flag, str(steps), "--ranks-per-node", "2",
@@ -147,7 +147,7 @@ def _sim_cmd(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
 
 def _sim_jobs(cmds: list[list[str]], outs: list[Path]) -> list[tuple[float, str]]:
     """Run the jobs at the same time; per job (simulated seconds per step, compute source)."""
-    from substrate.launch import mpi_env  # noqa: PLC0415
+    from runner.launch import mpi_env  # noqa: PLC0415
 
     procs = [subprocess.Popen(c, cwd=ROOT, env=mpi_env(4), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for c in cmds]

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 # OpenBLAS workers sleep after a GEMM instead of spinning ~0.1 s, which starves the layer kernels'
-# helper threads on small core counts (what substrate.launch sets for MPI ranks); read when NumPy
+# helper threads on small core counts (what runner.launch sets for MPI ranks); read when NumPy
 # loads OpenBLAS. PyTorch's wheel has its own pools and is not affected.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 

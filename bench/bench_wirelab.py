@@ -124,7 +124,7 @@ def workloads(steps: int, tiny: bool = False) -> dict:
 
 
 def replayed(loads: dict, tmp: Path, timeout: float) -> dict:
-    """The workloads replayed (:mod:`substrate.replay`): for every shape, one real run outside
+    """The workloads replayed (:mod:`runner.replay`): for every shape, one real run outside
     the lab records the compute profile and the ranks' programs (``--compute-profile-out``, on
     virtual nodes of the lab's block placement); the lab then runs the replay, whose ranks
     sleep their compute and communicate for real, so 16-32 ranks share two cores without
@@ -143,7 +143,7 @@ def replayed(loads: dict, tmp: Path, timeout: float) -> dict:
                 if proc.returncode:
                     raise wl.LabError(f"recording {name} on {n} ranks failed: "
                                       f"{(proc.stderr or proc.stdout).strip()[-300:]}")
-            return ["substrate.replay", "--compute-profile", str(prof)]
+            return ["runner.replay", "--compute-profile", str(prof)]
         out[name] = {"args": args, "skip": w["skip"]}
     return out
 

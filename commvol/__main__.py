@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from substrate.cli import main_guard
+from runner.errors import main_guard
 
 from . import partition_table, plots, predict, report, rerun, scale
 

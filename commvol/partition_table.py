@@ -26,10 +26,11 @@ import csv
 import io
 from pathlib import Path
 
+from runner.options import add_common_args
+
 from sparse_sgd.plan import METHODS, PartitionOptions
 from sparse_sgd.radixnet import radixnet
 from sparse_sgd.table1 import table1_rows
-from substrate.cli import add_common_args
 from substrate.options import add_dataclass_args, from_args
 from substrate.results import atomic_write_bytes
 

@@ -24,8 +24,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from runner.options import CommonConfig, add_cost_args
+
 from substrate import costmodel as cm
-from substrate.cli import CommonConfig, add_cost_args
 from substrate.costmodel import CostModel
 from substrate.options import add_dataclass_args, flag_of, from_args
 

@@ -1,8 +1,8 @@
 """``python -m commvol rerun RUN_DIR [--out DIR] [--dry-run]``: repeat a run from its record.
 
-Every ``summary.json`` carries a ``record`` block (:func:`substrate.cli.run_record`): the module
+Every ``summary.json`` carries a ``record`` block (:func:`runner.run.run_record`): the module
 and arguments the ranks ran, the world size, the commit and versions it ran with.  ``rerun``
-launches the same module with the same arguments on as many ranks (:mod:`substrate.launch`:
+launches the same module with the same arguments on as many ranks (:mod:`runner.launch`:
 ``mpiexec``, or ``srun`` inside an allocation) into a new run folder (``--out DIR``, or the
 default ``results/<system>_<method>/run-N``), never over the recorded one; ``--dry-run`` prints
 the command.  It says so when the checkout's commit differs from the recorded one.
@@ -15,8 +15,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from substrate import launch
-from substrate.cli import git_commit
+from runner.run import git_commit
+
+from runner import launch
 
 __all__ = ["add_parser", "rerun_command", "run"]
 
@@ -76,7 +77,7 @@ def run(args) -> int:
         print(f"commvol rerun: note: recorded at commit {rec.get('git_commit')}, this checkout "
               f"is {here}", file=sys.stderr)
     if args.dry_run:
-        print("python -m substrate.launch " + shlex.join(cmd))
+        print("python -m runner.launch " + shlex.join(cmd))
         return 0
     rc = launch.main(cmd)
     if rc:

@@ -51,7 +51,7 @@ from .predict import (
     system_options,
 )
 from .specs import SPEC_ARCH, build_trainable
-from .systems import ITEMSIZE, get_system
+from .systems import get_system
 from .timeline_scale import ComputeModel, epoch_timing, units_for_spec
 
 __all__ = ["SPEC_ARCH", "build_trainable", "measure_compute_s_per_sample", "strong_scaling",

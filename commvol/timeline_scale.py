@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
 
 from models import MODELS, build_model
 from models.network import BACKWARD_FLOP_FACTOR, compute_units
 from models.zoo import resnet_layers
 from substrate.calls import Ready, declare
-from substrate.costmodel import CostModel
 from substrate.compute import FlopSource, LayerEvents
+from substrate.costmodel import CostModel
 from substrate.timeline import StepTiming, Timeline
 
 from .specs import DATASET_SHAPES, MODEL_ALIASES, SPEC_ARCH

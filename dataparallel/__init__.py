@@ -8,6 +8,6 @@ averages among holders) and ``ssfusion`` (fusion buffers with selective sparsifi
 """
 
 from . import ddp, fp16, pactrain, sdp, ssfusion, topk  # noqa: F401  (register the strategies)
-from .strategy import (STRATEGIES, NoOptions, StepState, Strategy, SyncContext, register)
+from .strategy import STRATEGIES, NoOptions, StepState, Strategy, SyncContext, register
 
 __all__ = ["STRATEGIES", "NoOptions", "StepState", "Strategy", "SyncContext", "register"]

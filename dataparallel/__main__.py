@@ -2,7 +2,7 @@
 
 import sys
 
-from substrate.cli import main_guard
+from runner.errors import main_guard
 
 from .train import main
 

@@ -40,7 +40,7 @@ class SyncContext:
 
     Attributes
     ----------
-    run : substrate.cli.Run
+    run : runner.run.Run
         Topology (``run.topo``: world / intra / inter communicators), ledger, clock, backend.
     model : models.Model
         The rank's model (``model.layout`` is the flat layout in backward order).

@@ -13,7 +13,7 @@ bytes, modeled communication time per phase and the simulated clock.  ``summary.
 measured (ledger) and predicted (closed form, :mod:`volume.dataparallel`) traffic.
 
 Checkpoints: ``--checkpoint-every N`` saves every rank's state after every N-th step and at the
-end (:class:`substrate.cli.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
+end (:class:`runner.checkpoints.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
 (momentum), the strategy's own state (:meth:`Strategy.state_dict`: error-feedback residuals,
 masks, profiles, ...), the position in the mini-batch stream and the trainer's running
 accumulators.  ``--resume`` continues from the newest checkpoint intact on every rank up to
@@ -35,19 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_shard
-from models.optim import make_optimizer, make_schedule
 from models.data import check_batch_size
+from models.optim import make_optimizer, make_schedule
 from models.train import evaluate, parse_arch
-from substrate.cli import (
-    Progress,
-    RunCheckpoints,
-    add_common_args,
-    add_training_args,
-    check_range,
-    start_run,
-)
+from runner.checkpoints import RunCheckpoints
+from runner.options import add_common_args, add_training_args
+from runner.progress import Progress
+from runner.run import start_run
 from substrate.ledger import Predicted
-from substrate.options import add_dataclass_args, from_args, option
+from substrate.options import add_dataclass_args, check_range, from_args, option
 
 from .pactrain import load_init
 from .strategy import (
@@ -91,7 +87,7 @@ class DPConfig:
     init: str | None = option(
         None, "start every method from this .npz of a trained model's flat parameters "
         "(dataparallel.pactrain.save_init; PacTrain prunes it at once)", type=str)
-    #: from :func:`substrate.cli.add_training_args` / :func:`substrate.cli.add_common_args`
+    #: from :func:`runner.options.add_training_args` / :func:`runner.options.add_common_args`
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
     seed: int = option(0, cli=False)

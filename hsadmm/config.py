@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from substrate.options import check_range
-from substrate.options import option
+from substrate.options import check_range, option
 
 from .penalty import RHO_UPDATES
 from .projection import keep_count, parse_sparsity

@@ -28,7 +28,7 @@ with pruned filters and channels physically removed), evaluates it, and records
 
 Checkpoints: ``--checkpoint-every N`` saves every rank's complete solver state after every N-th
 outer iteration and at the end to ``OUT/checkpoints/ckpt-r{rank}-s{iterations done:08d}.npz``
-(:class:`substrate.cli.RunCheckpoints`, newest two kept).  ``--resume`` continues the run in
+(:class:`runner.checkpoints.RunCheckpoints`, newest two kept).  ``--resume`` continues the run in
 ``--out`` from the newest iteration every rank has an intact checkpoint for, up to ``--iters``
 iterations in total, and produces the same ``z`` as an uninterrupted run (runs resume at
 iteration boundaries; the mini-batch stream position is part of the state).  The metrics lines,
@@ -52,7 +52,10 @@ from pathlib import Path
 from models import build_model, load_shard
 from models.data import check_batch_size
 from models.train import evaluate
-from substrate.cli import Progress, RunCheckpoints, add_common_args, add_training_args, start_run
+from runner.checkpoints import RunCheckpoints
+from runner.options import add_common_args, add_training_args
+from runner.progress import Progress
+from runner.run import start_run
 from substrate.options import add_dataclass_args, from_args, option
 
 from .config import PAPER_DEFAULTS, HSADMMConfig, read_keep_file

@@ -53,7 +53,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "results/wirelab/<module>_<method>_<H>x<R>")
     p.add_argument("--launch", choices=("mpiexec", "run_mpi"), default="mpiexec",
                    help="plain hydra mpiexec, or the project's launcher (python -m "
-                        "substrate.launch, what run_mpi.sh runs) with SPARDIST_LAUNCHER set to "
+                        "runner.launch, what run_mpi.sh runs) with SPARDIST_LAUNCHER set to "
                         "the same hydra command")
     p.add_argument("--netmod", choices=("ucx", "ofi"), default="ucx",
                    help="MPICH network module, both over TCP (default ucx)")

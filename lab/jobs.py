@@ -11,7 +11,7 @@ per launch style) and writes ``DIR/wire.json`` (:func:`lab.analysis.wire_report`
   ``ssh`` and it enters the host's namespaces, so hydra sees ``H`` distinct hosts and
   ``MPI_Comm_split_type(SHARED)`` groups the ranks by host: the nodes of the run are real (no
   ``--ranks-per-node``).  Host 0's proxy is forked by mpiexec itself.  ``launch="run_mpi"``
-  runs the project's launcher (``python -m substrate.launch``) with ``SPARDIST_LAUNCHER`` set to
+  runs the project's launcher (``python -m runner.launch``) with ``SPARDIST_LAUNCHER`` set to
   the same hydra command, and checks that it resolves to it.
 * ``MPIR_CVAR_CH4_NETMOD=ucx`` with ``UCX_TLS=tcp,self`` and ``UCX_NET_DEVICES=eth0`` (or
   ``netmod="ofi"``: ``FI_PROVIDER=tcp``, ``FI_TCP_IFACE=eth0``): the namespaces share one
@@ -141,7 +141,7 @@ class Lab(Network):
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "NUMBA_NUM_THREADS"):
             env.setdefault(var, threads)
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")   # as substrate.launch: no spinning
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")   # as runner.launch: no spinning
         if self.netmod == "ucx":
             env.update(MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES=HOST_IF,
                        UCX_WARN_UNUSED_ENV_VARS="n")
@@ -166,7 +166,7 @@ class Lab(Network):
             hydra = shlex.join(self.hydra_prefix())
             env["SPARDIST_LAUNCHER"] = hydra      # wins over Slurm detection and find_mpiexec
             env["SPARDIST_MPIEXEC"] = hydra
-            cmd = [self.python, "-m", "substrate.launch", "-n", str(np_), *module_args]
+            cmd = [self.python, "-m", "runner.launch", "-n", str(np_), *module_args]
         else:
             raise LabError(f"--launch must be mpiexec or run_mpi, got {launch!r}")
         return cmd, env
@@ -183,7 +183,7 @@ class Lab(Network):
             res = run(self.in_host0([*cmd[:3], "--dry-run", *cmd[3:]]), env=env, timeout=60)
             resolved = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
             if not resolved.startswith(shlex.join(self.hydra_prefix())):
-                raise LabError("substrate.launch did not resolve to the lab's hydra command: "
+                raise LabError("runner.launch did not resolve to the lab's hydra command: "
                                f"{resolved!r}")
         before, qd_before = self.counters(), self.qdisc_stats()
         t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """``python -m models train ...``: serial training (see :mod:`models.train`)."""
 
-from substrate.cli import main_guard
+from runner.errors import main_guard
 
 from .train import main
 

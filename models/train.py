@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-
-from substrate.cli import add_common_args, start_run
+from runner.options import add_common_args
+from runner.run import start_run
 
 from .data import DATASETS, Dataset, check_batch_size, iterate_batches, load_dataset, num_batches
 from .layers import softmax_cross_entropy

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import scipy.io
 import scipy.sparse as sp
+from runner.options import add_common_args
+from runner.run import start_run
 
 from partition.metrics import format_table, partition_metrics
 from partition.partitioners import (
@@ -29,7 +31,6 @@ from partition.partitioners import (
     partitioner_errors,
     random_partition,
 )
-from substrate.cli import add_common_args, start_run
 from substrate.options import add_dataclass_args, from_args, option
 
 __all__ = ["LayersConfig", "build_parser", "main", "read_layer"]

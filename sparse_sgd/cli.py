@@ -7,7 +7,7 @@ Run distributed as ``./run_mpi.sh -n 4 sparse_sgd train ...``
   the end.  The default workload learns (ReLU, fan-in-scaled initial weights);
   ``--paper-timing`` runs the paper's timing workload instead (sigmoid, U[-1, 1] weights, §6.1).
   ``--checkpoint-every N`` / ``--resume`` continue exactly as an uninterrupted run
-  (:class:`substrate.cli.RunCheckpoints`); rank 0 reports progress every ``--progress-every``
+  (:class:`runner.checkpoints.RunCheckpoints`); rank 0 reports progress every ``--progress-every``
   steps on stderr.
 * ``infer``: H-SpFF inference with Graph Challenge semantics (§6.3).
 * ``partition``: Table 1 of the paper for a RadiX-Net (serial): H-SGD's hypergraph partition
@@ -35,6 +35,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from partition.partitioners import Partition, partitioner_errors
+from runner.checkpoints import RunCheckpoints
+from runner.errors import main_guard
+from runner.options import add_common_args, add_training_args
+from runner.progress import Progress
+from runner.run import start_run
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.data import class_targets, digits_dataset, mnist_dataset, train_test_split
 from sparse_sgd.distributed import DistributedSparseNet
@@ -72,11 +77,8 @@ from sparse_sgd.radixnet import (
 )
 from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
 from sparse_sgd.table1 import format_table1, table1_rows
-from substrate import add_common_args, main_guard, start_run
-from substrate.cli import Progress, RunCheckpoints, add_training_args
 from substrate.ledger import Predicted
-from substrate.options import check_range
-from substrate.options import add_dataclass_args, from_args, option
+from substrate.options import add_dataclass_args, check_range, from_args, option
 
 __all__ = [
     "GenerateConfig",

@@ -2,7 +2,7 @@
 array backend and results.  Everything else in spardist stands on this package; nothing outside
 it calls an mpi4py communication method directly.
 
-Names are resolved lazily (PEP 562): importing ``substrate`` or ``substrate.launch`` does not
+Names are resolved lazily (PEP 562): importing ``substrate`` or ``runner.launch`` does not
 import ``mpi4py.MPI``, so the launcher never initialises MPI itself (an MPI singleton in the
 launcher would leak its environment into the ``mpiexec`` it starts).
 """
@@ -15,8 +15,6 @@ import importlib
 _EXPORTS = {
     "Backend": "backend", "array_module": "backend", "cupy_available": "backend",
     "get_backend": "backend",
-    "CommonConfig": "cli", "Run": "cli", "add_common_args": "cli", "main_guard": "cli",
-    "start_run": "cli",
     "SimClock": "clock",
     "BucketPlan": "buckets", "bucket_groups": "buckets",
     "Call": "calls", "Placement": "calls", "Ready": "calls",

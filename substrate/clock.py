@@ -33,7 +33,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-from .ledger import Ledger
 from .compute import (
     CalibratedSource,
     ComputeSource,
@@ -43,6 +42,7 @@ from .compute import (
     LayerEvents,
     WallSource,
 )
+from .ledger import Ledger
 from .profile import ProfileSource
 from .timeline import StepTiming, Timeline
 

@@ -17,7 +17,7 @@ collectives in one of two **modes** (``--collectives``, env ``SPARDIST_COLLECTIV
     The MPI library's own collective, with its algorithm pinned to the booked one where spardist
     knows how (:func:`pinning_env`: MPICH control variables, Open MPI ``coll_tuned`` dynamic
     rules).  The pinning must be in the environment before ``MPI_Init``; ``run_mpi.sh`` /
-    ``python -m substrate.launch`` sets it, a plain ``mpiexec`` does not.  Each run checks on every
+    ``python -m runner.launch`` sets it, a plain ``mpiexec`` does not.  Each run checks on every
     rank which library it runs and whether the pinning is in force, and says so in
     ``summary.json`` (:func:`describe`): an unknown library or a missing pin is reported as
     ``"booked, not verified"``, never as measured.

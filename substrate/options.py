@@ -1,7 +1,7 @@
 """Command-line flags generated from frozen dataclasses: one vocabulary for every command.
 
 Every spardist option lives in exactly one frozen dataclass (a strategy's ``Options``, the
-solver's config, :class:`substrate.cli.CommonConfig`).  Its fields become flags with
+solver's config, :class:`runner.run.CommonConfig`).  Its fields become flags with
 :func:`add_dataclass_args` and come back with :func:`from_args`, so the name, type, default and
 help of a flag are written once and every command that takes the option spells it the same way::
 

@@ -1,6 +1,6 @@
 """Environment variables that pin an MPI library's collectives to the algorithms spardist books.
 
-Pure data (imports no MPI): the launcher (:mod:`substrate.launch`) sets these before ``MPI_Init``;
+Pure data (imports no MPI): the launcher (:mod:`runner.launch`) sets these before ``MPI_Init``;
 :func:`substrate.collectives.describe` checks on every rank whether they are in force.
 """
 

@@ -114,7 +114,7 @@ def write_profile(path, tables: list[dict], provenance: dict,
 
     ``tables`` is every rank's :meth:`ProfileRecorder.table` in rank order; ``provenance`` says
     where it was measured (host, source, BLAS threads, system, model, date ...).  Whether an
-    existing file may be replaced is the caller's rule (:func:`substrate.cli.start_run` refuses
+    existing file may be replaced is the caller's rule (:func:`runner.run.start_run` refuses
     it without ``--overwrite``).
     """
     doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
@@ -128,7 +128,7 @@ def write_profile(path, tables: list[dict], provenance: dict,
     if programs is not None:
         doc["programs"] = list(programs)
         doc["program"] = ("per rank, the entries of substrate.program in program order: what "
-                          "python -m substrate.replay runs again")
+                          "python -m runner.replay runs again")
     data = json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write_bytes(path, data)
     return _sha256(data)

@@ -25,7 +25,7 @@ entries in program order,
 ``["S"]``
     the clock closes a step.
 
-:mod:`substrate.replay` runs the programs of every rank again on any MPI world of the same size:
+:mod:`runner.replay` runs the programs of every rank again on any MPI world of the same size:
 blocks cost their profile time (and sleep it), calls run for real on buffers of the recorded
 sizes, so the replay's traffic is the run's, call for call, and its simulated step is the one
 ``--compute-source profile`` gives the same job.

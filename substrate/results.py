@@ -20,7 +20,7 @@ run stays published).  A crash between 3 and 4 leaves the new summary next to th
 ``metrics.jsonl`` and the new metrics, complete and fsynced, in the ``.part`` file: the summary
 never points to metrics that are missing, and :func:`recover_publish` (run by the next command
 started on the directory) completes step 4 by matching the SHA-256.  A run that fails
-(:meth:`RunWriter.abandon`, called by :func:`substrate.cli.main_guard`) removes its ``.part``
+(:meth:`RunWriter.abandon`, called by :func:`runner.errors.main_guard`) removes its ``.part``
 file and the directories it created; a ``.part`` file or temporary file left by a killed run is
 removed when the next run starts in the directory.
 """
@@ -255,7 +255,7 @@ class Checkpointer:
     ``save(state, step)`` writes a dict of arrays/scalars atomically and keeps the newest
     ``keep`` steps; ``load(step)`` reads one back (:class:`CheckpointError` naming the file when
     it is damaged); :meth:`scan` sorts this rank's files into intact and corrupt ones.  In a
-    distributed run agree on the step first (:class:`substrate.cli.RunCheckpoints` does).
+    distributed run agree on the step first (:class:`runner.checkpoints.RunCheckpoints` does).
     """
 
     _pat = re.compile(r"ckpt-r(\d+)-s(\d+)\.npz$")

@@ -7,8 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from substrate.launch import kill_tree, launch_command, mpi_env
+from runner.launch import kill_tree, launch_command, mpi_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = Path(__file__).resolve().parent / "mpi"

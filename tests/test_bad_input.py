@@ -2,7 +2,7 @@
 fix, and writes nothing.
 
 The serial table runs every command's ``main`` in this process under
-:func:`substrate.cli.main_guard` (as ``python -m`` does); a few cases run on 2 ranks to show
+:func:`runner.run.main_guard` (as ``python -m`` does); a few cases run on 2 ranks to show
 that every rank fails with the same message, printed once, and nothing is written.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from mpi_helpers import assert_fails_on_every_rank
+from runner.errors import main_guard
 
 from commvol.__main__ import main as commvol_main
 from dataparallel.pactrain import save_init
@@ -18,13 +20,11 @@ from dataparallel.train import main as dp_main
 from hsadmm.train import main as hsadmm_main
 from models import build_model
 from models.train import main as models_main
-from mpi_helpers import assert_fails_on_every_rank
 from partition.cli import main as partition_main
 from partition.cli import partitioner_errors
 from sparse_sgd.cli import main as sparse_main
 from sparse_sgd.io import write_challenge_network
 from sparse_sgd.radixnet import graph_challenge_network
-from substrate.cli import main_guard
 
 BIG = "100000"
 SHARD = "larger than each rank's shard of the 1438 digits training samples split over 1 ranks"

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
 from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
+
 from substrate.calls import Call, Placement, Ready, price, wire_bytes
 from substrate.costmodel import CostModel
 

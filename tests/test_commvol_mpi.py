@@ -7,11 +7,11 @@ import importlib.util
 import json
 
 import pytest
+from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, load_run, write_plots
 from commvol.systems import SYSTEMS, hsadmm_plan, pactrain_kept, ssfusion_plan
-from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -170,8 +170,9 @@ def test_report_of_the_runs(runs, tmp_path):
 def test_headline_comparison(tmp_path):
     """The default job (``./run_mpi.sh`` = ``commvol.compare`` on 2 virtual nodes x 2): every
     system runs with its defaults and appears in one table with measured = predicted."""
+    from runner.launch import DEFAULT_JOB  # noqa: PLC0415
+
     from commvol.compare import SYSTEM_RUNS  # noqa: PLC0415
-    from substrate.launch import DEFAULT_JOB  # noqa: PLC0415
 
     assert DEFAULT_JOB[DEFAULT_JOB.index("commvol.compare") - 2:] == \
         ["--ranks-per-node", "2", "commvol.compare", "--overwrite"]

@@ -13,6 +13,7 @@ import pytest
 from commvol.__main__ import main
 from commvol.predict import predict, resolve_model
 from commvol.scale import PRUNEX_FIG9, format_paper_comparison, strong_scaling, timeline_scaling
+from commvol.systems import sdp_plan
 from commvol.timeline_scale import (
     OPTIMIZER_BYTES_PER_PARAM,
     OPTIMIZER_FLOPS_PER_PARAM,
@@ -22,7 +23,6 @@ from commvol.timeline_scale import (
     epoch_timing,
     units_for_spec,
 )
-from commvol.systems import sdp_plan
 from dataparallel.ddp import DDPOptions, DDPPlan
 from dataparallel.pactrain import PacTrainOptions
 from dataparallel.sdp import SDPOptions

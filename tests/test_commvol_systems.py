@@ -223,8 +223,8 @@ def test_pactrain_hand_computed_steps():
 
 @pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 0.97])
 def test_pactrain_kept_matches_the_pruning(ratio):
-    from dataparallel.pactrain import prune_mask
     from commvol.systems import pactrain_kept
+    from dataparallel.pactrain import prune_mask
 
     for name in ("cnn", "resnet"):
         layout = build_model(name, *DATASET_SHAPES["digits"]).layout

@@ -4,21 +4,23 @@ they list on one-rank communicators (one node, one rank per node)."""
 
 import numpy as np
 import pytest
+from traffic_reference import simulated_bcast as tree
+from traffic_reference import simulated_ring as ring
 
-from volume import pactrain as cpt
-from volume import sdp as csdp
-from volume import ssfusion as cssf
-from volume.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_step_bytes,
-                                  world_ring_bytes)
-from volume.hsadmm import (RESIDUALS_PER_LAYER, flat_admm_iteration_bytes,
-                            hsadmm_iteration_bytes)
 from commvol.hsgd import radixnet_config
 from sparse_sgd.plan import HSGDPlan, partition_bytes
 from sparse_sgd.radixnet import radixnet
-from substrate import costmodel as cm
 from substrate.calls import Placement, bytes_by_phase, price
-from traffic_reference import simulated_bcast as tree
-from traffic_reference import simulated_ring as ring
+from volume import pactrain as cpt
+from volume import sdp as csdp
+from volume import ssfusion as cssf
+from volume.dataparallel import (
+    ddp_step_bytes,
+    hierarchical_step_bytes,
+    topk_step_bytes,
+    world_ring_bytes,
+)
+from volume.hsadmm import RESIDUALS_PER_LAYER, flat_admm_iteration_bytes, hsadmm_iteration_bytes
 
 
 def add(*parts):

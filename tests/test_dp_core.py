@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from volume.dataparallel import (ddp_step_bytes, hierarchical_step_bytes, topk_k,
-                                  topk_step_bytes)
 from dataparallel import STRATEGIES
 from dataparallel.ddp import DDPOptions, flat_buckets
 from dataparallel.strategy import add_options_args, options_from_args
 from dataparallel.topk import TopKOptions, topk_select
 from dataparallel.train import DPConfig, build_parser
 from models import build_model
+from volume.dataparallel import ddp_step_bytes, hierarchical_step_bytes, topk_k, topk_step_bytes
 
 
 def test_flat_buckets_are_contiguous_whole_tensors_within_budget():

@@ -3,9 +3,12 @@
 import json
 
 import pytest
-
-from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
-                         read_summary, run_mpi)
+from mpi_helpers import (
+    assert_fails_on_every_rank,
+    assert_measured_equals_predicted,
+    read_summary,
+    run_mpi,
+)
 
 pytestmark = pytest.mark.mpi
 

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from traffic_reference import simulated_bcast, simulated_ring
 
 from commvol.predict import predict
 from dataparallel.ddp import DDPOptions, DDPPlan
@@ -23,9 +24,7 @@ from dataparallel.topk import TopKOptions, TopKPlan
 from models import get_spec
 from models.specs import spec_from_layers
 from models.zoo import build_model
-
 from substrate.calls import Placement, bytes_by_phase
-from traffic_reference import simulated_bcast, simulated_ring
 
 LAYOUTS = [(1, 3), (2, 2), (2, 3), (3, 3), (4, 1)]
 #: placements a launcher produces: node-major (block), round-robin (a hostfile cycled), uneven

@@ -7,20 +7,37 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from mpi_helpers import (
+    assert_fails_on_every_rank,
+    assert_measured_equals_predicted,
+    read_summary,
+    run_mpi,
+)
 from scipy.linalg import null_space
 
-from volume.dataparallel import world_ring_bytes
-from volume.sdp import (assemble_bytes, gated_allreduce_bytes, neuron_sdp_bytes,
-                         param_bcast_bytes, sdp_step_bytes)
-from dataparallel.sdp import (SDPOptions, SDPPlan, _check_connected, parse_active_blocks,
-                              parse_fraction, plan_masks, spectral_gap, window_sets,
-                              worker_memory)
 from commvol.predict import predict
-from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
-                         read_summary, run_mpi)
+from dataparallel.sdp import (
+    SDPOptions,
+    SDPPlan,
+    _check_connected,
+    parse_active_blocks,
+    parse_fraction,
+    plan_masks,
+    spectral_gap,
+    window_sets,
+    worker_memory,
+)
 from models import build_model
 from substrate import costmodel as cm
 from substrate.options import flag_of
+from volume.dataparallel import world_ring_bytes
+from volume.sdp import (
+    assemble_bytes,
+    gated_allreduce_bytes,
+    neuron_sdp_bytes,
+    param_bcast_bytes,
+    sdp_step_bytes,
+)
 
 SHAPE = (1, 8, 8)
 

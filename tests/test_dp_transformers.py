@@ -6,9 +6,12 @@ model reports its held-out loss and perplexity.
 """
 
 import pytest
-
-from mpi_helpers import assert_fails_on_every_rank, assert_measured_equals_predicted, \
-    read_summary, run_mpi
+from mpi_helpers import (
+    assert_fails_on_every_rank,
+    assert_measured_equals_predicted,
+    read_summary,
+    run_mpi,
+)
 
 pytestmark = pytest.mark.mpi
 

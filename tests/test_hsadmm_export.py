@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hsadmm.export import (CompactConv2d, export_compact, load_compact_model, read_compact)
+from hsadmm.export import CompactConv2d, export_compact, load_compact_model, read_compact
 from hsadmm.projection import parse_sparsity, structured_mask
 from models import build_model, load_digits
 

@@ -5,9 +5,12 @@ import json
 
 import numpy as np
 import pytest
-
-from mpi_helpers import (assert_measured_equals_predicted, assert_one_error_from_every_rank,
-                         read_summary, run_mpi)
+from mpi_helpers import (
+    assert_measured_equals_predicted,
+    assert_one_error_from_every_rank,
+    read_summary,
+    run_mpi,
+)
 
 pytestmark = pytest.mark.mpi
 

@@ -82,7 +82,7 @@ def test_real_inter_host_payload_matches_booked(lab22, tmp_path, name):
 
 @needs_lab
 def test_run_mpi_launch_gives_the_same_hydra_job(tmp_path):
-    """--launch run_mpi: the project's launcher (python -m substrate.launch) resolves to the lab's
+    """--launch run_mpi: the project's launcher (python -m runner.launch) resolves to the lab's
     hydra command; the bytes agree as with plain mpiexec."""
     r = lab.run_lab(2, 2, SYSTEMS["ddp"], launch="run_mpi", out=tmp_path, timeout=240)
     table = lab.format_table(r)

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mpi_helpers import read_summary, run_mpi
-from substrate.launch import find_mpiexec, launch_command
+from runner.launch import find_mpiexec, launch_command
+
 from substrate.threads import THREAD_VARS, cap_threads
 
 ROOT = Path(__file__).resolve().parents[1]

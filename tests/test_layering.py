@@ -1,6 +1,7 @@
 """The layering DESIGN.md states, checked on the source (every import, module-level or not).
 
-Bottom: ``substrate`` and ``volume`` (closed forms: numpy + substrate only).  Above:
+Bottom: ``substrate`` (what the systems run on), ``runner`` (the run lifecycle) and ``volume``
+(closed forms: numpy + substrate only).  Above:
 ``models`` <- ``hsadmm``, ``dataparallel``, ``sparse_sgd`` (datasets); ``partition`` <-
 ``sparse_sgd``.  Top: ``commvol``, and beside it the wire lab ``lab`` (a harness that runs the
 other packages' commands; nothing imports it).
@@ -16,22 +17,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("substrate", "volume", "models", "hsadmm", "dataparallel", "partition", "sparse_sgd",
-            "commvol", "lab")
+PACKAGES = ("substrate", "runner", "volume", "models", "hsadmm", "dataparallel", "partition",
+            "sparse_sgd", "commvol", "lab")
 
 #: which project packages each package may import (besides itself)
 ALLOWED = {
     "substrate": set(),
+    "runner": {"substrate"},
     "volume": {"substrate"},
-    "models": {"substrate"},
-    "hsadmm": {"substrate", "volume", "models"},
-    "dataparallel": {"substrate", "volume", "models"},
-    "partition": {"substrate"},
-    "sparse_sgd": {"substrate", "volume", "models", "partition"},
-    "commvol": {"substrate", "volume", "models", "hsadmm", "dataparallel", "partition",
-                "sparse_sgd"},
-    "lab": {"substrate", "volume", "models", "hsadmm", "dataparallel", "partition", "sparse_sgd",
-            "commvol"},
+    "models": {"substrate", "runner"},
+    "hsadmm": {"substrate", "runner", "volume", "models"},
+    "dataparallel": {"substrate", "runner", "volume", "models"},
+    "partition": {"substrate", "runner"},
+    "sparse_sgd": {"substrate", "runner", "volume", "models", "partition"},
+    "commvol": {"substrate", "runner", "volume", "models", "hsadmm", "dataparallel",
+                "partition", "sparse_sgd"},
+    "lab": {"substrate", "runner", "volume", "models", "hsadmm", "dataparallel", "partition",
+            "sparse_sgd", "commvol"},
 }
 
 #: top-level modules a function may import lazily, with the reason

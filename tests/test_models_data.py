@@ -10,9 +10,22 @@ import numpy as np
 import pytest
 
 import models.data as data_mod
-from models.data import (load_shard, DATASETS, DatasetFormatError, DatasetNotFoundError, channel_stats,
-                         iterate_batches, load_cifar10, load_dataset, load_digits, load_mnist,
-                         make_synthetic, num_batches, read_idx, shard)
+from models.data import (
+    DATASETS,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    channel_stats,
+    iterate_batches,
+    load_cifar10,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    load_shard,
+    make_synthetic,
+    num_batches,
+    read_idx,
+    shard,
+)
 
 
 # --------------------------------------------------------------------------- writers (formats)

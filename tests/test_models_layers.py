@@ -12,9 +12,20 @@ import pytest
 from gradcheck import central_difference
 from scipy import signal
 
-from models.layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten,
-                           GlobalAvgPool2d, Linear, MaxPool2d, ReLU, Sequential,
-                           SoftmaxCrossEntropy, softmax_cross_entropy)
+from models.layers import (
+    BasicBlock,
+    BatchNorm2d,
+    Bottleneck,
+    Conv2d,
+    Flatten,
+    GlobalAvgPool2d,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sequential,
+    SoftmaxCrossEntropy,
+    softmax_cross_entropy,
+)
 from models.network import Model
 from models.zoo import resnet
 

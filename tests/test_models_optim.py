@@ -7,8 +7,19 @@ import math
 import numpy as np
 import pytest
 
-from models.optim import (SGD, AdamW, AdamWConfig, ConstantLR, CosineLR, MaskHook, ProximalHook,
-                          SGDConfig, StepLR, make_optimizer, make_schedule)
+from models.optim import (
+    SGD,
+    AdamW,
+    AdamWConfig,
+    ConstantLR,
+    CosineLR,
+    MaskHook,
+    ProximalHook,
+    SGDConfig,
+    StepLR,
+    make_optimizer,
+    make_schedule,
+)
 from models.params import FlatTensors, ParamLayout, ParamSpec
 
 LAYOUT = ParamLayout([

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from mpi_helpers import (
+    assert_fails_on_every_rank,
+    assert_measured_equals_predicted,
+    read_summary,
+    run_mpi,
+)
 
-from mpi_helpers import (assert_fails_on_every_rank, assert_measured_equals_predicted,
-                         read_summary, run_mpi)
 from substrate.calls import Placement
 
 pytestmark = pytest.mark.mpi
@@ -126,7 +130,7 @@ def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra,
     run_mpi(None, 4, *args, "--out", tmp_path / "costed", "--compute-source", "profile",
             "--compute-profile", prof, module="dataparallel", timeout=180)
     run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", *shape, "--out",
-            tmp_path / "replay", module="substrate.replay", timeout=180)
+            tmp_path / "replay", module="runner.replay", timeout=180)
     real, costed, rep = (read_summary(tmp_path / d) for d in ("run", "costed", "replay"))
     assert rep["calls"]["per_rank"] == real["calls"]["per_rank"]
     assert rep["traffic"]["measured"] == real["traffic"]["measured"]
@@ -144,7 +148,7 @@ def test_replay_on_another_placement_moves_the_bytes_to_its_links(tmp_path):
             "--out", tmp_path / "run", "--compute-profile-out", prof, module="dataparallel",
             timeout=180)
     run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", "--node-map",
-            "round-robin:2", "--out", tmp_path / "rr", module="substrate.replay", timeout=180)
+            "round-robin:2", "--out", tmp_path / "rr", module="runner.replay", timeout=180)
     real, rr = read_summary(tmp_path / "run"), read_summary(tmp_path / "rr")
     assert rr["calls"]["per_rank"] == real["calls"]["per_rank"]
     m0, m1 = real["traffic"]["measured"], rr["traffic"]["measured"]
@@ -167,7 +171,7 @@ def _old_profile(t):
 ])
 def test_replay_refuses_what_it_cannot_replay(tmp_path, make, message):
     prof = make(tmp_path)
-    assert_fails_on_every_rank("substrate.replay", ["--compute-profile", prof], message,
+    assert_fails_on_every_rank("runner.replay", ["--compute-profile", prof], message,
                                tmp_path / "x", n=2)
 
 
@@ -176,5 +180,5 @@ def test_replay_refuses_another_world_size(tmp_path):
     run_mpi(None, 2, "train", "--method", "ddp", "--steps", 1, "--ranks-per-node", 1,
             "--out", tmp_path / "run", "--compute-profile-out", prof, module="dataparallel",
             timeout=180)
-    assert_fails_on_every_rank("substrate.replay", ["--compute-profile", prof],
+    assert_fails_on_every_rank("runner.replay", ["--compute-profile", prof],
                                "recorded on 2 ranks; replay it on 2", tmp_path / "x", n=4)

@@ -1,6 +1,6 @@
 """Interrupting a test run or a launched job leaves no rank or launcher behind (issue 27):
 ``run_mpi.sh`` runs its child in a session of its own and, on SIGINT or SIGTERM, ends it with
-every descendant (:func:`substrate.launch.kill_tree`), ranks in process groups of their own
+every descendant (:func:`runner.launch.kill_tree`), ranks in process groups of their own
 included (Open MPI's ``prterun``)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from substrate.launch import descendants, kill_tree
+from runner.launch import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.mpi

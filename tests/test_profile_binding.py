@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from mpi_helpers import assert_fails_on_every_rank, read_summary, run_mpi
 
 pytestmark = pytest.mark.mpi

@@ -10,12 +10,15 @@ import stat
 
 import numpy as np
 import pytest
-
 from mpi_helpers import error_lines, run_mpi
+from runner.checkpoints import RunCheckpoints
+from runner.errors import main_guard
+from runner.options import CommonConfig, add_common_args, add_training_args
+from runner.progress import Progress
+from runner.run import start_run
+
 from substrate import results
-from substrate.cli import (CommonConfig, Progress, RunCheckpoints, add_common_args,
-                           add_training_args, main_guard, start_run)
-from substrate.results import CheckpointError, Checkpointer, RunWriter, recover_publish
+from substrate.results import Checkpointer, CheckpointError, RunWriter, recover_publish
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 run equals an uninterrupted one bit for bit (see ``tests/mpi/resume_checks.py``)."""
 
 import pytest
-
 from mpi_helpers import run_mpi
 
 pytestmark = pytest.mark.mpi

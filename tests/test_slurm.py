@@ -59,7 +59,7 @@ def _env():
 def test_run_mpi_inside_salloc_gives_one_world(tmp_path):
     out = tmp_path / "probe"
     res = subprocess.run(["salloc", "-N", "1", "-n", "4", "--immediate=60", str(ROOT / "run_mpi.sh"),
-                          "-n", "4", "substrate.probe", "--out", str(out)],
+                          "-n", "4", "runner.probe", "--out", str(out)],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert _allocated(res).returncode == 0, res.stderr
     topo = json.loads((out / "summary.json").read_text())["topology"]
@@ -104,7 +104,7 @@ def test_plain_srun_without_pmi_stops_singletons_fast(tmp_path):
     py = sys.executable
     t0 = time.time()
     res = subprocess.run(["salloc", "-N", "1", "-n", "2", "--immediate=60", "srun", "--mpi=none",
-                          "-n", "2", str(py), "-m", "mpi4py", "-m", "substrate.probe", "--out",
+                          "-n", "2", str(py), "-m", "mpi4py", "-m", "runner.probe", "--out",
                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
     assert _allocated(res).returncode != 0

@@ -2,9 +2,9 @@
 
 import pytest
 from mpi4py import MPI
+from runner.launch import mpi_env
 
 from substrate import collectives as coll
-from substrate.launch import mpi_env
 from substrate.pinning import MPICH_PINNING, OPENMPI_PINNING, pinning_env
 
 

@@ -19,9 +19,9 @@ from substrate import (
     Topology,
     TopologyError,
     atomic_write_json,
+    launch,
 )
 from substrate import costmodel as cm
-from substrate import launch
 from substrate.buckets import BucketPlan
 from substrate.ledger import merge_phase_dicts
 
@@ -246,12 +246,12 @@ def test_launch_command_mpich_and_openmpi_oversubscribe(monkeypatch):
 
 def test_run_mpi_sh_dry_run_passes_ranks_per_node():
     out = subprocess.run([str(ROOT / "run_mpi.sh"), "--dry-run", "-n", "4", "--ranks-per-node",
-                          "2", "substrate.probe", "--seed", "3"], capture_output=True, text=True,
+                          "2", "runner.probe", "--seed", "3"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert " -n 4 " in line
-    assert line.endswith("-m mpi4py -m substrate.probe --seed 3 --ranks-per-node 2")
+    assert line.endswith("-m mpi4py -m runner.probe --seed 3 --ranks-per-node 2")
 
 
 def test_mpi_env_caps_threads_per_rank(monkeypatch):
@@ -268,7 +268,6 @@ def test_mpi_env_caps_threads_per_rank(monkeypatch):
 # -- closed forms for uneven chunks (issue 11: rank counts that do not divide the count) -------
 from traffic_reference import simulated_bcast as _simulated_bcast  # noqa: E402
 from traffic_reference import simulated_ring as _simulated_ring  # noqa: E402
-
 
 UNEVEN = [(M, P, r) for M, P in [(1, 3), (2, 3), (3, 3), (1, 6), (2, 6), (4, 3), (3, 5), (5, 1),
                                  (2, 7)] for r in (1, 2, M * P - 1) if r < M * P]

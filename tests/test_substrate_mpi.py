@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from mpi_helpers import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -34,7 +33,7 @@ def test_collective_check_fails_every_rank_without_hanging():
 @pytest.mark.parametrize("n,R", [(1, 1), (2, 1), (4, 2)])
 def test_probe_ledger_matches_model(n, R, tmp_path):
     res = run_mpi(None, n, "--ranks-per-node", R, "--out", tmp_path / "probe",
-                  module="substrate.probe", timeout=90)
+                  module="runner.probe", timeout=90)
     report = json.loads(res.stdout)
     assert report["topology"]["nodes"] == n // R
     assert report["topology"]["ranks_per_node"] == R
@@ -56,7 +55,7 @@ def test_probe_ledger_matches_model(n, R, tmp_path):
 
 def test_world_not_multiple_of_ranks_per_node_errors_on_every_rank(tmp_path):
     res = run_mpi(None, 3, "--ranks-per-node", 2, "--out", tmp_path / "x",
-                  module="substrate.probe", timeout=60, expect_fail=True)
+                  module="runner.probe", timeout=60, expect_fail=True)
     assert "not a multiple of --ranks-per-node 2" in res.stderr
     assert "spardist: error on rank" in res.stderr
     assert not (tmp_path / "x" / "summary.json").exists()
@@ -64,7 +63,7 @@ def test_world_not_multiple_of_ranks_per_node_errors_on_every_rank(tmp_path):
 
 def test_bad_ranks_per_node_value_errors(tmp_path):
     res = run_mpi(None, 2, "--ranks-per-node", 0, "--out", tmp_path / "x",
-                  module="substrate.probe", timeout=60, expect_fail=True)
+                  module="runner.probe", timeout=60, expect_fail=True)
     assert "--ranks-per-node must be a positive integer" in res.stderr
 
 
@@ -96,10 +95,10 @@ def _collectives_block(tmp_path, *extra, env_drop=()):
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    from substrate.launch import launch_command, mpi_env  # noqa: PLC0415
+    from runner.launch import launch_command, mpi_env  # noqa: PLC0415
 
     out = tmp_path / "probe"
-    cmd = launch_command(4, "substrate.probe", ["--ranks-per-node", "2", "--out", str(out),
+    cmd = launch_command(4, "runner.probe", ["--ranks-per-node", "2", "--out", str(out),
                                                 *extra])
     env = mpi_env(4)
     for k in env_drop:
@@ -136,6 +135,6 @@ def test_native_mode_pinned_by_the_launcher(tmp_path):
 
 def test_bad_collectives_mode_is_a_clear_error(tmp_path):
     res = run_mpi(None, 2, "--collectives", "ring", "--out", tmp_path / "x",
-                  module="substrate.probe", timeout=60, expect_fail=True)
+                  module="runner.probe", timeout=60, expect_fail=True)
     assert "--collectives" in res.stderr and "exact" in res.stderr
     assert not (tmp_path / "x").exists()

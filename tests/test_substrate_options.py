@@ -99,7 +99,7 @@ COMMON = ("--out", "--seed", "--device", "--overwrite", "--intra-bw", "--inter-b
           "--intra-lat", "--inter-lat")
 
 
-@pytest.mark.parametrize("cmd", [("hsadmm", "train"), ("dataparallel", "train"), ("substrate.probe",)])
+@pytest.mark.parametrize("cmd", [("hsadmm", "train"), ("dataparallel", "train"), ("runner.probe",)])
 def test_every_runner_takes_the_common_set(cmd):
     text = _help(*cmd)
     for flag in (*COMMON, "--ranks-per-node", "--collectives"):

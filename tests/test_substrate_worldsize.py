@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from substrate.cli import check_world_size, expected_world_size
-from substrate.launch import slurm_launcher
+from runner.guards import check_world_size, expected_world_size
+from runner.launch import slurm_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +36,7 @@ def test_mismatch_names_both_sizes_and_the_fix():
 def test_singleton_run_stops_and_writes_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
     env["SPARDIST_NP"] = "2"
-    res = subprocess.run([sys.executable, "-m", "substrate.probe", "--out", str(tmp_path / "r")],
+    res = subprocess.run([sys.executable, "-m", "runner.probe", "--out", str(tmp_path / "r")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "MPI sees a world of 1" in res.stderr and "singletons" in res.stderr

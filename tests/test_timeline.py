@@ -25,15 +25,19 @@ from models.layers import Conv2d, Linear, ReLU, Sequential
 from models.network import Model
 from models.zoo import build_model
 from substrate.calls import Call, Placement, declare_one
-from substrate.recorder import Recorder
-from substrate.clock import SimClock
+from substrate.clock import SimClock, make_source
+from substrate.compute import (
+    CalibratedSource,
+    ComputeSource,
+    CpuTimeSource,
+    FlopSource,
+    LayerEvents,
+)
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
-from substrate.testing import busy_loops
-from substrate.clock import make_source
-from substrate.compute import (CalibratedSource, ComputeSource, CpuTimeSource, FlopSource,
-                               LayerEvents)
 from substrate.profile import ProfileRecorder, ProfileSource, load_profile, write_profile
+from substrate.recorder import Recorder
+from substrate.testing import busy_loops
 from substrate.timeline import Timeline, transfer_parts
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
@@ -843,7 +847,7 @@ def test_bad_profiles_are_refused_naming_the_flag_and_the_fix(tmp_path, text, ma
      "--compute-source flops measures none"),
 ])
 def test_profile_flags_are_checked_together(kw, match):
-    from substrate.cli import CommonConfig
+    from runner.options import CommonConfig
 
     with pytest.raises(ValueError, match=match):
         CommonConfig(**kw)

@@ -2,7 +2,7 @@
 
 Each test trains a system for a few steps under MPI with this file as the launcher
 (``python -m mpi4py tests/test_timeline_events.py OUT MODULE ARGS...``): it wraps
-:meth:`substrate.clock.SimClock.step` (and :meth:`substrate.cli.Run.finish`, for the
+:meth:`substrate.clock.SimClock.step` (and :meth:`runner.run.Run.finish`, for the
 communication after the last step) to record, per rank and step, before the step is closed:
 
 * per phase, the payload bytes and the α–β seconds the ledger booked (:meth:`Ledger.since`) and
@@ -55,9 +55,9 @@ def _main(argv) -> None:
     import importlib
 
     from mpi4py import MPI
+    from runner.run import Run
 
     from substrate.calls import event_parts
-    from substrate.cli import Run
     from substrate.clock import SimClock
     from substrate.recorder import Recorder
 

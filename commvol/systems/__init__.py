@@ -13,10 +13,11 @@ the freeze), the messages of every phase summed over ranks and the modeled time 
 its busiest rank — the ledger's conventions, so a run's ``traffic.measured`` and
 ``timing.comm_modeled_s`` are reproduced exactly (bytes, messages) and to rounding (time).
 
-The **bytes** come from the very functions the systems use for their ``summary.json``
-``predicted`` blocks (:mod:`volume.hsadmm`, :mod:`volume.dataparallel`,
-:mod:`sparse_sgd.traffic` via :mod:`commvol.hsgd`).  Messages and time are derived here from the
-same list of collective calls with :class:`substrate.costmodel.CostModel`.
+Every number comes from the system's own plan: its records (``plan.calls(placement)``, the
+calls the run executes and accounts step by step) priced by the one generic rule,
+:meth:`IterCost.from_calls` (:func:`substrate.calls.price`: wire bytes per link class,
+messages, each rank's α–β time).  Nothing here restates a system's bytes; :mod:`volume` (closed
+forms written from the papers) is what the tests hold the records against.
 
 Adding a system is one :func:`register` call::
 

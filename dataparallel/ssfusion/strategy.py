@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from substrate.calls import bytes_by_phase
-from substrate.costmodel import INTER, INTRA
 from substrate.compute import CpuTimeSource
+from substrate.costmodel import INTER, INTRA
 from volume.ssfusion import DENSE, SPARSE, WARMUP
 
 from ..codec import ErrorFeedback, scatter_mean

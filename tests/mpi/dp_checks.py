@@ -17,7 +17,8 @@ from mpi4py import MPI
 from dataparallel import STRATEGIES, StepState, SyncContext
 from dataparallel.train import DPConfig
 from models import SGD, SGDConfig, build_model
-from substrate import collective_check, start_run
+from runner.run import start_run
+from substrate import collective_check
 
 R = 2
 

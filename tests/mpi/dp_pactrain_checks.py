@@ -41,7 +41,8 @@ from dataparallel.strategy import StepState, SyncContext
 from dataparallel.train import DPConfig, build_parser
 from dataparallel.train import main as train_main
 from models import SGD, SGDConfig, build_model, iterate_batches, load_digits, shard
-from substrate import collective_check, start_run
+from runner.run import start_run
+from substrate import collective_check
 from volume.dataparallel import world_ring_bytes
 from volume.pactrain import dense_allreduce_bytes
 

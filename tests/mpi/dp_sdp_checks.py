@@ -23,14 +23,14 @@ from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
+from dp_checks import _check_ledger  # same folder: ledger delta == Σ step_bytes()
 from mpi4py import MPI
 
 from dataparallel import STRATEGIES, StepState, SyncContext
 from dataparallel.train import DPConfig
 from models import SGD, SGDConfig, build_model, iterate_batches, load_digits, shard
-from substrate import collective_check, start_run
-
-from dp_checks import _check_ledger  # same folder: ledger delta == Σ step_bytes()
+from runner.run import start_run
+from substrate import collective_check
 
 R = 2
 COMM = MPI.COMM_WORLD

@@ -31,7 +31,8 @@ from dataparallel import StepState, SyncContext
 from dataparallel.ssfusion import SSFusion, SSFusionOptions
 from dataparallel.train import DPConfig, build_parser, train
 from models import SGD, SGDConfig, build_model, load_digits
-from substrate import collective_check, start_run
+from runner.run import start_run
+from substrate import collective_check
 from substrate.calls import Call
 from volume import ssfusion as cv
 

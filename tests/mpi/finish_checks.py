@@ -1,4 +1,4 @@
-"""What :meth:`substrate.cli.Run.finish` puts in ``summary.json``'s timeline when the busiest
+"""What :meth:`runner.run.Run.finish` puts in ``summary.json``'s timeline when the busiest
 rank is not rank 0.
 
 ``python -m mpi4py finish_checks.py OUT``: every rank closes one step with a compute event of
@@ -11,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-
-from substrate.cli import CommonConfig, main_guard, start_run
+from runner.errors import main_guard
+from runner.options import CommonConfig
+from runner.run import start_run
 
 TFLOPS = 1.0
 

@@ -1,4 +1,4 @@
-"""How :func:`substrate.cli.main_guard` reports failures of a multi-rank job.
+"""How :func:`runner.run.main_guard` reports failures of a multi-rank job.
 
 ``python -m mpi4py guard_checks.py lone``: rank 1 alone fails while rank 0 waits in a
 collective: rank 1's message is printed once and the job ends (no hang).
@@ -11,7 +11,9 @@ import sys
 
 from mpi4py import MPI
 
-from substrate.cli import CommonConfig, main_guard, start_run
+from runner.errors import main_guard
+from runner.options import CommonConfig
+from runner.run import start_run
 
 
 @main_guard

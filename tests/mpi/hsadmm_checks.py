@@ -27,7 +27,8 @@ from hsadmm.config import HSADMMConfig
 from hsadmm.penalty import penalty_groups
 from hsadmm.solver import HSADMM, FlatADMM
 from models import build_model, iterate_batches, load_digits, shard
-from substrate import Checkpointer, collective_check, start_run
+from runner.run import start_run
+from substrate import Checkpointer, collective_check
 from substrate.ledger import merge_phase_dicts
 from volume.hsadmm import flat_admm_iteration_bytes, hsadmm_iteration_bytes
 

@@ -16,13 +16,15 @@ import sys
 import numpy as np
 
 from partition.metrics import partition_metrics
+from runner.options import CommonConfig
+from runner.run import start_run
 from sparse_sgd.cli import distribute_partition
 from sparse_sgd.data import digits_dataset
 from sparse_sgd.distributed import DistributedSparseNet
 from sparse_sgd.plan import PHASE_LOSS, PHASE_SPFF, HSGDPlan
 from sparse_sgd.radixnet import CHALLENGE_YMAX, graph_challenge_network
 from sparse_sgd.serial import SerialSparseNet, challenge_inference_serial
-from substrate import CommonConfig, collective_check, start_run
+from substrate import collective_check
 from substrate.calls import Call, price
 from substrate.ledger import Predicted
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from substrate import Ledger, Topology, bucketed_allreduce, collective_check
+from substrate import Topology, bucketed_allreduce, collective_check
 from substrate import costmodel as cm
 
 

@@ -1,14 +1,16 @@
 """A made-up system that is only a plan (issue 23's done-when): its records are executed
-(:func:`substrate.replay.execute`), booked, timed and accounted like any system's; run as
+(:func:`runner.replay.execute`), booked, timed and accounted like any system's; run as
 ``python -m mpi4py toy_checks.py OUT --node-map MAP``."""
 
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])      # tests/ (the toy plan)
 
-from substrate.cli import add_common_args, start_run  # noqa: E402
-from substrate.replay import communicators, execute  # noqa: E402
 from test_call_record import ToyPlan  # noqa: E402
+
+from runner.options import add_common_args  # noqa: E402
+from runner.replay import communicators, execute  # noqa: E402
+from runner.run import start_run  # noqa: E402
 
 
 def main(argv):

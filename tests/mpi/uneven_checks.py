@@ -13,9 +13,9 @@ from dataparallel.train import build_parser as dp_parser
 from dataparallel.train import train as dp_train
 from hsadmm.train import build_parser as hs_parser
 from hsadmm.train import train as hs_train
+from runner.probe import main as probe_main
 from sparse_sgd.cli import _train as sparse_train
 from sparse_sgd.cli import build_parser as sparse_parser
-from substrate.probe import main as probe_main
 
 #: name -> (trainer, arguments); the data-parallel runs evaluate after every step
 RUNS = {

@@ -1,6 +1,6 @@
 """The launcher behind ``run_mpi.sh`` (after it has bootstrapped ``.venv``) and the MPI tests.
 
-``python -m substrate.launch [-n NP] [--ranks-per-node R] [--hostfile F] [--dry-run] MODULE
+``python -m runner.launch [-n NP] [--ranks-per-node R] [--hostfile F] [--dry-run] MODULE
 [ARGS...]`` runs ``python -m mpi4py -m MODULE ARGS`` under ``mpiexec -n NP`` (or ``srun`` inside
 a Slurm allocation; ``SPARDIST_LAUNCHER`` overrides, e.g. ``mpirun`` or ``srun --mpi=pmix``).
 With no arguments it runs the project's main job on the embedded default; with ``--test`` it runs
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from .pinning import pinning_env
+from substrate.pinning import pinning_env
 
 __all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB",
            "descendants", "kill_tree", "run_tree"]
@@ -196,7 +196,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="simulate nodes of R ranks (passed to the module on every rank)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile (mpiexec only)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    p.add_argument("module", help="module to run, e.g. substrate.probe or hsadmm")
+    p.add_argument("module", help="module to run, e.g. runner.probe or hsadmm")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the module")
     return p.parse_args(argv)
 

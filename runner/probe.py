@@ -1,4 +1,4 @@
-"""``python -m substrate.probe``: topology report and ledger self-check.
+"""``python -m runner.probe``: topology report and ledger self-check.
 
 Runs every wrapped call on known sizes and data, checks the numbers each rank receives, and
 compares the ledger (reduced over ranks) with the closed-form volumes of
@@ -16,9 +16,12 @@ import sys
 
 import numpy as np
 
-from . import costmodel as cm
-from .cli import add_common_args, main_guard, start_run
-from .comm import bucketed_allreduce
+from substrate import costmodel as cm
+from substrate.comm import bucketed_allreduce
+
+from .errors import main_guard
+from .options import add_common_args
+from .run import start_run
 
 K = 1024  # elements per rank unit: the counts below are divisible by every communicator size,
 #            except probe_world_allreduce_uneven's K p + 1 (uneven ring chunks)
@@ -180,7 +183,7 @@ def probe(run) -> dict:
 
 @main_guard
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m substrate.probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m runner.probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     args = parser.parse_args(argv)

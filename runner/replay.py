@@ -2,8 +2,8 @@
 
 ::
 
-    python -m mpi4py -m substrate.replay --compute-profile FILE [--node-map ...] [--out DIR]
-    ./run_mpi.sh -n P substrate.replay --compute-profile FILE ...
+    python -m mpi4py -m runner.replay --compute-profile FILE [--node-map ...] [--out DIR]
+    ./run_mpi.sh -n P runner.replay --compute-profile FILE ...
 
 A run that recorded ``--compute-profile-out FILE`` (timeline clock) also wrote every rank's
 event program (:mod:`substrate.program`) into ``FILE``.  The replay runs those programs again on
@@ -34,8 +34,11 @@ import time
 
 import numpy as np
 
-from .calls import Call, wire_bytes
-from .cli import add_common_args, main_guard, start_run
+from substrate.calls import Call, wire_bytes
+
+from .errors import main_guard
+from .options import add_common_args
+from .run import start_run
 
 __all__ = ["replay", "communicators", "execute", "step_bytes", "main"]
 
@@ -217,7 +220,7 @@ def execute(comms, call: Call, after=None, wait: bool = True, tag=None):
 
 @main_guard
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m substrate.replay", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--sleep", choices=("on", "off"), default="on",
@@ -225,11 +228,11 @@ def main(argv=None) -> int:
                              "calls back to back, same simulated time)")
     args = parser.parse_args(argv)
     if args.compute_profile is None:
-        raise ValueError("substrate.replay needs --compute-profile FILE (a profile written by "
+        raise ValueError("runner.replay needs --compute-profile FILE (a profile written by "
                          "--compute-profile-out on a run with the timeline clock)")
     args.compute_source = "profile"
     if args.clock != "timeline":
-        raise ValueError("substrate.replay needs --clock timeline (the programs are timelines)")
+        raise ValueError("runner.replay needs --clock timeline (the programs are timelines)")
     run = start_run(args, system="replay", method="replay", unit="step")
     doc = run.clock.source.profile
     programs = doc.get("programs")

@@ -1,0 +1,145 @@
+"""Checkpoints of a run and resume, bit for bit (``--checkpoint-every``, ``--resume``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from substrate import costmodel as cm
+from substrate.ledger import Ledger
+from substrate.results import CHECKPOINTS, SUMMARY, Checkpointer, to_jsonable
+
+from .run import Run
+
+# -- checkpoints -------------------------------------------------------------------------------
+_LINKS = {"none": (), cm.INTRA: (cm.INTRA,), cm.INTER: (cm.INTER,),
+          "mixed": (cm.INTRA, cm.INTER)}
+
+
+def _restore_ledger(ledger: Ledger, entries: dict) -> None:
+    """Make ``ledger`` hold exactly ``entries`` (``Ledger.local()`` of a checkpoint)."""
+    ledger.reset()
+    for phase, e in entries.items():
+        ledger.record(phase, payload=e["payload_bytes"], intra=e["intra_bytes"],
+                      inter=e["inter_bytes"], messages=e["messages"], modeled_s=e["modeled_s"],
+                      links=_LINKS[e["link"]], calls=e["calls"])
+
+
+class RunCheckpoints:
+    """Checkpoint and resume a training loop (every trainer uses this one class).
+
+    A checkpoint holds the trainer's state (a dict of arrays; JSON text for nested values)
+    plus the run's own: the ledger of this rank (so the resumed run's traffic is the whole
+    run's), its measured compute time, rank 0's metrics lines up to the checkpoint (a resumed
+    run neither loses nor repeats a line) and a fingerprint of everything that must not change.
+    Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept), written after every
+    ``every``-th unit and at the end.
+
+    Parameters
+    ----------
+    run : Run
+    every : int
+        ``--checkpoint-every`` (0: never save).
+    fingerprint : dict
+        JSON-able values a resumed run must share (configuration without the resumable fields);
+        the common options but ``--out``/``--overwrite`` and the world size are added.
+    unit, flag : str
+        What is counted ("iteration") and the flag of the total ("--iters"), for messages.
+    """
+
+    def __init__(self, run: Run, *, every: int, fingerprint: dict, unit: str, flag: str) -> None:
+        if every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {every}")
+        self.run = run
+        self.every = every
+        self.unit, self.flag = unit, flag
+        common = {k: v for k, v in dataclasses.asdict(run.common).items()
+                  if k not in ("out", "overwrite")}
+        fp = {**fingerprint, **common, "world": run.size}
+        self.fingerprint = json.loads(json.dumps(to_jsonable(fp)))  # as it comes back
+        self.ckpt = Checkpointer(Path(run.out) / CHECKPOINTS, rank=run.rank)
+
+    def due(self, done: int, last: bool) -> bool:
+        """Whether to save after ``done`` units (``last``: the loop is over)."""
+        return bool(self.every) and (done % self.every == 0 or last)
+
+    def save(self, done: int, state: dict) -> None:
+        """Write this rank's checkpoint after ``done`` units (every rank calls it)."""
+        run = self.run
+        full = {**state,
+                "run/fingerprint": json.dumps(self.fingerprint),
+                "run/ledger": json.dumps(run.ledger.local()),
+                "run/clock": json.dumps(run.clock.state()),
+                "run/metrics": json.dumps(run.writer.records)}
+        self.ckpt.save(full, done)
+
+    def resume(self, total: int) -> tuple[int, dict]:
+        """Load the newest checkpoint intact on every rank (collective).
+
+        Restores the ledger, the compute time and the metrics lines, checks the fingerprint and
+        ``total``; returns ``(units done, the trainer's state)``.
+
+        Raises
+        ------
+        ValueError
+            No checkpoint; none intact on every rank (naming the damaged files); a different
+            configuration; ``total`` below the units done; a finished run with nothing left.
+        """
+        run, ck = self.run, self.ckpt
+        intact, corrupt = ck.scan()
+        views = run.world.mpi.allgather((intact, corrupt))
+        common = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:]))
+        damaged = [f"{Checkpointer(ck.dir, r).path(s)} ({why})"
+                   for r, (_, bad) in enumerate(views) for s, why in sorted(bad.items())]
+        if not common:
+            if not damaged:
+                have = ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0])
+                raise ValueError(
+                    f"--resume: no checkpoint of every rank in {ck.dir} "
+                    f"({'steps per rank: ' + have if have else 'no checkpoint at all'}); run "
+                    "without --resume to start afresh, or pass the --out of a run that used "
+                    "--checkpoint-every N")
+            good = {r: v[0][-1] for r, v in enumerate(views) if v[0]}
+            last = ("; the last good checkpoint per rank: " + ", ".join(
+                str(Checkpointer(ck.dir, r).path(s)) for r, s in good.items())) if good else ""
+            raise ValueError(f"--resume: no checkpoint in {ck.dir} is intact on every rank: "
+                             f"damaged: {'; '.join(damaged)}{last}; restore the files or start "
+                             "afresh with --overwrite")
+        step = max(common)
+        newer_damaged = [(r, s) for r, (_, bad) in enumerate(views) for s in bad if s > step]
+        if newer_damaged:
+            for r, s in newer_damaged:
+                if r == run.rank:
+                    ck.set_aside(s)
+            if run.rank == 0:
+                print(f"spardist: warning: damaged checkpoint(s): {'; '.join(damaged)}; resuming "
+                      f"from {self.unit} {step}, the newest checkpoint intact on every rank "
+                      f"({ck.path(step)}): safe, the {self.unit}s after it are recomputed with "
+                      "the same result (damaged files renamed to *.corrupt)",
+                      file=sys.stderr, flush=True)
+        state = ck.load(step)
+        saved = json.loads(str(state.pop("run/fingerprint", "{}")))
+        diff = sorted(k for k in set(saved) | set(self.fingerprint)
+                      if saved.get(k) != self.fingerprint.get(k))
+        if diff:
+            raise ValueError(
+                f"--resume: the checkpoint in {ck.dir} was written with different "
+                + ", ".join(f"{k}={saved.get(k)!r} (now {self.fingerprint.get(k)!r})"
+                            for k in diff)
+                + f"; resume with the same options (only {self.flag}, --checkpoint-every and "
+                  "--progress-every may change) or start afresh with --overwrite")
+        if step > total:
+            raise ValueError(f"--resume: {self.flag} {total} is smaller than the {step} "
+                             f"{self.unit}s already done ({ck.path(step)}): pass {self.flag} "
+                             f"{step} or more to continue, or start afresh with --overwrite")
+        if step == total and run.previous == "finished":
+            raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
+                             f"{self.unit}s ({SUMMARY}): pass a larger {self.flag} to train "
+                             "further, or start afresh with --overwrite")
+        _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
+        run.clock.load_state(json.loads(str(state.pop("run/clock"))))
+        for line in json.loads(str(state.pop("run/metrics"))):
+            run.writer.log(json.loads(line))
+        return step, state
