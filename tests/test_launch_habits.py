@@ -53,6 +53,8 @@ def test_cap_threads_divides_the_cores_among_the_node_s_ranks(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     got = cap_threads(3, cores=8, apply=False)
     assert got["threads"] == 2 and not any(v in os.environ for v in THREAD_VARS)
+    assert cap_threads(3, cores=8)["threads"] == 2
+    assert not any(os.environ.get(v) for v in THREAD_VARS if v != "NUMBA_NUM_THREADS")
     assert got["set_by"] == "spardist: 8 usable cores // 3 ranks on this node"
     assert cap_threads(16, cores=8, apply=False)["threads"] == 1
 

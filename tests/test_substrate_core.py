@@ -19,8 +19,8 @@ from substrate import (
     Topology,
     TopologyError,
     atomic_write_json,
-    launch,
 )
+from runner import launch
 from substrate import costmodel as cm
 from substrate.buckets import BucketPlan
 from substrate.ledger import merge_phase_dicts
