@@ -28,7 +28,8 @@ from pathlib import Path
 from .predict import fmt_bytes
 from .specs import resolve_model
 
-__all__ = ["RunData", "load_run", "time_to_target", "comparison_table", "write_plots",
+__all__ = ["RunData", "load_run", "time_to_target", "comparison_table", "LEDGER_BYTES",
+           "time_unit", "fmt_time", "write_plots",
            "plot_payload", "plot_accuracy_vs_bytes", "plot_comm_breakdown", "plot_residuals",
            "plot_scaling", "add_parser", "run"]
 
@@ -161,6 +162,47 @@ def _gb(n) -> str:
     return fmt_bytes(n)
 
 
+#: what the ledger's inter-/intra-node numbers are (plots and tables say this, not "wire bytes")
+LEDGER_BYTES = ("bytes handed to MPI on node-crossing links, summed over ranks, as booked by the "
+                "traffic ledger (what the wire carries where the collectives are exact or "
+                "verified)")
+
+#: time units, largest first: a time prints in the largest unit it holds at least once
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """``(unit, factor)`` for a time of ``seconds`` (e.g. the largest value of an axis): the
+    largest of s, ms, µs, ns that it holds at least once; ``seconds * factor`` is in ``unit``."""
+    a = abs(float(seconds))
+    for name, size in _TIME_UNITS:
+        if a >= size:
+            return name, 1.0 / size
+    return "ns", 1e9
+
+
+def fmt_time(seconds, digits: int = 3) -> str:
+    """``517 µs``, ``4.64 ms``, ``1.19 s``: ``digits`` significant digits in the unit chosen by
+    magnitude (:func:`time_unit`); ``-`` for a missing or non-finite value."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        return "-"
+    if not math.isfinite(s):
+        return "-"
+    if s == 0:
+        return "0 s"
+    if abs(s) >= 1000:
+        return f"{s:.0f} s"
+    unit, k = time_unit(s)
+    v = float(f"{s * k:.{digits}g}")
+    if abs(v) >= 1000 and unit != "s":   # 999.7 µs rounds to 1000 µs: print 1.00 ms
+        unit, k = time_unit(v / k * 1.0001)
+        v = float(f"{s * k:.{digits}g}")
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
+    return f"{v:.{decimals}f} {unit}"
+
+
 def comparison_table(run_dirs, target: float = 0.9) -> str:
     """Markdown table comparing finished runs (see the module docstring).
 
@@ -178,7 +220,7 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
     ddp = next((r for r in runs if r.method == "ddp"), None)
     ddp_inter = ddp.summary["traffic"]["measured"]["inter_node_bytes"] if ddp else 0
     head = ("| method | nodes x ranks | final acc | iters/steps | inter-node total | inter / unit "
-            f"| payload ratio | comm modeled s | sim s | wall s | sim s to {target:g} | "
+            f"| payload ratio | comm modeled | sim | wall | sim to {target:g} | "
             "inter vs ddp | measured = predicted |")
     out = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
                  "---: | --- |"]
@@ -195,16 +237,16 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
             "-" if math.isnan(acc) else f"{acc:.4f}", f"{n} {r.unit}s",
             _gb(inter), f"{_gb(inter / n)} / {r.unit}" if n else "-",
             "-" if pr is None else f"{pr:.4f}",
-            f"{timing.get('comm_modeled_s', float('nan')):.4f}",
-            f"{timing.get('sim_s', float('nan')):.3f}", f"{timing.get('wall_s', float('nan')):.2f}",
-            "not reached" if ttt is None else f"{ttt:.3f}",
+            fmt_time(timing.get("comm_modeled_s")), fmt_time(timing.get("sim_s")),
+            fmt_time(timing.get("wall_s")), "not reached" if ttt is None else fmt_time(ttt),
             f"{inter / ddp_inter:.3f}" if ddp_inter else "-", _matches(r)]) + " |")
     out.append("")
-    out.append("inter-node bytes: bytes sent over node-crossing links (ledger); payload ratio: "
-               "inter-node payload / dense payload (H-SADMM compact elements; Top-K 2K/T); sim "
-               "s = the simulated clock (timeline: critical path of per-layer compute and "
-               "transfers; additive: compute + modeled communication; see summary.json "
-               "timeline.mode); time to accuracy from the logged evaluations")
+    out.append(f"inter-node bytes: {LEDGER_BYTES}; payload ratio: inter-node payload / dense "
+               "payload (H-SADMM compact elements; Top-K 2K/T); comm modeled: alpha-beta time of "
+               "the ledger's calls; sim = the simulated clock (timeline: critical path of "
+               "per-layer compute and transfers; additive: compute + modeled communication; see "
+               "summary.json timeline.mode); wall: measured; time to accuracy from the logged "
+               "evaluations; times in s, ms or µs by magnitude")
     return "\n".join(out)
 
 

@@ -150,9 +150,9 @@ def test_report_table(fake_runs):
            for ln in text.splitlines() if ln.startswith("| hs") or ln.startswith("| ddp")}
     # method, topo, acc, units, total, per unit, payload, comm, sim, wall, tta, vs ddp, match
     assert row["hsadmm"][2:] == ["0.9500", "3 iterations", "300 B", "100 B / iteration",
-                                 "0.6000", "0.5000", "3.000", "9.00", "2.000", "0.250", "yes"]
+                                 "0.6000", "500 ms", "3.00 s", "9.00 s", "2.00 s", "0.250", "yes"]
     assert row["ddp"][3:7] == ["6 steps", "1.17 KiB", "200 B / step", "1.0000"]
-    assert row["ddp"][10:] == ["2.500", "1.000", "NO"]
+    assert row["ddp"][10:] == ["2.50 s", "1.000", "NO"]
     with pytest.raises(ValueError, match="has no summary.json"):
         comparison_table([hs.parent / "missing"])
 
