@@ -130,7 +130,7 @@ def plot_gantt(run_dir, path, step: int | None = None) -> Path:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
     axes[0, 0].legend(handles, list(_COLORS), fontsize=7, loc="upper left",
                       bbox_to_anchor=(1.005, 1.0))
-    return _save(fig, path)
+    return _save(fig, path, {})
 
 
 def _load_scale(path) -> dict:
@@ -181,7 +181,7 @@ def plot_scaling(scale, path) -> Path:
     b.set(title="(b) parallel efficiency", xlabel="GPUs", ylabel="%", ylim=(0, 105))
     a.legend(fontsize=7)
     b.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, {})
 
 
 def tta_points(run_dir) -> tuple[str, list[float], list[float]]:
@@ -222,7 +222,7 @@ def plot_tta(run_dirs, path, target: float | None = None) -> Path:
     ax.set(title="time to accuracy (simulated clock)", xlabel="simulated seconds (sim_s)",
            ylabel="test accuracy")
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, {})
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -253,17 +253,17 @@ def add_parser(sub) -> None:
 def run_gantt(args) -> Path:
     out = args.out or Path(args.run) / "gantt.png"
     p = plot_gantt(args.run, out, args.step)
-    print(f"wrote {p}")
+    print(f"wrote {p.path}")
     return p
 
 
 def run_scaling(args) -> Path:
     p = plot_scaling(args.scale, args.out)
-    print(f"wrote {p}")
+    print(f"wrote {p.path}")
     return p
 
 
 def run_tta(args) -> Path:
     p = plot_tta(args.runs, args.out, args.target)
-    print(f"wrote {p}")
+    print(f"wrote {p.path}")
     return p

@@ -68,7 +68,7 @@ def test_step_events_reads_rank0_and_the_busiest_rank(tmp_path):
 def test_gantt_png(tmp_path, capsys):
     d = _run(tmp_path / "ddp")
     p = plot_gantt(d, tmp_path / "g.png")
-    assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+    assert p.path.read_bytes()[:8] == PNG and p.path.stat().st_size > 5000
     assert main(["gantt", str(d), "--step", "6"]) == 0
     assert (d / "gantt.png").read_bytes()[:8] == PNG
     assert "gantt.png" in capsys.readouterr().out
@@ -117,7 +117,7 @@ def test_tta_points_and_bad_dirs(tmp_path):
 def test_tta_png(tmp_path):
     a, b = _run(tmp_path / "ddp"), _run(tmp_path / "topk")
     p = plot_tta([a, b], tmp_path / "tta.png", target=0.7)
-    assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+    assert p.path.read_bytes()[:8] == PNG and p.path.stat().st_size > 5000
 
 
 def test_plot_scaling_refuses_bad_files(tmp_path):
@@ -155,6 +155,6 @@ def test_gantt_of_a_real_timeline_run(tmp_path):
     assert any(e["kind"] == "transfer" and e["resource"] == "inter" for e in rank0)
     assert any(e["label"].startswith("backward:") for e in rank0)
     p = plot_gantt(out, tmp_path / "gantt.png")
-    assert p.read_bytes()[:8] == PNG
+    assert p.path.read_bytes()[:8] == PNG
     _, xs, _ = tta_points(out)
     assert len(xs) == 2 and xs[0] < xs[1]
