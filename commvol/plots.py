@@ -6,9 +6,10 @@
     lanes are left out), from the ``timeline`` block of the run's ``summary.json``
     (``rank0.events`` / ``busiest.events``: label, kind, resource, start, finish of the last
     closed step; a ``step_events`` map ``{step: {"rank0": [...], "busiest": [...]}}``, when a
-    trainer writes one, gives other steps).  Bars carry their layer or phase name where it fits;
-    every transfer is named with its bytes (the ledger's per call of its phase, or the event's
-    own ``nbytes``).  Transfers in flight at the same time on one link are drawn in sub-rows of
+    trainer writes one, gives other steps).  Bars are coloured by pass, phase or link class (the
+    legend names each) and carry their name where it fits; the transfers of each phase are named
+    once with their bytes (the ledger's per call of the phase, or the events' own ``nbytes``)
+    and an arrow to each bar.  Transfers in flight at the same time on one link are drawn in sub-rows of
     its lane (they share its bandwidth).  The figure states that compute is measured (or
     replayed, or FLOP-modeled: the run's compute source) and communication modeled.
 ``plot-scaling SCALE_JSON [--out PNG]``
@@ -111,25 +112,40 @@ def _subrows(events) -> list[int]:
     return rows
 
 
-#: colour of a bar: compute events by their pass (``forward:conv1`` -> forward), others by lane
-_KIND_COLORS = {"forward": ("tab:blue", "forward (per layer)"),
-                "backward": ("tab:orange", "backward (per layer)"),
-                "compute": ("silver", "other compute"),
-                "offload": ("tab:purple", "offload thread"),
-                "intra": ("tab:green", "intra-node transfer"),
+#: colours: per-layer compute by pass, transfers by link class, other events by their phase
+_PASS_COLORS = {"forward": ("tab:blue", "forward (per layer)"),
+                "backward": ("tab:orange", "backward (per layer)")}
+_LINK_COLORS = {"intra": ("tab:green", "intra-node transfer"),
                 "inter": ("tab:red", "inter-node transfer")}
-
+_PHASE_PALETTE = ("silver", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "khaki",
+                  "lightsteelblue", "thistle", "tan", "darkseagreen", "lightcoral", "gold")
 
 #: a lane's geometry (row li spans li - 0.5 .. li + 0.5): label band centre, top of the bars
 _LABEL_Y, _BAR_TOP = -0.3, -0.12
 
 
 def _color_key(e) -> str:
-    lane = e.get("resource")
-    if lane == "compute":
-        kind = str(e.get("label", "")).split(":")[0]
-        return kind if kind in ("forward", "backward") else "compute"
-    return lane
+    """``forward``/``backward`` for a per-layer compute event (``forward:conv1``), the link class
+    for a transfer, else the event's phase (``ssf_sparsify[3]`` -> ``ssf_sparsify``)."""
+    lane, label = e.get("resource"), str(e.get("label", ""))
+    if lane in _LINK_COLORS:
+        return lane
+    kind = label.split(":")[0]
+    if kind in _PASS_COLORS and ":" in label:
+        return kind
+    return _phase_of(label)
+
+
+def _colors(ranks: dict) -> dict:
+    """``{colour key: (colour, legend label)}`` of the drawn events, in legend order: passes,
+    phases (by first appearance), link classes."""
+    keys = [_color_key(e) for evs in ranks.values() for e in evs
+            if e.get("resource") in LANES and e.get("finish", 0) > e.get("start", 0)]
+    phases = [k for k in dict.fromkeys(keys) if k not in _PASS_COLORS and k not in _LINK_COLORS]
+    out = {k: v for k, v in _PASS_COLORS.items() if k in keys}
+    out.update({ph: (_PHASE_PALETTE[i % len(_PHASE_PALETTE)], ph) for i, ph in enumerate(phases)})
+    out.update({k: v for k, v in _LINK_COLORS.items() if k in keys})
+    return out
 
 
 def _phase_of(label: str) -> str:
@@ -177,7 +193,7 @@ def _comm_statement(summary: dict) -> str:
     else:
         links = "alpha-beta per link class"
     return (f"communication modeled ({links}; transfers in flight share a link's bandwidth); "
-            "bytes: the ledger's, per call of the phase, summed over ranks")
+            "bytes: the ledger's per call of the phase (mean over the run), summed over ranks")
 
 
 def _fits(ax, renderer, text, x0, x1) -> bool:
@@ -202,7 +218,7 @@ def _pack(items, lo, hi, pad=4.0):
     return lefts
 
 
-def _draw_lanes(ax, events, lanes, k, bars, rank, by_phase):
+def _draw_lanes(ax, events, lanes, k, bars, rank, by_phase, colors):
     """Bars of ``events`` on ``ax`` (one row per lane, sub-rows for concurrent transfers);
     appends each drawn bar to ``bars``; returns ``[(event, patch, lane index)]``."""
     drawn = []
@@ -216,7 +232,7 @@ def _draw_lanes(ax, events, lanes, k, bars, rank, by_phase):
         top, height = li + _BAR_TOP, 0.45 - _BAR_TOP
         h = height / n
         for e, row in zip(evs, rows):
-            color = _KIND_COLORS[_color_key(e)][0]
+            color = colors[_color_key(e)][0]
             # a transfer's edge in its own colour: a bar thinner than a pixel stays that colour
             (patch,) = ax.barh(top + row * h + h / 2, k * (e["finish"] - e["start"]),
                                left=k * e["start"], height=h * 0.92, color=color,
@@ -233,11 +249,11 @@ def _draw_lanes(ax, events, lanes, k, bars, rank, by_phase):
 
 
 def _label_bars(fig, ax, drawn, by_phase) -> list[str]:
-    """Names on the bars: a per-layer compute bar (``forward:conv1``) gets its layer's name
-    inside when it fits; any other bar (a phase: ``optimizer``, ``z_update``, a transfer) gets
-    its name inside when it fits, else above it in the lane's label band, packed so that no two
-    overlap, with an arrow in the bar's colour pointing at it; a transfer's name carries its
-    bytes and always goes above.  Returns the texts written."""
+    """Names on the bars: a compute bar gets its layer's name (``forward:conv1`` -> ``conv1``) or
+    its label inside when it fits (every bar is also named by its colour in the legend); the
+    transfers of one phase on one lane get one name above the lane with their bytes (``phase
+    x n`` when the phase runs n times), packed so that no two names overlap, with an arrow in
+    the link's colour to each of its bars.  Returns the texts written."""
     renderer = fig.canvas.get_renderer()
     x0, x1 = ax.get_xlim()
     written, above = [], {}
@@ -246,50 +262,56 @@ def _label_bars(fig, ax, drawn, by_phase) -> list[str]:
         if b <= a:
             continue
         label = str(e.get("label", ""))
-        layer = label.split(":")[0] in ("forward", "backward") and ":" in label
-        if e.get("resource") in ("intra", "inter"):
-            nb = _transfer_bytes(e, by_phase)
-            above.setdefault(li, []).append((label + (f": {nb}" if nb else ""), patch))
+        if e.get("resource") in _LINK_COLORS:
+            key = (li, _phase_of(label), _transfer_bytes(e, by_phase))
+            above.setdefault(key, []).append((label, patch))
             continue
-        short = label.split(":", 1)[1] if layer else label
+        short = label.split(":", 1)[1] if _color_key(e) in _PASS_COLORS else label
         t = ax.text((a + b) / 2, patch.get_y() + patch.get_height() / 2, short, ha="center",
                     va="center", fontsize=6.5, clip_on=True)
         if _fits(ax, renderer, t, a, b):
             written.append(short)
-            continue
-        t.remove()
-        if not layer:
-            above.setdefault(li, []).append((label, patch))
+        else:
+            t.remove()
     lo, hi = ax.transAxes.transform([(0, 0), (1, 0)])[:, 0]
     inv = ax.transData.inverted()
-    for li, items in above.items():
-        items.sort(key=lambda it: it[1].get_x())
+    by_lane = {}
+    for (li, phase, nb), items in above.items():
+        name = items[0][0] if len(items) == 1 else f"{phase} ×{len(items)}"
+        text = name + (f": {nb}" if nb else "")
+        centre = sum(ax.transData.transform((p.get_x() + p.get_width() / 2, 0))[0]
+                     for _, p in items) / len(items)
+        by_lane.setdefault(li, []).append((centre, text, [p for _, p in items]))
+    for li, groups in by_lane.items():
+        groups.sort(key=lambda g: g[0])
         texts = []
-        for text, patch in items:
+        for centre, text, patches in groups:
             t = ax.text(0, _LABEL_Y + li, text, fontsize=6.5, va="center", ha="left")
-            cx = ax.transData.transform((patch.get_x() + patch.get_width() / 2, 0))[0]
-            texts.append((t, patch, cx, t.get_window_extent(renderer).width, text))
-        lefts = _pack([(cx, w) for _, _, cx, w, _ in texts], lo, hi)
-        for (t, patch, cx, tw, text), left in zip(texts, lefts):
+            texts.append((t, centre, t.get_window_extent(renderer).width, text, patches))
+        lefts = _pack([(c, w) for _, c, w, _, _ in texts], lo, hi)
+        for (t, _, tw, text, patches), left in zip(texts, lefts):
             t.set_x(inv.transform((left, 0))[0])
-            # the arrow leaves the text at the point nearest the bar
-            start = inv.transform((min(max(cx, left + 2), left + tw - 2), 0))[0]
-            ax.annotate("", xy=(patch.get_x() + patch.get_width() / 2, patch.get_y()),
-                        xytext=(start, _LABEL_Y + li + 0.08),
-                        arrowprops={"arrowstyle": "-|>", "lw": 0.6, "mutation_scale": 7,
-                                    "color": patch.get_facecolor(), "shrinkA": 0,
-                                    "shrinkB": 0})
+            for patch in patches:
+                # the arrow leaves the text at the point nearest the bar
+                cx = ax.transData.transform((patch.get_x() + patch.get_width() / 2, 0))[0]
+                start = inv.transform((min(max(cx, left + 2), left + tw - 2), 0))[0]
+                ax.annotate("", xy=(patch.get_x() + patch.get_width() / 2, patch.get_y()),
+                            xytext=(start, _LABEL_Y + li + 0.08),
+                            arrowprops={"arrowstyle": "-|>", "lw": 0.6, "mutation_scale": 7,
+                                        "color": patch.get_facecolor(), "shrinkA": 0,
+                                        "shrinkB": 0})
             written.append(text)
     return written
 
 
 def plot_gantt(run_dir, path, step: int | None = None) -> Plot:
     """Gantt chart of one step (see the module docstring): one panel per rank (rank 0 and the
-    busiest), one row per lane that has events (empty lanes are left out), bars labelled with
-    their layer or phase where the name fits, and every transfer labelled with its phase and
-    bytes above its bar (an arrow points at bars too thin to see).  The figure says what is
-    measured (compute, per the run's compute source) and what is modeled (communication).
-    Times in s / ms / µs by magnitude.
+    busiest), one row per lane that has events (empty lanes are left out), every bar coloured
+    by its pass (per-layer forward/backward), phase or link class and named in the legend, named
+    inside where the name fits, and the transfers of each phase labelled once above their lane
+    with their bytes and an arrow to each bar (bars too thin to see included).  The figure says
+    what is measured (compute, per the run's compute source) and what is modeled
+    (communication).  Times in s / ms / µs by magnitude.
 
     ``data``: ``{"step", "unit", "factor" (seconds x factor = axis units), "lanes": {rank name:
     [lane, ...]}, "bars": [{"rank", "lane", "label", "start", "finish", "bytes"}], "labels":
@@ -309,26 +331,25 @@ def plot_gantt(run_dir, path, step: int | None = None) -> Plot:
     fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.4 + sum(0.62 * h + 0.55
                                                                     for h in heights)),
                              squeeze=False, gridspec_kw={"height_ratios": heights})
-    bars, drawn_by = [], []
+    bars, drawn_by, colors = [], [], _colors(ranks)
     for ax, (name, events) in zip(axes[:, 0], ranks.items()):
         ax.set_gid(f"gantt:{name}")
         drawn_by.append((ax, name, _draw_lanes(ax, events, lanes[name], k, bars, name,
-                                               by_phase)))
+                                               by_phase, colors)))
         ax.set_xlim(0, k * end * 1.01)
         step_s = data.get("step_s", {}).get(name)
         ax.set_title(f"{name}: step {data['step']}" +
                      (f", {fmt_time(step_s)} on the critical path" if step_s else ""),
                      fontsize=9)
         ax.set_xlabel(f"simulated time in the step ({unit})", fontsize=8)
-    used = {_color_key(e) for evs in ranks.values() for e in evs
-            if e.get("resource") in LANES and e.get("finish", 0) > e.get("start", 0)}
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, label=lb)
-               for key, (c, lb) in _KIND_COLORS.items() if key in used]
-    fig.legend(handles=handles, fontsize=7, loc="upper center", ncol=len(handles),
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, label=lb) for c, lb in colors.values()]
+    ncol = min(len(handles), 7)
+    fig.legend(handles=handles, fontsize=7, loc="upper center", ncol=ncol,
                bbox_to_anchor=(0.5, 1.0), frameon=False)
+    top = 1 - (0.25 + 0.17 * math.ceil(len(handles) / ncol)) / fig.get_figheight()
     fig.text(0.5, 0.005, f"{_compute_statement(data['compute_source'])}\n"
              f"{_comm_statement(summary)}", ha="center", va="bottom", fontsize=7)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.06, 1, top))
     labels = {name: _label_bars(fig, ax, drawn, by_phase) for ax, name, drawn in drawn_by}
     return _save(fig, path, {"step": data["step"], "unit": unit, "factor": k, "lanes": lanes,
                              "bars": bars, "labels": labels}, tight=False)

@@ -129,16 +129,21 @@ def test_gantt_bars_are_the_timeline_events(tmp_path, capsys):
     assert plot.path.read_bytes()[:8] == PNG
     _assert_gantt_is_the_events(plot, d)
     assert plot.data["unit"] == "s"
-    # every transfer is labelled with its phase and the ledger's bytes per call
+    # every transfer is labelled with its phase and the ledger's bytes per call (one label
+    # for the two calls of inter_allreduce, with an arrow to each bar)
     texts = {t.get_text() for ax in plot.fig.axes for t in ax.texts}
-    assert "inter_allreduce[0]: 1.46 KiB per call" in texts          # 18000 B / 12 calls
+    assert "inter_allreduce ×2: 1.46 KiB per call" in texts          # 18000 B / 12 calls
     assert "intra_allreduce[0]: 1.00 KiB per call" in texts
     assert {"fc", "optimizer", "pack"} <= texts                      # names that fit their bars
+    arrows = [t for t in plot.fig.axes[0].texts if t.get_text() == "" and t.arrow_patch]
+    assert len(arrows) == 3                                          # rank 0: three transfers
     # what is measured and what is modeled, in the figure
     said = " ".join(t.get_text() for t in plot.fig.texts)
     assert "compute modeled from FLOP counts" in said and "communication modeled" in said
+    # the legend names every colour once: passes, phases, link classes
     legend = [t.get_text() for lg in plot.fig.legends for t in lg.get_texts()]
-    assert len(legend) == len(set(legend)) and "offload thread" in legend
+    assert legend == ["forward (per layer)", "backward (per layer)", "pack",
+                      "optimizer", "intra-node transfer", "inter-node transfer"]
     assert main(["gantt", str(d), "--step", "6"]) == 0
     assert (d / "gantt.png").read_bytes()[:8] == PNG
     assert "gantt.png" in capsys.readouterr().out
@@ -152,8 +157,7 @@ def test_gantt_bars_are_the_timeline_events(tmp_path, capsys):
                                                                           "inter"]
     said = " ".join(t.get_text() for t in plot.fig.texts)
     assert "compute measured (thread CPU time" in said
-    assert "offload thread" not in [t.get_text() for lg in plot.fig.legends
-                                    for t in lg.get_texts()]
+    assert "pack" not in [t.get_text() for lg in plot.fig.legends for t in lg.get_texts()]
 
 
 @pytest.mark.parametrize("make,match", [
