@@ -9,9 +9,9 @@
     trainer writes one, gives other steps).  Bars are coloured by pass, phase or link class (the
     legend names each) and carry their name where it fits; the transfers of each phase are named
     once with their bytes (the ledger's per call of the phase, or the events' own ``nbytes``)
-    and an arrow to each bar.  Transfers in flight at the same time on one link are drawn in sub-rows of
-    its lane (they share its bandwidth).  The figure states that compute is measured (or
-    replayed, or FLOP-modeled: the run's compute source) and communication modeled.
+    and an arrow to each bar.  Transfers in flight at the same time on one link are drawn in
+    sub-rows of its lane (they share its bandwidth).  The figure states that compute is measured
+    (or replayed, or FLOP-modeled: the run's compute source) and communication modeled.
 ``plot-scaling SCALE_JSON [--out PNG]``
     Speedup and parallel efficiency from ``python -m commvol scale --out``: modeled lines (the
     timeline solid, its no-overlap sum dashed) and, when the JSON carries them, the paper's
