@@ -415,7 +415,7 @@ def plot_payload(runs, path) -> Plot:
     b.set(title="(b) inter-node bytes per epoch (ledger)", xlabel="epochs (passes over each "
           "rank's shard)", ylabel="inter-node bytes per epoch")
     if data["per_epoch"]:
-        b.legend(fontsize=8)
+        b.legend(fontsize=7, ncol=2, loc="best")
     fig.text(0.5, 0.005, f"inter-node bytes: {LEDGER_BYTES}", ha="center", va="bottom",
              fontsize=7, wrap=True)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -492,7 +492,8 @@ def plot_comm_breakdown(runs, path) -> Plot:
             left += share
     ax.set_yticks(range(len(runs)), ticks)
     ax.set(xlim=(0, 1), xlabel="share of the run's modeled communication time",
-           title="modeled communication time by phase (alpha-beta per link class)")
+           title="modeled communication time by phase (alpha-beta per link class; the "
+                 "run's total in brackets)")
     if phases:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4)
     return _save(fig, path, data)
@@ -556,17 +557,20 @@ def plot_residuals(runs, path, top: int = 5) -> Plot:
                         "nothing to draw on a log axis", ha="center", va="center", fontsize=9,
                         transform=ax.transAxes)
                 ax.set(title=f"{lb}: {key}", xticks=[], yticks=[])
+                ax.title.set_fontsize(9)
                 continue
             n = len(values[0])
             names, note = _layer_names(r, n)
-            order = sorted(range(n), key=lambda i: -values[0][i])[:top]
+            # the top layers by first residual, drawn in the model's order, one colour per
+            # layer in every panel
+            order = sorted(sorted(range(n), key=lambda i: -values[0][i])[:top])
             data[lb][key] = {"iteration": it, "layers": {}}
             zeros = 0
             for i in order:
                 ys = [v[i] if v[i] > 0 else float("nan") for v in values]
                 zeros += sum(1 for v in values if v[i] <= 0)
                 data[lb][key]["layers"][names[i]] = [v[i] for v in values]
-                ax.plot(it, ys, marker=".", label=names[i])
+                ax.plot(it, ys, marker=".", color=f"C{i % 10}", label=names[i])
             ax.set_yscale("log")
             shown = f" (top {len(order)} of {n} layers)" if len(order) < n else ""
             ax.set(title=f"{lb}: {what}{shown}", xlabel="ADMM iteration",

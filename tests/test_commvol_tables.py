@@ -202,9 +202,7 @@ def test_report_plots(fake_runs, tmp_path, capsys):
           "intra_node_bytes": 24000} for k in (1, 2)])
     runs = [hs, ddp, hs2, flat, topk]
     scale = tmp_path / "scale.json"
-    # hsadmm is left out of `scale` here: on this branch its prediction is being moved onto
-    # call records (issue 23) and carries none yet; ddp and topk cover the plot
-    main(["scale", "--system", "ddp", "topk", "--model", "cnn", "--gpus", "4", "8",
+    main(["scale", "--system", "ddp", "hsadmm", "--model", "cnn", "--gpus", "4", "8",
           "--gpus-per-node", "2", "--compute-s-per-sample", "0.001", "--out", str(scale)])
     assert "| ddp | 8 | 4 |" in capsys.readouterr().out
     plots = draw_report(runs, tmp_path / "plots", scaling=scale)
