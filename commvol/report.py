@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsadmm.penalty import penalty_groups
+
 from .predict import fmt_bytes
 from .specs import resolve_model
 
@@ -503,8 +505,6 @@ def _layer_names(r: RunData, n: int) -> tuple[list[str], str | None]:
     """Names of the ``n`` per-layer residual entries (the adaptive-penalty groups of the run's
     ``rho_scope``: layers ``conv1``, ``fc1`` ... or tensors ``conv1.weight`` ...), and a note when
     they cannot be known."""
-    from hsadmm.penalty import penalty_groups  # noqa: PLC0415
-
     cfg = r.summary.get("config", {})
     try:
         layout = resolve_model(cfg["model"], cfg.get("dataset", "digits")).layout

@@ -17,6 +17,7 @@ from commvol.predict import fmt_bytes
 from commvol.report import (comparison_table, draw_report, load_run, time_to_target,
                             write_plots)
 from commvol.scale import measure_compute_s_per_sample, strong_scaling
+from hsadmm.penalty import penalty_groups
 from partition import partition_metrics, random_partition
 from sparse_sgd.plan import PartitionOptions, plan_partition
 
@@ -172,8 +173,6 @@ def _cum_at_evals(lines, key="inter_node_bytes"):
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")
 def test_report_plots(fake_runs, tmp_path, capsys):
     """Every report plot, read back from its figure, against the run directories' numbers."""
-    from hsadmm.penalty import penalty_groups  # noqa: PLC0415
-
     hs, ddp = fake_runs
     layers, _ = penalty_groups(resolve_model("cnn").layout, "layer")     # conv1, conv2, ...
     G = len(layers)
