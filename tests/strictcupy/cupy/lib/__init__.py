@@ -1,0 +1,1 @@
+from . import stride_tricks  # noqa: F401
