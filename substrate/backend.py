@@ -5,25 +5,56 @@ The backend is chosen once per run (``--device cpu|gpu``).  Everything else rece
 
 Handing device arrays to MPI
 ----------------------------
-:meth:`Backend.mpi_view` returns something mpi4py can send/receive:
+A communication call stages each buffer it hands to MPI with :meth:`Backend.stage`, in three
+moves that may run on different threads (a call issued without waiting runs on the
+communication thread, :mod:`substrate.stream`):
 
-* NumPy arrays are passed as they are (zero copy);
-* CuPy arrays are passed as device memory only when the MPI library is CUDA-aware
-  (``MPI.Query_cuda_support()``, overridable with ``SPARDIST_CUDA_AWARE=0|1``), after
-  synchronizing the current stream so the kernels that produced the data have finished;
-* otherwise they are staged through a pinned host buffer, and :meth:`Backend.mpi_done` copies the
-  received bytes back to the device.
+``stage(arr, send=, recv=)`` (the issuing thread)
+    records an event on the current (compute) stream: the point after which the data is
+    ready; with a host-only MPI it also leases a pinned host block of its own from the
+    backend's bounded :class:`StagingPool`;
+``Staged.pull()`` (the thread that runs MPI)
+    returns what MPI reads and writes: NumPy arrays as they are; device memory when the MPI
+    library is CUDA-aware (``MPI.Query_cuda_support()``, overridable with
+    ``SPARDIST_CUDA_AWARE=0|1``; every rank must agree, else all stage), once the ready event
+    has completed; else the leased host block, filled (send side) by a copy on the backend's
+    side stream and waited for: the one host sync a host-only MPI needs per buffer;
+``Staged.push()`` (the thread that completes the call)
+    copies what MPI received back to the device on the side stream, makes the compute stream
+    wait for that copy (no host sync) and returns the block to the pool, fenced by the copy.
+
+Send and receive buffers of one call are distinct leases, and a lease is never handed out
+again before the call that holds it has finished with it (and the copy that reads it has
+completed), so no two buffers in flight share host memory, whatever their shapes: the pool is
+correct by construction.  It is bounded (``SPARDIST_PINNED_POOL_MIB``, default 256 MiB per
+rank): blocks are reused by size class (powers of two from 4 KiB) and, at the bound, the
+oldest fenced block of the class is waited for; a buffer larger than the whole pool is staged
+through a one-off block (reported in :meth:`Backend.describe` as ``overflow``).
+
+Exact-mode all-reduces of device buffers (:mod:`substrate.collectives`) reduce on the device:
+each received chunk is copied up, added by CuPy on the side stream and the sum copied back for
+the next send (:func:`~substrate.collectives.ring_allreduce_staged`).  A chunk smaller than
+``SPARDIST_DEVICE_REDUCE_BYTES`` (default 64 KiB) is reduced on the host instead: there the
+host adds of a small chunk cost less than the ``p - 1`` extra host waits a device reduction
+needs, and the result is bitwise the same (an element-wise IEEE add in the same ring order).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
 
-__all__ = ["Backend", "get_backend", "array_module", "cupy_available"]
+__all__ = ["Backend", "Staged", "StagingPool", "get_backend", "array_module", "cupy_available",
+           "device_slot"]
+
+#: smallest pool block (bytes); blocks are powers of two from here
+MIN_BLOCK = 4096
 
 
 def _import_cupy() -> ModuleType | None:
@@ -65,6 +96,209 @@ def _mpi_cuda_aware() -> bool:
         return False
 
 
+def _env_bytes(name: str, default: int, unit: int = 1) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        val = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not val >= 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return int(val * unit)
+
+
+def device_slot(local_index: int, visible: int) -> tuple[int, bool]:
+    """Device ordinal of the ``local_index``-th rank among the ranks of a real node that see
+    the same ``visible`` devices, and whether that device is shared (oversubscribed).
+
+    Pure: the binding rule of :class:`substrate.topology.Topology` (ranks fill the devices in
+    order, then wrap around)."""
+    if visible < 1:
+        raise ValueError("no CUDA device visible to this rank (CUDA_VISIBLE_DEVICES is empty "
+                         "or names no device)")
+    return local_index % visible, local_index >= visible
+
+
+# -- the pinned staging pool ----------------------------------------------------------------------------
+
+class _Block:
+    __slots__ = ("mem", "host", "size", "fence", "pooled")
+
+    def __init__(self, mem, size: int, pooled: bool) -> None:
+        self.mem = mem
+        self.host = np.frombuffer(mem, np.uint8, size)
+        self.size = size
+        self.fence = None          # (seq, event) of the last copy that reads this block
+        self.pooled = pooled
+
+
+class Lease:
+    """A pinned host block held by one staged buffer until :meth:`StagingPool.release`."""
+
+    __slots__ = ("block", "nbytes")
+
+    def __init__(self, block: _Block, nbytes: int) -> None:
+        self.block, self.nbytes = block, nbytes
+
+    def array(self, dtype, shape) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        return self.block.host[:n * dtype.itemsize].view(dtype).reshape(shape)
+
+
+class StagingPool:
+    """Bounded pool of pinned host blocks (see the module docstring).
+
+    Parameters
+    ----------
+    alloc : callable
+        ``alloc(nbytes)`` -> pinned memory supporting the buffer protocol.
+    limit : int
+        Bytes of pinned memory the pool may hold.
+    fence_done : callable
+        ``fence_done(fence)`` -> whether the copy a fence stands for has completed, without
+        waiting; ``wait(fence)`` waits for it.
+    """
+
+    def __init__(self, alloc, limit: int, fence_done, wait) -> None:
+        self._alloc = alloc
+        self.limit = int(limit)
+        self._done = fence_done
+        self._wait = wait
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Block]] = {}
+        self.held = 0            # pinned bytes held by the pool (pooled blocks)
+        self.blocks = 0
+        self.leased = 0
+        self.peak_leased = 0
+        self.acquires = 0
+        self.allocations = 0
+        self.overflow = 0
+        self.fence_waits = 0
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(MIN_BLOCK, 1 << max(0, int(nbytes) - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> Lease:
+        """A block of at least ``nbytes`` no buffer in flight uses."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            self.acquires += 1
+            free = self._free.setdefault(size, [])
+            block = None
+            for i, b in enumerate(free):
+                if b.fence is None or self._done(b.fence):
+                    block = free.pop(i)
+                    break
+            if block is None and self.held + size > self.limit and free:
+                block = free.pop(0)                 # the oldest fenced block: wait for it
+                self.fence_waits += 1
+                self._wait(block.fence)
+            if block is None:
+                pooled = self.held + size <= self.limit
+                if not pooled:                      # make room: drop idle blocks of other sizes
+                    for other, lst in self._free.items():
+                        while lst and self.held + size > self.limit:
+                            b = lst.pop()
+                            if b.fence is not None:
+                                self._wait(b.fence)
+                            self.held -= b.size
+                            self.blocks -= 1
+                    pooled = self.held + size <= self.limit
+                block = _Block(self._alloc(size), size, pooled)
+                self.allocations += 1
+                if pooled:
+                    self.held += size
+                    self.blocks += 1
+                else:
+                    self.overflow += 1
+            block.fence = None
+            self.leased += size
+            self.peak_leased = max(self.peak_leased, self.leased)
+            return Lease(block, int(nbytes))
+
+    def release(self, lease: Lease, fence=None) -> None:
+        """Give ``lease`` back; ``fence`` is the copy that still reads it (reuse waits for it)."""
+        b = lease.block
+        with self._lock:
+            self.leased -= b.size
+            if not b.pooled:
+                return                  # a one-off block: dropped (freed when collected)
+            b.fence = fence
+            self._free.setdefault(b.size, []).append(b)
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"limit_bytes": self.limit, "held_bytes": self.held, "blocks": self.blocks,
+                    "acquires": self.acquires, "allocations": self.allocations,
+                    "peak_leased_bytes": self.peak_leased, "overflow": self.overflow,
+                    "fence_waits": self.fence_waits}
+
+
+# -- one buffer handed to MPI ------------------------------------------------------------------------
+
+class Staged:
+    """One buffer of one communication call on its way to MPI and back (module docstring)."""
+
+    __slots__ = ("backend", "arr", "send", "recv", "ready", "lease", "host", "_pulled")
+
+    def __init__(self, backend: "Backend", arr, send: bool, recv: bool) -> None:
+        self.backend, self.arr, self.send, self.recv = backend, arr, send, recv
+        self.lease = self.host = self.ready = None
+        self._pulled = False
+        if backend.is_gpu and array_module(arr) is not np:
+            self.ready = backend.xp.cuda.get_current_stream().record()
+            if not backend.cuda_aware:
+                self.lease = backend.pool.acquire(arr.nbytes)
+                self.host = self.lease.array(arr.dtype, arr.shape)
+
+    @property
+    def device(self) -> bool:
+        return self.ready is not None
+
+    def pull(self, lo: int | None = None, hi: int | None = None):
+        """What MPI reads and writes; on the send side the data is there when this returns.
+        ``lo:hi`` (flat elements) copies only that part of a staged buffer."""
+        self._pulled = True
+        if self.ready is None:
+            return self.arr
+        be = self.backend
+        if self.host is None:                     # CUDA-aware: device memory, once complete
+            be.wait_event(self.ready)
+            return self.arr
+        if self.send:
+            src, dst = self.arr.reshape(-1), self.host.reshape(-1)
+            if lo is not None:
+                src, dst = src[lo:hi], dst[lo:hi]
+            be.to_host(src, dst, after=self.ready)
+        return self.host
+
+    def push(self, lo: int | None = None, hi: int | None = None) -> None:
+        """After MPI: the received data back on the device (compute waits for it), the lease
+        returned.  Idempotent."""
+        be = self.backend
+        if self.ready is None:
+            return
+        if self.host is None:
+            if self.recv:
+                be.order_after_side()
+            self.ready = None
+            return
+        fence = None
+        if self.recv and self._pulled:
+            dst, src = self.arr.reshape(-1), self.host.reshape(-1)
+            if lo is not None:
+                dst, src = dst[lo:hi], src[lo:hi]
+            fence = be.to_device(src, dst)
+        be.pool.release(self.lease, fence)
+        self.lease = self.host = self.ready = None
+
+
+# -- the backend -------------------------------------------------------------------------------------
+
 @dataclass
 class Backend:
     """The array module of a run plus the MPI hand-off adapter.
@@ -72,18 +306,28 @@ class Backend:
     Parameters
     ----------
     name : {"cpu", "gpu"}
-        ``cpu`` uses NumPy, ``gpu`` uses CuPy on device ``gpu_index``.
+        ``cpu`` uses NumPy, ``gpu`` uses CuPy.
     gpu_index : int
-        Device to bind (the node-local rank, see :class:`substrate.topology.Topology`).
+        The rank's device slot from :class:`substrate.topology.Topology` (its place among the
+        real node's ranks that see the same devices); the device used is that slot modulo the
+        visible devices, and sharing one is reported (:attr:`oversubscribed`).
     """
 
     name: str = "cpu"
     gpu_index: int = 0
     xp: ModuleType = field(init=False, repr=False)
     cuda_aware: bool = field(init=False, default=False)
-    _staging: dict = field(init=False, default_factory=dict, repr=False)
+    device_id: int | None = field(init=False, default=None)
+    oversubscribed: bool = field(init=False, default=False)
+    pool: StagingPool | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._side = None
+        self._compute = None
+        self._fence_seq = itertools.count(1)
+        self._fences_done = 0
+        self._lock = threading.Lock()
+        self.reduce_on_device_bytes = _env_bytes("SPARDIST_DEVICE_REDUCE_BYTES", 64 << 10)
         if self.name == "cpu":
             self.xp = np
         elif self.name == "gpu":
@@ -94,9 +338,14 @@ class Backend:
                     "(pip install 'spardist[gpu]') on a GPU node, or run with --device cpu"
                 )
             n = cp.cuda.runtime.getDeviceCount()
-            cp.cuda.Device(self.gpu_index % n).use()
+            self.device_id, self.oversubscribed = device_slot(int(self.gpu_index), n)
+            cp.cuda.Device(self.device_id).use()
             self.xp = cp
             self.cuda_aware = _mpi_cuda_aware()
+            self._compute = cp.cuda.get_current_stream()
+            self.pool = StagingPool(cp.cuda.alloc_pinned_memory,
+                                    _env_bytes("SPARDIST_PINNED_POOL_MIB", 256 << 20, 1 << 20),
+                                    self._fence_done, self._fence_wait)
         else:
             raise ValueError(f"unknown device {self.name!r}: use --device cpu or --device gpu")
 
@@ -118,33 +367,145 @@ class Backend:
         if self.is_gpu:
             self.xp.cuda.get_current_stream().synchronize()
 
+    # -- devices and streams --------------------------------------------------------------------
+    @contextmanager
+    def device(self):
+        """This backend's device current on the calling thread (CuPy's current device is per
+        thread: the communication thread must select it before touching device memory)."""
+        if not self.is_gpu:
+            yield
+            return
+        with self.xp.cuda.Device(self.device_id):
+            yield
+
+    @property
+    def side_stream(self):
+        """The non-blocking stream the staging copies and exact-mode reductions run on."""
+        if self._side is None:
+            with self.device():
+                self._side = self.xp.cuda.Stream(non_blocking=True)
+        return self._side
+
+    def side(self):
+        """Context: this device and the side stream current (work of the communication path)."""
+        if not self.is_gpu:
+            return nullcontext()
+        return _Both(self.device(), self.side_stream)
+
+    def wait_event(self, event) -> None:
+        """The host waits for ``event`` (a host sync, skipped when it already completed)."""
+        if not event.done:
+            event.synchronize()
+
+    def to_host(self, src, dst: np.ndarray, after=None) -> None:
+        """Device ``src`` into pinned host ``dst`` on the side stream, after ``after`` (an event
+        of the compute stream), and wait for it: one host sync."""
+        side = self.side_stream
+        with self.device():
+            if after is not None:
+                side.wait_event(after)
+            src.get(out=dst, stream=side, blocking=False)
+            self.sync_side()
+
+    def sync_side(self) -> None:
+        """The host waits for the side stream; every fence recorded before is then complete."""
+        seq = next(self._fence_seq)
+        self.side_stream.synchronize()
+        with self._lock:
+            self._fences_done = max(self._fences_done, seq)
+
+    def to_device(self, src: np.ndarray, dst):
+        """Pinned host ``src`` into device ``dst`` on the side stream; the compute stream waits
+        for the copy (no host sync).  Returns the fence of the copy (for the pool)."""
+        side = self.side_stream
+        with self.device():
+            dst.set(src, stream=side)
+            ev = side.record()
+            self._compute.wait_event(ev)
+        return (next(self._fence_seq), ev)
+
+    def order_after_side(self) -> None:
+        """The compute stream waits for everything issued on the side stream so far."""
+        with self.device():
+            self._compute.wait_event(self.side_stream.record())
+
+    def _fence_done(self, fence) -> bool:
+        seq, ev = fence
+        with self._lock:
+            if seq <= self._fences_done:
+                return True
+        return bool(ev.done)
+
+    def _fence_wait(self, fence) -> None:
+        fence[1].synchronize()
+
     # -- MPI hand-off -------------------------------------------------------------------------
-    def mpi_view(self, arr, *, fill: bool = True):
-        """Return a buffer MPI can use for ``arr``.
+    def stage(self, arr, *, send: bool = True, recv: bool = True) -> Staged:
+        """Stage ``arr`` for one communication call (the module docstring); ``send``: MPI reads
+        it, ``recv``: MPI writes it."""
+        return Staged(self, arr, send, recv)
 
-        For NumPy and CUDA-aware MPI this is ``arr`` itself (after a stream sync for CuPy).
-        Otherwise a pinned host staging buffer of the same shape/dtype, filled from ``arr`` when
-        ``fill`` is true (send side); pass the result to :meth:`mpi_done` after a receive.
-        """
-        if array_module(arr) is np:
-            return arr
-        self.xp.cuda.get_current_stream().synchronize()
-        if self.cuda_aware:
-            return arr
-        key = (arr.shape, arr.dtype.str)
-        host = self._staging.get(key)
-        if host is None:
-            mem = self.xp.cuda.alloc_pinned_memory(max(arr.nbytes, 1))
-            host = np.frombuffer(mem, arr.dtype, arr.size).reshape(arr.shape)
-            self._staging[key] = host
-        if fill:
-            arr.get(out=host)
-        return host
+    def reduce_on_device(self, chunk_bytes: int) -> bool:
+        """Whether an exact-mode ring all-reduce with chunks of ``chunk_bytes`` reduces on the
+        device (host-only MPI; see the module docstring)."""
+        return chunk_bytes >= self.reduce_on_device_bytes
 
-    def mpi_done(self, arr, view) -> None:
-        """Copy a received staging buffer ``view`` back into device array ``arr`` if needed."""
-        if view is not arr:
-            arr.set(view)
+    def pinned(self, shape, dtype) -> np.ndarray:
+        """A pinned host array owned by the caller (persistent message buffers)."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not self.is_gpu:
+            return np.empty(shape, dtype=dtype)
+        mem = self.xp.cuda.alloc_pinned_memory(max(n, 1))
+        return np.frombuffer(mem, dtype, n // dtype.itemsize).reshape(shape)
+
+    # -- description ------------------------------------------------------------------------------
+    def device_info(self) -> dict:
+        """This rank's device, for the binding record (``topology.devices`` of summary.json)."""
+        if not self.is_gpu:
+            return {"device": "cpu"}
+        cp = self.xp
+        d = cp.cuda.Device(self.device_id)
+        try:
+            pci = str(d.pci_bus_id)
+        except Exception:  # pragma: no cover - drivers without the attribute
+            pci = None
+        try:
+            raw = cp.cuda.runtime.getDeviceProperties(self.device_id).get("name", b"")
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        except Exception:  # pragma: no cover
+            name = None
+        return {"device": "gpu", "slot": int(self.gpu_index), "ordinal": int(self.device_id),
+                "visible_devices": int(cp.cuda.runtime.getDeviceCount()),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "pci_bus_id": pci, "name": name}
+
+    def describe(self) -> dict:
+        """The backend block of ``summary.json``: device, MPI hand-off, staging pool."""
+        out = {"device": self.name}
+        if self.is_gpu:
+            out.update(cuda_aware=self.cuda_aware, device_id=self.device_id,
+                       handoff=("device memory (CUDA-aware MPI)" if self.cuda_aware else
+                                "pinned host staging, copies on a side stream"),
+                       device_reduce_min_chunk_bytes=self.reduce_on_device_bytes,
+                       staging=self.pool.describe())
+        return out
+
+
+class _Both:
+    """Enter a device context and a stream context together."""
+
+    def __init__(self, dev, stream) -> None:
+        self.dev, self.stream = dev, stream
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.dev.__exit__(*exc)
 
 
 _BACKENDS: dict[tuple[str, int], Backend] = {}

@@ -54,6 +54,7 @@ __all__ = [
     "check_mode",
     "UFUNCS",
     "ring_allreduce",
+    "ring_allreduce_staged",
     "ring_allgatherv",
     "binomial_bcast",
     "pairwise_alltoallv",
@@ -141,6 +142,38 @@ def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[t
         _sendrecv(mpi, chunk[si], right, recv, left, poll)
         ufunc(chunk[ri], recv, out=chunk[ri])
         sync()
+        sent.append((right, int(counts[si]) * itemsize))
+    for s in range(p - 1):
+        si, ri = (i + 1 - s) % p, (i - s) % p
+        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
+        sent.append((right, int(counts[si]) * itemsize))
+    return sent
+
+
+def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
+                          poll=None) -> list[tuple[int, int]]:
+    """:func:`ring_allreduce`'s schedule, message for message, for a device buffer staged
+    through host memory with the reduction on the device.
+
+    ``host`` is the buffer's pinned host mirror (1-D; its own chunk ``i`` filled by the
+    caller), ``recv`` a pinned block of at least the largest chunk.  At reduce-scatter step
+    ``s`` the received chunk goes to ``reduce_chunk(lo, hi, recv[:hi-lo])``, which adds it
+    into the device buffer and refreshes ``host[lo:hi]`` with the sum (what the next step
+    sends); the all-gather runs on the host mirror, which the caller copies back."""
+    p, i = mpi.Get_size(), mpi.Get_rank()
+    if p == 1:
+        return []
+    counts = ring_chunk_counts(host.size, p)
+    offs = np.concatenate(([0], np.cumsum(counts)))
+    chunk = [host[offs[j]:offs[j + 1]] for j in range(p)]
+    right, left = (i + 1) % p, (i - 1) % p
+    itemsize = host.itemsize
+    sent = []
+    for s in range(p - 1):
+        si, ri = (i - s) % p, (i - s - 1) % p
+        got = recv[:counts[ri]]
+        _sendrecv(mpi, chunk[si], right, got, left, poll)
+        reduce_chunk(int(offs[ri]), int(offs[ri + 1]), got)
         sent.append((right, int(counts[si]) * itemsize))
     for s in range(p - 1):
         si, ri = (i + 1 - s) % p, (i - s) % p

@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import collectives as coll
-from .backend import Backend, array_module, get_backend
+from .backend import Backend, Staged, array_module, get_backend
 from .buckets import BucketPlan, bucket_groups
 from .calls import Call, Placement
 from .costmodel import (
@@ -38,6 +38,7 @@ from .costmodel import (
     INTRA,
     binomial_children,
     binomial_depth,
+    ring_chunk_counts,
     ring_allgatherv_sent,
     ring_allreduce_sent,
 )
@@ -52,14 +53,18 @@ _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": M
 
 class Request(Handle):
     """A pending point-to-point operation: a :class:`~substrate.recorder.Handle` (record and
-    timeline event of a send; none for a receive) that :meth:`Comm.waitall` completes."""
+    timeline event of a send; none for a receive) that :meth:`Comm.waitall` completes.
 
-    __slots__ = ("mpi", "buf", "view", "backend")
+    ``staged`` is the buffer's :class:`~substrate.backend.Staged` hand-off (device arrays): its
+    pinned block stays leased until the request completes, then a receive is copied back to
+    the device."""
+
+    __slots__ = ("mpi", "buf", "staged")
 
     def __init__(self, mpi: MPI.Request, call: Call | None = None, event=None, buf=None,
-                 view=None, backend: Backend | None = None) -> None:
+                 staged: Staged | None = None) -> None:
         super().__init__(call, event, buf)
-        self.mpi, self.buf, self.view, self.backend = mpi, buf, view, backend
+        self.mpi, self.buf, self.staged = mpi, buf, staged
         self._wait = self._complete
 
     def _complete(self) -> None:
@@ -67,8 +72,9 @@ class Request(Handle):
         self._finish()
 
     def _finish(self) -> None:
-        if self.backend is not None and self.view is not None:
-            self.backend.mpi_done(self.buf, self.view)
+        if self.staged is not None:
+            self.staged.push()
+            self.staged = None
 
 
 class Comm:
@@ -233,20 +239,23 @@ class Comm:
             raise ValueError(f"'avg' all-reduce needs floating-point data, got {buf.dtype}")
         call = self._call(phase, "allreduce", nbytes=buf.nbytes, itemsize=buf.itemsize, op=op)
         p = self.size
-        view = self.backend.mpi_view(buf) if p > 1 else None
+        staged = self.backend.stage(buf) if p > 1 else None
+        side = self.backend.side
         if self.exact:
             cmpi = self._cmpi()             # created here: a Dup is collective, in call order
 
             def run(poll):
-                return coll.ring_allreduce(cmpi, view.reshape(-1), op, array_module(view), poll)
+                with side():
+                    return self._exact_allreduce(cmpi, staged, op, poll)
         else:
             def run(poll):
-                if view is not None:
-                    self.mpi.Allreduce(MPI.IN_PLACE, view, op=_OPS[op])
+                if staged is not None:
+                    with side():
+                        self.mpi.Allreduce(MPI.IN_PLACE, staged.pull(), op=_OPS[op])
 
         def finish(sent):
-            if view is not None:
-                self.backend.mpi_done(buf, view)
+            if staged is not None:
+                staged.push()
             if self.exact:
                 self._book(call, payload=buf.nbytes, sent=sent)
             else:
@@ -259,6 +268,42 @@ class Comm:
 
         return self._issue(call, after, buf, run, finish, wait)
 
+    def _exact_allreduce(self, cmpi, staged: Staged, op: str, poll) -> list:
+        """Ring all-reduce of a staged buffer: NumPy in place; device memory with a CUDA-aware
+        MPI (CuPy reductions on the side stream); else through the pinned staging block,
+        reducing on the device when the chunks are large enough
+        (:meth:`Backend.reduce_on_device`), on the host otherwise."""
+        if not staged.device:
+            return coll.ring_allreduce(cmpi, staged.arr.reshape(-1), op, np, poll)
+        be = self.backend
+        if staged.host is None:
+            return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, be.xp, poll)
+        n, p, i = staged.arr.size, cmpi.Get_size(), cmpi.Get_rank()
+        counts = ring_chunk_counts(n, p)
+        if not be.reduce_on_device(int(counts.max()) * staged.arr.itemsize):
+            return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, np, poll)
+        offs = np.concatenate(([0], np.cumsum(counts)))
+        host = staged.pull(int(offs[i]), int(offs[i + 1])).reshape(-1)
+        dev = staged.arr.reshape(-1)
+        xp = be.xp
+        ufunc = getattr(xp, coll.UFUNCS[op])
+        width = int(counts.max())
+        lease = be.pool.acquire(width * dev.itemsize)
+        recv = lease.array(dev.dtype, (width,))
+        tmp = xp.empty(width, dtype=dev.dtype)
+
+        def reduce_chunk(lo: int, hi: int, got: np.ndarray) -> None:
+            t = tmp[:hi - lo]
+            t.set(got, stream=be.side_stream)
+            ufunc(dev[lo:hi], t, out=dev[lo:hi])
+            dev[lo:hi].get(out=host[lo:hi], stream=be.side_stream, blocking=False)
+            be.sync_side()      # the sum is on the host for the next send; got is free again
+
+        try:
+            return coll.ring_allreduce_staged(cmpi, host, recv, reduce_chunk, poll)
+        finally:
+            be.pool.release(lease)
+
     def bcast(self, buf, root: int = 0, *, phase: str, after=None, wait: bool = True) -> Handle:
         """In-place broadcast from ``root`` (binomial tree in the ledger); ``.result`` is
         ``buf``; ``wait=False`` as for :meth:`allreduce`."""
@@ -267,20 +312,25 @@ class Comm:
             raise ValueError(f"bcast root {root} outside communicator of size {self.size}")
         n = buf.nbytes
         call = self._call(phase, "bcast", nbytes=n, itemsize=buf.itemsize, root=root)
-        view = self.backend.mpi_view(buf, fill=self.rank == root) if self.size > 1 else None
+        root_me = self.rank == root
+        staged = self.backend.stage(buf, send=root_me, recv=not root_me) \
+            if self.size > 1 else None
+        side = self.backend.side
         if self.exact:
             cmpi = self._cmpi()
 
             def run(poll):
-                return coll.binomial_bcast(cmpi, view, root, poll)
+                with side():
+                    return coll.binomial_bcast(cmpi, staged.pull(), root, poll)
         else:
             def run(poll):
-                if view is not None:
-                    self.mpi.Bcast(view, root=root)
+                if staged is not None:
+                    with side():
+                        self.mpi.Bcast(staged.pull(), root=root)
 
         def finish(sent):
-            if view is not None:
-                self.backend.mpi_done(buf, view)
+            if staged is not None:
+                staged.push()
             if self.exact:
                 self._book(call, payload=n, sent=sent)
                 return
@@ -311,33 +361,39 @@ class Comm:
         p = self.size
         out = xp.empty((p, *buf.shape), dtype=buf.dtype)
         call = self._call(phase, "allgather", blocks=(buf.nbytes,) * p, itemsize=buf.itemsize)
+        side = self.backend.side
         if self.exact:
             out[self.rank] = buf
             flat = out.reshape(-1)
             counts = np.full(p, buf.size, dtype=np.int64)
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            view = self.backend.mpi_view(flat)
+            staged = self.backend.stage(flat)
+            lo = int(displs[self.rank])
             cmpi = self._cmpi()
 
             def run(poll):
-                return coll.ring_allgatherv(cmpi, view, counts, displs, poll)
+                with side():
+                    return coll.ring_allgatherv(cmpi, staged.pull(lo, lo + buf.size), counts,
+                                                displs, poll)
 
             def finish(sent):
-                self.backend.mpi_done(flat, view)
+                staged.push()
                 self._book(call, payload=buf.nbytes, sent=sent)
         else:
-            sview = self.backend.mpi_view(buf) if p > 1 else None
-            rview = self.backend.mpi_view(out, fill=False) if p > 1 else None
+            sstage = self.backend.stage(buf, recv=False) if p > 1 else None
+            rstage = self.backend.stage(out, send=False) if p > 1 else None
 
             def run(poll):
                 if p > 1:
-                    self.mpi.Allgather(sview, rview)
+                    with side():
+                        self.mpi.Allgather(sstage.pull(), rstage.pull())
                 else:
                     out[0] = buf
 
             def finish(_):
-                if rview is not None:
-                    self.backend.mpi_done(out, rview)
+                if rstage is not None:
+                    sstage.push()
+                    rstage.push()
                 self._book(call, payload=buf.nbytes,
                            per_rank=(ring_allgatherv_sent(call.blocks, self.rank),
                                      self.out_link),
@@ -348,9 +404,12 @@ class Comm:
     def _exact_allgatherv(self, flat, counts: np.ndarray) -> list:
         """Ring all-gather(v) in place on ``flat`` (own block already at its offset)."""
         displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        view = self.backend.mpi_view(flat)
-        sent = coll.ring_allgatherv(self._cmpi(), view, counts, displs)
-        self.backend.mpi_done(flat, view)
+        staged = self.backend.stage(flat)
+        lo = int(displs[self.rank])
+        with self.backend.side():
+            sent = coll.ring_allgatherv(self._cmpi(), staged.pull(lo, lo + int(counts[self.rank])),
+                                        counts, displs)
+        staged.push()
         return sent
 
     def _gathered(self, call: Call, after, result, payload: int) -> Handle:
@@ -392,10 +451,12 @@ class Comm:
             return self._done(call, after, (out, counts), payload=buf.nbytes, sent=sent)
         if self.size > 1:
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            sview = self.backend.mpi_view(buf)
-            rview = self.backend.mpi_view(out, fill=False)
-            self.mpi.Allgatherv(sview, [rview, (counts, displs)])
-            self.backend.mpi_done(out, rview)
+            sstage = self.backend.stage(buf, recv=False)
+            rstage = self.backend.stage(out, send=False)
+            with self.backend.side():
+                self.mpi.Allgatherv(sstage.pull(), [rstage.pull(), (counts, displs)])
+            sstage.push()
+            rstage.push()
         else:
             out[:] = buf
         return self._gathered(call, after, (out, counts), buf.nbytes)
@@ -435,17 +496,21 @@ class Comm:
         out = xp.empty(int(recvcounts.sum()), dtype=sendbuf.dtype)
         sd = np.concatenate(([0], np.cumsum(sendcounts)[:-1]))
         rd = np.concatenate(([0], np.cumsum(recvcounts)[:-1]))
-        sview = self.backend.mpi_view(sendbuf)
-        rview = self.backend.mpi_view(out, fill=False)
-        if self.mode == "exact":
-            sent = coll.pairwise_alltoallv(self._cmpi() if p > 1 else self.mpi, sview, sendcounts,
-                                           sd, rview, recvcounts, rd, array_module(sview))
-            self.backend.mpi_done(out, rview)
-            return self._done(call, after, (out, recvcounts), payload=sendbuf.nbytes,
-                              sent=sent)
-        self.mpi.Alltoallv([sview, (sendcounts, sd)], [rview, (recvcounts, rd)])
-        self.backend.mpi_done(out, rview)
-        sent = [(j, int(nb)) for j, nb in enumerate(mine.tolist()) if j != self.rank and nb]
+        # distinct staging for the send and the receive buffer, whatever their sizes
+        sstage = self.backend.stage(sendbuf, recv=False)
+        rstage = self.backend.stage(out, send=False)
+        with self.backend.side():
+            sview, rview = sstage.pull(), rstage.pull()
+            if self.mode == "exact":
+                sent = coll.pairwise_alltoallv(self._cmpi() if p > 1 else self.mpi, sview,
+                                               sendcounts, sd, rview, recvcounts, rd,
+                                               array_module(sview))
+            else:
+                self.mpi.Alltoallv([sview, (sendcounts, sd)], [rview, (recvcounts, rd)])
+                sent = [(j, int(nb)) for j, nb in enumerate(mine.tolist())
+                        if j != self.rank and nb]
+        sstage.push()
+        rstage.push()
         return self._done(call, after, (out, recvcounts), payload=sendbuf.nbytes, sent=sent)
 
     def barrier(self, *, phase: str, after=None) -> Handle:
@@ -463,34 +528,39 @@ class Comm:
         """Non-blocking send; the bytes are recorded here, on the sender."""
         self._check(buf, "isend")
         self.stream.drain()
-        if array_module(buf) is np or self.backend.cuda_aware:
-            self.backend.synchronize()
-            view = buf
-        else:
-            view = buf.get()  # a private host copy: stays valid until the request completes
+        staged = None
+        view = buf
+        if array_module(buf) is not np:
+            # a pinned block of the pool (or the device memory itself, CUDA-aware), the data
+            # there when Isend is posted; held until the request completes
+            staged = self.backend.stage(buf, recv=False)
+            with self.backend.side():
+                view = staged.pull()
         req = self.mpi.Isend(view, dest=dest, tag=tag)
         dst = self.group[dest]
         call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),))
         rec = self.recorder
         if dest == self.rank:  # a self-message is a local copy: no link, no wire bytes
             rec.book(call, payload=buf.nbytes)
-            return Request(req, call, None, buf=view)
+            return Request(req, call, None, buf=buf, staged=staged)
         link = self.link_to(dest)
         intra, inter = (buf.nbytes, 0) if link == INTRA else (0, buf.nbytes)
         rec.book(call, payload=buf.nbytes, intra=intra, inter=inter, messages=1, links=(link,))
-        r = Request(req, call, rec.declare(call, after, wait=False, tag=tag), buf=view)
+        r = Request(req, call, rec.declare(call, after, wait=False, tag=tag), buf=buf,
+                    staged=staged)
         r.entry = rec.last_entry if rec.program is not None else None
         return r
 
     def irecv(self, buf, source: int, tag: int = 0, *, phase: str) -> Request:
         """Non-blocking receive into ``buf`` (nothing recorded: the sender records)."""
         self._check(buf, "irecv")
-        if array_module(buf) is np or self.backend.cuda_aware:
-            r = Request(self.mpi.Irecv(buf, source=source, tag=tag), buf=buf)
-        else:
-            host = np.empty(buf.shape, dtype=buf.dtype)
-            r = Request(self.mpi.Irecv(host, source=source, tag=tag), buf=buf, view=host,
-                        backend=self.backend)
+        staged = None
+        view = buf
+        if array_module(buf) is not np:
+            staged = self.backend.stage(buf, send=False)
+            with self.backend.side():
+                view = staged.pull()
+        r = Request(self.mpi.Irecv(view, source=source, tag=tag), buf=buf, staged=staged)
         prog = self.recorder.program
         if prog is not None:
             r.entry = prog.receive(self.group[source], buf.nbytes, tag, self.group)
