@@ -17,6 +17,8 @@ stay intra-node / inter-node.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +31,8 @@ from .costmodel import CostModel
 from .recorder import Recorder
 from .stream import CommStream
 
-__all__ = ["Topology", "TopologyError", "Level", "assign_nodes"]
+__all__ = ["Topology", "TopologyError", "Level", "assign_nodes", "binding_slots",
+           "shared_devices"]
 
 
 class TopologyError(ValueError):
@@ -89,6 +92,38 @@ def assign_nodes(node_roots) -> tuple[np.ndarray, np.ndarray]:
     return node_of, leaders
 
 
+def binding_slots(visible) -> list[int]:
+    """Device slot of every rank of one real node (pure; same on every rank).
+
+    ``visible`` lists, in node-local rank order, each rank's ``CUDA_VISIBLE_DEVICES`` (``None``
+    when unset).  A rank's slot is its place among the node's ranks that see the same devices:
+    with no variable (or one shared value) the node-local rank; with Slurm's per-task binding
+    (``--gpus-per-task``, ``--gpu-bind``: each rank its own device) 0 for every rank.  The
+    backend binds device ``slot % visible devices`` (:func:`substrate.backend.device_slot`).
+    """
+    seen: dict = {}
+    out = []
+    for key in visible:
+        out.append(seen.get(key, 0))
+        seen[key] = out[-1] + 1
+    return out
+
+
+def shared_devices(devices) -> list[dict]:
+    """The devices more than one rank uses: ``[{"host", "device", "ranks"}]`` from the per-rank
+    records of :meth:`Topology.bind_backend` (a device is its host and PCI bus id, else its
+    host, visible list and ordinal)."""
+    users: dict = {}
+    for r, d in enumerate(devices):
+        if d.get("device") != "gpu":
+            continue
+        dev = d.get("pci_bus_id") or f"{d.get('cuda_visible_devices')}#{d.get('ordinal')}"
+        users.setdefault((d.get("host"), dev), []).append(r)
+    return [{"host": h, "device": dev, "ranks": ranks}
+            for (h, dev), ranks in sorted(users.items(), key=lambda kv: kv[1][0])
+            if len(ranks) > 1]
+
+
 def _check_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise TopologyError(f"{name} must be a positive integer, got {value!r}")
@@ -115,8 +150,14 @@ class Topology:
     node_of : numpy.ndarray
         Node id of every world rank.
     gpu_index : int
-        Device to bind: the local rank on the real (shared-memory) node, also with virtual
-        nodes (never ``rank % ngpus``, never a virtual node's local rank).
+        Device slot to bind: the rank's place on its real (shared-memory) node among the
+        ranks that see the same devices (``CUDA_VISIBLE_DEVICES``), also with virtual nodes
+        (never ``rank % ngpus``, never a virtual node's local rank); :func:`binding_slots`.
+    host : str
+        ``MPI.Get_processor_name()``.
+    devices, shared_devices : list of dict
+        After :meth:`bind_backend`: every rank's device record and the devices several ranks
+        share (oversubscription, allowed and reported).
     levels : list of Level
     virtual : bool
         True when nodes were formed with ``ranks_per_node`` instead of shared memory.
@@ -205,15 +246,21 @@ class Topology:
         self.ranks_per_node = int(counts[0])
         self.local_rank = intra_mpi.Get_rank()
         self.is_leader = self.local_rank == 0
-        if self.virtual:   # GPUs belong to the real node: bind by the real node's local rank
-            real = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-            self.gpu_index = real.Get_rank()
-            #: ranks sharing this rank's real (shared-memory) node: its cores and GPUs
-            self.real_node_ranks = real.Get_size()
+        # GPUs belong to the real node: bind by the real node's local rank among the ranks
+        # that see the same devices (CUDA_VISIBLE_DEVICES, as Slurm's GPU binding sets it)
+        real = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank) if self.virtual else intra_mpi
+        #: ranks sharing this rank's real (shared-memory) node: its cores and GPUs
+        self.real_node_ranks = real.Get_size()
+        #: this rank's place on its real node (what a node-local launcher calls local rank)
+        self.real_local_rank = real.Get_rank()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.gpu_index = binding_slots(real.allgather(visible))[self.real_local_rank]
+        if self.virtual:
             real.Free()
-        else:
-            self.gpu_index = self.local_rank
-            self.real_node_ranks = intra_mpi.Get_size()
+        self.host = MPI.Get_processor_name()
+        #: every rank's device (:meth:`bind_backend`), and the devices ranks share
+        self.devices: list[dict] | None = None
+        self.shared_devices: list[dict] = []
 
         self.placement = placement = Placement(tuple(int(n) for n in node_of))
         self.recorder = recorder = Recorder(placement, rank, cost)
@@ -245,10 +292,29 @@ class Topology:
 
     # -- conveniences ----------------------------------------------------------------------------
     def bind_backend(self, backend: Backend) -> None:
-        """Use ``backend`` to hand arrays to MPI on every communicator of this topology."""
+        """Use ``backend`` to hand arrays to MPI on every communicator of this topology
+        (collective: every rank records which device it uses, :attr:`devices`; ranks sharing
+        a GPU are allowed and reported, :attr:`shared_devices`; device memory goes to MPI only
+        when every rank's MPI is CUDA-aware)."""
         self.backend = backend
         for c in self.communicators():
             c.backend = backend
+        mine = dict(backend.device_info(), host=self.host, real_local_rank=self.real_local_rank,
+                    slurm_localid=os.environ.get("SLURM_LOCALID"),
+                    slurm_gpus=os.environ.get("SLURM_STEP_GPUS",
+                                              os.environ.get("SLURM_JOB_GPUS")),
+                    cuda_aware=bool(backend.cuda_aware))
+        self.devices = self.world.mpi.allgather(mine)
+        if backend.is_gpu and backend.cuda_aware and \
+                not all(d.get("cuda_aware") for d in self.devices):
+            backend.cuda_aware = False       # one host-staging rank: every rank stages
+        self.shared_devices = shared_devices(self.devices)
+        if self.shared_devices and self.rank == 0:
+            print("spardist: note: GPUs are oversubscribed (allowed; kernels of the ranks "
+                  "sharing one device run interleaved): " + "; ".join(
+                      f"ranks {','.join(map(str, s['ranks']))} share {s['device']} on "
+                      f"{s['host']}" for s in self.shared_devices),
+                  file=sys.stderr, flush=True)
 
     def communicators(self) -> list[Comm]:
         out = [self.world, self.intra]
@@ -271,4 +337,13 @@ class Topology:
             "placement": self.placement.describe(),
             "levels": [lv.name for lv in self.levels],
             "node_of": self.node_of.tolist(),
+            **self._device_block(),
         }
+
+    def _device_block(self) -> dict:
+        """Which device every rank used and which ranks shared one (GPU runs)."""
+        backend = getattr(self, "backend", None)
+        if backend is None or not backend.is_gpu or self.devices is None:
+            return {}
+        return {"devices": self.devices, "oversubscribed": self.shared_devices,
+                "backend": backend.describe()}
