@@ -19,7 +19,8 @@ how loaded the host is:
     The least of the first few measurements of each event (by label), then fixed: a profiling
     pass taken in place, which drops warm-up and interference bursts.
 ``cuda`` (:class:`CudaEventSource`)
-    CUDA events on the current CuPy stream (GPU time of the kernels of the block).
+    CUDA events on the current CuPy stream (GPU time of the kernels of the block), read once
+    per step with one host wait.
 ``flops`` (:class:`FlopSource`)
     ``seconds = max(FLOPs / peak, bytes / memory bandwidth)`` (a roofline with peak
     ``device_tflops`` and, optionally, ``device_gbs``) from the FLOP counts a model reports per
@@ -41,7 +42,8 @@ from contextlib import contextmanager
 from .timeline import Event, Timeline
 
 __all__ = ["ComputeSource", "WallSource", "CpuTimeSource", "CudaEventSource", "FlopSource",
-           "CalibratedSource", "blas_threads", "LayerEvents"]
+           "CalibratedSource", "DeferredMeasurement", "blas_threads", "LayerEvents",
+           "resolve_pending"]
 
 
 # -- compute sources -------------------------------------------------------------------------------
@@ -137,30 +139,102 @@ class CpuTimeSource(ComputeSource):
         return f"{self.name} (blas_threads={self.blas_threads})"
 
 
+class DeferredMeasurement(ComputeSource.Measurement):
+    """A block timed by CUDA events whose seconds are read later, with every other pending
+    block of the step (:meth:`CudaEventSource.resolve`).
+
+    Reading :attr:`seconds` before then resolves at once (a host wait); consumers that can
+    wait register :meth:`then` instead."""
+
+    __slots__ = ("_source", "_events", "_value", "_callbacks")
+    deferred = True
+
+    def __init__(self, source: "CudaEventSource") -> None:
+        self._source = source
+        self._events = None
+        self._value = None
+        self._callbacks: list = []
+
+    @property
+    def resolved(self) -> bool:
+        return self._value is not None
+
+    @property
+    def seconds(self) -> float:
+        if self._value is None:
+            self._source.resolve()
+        return self._value if self._value is not None else 0.0
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._set(float(value))
+
+    def then(self, callback) -> None:
+        """Call ``callback(seconds)`` once the block's time is known (now if it is)."""
+        if self._value is not None:
+            callback(self._value)
+        else:
+            self._callbacks.append(callback)
+
+    def _set(self, value: float) -> None:
+        self._value = max(0.0, value)
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self._value)
+
+
 class CudaEventSource(ComputeSource):
-    """GPU time of the block's kernels from two CUDA events on the current CuPy stream
-    (``cupy.cuda.get_elapsed_time``); the host waits for the end event."""
+    """GPU time of the block's kernels from two CUDA events on the current CuPy stream.
+
+    Nothing waits when a block ends: its events are read once per step
+    (:meth:`new_step`, or the first time a block's seconds are needed before then), after one
+    host wait for the last end event, since every earlier event of the stream has completed
+    by then.  A step of ``n`` timed blocks costs one host sync, not ``n``.  Measurements are
+    :class:`DeferredMeasurement`; :class:`LayerEvents` sets its events' seconds when they
+    are read."""
 
     name = "cuda_events"
+    deferred = True
 
     def __init__(self) -> None:
         import cupy  # noqa: PLC0415
 
         self._cp = cupy
+        self._pending: list[DeferredMeasurement] = []
+        self.reads = 0          # host waits taken to read events (for the sync accounting)
 
     @contextmanager
     def measure(self, flops: float | None = None, nbytes: float | None = None,
                 label: str | None = None):
         cp = self._cp
-        m = self.Measurement()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
+        m = DeferredMeasurement(self)
+        start = cp.cuda.Event()
         start.record()
         try:
             yield m
         finally:
+            end = cp.cuda.Event()
             end.record()
-            end.synchronize()
-            m.seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+            m._events = (start, end)
+            self._pending.append(m)
+
+    def resolve(self) -> None:
+        """Read every pending block's time after one host wait for the last end event."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        last = pending[-1]._events[1]
+        if not last.done:
+            last.synchronize()
+        self.reads += 1
+        for m in pending:
+            start, end = m._events
+            if not end.done:          # recorded on another stream: wait for it too
+                end.synchronize()
+            m._set(self._cp.cuda.get_elapsed_time(start, end) * 1e-3)
+
+    def new_step(self) -> None:
+        self.resolve()
 
 
 class FlopSource(ComputeSource):
@@ -245,6 +319,19 @@ class CalibratedSource(ComputeSource):
                 f"{self.base.describe()}; {len(self._seen)} events")
 
 
+def resolve_pending(source) -> None:
+    """Read the pending measurements of ``source`` (or of the source it wraps) now: before
+    code inspects the open step's event seconds (one host wait on a GPU, nothing otherwise)."""
+    seen = set()
+    while source is not None and id(source) not in seen:
+        seen.add(id(source))
+        fn = getattr(source, "resolve", None)
+        if fn is not None:
+            fn()
+        source = getattr(source, "base", None) or getattr(source, "fallback", None) or \
+            getattr(source, "source", None)
+
+
 # -- per-layer events from a model -----------------------------------------------------------------
 
 class LayerEvents:
@@ -261,15 +348,41 @@ class LayerEvents:
     def __init__(self, timeline: Timeline, source: ComputeSource) -> None:
         self.timeline = timeline
         self.source = source
-        self.recorded_s = 0.0            # Σ seconds of events recorded (for residuals)
+        self._recorded_s = 0.0           # Σ seconds of events recorded (for residuals)
+        self._secs: list = []            # this step's layer events' seconds (None: pending)
         self._ranges: list[tuple[int, int, Event]] = []
         self._token = None
         self._last: Event | None = None
         self._open: Event | None = None
         self.program = None               # the recorded program (replay), set by the run
 
+    @property
+    def recorded_s(self) -> float:
+        """Σ seconds of the layer events recorded so far (reads pending CUDA events)."""
+        resolve_pending(self.source)
+        return self._recorded_s
+
+    @recorded_s.setter
+    def recorded_s(self, value: float) -> None:
+        self._recorded_s = float(value)
+
+    @property
+    def count(self) -> int:
+        """Layer events recorded so far in the open step."""
+        self._sync_step()
+        return len(self._secs)
+
+    def span(self, start: int):
+        """A function giving Σ seconds of this step's layer events ``start`` up to the ones
+        recorded by now, once they are known (a block timed by deferred CUDA events subtracts
+        its layers' time from its own when the step's events are read)."""
+        end = self.count
+        secs = self._secs
+        return lambda: float(sum(x or 0.0 for x in secs[start:end]))
+
     def _sync_step(self) -> None:
         if self._token is not self.timeline._token:
+            self._secs = []
             self._token = self.timeline._token
             self._ranges = []
             self._last = None
@@ -295,9 +408,18 @@ class LayerEvents:
             self._open = None
             if self.program is not None:
                 self.program.end(ev)
-        self.timeline.set_seconds(ev, m.seconds)
         self._last = ev
-        self.recorded_s += m.seconds
+        i = len(self._secs)
+        self._secs.append(None)
+        if getattr(m, "deferred", False) and not m.resolved:
+            m.then(lambda sec, ev=ev, i=i, secs=self._secs: self._late(ev, sec, secs, i))
+        else:
+            self._late(ev, m.seconds, self._secs, i)
+
+    def _late(self, ev: Event, seconds: float, secs: list, i: int) -> None:
+        self.timeline.set_seconds(ev, seconds)
+        self._recorded_s += seconds
+        secs[i] = seconds
 
     @property
     def open(self) -> Event | None:
