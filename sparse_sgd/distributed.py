@@ -38,7 +38,13 @@ import scipy.sparse as sp
 from partition.maps import LayerMaps, build_maps
 from partition.partitioners import Partition
 from sparse_sgd.activations import ACTIVATIONS
-from sparse_sgd.kernels import sddmm_update, spmm_add, spmm_add_challenge
+from sparse_sgd.kernels import (
+    challenge_finish_device,
+    sddmm_update,
+    sddmm_update_device,
+    spmm_add,
+    spmm_add_challenge,
+)
 from sparse_sgd.plan import PHASE_SPBP, PHASE_SPFF
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
@@ -56,6 +62,49 @@ class _Buffers:
                       for mp in maps]
         self.srecv = [[np.empty((ix.size, B), dtype=dtype) for ix in mp.send_index]
                       for mp in maps]
+
+
+class _DeviceLayer:
+    """One layer's row block on the device: ``W_local`` / ``W_remote`` as CuPy CSR matrices
+    (``cupyx.scipy.sparse``, cuSPARSE products), the row of every stored entry (the SDDMM
+    update), the bias, and the send maps as device index arrays (built once)."""
+
+    def __init__(self, mp: LayerMaps, bias: np.ndarray, xp) -> None:
+        import cupyx.scipy.sparse as csp  # noqa: PLC0415  optional GPU backend
+
+        self.Wl = csp.csr_matrix(mp.W_local)
+        self.Wr = csp.csr_matrix(mp.W_remote)
+        self.rows_l = xp.asarray(np.repeat(np.arange(mp.W_local.shape[0], dtype=np.int64),
+                                           np.diff(mp.W_local.indptr)))
+        self.rows_r = xp.asarray(np.repeat(np.arange(mp.W_remote.shape[0], dtype=np.int64),
+                                           np.diff(mp.W_remote.indptr)))
+        self.cols_l = self.Wl.indices
+        self.cols_r = self.Wr.indices
+        self.b = xp.asarray(bias)
+        sizes = [int(ix.size) for ix in mp.send_index]
+        self.send_ptr = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        self.send_all = xp.asarray(np.concatenate(mp.send_index).astype(np.int64)
+                                   if sizes else np.zeros(0, dtype=np.int64))
+        self.send_index = [xp.asarray(ix.astype(np.int64)) for ix in mp.send_index]
+        self.recv_rows = int(mp.recv_ptr[-1])
+
+
+class _DeviceBuffers:
+    """Message buffers of one batch size on a GPU, allocated once: every layer's outgoing rows
+    packed in one device block (one gather) and, for a host-only MPI, one pinned host block per
+    direction, so a layer's messages cost one copy and one host wait, not one per message."""
+
+    def __init__(self, layers: list[_DeviceLayer], B: int, dtype, backend, staged: bool):
+        xp = backend.xp
+        host = backend.pinned if staged else None
+        self.xsend = [xp.empty((int(d.send_ptr[-1]), B), dtype=dtype) for d in layers]
+        self.xrecv = [xp.empty((d.recv_rows, B), dtype=dtype) for d in layers]
+        self.srecv = [xp.empty((int(d.send_ptr[-1]), B), dtype=dtype) for d in layers]
+        if staged:
+            self.xsend_h = [host((int(d.send_ptr[-1]), B), dtype) for d in layers]
+            self.xrecv_h = [host((d.recv_rows, B), dtype) for d in layers]
+            self.ssend_h = [host((d.recv_rows, B), dtype) for d in layers]
+            self.srecv_h = [host((int(d.send_ptr[-1]), B), dtype) for d in layers]
 
 
 class DistributedSparseNet:
@@ -80,10 +129,19 @@ class DistributedSparseNet:
         Declare compute blocks as timeline events and send every message after the block
         that packed it (see the module docstring); without it the net does no timing of its
         own (its sends are then blocking calls in program order on the run's timeline).
+    device : {"cpu", "gpu"}, optional
+        Where the rows live; default: the communicator's backend (``--device``).  On a GPU
+        the row blocks are CuPy CSR matrices (cuSPARSE SpMM), the SDDMM update and the
+        activations CuPy array operations, and every layer's messages leave from one packed
+        device block: the same plan, maps, messages (sizes, tags, order, ``after=``) and
+        ledger as on the CPU, results equal within float round-off.  :meth:`forward` and
+        :meth:`backward` accept host or device inputs; :attr:`X` is on the device, and
+        :meth:`backward` returns the loss as a 0-d device array (read it when needed).
     """
 
     def __init__(self, weights, partition: Partition, comm, *, biases=None,
-                 activation: str = "sigmoid", dtype=np.float64, clock=None) -> None:
+                 activation: str = "sigmoid", dtype=np.float64, clock=None,
+                 device: str | None = None) -> None:
         if partition.parts != comm.size:
             raise ValueError(f"partition has {partition.parts} parts but the communicator has "
                              f"{comm.size} ranks; partition for {comm.size} processors")
@@ -111,6 +169,21 @@ class DistributedSparseNet:
         self.X: list = []
         self.delta: list = []
         self.clock = clock
+        backend = comm.backend
+        if device is None:
+            device = "gpu" if backend.is_gpu else "cpu"
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be cpu or gpu, got {device!r}")
+        if device == "gpu" and not backend.is_gpu:
+            raise ValueError("device='gpu' needs the run's GPU backend (--device gpu)")
+        self.gpu = device == "gpu"
+        self.backend = backend
+        self.xp = backend.xp if self.gpu else np
+        if self.gpu:
+            self._dev = [_DeviceLayer(mp, b, self.xp) for mp, b in zip(self.maps, self.b)]
+            self._staged = not backend.cuda_aware
+            self._fences: dict = {}
+            self.b = [d.b for d in self._dev]
 
     # -- timeline --------------------------------------------------------------------------------
     @contextmanager
@@ -152,6 +225,7 @@ class DistributedSparseNet:
 
     def local_weights(self, k: int) -> sp.coo_matrix:
         """W^k_m in global coordinates (for checks): a COO matrix of the full W^k shape."""
+        self.pull_weights()
         mp = self.maps[k - 1]
         n_cols = self.partition.owners[k - 1].size
         parts = []
@@ -164,8 +238,46 @@ class DistributedSparseNet:
     def _bufs(self, B: int) -> _Buffers:
         buf = self._buffers.get(B)
         if buf is None:
-            buf = self._buffers[B] = _Buffers(self.maps, B, self.dtype)
+            buf = self._buffers[B] = (
+                _DeviceBuffers(self._dev, B, self.dtype, self.backend, self._staged)
+                if self.gpu else _Buffers(self.maps, B, self.dtype))
         return buf
+
+    # -- device state (GPU) ----------------------------------------------------------------------
+    def pull_weights(self) -> None:
+        """Copy the device weights back into :attr:`maps` (checks, checkpoints; GPU only)."""
+        if not self.gpu:
+            return
+        for mp, d in zip(self.maps, self._dev):
+            mp.W_local.data[...] = d.Wl.data.get()
+            mp.W_remote.data[...] = d.Wr.data.get()
+
+    def push_weights(self) -> None:
+        """Copy :attr:`maps`' weights (e.g. restored from a checkpoint) to the device."""
+        if not self.gpu:
+            return
+        for mp, d in zip(self.maps, self._dev):
+            d.Wl.data[...] = self.xp.asarray(mp.W_local.data)
+            d.Wr.data[...] = self.xp.asarray(mp.W_remote.data)
+
+    def host_biases(self) -> list:
+        """b^k_m as NumPy arrays."""
+        return [self.backend.asnumpy(b) if self.gpu else b for b in self.b]
+
+    def class_scores(self, out_class, num_classes: int):
+        """This rank's share of the class scores of the last :meth:`forward`: the sum of x^L
+        over the output neurons of each class, shape ``(num_classes, batch)``, on the net's
+        device (on the CPU exactly the ``numpy.add.at`` of the trainer)."""
+        XL = self.X[-1]
+        xp = self.xp
+        scores = xp.zeros((num_classes, XL.shape[1]))
+        if not self.gpu:
+            np.add.at(scores, out_class, XL)
+            return scores
+        import cupyx  # noqa: PLC0415  optional GPU backend
+
+        cupyx.scatter_add(scores, xp.asarray(out_class), XL.astype(scores.dtype))
+        return scores
 
     # -- Alg. 2 --------------------------------------------------------------------------------
     def _post_recvs(self, k: int, buf: _Buffers, phase: str) -> list:
@@ -194,6 +306,8 @@ class DistributedSparseNet:
         Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP.  ``phase`` names the
         messages in the ledger (``"eval"`` for a held-out evaluation).
         """
+        if self.gpu:
+            return self._forward_gpu(X0, phase)
         X0 = np.ascontiguousarray(X0, dtype=self.dtype)
         if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
             raise ValueError(f"X0 must have shape ({self.input_rows.size}, batch) on rank "
@@ -229,6 +343,8 @@ class DistributedSparseNet:
         ``Y`` holds the targets of x^L_m, shape (len(output_rows), B).  Loss J = 1/(2B) sum of
         squared errors; returns this rank's share of it (sum over ranks = J).
         """
+        if self.gpu:
+            return self._backward_gpu(Y, lr)
         XL = self.X[-1]
         Y = np.asarray(Y, dtype=self.dtype)
         if Y.shape != XL.shape:
@@ -291,6 +407,8 @@ class DistributedSparseNet:
         The bias is added only where W^k x^{k-1} != 0; local and remote products use the fused
         Numba kernels.  ``X0`` is x^0_m for a batch, shape (len(input_rows), B).
         """
+        if self.gpu:
+            return self._infer_gpu(X0, bias, ymax)
         X0 = np.ascontiguousarray(X0, dtype=self.dtype)
         B = X0.shape[1]
         buf = self._bufs(B)
@@ -311,6 +429,183 @@ class DistributedSparseNet:
                 spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
                                    buf.xrecv[k - 1], z, self.dtype.type(bias),
                                    self.dtype.type(ymax))
+            self.comm.waitall(sreq)
+            x_prev = z
+        return x_prev
+
+    # -- the GPU path --------------------------------------------------------------------------
+    # The same calls as the CPU path in the same order (receives posted first, sends after
+    # the block that packed them, waits where Alg. 2/3 wait), so the plan's records, the
+    # ledger and the timeline are the CPU run's.  A layer's outgoing rows are gathered into
+    # one device block; with a host-only MPI that block is copied to pinned memory once
+    # (one host wait per layer and direction: the data MPI must read) and the messages are
+    # its row ranges; received rows are copied up once per layer, the compute stream waiting
+    # for the copy without a host wait.
+
+    def _device_input(self, A, rows: int, what: str):
+        xp = self.xp
+        A = xp.ascontiguousarray(xp.asarray(A, dtype=self.dtype))
+        if A.ndim != 2 or A.shape[0] != rows:
+            raise ValueError(f"{what} must have shape ({rows}, batch) on rank {self.rank}, "
+                             f"got {A.shape}")
+        return A
+
+    def _post_recvs_gpu(self, tag: int, phase: str, into_dev, into_host, ptr, ranks) -> list:
+        """Receives (``tag``) into the row blocks ``ptr`` of the pinned host block (host-only
+        MPI: once the copy up of its previous contents has run) or of the device block
+        (CUDA-aware: posted after the layer's sends, whose host wait covers the kernels that
+        read the block before)."""
+        if self._staged:
+            fence = self._fences.pop(id(into_host), None)
+            if fence is not None and not self.backend._fence_done(fence):
+                self.backend._fence_wait(fence)
+            dst = into_host
+        else:
+            dst = into_dev
+        return [self.comm.irecv(dst[ptr[i]:ptr[i + 1]], int(n), tag=tag, phase=phase)
+                for i, n in enumerate(ranks)]
+
+    def _send_gpu(self, dev_block, host_block, ptr, ranks, tag: int, phase: str, after):
+        """The packed block to MPI with one host wait (host-only MPI: one copy to pinned
+        memory; CUDA-aware: the device memory once its kernels completed), then one send per
+        destination of its row range ``ptr[i]:ptr[i+1]``."""
+        if self._staged:
+            if dev_block.size:
+                self.backend.to_host(dev_block, host_block,
+                                     after=self.xp.cuda.get_current_stream().record())
+            src = host_block
+        else:
+            if dev_block.size:
+                self.backend.synchronize()
+            src = dev_block
+        return [self.comm.isend(src[ptr[i]:ptr[i + 1]], int(n), tag=tag, phase=phase,
+                                after=after)
+                for i, n in enumerate(ranks)]
+
+    def _arrived(self, dev_block, host_block) -> None:
+        """The received rows on the device (host-only MPI: one copy up, no host wait; the
+        copy fences the host block's next receive)."""
+        if self._staged and dev_block.size:
+            self._fences[id(host_block)] = self.backend.to_device(host_block, dev_block)
+
+    def _recvs_ff(self, k: int, phase: str, buf, mp: LayerMaps, before: bool) -> list:
+        """SpFF receives of layer ``k``: before the pack on a host-only MPI (as Alg. 2),
+        after the sends with a CUDA-aware one (:meth:`_post_recvs_gpu`)."""
+        if before != self._staged:
+            return []
+        return self._post_recvs_gpu(k, phase, buf.xrecv[k - 1],
+                                    buf.xrecv_h[k - 1] if self._staged else None,
+                                    mp.recv_ptr, mp.recv_ranks)
+
+    def _forward_gpu(self, X0, phase: str):
+        X0 = self._device_input(X0, self.input_rows.size, "X0")
+        B = X0.shape[1]
+        buf = self._bufs(B)
+        self.X = [X0]
+        for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
+            x_prev = self.X[-1]
+            rreq = self._recvs_ff(k, phase, buf, mp, before=True)
+            with self._compute(f"{phase}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
+                if d.send_all.size:
+                    self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
+            sreq = self._send_gpu(buf.xsend[k - 1],
+                                  buf.xsend_h[k - 1] if self._staged else None,
+                                  d.send_ptr, mp.send_ranks, k, phase, self._after())
+            rreq = rreq or self._recvs_ff(k, phase, buf, mp, before=False)
+            rows = mp.rows.size
+            with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
+                z = d.Wl @ x_prev  # line 6: local product overlaps the messages
+                z += d.b[:, None]
+            local = self._last()
+            self.comm.waitall(rreq)  # line 8
+            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
+            with self._compute(f"{phase}_remote[{k}]",
+                               (2 * mp.W_remote.nnz + self.act_flops * rows) * B,
+                               deps=[local, *sreq]):
+                if mp.recv_ptr[-1]:
+                    z += d.Wr @ buf.xrecv[k - 1]  # line 9
+                self.X.append(self.f.apply(self.xp.ascontiguousarray(z, dtype=self.dtype)))
+            self.comm.waitall(sreq)
+        return self.X[-1]
+
+    def _backward_gpu(self, Y, lr: float):
+        xp = self.xp
+        XL = self.X[-1]
+        Y = self._device_input(Y, XL.shape[0], "Y")
+        if Y.shape != XL.shape:
+            raise ValueError(f"Y must have shape {XL.shape} on rank {self.rank}, got {Y.shape}")
+        B = XL.shape[1]
+        buf = self._bufs(B)
+        with self._compute("spbp_output", (4 + self.act_flops) * XL.size):
+            loss = 0.5 * xp.sum((XL - Y) ** 2) / B            # stays on the device
+            delta = xp.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))
+        self.delta = [None] * (self.L + 1)
+        self.delta[self.L] = delta
+        for k in range(self.L, 0, -1):
+            mp, d = self.maps[k - 1], self._dev[k - 1]
+            x_prev = self.X[k - 1]
+            tag = self.L + k
+            exchange = k > 1
+            if exchange:
+                post = lambda: self._post_recvs_gpu(  # noqa: E731
+                    tag, PHASE_SPBP, buf.srecv[k - 1],
+                    buf.srecv_h[k - 1] if self._staged else None, d.send_ptr, mp.send_ranks)
+                rreq = post() if self._staged else None
+                with self._compute(f"spbp_remote[{k}]", 2 * mp.W_remote.nnz * B):
+                    s_remote = xp.ascontiguousarray(d.Wr.T @ delta)  # line 4, sent part
+                sreq = self._send_gpu(s_remote, buf.ssend_h[k - 1] if self._staged else None,
+                                      mp.recv_ptr, mp.recv_ranks, tag, PHASE_SPBP,
+                                      self._after())
+                if rreq is None:
+                    rreq = post()
+                with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
+                    s = d.Wl.T @ delta  # line 4, local part
+            with self._compute(f"spbp_update[{k}]",
+                               2 * (mp.W_local.nnz + mp.W_remote.nnz) * B + 2 * delta.size):
+                sddmm_update_device(d.rows_l, d.cols_l, d.Wl.data, delta, x_prev, lr)
+                if mp.recv_ptr[-1]:
+                    sddmm_update_device(d.rows_r, d.cols_r, d.Wr.data, delta, buf.xrecv[k - 1],
+                                        lr)
+                d.b -= lr * delta.sum(axis=1)
+            if exchange:
+                self.comm.waitall(rreq)  # lines 10-12
+                self._arrived(buf.srecv[k - 1], buf.srecv_h[k - 1] if self._staged else None)
+                received = sum(ix.size for ix in mp.send_index) * B
+                with self._compute(f"spbp_delta[{k}]",
+                                   received + (1 + self.act_flops) * x_prev.size,
+                                   deps=[self._last(), *sreq]):
+                    for i, ix in enumerate(d.send_index):   # per source: the CPU's order
+                        s[ix] += buf.srecv[k - 1][d.send_ptr[i]:d.send_ptr[i + 1]]
+                    delta = xp.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
+                self.delta[k - 1] = delta
+                self.comm.waitall(sreq)
+        return loss
+
+    def _infer_gpu(self, X0, bias: float, ymax: float):
+        X0 = self._device_input(X0, self.input_rows.size, "X0")
+        B = X0.shape[1]
+        buf = self._bufs(B)
+        x_prev = X0
+        for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
+            rows = mp.rows.size
+            rreq = self._recvs_ff(k, PHASE_SPFF, buf, mp, before=True)
+            with self._compute(f"infer_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
+                if d.send_all.size:
+                    self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
+            sreq = self._send_gpu(buf.xsend[k - 1],
+                                  buf.xsend_h[k - 1] if self._staged else None,
+                                  d.send_ptr, mp.send_ranks, k, PHASE_SPFF, self._after())
+            rreq = rreq or self._recvs_ff(k, PHASE_SPFF, buf, mp, before=False)
+            with self._compute(f"infer_local[{k}]", 2 * mp.W_local.nnz * B):
+                z = d.Wl @ x_prev
+            local = self._last()
+            self.comm.waitall(rreq)
+            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
+            with self._compute(f"infer_remote[{k}]", (2 * mp.W_remote.nnz + 3 * rows) * B,
+                               deps=[local, *sreq]):
+                if mp.recv_ptr[-1]:
+                    z += d.Wr @ buf.xrecv[k - 1]
+                challenge_finish_device(z, self.dtype.type(bias), self.dtype.type(ymax))
             self.comm.waitall(sreq)
             x_prev = z
         return x_prev

@@ -18,7 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numba  # after the OpenMP wait policy
 import numpy as np
 
-__all__ = ["challenge_layer", "sddmm_update", "spmm_add", "spmm_add_challenge"]
+from substrate.backend import array_module
+
+__all__ = ["challenge_layer", "challenge_finish_device", "sddmm_update",
+           "sddmm_update_device", "spmm_add", "spmm_add_challenge"]
 
 
 @numba.njit(inline="always", cache=True)
@@ -85,3 +88,33 @@ def sddmm_update(indptr, indices, data, delta, X, lr):
             for b in range(B):
                 g += delta[r, b] * X[c, b]
             data[p] -= lr * g
+
+
+# -- the device (CuPy) forms: the same arithmetic as array operations ---------------------------------
+
+#: elements of the (nnz, batch) product ``sddmm_update_device`` forms at once
+SDDMM_CHUNK = 1 << 24
+
+
+def sddmm_update_device(rows, cols, data, delta, X, lr) -> None:
+    """:func:`sddmm_update` on device arrays: ``data[p] -= lr * Σ_b delta[rows[p], b] *
+    X[cols[p], b]`` with the sum accumulated in float64 (as the Numba kernel's ``g``), in
+    chunks of at most :data:`SDDMM_CHUNK` products.  ``rows`` is the row of every stored
+    entry (the CSR row pointer expanded once)."""
+    nnz = int(data.size)
+    B = int(X.shape[1])
+    step = max(1, SDDMM_CHUNK // max(B, 1))
+    for lo in range(0, nnz, step):
+        hi = min(nnz, lo + step)
+        g = (delta[rows[lo:hi]] * X[cols[lo:hi]]).sum(axis=1, dtype=np.float64)
+        data[lo:hi] -= lr * g
+
+
+def challenge_finish_device(z, bias, ymax):
+    """The Graph Challenge activation of :func:`spmm_add_challenge` on a device product ``z``
+    (in place): ``min(max(z + bias, 0), ymax)`` where ``z != 0``, ``0`` elsewhere."""
+    nz = z != 0
+    z += bias
+    array_module(z).clip(z, 0.0, ymax, out=z)
+    z *= nz
+    return z

@@ -20,7 +20,7 @@ def strict_env(**extra) -> dict:
     """Variables for an MPI job whose ``import cupy`` gets the stand-in."""
     path = os.pathsep.join(filter(None, [str(STRICT_DIR), str(ROOT),
                                          os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, "SPARDIST_CUDA_AWARE": "0"}
+    env = {"PYTHONPATH": path, "SPARDIST_CUDA_AWARE": "0", "STRICTCUPY_DEVICES": "4"}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

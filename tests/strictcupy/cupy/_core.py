@@ -170,6 +170,7 @@ class Stream:
         self.is_null = bool(null)
         self.non_blocking = non_blocking
         self.last = 0          # sequence number of the last op issued on this stream
+        self.last_op = 0       # ... of the last kernel or copy (events are not ops)
         self.synced = 0        # every op with a sequence number <= this has completed
         self.pending: list = []  # deferred copies: (seq, kind "h2d"|"d2h", fn)
         self._lock = threading.RLock()
@@ -181,10 +182,12 @@ class Stream:
     def ptr(self) -> int:
         return 0 if self.is_null else id(self)
 
-    def _stamp(self) -> int:
+    def _stamp(self, op: bool = True) -> int:
         s = next(_seq)
         with self._lock:
             self.last = s
+            if op:
+                self.last_op = s
         return s
 
     def _flush(self, upto: int | None = None, kinds=("h2d",)) -> None:
@@ -212,8 +215,8 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        """Non-blocking query: true only when a sync has completed everything issued."""
-        return self.synced >= self.last
+        """Non-blocking query: true only when a sync has completed every op issued."""
+        return self.synced >= self.last_op
 
     def record(self, event: "Event | None" = None) -> "Event":
         ev = event if event is not None else Event()
@@ -224,7 +227,7 @@ class Stream:
         """Later ops on this stream come after ``event``: the deferred copies before it run
         when this stream next runs an op (or completes), not before."""
         if event.stream is not None and event.stream is not self:
-            pos = self._stamp()
+            pos = self._stamp(op=False)
             with self._lock:
                 self.deps.append((pos, event.stream, event.seq))
 
@@ -268,13 +271,15 @@ class Event:
                  interprocess: bool = False) -> None:
         self.stream: Stream | None = None
         self.seq = 0
+        self.op_seq = 0
         self.t = None
         self.disable_timing = disable_timing
 
     def record(self, stream: Stream | None = None) -> None:
         st = stream if stream is not None else get_current_stream()
         self.stream = st
-        self.seq = st._stamp()
+        self.op_seq = st.last_op        # the event completes when these ops have
+        self.seq = st._stamp(op=False)
         self.t = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -284,7 +289,7 @@ class Event:
 
     @property
     def done(self) -> bool:
-        return self.stream is None or self.stream.synced >= self.seq
+        return self.stream is None or self.stream.synced >= self.op_seq
 
 
 def get_elapsed_time(start: Event, end: Event) -> float:
