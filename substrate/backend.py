@@ -243,15 +243,17 @@ class StagingPool:
 class Staged:
     """One buffer of one communication call on its way to MPI and back (module docstring)."""
 
-    __slots__ = ("backend", "arr", "send", "recv", "ready", "lease", "host", "_pulled")
+    __slots__ = ("backend", "arr", "send", "recv", "ready", "lease", "host", "_pulled",
+                 "_landed", "_fence", "_staged")
 
     def __init__(self, backend: "Backend", arr, send: bool, recv: bool) -> None:
         self.backend, self.arr, self.send, self.recv = backend, arr, send, recv
-        self.lease = self.host = self.ready = None
-        self._pulled = False
+        self.lease = self.host = self.ready = self._fence = None
+        self._pulled = self._landed = self._staged = False
         if backend.is_gpu and array_module(arr) is not np:
             self.ready = backend.xp.cuda.get_current_stream().record()
             if not backend.cuda_aware:
+                self._staged = True
                 self.lease = backend.pool.acquire(arr.nbytes)
                 self.host = self.lease.array(arr.dtype, arr.shape)
 
@@ -276,25 +278,37 @@ class Staged:
             be.to_host(src, dst, after=self.ready)
         return self.host
 
-    def push(self, lo: int | None = None, hi: int | None = None) -> None:
-        """After MPI: the received data back on the device (compute waits for it), the lease
-        returned.  Idempotent."""
-        be = self.backend
-        if self.ready is None:
+    def land(self, lo: int | None = None, hi: int | None = None) -> None:
+        """After MPI, on the thread that ran it: the received data copied back to the device
+        on the side stream (so a later call on the same buffer, queued on the communication
+        thread, reads it in stream order) and the lease returned, fenced by that copy.  The
+        compute stream is ordered after the copy by :meth:`push`.  Idempotent."""
+        if self.ready is None or self._landed:
             return
+        self._landed = True
         if self.host is None:
-            if self.recv:
-                be.order_after_side()
-            self.ready = None
             return
-        fence = None
         if self.recv and self._pulled:
             dst, src = self.arr.reshape(-1), self.host.reshape(-1)
             if lo is not None:
                 dst, src = dst[lo:hi], src[lo:hi]
-            fence = be.to_device(src, dst)
-        be.pool.release(self.lease, fence)
-        self.lease = self.host = self.ready = None
+            self._fence = self.backend.to_device(src, dst, wait=False)
+        self.backend.pool.release(self.lease, self._fence)
+        self.lease = self.host = None
+
+    def push(self, lo: int | None = None, hi: int | None = None) -> None:
+        """Complete the hand-off where the call completes (the issuing thread): :meth:`land`
+        if the MPI thread did not, then the compute stream waits for the copy back (no host
+        wait).  Idempotent."""
+        if self.ready is None:
+            return
+        self.land(lo, hi)
+        be = self.backend
+        if self._fence is not None:
+            be.compute_waits(self._fence)
+        elif self.recv and self._pulled and not be.pool_staged(self):
+            be.order_after_side()
+        self.ready = self._fence = None
 
 
 # -- the backend -------------------------------------------------------------------------------------
@@ -414,15 +428,27 @@ class Backend:
         with self._lock:
             self._fences_done = max(self._fences_done, seq)
 
-    def to_device(self, src: np.ndarray, dst):
-        """Pinned host ``src`` into device ``dst`` on the side stream; the compute stream waits
-        for the copy (no host sync).  Returns the fence of the copy (for the pool)."""
+    def to_device(self, src: np.ndarray, dst, wait: bool = True):
+        """Pinned host ``src`` into device ``dst`` on the side stream; with ``wait`` the compute
+        stream waits for the copy (no host sync; else :meth:`compute_waits` later).  Returns
+        the fence of the copy (for the pool)."""
         side = self.side_stream
         with self.device():
             dst.set(src, stream=side)
             ev = side.record()
-            self._compute.wait_event(ev)
-        return (next(self._fence_seq), ev)
+        fence = (next(self._fence_seq), ev)
+        if wait:
+            self.compute_waits(fence)
+        return fence
+
+    def compute_waits(self, fence) -> None:
+        """Work issued on the compute stream from now on runs after the copy ``fence``."""
+        with self.device():
+            self._compute.wait_event(fence[1])
+
+    @staticmethod
+    def pool_staged(staged: "Staged") -> bool:
+        return staged._staged
 
     def order_after_side(self) -> None:
         """The compute stream waits for everything issued on the side stream so far."""

@@ -246,12 +246,15 @@ class Comm:
 
             def run(poll):
                 with side():
-                    return self._exact_allreduce(cmpi, staged, op, poll)
+                    sent = self._exact_allreduce(cmpi, staged, op, poll)
+                    staged.land()       # a later call on this buffer reads the result
+                    return sent
         else:
             def run(poll):
                 if staged is not None:
                     with side():
                         self.mpi.Allreduce(MPI.IN_PLACE, staged.pull(), op=_OPS[op])
+                        staged.land()
 
         def finish(sent):
             if staged is not None:
@@ -321,12 +324,15 @@ class Comm:
 
             def run(poll):
                 with side():
-                    return coll.binomial_bcast(cmpi, staged.pull(), root, poll)
+                    sent = coll.binomial_bcast(cmpi, staged.pull(), root, poll)
+                    staged.land()
+                    return sent
         else:
             def run(poll):
                 if staged is not None:
                     with side():
                         self.mpi.Bcast(staged.pull(), root=root)
+                        staged.land()
 
         def finish(sent):
             if staged is not None:
@@ -373,8 +379,10 @@ class Comm:
 
             def run(poll):
                 with side():
-                    return coll.ring_allgatherv(cmpi, staged.pull(lo, lo + buf.size), counts,
+                    sent = coll.ring_allgatherv(cmpi, staged.pull(lo, lo + buf.size), counts,
                                                 displs, poll)
+                    staged.land()
+                    return sent
 
             def finish(sent):
                 staged.push()
@@ -387,6 +395,8 @@ class Comm:
                 if p > 1:
                     with side():
                         self.mpi.Allgather(sstage.pull(), rstage.pull())
+                        sstage.land()
+                        rstage.land()
                 else:
                     out[0] = buf
 

@@ -15,7 +15,7 @@ CASES = [(2, 1), (4, 2)]
 
 @pytest.mark.parametrize("n,R", CASES, ids=[f"{n}x{R}" for n, R in CASES])
 @pytest.mark.parametrize("mode", ["exact", "native"])
-@pytest.mark.parametrize("check", ["alltoallv_symmetric", "overlapped_same_shape",
+@pytest.mark.parametrize("check", ["alltoallv_symmetric", "overlapped_same_shape", "chained_in_flight",
                                    "back_to_back", "receive_only", "collectives"])
 def test_device_communication(check, mode, n, R):
     res = run_mpi("gpu_checks.py", n, check, mode, R, timeout=120, env=strict_env())

@@ -75,15 +75,43 @@ def overlapped_same_shape(mode, R):
     hc = [cpu.world.allreduce(x.copy(), "sum", phase="b", wait=False) for x in xs]
     hg = [gpu.world.allreduce(cp.asarray(x), "sum", phase="b", wait=False) for x in xs]
     ok = True
+    early = []
     for a, b in zip(hc, hg):
         a.wait()
         b.wait()
-        ok = ok and _same(a.result, b.result)
+        ra, rb = a.result.copy(), b.result.get()
+        early.append((np.flatnonzero(ra != rb)[:4].tolist(), ra[:2].tolist(), rb[:2].tolist()))
+        ok = ok and np.array_equal(ra, rb)
     p = cpu.size
     want = [np.full(1000, p * (p + 1) / 2 + 10 * i * p, dtype=np.float32) for i in range(3)]
     ok = ok and all(np.array_equal(h.result, w) for h, w in zip(hc, want))
+    diff = [(i, np.flatnonzero(a.result != w)[:5].tolist(),
+             np.flatnonzero(b.result.get() != w)[:5].tolist())
+            for i, (a, b, w) in enumerate(zip(hc, hg, want))]
     collective_check(cpu.world, ok, "overlapped all-reduces of one shape on the device differ "
-                     f"from the CPU: {[h.result.get()[:3] for h in hg]}")
+                     f"from the CPU: (call, cpu wrong at, gpu wrong at) {diff} early {early}")
+
+
+def chained_in_flight(mode, R):
+    """Calls issued without waiting on one buffer, each reading the previous one's result
+    (DDP's hierarchical all-reduce: intra sum, leaders' sum, intra broadcast), on the CPU and
+    on the device: the communication thread must see each result before the next call."""
+    cpu, gpu, _ = _topos(mode, R)
+    r = cpu.rank
+    res = []
+    for t, conv in ((cpu, lambda a: a), (gpu, cp.asarray)):
+        t.recorder.overlap = True
+        g = conv(np.arange(3000, dtype=np.float32) * (r + 1))
+        hs = [t.intra.allreduce(g, "sum", phase="i", wait=False)]
+        hs.append(t.leaders.allreduce(g, "sum", phase="l", after=hs[-1], wait=False))
+        hs.append(t.intra.bcast(g, 0, phase="b", after=hs[-1], wait=False))
+        for h in hs:
+            h.wait()
+        res.append(g)
+    p = cpu.size
+    want = np.arange(3000, dtype=np.float32) * (p * (p + 1) / 2)
+    collective_check(cpu.world, np.array_equal(res[0], want) and _same(res[0], res[1]),
+                     f"chained calls: cpu {res[0][:3]} gpu {res[1].get()[:3]} want {want[:3]}")
 
 
 def back_to_back(mode, R):
@@ -194,7 +222,8 @@ def cuda_aware(mode, R):
     collectives(mode, R)
 
 
-CHECKS = {f.__name__: f for f in (alltoallv_symmetric, overlapped_same_shape, back_to_back,
+CHECKS = {f.__name__: f for f in (alltoallv_symmetric, overlapped_same_shape, chained_in_flight,
+                                   back_to_back,
                                    receive_only, collectives,
                                    cuda_aware)}
 

@@ -194,14 +194,14 @@ class Stream:
         """Run deferred copies of ``kinds`` with sequence numbers <= ``upto`` (all by default).
         Device consumers need the host-to-device copies; a device-to-host copy lands in host
         memory only when the host learns the stream got there (``_complete``)."""
-        with self._lock:
+        with self._lock:   # held while the copies run: a concurrent flush waits for them
             keep, run = [], []
             for item in self.pending:
                 s, kind, _ = item
                 (run if (upto is None or s <= upto) and kind in kinds else keep).append(item)
             self.pending = keep
-        for _, _, fn in run:
-            fn()
+            for _, _, fn in run:
+                fn()
 
     def _complete(self, upto: int) -> None:
         self._resolve_deps(True, upto)
@@ -234,12 +234,16 @@ class Stream:
     def _resolve_deps(self, complete: bool, upto: int | None = None) -> None:
         with self._lock:
             run = [d for d in self.deps if upto is None or d[0] <= upto]
-            self.deps = [d for d in self.deps if not (upto is None or d[0] <= upto)]
+        # resolved before they leave the list: a concurrent resolver runs them too (the
+        # other stream's flush is idempotent and waits for one in progress)
         for _, other, seq in run:
             if complete:
                 other._complete(seq)
             else:
                 other._flush(seq)
+        if run:
+            with self._lock:
+                self.deps = [d for d in self.deps if d not in run]
 
     def use(self) -> "Stream":
         _tls.stream = self
