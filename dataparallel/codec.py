@@ -258,7 +258,15 @@ def scatter_mean(values, indices, size: int, p: int, base: int = 0):
     vector of ``size`` (float64; duplicates add up: every rank's entries at once)."""
     xp = array_module(values)
     pos = indices - base if base else indices
-    return xp.bincount(pos, weights=values.astype(np.float64), minlength=int(size)) / p
+    if xp is np:
+        return xp.bincount(pos, weights=values.astype(np.float64), minlength=int(size)) / p
+    # on a device bincount reads its input's sign and maximum back to the host (two syncs
+    # per call); a scatter-add into the known size reads nothing
+    import cupyx  # noqa: PLC0415  optional GPU backend
+
+    out = xp.zeros(int(size), dtype=np.float64)
+    cupyx.scatter_add(out, pos, values.astype(np.float64))
+    return out / p
 
 
 class ErrorFeedback:

@@ -21,6 +21,7 @@ Works on NumPy and CuPy arrays alike.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -31,6 +32,9 @@ from .codec import exact_topk
 
 __all__ = [
     "SAMPLE_MIN",
+    "compact_positions",
+    "refine_threshold_device",
+    "threshold_counts",
     "dgc_topk",
     "exact_select",
     "gaussiank_select",
@@ -118,7 +122,8 @@ def refine_threshold(mag, k: int, sample_desc, r: int, *, slack: float = 0.25,
     while passes <= max_refine and r not in tried:
         tried.add(r)
         tau = float(sample_desc[r - 1])
-        c = int(xp.count_nonzero(mag >= tau))
+        hit = mag >= tau
+        c = hit.c if isinstance(hit, _Count) else int(xp.count_nonzero(hit))
         passes += 1
         if c >= k:
             if c < lo_count:
@@ -163,15 +168,92 @@ def dgc_topk(x, k: int, rng: np.random.Generator, sample_ratio: float = 0.01, *,
     desc = sample_magnitudes(mag, sample_ratio, rng)
     if desc is None:
         return xp.argpartition(mag, n - k)[n - k:].astype(np.int64, copy=False)
-    tau, count, _ = refine_threshold(mag, k, desc, sample_rank(k, n, int(desc.size)),
-                                     slack=slack, max_refine=max_refine)
-    if count == n:
-        cand = xp.arange(n, dtype=np.int64)
+    r0 = sample_rank(k, n, int(desc.size))
+    if xp is not np:          # on a device: one host read instead of one per pass
+        tau, count, _ = refine_threshold_device(mag, k, desc, r0, slack=slack,
+                                                max_refine=max_refine)
+        cand = xp.arange(n, dtype=np.int64) if count == n else \
+            compact_positions(mag >= tau, count)
     else:
-        cand = xp.flatnonzero(mag >= tau)
-    if cand.size > k:
-        cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+        tau, count, _ = refine_threshold(mag, k, desc, r0, slack=slack,
+                                         max_refine=max_refine)
+        if count == n:
+            cand = xp.arange(n, dtype=np.int64)
+        else:
+            cand = xp.flatnonzero(mag >= tau)
+    if count > k:
+        cand = cand[xp.argpartition(mag[cand], count - k)[count - k:]]
     return cand.astype(np.int64, copy=False)
+
+
+def threshold_counts(mag, ascending):
+    """``c_j = #{|x| ≥ ascending[j]}`` for every ``j`` in one pass (on the device, no host
+    read): each entry's ``searchsorted`` position among the sorted thresholds, histogrammed
+    and summed from the top."""
+    xp = array_module(mag)
+    s = int(ascending.size)
+    pos = xp.searchsorted(ascending, mag, side="right")       # #{thresholds <= |x|}
+    hist = xp.zeros(s + 1, dtype=np.int64)
+    _scatter_add(hist, pos, 1)
+    below = xp.cumsum(hist)[:s]                                # #{|x| < ascending[j]}
+    return int(mag.size) - below
+
+
+def _scatter_add(out, positions, values) -> None:
+    """``out[positions] += values`` with repeated positions added (``numpy.add.at`` on the
+    host, ``cupyx.scatter_add`` on a device: neither reads anything back)."""
+    if array_module(out) is np:
+        np.add.at(out, positions, values)
+        return
+    import cupyx  # noqa: PLC0415  optional GPU backend
+
+    cupyx.scatter_add(out, positions, values)
+
+
+def compact_positions(mask, count: int):
+    """``flatnonzero(mask)`` when the number of true entries ``count`` is known on the host:
+    positions in increasing order without the host read CuPy's ``flatnonzero`` makes."""
+    xp = array_module(mask)
+    n = int(mask.size)
+    slot = xp.cumsum(mask, dtype=np.int64) - 1
+    slot = xp.where(mask, slot, count)          # the false entries all land in a spare slot
+    out = xp.empty(count + 1, dtype=np.int64)
+    out[slot] = xp.arange(n, dtype=np.int64)
+    return out[:count]
+
+
+def refine_threshold_device(mag, k: int, sample_desc, r: int, *, slack: float = 0.25,
+                            max_refine: int = 8) -> tuple[float, int, int]:
+    """:func:`refine_threshold` for device arrays with the same result: the counts ``c(τ)`` of
+    every sample order statistic come from one pass (:func:`threshold_counts`) and one host
+    read of ``(sample, counts)``; the passes then look them up instead of counting."""
+    xp = array_module(mag)
+    s = int(sample_desc.size)
+    counts = threshold_counts(mag, sample_desc[::-1])          # ascending order
+    both = xp.concatenate([sample_desc.astype(np.float64), counts.astype(np.float64)]).get()
+    desc_h = both[:s].astype(sample_desc.dtype)
+    c_desc = both[s:][::-1].astype(np.int64)                  # c(desc[r-1]) at r-1
+    return refine_threshold(_Counted(desc_h, c_desc, int(mag.size)), k, desc_h, r,
+                            slack=slack, max_refine=max_refine)
+
+
+class _Counted:
+    """Stands in for ``mag`` in :func:`refine_threshold` with the counts precomputed: ``mag
+    >= tau`` answers from the table (``tau`` is always a sample value)."""
+
+    def __init__(self, desc, counts, n: int) -> None:
+        self._at = {float(v): int(c) for v, c in zip(desc, counts)}
+        self.size = n
+
+    def __ge__(self, tau):
+        return _Count(self._at[float(tau)])
+
+
+class _Count:
+    __slots__ = ("c",)
+
+    def __init__(self, c: int) -> None:
+        self.c = c
 
 
 #: full top-``k`` (``argpartition``): ``--sparsifier exact``
@@ -191,9 +273,11 @@ def gaussiank_select(x, k: int):
     n = int(x.size)
     if k >= n:
         return xp.arange(n, dtype=np.int64)
-    mu, sigma = float(x.mean()), float(x.std())
     from scipy.special import ndtri
 
+    if xp is not np:
+        return _gaussiank_device(x, k, float(ndtri(1.0 - k / (2.0 * n))))
+    mu, sigma = float(x.mean()), float(x.std())
     tau = mu + sigma * float(ndtri(1.0 - k / (2.0 * n)))
     mag = xp.abs(x)
     for _ in range(3):
@@ -207,6 +291,41 @@ def gaussiank_select(x, k: int):
     cand = xp.flatnonzero(mag > tau)
     if cand.size > k:
         cand = cand[xp.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+    return cand.astype(np.int64, copy=False)
+
+
+def _gaussiank_device(x, k: int, z: float):
+    """:func:`gaussiank_select` on a device with two host reads instead of up to six: the
+    moments, then the counts of every threshold the three rescalings can reach (15), so the
+    host walks the same path; the candidates are compacted with their count known."""
+    xp = array_module(x)
+    n = int(x.size)
+    mu, sigma = (float(v) for v in xp.stack([x.mean(), x.std()]).get())
+    tau0 = mu + sigma * z
+    paths = [p for depth in range(4) for p in itertools.product((0.5, 1.5), repeat=depth)]
+    taus = {}
+    for p in paths:
+        t = tau0
+        for f in p:
+            t *= f
+        taus[p] = t
+    order = list(taus)
+    mag = xp.abs(x)
+    counts = xp.stack([xp.count_nonzero(mag > taus[p]) for p in order]).get()
+    c_of = dict(zip(order, (int(c) for c in counts)))
+    path: tuple = ()
+    for _ in range(3):
+        c = c_of[path]
+        if c < 2 * k / 3:
+            path += (0.5,)
+        elif c > 4 * k / 3:
+            path += (1.5,)
+        else:
+            break
+    tau, count = taus[path], c_of[path]
+    cand = compact_positions(mag > tau, count)
+    if count > k:
+        cand = cand[xp.argpartition(mag[cand], count - k)[count - k:]]
     return cand.astype(np.int64, copy=False)
 
 
