@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from substrate.compute import resolve_pending
 from volume.ssfusion import PROFILE, SELECT
 
 from ..codec import ErrorFeedback
@@ -67,12 +68,14 @@ class WarmupProfiler:
         """Worker thread, warm-up with ``--offload``: time tensor ``l``'s sparsification on the
         CPU worker while the backward goes on (read-only: the result is discarded)."""
         t_start = time.perf_counter()
-        x = self.ctx.model.grads.flat[self.offsets[l]:self.offsets[l + 1]]
+        with self.run.backend.device():              # CuPy's device is per thread
+            x = self.run.backend.asnumpy(
+                self.ctx.model.grads.flat[self.offsets[l]:self.offsets[l + 1]])
         # service time by the run's compute source on this thread (consistent with T_b, T_sp)
         with self._worker_source.measure(selection_flops(x.size, self._k_full[l],
                                                           self.options.sparsifier,
                                                           self.options.sample_ratio)) as m:
-            self._sparsify(self.run.backend.asnumpy(x), self._k_full[l], self._rng(step, l))
+            self._sparsify(x, self._k_full[l], self._rng(step, l))
         return l, t_submit, t_start, time.perf_counter(), m.seconds
 
     def _source_ready_times(self) -> np.ndarray | None:
@@ -83,6 +86,7 @@ class WarmupProfiler:
         clock = self.run.clock
         if clock.timeline is None or clock.layers is None or clock.layers.last is None:
             return None
+        resolve_pending(clock.source)       # CUDA events: the step's times, read once
         events = clock.timeline.open_events
         cum = np.cumsum([e.seconds if e.kind == "compute" and e.resource == "compute" else 0.0
                          for e in events])
@@ -127,9 +131,15 @@ class WarmupProfiler:
             counts["T_cpu"] += 1
         self._prof_futures.clear()
         source = self.run.clock.source
+        # CUDA events time the kernels themselves: no host wait around each tensor, the
+        # step's times are read together (a wall or CPU clock needs the device idle at both
+        # ends of the block)
+        deferred = getattr(source, "deferred", False)
+        t_sp = sums["T_sp"]
         for l in range(self.L):
             a, b = int(self.offsets[l]), int(self.offsets[l + 1])
-            backend.synchronize()
+            if not deferred:
+                backend.synchronize()
             # timed by the run's compute source (not the wall clock), so a loaded host or a
             # replayed profile plans the same buffers
             with source.measure(selection_flops(b - a, self._k_full[l],
@@ -137,8 +147,12 @@ class WarmupProfiler:
                                                 self.options.sample_ratio),
                                 label=f"ssf_tsp:{l}") as m:
                 self._sparsify(g[a:b], self._k_full[l], self._rng(step, l))
-                backend.synchronize()
-            sums["T_sp"][l] += m.seconds
+                if not deferred:
+                    backend.synchronize()
+            if getattr(m, "deferred", False) and not m.resolved:
+                m.then(lambda sec, l=l: t_sp.__setitem__(l, t_sp[l] + sec))
+            else:
+                t_sp[l] += m.seconds
         counts["T_sp"] += 1
 
     def _profile_vector(self) -> np.ndarray:
@@ -168,6 +182,7 @@ class WarmupProfiler:
         competes with the backward and offloading is switched off.
         """
         o, L = self.options, self.L
+        resolve_pending(self.run.clock.source)     # the last warm-up step's T_sp
         prof = self._profile_vector()
         world = self.topo.world
         h = world.allreduce(prof, "max", phase=PROFILE, after=[self._profile_event, last])
@@ -219,12 +234,18 @@ class OffloadWorker:
 
     def _install_offload(self) -> None:
         """A GPU run keeps the error-feedback residual (and velocity) of every offloaded
-        segment on the host, where the worker sparsifies it."""
-        if self.run.backend.is_gpu:
-            self._host_res = {s.sid: np.zeros(s.b - s.a, dtype=np.float32)
-                              for buf in self._bufs for s in buf.segments if s.offload}
-            if self.mu:
-                self._host_vel = {sid: np.zeros_like(r) for sid, r in self._host_res.items()}
+        segment on the host, where the worker sparsifies it, continuing from the device's:
+        the warm-up's momentum (and any residual) moves with the segment, so a GPU run trains
+        as the CPU run, whose worker keeps using the same arrays (issue 25: the host velocity
+        used to start at zero).  One copy per offloaded tensor, once per installed plan."""
+        if not self.run.backend.is_gpu:
+            return
+        host = self.run.backend.asnumpy
+        segs = [s for buf in self._bufs for s in buf.segments if s.offload]
+        self._host_res = {s.sid: np.array(host(self.residual[s.a:s.b]), dtype=np.float32)
+                          for s in segs}
+        self._host_vel = ({s.sid: np.array(host(self.velocity[s.a:s.b]), dtype=np.float32)
+                           for s in segs} if self.mu else {})
 
     def _submit(self, l: int) -> None:
         """``on_ready`` of tensor ``l`` in a sparse step: hand its sparsification to the worker
@@ -249,7 +270,8 @@ class OffloadWorker:
                 self._select(buf, seg, step)
                 host_out = None
             else:
-                host = self.ctx.model.grads.flat[seg.a:seg.b].get()
+                with self.run.backend.device():     # CuPy's device is per thread
+                    host = self.ctx.model.grads.flat[seg.a:seg.b].get()
                 if self.mu:
                     u = self._host_vel[seg.sid]
                     u *= self.mu
