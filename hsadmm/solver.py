@@ -121,6 +121,8 @@ class _Base:
         shapes = [self.layout.shape(n) for n in self.names]
         self.codec = MaskCodec([shapes[i] for i in self.pruned])
         self.m_global = [self.xp.ones(shapes[i], dtype=bool) for i in self.pruned]  # m <- 1
+        #: host copies of ``m_global`` when they came from the host (GPU runs compare there)
+        self._m_host = [np.ones(shapes[i], dtype=bool) for i in self.pruned]
         self.frozen = False
         self.stable_iters = 0
 
@@ -227,7 +229,8 @@ class _Base:
         if packed.shape != (self.codec.nbytes,):
             raise ValueError(f"checkpoint masks hold {packed.size} bytes, this model needs "
                              f"{self.codec.nbytes}: resume with the model of the run that wrote it")
-        self.m_global = [xp.asarray(m) for m in self.codec.unpack(packed)]
+        self._m_host = self.codec.unpack(packed)
+        self.m_global = [xp.asarray(m) for m in self._m_host]
         self.frozen = bool(state["frozen"])
         self.stable_iters = int(state["stable_iters"])
 
@@ -237,10 +240,21 @@ class _Base:
 
     def _update_masks(self, new) -> float:
         """Adopt the global masks ``new`` (host or device arrays); returns the mask drift, the
-        fraction of mask bits that changed (0 when no layer is pruned)."""
+        fraction of mask bits that changed (0 when no layer is pruned).  On a GPU the count is
+        read once (host masks are compared with the host copy of the current ones, device
+        masks on the device), not once per layer."""
         xp = self.xp
-        new = [xp.asarray(m) for m in new]
-        changed = sum(int((a != b).sum()) for a, b in zip(new, self.m_global))
+        host_new = all(isinstance(m, np.ndarray) for m in new)
+        dev_new = [xp.asarray(m) for m in new]
+        if xp is np or not new:
+            changed = sum(int((a != b).sum()) for a, b in zip(dev_new, self.m_global))
+        elif host_new and self._m_host is not None:
+            changed = sum(int((a != b).sum()) for a, b in zip(new, self._m_host))
+        else:
+            changed = int(xp.stack([(a != b).sum() for a, b in zip(dev_new, self.m_global)])
+                          .sum())
+        self._m_host = [np.asarray(m) for m in new] if host_new else None
+        new = dev_new
         self.m_global = new
         self.stable_iters = 0 if changed else self.stable_iters + 1
         return changed / max(1, self.codec.nbits)
@@ -274,6 +288,47 @@ class _Base:
             out[sl].reshape(shape)[...] = self.xp.where(m, w, 0)
             masks.append(m)
         return masks
+
+    def residual_rows(self, rows) -> np.ndarray:
+        """``np.stack([factor * per_layer_sq(a, b) ...])`` for ``rows`` of ``(a, b, factor)``
+        (``a`` None: a row of zeros), as a host ``(len(rows), groups)`` float64 array.  On a
+        GPU the squared norms are summed per layer on the device and read in one copy, not
+        with two syncs (``bincount``) and a read per row."""
+        G = len(self.group_names)
+        xp = self.xp
+        if xp is np:
+            return np.stack([np.zeros(G) if a is None else f * self.per_layer_sq(a, b)
+                             for a, b, f in rows])
+        import cupyx  # noqa: PLC0415  optional GPU backend
+
+        sums = xp.zeros((len(rows), G), dtype=xp.float64)
+        d = self._tmp
+        for r, (a, b, f) in enumerate(rows):
+            if a is None:
+                continue
+            if b is None:
+                d[...] = a
+            else:
+                xp.subtract(a, b, out=d)
+            d64 = d.astype(xp.float64)
+            d64 *= d64
+            cupyx.scatter_add(sums[r], self._segment, d64)
+            if f != 1.0:
+                sums[r] *= f
+        return np.asarray(self.run.backend.asnumpy(sums), dtype=np.float64)
+
+    def host_masks(self, masks) -> list:
+        """Device masks as host arrays with one copy (the mask OR-sync packs them on the
+        host)."""
+        xp = self.xp
+        if xp is np or not masks:
+            return masks
+        flat = self.run.backend.asnumpy(xp.concatenate([m.reshape(-1) for m in masks]))
+        out, o = [], 0
+        for m in masks:
+            out.append(flat[o:o + m.size].reshape(m.shape))
+            o += m.size
+        return out
 
     def per_layer_sq(self, a, b=None) -> np.ndarray:
         """Per-group (layer) ``||a - b||_F^2`` (or ``||a||_F^2``) in float64, on the host."""
@@ -449,11 +504,10 @@ class HSADMM(_Base):
                 s.u += s.theta
                 s.u -= s.z_i
                 lead = 1.0 if topo.is_leader else 0.0  # node-level rows: one rank per node
-                sq = self.per_layer_sq
-                res = np.stack([sq(s.theta, s.z_i), sq(s.z_i, self._zi_old),
-                                lead * sq(s.z_i, s.z), lead * sq(s.z, self._z_old),
-                                sq(s.theta), sq(s.u), sq(s.z_i), lead * sq(s.v),
-                                lead * sq(s.z)])
+                res = self.residual_rows([
+                    (s.theta, s.z_i, 1.0), (s.z_i, self._zi_old, 1.0), (s.z_i, s.z, lead),
+                    (s.z, self._z_old, lead), (s.theta, None, 1.0), (s.u, None, 1.0),
+                    (s.z_i, None, 1.0), (s.v, None, lead), (s.z, None, lead)])
         with timed("duals_residuals"):
             h = topo.world.allreduce(res, "sum", phase="residuals", after=clock.last_event)
         with clock.compute("penalties", deps=h), timed("duals_residuals"):
@@ -471,7 +525,7 @@ class HSADMM(_Base):
         Timeline: the OR all-reduce (a follower waits for it) after the projection, the
         broadcast after it, the mask update after the broadcast."""
         topo, clock = self.topo, self.run.clock
-        packed = (self.codec.pack(local_masks) if topo.is_leader
+        packed = (self.codec.pack(self.host_masks(local_masks)) if topo.is_leader
                   else np.empty(self.codec.nbytes, dtype=np.uint8))
         h = topo.leaders.allreduce(packed, "bor", phase="mask_sync", after=clock.last_event)
         h = topo.intra.bcast(packed, 0, phase="mask_bcast", after=h)
@@ -533,9 +587,10 @@ class FlatADMM(_Base):
                 s.z_i[...] = s.z
                 s.u += s.theta
                 s.u -= s.z
-                sq, zero = self.per_layer_sq, np.zeros(len(self.group_names))
-                res = np.stack([sq(s.theta, s.z), sq(s.z, self._z_old), zero, zero,
-                                sq(s.theta), sq(s.u), sq(s.z), zero, zero])
+                res = self.residual_rows([
+                    (s.theta, s.z, 1.0), (s.z, self._z_old, 1.0), (None, None, 1.0),
+                    (None, None, 1.0), (s.theta, None, 1.0), (s.u, None, 1.0),
+                    (s.z, None, 1.0), (None, None, 1.0), (None, None, 1.0)])
         with timed("duals_residuals"):
             h = w.allreduce(res, "sum", phase="residuals", after=clock.last_event)
         with clock.compute("penalties", deps=h), timed("duals_residuals"):
