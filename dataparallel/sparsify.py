@@ -214,11 +214,10 @@ def compact_positions(mask, count: int):
     """``flatnonzero(mask)`` when the number of true entries ``count`` is known on the host:
     positions in increasing order without the host read CuPy's ``flatnonzero`` makes."""
     xp = array_module(mask)
-    n = int(mask.size)
     slot = xp.cumsum(mask, dtype=np.int64) - 1
     slot = xp.where(mask, slot, count)          # the false entries all land in a spare slot
     out = xp.empty(count + 1, dtype=np.int64)
-    out[slot] = xp.arange(n, dtype=np.int64)
+    out[slot] = xp.arange(int(mask.size), dtype=np.int64)
     return out[:count]
 
 
@@ -299,7 +298,6 @@ def _gaussiank_device(x, k: int, z: float):
     moments, then the counts of every threshold the three rescalings can reach (15), so the
     host walks the same path; the candidates are compacted with their count known."""
     xp = array_module(x)
-    n = int(x.size)
     mu, sigma = (float(v) for v in xp.stack([x.mean(), x.std()]).get())
     tau0 = mu + sigma * z
     paths = [p for depth in range(4) for p in itertools.product((0.5, 1.5), repeat=depth)]

@@ -547,7 +547,7 @@ class DistributedSparseNet:
             tag = self.L + k
             exchange = k > 1
             if exchange:
-                post = lambda: self._post_recvs_gpu(  # noqa: E731
+                post = lambda tag=tag, k=k, d=d, mp=mp: self._post_recvs_gpu(  # noqa: E731
                     tag, PHASE_SPBP, buf.srecv[k - 1],
                     buf.srecv_h[k - 1] if self._staged else None, d.send_ptr, mp.send_ranks)
                 rreq = post() if self._staged else None

@@ -38,9 +38,9 @@ from .costmodel import (
     INTRA,
     binomial_children,
     binomial_depth,
-    ring_chunk_counts,
     ring_allgatherv_sent,
     ring_allreduce_sent,
+    ring_chunk_counts,
 )
 from .recorder import Handle, Recorder
 from .stream import CommStream

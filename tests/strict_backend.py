@@ -34,14 +34,14 @@ def _drop_modules() -> None:
 @contextmanager
 def strict_cupy():
     """``import cupy`` gives the stand-in inside the block (its counters reset)."""
-    from substrate import backend as backend_mod  # noqa: PLC0415
+    from substrate import backend as backend_mod
 
     saved_path = list(sys.path)
     saved_backends = dict(backend_mod._BACKENDS)
     _drop_modules()
     sys.path.insert(0, str(STRICT_DIR))
     try:
-        import cupy  # noqa: PLC0415
+        import cupy
 
         cupy._core.reset_for_tests()
         backend_mod._BACKENDS.clear()
@@ -55,12 +55,12 @@ def strict_cupy():
 
 def real_cupy_or_skip():
     """The real CuPy with a device, or ``pytest.skip`` naming why not."""
-    import pytest  # noqa: PLC0415
+    import pytest
 
     cp = pytest.importorskip("cupy")
     if hasattr(cp, "_strict"):
         pytest.skip("cupy is the strict stand-in, not a GPU")
-    from substrate.backend import cupy_available  # noqa: PLC0415
+    from substrate.backend import cupy_available
 
     if not cupy_available():
         pytest.skip("no CUDA device visible")

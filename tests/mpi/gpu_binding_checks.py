@@ -21,8 +21,8 @@ if cvd:
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = mine
 
-from substrate import Topology, collective_check  # noqa: E402
-from substrate.backend import Backend  # noqa: E402
+from substrate import Topology, collective_check
+from substrate.backend import Backend
 
 R = int(sys.argv[1]) or None
 topo = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R)

@@ -15,11 +15,11 @@ import sys
 
 import cupy as cp
 import numpy as np
+from sparse_checks import TOL, Books, _err
 
 from partition.metrics import partition_metrics
 from runner.options import CommonConfig
 from runner.run import start_run
-from sparse_checks import TOL, Books, _err
 from sparse_sgd.cli import distribute_partition
 from sparse_sgd.data import digits_dataset
 from sparse_sgd.distributed import DistributedSparseNet

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -20,13 +19,13 @@ from pathlib import Path
 
 def main() -> None:
     out, module, *args = sys.argv[1:]
-    import cupy  # noqa: PLC0415  the stand-in (PYTHONPATH)
+    import cupy
 
     if not hasattr(cupy, "_strict"):
         raise SystemExit("run_counted.py needs the strict stand-in first on PYTHONPATH")
-    from mpi4py import MPI  # noqa: PLC0415
+    from mpi4py import MPI
 
-    from substrate import clock as clock_mod  # noqa: PLC0415
+    from substrate import clock as clock_mod
 
     rank = MPI.COMM_WORLD.Get_rank()
     counter = cupy._strict

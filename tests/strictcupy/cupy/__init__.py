@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as _np
 
-from . import _core
+# submodules first: the module __getattr__ below would answer them with NumPy's
+from . import _core, cuda, lib, linalg, random  # noqa: F401
 from ._core import (  # noqa: F401
     CUDARuntimeError,
     ElementwiseKernel,
@@ -23,9 +24,6 @@ from ._core import (  # noqa: F401
     ndarray,
     ufunc,
 )
-
-# submodules first: the module __getattr__ below would answer them with NumPy's
-from . import cuda, lib, linalg, random  # noqa: E402,F401
 
 __version__ = "13.0.0+strict"
 _strict = _core.counter

@@ -40,8 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter, defaultdict
-from contextlib import contextmanager
+from collections import Counter
 
 import numpy as _np
 
@@ -218,12 +217,12 @@ class Stream:
         """Non-blocking query: true only when a sync has completed every op issued."""
         return self.synced >= self.last_op
 
-    def record(self, event: "Event | None" = None) -> "Event":
+    def record(self, event: Event | None = None) -> Event:
         ev = event if event is not None else Event()
         ev.record(self)
         return ev
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         """Later ops on this stream come after ``event``: the deferred copies before it run
         when this stream next runs an op (or completes), not before."""
         if event.stream is not None and event.stream is not self:
@@ -245,11 +244,11 @@ class Stream:
             with self._lock:
                 self.deps = [d for d in self.deps if d not in run]
 
-    def use(self) -> "Stream":
+    def use(self) -> Stream:
         _tls.stream = self
         return self
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         self._prev.append(getattr(_tls, "stream", None))
         _tls.stream = self
         return self
@@ -545,14 +544,14 @@ class ndarray:
     """A device array of the stand-in (NumPy data, CuPy's rules)."""
 
     __array_priority__ = 100
-    __slots__ = ("_a", "_dev", "__weakref__")
+    __slots__ = ("__weakref__", "_a", "_dev")
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C") -> None:
         self._a = _np.empty(shape, dtype=dtype, order=order)
         self._dev = _current_device()
 
     @classmethod
-    def _from(cls, a: _np.ndarray, dev: int | None = None) -> "ndarray":
+    def _from(cls, a: _np.ndarray, dev: int | None = None) -> ndarray:
         obj = cls.__new__(cls)
         obj._a = a
         obj._dev = _current_device() if dev is None else dev
@@ -577,7 +576,7 @@ class ndarray:
     data = property(lambda s: MemoryPointer(s._a))
 
     @property
-    def device(self) -> "Device":
+    def device(self) -> Device:
         return Device(self._dev)
 
     @property
@@ -585,7 +584,7 @@ class ndarray:
         return None if self._a.base is None else ndarray._from(self._a.base, self._dev)
 
     @property
-    def T(self) -> "ndarray":
+    def T(self) -> ndarray:
         return ndarray._from(self._a.T, self._dev)
 
     @property
@@ -1009,7 +1008,7 @@ class Device:
         return f"<CUDA Device {self.id}>"
 
 
-_streams: "weakref.WeakSet[Stream]" = weakref.WeakSet()
+_streams: weakref.WeakSet[Stream] = weakref.WeakSet()
 _orig_stream_init = Stream.__init__
 
 
@@ -1042,9 +1041,16 @@ class _SparseBase:
     """Marker base of the stand-in's sparse matrices."""
 
 
-__all__ = ["ndarray", "ufunc", "Stream", "Event", "Device", "counter", "asnumpy",
-           "get_array_module", "alloc_pinned_memory", "get_elapsed_time", "CUDARuntimeError"]
-
-# keep names used by the package importable
-defaultdict = defaultdict
-contextmanager = contextmanager
+__all__ = [
+    "CUDARuntimeError",
+    "Device",
+    "Event",
+    "Stream",
+    "alloc_pinned_memory",
+    "asnumpy",
+    "counter",
+    "get_array_module",
+    "get_elapsed_time",
+    "ndarray",
+    "ufunc",
+]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as _np
-
 from cupy import _core
 
 
@@ -48,4 +47,4 @@ def empty_pinned(shape, dtype=float):
     return _np.frombuffer(_core.alloc_pinned_memory(n), dtype, int(_np.prod(shape))).reshape(shape)
 
 
-from . import scipy  # noqa: E402,F401
+from . import scipy  # noqa: F401

@@ -11,7 +11,7 @@ from .._core import (  # noqa: F401
     get_current_stream,
     get_elapsed_time,
 )
-from . import runtime  # noqa: F401
+from . import runtime
 
 
 def is_available() -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as _np
 import scipy.sparse as _sp
-
 from cupy import _core
 
 
