@@ -21,3 +21,19 @@ def test_hsgd_gpu_equals_cpu(mode, method, R, aware, tmp_path):
     res = run_mpi("sparse_gpu_checks.py", 4, mode, method, R, tmp_path / "run", timeout=240,
                   env=env)
     assert f"OK gpu {mode} {method} P=4" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_hsgd_on_a_real_gpu(mode, tmp_path):
+    """The same comparison with the real CuPy and cuSPARSE (skipped without a GPU)."""
+    import os
+
+    from strict_backend import real_cupy_or_skip
+
+    real_cupy_or_skip()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(MPI_DIR),
+                                                       os.environ.get("PYTHONPATH")]))}
+    res = run_mpi("sparse_gpu_checks.py", 2, mode, "hypergraph", 1, tmp_path / "run",
+                  timeout=600, env=env)
+    assert f"OK gpu {mode} hypergraph P=2" in res.stdout

@@ -26,3 +26,16 @@ def test_device_communication(check, mode, n, R):
 def test_cuda_aware_handoff(mode):
     res = run_mpi("gpu_checks.py", 4, "cuda_aware", mode, 2, timeout=120, env=strict_env())
     assert f"OK cuda_aware {mode}" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "native"])
+def test_device_communication_on_a_real_gpu(mode):
+    """The same checks with the real CuPy on a GPU node (skipped without one)."""
+    from strict_backend import real_cupy_or_skip
+
+    real_cupy_or_skip()
+    for check in ("alltoallv_symmetric", "overlapped_same_shape", "chained_in_flight",
+                  "back_to_back", "receive_only", "collectives"):
+        res = run_mpi("gpu_checks.py", 2, check, mode, 1, timeout=300)
+        assert f"OK {check} {mode}" in res.stdout

@@ -1,4 +1,5 @@
-"""H-SGD's GPU path on the strict CuPy stand-in against the CPU path and the serial reference.
+"""H-SGD's GPU path (on the strict CuPy stand-in, or a GPU) against the CPU path and the
+serial reference.
 
 Usage: ``python -m mpi4py sparse_gpu_checks.py MODE METHOD RANKS_PER_NODE OUT`` with
 ``tests/strictcupy`` first on ``PYTHONPATH``.  MODE ``train``: two SpFF + SpBP iterations
@@ -29,8 +30,8 @@ from sparse_sgd.serial import SerialSparseNet, challenge_inference_serial
 from substrate import collective_check
 from substrate.calls import Call
 
-assert hasattr(cp, "_strict"), "runs on the strict stand-in (tests/strictcupy)"
-ROUND = 1e-12
+STRICT = hasattr(cp, "_strict")      # on the stand-in host waits are counted
+ROUND = 1e-12 if STRICT else 1e-9     # cuSPARSE sums in another order than SciPy
 
 
 def _host(a):
@@ -66,10 +67,10 @@ def check_train(method, R, out):
             ls = ser.backward(Y, lr=0.1)
             for net, name in ((cpu, "cpu"), (gpu, "gpu")):
                 batches.append(B)
-                syncs = cp._strict.syncs
+                syncs = cp._strict.syncs if STRICT else 0
                 net.forward(X0[net.input_rows])
                 ld = net.backward(Y[net.output_rows], lr=0.1)
-                waits = cp._strict.syncs - syncs
+                waits = cp._strict.syncs - syncs if STRICT else 0
                 if name == "gpu":
                     # one wait per layer and direction for the sends (fewer where a layer
                     # sends nothing), none per message
