@@ -357,6 +357,7 @@ class Backend:
             self.xp = cp
             self.cuda_aware = _mpi_cuda_aware()
             self._compute = cp.cuda.get_current_stream()
+            self._side = cp.cuda.Stream(non_blocking=True)   # now: threads use it at once
             self.pool = StagingPool(cp.cuda.alloc_pinned_memory,
                                     _env_bytes("SPARDIST_PINNED_POOL_MIB", 256 << 20, 1 << 20),
                                     self._fence_done, self._fence_wait)
