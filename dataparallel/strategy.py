@@ -30,8 +30,17 @@ from typing import Any, ClassVar
 from substrate.calls import bytes_by_phase
 from substrate.options import add_dataclass_args, flag_of, from_args
 
-__all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
-           "add_options_args", "options_from_args", "check_unused_options"]
+__all__ = [
+    "STRATEGIES",
+    "NoOptions",
+    "StepState",
+    "Strategy",
+    "SyncContext",
+    "add_options_args",
+    "check_unused_options",
+    "options_from_args",
+    "register",
+]
 
 
 @dataclass
@@ -77,11 +86,17 @@ class SyncContext:
 
 @dataclass
 class StepState:
-    """Per-step state handed to :meth:`Strategy.sync`."""
+    """Per-step state handed to :meth:`Strategy.sync`.
+
+    ``logged``: the step writes a metrics line (:class:`runner.loop.Due`); per-step
+    diagnostics that are not part of the modeled system (SSFusion's tensor-missing rate) run
+    only then.  Callers outside the trainer get every step diagnosed.
+    """
 
     step: int
     epoch: int
     loss: float
+    logged: bool = True
 
 
 @dataclass(frozen=True)
