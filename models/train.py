@@ -389,7 +389,7 @@ def main(argv=None) -> dict:
     if getattr(model, "lm", False):
         result["unigram_entropy"] = unigram_entropy()
     summary = run.finish(metrics={**result, "num_params": model.num_params},
-                         extra={"model": {"name": model.name, "num_params": model.num_params,
+                         predicted=loop.predicted.block(), extra={"model": {"name": model.name, "num_params": model.num_params,
                                           "layout": model.layout.describe()}})
     if not args.quiet:
         print(f"final test accuracy {result['final_test_accuracy']:.4f}, final loss "
