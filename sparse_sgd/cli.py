@@ -578,7 +578,7 @@ def _infer(args) -> dict:
     in_rows = net.input_rows
     nonzero = np.zeros(n_in + 1, dtype=np.float64)  # categories, then the elapsed time
     run.world.barrier(phase=PHASE_SYNC)
-    t0 = time.perf_counter()
+    t0 = t_batch = time.perf_counter()
     for s in range(0, n_in, cfg.batch_size):
         with run.clock.compute("infer_batch"):
             block = Y0[s:s + cfg.batch_size][:, in_rows]
@@ -587,7 +587,12 @@ def _infer(args) -> dict:
         XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)  # its blocks and sends: events
         with run.clock.compute("infer_categories"):
             nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
-        run.log(s // cfg.batch_size, step_wall_s=time.perf_counter() - t0)
+        # a line per batch: its wall time and the inference's so far (the traffic of the whole
+        # inference is accounted once, after the last batch)
+        now = time.perf_counter()
+        run.log(s // cfg.batch_size + 1, interval_units=1, step_wall_s=now - t_batch,
+                elapsed_s=now - t0)
+        t_batch = now
     nonzero[-1] = time.perf_counter() - t0
     run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
     predicted.add(run.recorder.account(plan.calls(run.topo.placement, cfg.batch_size,
