@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
+from runner import launch
 from substrate import (
     Checkpointer,
     CostModel,
@@ -19,7 +20,6 @@ from substrate import (
     Topology,
     TopologyError,
     atomic_write_json,
-    launch,
 )
 from substrate import costmodel as cm
 from substrate.buckets import BucketPlan
