@@ -117,31 +117,34 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
     return "new", None
 
 
-def _inspect_profile_out(path: Path, *, overwrite: bool) -> str | None:
-    """Why ``--compute-profile-out`` cannot be written at the end of the run, or ``None``: an
+def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
+                      example: str = "out.json") -> str | None:
+    """Why the file ``flag`` names cannot be written at the end of the run, or ``None``: an
     existing file is kept unless ``--overwrite`` (the rule of ``--out``'s results)."""
     if path.is_dir():
-        return (f"--compute-profile-out {path} is a directory: pass a file path (e.g. "
-                f"{path / 'profile.json'})")
+        return f"{flag} {path} is a directory: pass a file path (e.g. {path / example})"
     if path.exists() and not overwrite:
-        return (f"--compute-profile-out {path} already exists: pass --overwrite to replace it, "
-                "or choose another file")
+        return (f"{flag} {path} already exists: pass --overwrite to replace it, or choose "
+                "another file")
     why = _dir_write_error(path.parent)
     if why:
-        return (f"--compute-profile-out {path}: its directory is not writable ({why}): choose a "
-                "file in a directory you can write to")
+        return (f"{flag} {path}: its directory is not writable ({why}): choose a file in a "
+                "directory you can write to")
     return None
 
 
 def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
-                 profile_out: str | None = None) -> str:
-    """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``), every rank gets
-    the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
+                 profile_out: str | None = None, trace: str | None = None) -> str:
+    """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``, ``--trace``), every
+    rank gets the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
     verdict = None
     if topo.rank == 0:
         verdict = _inspect_out(out, resume=resume, overwrite=overwrite)
-        if verdict[1] is None and profile_out is not None:
-            verdict = (verdict[0], _inspect_profile_out(Path(profile_out), overwrite=overwrite))
+        for flag, path, example in (("--compute-profile-out", profile_out, "profile.json"),
+                                    ("--trace", trace, "trace.json")):
+            if verdict[1] is None and path is not None:
+                verdict = (verdict[0], _inspect_file_out(flag, Path(path), overwrite=overwrite,
+                                                         example=example))
     previous, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)

@@ -12,6 +12,7 @@ from substrate import costmodel as cm
 from substrate.clock import SOURCES
 from substrate.costmodel import CostModel
 from substrate.options import add_dataclass_args, check_range, option
+from substrate.trace import parse_steps
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -119,6 +120,13 @@ class CommonConfig:
         None, "record a compute profile of this run (per event: the least, median and count of "
         "its measurements by the compute source, per rank) into FILE when the run finishes; an "
         "existing FILE is refused unless --overwrite", metavar="FILE", group=CLOCK)
+    trace: str | None = option(
+        None, "write the timeline of --trace-steps of every rank as Chrome Trace Event JSON into "
+        "FILE when the run finishes (Perfetto, chrome://tracing); an existing FILE is refused "
+        "unless --overwrite", metavar="FILE", group=CLOCK)
+    trace_steps: str = option(
+        "last", "steps written by --trace: indices and ranges (0,3-5), last, or all",
+        metavar="STEPS", group=CLOCK)
     device_tflops: float | None = option(
         None, "peak TFLOP/s of the modeled device (compute-source flops)", metavar="TFLOPS",
         group=CLOCK)
@@ -127,6 +135,9 @@ class CommonConfig:
         metavar="GBS", group=CLOCK)
 
     def __post_init__(self) -> None:
+        parse_steps(self.trace_steps)          # a malformed --trace-steps stops here
+        if self.trace is not None and self.clock != "timeline":
+            raise ValueError("--trace writes the event timeline: it needs --clock timeline")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         check_range("--intra-bw", self.intra_bw, gt=0, unit="Gbit/s")
