@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mpi_helpers import assert_fails_on_every_rank, read_summary, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
