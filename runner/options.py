@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from substrate import collectives as coll
@@ -17,8 +18,19 @@ from substrate.trace import parse_steps
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every spardist command shares: the fields of :class:`CommonConfig`
-    (results, seed, device, topology, collectives, cost model)."""
+    (results, seed, device, topology, collectives, cost model), and ``--version``."""
+    add_version_arg(parser)
     return add_dataclass_args(parser, CommonConfig)
+
+
+def add_version_arg(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the installed spardist's version (once per parser)."""
+    if "--version" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no API
+        try:
+            v = version("spardist")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        parser.add_argument("--version", action="version", version=f"spardist {v}")
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
