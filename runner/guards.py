@@ -50,12 +50,18 @@ def check_world_size(size: int, env=None) -> None:
     if want is None or want[0] == size:
         return
     n, var = want
-    raise ValueError(
+    env = os.environ if env is None else env
+    who = next((env[k] for k in ("SLURM_PROCID", "PMI_RANK", "PMIX_RANK",
+                                 "OMPI_COMM_WORLD_RANK") if env.get(k, "").isdigit()), "0")
+    err = ValueError(
         f"the launcher started {n} ranks ({var}={n}) but MPI sees a world of {size}: the ranks "
-        f"did not find each other (singletons). Under Slurm with the MPICH wheel use "
-        f"SPARDIST_LAUNCHER='srun --mpi=pmi2' (or plain mpiexec inside the allocation); with a "
-        f"site MPI use the srun --mpi plugin it was built for (srun --mpi=list); make sure "
-        f"mpiexec and mpi4py come from the same MPI library")
+        f"did not find each other (singletons). With srun and the MPICH wheel launch with "
+        f"srun --mpi=pmi2 ... (or plain mpiexec inside the allocation; ./run_mpi.sh and "
+        f"spardist run do it for you); with a site MPI use the srun --mpi plugin it was built "
+        f"for (srun --mpi=list); make sure mpiexec and mpi4py come from the same MPI library")
+    # every singleton fails alike: only the launcher's first process says so
+    err.quiet = who != "0"
+    raise err
 
 
 # -- the results directory ---------------------------------------------------------------------
