@@ -50,12 +50,12 @@ from .strategy import (
     STRATEGIES,
     StepState,
     SyncContext,
-    add_options_args,
+    add_strategy_args,
     check_unused_options,
     options_from_args,
 )
 
-__all__ = ["DPConfig", "build_parser", "train", "main"]
+__all__ = ["DPConfig", "build_parser", "main", "train"]
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataparallel train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(p, DPConfig, "training")
-    for name, cls in sorted(STRATEGIES.items()):
-        add_options_args(p, cls.Options, f"--method {name}")
+    add_strategy_args(p)
     add_training_args(p, "step", progress_every=20)
     add_common_args(p)
     return p
