@@ -671,7 +671,7 @@ class PacTrain(Strategy):
         """The plan of :meth:`PacTrainPlan.build` for ``mask`` (``None``: from the keep rate),
         with its index sets on the device."""
         idx = None if mask is None else self.run.backend.asnumpy(self.xp.flatnonzero(mask))
-        plan = PacTrainPlan.build(self.layout, self.M, self.P, self.options, kept_index=idx,
+        plan = PacTrainPlan.build(self.layout, self.M, self.P or 0, self.options, kept_index=idx,
                                   itemsize=self.itemsize)
         if plan.index is not None:
             xp, dtype = self.xp, self.model.grads.flat.dtype

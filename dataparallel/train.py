@@ -19,11 +19,11 @@ Checkpoints: ``--checkpoint-every N`` saves every rank's state after every N-th 
 end (:class:`runner.checkpoints.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
 (momentum), the strategy's own state (:meth:`Strategy.state_dict`: error-feedback residuals,
 masks, profiles, ...), the interval's losses and the run loop's own state (the position in the
-mini-batch stream follows from the step).  ``--resume`` continues from the newest checkpoint intact on every rank up to
-``--steps`` (or ``--epochs``) in total; the result (parameters, metrics lines, traffic) equals an
-uninterrupted run's.  Strategy options of other methods (e.g. ``--init`` with ``--method ddp``)
-are refused.  Progress: rank 0 prints the step, loss, last test accuracy and inter-node bytes so
-far every ``--progress-every`` steps on stderr.
+mini-batch stream follows from the step).  ``--resume`` continues from the newest checkpoint
+intact on every rank up to ``--steps`` (or ``--epochs``) in total; the result (parameters,
+metrics lines, traffic) equals an uninterrupted run's.  Strategy options of other methods (e.g.
+``--init`` with ``--method ddp``) are refused.  Progress: rank 0 prints the step, loss, last
+test accuracy and inter-node bytes so far every ``--progress-every`` steps on stderr.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .strategy import (
     STRATEGIES,
     StepState,
     SyncContext,
-    add_options_args,
+    add_strategy_args,
     check_unused_options,
     options_from_args,
 )
@@ -132,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataparallel train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(p, DPConfig, "training")
-    for name, cls in sorted(STRATEGIES.items()):
-        add_options_args(p, cls.Options, f"--method {name}")
+    add_strategy_args(p)
     add_training_args(p, "step", progress_every=20)
     add_common_args(p)
     return p

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -28,10 +29,11 @@ from substrate.backend import Backend, get_backend
 from substrate.clock import SimClock, make_source
 from substrate.profile import ProfileRecorder, write_profile
 from substrate.program import Program
-from substrate.results import RunWriter, to_jsonable
+from substrate.results import RunWriter, atomic_write_bytes, to_jsonable
 from substrate.threads import cap_threads
 from substrate.timeline import Timeline
 from substrate.topology import Topology
+from substrate.trace import parse_steps, trace_document
 
 from .guards import _prepare_out, check_world_size
 from .options import CommonConfig
@@ -150,6 +152,8 @@ class Run:
             self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
             timeline=Timeline(self.cost) if common.clock == "timeline" else None)
         self.recorder.timeline = self.clock.timeline   # every call declares its own event
+        if common.trace is not None:
+            self.clock.trace_steps = parse_steps(common.trace_steps)
         self.recorder.overlap = common.overlap == "on"
         #: the rank's event program, recorded beside the compute profile (for replay)
         self.program = None
@@ -263,6 +267,17 @@ class Run:
         }
         if extra:
             summary.update(extra)
+        if self.common.trace is not None:
+            traced = self.world.mpi.gather(self.clock.traced, root=0)
+            if self.rank == 0:
+                doc = trace_document(dict(enumerate(traced)),
+                                     {"system": self.system, "method": self.method,
+                                      "steps": self.common.trace_steps,
+                                      "compute_source": self.clock.source.describe()})
+                atomic_write_bytes(self.common.trace,
+                                   json.dumps(to_jsonable(doc)).encode() + b"\n")
+                summary["trace"] = {"file": str(self.common.trace),
+                                    "events": len(doc["traceEvents"])}
         summary = to_jsonable(summary)
         self.writer.finish(summary)
         if self.rank == 0 and not self.collectives["verified"]:
@@ -418,7 +433,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else _default_out(system, method, topo, resume)
     previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
-                            profile_out=common.compute_profile_out)
+                            profile_out=common.compute_profile_out, trace=common.trace)
     # however the ranks were launched, each caps its own compute threads (plain mpiexec/srun
     # set nothing: its BLAS pools would take every core and the cpu clock would change)
     threads = cap_threads(topo.real_node_ranks)

@@ -137,6 +137,10 @@ class SimClock:
         self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
         #: the rank's recorded program (:mod:`substrate.program`), when a profile is recorded
         self.program = None
+        #: steps kept for ``--trace`` (:func:`substrate.trace.parse_steps`; ``None``: all)
+        self.trace_steps = False
+        #: the kept steps: ``{"step", "sim_start_s", "sim_s", "wall_s", "events"}``
+        self.traced: list[dict] = []
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
         self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
         self._depth = 0
@@ -248,8 +252,29 @@ class SimClock:
                                         comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
                                         no_overlap_s=compute + comm)
             return self.last_step
+        sim_start = self.sim_s - (self.timeline.schedule().step_s
+                                  if self.timeline.open_events else 0.0)
         self.last_step = self.timeline.step()
+        if self.trace_steps is not False:
+            self._trace(self.timeline.steps - 1, sim_start)
         return self.last_step
+
+    def _trace(self, k: int, sim_start: float) -> None:
+        """Keep step ``k`` for ``--trace`` when it is selected (``last``: the newest only)."""
+        sel = self.trace_steps
+        keep_last = sel is not None and sel[1]
+        if sel is not None and k not in sel[0] and not keep_last:
+            return
+        if keep_last and self.traced and self.traced[-1].get("last_only") and \
+                self.traced[-1]["step"] not in sel[0]:
+            self.traced.pop()
+        self.traced.append({
+            "step": k, "sim_start_s": sim_start, "sim_s": self.last_step.step_s,
+            "wall_s": self.step_wall_s,
+            "last_only": sel is not None and k not in sel[0],
+            "events": [{"label": e.label, "kind": e.kind, "resource": e.resource,
+                        "start": e.start, "finish": e.finish, "phase": e.phase,
+                        "nbytes": e.nbytes} for e in self.last_step.events]})
 
     # -- readings --------------------------------------------------------------------------------
     def _open(self) -> tuple[float, float, float]:
@@ -327,7 +352,8 @@ class SimClock:
             if events:
                 d["last_step"]["events"] = [
                     {"label": e.label, "kind": e.kind, "resource": e.resource,
-                     "start": e.start, "finish": e.finish} for e in self.last_step.events]
+                     "start": e.start, "finish": e.finish, "phase": e.phase,
+                     "nbytes": e.nbytes} for e in self.last_step.events]
         return d
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -35,8 +35,8 @@ def usable_cores() -> int:
 
 def cap_threads(ranks_on_node: int, cores: int | None = None, apply: bool = True) -> dict:
     """Cap this rank's BLAS/OpenMP (``threadpoolctl``) and Numba pools at ``cores //
-    ranks_on_node`` (at least 1), and set :data:`THREAD_VARS` for what is loaded later, unless
-    one of :data:`THREAD_VARS` is already set (a launcher's or the user's choice, kept).
+    ranks_on_node`` (at least 1), unless one of :data:`THREAD_VARS` is already set (a
+    launcher's or the user's choice, kept).
 
     ``apply=False`` decides without touching the environment or the pools (tests).
 
@@ -56,8 +56,11 @@ def cap_threads(ranks_on_node: int, cores: int | None = None, apply: bool = True
     if given or not apply:
         return {"threads": n, "set_by": set_by, "ranks_on_node": ranks_on_node,
                 "cores": cores, "blas_threads": None if not apply else _blas()}
-    for v in THREAD_VARS:
-        os.environ[v] = str(n)
+    # the pools already loaded are capped in place; the environment is left alone (a library
+    # caller's subprocesses keep theirs) except for Numba when it is not loaded yet (it reads
+    # NUMBA_NUM_THREADS when it starts)
+    if "numba" not in sys.modules:
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
     try:
         from threadpoolctl import threadpool_limits  # noqa: PLC0415
 

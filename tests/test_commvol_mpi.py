@@ -10,7 +10,7 @@ import pytest
 from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
 from commvol.predict import predict, resolve_model
-from commvol.report import comparison_table, load_run, write_plots
+from commvol.report import comparison_table, fmt_time, load_run, write_plots
 from commvol.systems import SYSTEMS, hsadmm_plan, pactrain_kept, ssfusion_plan
 
 pytestmark = pytest.mark.mpi
@@ -158,7 +158,7 @@ def test_report_of_the_runs(runs, tmp_path):
     assert len(rows) == 3 and all(r.rstrip(" |").endswith("yes") for r in rows)
     first_sim = json.loads((runs / "ddp" / "metrics.jsonl").read_text().splitlines()[0])["sim_s"]
     ddp_row = [c.strip() for c in rows[1].split("|")[1:-1]]
-    assert ddp_row[10] == f"{first_sim:.3f}" and ddp_row[11] == "1.000"
+    assert ddp_row[10] == fmt_time(first_sim) and ddp_row[11] == "1.000"
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: plots not checked")
     paths = write_plots(dirs, tmp_path)

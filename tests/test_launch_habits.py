@@ -53,6 +53,8 @@ def test_cap_threads_divides_the_cores_among_the_node_s_ranks(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     got = cap_threads(3, cores=8, apply=False)
     assert got["threads"] == 2 and not any(v in os.environ for v in THREAD_VARS)
+    assert cap_threads(3, cores=8)["threads"] == 2
+    assert not any(os.environ.get(v) for v in THREAD_VARS if v != "NUMBA_NUM_THREADS")
     assert got["set_by"] == "spardist: 8 usable cores // 3 ranks on this node"
     assert cap_threads(16, cores=8, apply=False)["threads"] == 1
 
@@ -112,3 +114,24 @@ def test_rerun_refuses_a_folder_without_a_record(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "commvol", "rerun", str(tmp_path / "old")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "has no run record" in proc.stderr
+
+
+def test_the_console_command_and_version():
+    """``spardist`` (the installed console command) runs every command and prints the version;
+    every command has ``--version``; the license file the metadata declares exists."""
+    exe = Path(sys.executable).with_name("spardist")
+    assert exe.exists(), "pip install -e . registers the spardist console command"
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.startswith("spardist ")
+    for cmd in (["commvol", "predict", "--help"], ["hsadmm", "train", "--help"],
+                ["run", "--dry-run", "-n", "2", "runner.probe"]):
+        proc = subprocess.run([str(exe), *cmd], capture_output=True, text=True, timeout=120,
+                              check=False, cwd=ROOT)
+        assert proc.returncode == 0, (cmd, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "dataparallel", "train", "--version"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith("spardist ")
+    assert subprocess.run([str(exe), "nope"], capture_output=True, text=True,
+                          timeout=60).returncode == 2
+    assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")

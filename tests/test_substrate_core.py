@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from runner import launch
 from substrate import (
     Checkpointer,
     CostModel,
@@ -21,6 +20,7 @@ from substrate import (
     TopologyError,
     atomic_write_json,
 )
+from runner import launch
 from substrate import costmodel as cm
 from substrate.buckets import BucketPlan
 from substrate.ledger import merge_phase_dicts

@@ -837,7 +837,7 @@ def _profile_doc(**kw):
     (None, "no such file; record one first with --compute-profile-out"),
     ("{not json", "is not valid JSON"),
     ('{"format": "other"}', 'is not a compute profile'),
-    (_profile_doc(version=7), "has version 7, this spardist reads version 1"),
+    (_profile_doc(version=7), r"has version 7, this spardist reads versions \[1, 2\]"),
     (_profile_doc(ranks=[]), "non-empty list of per-rank tables"),
     (_profile_doc(ranks=[{"a": [{"min_s": -1.0, "count": 1}]}]), r"ranks\[0\]\['a'\]\[0\]"),
     (_profile_doc(ranks=[{"a": [{"min_s": 1.0}]}]), '"count" >= 1'),

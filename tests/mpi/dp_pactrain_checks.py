@@ -276,6 +276,7 @@ def fp16():
         snap = run.ledger.snapshot()
         out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
         sent = run.ledger.since(snap)
+        run.recorder.account(st.step_calls())      # the sync ran exactly the plan's calls
         q = (everyone.astype(np.float16) / np.float16(p)).astype(np.float64)   # fp16(g_j) / p
         exact = q.sum(axis=0)
         bound = (p - 1) * u16 * (1 + u16) ** p * np.abs(q).sum(axis=0) + 2.0 ** -24 * p

@@ -19,7 +19,10 @@ def topo_2x2(R):
     ok = (t.num_nodes == p // R and t.ranks_per_node == R and t.node == t.rank // R
           and t.local_rank == t.rank % R and t.is_leader == (t.rank % R == 0)
           and (t.inter is not None) == t.is_leader and t.intra.size == R
-          and np.array_equal(t.node_of, np.arange(p) // R) and t.gpu_index == t.rank % R)
+          and np.array_equal(t.node_of, np.arange(p) // R)
+          # GPUs belong to the real node: on this one host every rank's device index is its
+          # local rank on the host, never a virtual node's local rank
+          and t.gpu_index == t.rank and t.real_node_ranks == p)
     if t.inter is not None:
         ok = ok and t.inter.size == p // R and t.inter.rank == t.node
         ok = ok and t.inter.link == ("inter" if p // R > 1 else "none")
