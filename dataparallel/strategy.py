@@ -87,11 +87,17 @@ class SyncContext:
 
 @dataclass
 class StepState:
-    """Per-step state handed to :meth:`Strategy.sync`."""
+    """Per-step state handed to :meth:`Strategy.sync`.
+
+    ``logged``: the step writes a metrics line (:class:`runner.loop.Due`); per-step
+    diagnostics that are not part of the modeled system (SSFusion's tensor-missing rate) run
+    only then.  Callers outside the trainer get every step diagnosed.
+    """
 
     step: int
     epoch: int
     loss: float
+    logged: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Serial training: ``python -m models train --model cnn --dataset digits``.
 
 The loop is also a library function (:func:`fit`) so tests and other packages can train a model
-without the CLI.
+without the CLI.  The command runs the same epochs in :class:`runner.loop.RunLoop` (unit
+``epoch``): one ``metrics.jsonl`` line per epoch in the schema of ``runner/metrics.schema.json``
+(then the epoch's mean loss, training accuracy, learning rate, optimizer steps done), the test
+set evaluated after every ``--eval-every`` epochs (default 1) and after the last.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
+from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args
 from runner.run import start_run
 
@@ -26,7 +30,7 @@ from .optim import OPTIMIZERS, SCHEDULES, SGD, SGDConfig, make_optimizer, make_s
 from .text import unigram_entropy
 from .zoo import MODELS, build_model
 
-__all__ = ["TrainConfig", "evaluate", "fit", "build_parser", "main"]
+__all__ = ["TrainConfig", "build_parser", "evaluate", "fit", "main"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,48 @@ def evaluate(model: Model, data: Dataset, batch_size: int = 128) -> tuple[float,
     return total_loss / n, correct / n
 
 
+def _epoch(model: Model, opt, train: Dataset, batch_size: int, *, seed: int, rank: int,
+           epoch: int, steps: int, wrap=nullcontext, bar=None) -> dict:
+    """Train one epoch (at most ``steps`` optimizer steps of it): ``{"loss": mean training
+    loss, "train_accuracy", "lr": the last step's, "steps": steps taken}``."""
+    loss_sum, correct, n, done, lr = 0.0, 0, 0, 0, float("nan")
+    for x, y in iterate_batches(train, batch_size, seed=seed, rank=rank, epoch=epoch):
+        if done >= steps:
+            break
+        with wrap():
+            loss, logits = model.loss_and_grad(x, y)
+            lr = opt.step()
+        done += 1
+        loss_sum += loss * len(y)
+        correct += int((logits.argmax(axis=1) == y).sum())
+        n += len(y)
+        if bar is not None:
+            bar.update(1)
+    return {"loss": loss_sum / n, "train_accuracy": correct / n, "lr": lr, "steps": done}
+
+
+def _evaluation(model: Model, test: Dataset) -> dict:
+    """Held-out ``test_loss`` and ``test_accuracy`` (and a language model's ``test_lm_loss``,
+    ``test_perplexity``, ``test_bits_per_byte``)."""
+    test_loss, test_acc = evaluate(model, test)
+    out = {"test_loss": test_loss, "test_accuracy": test_acc}
+    if getattr(model, "lm", False):
+        lm = model.evaluate_lm(test)
+        out.update(test_lm_loss=lm["loss"], test_perplexity=lm["perplexity"],
+                   test_bits_per_byte=lm["bits_per_byte"])
+    return out
+
+
+def _final(record: dict, train_s: float, steps: int) -> dict:
+    out = {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
+           "final_test_loss": record["test_loss"], "train_time_s": train_s, "steps": steps}
+    if "test_perplexity" in record:
+        out.update(final_test_lm_loss=record["test_lm_loss"],
+                   final_test_perplexity=record["test_perplexity"],
+                   final_test_bits_per_byte=record["test_bits_per_byte"])
+    return out
+
+
 def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, batch_size: int,
         steps: int | None = None, seed: int = 0, rank: int = 0, progress: bool = False,
         on_epoch: Callable[[dict], None] | None = None, compute=None) -> dict:
@@ -165,59 +211,88 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
     ``final_test_lm_loss`` (held-out next-byte loss over every position, nats),
     ``final_test_perplexity`` and ``final_test_bits_per_byte``.  (``final_test_accuracy`` /
     ``final_test_loss`` of a language model score the byte after each held-out window.)
+
+    ``python -m models train`` runs the same epochs through :class:`runner.loop.RunLoop`.
     """
     steps_per_epoch = num_batches(len(train), batch_size)
     if steps is not None:
         epochs = -(-int(steps) // steps_per_epoch)
     total = epochs * steps_per_epoch if steps is None else int(steps)
-    if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415 (10 MiB; only a run that shows a bar)
-
-        bar = tqdm(total=total, unit="step", desc=f"{model.name}", leave=False)
-    else:
-        bar = None
+    bar = _bar(total, model.name) if progress else None
     wrap = compute if compute is not None else nullcontext
     t0 = time.perf_counter()
     record: dict = {}
     train_s, done = 0.0, 0
     for epoch in range(epochs):
-        loss_sum, correct, n = 0.0, 0, 0
         t_epoch = time.perf_counter()
-        for x, y in iterate_batches(train, batch_size, seed=seed, rank=rank, epoch=epoch):
-            if done >= total:
-                break
-            with wrap():
-                loss, logits = model.loss_and_grad(x, y)
-                lr = opt.step()
-            done += 1
-            loss_sum += loss * len(y)
-            correct += int((logits.argmax(axis=1) == y).sum())
-            n += len(y)
-            if bar is not None:
-                bar.update(1)
+        ep = _epoch(model, opt, train, batch_size, seed=seed, rank=rank, epoch=epoch,
+                    steps=total - done, wrap=wrap, bar=bar)
+        done += ep["steps"]
         train_s += time.perf_counter() - t_epoch
-        test_loss, test_acc = evaluate(model, test)
-        record = {"epoch": epoch, "step": opt.step_count, "loss": loss_sum / n,
-                  "train_accuracy": correct / n, "test_loss": test_loss,
-                  "test_accuracy": test_acc, "lr": lr, "time_s": time.perf_counter() - t0}
-        if getattr(model, "lm", False):
-            lm = model.evaluate_lm(test)
-            record.update(test_lm_loss=lm["loss"], test_perplexity=lm["perplexity"],
-                          test_bits_per_byte=lm["bits_per_byte"])
+        ev = _evaluation(model, test)
+        record = {"epoch": epoch, "step": opt.step_count, "loss": ep["loss"],
+                  "train_accuracy": ep["train_accuracy"], "test_loss": ev["test_loss"],
+                  "test_accuracy": ev["test_accuracy"], "lr": ep["lr"],
+                  "time_s": time.perf_counter() - t0,
+                  **{k: v for k, v in ev.items() if k not in ("test_loss", "test_accuracy")}}
         if bar is not None:
-            bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{test_acc:.4f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{ev['test_accuracy']:.4f}")
         if on_epoch is not None:
             on_epoch(record)
     if bar is not None:
         bar.close()
-    out = {"final_test_accuracy": record["test_accuracy"], "final_loss": record["loss"],
-           "final_test_loss": record["test_loss"], "train_time_s": train_s,
-           "steps": opt.step_count}
-    if "test_perplexity" in record:
-        out.update(final_test_lm_loss=record["test_lm_loss"],
-                   final_test_perplexity=record["test_perplexity"],
-                   final_test_bits_per_byte=record["test_bits_per_byte"])
-    return out
+    return _final(record, train_s, opt.step_count)
+
+
+def _bar(total: int, desc: str):
+    from tqdm.auto import tqdm  # lazy: 10 MiB; only a run that shows a bar
+
+    return tqdm(total=total, unit="step", desc=desc, leave=False)
+
+
+class _Epochs(LoopBody):
+    """One epoch of ``python -m models train`` for :class:`runner.loop.RunLoop` (serial: no
+    communication); the evaluation is :func:`_evaluation` on the test set."""
+
+    def __init__(self, run, config: TrainConfig, model: Model, opt, train: Dataset,
+                 test: Dataset, total_steps: int, n_epochs: int, *, bar=None,
+                 echo: bool = False) -> None:
+        self.run, self.config, self.model, self.opt = run, config, model, opt
+        self.train, self.test = train, test
+        self.total_steps, self.n_epochs = total_steps, n_epochs
+        self.bar, self.echo = bar, echo
+        self.epoch: dict = {}
+        self.last_eval: dict = {}
+        self.done_steps, self.index, self.evaluated = 0, 0, False
+
+    def unit(self, due):
+        c = self.config
+        self.index, self.evaluated = due.index, False
+        self.epoch = _epoch(self.model, self.opt, self.train, c.batch_size, seed=c.seed,
+                            rank=0, epoch=due.index, steps=self.total_steps - self.done_steps,
+                            wrap=self.run.clock.compute, bar=self.bar)
+        self.done_steps += self.epoch["steps"]
+        return []
+
+    def evaluate(self) -> Evaluation:
+        self.last_eval, self.evaluated = _evaluation(self.model, self.test), True
+        return Evaluation(self.last_eval["test_accuracy"],
+                          values={k: v for k, v in self.last_eval.items()
+                                  if k != "test_accuracy"})
+
+    def line(self, interval) -> dict:
+        ep = self.epoch
+        ev = self.last_eval if self.evaluated else {}
+        acc = f"{ev['test_accuracy']:.4f}" if ev else "-"
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{ep['loss']:.4f}", test_acc=acc)
+        elif self.echo:
+            lm = (f"  test_lm_loss {ev['test_lm_loss']:.4f}  ppl {ev['test_perplexity']:.3f}"
+                  if "test_perplexity" in ev else "")
+            print(f"epoch {self.index + 1}/{self.n_epochs}  loss {ep['loss']:.4f}  "
+                  f"test_acc {acc}{lm}", flush=True)
+        return {"loss": ep["loss"], "train_accuracy": ep["train_accuracy"], "lr": ep["lr"],
+                "optimizer_steps": self.opt.step_count}
 
 
 def parse_arch(items: list[str] | None) -> tuple:
@@ -288,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d["dtype"].default, choices=("float32", "float64"))
     p.add_argument("--arch", action="append", metavar="KEY=VALUE",
                    help="model factory argument, e.g. --arch depths=2,2 --arch planes=16,32")
+    p.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="evaluate on the test set after every N-th epoch and after the last "
+                        "(0: after the last only; default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_common_args(p)
     return parser
@@ -320,23 +398,23 @@ def main(argv=None) -> dict:
     steps = config.steps if config.steps is not None else config.epochs * per_epoch
     n_epochs = -(-steps // per_epoch)
     opt = config.make_optimizer(model, steps)
-    progress = not args.quiet and sys.stderr.isatty()
-
-    def log(record: dict) -> None:
-        run.log(iteration=record["epoch"], **record)
-        if args.quiet or progress:
-            return
-        lm = (f"  test_lm_loss {record['test_lm_loss']:.4f}  ppl {record['test_perplexity']:.3f}"
-              if "test_perplexity" in record else "")
-        print(f"epoch {record['epoch'] + 1}/{n_epochs}  loss {record['loss']:.4f}  "
-              f"test_acc {record['test_accuracy']:.4f}{lm}", flush=True)
-
-    result = fit(model, opt, train, test, epochs=config.epochs, steps=config.steps,
-                 batch_size=config.batch_size,
-                 seed=config.seed, progress=progress, on_epoch=log, compute=run.clock.compute)
+    bar = _bar(steps, model.name) if not args.quiet and sys.stderr.isatty() else None
+    body = _Epochs(run, config, model, opt, train, test, steps, n_epochs, bar=bar,
+                   echo=not args.quiet)
+    # one metrics line per epoch; the test set evaluated every --eval-every epochs and last
+    loop = RunLoop(run, total=n_epochs, flag="--epochs", eval_every=args.eval_every,
+                   log_every=1)
+    try:
+        loop.run(body)
+    finally:
+        if bar is not None:
+            bar.close()
+    result = _final({"loss": body.epoch["loss"], **body.last_eval}, loop.units_wall_s,
+                    opt.step_count)
     if getattr(model, "lm", False):
         result["unigram_entropy"] = unigram_entropy()
     summary = run.finish(metrics={**result, "num_params": model.num_params},
+                         predicted=loop.predicted.block(),
                          extra={"model": {"name": model.name, "num_params": model.num_params,
                                           "layout": model.layout.describe()}})
     if not args.quiet:

@@ -170,12 +170,13 @@ class Run:
         self.collectives = coll.describe(self.world.mode, self.world.mpi)
 
     def log(self, index: int | None = None, /, **record) -> None:
-        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced).
+        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced):
+        ``unit`` (:attr:`unit`), ``index``, the index under the unit's own name unless
+        ``record`` has that key, then ``record`` in its order.
 
-        Every line has one schema: ``unit`` (:attr:`unit`), ``index`` (also under the unit's own
-        name, e.g. ``"step": 12``), ``intra_node_bytes`` and ``inter_node_bytes`` (world totals
-        since the previous line), then the system's values.  ``run.log(k, loss=...)``; the older
-        keyword form ``run.log(step=k, ...)`` is accepted.
+        The trainers write their lines through :class:`runner.loop.RunLoop`, in the one schema
+        of ``runner/metrics.schema.json``.  ``run.log(k, loss=...)``; the older keyword form
+        ``run.log(step=k, ...)`` is accepted.
         """
         if index is None:
             for key in (self.unit, *UNITS):
@@ -184,9 +185,9 @@ class Run:
                     break
             else:
                 raise TypeError(f"run.log needs the {self.unit} index: run.log(k, ...)")
-        line = {"unit": self.unit, "index": int(index), self.unit: int(index),
-                "intra_node_bytes": record.pop("intra_node_bytes", None),
-                "inter_node_bytes": record.pop("inter_node_bytes", None)}
+        line = {"unit": self.unit, "index": int(index)}
+        if self.unit not in record:
+            line[self.unit] = int(index)
         line.update(record)
         self.writer.log(line)
 
@@ -342,7 +343,7 @@ def check_profile_job(profile: dict, job: dict, partial: bool) -> list[str]:
     return diffs
 
 
-def _profile_provenance(run: "Run") -> dict:
+def _profile_provenance(run: Run) -> dict:
     rec = run.profile_recorder
     return {"source": rec.base.describe(), "blas_threads": getattr(rec.base, "blas_threads",
                                                                    None),
@@ -376,8 +377,9 @@ def _default_out(system: str, method: str, topo: Topology, resume: bool) -> Path
         try:
             verdict = (str(_new_run_dir(base)), None) if not resume else _latest(base)
         except OSError as exc:
-            verdict = (None, f"cannot create a run folder under {base} ({exc.strerror or exc}): "
-                             "pass --out DIR in a directory you can write to")
+            why = (f"cannot create a run folder under {base} ({exc.strerror or exc}): "
+                   "pass --out DIR in a directory you can write to")
+            verdict = (None, why)
     path, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)

@@ -46,7 +46,7 @@ from .ledger import Ledger
 from .profile import ProfileSource
 from .timeline import StepTiming, Timeline
 
-__all__ = ["SimClock", "make_source", "SOURCES"]
+__all__ = ["SOURCES", "SimClock", "make_source"]
 
 #: Names :func:`make_source` accepts (the ``--compute-source`` choices).
 SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops",
@@ -148,7 +148,6 @@ class SimClock:
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
         self.step_wall_s = 0.0
-        self._diagnostic_s = 0.0       # wall time of diagnostic() blocks in the open step
         self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
 
     @property
@@ -229,34 +228,21 @@ class SimClock:
     # -- steps -----------------------------------------------------------------------------------
     def mark(self) -> None:
         """Restart the wall-time interval of the next :meth:`step` (call it after work that is
-        not part of a step, e.g. an evaluation)."""
+        not part of a step, e.g. an evaluation or a checkpoint)."""
         self._step_t0 = time.perf_counter()
-        self._diagnostic_s = 0.0
-
-    @contextmanager
-    def diagnostic(self):
-        """Work inside a step that is not part of the simulated system (a statistic the run
-        reports, such as SSFusion's tensor-missing rate): not a compute event, and its wall
-        time is left out of :attr:`step_wall_s`, so a measured step compares with the
-        simulated one."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._diagnostic_s += time.perf_counter() - t0
 
     def step(self) -> StepTiming:
         """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
-        time since the previous ``step()`` (or :meth:`mark`), less :meth:`diagnostic` blocks.
+        time since the previous ``step()`` (or :meth:`mark`): everything the rank did in the
+        step, diagnostics included.
 
         Timeline mode: schedule and start a new step.  Additive mode: the step's compute and
         ledger α–β, added (so trainers call ``step()`` the same way in both modes)."""
         if self.program is not None:
             self.program.step()
         now = time.perf_counter()
-        self.step_wall_s = now - self._step_t0 - self._diagnostic_s
+        self.step_wall_s = now - self._step_t0
         self._step_t0 = now
-        self._diagnostic_s = 0.0
         self.source.new_step()
         if self.timeline is None:
             compute = self._compute_s - self._prev["compute_s"]
@@ -392,5 +378,5 @@ class SimClock:
             self._offset[k] = 0.0
         cur = {"sim_s": self.sim_s, "no_overlap_s": self.no_overlap_s,
                "compute_s": self.compute_s}
-        for k in cur:
-            self._offset[k] = float(state[k]) - cur[k]
+        for k, now in cur.items():
+            self._offset[k] = float(state[k]) - now

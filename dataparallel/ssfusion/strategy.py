@@ -122,7 +122,8 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._last: tuple = ("none", False, False)
         self._records: dict = {}
         self._stats = {"sparse_steps": 0, "sparsify_s": 0.0, "worker_s": 0.0,
-                       "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0}
+                       "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0,
+                       "missing_steps": 0}
         self._missing_by_tensor = np.zeros(self.L)
         if not needs_profile(options):
             self._install(self._template)
@@ -220,7 +221,12 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         The code runs after the backward; on the timeline each part is placed on the compute
         stream right after the backward event that completes it (``after=``: it delays the rest
         of the backward, as a kernel launched there would), so buffer ``i``'s collectives overlap
-        the rest of the backward and buffer ``i+1``'s sparsification."""
+        the rest of the backward and buffer ``i+1``'s sparsification.
+
+        The tensor-missing rate (:meth:`_count_missing`, a diagnostic that is not part of the
+        modeled system) is counted only on steps that write a metrics line
+        (``state.logged``), so ordinary steps carry no diagnostic work and every step's
+        ``step_wall_s`` is the whole step; the report's rates are means over those steps."""
         g = buffers.flat
         step = int(state.step)
         if self.plan is None or step < self.warmup:
@@ -254,7 +260,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                                    flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
                                    deps=prev):
                     self._unpack_gathered(buf, prev.result, g, p, gathered_idx)
-        with clock.diagnostic():
+        if state.logged:
             self._count_missing(gathered_idx)
         self._stats["sparse_steps"] += 1
         self._last = ("sparse", False, False)
@@ -366,6 +372,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
             return ~(hit | dense)
 
         mine = missing(own)
+        self._stats["missing_steps"] += 1
         self._missing_by_tensor += mine
         self._stats["missing"] += mine.sum() / self.L
         self._stats["missing_global"] += missing(gathered_idx).sum() / self.L
@@ -418,6 +425,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                              placement)
         ddp_total = sum(sum(v.values()) for v in ddp.values())
         n = max(1, st["sparse_steps"])
+        n_missing = max(1, st["missing_steps"])
         row_bytes = sum(b.row.nbytes for b in self._bufs) + 4 * sum(ar)
         out.update({
             "payload_ratio": row_bytes / (4 * self.layout.total),
@@ -425,10 +433,11 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                                       if ddp_total else None),
             "transmitted_elements": sum(ar) + sum(agd) + sum(ks),
             "target_elements": sum(self._k_full),
-            "tensor_missing_rate": st["missing"] / n,
-            "tensor_missing_rate_global": st["missing_global"] / n,
-            "missing_by_tensor": {self.names[l]: float(c / n)
+            "tensor_missing_rate": st["missing"] / n_missing,
+            "tensor_missing_rate_global": st["missing_global"] / n_missing,
+            "missing_by_tensor": {self.names[l]: float(c / n_missing)
                                   for l, c in enumerate(self._missing_by_tensor) if c},
+            "missing_rate_steps": st["missing_steps"],
             "sparsify_s_per_step": st["sparsify_s"] / n,
             "offload_worker_s_per_step": st["worker_s"] / n,
             "selection": {
