@@ -15,9 +15,11 @@ Folder layout (the challenge's downloads, written by ``python -m sparse_sgd gene
     DIR/neuron{N}-l{L}-categories.tsv    truth categories
 
 :func:`network_folder` accepts ``DIR`` or ``DIR/neuron{N}``.  Parsing streams the file in
-chunks of lines and accepts any whitespace between fields.  Malformed lines, a file cut inside a
-line, an empty file and repeated (row, col) entries raise ``ValueError`` naming the file and the
-line (repeated entries are added instead with ``sum_duplicates=True``).
+chunks of lines and accepts any whitespace between fields.  A last line without a newline is read
+like any other (POSIX-tolerant, as the challenge's reference reader); a file cut inside a line
+leaves a malformed last line, which is refused with a hint.  Malformed lines, indices above the
+neuron count, an empty file and repeated (row, col) entries raise ``ValueError`` naming the file
+and the line (repeated entries are added instead with ``sum_duplicates=True``).
 """
 
 from __future__ import annotations
@@ -81,31 +83,47 @@ def _parse_chunk(lines: list[str], linenos: np.ndarray, path: str):
     for line, lineno in zip(lines, linenos.tolist()):
         what = _bad_line(line)
         if what:
+            cut = ("; the file ends inside this line (no newline): truncated? Re-create or "
+                   "re-download it" if not line.endswith("\n") else "")
             raise ValueError(f"{path}:{lineno}: malformed line {line.strip()!r}: {what} "
-                             "(format: row col value, 1-based, separated by tabs or spaces)")
+                             f"(format: row col value, 1-based, separated by tabs or spaces){cut}")
     raise ValueError(f"{path}: could not parse lines {linenos[0]}..{linenos[-1]}")
 
 
+def _check_bounds(path: str, r, c, linenos, bounds) -> None:
+    """Raise ValueError naming the first line whose row or column index is above ``bounds``."""
+    for idx, limit, what in ((r, bounds[0], "row"), (c, bounds[1], "column")):
+        if limit is None:
+            continue
+        over = np.flatnonzero(idx >= limit)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"{path}:{linenos[i]}: {what} index {idx[i] + 1} exceeds "
+                             f"N={limit}; pass the network's neuron count (--neurons) or fix "
+                             "the line")
+
+
 def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = False,
-                 sum_duplicates: bool = False):
+                 sum_duplicates: bool = False, bounds=(None, None)):
     """Stream ``row col value`` triples (1-based, any whitespace); returns 0-based
     (rows, cols, values).
 
-    Blank lines are skipped.  Raises ValueError naming ``path`` and the 1-based line number of
-    the first malformed line; of the last line when the file does not end with a newline (a
-    file cut mid-line would otherwise parse as a shorter number); of the first repeated
-    (row, col) entry unless ``sum_duplicates`` (then they are returned as they are and the
-    matrix readers add them); and when the file holds no entry unless ``allow_empty``.
+    Blank lines are skipped; the last line needs no newline (POSIX-tolerant, as the Graph
+    Challenge reference reader).  Raises ValueError naming ``path`` and the 1-based line number
+    of the first malformed line (with a truncation hint when it is an unterminated last line);
+    of the first line whose 1-based row or column exceeds ``bounds = (rows, cols)`` (None: no
+    bound); of the first repeated (row, col) entry unless ``sum_duplicates`` (then they are
+    returned as they are and the matrix readers add them); and when the file holds no entry
+    unless ``allow_empty``.
     """
     path_s = str(path)
     rows, cols, vals, linenos = [], [], [], []
     with open(path, encoding="ascii", errors="replace") as fh:
-        lineno, last = 0, ""
+        lineno = 0
         while True:
             chunk, nums = [], []
             for line in fh:
                 lineno += 1
-                last = line
                 if not line.strip():
                     continue
                 chunk.append(line)
@@ -116,13 +134,11 @@ def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = Fa
                 break
             nums = np.asarray(nums, dtype=np.int64)
             r, c, v = _parse_chunk(chunk, nums, path_s)
+            _check_bounds(path_s, r, c, nums, bounds)
             rows.append(r)
             cols.append(c)
             vals.append(v)
             linenos.append(nums)
-    if last and not last.endswith("\n"):
-        raise ValueError(f"{path_s}:{lineno}: the file ends inside a line ({last!r} has no "
-                         "newline): truncated file? Re-create or re-download it")
     if not rows:
         if allow_empty:
             return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
@@ -185,10 +201,7 @@ def categories_path(directory, neurons: int, layers: int) -> Path:
 
 def read_challenge_layer(path, neurons: int, *, sum_duplicates: bool = False) -> sp.csr_matrix:
     """Read a challenge layer file and return W^k in the paper orientation (rows = outputs)."""
-    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
-    if r.max() >= neurons or c.max() >= neurons:
-        raise ValueError(f"{path}: index {max(r.max(), c.max()) + 1} exceeds N={neurons}; "
-                         "pass the network's neuron count")
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates, bounds=(neurons, neurons))
     W = sp.csr_matrix((v, (c, r)), shape=(neurons, neurons))  # file is (input, output)
     W.sum_duplicates()
     W.sort_indices()
@@ -246,10 +259,7 @@ def read_input_tsv(path, neurons: int, num_inputs: int | None = None, *,
 
     ``num_inputs`` keeps the first images (default: up to the largest image index in the file).
     """
-    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
-    if c.max() >= neurons:
-        raise ValueError(f"{path}: feature index {c.max() + 1} exceeds N={neurons}; pass the "
-                         "network's neuron count")
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates, bounds=(None, neurons))
     n_file = int(r.max()) + 1
     if num_inputs is None:
         num_inputs = n_file
