@@ -203,7 +203,7 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
         fixed = np.full(n_v, -1, dtype=np.int64)
     # merge identical nets
     hn = _set_hash(ptr, idx, n_v + parts, seed=54321)
-    uniq, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
+    _, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
     keep = np.sort(first_net)
     mult_of = dict(zip(first_net.tolist(), mult.tolist()))
     cost = np.array([NET_COST * mult_of[e] for e in keep.tolist()], dtype=np.int64)

@@ -189,7 +189,9 @@ class HypergraphConfig:
     epsilon : float
         Maximum allowed imbalance of eq. 2 (paper: 0.01).
     engine : str
-        ``"mtkahypar"`` (Mt-KaHyPar) or ``"kahypar"`` (sequential KaHyPar).
+        ``"kahypar"`` (sequential KaHyPar, the default of every command: ``sparse_sgd``'s
+        :class:`~sparse_sgd.plan.PartitionOptions` and ``python -m partition layers``) or
+        ``"mtkahypar"`` (Mt-KaHyPar).
     preset : str or None
         Engine preset: Mt-KaHyPar's ``default, quality, highest_quality, deterministic,
         deterministic_quality`` or KaHyPar's ``fast, km1, km1_flows``; None picks
@@ -214,7 +216,7 @@ class HypergraphConfig:
     """
 
     epsilon: float = 0.01
-    engine: str = "mtkahypar"
+    engine: str = "kahypar"
     preset: str | None = None
     threads: int = 1
     seed: int = 0

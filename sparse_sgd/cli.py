@@ -108,8 +108,9 @@ class NetworkConfig(PartitionOptions):
     neurons: int = option(1024, "neurons per layer N (a Graph Challenge size)",
                           choices=sorted(CHALLENGE_BIAS), group=NET)
     layers: int = option(12, "layers L", group=NET)
-    permute: bool = option(True, "relabel the hidden neurons at random (P_k W^k P_{k-1}^T: the "
-                           "same network under other neuron ids)", group=NET)
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random, P_k W^k P_{k-1}^T: the same network under other "
+                           "neuron ids)", group=NET)
     network_dir: str | None = option(None, "read the challenge network from DIR (or "
                                      "DIR/neuron{N}) instead of generating it", group=NET,
                                      metavar="DIR")
@@ -235,7 +236,8 @@ class GenerateConfig:
 
     neurons: int = option(1024, "neurons per layer N", choices=sorted(CHALLENGE_BIAS))
     layers: int = option(12, "layers L")
-    permute: bool = option(True, "relabel the hidden neurons at random")
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random)")
     threshold: float = option(0.25, "pixel threshold of the binary input features")
     num_inputs: int | None = option(None, "write the first N digits images", metavar="N")
 

@@ -181,3 +181,29 @@ def test_rebalance_repairs_an_overloaded_partition():
     fixed = _rebalance(hg, owner, 4, cap)
     assert np.bincount(fixed, minlength=4).max() * 32 <= cap
     assert np.all(fixed[600:] == owner[600:])  # only rows of the overloaded block moved
+
+
+def test_one_default_partition_configuration_everywhere():
+    """The library's HypergraphConfig() is what every command runs by default (issue 29: the
+    library defaulted to Mt-KaHyPar while the CLIs default to KaHyPar)."""
+    from partition.cli import LayersConfig
+    from sparse_sgd.plan import PartitionOptions
+
+    lib = HypergraphConfig()
+    assert lib.engine == "kahypar"
+    assert PartitionOptions().hypergraph_config(0) == lib
+    assert LayersConfig().hypergraph_config(0) == lib
+
+
+def test_no_permute_help_says_what_the_flag_does():
+    """``--no-permute`` keeps the generator's ids; its help must say so, not describe the
+    default it turns off (issue 29)."""
+    import argparse
+
+    from sparse_sgd.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("train", "infer", "partition", "generate"):
+        action = next(a for a in sub.choices[name]._actions if "--no-permute" in a.option_strings)
+        assert action.help.startswith("keep the generator's neuron ids"), (name, action.help)
+        assert "default: relabel" in action.help
