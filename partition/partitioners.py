@@ -25,6 +25,7 @@ from partition.hypergraph import (
     compress_hypergraph,
     connectivity_cutsize,
 )
+from partition.placement import INPUT_PLACEMENTS, place_inputs
 from substrate.results import atomic_write_bytes
 
 __all__ = [
@@ -162,22 +163,11 @@ def random_partition(weights, parts: int, *, seed: int = 0) -> Partition:
                      seconds=time.perf_counter() - t0)
 
 
-def input_owner_from_connectivity(W1: sp.spmatrix, owner1: np.ndarray, parts: int) -> np.ndarray:
-    """Place x^0 from the connectivity of the nets of H(phi_1) (§5, Fig. 3).
-
-    x^0(j) goes to the part holding most pins of net n_j (ties: lowest part id), so it is sent to
-    lambda(n_j) - 1 parts and never adds a part to the net; unused entries are dealt round-robin.
-    """
-    A = sp.csr_matrix(W1, copy=True)
-    A.data[:] = 1.0
-    n0 = A.shape[1]
-    onehot = sp.csr_matrix((np.ones(owner1.size), (owner1, np.arange(owner1.size))),
-                           shape=(parts, owner1.size))
-    C = sp.csc_matrix(onehot @ A)  # C[m, j] = pins of net j in part m
-    owner0 = np.asarray(C.argmax(axis=0)).ravel().astype(np.int64)
-    empty = np.flatnonzero(np.diff(C.indptr) == 0)
-    owner0[empty] = np.arange(empty.size) % parts
-    return owner0
+def input_owner_from_connectivity(W1: sp.spmatrix, owner1: np.ndarray, parts: int,
+                                  rule: str = "balanced") -> np.ndarray:
+    """Place x^0 inside the connectivity sets of the nets of H(phi_1) (§5, Fig. 3), balancing
+    the entries and the layer-1 sends per processor (:func:`partition.placement.place_inputs`)."""
+    return place_inputs(W1, owner1, parts, rule)
 
 
 @dataclass(frozen=True)
@@ -207,6 +197,10 @@ class HypergraphConfig:
     chunk_divisor : int
         Identical rows are grouped in chunks of at most ``max(1, N_k / (parts * chunk_divisor))``
         rows so balance stays reachable.
+    input_placement : str
+        How x^0 is placed after phase phi_1 (:data:`partition.placement.INPUT_PLACEMENTS`):
+        ``balanced`` (inside the nets' connectivity sets, balancing entries and layer-1 sends)
+        or ``most_pins`` (the rule before issue 29).
     tile : bool
         When the layer sequence is periodic (:func:`layer_period`: W^{k+p} has the sparsity of
         W^k for every k, checked exactly), partition one period, then the period's first layer
@@ -223,6 +217,7 @@ class HypergraphConfig:
     compress: bool = True
     chunk_divisor: int = 1
     tile: bool = True
+    input_placement: str = "balanced"
 
     def __post_init__(self):
         if not 0 <= self.epsilon < 1:
@@ -237,6 +232,9 @@ class HypergraphConfig:
                              f"of {presets}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: all cores), got {self.threads}")
+        if self.input_placement not in INPUT_PLACEMENTS:
+            raise ValueError(f"input_placement must be one of {INPUT_PLACEMENTS}, got "
+                             f"{self.input_placement!r}")
 
     @property
     def resolved_preset(self) -> str:
@@ -546,11 +544,13 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
                 step = sigma[step]
             owners[k] = step[first[j]]
     if parts > 1:
-        owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts)
+        owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts,
+                                                  config.input_placement)
     return Partition(owners=tuple(owners), parts=parts, method="hypergraph",
                      seconds=time.perf_counter() - t0,
                      info={"engine": config.engine, "preset": config.resolved_preset,
                            "epsilon": config.epsilon, "compress": config.compress,
+                           "input_placement": config.input_placement,
                            "period": period or 0})
 
 
