@@ -611,9 +611,14 @@ def _partition(args) -> dict:
     if run.size != 1:
         raise ValueError("python -m sparse_sgd partition runs serially: start it without "
                          "mpiexec (or with -n 1)")
+    t0 = time.perf_counter()
     weights, _, network = load_network(cfg, args.seed)
+    load_s = time.perf_counter() - t0
     methods = METHODS if cfg.method == "both" else (cfg.method,)
     rows, parts = table1_rows(weights, cfg.parts, methods, cfg, seed=args.seed, network=network)
+    source = f"read from {cfg.network_dir}" if cfg.network_dir else "generated (RadiX-Net)"
+    print(f"network: {source}, {sum(W.nnz for W in weights)} connections, in {load_s:.2f} s; "
+          "wall s / cpu s: the whole partitioning step")
     print(f"N={cfg.neurons} L={cfg.layers} P={cfg.parts}: per processor per layer, SpFF words "
           "and messages of one input vector (Table 1's convention); ff+bp: SpFF + SpBP words")
     print(format_table1(rows))
@@ -630,7 +635,7 @@ def _partition(args) -> dict:
         print(f"saved the {saved.method} partition to {path} (train --partition-file)")
     table = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
     return run.finish(metrics={"table1": table, "partition_file": str(path),
-                               "partition_info": saved.info})
+                               "partition_info": saved.info, "network_seconds": load_s})
 
 
 def _generate(args) -> dict:
