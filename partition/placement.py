@@ -14,7 +14,9 @@ Two rules (:data:`INPUT_PLACEMENTS`):
 ``balanced`` (default)
     Entries in decreasing order of lambda(n_j) - 1 (the longest-processing-time order of
     makespan scheduling), each to the member of Lambda(n_j) with the smallest send volume so far
-    among those owning fewer than ``ceil(N_0 / P) + slack`` entries; when every member is full,
+    among those owning fewer than ``ceil(N_0 / P) + slack`` entries (room being kept for the
+    entries whose net lies in one processor only, which have no choice); when every member is
+    full,
     to the processor with the smallest send volume that has room (that entry then costs one word
     more: the only departure from Fig. 3, bounded by the cap).  Entries no row uses (empty
     nets) fill the processors with the fewest entries.
@@ -90,11 +92,19 @@ def place_inputs(W1: sp.spmatrix, owner1: np.ndarray, parts: int, rule: str = "b
     order = used[np.lexsort((lam[used], -(lam[used] - 1)))].tolist()
     indptr, members = C.indptr.tolist(), C.indices.tolist()
     all_parts = range(parts)
+    # room kept for the entries whose net lies in one part only (they have no other choice)
+    reserved = np.bincount(C.indices[C.indptr[:-1][lam == 1]], minlength=parts).tolist()
     for j in order:
         words = indptr[j + 1] - indptr[j] - 1
-        cand = [m for m in members[indptr[j]:indptr[j + 1]] if count[m] < cap]
+        if words == 0:
+            m = members[indptr[j]]
+            reserved[m] -= 1
+            cand = [m] if count[m] < cap else []
+        else:
+            cand = [m for m in members[indptr[j]:indptr[j + 1]] if count[m] + reserved[m] < cap]
         if not cand:  # every member is full: one word more, to the least-sending part
-            cand = [m for m in all_parts if count[m] < cap]
+            cand = [m for m in all_parts if count[m] + reserved[m] < cap] or \
+                [m for m in all_parts if count[m] < cap]
             words += 1
         best = min(cand, key=lambda m: (send[m], count[m], m))
         owner0[j] = best

@@ -32,7 +32,8 @@ def _layer1_sends(W1, owner1, owner0, parts):
 def test_inputs_balanced_in_entries_and_layer1_sends(parts):
     """Done-when of issue 29 at P up to 512 (N = 1024): layer 1's max send <= 2 x its average
     and no processor owns more than ceil(N/P) + 1 entries of x^0; the volume stays the one of
-    Fig. 3's rule (x^0(j) inside Lambda(n_j)) up to the few entries the cap pushes out."""
+    Fig. 3's rule (x^0(j) inside Lambda(n_j)) up to the few entries the cap pushes out (at most
+    1 % of them, one word each)."""
     W = graph_challenge_network(1024, 2, seed=1).weights
     part = hypergraph_partition(W, parts, HypergraphConfig(seed=1))
     send, outside = _layer1_sends(W[0], part.owners[1], part.owners[0], parts)
@@ -42,7 +43,7 @@ def test_inputs_balanced_in_entries_and_layer1_sends(parts):
     old = place_inputs(W[0], part.owners[1], parts, "most_pins")
     send_old, outside_old = _layer1_sends(W[0], part.owners[1], old, parts)
     assert outside_old == 0
-    assert send.sum() - send_old.sum() == outside <= parts // 8
+    assert send.sum() - send_old.sum() == outside <= 1024 // 100
 
 
 def test_most_pins_rule_piles_onto_low_ids_at_512_parts():
@@ -63,7 +64,7 @@ def test_random_layers_inputs_balanced(parts):
     owner0 = place_inputs(W[0], owner1, parts)
     send, outside = _layer1_sends(W[0], owner1, owner0, parts)
     assert np.bincount(owner0, minlength=parts).max() <= math.ceil(1024 / parts) + 1
-    assert send.max() <= 2 * send.mean() and outside <= parts // 8
+    assert send.max() <= 2 * send.mean() and outside <= 1024 // 100
 
 
 def test_unused_inputs_fill_the_emptiest_parts():
