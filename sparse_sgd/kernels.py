@@ -6,7 +6,16 @@ the mini-batch (§5.1, SpMM instead of SpMV), so one CSR row streams contiguous 
 
 from __future__ import annotations
 
-import numba
+import os
+
+# Idle OpenMP workers sleep instead of spinning (issue 29): Numba's default ``omp`` threading
+# layer runs on libgomp, whose workers spin at every barrier by default; when other processes
+# share the cores, the spinning thread takes the CPU its partner needs and a 2-thread inference
+# becomes 3-10x slower than one thread (bench/bench_sparse.py, section threads).  libgomp reads
+# the variable when Numba first loads it (the first parallel kernel); an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # after the OpenMP wait policy
 import numpy as np
 
 __all__ = ["challenge_layer", "sddmm_update", "spmm_add", "spmm_add_challenge"]
