@@ -57,10 +57,12 @@ MTKAHYPAR_PRESETS = ("default", "quality", "highest_quality", "deterministic",
 #: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`.
 #: ``fast`` (issue 29): no community detection, one greedy-global initial partitioning run per
 #: bisection, no coarsening inside a bisection below 800 vertices, bisection FM stopped after 10
-#: moves without gain (0.13x the CPU time of ``fast_communities`` per random 32-regular layer,
-#: km1 +0.3 %); ``fast_communities``: the ``fast`` before issue 29 (Louvain communities, one run
-#: of the pool of initial partitioners); ``km1``: 20 runs; ``km1_flows``: 20 runs and
-#: flow-based refinement
+#: moves without gain, no k-way FM after the bisections (it changed no partition measured and
+#: took minutes on a 16384-row random layer): 0.1x the CPU time of ``fast_communities`` per
+#: random 32-regular layer at km1 +0.4 %, 0.55x and +3 % on the relabelled Graph Challenge
+#: layers of N = 16384; ``fast_communities``: the ``fast`` before issue 29 (Louvain
+#: communities, one run of the pool of initial partitioners, k-way FM); ``km1``: 20 runs;
+#: ``km1_flows``: 20 runs and flow-based refinement
 KAHYPAR_PRESETS = ("fast", "fast_communities", "km1", "km1_flows")
 PRESETS = MTKAHYPAR_PRESETS + KAHYPAR_PRESETS
 #: how the phases of the multi-phase model follow each other (``HypergraphConfig.phases``)
@@ -366,7 +368,7 @@ _KAHYPAR_COMMON = {
     "r-runs": "-1", "r-fm-stop": "adaptive_opt", "r-fm-stop-alpha": "1", "r-fm-stop-i": "350",
 }
 _KAHYPAR_PRESETS = {
-    "fast": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1", "i-runs": "1",
+    "fast": {**_KAHYPAR_COMMON, "r-type": "do_nothing", "i-runs": "1",
              "p-detect-communities": "false", "p-detect-communities-in-ip": "false",
              "c-rating-use-communities": "false", "i-c-rating-use-communities": "false",
              "i-algo": "greedy_global", "i-c-t": "400", "i-r-fm-stop-i": "10"},

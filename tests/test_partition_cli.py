@@ -37,3 +37,31 @@ def test_printed_partition_time_covers_the_whole_step(monkeypatch, tmp_path, cap
     assert abs(printed_wall - h["seconds"]) <= 0.006  # printed with two decimals
     assert h["partitioner_seconds"] == inner["seconds"]
     assert re.search(r"network: generated .* in \d+\.\d+ s", out)
+
+
+def test_layers_cli_independent_phases_in_workers(tmp_path, capsys):
+    """``python -m partition layers`` on a network without structure, phases in 2 processes:
+    a valid balanced partition whose volume equals the one partition.metrics counts."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from partition.cli import main as partition_main
+    from partition.metrics import partition_metrics
+    from partition.partitioners import Partition
+    from sparse_sgd.radixnet import random_regular_network
+
+    W = random_regular_network(256, 4, degree=8, seed=1)
+    files = []
+    for k, M in enumerate(W, start=1):
+        files.append(str(tmp_path / f"w{k}.npz"))
+        sp.save_npz(files[-1], M)
+    out = tmp_path / "run"
+    assert partition_main(["layers", *files, "--parts", "4", "--method", "hypergraph",
+                           "--phases", "independent", "--workers", "2", "--out", str(out)]) == 0
+    assert "independent phases" in capsys.readouterr().out
+    part = Partition.load(out / "partition.npz")
+    for k in range(1, 5):
+        assert np.bincount(part.owners[k], minlength=4).max() <= 256 / 4 * 1.01
+    s = json.loads((out / "summary.json").read_text())
+    assert s["metrics"]["table1"]["H (hypergraph)"]["avg_volume"] == \
+        partition_metrics(W, part).table1()["avg_volume"]
