@@ -97,6 +97,14 @@ def test_any_whitespace_separates_fields(tmp_path):
     np.testing.assert_array_equal(r, [0, 2, 4])
     np.testing.assert_array_equal(c, [1, 3, 5])
     np.testing.assert_array_equal(v, [0.5, 0.25, 0.1])
+    # blank lines (and chunks holding nothing else), CRLF ends, every chunk size
+    p.write_text("\n\n \t\n1 2 0.5\r\n\n\n\n3 4 0.25\n\n")
+    for chunk in (1, 2, 3, 100):
+        r, c, v = read_triples(p, chunk_lines=chunk)
+        assert (r.tolist(), c.tolist(), v.tolist()) == ([0, 2], [1, 3], [0.5, 0.25])
+    p.write_text("\n\n\n")
+    with pytest.raises(ValueError, match="no entries"):
+        read_triples(p, chunk_lines=2)
 
 
 def test_empty_truncated_and_duplicate_files_are_refused(tmp_path):
