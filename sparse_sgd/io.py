@@ -124,13 +124,16 @@ def _parse_block(block: bytes, first_line: int):
     fields = np.bincount(line_of[start], minlength=n_lines)
     if np.any((fields != 0) & (fields != 3)):
         return None
+    full = np.flatnonzero(fields == 3)
+    if full.size == 0:  # blank lines only
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0, dtype=np.float64), empty
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             vals = np.fromstring(block.decode("ascii"), dtype=np.float64, sep=" ")
     except (ValueError, UnicodeDecodeError, DeprecationWarning):
         return None
-    full = np.flatnonzero(fields == 3)
     if vals.size != 3 * full.size:
         return None
     vals = vals.reshape(-1, 3)
