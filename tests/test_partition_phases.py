@@ -32,14 +32,16 @@ def test_align_parts_is_the_best_permutation():
 @pytest.mark.parametrize("engine", ["kahypar", "mtkahypar"])
 def test_independent_phases_close_to_chained(engine):
     """On a network without structure (random 16-regular layers) the independent phases are
-    balanced and within 3 % of the chained phases of §5."""
-    W = random_regular_network(512, 5, degree=16, seed=4)
+    balanced and within 3 % of the chained phases of §5 (with KaHyPar they coincide up to
+    part ids: KaHyPar's fixed vertices only choose the labels of a recursive bisection)."""
+    n, L = (512, 5) if engine == "kahypar" else (256, 3)  # Mt-KaHyPar: seconds per call here
+    W = random_regular_network(n, L, degree=16, seed=4)
     chained = hypergraph_partition(W, 8, HypergraphConfig(engine=engine, seed=1))
     free = hypergraph_partition(W, 8, HypergraphConfig(engine=engine, seed=1,
                                                        phases="independent"))
     assert free.info["phases"] == "independent" and chained.info["phases"] == "chained"
-    for k in range(1, 6):
-        assert np.bincount(free.owners[k], minlength=8).max() * 16 <= 512 * 16 / 8 * 1.01
+    for k in range(1, L + 1):
+        assert np.bincount(free.owners[k], minlength=8).max() <= n / 8 * 1.01
     assert _volume(W, free) <= 1.03 * _volume(W, chained)
 
 
