@@ -24,7 +24,6 @@ and the line (repeated entries are added instead with ``sum_duplicates=True``).
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 from pathlib import Path
@@ -105,83 +104,64 @@ def _check_bounds(path: str, r, c, linenos, bounds) -> None:
                              "the line")
 
 
-#: bytes that separate fields or lines (what ``str.split()`` splits on, ASCII)
-_SPACE = np.zeros(256, dtype=bool)
-_SPACE[[9, 10, 11, 12, 13, 32]] = True
-
-
-def _parse_block(block: bytes, first_line: int):
-    """Triples of a block of whole lines, vectorised: ``(rows, cols, values, line numbers)``
-    0-based indices, 1-based line numbers; None when a line is not a valid triple (the caller
-    then names it with :func:`_parse_chunk`)."""
-    a = np.frombuffer(block, dtype=np.uint8)
-    space = _SPACE[a]
-    start = ~space
-    start[1:] &= space[:-1]  # first byte of every field
-    newline = a == 10
-    line_of = np.cumsum(newline) - newline
-    n_lines = int(newline.sum()) + (0 if block.endswith(b"\n") else 1)
-    fields = np.bincount(line_of[start], minlength=n_lines)
-    if np.any((fields != 0) & (fields != 3)):
-        return None
-    full = np.flatnonzero(fields == 3)
-    if full.size == 0:  # blank lines only
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0, dtype=np.float64), empty
+def _loadtxt(path):
+    """All triples of a well-formed file in one C pass (:func:`numpy.loadtxt`: any whitespace,
+    blank lines skipped, a last line without newline read); None when the file is not a clean
+    table of triples with integral indices >= 1 and finite values (the chunked parser then
+    names the first bad line)."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            vals = np.fromstring(block.decode("ascii"), dtype=np.float64, sep=" ")
-    except (ValueError, UnicodeDecodeError, DeprecationWarning):
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data"
+            data = np.loadtxt(path, dtype=np.float64, ndmin=2, comments=None,
+                              encoding="ascii")
+    except (ValueError, UnicodeDecodeError):
         return None
-    if vals.size != 3 * full.size:
+    if data.size == 0:
+        return np.zeros((0, 3))
+    if data.shape[1] != 3:
         return None
-    vals = vals.reshape(-1, 3)
-    rc = vals[:, :2]
-    if np.any(rc < 1) or np.any(rc != np.floor(rc)) or not np.all(np.isfinite(vals)):
+    rc = data[:, :2]
+    if np.any(rc < 1) or np.any(rc != np.floor(rc)) or not np.all(np.isfinite(data)):
         return None
-    return (rc[:, 0].astype(np.int64) - 1, rc[:, 1].astype(np.int64) - 1, vals[:, 2],
-            full + first_line)
+    return data
+
+
+def _entry_lines(path) -> np.ndarray:
+    """1-based line numbers of the non-blank lines of a file (the line of every triple)."""
+    a = np.fromfile(path, dtype=np.uint8)
+    ends = np.flatnonzero(a == 10)
+    word = np.flatnonzero(~np.isin(a, (9, 10, 11, 12, 13, 32)))
+    return np.unique(np.searchsorted(ends, word)) + 1
 
 
 def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = False,
                  sum_duplicates: bool = False, bounds=(None, None)):
-    """Stream ``row col value`` triples (1-based, any whitespace); returns 0-based
+    """Read ``row col value`` triples (1-based, any whitespace); returns 0-based
     (rows, cols, values).
 
-    The file is read in chunks of ``chunk_lines`` lines, each parsed in one vectorised pass
-    (fields counted per line on the bytes, numbers by :func:`numpy.fromstring`); a chunk with a
-    bad line is parsed again line by line to name it.  Blank lines are skipped; the last line
-    needs no newline (POSIX-tolerant, as the Graph Challenge reference reader).  Raises
-    ValueError naming ``path`` and the 1-based line number of the first malformed line (with a
-    truncation hint when it is an unterminated last line); of the first line whose 1-based row
-    or column exceeds ``bounds = (rows, cols)`` (None: no bound); of the first repeated
-    (row, col) entry unless ``sum_duplicates`` (then they are returned as they are and the
-    matrix readers add them); and when the file holds no entry unless ``allow_empty``.
+    A well-formed file is parsed in one C pass (:func:`numpy.loadtxt`); otherwise the file is
+    streamed in chunks of ``chunk_lines`` lines to name the first bad line.  Blank lines are
+    skipped; the last line needs no newline (POSIX-tolerant, as the Graph Challenge reference
+    reader).  Raises ValueError naming ``path`` and the 1-based line number of the first
+    malformed line (with a truncation hint when it is an unterminated last line); of the first
+    line whose 1-based row or column exceeds ``bounds = (rows, cols)`` (None: no bound); of the
+    first repeated (row, col) entry unless ``sum_duplicates`` (then they are returned as they
+    are and the matrix readers add them); and when the file holds no entry unless
+    ``allow_empty``.
     """
     path_s = str(path)
-    rows, cols, vals, linenos = [], [], [], []
-    with open(path, "rb") as fh:
-        first = 1
-        while True:
-            lines = list(itertools.islice(fh, chunk_lines))
-            if not lines:
-                break
-            parsed = _parse_block(b"".join(lines), first)
-            if parsed is None:  # name the first bad line (raises)
-                text = [x.decode("ascii", errors="replace") for x in lines]
-                keep = [i for i, x in enumerate(text) if x.strip()]
-                _parse_chunk([text[i] for i in keep], np.asarray(keep, np.int64) + first,
-                             path_s)
-                raise ValueError(f"{path_s}: could not parse lines {first}.."
-                                 f"{first + len(lines) - 1}")
-            r, c, v, nums = parsed
-            _check_bounds(path_s, r, c, nums, bounds)
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-            linenos.append(nums)
-            first += len(lines)
+    data = _loadtxt(path)
+    if data is not None:
+        r = data[:, 0].astype(np.int64) - 1
+        c = data[:, 1].astype(np.int64) - 1
+        rows, cols, vals = [r], [c], [data[:, 2]]
+        over = any(lim is not None and idx.size and idx.max() >= lim
+                   for idx, lim in zip((r, c), bounds))
+        if over:
+            _check_bounds(path_s, r, c, _entry_lines(path), bounds)
+        linenos = None
+    else:
+        rows, cols, vals, linenos = _read_chunks(path_s, chunk_lines, bounds)
     if sum(x.size for x in rows) == 0:
         if allow_empty:
             return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
@@ -189,13 +169,46 @@ def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = Fa
                          "re-create the file (python -m sparse_sgd generate) or check the path")
     r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
     if not sum_duplicates:
-        _check_duplicates(path_s, r, c, np.concatenate(linenos))
+        _check_duplicates(path_s, r, c, lambda: (np.concatenate(linenos) if linenos is not None
+                                                 else _entry_lines(path)))
     return r, c, v
 
 
-def _check_duplicates(path: str, r, c, linenos) -> None:
-    """Raise ValueError naming the first line that repeats an earlier (row, col) entry."""
+def _read_chunks(path_s: str, chunk_lines: int, bounds):
+    """The line-by-line parser: chunks of ``chunk_lines`` lines; raises on the first bad line
+    with its number.  Returns per-chunk lists of rows, columns, values and line numbers."""
+    rows, cols, vals, linenos = [], [], [], []
+    with open(path_s, encoding="ascii", errors="replace") as fh:
+        lineno = 0
+        while True:
+            chunk, nums = [], []
+            for line in fh:
+                lineno += 1
+                if not line.strip():
+                    continue
+                chunk.append(line)
+                nums.append(lineno)
+                if len(chunk) >= chunk_lines:
+                    break
+            if not chunk:
+                break
+            nums = np.asarray(nums, dtype=np.int64)
+            r, c, v = _parse_chunk(chunk, nums, path_s)
+            _check_bounds(path_s, r, c, nums, bounds)
+            rows.append(r)
+            cols.append(c)
+            vals.append(v)
+            linenos.append(nums)
+    return rows, cols, vals, linenos
+
+
+def _check_duplicates(path: str, r, c, lines) -> None:
+    """Raise ValueError naming the first line that repeats an earlier (row, col) entry
+    (``lines()`` gives the line number of every entry; only called when one repeats)."""
     key = r * (int(c.max()) + 1) + c
+    if np.unique(key).size == key.size:
+        return
+    linenos = lines()
     order = np.lexsort((linenos, key))
     repeat = np.flatnonzero(np.diff(key[order]) == 0) + 1
     if repeat.size:
