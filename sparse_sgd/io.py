@@ -206,7 +206,8 @@ def _check_duplicates(path: str, r, c, lines) -> None:
     """Raise ValueError naming the first line that repeats an earlier (row, col) entry
     (``lines()`` gives the line number of every entry; only called when one repeats)."""
     key = r * (int(c.max()) + 1) + c
-    if np.unique(key).size == key.size:
+    ordered = np.sort(key)
+    if not np.any(ordered[1:] == ordered[:-1]):
         return
     linenos = lines()
     order = np.lexsort((linenos, key))
