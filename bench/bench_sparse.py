@@ -141,7 +141,9 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
 THREAD_CONFIGS = (
     ("1 thread", {"NUMBA_THREADING_LAYER": "omp"}, 1),
     ("omp, OMP_WAIT_POLICY unset (spardist default)", {"NUMBA_THREADING_LAYER": "omp",
-                                                       "OMP_WAIT_POLICY": ""}, 2),
+                                                       "OMP_WAIT_POLICY": None}, 2),
+    ("omp, libgomp's own default (before issue 29)", {"NUMBA_THREADING_LAYER": "omp",
+                                                      "OMP_WAIT_POLICY": ""}, 2),
     ("omp, OMP_WAIT_POLICY=ACTIVE", {"NUMBA_THREADING_LAYER": "omp",
                                      "OMP_WAIT_POLICY": "ACTIVE"}, 2),
     ("omp, OMP_WAIT_POLICY=PASSIVE", {"NUMBA_THREADING_LAYER": "omp",
@@ -189,10 +191,10 @@ def bench_threads(rounds: int) -> None:
             loads = []
             for _ in range(rounds):
                 for label, env, threads in THREAD_CONFIGS:
-                    e = dict(os.environ)
-                    e.update({k: v for k, v in env.items() if v})
-                    for k, v in env.items():
-                        if not v:
+                    e = dict(os.environ)  # None: unset; "": set but empty, which libgomp
+                    e.update({k: v for k, v in env.items() if v is not None})  # treats as unset
+                    for k, v in env.items():                     # and spardist leaves alone
+                        if v is None:
                             e.pop(k, None)
                     out = subprocess.run([sys.executable, "-c", _INFER.format(
                         root=root, threads=threads)], env=e, capture_output=True, text=True,

@@ -611,8 +611,11 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
                          ) -> Partition:
     """H-SGD partition: phases phi_1 .. phi_L of the fixed-vertex hypergraph model (§5).
 
-    Phase phi_1 partitions W^1 without fixed vertices and places x^0 from net connectivity; phase
-    phi_k (k >= 2) pins the fixed vertex of column j to the part that computed x^{k-1}(j).  With
+    Phase phi_1 partitions W^1 without fixed vertices and places x^0 inside the connectivity
+    sets of its nets (:func:`partition.placement.place_inputs`, ``config.input_placement``);
+    phase phi_k (k >= 2) pins the fixed vertex of column j to the part that computed
+    x^{k-1}(j) (``config.phases="independent"``: every phase without fixed vertices, in
+    parallel, part ids aligned afterwards, :func:`_independent_phases`).  With
     ``config.tile`` and a periodic layer sequence of period p with 2p < L (:func:`layer_period`),
     phases phi_1 .. phi_p run once and are repeated: layer k = r p + j gets the owners of layer
     j with part ids permuted by sigma^r (:func:`_tile_relabelling`, chosen from the wrap-around
