@@ -195,7 +195,8 @@ class HypergraphConfig:
         ``"mtkahypar"`` (Mt-KaHyPar).
     preset : str or None
         Engine preset: Mt-KaHyPar's ``default, quality, highest_quality, deterministic,
-        deterministic_quality`` or KaHyPar's ``fast, km1, km1_flows``; None picks
+        deterministic_quality`` or KaHyPar's ``fast, fast_communities, km1, km1_flows``
+        (:data:`KAHYPAR_PRESETS`); None picks
         :data:`DEFAULT_PRESET` of the engine (both deterministic for a given seed).
     threads : int
         Mt-KaHyPar threads (0: all cores available to the process).  Ignored by KaHyPar.
