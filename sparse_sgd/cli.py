@@ -113,8 +113,9 @@ class NetworkConfig(PartitionOptions):
     neurons: int = option(1024, "neurons per layer N (a Graph Challenge size)",
                           choices=sorted(CHALLENGE_BIAS), group=NET)
     layers: int = option(12, "layers L", group=NET)
-    permute: bool = option(True, "relabel the hidden neurons at random (P_k W^k P_{k-1}^T: the "
-                           "same network under other neuron ids)", group=NET)
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random, P_k W^k P_{k-1}^T: the same network under other "
+                           "neuron ids)", group=NET)
     network_dir: str | None = option(None, "read the challenge network from DIR (or "
                                      "DIR/neuron{N}) instead of generating it", group=NET,
                                      metavar="DIR")
@@ -246,7 +247,8 @@ class GenerateConfig:
 
     neurons: int = option(1024, "neurons per layer N", choices=sorted(CHALLENGE_BIAS))
     layers: int = option(12, "layers L")
-    permute: bool = option(True, "relabel the hidden neurons at random")
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random)")
     threshold: float = option(0.25, "pixel threshold of the binary input features")
     num_inputs: int | None = option(None, "write the first N digits images", metavar="N")
 
@@ -632,9 +634,14 @@ def _partition(args) -> dict:
     if run.size != 1:
         raise ValueError("python -m sparse_sgd partition runs serially: start it without "
                          "mpiexec (or with -n 1)")
+    t0 = time.perf_counter()
     weights, _, network = load_network(cfg, args.seed)
+    load_s = time.perf_counter() - t0
     methods = METHODS if cfg.method == "both" else (cfg.method,)
     rows, parts = table1_rows(weights, cfg.parts, methods, cfg, seed=args.seed, network=network)
+    source = f"read from {cfg.network_dir}" if cfg.network_dir else "generated (RadiX-Net)"
+    print(f"network: {source}, {sum(W.nnz for W in weights)} connections, in {load_s:.2f} s; "
+          "wall s / cpu s: the whole partitioning step")
     print(f"N={cfg.neurons} L={cfg.layers} P={cfg.parts}: per processor per layer, SpFF words "
           "and messages of one input vector (Table 1's convention); ff+bp: SpFF + SpBP words")
     print(format_table1(rows))
@@ -651,7 +658,7 @@ def _partition(args) -> dict:
         print(f"saved the {saved.method} partition to {path} (train --partition-file)")
     table = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
     return run.finish(metrics={"table1": table, "partition_file": str(path),
-                               "partition_info": saved.info})
+                               "partition_info": saved.info, "network_seconds": load_s})
 
 
 def _generate(args) -> dict:
