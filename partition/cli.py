@@ -22,6 +22,7 @@ import scipy.sparse as sp
 from runner.options import add_common_args
 from runner.run import start_run
 
+from partition.hmetis import save_partition as save_hmetis
 from partition.metrics import format_table, partition_metrics
 from partition.partitioners import (
     ENGINES,
@@ -57,6 +58,8 @@ class LayersConfig:
                          "processes, part ids aligned to the previous layer (a deviation)",
                          choices=PHASES)
     workers: int = option(1, "processes for --phases independent (0: all cores)")
+    hmetis: bool = option(False, "also write OUT/hmetis/: every phase's hypergraph as hMetis "
+                          ".hgr/.fix and the saved partition as .part.P files")
 
     def __post_init__(self):
         if self.parts < 1:
@@ -148,6 +151,9 @@ def _layers(args) -> dict:
     if run.rank == 0:
         saved.save(path)
         print(f"saved the {saved.method} partition to {path}")
+        if cfg.hmetis:
+            save_hmetis(weights, saved, Path(run.out) / "hmetis")
+            print(f"wrote its hMetis files to {Path(run.out) / 'hmetis'}")
     return run.finish(metrics={"table1": {label: m.table1() for label, m in rows},
                                "spff_spbp": {label: m.table1_spff_spbp() for label, m in rows},
                                "partition_file": str(path),

@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from partition.hmetis import load_partition as load_hmetis
+from partition.hmetis import save_partition as save_hmetis
 from partition.partitioners import Partition, partitioner_errors
 from runner.errors import main_guard
 from runner.loop import Evaluation, LoopBody, RunLoop
@@ -125,8 +127,9 @@ class NetworkConfig(PartitionOptions):
     partition: str = option("hypergraph", "row partition: hypergraph (H-SGD) or random (SGD)",
                             choices=METHODS, group=NET)
     partition_file: str | None = option(
-        None, "partition written by `python -m sparse_sgd partition` (OUT/partition.npz)",
-        group=NET, metavar="FILE")
+        None, "partition written by `python -m sparse_sgd partition` (OUT/partition.npz), or a "
+        "directory of hMetis layer_K.part.P files (OUT/hmetis, or a partitioner's output on "
+        "its .hgr files)", group=NET, metavar="FILE|DIR")
 
     def __post_init__(self):
         super().__post_init__()
@@ -230,6 +233,8 @@ class PartitionConfig(NetworkConfig):
     partition: str = option("hypergraph", cli=False)
     partition_file: str | None = option(None, cli=False)
     threshold: float = option(0.25, cli=False)
+    hmetis: bool = option(False, "also write OUT/hmetis/: every phase's hypergraph as hMetis "
+                          ".hgr/.fix and the partition as .part.P files (partition.hmetis)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -296,6 +301,9 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
 
     Returns the partition and the number of bytes broadcast (0 when read from a file).
     """
+    if partition_file and Path(partition_file).is_dir():
+        part = load_hmetis(weights, partition_file, run.size)
+        return part, 0
     if partition_file:
         part = Partition.load(partition_file)
         if part.parts != run.size:
@@ -653,11 +661,16 @@ def _partition(args) -> dict:
             if by["R"][k]))
     saved = parts.get("hypergraph") or parts["random"]
     path = Path(run.out) / "partition.npz"
+    hmetis = Path(run.out) / "hmetis"
     if run.rank == 0:
         saved.save(path)
         print(f"saved the {saved.method} partition to {path} (train --partition-file)")
+        if cfg.hmetis:
+            save_hmetis(weights, saved, hmetis)
+            print(f"wrote its hMetis files to {hmetis} (train --partition-file {hmetis})")
     table = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
     return run.finish(metrics={"table1": table, "partition_file": str(path),
+                               "hmetis_dir": str(hmetis) if cfg.hmetis else None,
                                "partition_info": saved.info, "network_seconds": load_s})
 
 

@@ -57,7 +57,8 @@ def test_layers_cli_independent_phases_in_workers(tmp_path, capsys):
         sp.save_npz(files[-1], M)
     out = tmp_path / "run"
     assert partition_main(["layers", *files, "--parts", "4", "--method", "hypergraph",
-                           "--phases", "independent", "--workers", "2", "--out", str(out)]) == 0
+                           "--phases", "independent", "--workers", "2", "--hmetis",
+                           "--out", str(out)]) == 0
     assert "independent phases" in capsys.readouterr().out
     part = Partition.load(out / "partition.npz")
     for k in range(1, 5):
@@ -65,3 +66,8 @@ def test_layers_cli_independent_phases_in_workers(tmp_path, capsys):
     s = json.loads((out / "summary.json").read_text())
     assert s["metrics"]["table1"]["H (hypergraph)"]["avg_volume"] == \
         partition_metrics(W, part).table1()["avg_volume"]
+    # --hmetis: the same partition as hMetis files, read back (partition.hmetis)
+    from partition.hmetis import load_partition
+    back = load_partition(W, out / "hmetis", 4)
+    for a, b in zip(part.owners, back.owners):
+        np.testing.assert_array_equal(a, b)

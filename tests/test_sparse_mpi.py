@@ -129,7 +129,7 @@ def test_cli_train_with_saved_partition_file(tmp_path):
     from sparse_sgd.cli import main as sparse_main
 
     sparse_main(["partition", "--neurons", "1024", "--layers", "4", "--parts", "2",
-                 "--method", "hypergraph", "--out", str(tmp_path / "h2")])
+                 "--method", "hypergraph", "--hmetis", "--out", str(tmp_path / "h2")])
     pfile = tmp_path / "h2" / "partition.npz"
     out = tmp_path / "run"
     run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
@@ -139,6 +139,15 @@ def test_cli_train_with_saved_partition_file(tmp_path):
     assert "partition" not in pred["by_phase"]  # read from the file on every rank: no bcast
     assert s["metrics"]["partition_method"] == "hypergraph"
     assert_measured_equals_predicted(s)
+    # the same partition through its hMetis files (partition.hmetis): the same run, byte for byte
+    out_h = tmp_path / "run_hmetis"
+    run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file",
+            tmp_path / "h2" / "hmetis", "--steps", 3, "--batch-size", 8, "--out", out_h,
+            module="sparse_sgd", timeout=180)
+    h = json.loads((out_h / "summary.json").read_text())
+    assert h["metrics"]["partition_method"] == "hmetis"
+    assert h["traffic"]["measured"] == s["traffic"]["measured"]
+    assert h["metrics"]["test_accuracy"] == s["metrics"]["test_accuracy"]
     run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
             "--steps", 1, "--out", tmp_path / "bad", module="sparse_sgd", timeout=120,
             expect_fail=True)
