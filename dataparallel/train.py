@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_shard
+from models.arch import arch_help, parse_arch, split_arch
 from models.data import check_batch_size
 from models.optim import make_optimizer, make_schedule
-from models.train import evaluate, parse_arch
+from models.train import evaluate
 from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
 from runner.run import start_run
@@ -65,8 +66,10 @@ class DPConfig:
 
     method: str = option("ddp", "gradient-sync strategy: one of the registered methods "
                          "(ddp, topk, pactrain, sdp, ssfusion, ...)")
-    model: str = option("cnn", "models/ name: cnn, resnet, mlp")
-    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic")
+    model: str = option("cnn", "models/ name: cnn, resnet, mlp, vit (images), gpt (--dataset "
+                        "text)")
+    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic (images), "
+                          "text (embedded bytes)")
     data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files")
     epochs: float = option(8.0, "passes over each shard")
     steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -80,7 +83,8 @@ class DPConfig:
                            "cosine)")
     arch: tuple = option(default_factory=tuple, help="model factory argument, repeatable: "
                          "--arch depths=2,2 --arch planes=16,32 (--arch context=N: the text "
-                         "dataset's window)", append=True, metavar="KEY=VALUE")
+                         f"dataset's window); keys per model: {arch_help()} (types, ranges "
+                         "and defaults: models/arch.py)", append=True, metavar="KEY=VALUE")
     momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
     weight_decay: float = option(1e-4, "weight decay of conv and fc weights")
     eval_every: int | None = option(
@@ -111,7 +115,7 @@ class DPConfig:
                              f"{self.warmup}")
         if self.warmup > 0 and self.lr_schedule != "cosine":
             raise ValueError("--warmup needs --lr-schedule cosine")
-        parse_arch(self.arch)  # validates KEY=VALUE
+        parse_arch(self.arch, self.model, self.dataset)  # keys, types, ranges, combinations
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
@@ -262,8 +266,7 @@ def train(args) -> dict:
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
     xp = run.xp
-    arch = dict(parse_arch(cfg.arch))
-    data_kw = {"context": int(arch.pop("context"))} if "context" in arch else {}
+    arch, data_kw = split_arch(cfg.arch, cfg.model, cfg.dataset)
     # each rank reads only its shard of the training set (CIFAR-10: batch file by batch file)
     data = load_shard(cfg.dataset, cfg.data_dir, rank=run.rank, size=run.size, seed=cfg.seed,
                       **data_kw)
