@@ -47,7 +47,7 @@ from runner.options import add_common_args, add_training_args
 from runner.run import start_run
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
-from .pactrain import load_init
+from .pactrain import INIT_FORMAT, check_init_file, load_init
 from .strategy import (
     STRATEGIES,
     StepState,
@@ -92,8 +92,9 @@ class DPConfig:
         "last (0: after the last only; default: once per epoch)", type=int, metavar="N")
     target_accuracy: float = option(0.9, "accuracy for the simulated time-to-accuracy metric")
     init: str | None = option(
-        None, "start every method from this .npz of a trained model's flat parameters "
-        "(dataparallel.pactrain.save_init; PacTrain prunes it at once)", type=str)
+        None, "start every method from a trained model (PacTrain prunes it at once): "
+        f"{INIT_FORMAT}; anything else (an .npy, another model's file, NaN or Inf values) is "
+        "refused before the run", type=str, metavar="FILE")
     #: from :func:`runner.options.add_training_args` / :func:`runner.options.add_common_args`
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
@@ -116,6 +117,8 @@ class DPConfig:
         if self.warmup > 0 and self.lr_schedule != "cosine":
             raise ValueError("--warmup needs --lr-schedule cosine")
         parse_arch(self.arch, self.model, self.dataset)  # keys, types, ranges, combinations
+        if self.init is not None:
+            check_init_file(self.init)   # the format; load_init checks the arrays
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
