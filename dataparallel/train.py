@@ -145,8 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: configuration fields a resumed run may change (everything else must match the checkpoint)
+#: configuration fields a resumed run may change (everything else must match the checkpoint);
+#: a new total is refused where it changes the learning-rate schedule (:data:`SCHEDULE_WHY`)
 RESUMABLE = ("steps", "epochs", "checkpoint_every", "resume")
+#: how each --lr-schedule depends on the run's steps (the reason a resume that changes them is
+#: refused)
+SCHEDULE_WHY = {
+    "constant": "the constant schedule does not depend on the run's steps",
+    "cosine": "--lr-schedule cosine decays the learning rate over the run's steps (--steps, or "
+              "the steps of --epochs) and --warmup is a fraction of them",
+    "step": "--lr-schedule step divides the learning rate every third of the run's steps "
+            "(--steps, or the steps of --epochs)",
+}
 
 
 def _host(run, a) -> np.ndarray:
@@ -297,12 +307,15 @@ def train(args) -> dict:
     total = strategy.total_steps(budget)
     fingerprint = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE},
                    "options": dataclasses.asdict(options)}
-    # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last
+    # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last;
+    # the learning-rate schedule follows from the budget, so a resume may not change it
     loop = RunLoop(run, total=total, flag="--steps", fingerprint=fingerprint,
                    checkpoint_every=cfg.checkpoint_every,
                    progress_every=getattr(args, "progress_every", 0),
                    eval_every=steps_per_epoch if cfg.eval_every is None else cfg.eval_every,
-                   resume=cfg.resume)
+                   resume=cfg.resume,
+                   schedule={"lr_schedule": cfg.lr_schedule, **dataclasses.asdict(schedule)},
+                   schedule_why=SCHEDULE_WHY[cfg.lr_schedule])
     body = _Steps(run, cfg, model, opt, strategy, train_shard, test, eval_model,
                   steps_per_epoch)
     state = loop.resume()
