@@ -32,8 +32,10 @@ class RunCheckpoints:
 
     A checkpoint holds the trainer's state (a dict of arrays; JSON text for nested values)
     plus the run's own: the ledger of this rank (so the resumed run's traffic is the whole
-    run's), its measured compute time, rank 0's metrics lines up to the checkpoint (a resumed
-    run neither loses nor repeats a line) and a fingerprint of everything that must not change.
+    run's), the call log's count and digest (so are its calls), its measured compute time,
+    rank 0's metrics lines up to the checkpoint (a resumed run neither loses nor repeats a
+    line), a fingerprint of everything that must not change, and the schedule that follows from
+    the total.
     Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept), written after every
     ``every``-th unit and at the end.
 
@@ -87,6 +89,7 @@ class RunCheckpoints:
                 "run/schedule": json.dumps({"total": self.total, "values": self.schedule}),
                 "run/ledger": json.dumps(run.ledger.local()),
                 "run/clock": json.dumps(run.clock.state()),
+                "run/calls": json.dumps(run.recorder.log.state()),
                 "run/metrics": json.dumps(run.writer.records)}
         self.ckpt.save(full, done)
 
@@ -162,6 +165,9 @@ class RunCheckpoints:
         self.total = total
         _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
         run.clock.load_state(json.loads(str(state.pop("run/clock"))))
+        calls = state.pop("run/calls", None)    # absent in checkpoints of older spardists
+        if calls is not None:
+            run.recorder.log.load_state(json.loads(str(calls)))
         for line in json.loads(str(state.pop("run/metrics"))):
             run.writer.log(json.loads(line))
         return step, state
