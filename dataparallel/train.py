@@ -38,15 +38,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_shard
+from models.arch import arch_help, parse_arch, split_arch
 from models.data import check_batch_size
 from models.optim import make_optimizer, make_schedule
-from models.train import evaluate, parse_arch
+from models.train import evaluate
 from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
 from runner.run import start_run
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
-from .pactrain import load_init
+from .pactrain import INIT_FORMAT, check_init_file, load_init
 from .strategy import (
     STRATEGIES,
     StepState,
@@ -65,8 +66,10 @@ class DPConfig:
 
     method: str = option("ddp", "gradient-sync strategy: one of the registered methods "
                          "(ddp, topk, pactrain, sdp, ssfusion, ...)")
-    model: str = option("cnn", "models/ name: cnn, resnet, mlp")
-    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic")
+    model: str = option("cnn", "models/ name: cnn, resnet, mlp, vit (images), gpt (--dataset "
+                        "text)")
+    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic (images), "
+                          "text (embedded bytes)")
     data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files")
     epochs: float = option(8.0, "passes over each shard")
     steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -80,7 +83,8 @@ class DPConfig:
                            "cosine)")
     arch: tuple = option(default_factory=tuple, help="model factory argument, repeatable: "
                          "--arch depths=2,2 --arch planes=16,32 (--arch context=N: the text "
-                         "dataset's window)", append=True, metavar="KEY=VALUE")
+                         f"dataset's window); keys per model: {arch_help()} (types, ranges "
+                         "and defaults: models/arch.py)", append=True, metavar="KEY=VALUE")
     momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
     weight_decay: float = option(1e-4, "weight decay of conv and fc weights")
     eval_every: int | None = option(
@@ -88,8 +92,9 @@ class DPConfig:
         "last (0: after the last only; default: once per epoch)", type=int, metavar="N")
     target_accuracy: float = option(0.9, "accuracy for the simulated time-to-accuracy metric")
     init: str | None = option(
-        None, "start every method from this .npz of a trained model's flat parameters "
-        "(dataparallel.pactrain.save_init; PacTrain prunes it at once)", type=str)
+        None, "start every method from a trained model (PacTrain prunes it at once): "
+        f"{INIT_FORMAT}; anything else (an .npy, another model's file, NaN or Inf values) is "
+        "refused before the run", type=str, metavar="FILE")
     #: from :func:`runner.options.add_training_args` / :func:`runner.options.add_common_args`
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
@@ -111,7 +116,9 @@ class DPConfig:
                              f"{self.warmup}")
         if self.warmup > 0 and self.lr_schedule != "cosine":
             raise ValueError("--warmup needs --lr-schedule cosine")
-        parse_arch(self.arch)  # validates KEY=VALUE
+        parse_arch(self.arch, self.model, self.dataset)  # keys, types, ranges, combinations
+        if self.init is not None:
+            check_init_file(self.init)   # the format; load_init checks the arrays
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
@@ -138,8 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: configuration fields a resumed run may change (everything else must match the checkpoint)
+#: configuration fields a resumed run may change (everything else must match the checkpoint);
+#: a new total is refused where it changes the learning-rate schedule (:data:`SCHEDULE_WHY`)
 RESUMABLE = ("steps", "epochs", "checkpoint_every", "resume")
+#: how each --lr-schedule depends on the run's steps (the reason a resume that changes them is
+#: refused)
+SCHEDULE_WHY = {
+    "constant": "the constant schedule does not depend on the run's steps",
+    "cosine": "--lr-schedule cosine decays the learning rate over the run's steps (--steps, or "
+              "the steps of --epochs) and --warmup is a fraction of them",
+    "step": "--lr-schedule step divides the learning rate every third of the run's steps "
+            "(--steps, or the steps of --epochs)",
+}
 
 
 def _host(run, a) -> np.ndarray:
@@ -262,8 +279,7 @@ def train(args) -> dict:
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
     xp = run.xp
-    arch = dict(parse_arch(cfg.arch))
-    data_kw = {"context": int(arch.pop("context"))} if "context" in arch else {}
+    arch, data_kw = split_arch(cfg.arch, cfg.model, cfg.dataset)
     # each rank reads only its shard of the training set (CIFAR-10: batch file by batch file)
     data = load_shard(cfg.dataset, cfg.data_dir, rank=run.rank, size=run.size, seed=cfg.seed,
                       **data_kw)
@@ -291,12 +307,15 @@ def train(args) -> dict:
     total = strategy.total_steps(budget)
     fingerprint = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE},
                    "options": dataclasses.asdict(options)}
-    # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last
+    # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last;
+    # the learning-rate schedule follows from the budget, so a resume may not change it
     loop = RunLoop(run, total=total, flag="--steps", fingerprint=fingerprint,
                    checkpoint_every=cfg.checkpoint_every,
                    progress_every=getattr(args, "progress_every", 0),
                    eval_every=steps_per_epoch if cfg.eval_every is None else cfg.eval_every,
-                   resume=cfg.resume)
+                   resume=cfg.resume,
+                   schedule={"lr_schedule": cfg.lr_schedule, **dataclasses.asdict(schedule)},
+                   schedule_why=SCHEDULE_WHY[cfg.lr_schedule])
     body = _Steps(run, cfg, model, opt, strategy, train_shard, test, eval_model,
                   steps_per_epoch)
     state = loop.resume()

@@ -55,7 +55,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import build_model, load_shard
+from models import MODELS, build_model, load_shard, zoo
+from models.arch import check_model_dataset
 from models.data import check_batch_size
 from models.train import evaluate
 from runner.loop import Evaluation, LoopBody, RunLoop
@@ -78,6 +79,8 @@ __all__ = [
 ]
 
 RUN = "what to train"
+#: models the compact export can rebuild (a ``models.zoo.<name>_layers`` builder each)
+COMPACT_MODELS = tuple(m for m in MODELS if hasattr(zoo, f"{m}_layers"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in SOLVERS:
             raise ValueError(f"unknown --method {self.method!r}; valid: {sorted(SOLVERS)}")
+        check_model_dataset(self.model, self.dataset)
+        if self.model not in COMPACT_MODELS:
+            raise ValueError(f"--model {self.model}: hsadmm train ends with the compact export, "
+                             "which rebuilds the model from its models.zoo layer tree; those "
+                             f"exist for {', '.join(COMPACT_MODELS)}: pass one of them")
         if self.iters < 1:
             raise ValueError(f"--iters must be >= 1, got {self.iters}")
         if self.eval_every < 0:

@@ -23,6 +23,7 @@ from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args
 from runner.run import start_run
 
+from .arch import arch_help, parse_arch, split_arch
 from .data import DATASETS, Dataset, check_batch_size, iterate_batches, load_dataset, num_batches
 from .layers import softmax_cross_entropy
 from .network import Model
@@ -30,7 +31,7 @@ from .optim import OPTIMIZERS, SCHEDULES, SGD, SGDConfig, make_optimizer, make_s
 from .text import unigram_entropy
 from .zoo import MODELS, build_model
 
-__all__ = ["TrainConfig", "build_parser", "evaluate", "fit", "main"]
+__all__ = ["TrainConfig", "build_parser", "evaluate", "fit", "main", "parse_arch"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class TrainConfig:
         Fraction of all steps spent in linear warm-up (cosine schedule only).
     dtype : {"float32", "float64"}
     arch : tuple of (str, value) pairs
-        Extra keyword arguments of the model factory, e.g. ``(("depths", (1, 1, 1)),)``.
+        Extra keyword arguments of the model factory, e.g. ``(("depths", (1, 1, 1)),)``, and
+        of the dataset (``context`` of ``text``); checked by :func:`models.arch.parse_arch`.
     seed : int
         Initialization and shuffling seed.
     """
@@ -108,6 +110,7 @@ class TrainConfig:
                                  f"{getattr(self, name)}")
         if self.optimizer == "sgd":
             SGDConfig(self.lr, self.momentum, self.nesterov, self.weight_decay)  # validates
+        parse_arch(self.arch, self.model, self.dataset)  # keys, types, ranges, combinations
 
     def sgd_config(self) -> SGDConfig:
         return SGDConfig(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
@@ -295,21 +298,6 @@ class _Epochs(LoopBody):
                 "optimizer_steps": self.opt.step_count}
 
 
-def parse_arch(items: list[str] | None) -> tuple:
-    out = []
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--arch takes KEY=VALUE (e.g. depths=2,2,2), got {item!r}")
-        parts = [p for p in value.split(",") if p]
-        try:
-            vals = tuple(int(p) for p in parts)
-        except ValueError:
-            vals = tuple(parts)
-        out.append((key, vals if ("," in value or len(vals) != 1) else vals[0]))
-    return tuple(out)
-
-
 #: training defaults that differ by model (everything else: :class:`TrainConfig`'s): the
 #: transformers learn with AdamW, a short linear warm-up and a cosine decay (the ViT at
 #: 2e-3 reaches 0.98 on digits in 30 epochs, the byte GPT at 3e-3 beats the corpus's unigram
@@ -362,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-schedule", default=None, choices=sorted(SCHEDULES))
     p.add_argument("--dtype", default=d["dtype"].default, choices=("float32", "float64"))
     p.add_argument("--arch", action="append", metavar="KEY=VALUE",
-                   help="model factory argument, e.g. --arch depths=2,2 --arch planes=16,32")
+                   help="model factory argument, repeatable, e.g. --arch depths=2,2 --arch "
+                        f"planes=16,32 or --arch mlp_ratio=1.5; keys per model: {arch_help()} "
+                        "(types, ranges and defaults: models/arch.py)")
     p.add_argument("--eval-every", type=int, default=1, metavar="N",
                    help="evaluate on the test set after every N-th epoch and after the last "
                         "(0: after the last only; default %(default)s)")
@@ -378,16 +368,14 @@ def main(argv=None) -> dict:
     config = TrainConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
                          steps=args.steps, batch_size=args.batch_size,
                          nesterov=args.nesterov, dtype=args.dtype,
-                         arch=parse_arch(args.arch), seed=args.seed, **per_model)
+                         arch=parse_arch(args.arch, args.model, args.dataset), seed=args.seed,
+                         **per_model)
     run = start_run(args, system="models", unit="epoch", method=f"{config.model}_{config.dataset}",
                     config=config)
     if run.size != 1:
         raise ValueError("python -m models train is serial (world size 1); for multi-rank "
                          "training use python -m dataparallel train")
-    arch = dict(config.arch)
-    data_kw = {}
-    if config.dataset == "text" and "context" in arch:
-        data_kw["context"] = int(arch.pop("context"))
+    arch, data_kw = split_arch(config.arch, config.model, config.dataset)
     split = load_dataset(config.dataset, config.data_dir, **data_kw)
     check_batch_size(config.batch_size, len(split.train),
                      f"the {config.dataset} training set")

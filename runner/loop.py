@@ -194,11 +194,16 @@ class RunLoop:
         written at every evaluation and at the last unit.
     resume : bool
         ``--resume``: :meth:`resume` continues from the newest checkpoint.
+    schedule, schedule_why : dict, str
+        What of the trainer's schedule follows from ``total`` (e.g. a cosine learning rate's
+        length and warm-up) and why: a resume whose ``total`` changes it is refused
+        (:class:`RunCheckpoints`).
     """
 
     def __init__(self, run: Run, *, total: int, flag: str, fingerprint: dict | None = None,
                  checkpoint_every: int = 0, progress_every: int = 0, eval_every: int = 0,
-                 log_every: int = 0, log_phase: int = 0, resume: bool = False) -> None:
+                 log_every: int = 0, log_phase: int = 0, resume: bool = False,
+                 schedule: dict | None = None, schedule_why: str = "") -> None:
         for name, v in (("--eval-every", eval_every), ("--log-every", log_every),
                         ("--progress-every", progress_every)):
             if v < 0:
@@ -211,7 +216,9 @@ class RunLoop:
         self.progress_every = progress_every
         self.resuming = bool(resume)
         self.ckpt = RunCheckpoints(run, every=checkpoint_every, fingerprint=fingerprint or {},
-                                   unit=run.unit, flag=flag)
+                                   unit=run.unit, flag=flag, schedule=schedule,
+                                   schedule_why=schedule_why)
+        self.ckpt.total = self.total
         #: units done (the next unit's index)
         self.done = 0
         #: units done when this process started (after :meth:`resume`)

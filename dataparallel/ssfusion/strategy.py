@@ -10,6 +10,7 @@ The warm-up profiling, the decision and SSFusion-O's CPU worker are in
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -381,7 +382,9 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
     def state_dict(self) -> dict:
         """Error-feedback residuals (the host-side ones of offloaded tensors on a GPU run), the
         installed selection, the profile sums or the decided profile and offload guard, the
-        statistics and the step whose backward runs next."""
+        statistics and the step whose backward runs next.  The plan decided from the warm-up
+        timings is saved whole, so a run resumed after the warm-up runs it unchanged (the
+        timings of a resumed process never re-decide it)."""
         host = self.run.backend.asnumpy
         state = {
             "residual": host(self.residual).copy(),
@@ -406,6 +409,17 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._step = int(state["step"])
         self._load_profiling_state(state)
         self._load_offload_state(state)
+        source = getattr(self.run.clock.source, "name", "")
+        if self.plan is None and needs_profile(self.options) and self.run.rank == 0 \
+                and source not in ("profile", "flops"):
+            # the decided plan is in every later checkpoint; one inside the warm-up has only
+            # the timings of the steps before it
+            print(f"spardist: warning: resuming inside SSFusion's warm-up (step {self._step} "
+                  f"of --profile-steps {self.warmup}): the fusion plan will be decided on "
+                  "timings this run measures for the remaining warm-up steps, so it may differ "
+                  "from the plan of an uninterrupted run; a resume after the warm-up reuses "
+                  "the decided plan, and --compute-source profile makes the timings "
+                  "load-independent", file=sys.stderr, flush=True)
 
     # -- summary ----------------------------------------------------------------------------------
     def report(self) -> dict:
