@@ -370,8 +370,9 @@ def _default_out(system: str, method: str, topo: Topology, resume: bool) -> Path
     """The run folder when ``--out`` is not given (collective): a new
     ``results/<system>_<method>/run-N`` (``N`` one more than the largest there, created
     atomically, so no run ever lands in another's folder) with ``latest`` pointing at it; with
-    ``--resume``, the folder ``latest`` points at."""
-    base = Path("results") / f"{system}_{method}"
+    ``--resume``, the folder ``latest`` points at.  ``results/`` is relative to the working
+    directory; the environment variable ``SPARDIST_RESULTS`` names another root."""
+    base = Path(os.environ.get("SPARDIST_RESULTS") or "results") / f"{system}_{method}"
     verdict = None
     if topo.rank == 0:
         try:

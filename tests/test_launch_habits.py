@@ -64,8 +64,9 @@ def test_default_out_never_collides_and_latest_follows(tmp_path):
     ``latest`` points at the newest; --resume without --out continues the newest."""
     job = ["train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 1,
            "--progress-every", 0, "--checkpoint-every", 1]
+    here = {"SPARDIST_RESULTS": ""}   # the default root: results/ in the working directory
     for _ in range(2):
-        run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path)
+        run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path, env=here)
     base = tmp_path / "results" / "dataparallel_ddp"
     assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
     assert (base / "latest").resolve() == (base / "run-2").resolve()
@@ -73,9 +74,17 @@ def test_default_out_never_collides_and_latest_follows(tmp_path):
     assert (base / "run-2" / "summary.json").is_file()
     # continuing the newest run (finished at 2 steps) to 3 steps, in its own folder
     longer = [*job[:4], 3, *job[5:]]
-    run_mpi(None, 2, *longer, "--resume", module="dataparallel", timeout=180, cwd=tmp_path)
+    run_mpi(None, 2, *longer, "--resume", module="dataparallel", timeout=180, cwd=tmp_path,
+            env=here)
     assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
     assert read_summary(base / "run-2")["metrics"]["steps"] == 3
+    # SPARDIST_RESULTS names another root (the test suite's own, so no test writes into the
+    # checkout's results/)
+    other = tmp_path / "elsewhere"
+    run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path,
+            env={"SPARDIST_RESULTS": str(other)})
+    assert (other / "dataparallel_ddp" / "run-1" / "summary.json").is_file()
+    assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
 
 
 def test_resume_without_out_and_without_runs_is_refused(tmp_path):
