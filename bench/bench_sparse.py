@@ -2,6 +2,8 @@
 
 1. Local SpMM of one Graph Challenge layer with bias, ReLU and clamp fused (Numba) against SciPy
    ``csr @ dense`` (alone, and with the same NumPy epilogue); python-graphblas if importable.
+   SciPy's product is single-threaded, so the ratio is taken with the Numba kernel on one thread
+   too; the multi-threaded kernel is printed beside it, labelled.
 2. Partitioning speed, N=1024 L=120 P=32 and P=512, N=4096 L=120 P=32, against the paper's
    Table 3 (PaToH: 2.48 s, 5.63 s, 10.93 s): the default (sequential KaHyPar, one period of the
    relabelled RadiX-Net tiled) beside Mt-KaHyPar tiled and the per-layer baselines (every layer
@@ -9,11 +11,16 @@
    with wall and CPU seconds, the SpFF volume per processor per layer (km1 / P / L) and its
    lower bound.  Mt-KaHyPar's thread count (1 vs 2) runs in subprocesses (one initialisation
    per process).
-3. Table 1 on the paper's terms (SpFF words per processor per layer, avg/max, messages,
+3. Numba threads beside busy processes: 12 Graph Challenge layers (N=1024, batch 256) of the fused
+   kernel in fresh processes, one thread and two threads with the OpenMP layer (OMP_WAIT_POLICY
+   unset, which :mod:`sparse_sgd.kernels` now turns into PASSIVE; ACTIVE; PASSIVE) and the
+   workqueue layer, with 0, 2 and 4 ``busy_loops`` beside them, interleaved rounds, median ms
+   (the issue-29 collapse of two threads under load).
+4. Table 1 on the paper's terms (SpFF words per processor per layer, avg/max, messages,
    imbalance) for N=1024 and 4096, L=120, P in {32, ..., 512}: H, R, the closed form E[R] and the
    lower bound beside the paper's H and R rows.
 
-``python bench/bench_sparse.py [--quick] [--skip SECTION ...]``
+``python bench/bench_sparse.py [--quick] [--skip spmm|speed|threads|table1 ...]``
 """
 
 from __future__ import annotations
@@ -95,13 +102,25 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
     ref = scipy_epilogue()
     fused()
     assert np.allclose(out, ref, atol=1e-5), "fused kernel disagrees with SciPy"
-    t_f, t_s, t_se = (_best(f, repeat) for f in (fused, scipy_plain, scipy_epilogue))
-    print(f"[spmm] N={neurons} batch={batch} nnz={A.nnz} float32, threads={_threads()}")
-    print(f"  numba fused (SpMM+bias+ReLU+clamp) {edges / t_f:.3e} edges/s")
-    print(f"  scipy csr @ dense                  {edges / t_s:.3e} edges/s   "
-          f"ratio fused/scipy = {t_s / t_f:.2f}x (target >= 1.0)")
-    print(f"  scipy csr @ dense + numpy epilogue {edges / t_se:.3e} edges/s   "
-          f"ratio fused/(scipy+epilogue) = {t_se / t_f:.2f}x")
+    import numba  # heavy; only this section needs it
+
+    threads = numba.get_num_threads()
+    # SciPy's csr @ dense runs on one thread: the like-for-like ratio is the fused kernel on one
+    # thread too (issue 29: a 2-thread kernel against 1-thread SciPy overstated it)
+    numba.set_num_threads(1)
+    t_f1 = _best(fused, repeat)
+    numba.set_num_threads(threads)
+    t_fn = _best(fused, repeat)
+    t_s, t_se = (_best(f, repeat) for f in (scipy_plain, scipy_epilogue))
+    print(f"[spmm] N={neurons} batch={batch} nnz={A.nnz} float32; SciPy csr @ dense is "
+          f"single-threaded; load average {os.getloadavg()[0]:.1f}")
+    print(f"  numba fused (SpMM+bias+ReLU+clamp), 1 thread  {edges / t_f1:.3e} edges/s")
+    print(f"  numba fused (SpMM+bias+ReLU+clamp), {threads} threads {edges / t_fn:.3e} edges/s")
+    print(f"  scipy csr @ dense, 1 thread                  {edges / t_s:.3e} edges/s")
+    print(f"  scipy csr @ dense + numpy epilogue, 1 thread {edges / t_se:.3e} edges/s")
+    print(f"  fused/scipy, 1 thread each: {t_s / t_f1:.2f}x (target >= 1.0); fused {threads} "
+          f"threads / scipy 1 thread: {t_s / t_fn:.2f}x; fused/(scipy+epilogue), 1 thread each: "
+          f"{t_se / t_f1:.2f}x")
     try:
         import graphblas as gb  # optional comparator
     except ImportError:
@@ -115,13 +134,75 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
 
     t_g = _best(graphblas, repeat)
     print(f"  python-graphblas mxm               {edges / t_g:.3e} edges/s   "
-          f"ratio fused/graphblas = {t_g / t_f:.2f}x")
+          f"ratio fused ({threads} threads)/graphblas = {t_g / t_fn:.2f}x")
 
 
-def _threads() -> int:
-    import numba  # heavy; only this section needs it
+#: (label, environment, threads) of the threading comparison
+THREAD_CONFIGS = (
+    ("1 thread", {"NUMBA_THREADING_LAYER": "omp"}, 1),
+    ("omp, OMP_WAIT_POLICY unset (spardist default)", {"NUMBA_THREADING_LAYER": "omp",
+                                                       "OMP_WAIT_POLICY": None}, 2),
+    ("omp, libgomp's own default (before issue 29)", {"NUMBA_THREADING_LAYER": "omp",
+                                                      "OMP_WAIT_POLICY": ""}, 2),
+    ("omp, OMP_WAIT_POLICY=ACTIVE", {"NUMBA_THREADING_LAYER": "omp",
+                                     "OMP_WAIT_POLICY": "ACTIVE"}, 2),
+    ("omp, OMP_WAIT_POLICY=PASSIVE", {"NUMBA_THREADING_LAYER": "omp",
+                                      "OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    ("workqueue", {"NUMBA_THREADING_LAYER": "workqueue"}, 2),
+)
 
-    return numba.get_num_threads()
+_INFER = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+import numpy as np, numba
+from sparse_sgd.kernels import challenge_layer
+from sparse_sgd.radixnet import graph_challenge_network, CHALLENGE_YMAX
+net = graph_challenge_network(1024, 12, seed=0)
+Ws = [w.astype(np.float32) for w in net.weights]
+X0 = (np.random.default_rng(0).random((1024, 256)) < 0.3).astype(np.float32)
+bufs = [np.empty_like(X0), np.empty_like(X0)]
+def infer():
+    X = X0
+    for k, A in enumerate(Ws):
+        challenge_layer(A, X, net.bias, CHALLENGE_YMAX, out=bufs[k % 2])
+        X = bufs[k % 2]
+numba.set_num_threads({threads})
+infer()
+ts = []
+for _ in range(9):
+    t = time.perf_counter()
+    infer()
+    ts.append(time.perf_counter() - t)
+print(numba.threading_layer(), float(np.median(ts)))
+"""
+
+
+def bench_threads(rounds: int) -> None:
+    from substrate.testing import busy_loops
+
+    root = str(Path(__file__).resolve().parents[1])
+    print(f"[threads] 12 layers N=1024 batch 256, fused kernel, median ms of 9 inferences per "
+          f"process, median over {rounds} interleaved rounds; {len(os.sched_getaffinity(0))} "
+          "cores")
+    for busy in (0, 2, 4):
+        res = {label: [] for label, _, _ in THREAD_CONFIGS}
+        with busy_loops(busy):
+            time.sleep(1.0)
+            loads = []
+            for _ in range(rounds):
+                for label, env, threads in THREAD_CONFIGS:
+                    e = dict(os.environ)  # None: unset; "": set but empty, which libgomp
+                    e.update({k: v for k, v in env.items() if v is not None})  # treats as unset
+                    for k, v in env.items():                     # and spardist leaves alone
+                        if v is None:
+                            e.pop(k, None)
+                    out = subprocess.run([sys.executable, "-c", _INFER.format(
+                        root=root, threads=threads)], env=e, capture_output=True, text=True,
+                        check=True).stdout.split()
+                    res[label].append(1000 * float(out[-1]))
+                    loads.append(os.getloadavg()[0])
+        print(f"  busy loops {busy} (load average {min(loads):.1f}-{max(loads):.1f}): " +
+              "; ".join(f"{label} {np.median(v):.1f}" for label, v in res.items()), flush=True)
 
 
 def _timed_partition(N: int, L: int, P: int, options: PartitionOptions, *, seed: int = 0):
@@ -212,7 +293,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="reduced set: P=32 only, Table 1 for N=1024, P in {32, 512}")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("spmm", "speed", "table1"))
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=("spmm", "speed", "threads", "table1"))
+    ap.add_argument("--thread-rounds", type=int, default=3)
     ap.add_argument("--baseline-layers", type=int, default=12,
                     help="layers of the per-layer baselines at P > 64 (scaled to 120)")
     args = ap.parse_args(argv)
@@ -221,6 +304,8 @@ def main(argv=None) -> int:
     if "speed" not in args.skip:
         bench_partition_speed([(1024, 32)] if args.quick else
                               [(1024, 32), (1024, 512), (4096, 32)], args.baseline_layers)
+    if "threads" not in args.skip:
+        bench_threads(args.thread_rounds)
     if "table1" not in args.skip:
         if args.quick:
             bench_table1([1024], [32, 512], 120)

@@ -1,6 +1,7 @@
-"""``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta,rerun}``:
-the sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`,
-:mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.plots` and :mod:`commvol.rerun`."""
+"""``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta,rerun,
+trace}``: the sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`,
+:mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.plots`, :mod:`commvol.rerun` and
+:mod:`commvol.trace`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 from runner.errors import main_guard
 
-from . import partition_table, plots, predict, report, rerun, scale
+from . import partition_table, plots, predict, report, rerun, scale, trace
 
 __all__ = ["build_parser", "main"]
 
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "partition table, strong scaling, run reports "
                                             "and timeline plots")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for mod in (predict, partition_table, scale, report, plots, rerun):
+    for mod in (predict, partition_table, scale, report, plots, rerun, trace):
         mod.add_parser(sub)
     return p
 

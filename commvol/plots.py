@@ -193,7 +193,8 @@ def _comm_statement(summary: dict) -> str:
     else:
         links = "alpha-beta per link class"
     return (f"communication modeled ({links}; transfers in flight share a link's bandwidth); "
-            "bytes: the ledger's per call of the phase (mean over the run), summed over ranks")
+            "bytes: each transfer's own (its call record), else the ledger's per call of the "
+            "phase")
 
 
 def _fits(ax, renderer, text, x0, x1) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsadmm.penalty import penalty_groups
+from runner.metrics import write_csv
 
 from .predict import fmt_bytes
 from .specs import resolve_model
@@ -696,6 +697,10 @@ def add_parser(sub) -> None:
     p.add_argument("--scaling", type=Path, default=None,
                    help="JSON of `python -m commvol scale --out` for scaling.png")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="only the table")
+    p.add_argument("--csv", type=Path, default=None, metavar="FILE",
+                   help="also write the runs' metrics.jsonl lines to FILE as CSV: one row per "
+                        "line; columns run, system, method and the common fields of "
+                        "runner/metrics.schema.json, in its order")
     p.set_defaults(func=run)
 
 
@@ -704,6 +709,11 @@ def run(args) -> list[Path]:
         raise ValueError("report needs RUN_DIR arguments and/or --scaling FILE")
     if args.runs:
         print(comparison_table(args.runs, target=args.target))
+    if getattr(args, "csv", None) is not None:
+        if not args.runs:
+            raise ValueError("report --csv needs RUN_DIR arguments")
+        runs = [load_run(d) for d in args.runs]
+        print(f"wrote {write_csv([(r.path, r.summary, r.lines) for r in runs], args.csv)}")
     if not args.plots:
         return []
     paths = write_plots(args.runs, args.out, scaling=args.scaling)

@@ -30,8 +30,18 @@ from typing import Any, ClassVar
 from substrate.calls import bytes_by_phase
 from substrate.options import add_dataclass_args, flag_of, from_args
 
-__all__ = ["SyncContext", "StepState", "Strategy", "NoOptions", "STRATEGIES", "register",
-           "add_options_args", "options_from_args", "check_unused_options"]
+__all__ = [
+    "STRATEGIES",
+    "NoOptions",
+    "StepState",
+    "Strategy",
+    "SyncContext",
+    "add_options_args",
+    "add_strategy_args",
+    "check_unused_options",
+    "options_from_args",
+    "register",
+]
 
 
 @dataclass
@@ -77,11 +87,17 @@ class SyncContext:
 
 @dataclass
 class StepState:
-    """Per-step state handed to :meth:`Strategy.sync`."""
+    """Per-step state handed to :meth:`Strategy.sync`.
+
+    ``logged``: the step writes a metrics line (:class:`runner.loop.Due`); per-step
+    diagnostics that are not part of the modeled system (SSFusion's tensor-missing rate) run
+    only then.  Callers outside the trainer get every step diagnosed.
+    """
 
     step: int
     epoch: int
     loss: float
+    logged: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,21 @@ def add_options_args(parser: argparse.ArgumentParser, options_cls: type, title: 
     (:func:`substrate.options.add_dataclass_args`; a flag another strategy already added is
     shared, which requires the same default)."""
     add_dataclass_args(parser, options_cls, title)
+
+
+def add_strategy_args(parser: argparse.ArgumentParser) -> None:
+    """Add every registered strategy's options, one group per method; a flag several methods
+    read (``--density``: topk and ssfusion) appears once, in the first method's group, and its
+    help names every method that uses it."""
+    users: dict[str, list[str]] = {}
+    for name, cls in sorted(STRATEGIES.items()):
+        add_options_args(parser, cls.Options, f"--method {name}")
+        for f in dataclasses.fields(cls.Options):
+            users.setdefault(f.name, []).append(name)
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        methods = users.get(action.dest, [])
+        if len(methods) > 1 and action.help is not None:
+            action.help = f"{action.help} [used by --method {', '.join(methods)}]".lstrip()
 
 
 def check_unused_options(args: argparse.Namespace, method: str, shared=()) -> None:

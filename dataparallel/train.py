@@ -7,20 +7,23 @@ its local gradient, the strategy turns it into the synchronized gradient (``sync
 ones ``hsadmm train`` uses, so the systems are compared on equal terms: the default budget of 8
 epochs equals H-SADMM's default of 8 outer iterations of one local epoch.
 
-Per evaluation interval (``--eval-every`` steps, and the last step) ``metrics.jsonl`` holds the
-rank-0 training loss, test accuracy of the synchronized model, the interval's inter/intra-node
-bytes, modeled communication time per phase and the simulated clock.  ``summary.json`` holds
-measured (ledger) and predicted (closed form, :mod:`volume.dataparallel`) traffic.
+The steps run in :class:`runner.loop.RunLoop`.  Rank 0 evaluates the synchronized model after
+every ``--eval-every`` steps (default: once per epoch; 0: only after the last) and after the
+last, and each evaluation writes a ``metrics.jsonl`` line (the schema of
+``runner/metrics.schema.json``): the interval's bytes, per-step wall, simulated and no-overlap
+times, the test accuracy and the evaluation's own wall time, the clock's totals, then the
+interval's mean training loss and ``epoch`` (steps done / steps per epoch).  ``summary.json``
+holds measured (ledger) and predicted (the plan's records, accounted step by step) traffic.
 
 Checkpoints: ``--checkpoint-every N`` saves every rank's state after every N-th step and at the
 end (:class:`runner.checkpoints.RunCheckpoints`): parameters, BatchNorm statistics, optimizer state
 (momentum), the strategy's own state (:meth:`Strategy.state_dict`: error-feedback residuals,
-masks, profiles, ...), the position in the mini-batch stream and the trainer's running
-accumulators.  ``--resume`` continues from the newest checkpoint intact on every rank up to
-``--steps`` (or ``--epochs``) in total; the result (parameters, metrics lines, traffic) equals an
-uninterrupted run's.  Strategy options of other methods (e.g. ``--init`` with ``--method ddp``)
-are refused.  Progress: rank 0 prints the step, loss, last test accuracy and inter-node bytes so
-far every ``--progress-every`` steps on stderr.
+masks, profiles, ...), the interval's losses and the run loop's own state (the position in the
+mini-batch stream follows from the step).  ``--resume`` continues from the newest checkpoint
+intact on every rank up to ``--steps`` (or ``--epochs``) in total; the result (parameters,
+metrics lines, traffic) equals an uninterrupted run's.  Strategy options of other methods (e.g.
+``--init`` with ``--method ddp``) are refused.  Progress: rank 0 prints the step, loss, last
+test accuracy and inter-node bytes so far every ``--progress-every`` steps on stderr.
 """
 
 from __future__ import annotations
@@ -35,27 +38,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from models import OPTIMIZERS, SCHEDULES, build_model, iterate_batches, load_shard
+from models.arch import arch_help, parse_arch, split_arch
 from models.data import check_batch_size
 from models.optim import make_optimizer, make_schedule
-from models.train import evaluate, parse_arch
-from runner.checkpoints import RunCheckpoints
+from models.train import evaluate
+from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
-from runner.progress import Progress
 from runner.run import start_run
-from substrate.ledger import Predicted
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
-from .pactrain import load_init
+from .pactrain import INIT_FORMAT, check_init_file, load_init
 from .strategy import (
     STRATEGIES,
     StepState,
     SyncContext,
-    add_options_args,
+    add_strategy_args,
     check_unused_options,
     options_from_args,
 )
 
-__all__ = ["DPConfig", "build_parser", "train", "main"]
+__all__ = ["DPConfig", "build_parser", "main", "train"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,10 @@ class DPConfig:
 
     method: str = option("ddp", "gradient-sync strategy: one of the registered methods "
                          "(ddp, topk, pactrain, sdp, ssfusion, ...)")
-    model: str = option("cnn", "models/ name: cnn, resnet, mlp")
-    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic")
+    model: str = option("cnn", "models/ name: cnn, resnet, mlp, vit (images), gpt (--dataset "
+                        "text)")
+    dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic (images), "
+                          "text (embedded bytes)")
     data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files")
     epochs: float = option(8.0, "passes over each shard")
     steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -79,14 +83,18 @@ class DPConfig:
                            "cosine)")
     arch: tuple = option(default_factory=tuple, help="model factory argument, repeatable: "
                          "--arch depths=2,2 --arch planes=16,32 (--arch context=N: the text "
-                         "dataset's window)", append=True, metavar="KEY=VALUE")
+                         f"dataset's window); keys per model: {arch_help()} (types, ranges "
+                         "and defaults: models/arch.py)", append=True, metavar="KEY=VALUE")
     momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
     weight_decay: float = option(1e-4, "weight decay of conv and fc weights")
-    eval_every: int = option(0, "steps between test evaluations (0: once per epoch)")
+    eval_every: int | None = option(
+        None, "evaluate the synchronized model on rank 0 after every N-th step and after the "
+        "last (0: after the last only; default: once per epoch)", type=int, metavar="N")
     target_accuracy: float = option(0.9, "accuracy for the simulated time-to-accuracy metric")
     init: str | None = option(
-        None, "start every method from this .npz of a trained model's flat parameters "
-        "(dataparallel.pactrain.save_init; PacTrain prunes it at once)", type=str)
+        None, "start every method from a trained model (PacTrain prunes it at once): "
+        f"{INIT_FORMAT}; anything else (an .npy, another model's file, NaN or Inf values) is "
+        "refused before the run", type=str, metavar="FILE")
     #: from :func:`runner.options.add_training_args` / :func:`runner.options.add_common_args`
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
@@ -108,12 +116,14 @@ class DPConfig:
                              f"{self.warmup}")
         if self.warmup > 0 and self.lr_schedule != "cosine":
             raise ValueError("--warmup needs --lr-schedule cosine")
-        parse_arch(self.arch)  # validates KEY=VALUE
+        parse_arch(self.arch, self.model, self.dataset)  # keys, types, ranges, combinations
+        if self.init is not None:
+            check_init_file(self.init)   # the format; load_init checks the arrays
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got "
                              f"{self.checkpoint_every}")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0 (0: once per epoch), got "
+        if self.eval_every is not None and self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: after the last step only), got "
                              f"{self.eval_every}")
         if not 0 < self.target_accuracy <= 1:
             raise ValueError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
@@ -129,22 +139,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataparallel train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(p, DPConfig, "training")
-    for name, cls in sorted(STRATEGIES.items()):
-        add_options_args(p, cls.Options, f"--method {name}")
+    add_strategy_args(p)
     add_training_args(p, "step", progress_every=20)
     add_common_args(p)
     return p
 
 
-#: configuration fields a resumed run may change (everything else must match the checkpoint)
+#: configuration fields a resumed run may change (everything else must match the checkpoint);
+#: a new total is refused where it changes the learning-rate schedule (:data:`SCHEDULE_WHY`)
 RESUMABLE = ("steps", "epochs", "checkpoint_every", "resume")
+#: how each --lr-schedule depends on the run's steps (the reason a resume that changes them is
+#: refused)
+SCHEDULE_WHY = {
+    "constant": "the constant schedule does not depend on the run's steps",
+    "cosine": "--lr-schedule cosine decays the learning rate over the run's steps (--steps, or "
+              "the steps of --epochs) and --warmup is a fraction of them",
+    "step": "--lr-schedule step divides the learning rate every third of the run's steps "
+            "(--steps, or the steps of --epochs)",
+}
 
 
 def _host(run, a) -> np.ndarray:
     return np.array(run.backend.asnumpy(a), copy=True)
 
 
-def _trainer_state(run, model, opt, strategy, acc) -> dict:
+def _trainer_state(run, model, opt, strategy) -> dict:
     """This rank's model, optimizer and strategy state for a checkpoint (the trainer's own
     accumulators are added by the caller)."""
     state = {"model/params": _host(run, model.params.flat)}
@@ -153,7 +172,6 @@ def _trainer_state(run, model, opt, strategy, acc) -> dict:
         if value is not None:
             state[f"opt/{key}"] = np.int64(value) if key == "step_count" else value
     state.update({f"strategy/{k}": v for k, v in strategy.state_dict().items()})
-    state["train/acc"] = np.float64(acc)
     return state
 
 
@@ -176,6 +194,82 @@ def _load_trainer_state(run, model, opt, strategy, state: dict) -> None:
                               if k.startswith("strategy/")})
 
 
+class _Steps(LoopBody):
+    """One optimizer step of the data-parallel trainer, for :class:`runner.loop.RunLoop`:
+    forward and backward, the strategy's sync, the optimizer (and, before an evaluation, the
+    strategy's :meth:`~dataparallel.strategy.Strategy.before_eval`, whose bytes belong to the
+    step); evaluation of the synchronized model on rank 0."""
+
+    def __init__(self, run, cfg: DPConfig, model, opt, strategy, train_shard, test, eval_model,
+                 steps_per_epoch: int) -> None:
+        self.run, self.cfg = run, cfg
+        self.model, self.opt, self.strategy = model, opt, strategy
+        self.train, self.test, self.eval_model = train_shard, test, eval_model
+        self.steps_per_epoch = steps_per_epoch
+        #: losses of the steps since the last metrics line, the last step's, the simulated
+        #: time at which rank 0 first evaluated at least --target-accuracy
+        self.losses: list[float] = []
+        self.loss, self.done = float("nan"), 0
+        self.time_to_target = None
+        self._epoch, self._batches = None, None
+
+    def _batch(self, step: int):
+        """The step's mini-batch: epoch ``step // steps per epoch``'s stream, entered where a
+        resumed run stopped."""
+        epoch = step // self.steps_per_epoch
+        if epoch != self._epoch:
+            batches = iterate_batches(self.train, self.cfg.batch_size, seed=self.cfg.seed,
+                                      rank=self.run.rank, epoch=epoch)
+            self._batches = itertools.islice(batches, step - epoch * self.steps_per_epoch, None)
+            self._epoch = epoch
+        return epoch, next(self._batches)
+
+    def unit(self, due):
+        run, strategy, opt = self.run, self.strategy, self.opt
+        epoch, (x, y) = self._batch(due.index)
+        with run.clock.compute("forward+backward"):
+            loss, _ = self.model.loss_and_grad(x, y, ready=strategy.on_ready)
+        state = StepState(step=due.index, epoch=epoch, loss=float(loss), logged=due.log)
+        strategy.sync(state, self.model.grads)
+        with run.clock.compute("optimizer", flops=opt.flops(), deps=run.clock.comm_events()):
+            opt.step()
+        strategy.after_step(state)
+        if due.eval:
+            strategy.before_eval()
+        self.loss, self.done = float(loss), due.index + 1
+        self.losses.append(self.loss)
+        return strategy.step_calls()
+
+    def evaluate(self) -> Evaluation:
+        if self.run.rank != 0:
+            return Evaluation()
+        self.eval_model.params.flat[...] = self.strategy.eval_params()
+        for name, buf in self.model.buffers.items():
+            self.eval_model.buffers[name][...] = buf
+        _, acc = evaluate(self.eval_model, self.test)
+        if self.time_to_target is None and acc >= self.cfg.target_accuracy:
+            self.time_to_target = self.run.clock.sim_s
+        return Evaluation(acc)
+
+    def line(self, interval) -> dict:
+        line = {"epoch": self.done / self.steps_per_epoch, "loss": float(np.mean(self.losses))}
+        self.losses = []
+        return line
+
+    def progress(self) -> dict:
+        return {"loss": self.loss}
+
+    def state_dict(self) -> dict:
+        return {**_trainer_state(self.run, self.model, self.opt, self.strategy),
+                "train/losses": np.array(self.losses, dtype=np.float64),
+                "train/time_to_target": json.dumps(self.time_to_target)}
+
+    def load_state_dict(self, state: dict) -> None:
+        _load_trainer_state(self.run, self.model, self.opt, self.strategy, state)
+        self.losses = state["train/losses"].tolist()
+        self.time_to_target = json.loads(str(state["train/time_to_target"]))
+
+
 def train(args) -> dict:
     """Train with the configured strategy; returns the summary (every rank)."""
     cfg = from_args(DPConfig, args)
@@ -185,8 +279,7 @@ def train(args) -> dict:
     run = start_run(args, system="dataparallel", method=cfg.method,
                     config={**vars(cfg), "options": vars(options) if vars(options) else {}})
     xp = run.xp
-    arch = dict(parse_arch(cfg.arch))
-    data_kw = {"context": int(arch.pop("context"))} if "context" in arch else {}
+    arch, data_kw = split_arch(cfg.arch, cfg.model, cfg.dataset)
     # each rank reads only its shard of the training set (CIFAR-10: batch file by batch file)
     data = load_shard(cfg.dataset, cfg.data_dir, rank=run.rank, size=run.size, seed=cfg.seed,
                       **data_kw)
@@ -212,111 +305,38 @@ def train(args) -> dict:
 
     steps_per_epoch = math.ceil(len(train_shard) / cfg.batch_size)
     total = strategy.total_steps(budget)
-    eval_every = cfg.eval_every or steps_per_epoch
     fingerprint = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE},
                    "options": dataclasses.asdict(options)}
-    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint, unit="step",
-                          flag="--steps")
-    predicted = Predicted()
-    acc = float("nan")
-    time_to_target = None
-    step, losses = 0, []
-    snap = run.ledger.snapshot()
-    interval = {"intra": 0, "inter": 0}
-    if cfg.resume:
-        step, state = ckpt.resume(total)
-        _load_trainer_state(run, model, opt, strategy, state)
-        acc = float(state["train/acc"])
-        losses = state["train/losses"].tolist()
-        interval, snap, pred_state, time_to_target = (
-            json.loads(str(state[f"train/{k}"]))
-            for k in ("interval", "snap", "predicted", "time_to_target"))
-        predicted = Predicted.from_state(pred_state)
-    start = step
-
-    progress = Progress(run, total=total, unit="step", every=getattr(args, "progress_every", 0),
-                        start=start)
-    epoch = step // steps_per_epoch
+    # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last;
+    # the learning-rate schedule follows from the budget, so a resume may not change it
+    loop = RunLoop(run, total=total, flag="--steps", fingerprint=fingerprint,
+                   checkpoint_every=cfg.checkpoint_every,
+                   progress_every=getattr(args, "progress_every", 0),
+                   eval_every=steps_per_epoch if cfg.eval_every is None else cfg.eval_every,
+                   resume=cfg.resume,
+                   schedule={"lr_schedule": cfg.lr_schedule, **dataclasses.asdict(schedule)},
+                   schedule_why=SCHEDULE_WHY[cfg.lr_schedule])
+    body = _Steps(run, cfg, model, opt, strategy, train_shard, test, eval_model,
+                  steps_per_epoch)
+    state = loop.resume()
+    if state is not None:
+        body.load_state_dict(state)
     # per-layer compute events (timeline clock): gradients become ready in backward order
     model.recorder = run.clock.layers
-    # since the last metrics line: wall seconds of the training steps (forward, backward, sync,
-    # update; no evaluation: the measured side of the per-step timeline comparison), simulated
-    # step time (critical path) and the no-overlap sum
-    wall_acc, sim_acc, serial_acc, wall_step = 0.0, 0.0, 0.0, step
-    while step < total:
-        batches = iterate_batches(train_shard, cfg.batch_size, seed=cfg.seed, rank=run.rank,
-                                  epoch=epoch)
-        # a resumed run continues the epoch's stream after the batches already consumed
-        for x, y in itertools.islice(batches, step - epoch * steps_per_epoch, None):
-            with run.clock.compute("forward+backward"):
-                loss, _ = model.loss_and_grad(x, y, ready=strategy.on_ready)
-            state = StepState(step=step, epoch=epoch, loss=float(loss))
-            strategy.sync(state, model.grads)
-            with run.clock.compute("optimizer", flops=opt.flops(),
-                                   deps=run.clock.comm_events()):
-                opt.step()
-            strategy.after_step(state)
-            step += 1
-            evaluating = step % eval_every == 0 or step == total
-            if evaluating:
-                strategy.before_eval()
-            timing = run.clock.step()
-            wall_acc += run.clock.step_wall_s
-            sim_acc += timing.step_s
-            serial_acc += timing.no_overlap_s
-            # the plan's records of the step, held against the calls that ran, priced
-            b = predicted.add(run.recorder.account(strategy.step_calls()))
-            interval["intra"] += b["intra"]
-            interval["inter"] += b["inter"]
-            losses.append(float(loss))
-            if evaluating:
-                if run.rank == 0:
-                    eval_model.params.flat[...] = strategy.eval_params()
-                    for name, buf in model.buffers.items():
-                        eval_model.buffers[name][...] = buf
-                    _, acc = evaluate(eval_model, test)
-                    if time_to_target is None and acc >= cfg.target_accuracy:
-                        time_to_target = run.clock.sim_s
-                delta = run.ledger.since(snap)
-                snap = run.ledger.snapshot()
-                run.log(step, epoch=step / steps_per_epoch, loss=float(np.mean(losses)),
-                        step_wall_s=wall_acc / max(1, step - wall_step),
-                        step_sim_s=sim_acc / max(1, step - wall_step),
-                        step_no_overlap_s=serial_acc / max(1, step - wall_step),
-                        test_accuracy=acc, sim_s=run.clock.sim_s,
-                        compute_s=run.clock.compute_s,
-                        comm_modeled_s=run.clock.comm_modeled_s,
-                        phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
-                        inter_node_bytes=interval["inter"], intra_node_bytes=interval["intra"])
-                losses, interval = [], {"intra": 0, "inter": 0}
-                wall_acc, sim_acc, serial_acc, wall_step = 0.0, 0.0, 0.0, step
-                run.clock.mark()   # the evaluation is not part of the next step's wall time
-            progress.update(step, loss=float(loss), test_accuracy=acc,
-                            inter_bytes=predicted.total("inter"),
-                            total_bytes=predicted.total("inter") + predicted.total("intra"))
-            if ckpt.due(step, last=step == total):
-                ckpt.save(step, {
-                    **_trainer_state(run, model, opt, strategy, acc),
-                    "train/losses": np.array(losses, dtype=np.float64),
-                    **{f"train/{k}": json.dumps(v) for k, v in (
-                        ("interval", interval), ("snap", snap), ("predicted", predicted.state()),
-                        ("time_to_target", time_to_target))}})
-            if step == total:
-                break
-        epoch += 1
-    progress.close()
-    metrics = {"final_test_accuracy": float(acc), "steps": step, "budget_steps": budget,
-               "epochs": step / steps_per_epoch, "target_accuracy": cfg.target_accuracy,
-               "sim_s_to_target": time_to_target, **strategy.report()}
+    loop.run(body)
+    step = loop.done
+    metrics = {"final_test_accuracy": loop.final_accuracy, "steps": step,
+               "budget_steps": budget, "epochs": step / steps_per_epoch,
+               "target_accuracy": cfg.target_accuracy, "sim_s_to_target": body.time_to_target,
+               **strategy.report()}
     if cfg.resume:
-        metrics["resumed_from_step"] = start
-    if getattr(eval_model, "lm", False):
+        metrics["resumed_from_step"] = loop.start
+    if getattr(eval_model, "lm", False) and run.rank == 0:
         # a language model: held-out loss over every position, perplexity, bits per byte
         # on rank 0, which writes the summary (its eval_params are the assembled model)
-        if run.rank == 0:
-            eval_model.params.flat[...] = strategy.eval_params()
-            metrics.update({f"heldout_{k}": v for k, v in eval_model.evaluate_lm(test).items()})
-    summary = run.finish(metrics=metrics, predicted=predicted.block())
+        eval_model.params.flat[...] = strategy.eval_params()
+        metrics.update({f"heldout_{k}": v for k, v in eval_model.evaluate_lm(test).items()})
+    summary = run.finish(metrics=metrics, predicted=loop.predicted.block())
     return {**summary, "_rank": run.rank}
 
 

@@ -398,7 +398,9 @@ class HSADMM(_Base):
         super().__init__(run, cfg, model, train_shard, keep_overrides)
         xp = self.xp
         s = self.state
-        self.M, self.P = self.topo.num_nodes, self.topo.ranks_per_node
+        self.M = self.topo.num_nodes
+        self.P = self.topo.require_uniform(
+            "H-SADMM", "eq. 9's gamma = lambda/M + P rho1 + rho2 counts P ranks on every node")
         self.plan = self._make_plan()
         self.plan_builds = 1
         self._z_old = xp.empty_like(s.theta)

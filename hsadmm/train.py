@@ -36,6 +36,14 @@ traffic (measured and predicted) and compute time of the iterations before the c
 from the checkpoint, so ``metrics.jsonl`` and the summary's traffic equal an uninterrupted run's.
 A finished run is continued only with a larger ``--iters``; a smaller one is refused.
 
+Metrics and evaluation: the iterations run in :class:`runner.loop.RunLoop`; every iteration
+writes a ``metrics.jsonl`` line (the schema of ``runner/metrics.schema.json``, then the solver's
+values: ``iteration`` k from 0, loss, mask drift and sync, compact and dense elements, residuals,
+rho).  Rank 0 evaluates the consensus model ``z`` after every ``--eval-every`` iterations
+(default 1; 0: after the last only) and after the last; the evaluation's wall time is
+``eval_wall_s``, outside ``step_wall_s`` (the other ranks wait for it in the next iteration's
+first collective: ``--eval-every 0`` removes that wait from a timing run).
+
 Progress: rank 0 prints the iteration, loss, test accuracy of ``z`` and inter-node bytes so far
 every ``--progress-every`` iterations (default 1) on stderr.
 """
@@ -44,17 +52,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import build_model, load_shard
+from models import MODELS, build_model, load_shard, zoo
+from models.arch import check_model_dataset
 from models.data import check_batch_size
 from models.train import evaluate
-from runner.checkpoints import RunCheckpoints
+from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
-from runner.progress import Progress
 from runner.run import start_run
 from substrate.options import add_dataclass_args, from_args, option
 
@@ -62,10 +68,19 @@ from .config import PAPER_DEFAULTS, HSADMMConfig, read_keep_file
 from .export import export_compact, load_compact_model
 from .solver import SOLVERS
 
-__all__ = ["HSADMMConfig", "TrainConfig", "PAPER_DEFAULTS", "build_parser", "main", "train",
-           "solver_config"]
+__all__ = [
+    "PAPER_DEFAULTS",
+    "HSADMMConfig",
+    "TrainConfig",
+    "build_parser",
+    "main",
+    "solver_config",
+    "train",
+]
 
 RUN = "what to train"
+#: models the compact export can rebuild (a ``models.zoo.<name>_layers`` builder each)
+COMPACT_MODELS = tuple(m for m in MODELS if hasattr(zoo, f"{m}_layers"))
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,9 @@ class TrainConfig:
     dataset: str = option("digits", "digits (embedded), mnist, cifar10, synthetic", group=RUN)
     data_dir: str | None = option(None, "directory of MNIST/CIFAR-10 files", group=RUN)
     iters: int = option(8, "outer ADMM iterations K_max", group=RUN)
+    eval_every: int = option(1, "evaluate the consensus model z on rank 0 after every N-th "
+                             "iteration and after the last (0: after the last only)",
+                             group=RUN, metavar="N")
     paper_defaults: bool = option(
         False, "PruneX §5.1.5's values for every solver option not given on the command line: "
                "lr 1e-3, batch 128, rho1 1.5e-3, rho2 1.5e-4, 5 local epochs", group=RUN)
@@ -86,8 +104,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in SOLVERS:
             raise ValueError(f"unknown --method {self.method!r}; valid: {sorted(SOLVERS)}")
+        check_model_dataset(self.model, self.dataset)
+        if self.model not in COMPACT_MODELS:
+            raise ValueError(f"--model {self.model}: hsadmm train ends with the compact export, "
+                             "which rebuilds the model from its models.zoo layer tree; those "
+                             f"exist for {', '.join(COMPACT_MODELS)}: pass one of them")
         if self.iters < 1:
             raise ValueError(f"--iters must be >= 1, got {self.iters}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: after the last iteration only), "
+                             f"got {self.eval_every}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +151,54 @@ def _run_config(tcfg: TrainConfig, cfg: HSADMMConfig, args) -> dict:
             "resume": bool(getattr(args, "resume", False))}
 
 
+class _Iterations(LoopBody):
+    """One outer ADMM iteration for :class:`runner.loop.RunLoop`; the evaluation is the test
+    accuracy of the consensus model ``z`` on rank 0 (BN statistics from rank 0's model)."""
+
+    def __init__(self, run, solver, model, eval_model, test) -> None:
+        self.run, self.solver, self.model = run, solver, model
+        self.eval_model, self.test = eval_model, test
+        self.out: dict = {}
+        self.k, self.loss = -1, float("nan")
+
+    def unit(self, due):
+        # one timeline step per ADMM iteration (each call declares its own event, after the
+        # compute that writes its buffer: see HSADMM.iterate)
+        self.k = due.index
+        self.out = self.solver.iterate(self.k)
+        self.loss = self.out["loss"]
+        return self.solver.iteration_calls(self.out["mask_synced"])
+
+    def load_z(self) -> None:
+        """The consensus model z with this rank's BN statistics, in ``eval_model``."""
+        self.eval_model.params.flat[...] = self.solver.state.z
+        for name, buf in self.model.buffers.items():
+            self.eval_model.buffers[name][...] = buf
+
+    def evaluate(self) -> Evaluation:
+        if self.run.rank != 0:
+            return Evaluation()
+        self.load_z()
+        return Evaluation(evaluate(self.eval_model, self.test)[1])
+
+    def line(self, interval) -> dict:
+        out = self.out
+        return {"iteration": self.k, "loss": self.loss,
+                "mask_sync_bytes": interval.phase_bytes.get("mask_sync", {"inter": 0})["inter"],
+                **{key: out[key] for key in (
+                    "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
+                    "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2", "converged")}}
+
+    def progress(self) -> dict:
+        return {"loss": self.loss}
+
+    def stopped(self) -> bool:
+        return bool(self.solver.converged)
+
+    def state_dict(self) -> dict:
+        return {**self.solver.state_dict(), "train/loss": self.loss}
+
+
 def train(args) -> dict:
     """Run the configured solver; returns the summary (every rank)."""
     tcfg = from_args(TrainConfig, args)
@@ -148,109 +222,47 @@ def train(args) -> dict:
     model.recorder = run.clock.layers
     eval_model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                              seed=seed)
-    predicted: dict[str, dict] = {}
-
-    def add_predicted(phase, b):
-        e = predicted.setdefault(phase, {"intra_bytes": 0, "inter_bytes": 0})
-        e["intra_bytes"] += b["intra"]
-        e["inter_bytes"] += b["inter"]
-
     fingerprint = {k: v for k, v in config.items() if k not in RESUMABLE}
-    ckpt = RunCheckpoints(run, every=config["checkpoint_every"], fingerprint=fingerprint,
-                          unit="iteration", flag="--iters")
-    start, loss = 0, float("nan")
-    if config["resume"]:
-        start, state = ckpt.resume(tcfg.iters)
-        predicted.update(json.loads(str(state.pop("train/predicted"))))
-        loss = float(state.pop("train/loss"))
+    # a metrics line per iteration; the consensus model evaluated every --eval-every of them
+    loop = RunLoop(run, total=tcfg.iters, flag="--iters", fingerprint=fingerprint,
+                   checkpoint_every=config["checkpoint_every"],
+                   progress_every=getattr(args, "progress_every", 0),
+                   eval_every=tcfg.eval_every, log_every=1, resume=config["resume"])
+    body = _Iterations(run, solver, model, eval_model, test)
+    state = loop.resume()
+    if state is not None:
+        body.loss = float(state.pop("train/loss"))
         solver.load_state_dict(state)
         if solver.converged and run.previous == "finished":
-            raise ValueError(f"--resume: the run in {run.out} converged after {start} "
+            raise ValueError(f"--resume: the run in {run.out} converged after {loop.done} "
                              "iterations (summary.json): there is nothing to continue; start "
                              "afresh with --overwrite")
-
-    def load_z():
-        """The consensus model z with this rank's BN statistics, in ``eval_model``."""
-        eval_model.params.flat[...] = solver.state.z
-        for name, buf in model.buffers.items():
-            eval_model.buffers[name][...] = buf
-
-    def evaluate_z():
-        # test accuracy of the consensus model z (rank 0; BN statistics from rank 0's model)
-        if run.rank != 0:
-            return float("nan")
-        load_z()
-        return evaluate(eval_model, test)[1]
-
-    def bytes_so_far(link):
-        return sum(e[f"{link}_bytes"] for e in predicted.values())
-
-    progress = Progress(run, total=tcfg.iters, unit="iteration",
-                        every=getattr(args, "progress_every", 0),
-                        start=start)
-    acc = float("nan")
-    done = start
-    while done < tcfg.iters and not solver.converged:
-        k = done
-        snap = run.ledger.snapshot()
-        t0 = time.perf_counter()
-        out = solver.iterate(k)
-        step_wall_s = time.perf_counter() - t0
-        # one timeline step per ADMM iteration (each call declares its own event, after the
-        # compute that writes its buffer: see HSADMM.iterate)
-        timing = run.clock.step()
-        # the plan's records of the iteration, held against the calls that ran, priced
-        it_bytes = run.recorder.account(solver.iteration_calls(out["mask_synced"]))
-        for phase, b in it_bytes.items():
-            add_predicted(phase, b)
-        delta = run.ledger.since(snap)
-        acc = evaluate_z()
-        loss = out["loss"]
-        run.log(k, intra_node_bytes=sum(b["intra"] for b in it_bytes.values()),
-                inter_node_bytes=sum(b["inter"] for b in it_bytes.values()),
-                step_wall_s=step_wall_s, step_sim_s=timing.step_s,
-                step_no_overlap_s=timing.no_overlap_s, loss=loss, test_accuracy=acc,
-                sim_s=run.clock.sim_s, compute_s=run.clock.compute_s,
-                comm_modeled_s=run.clock.comm_modeled_s,
-                phase_modeled_s={p: e["modeled_s"] for p, e in delta.items()},
-                mask_sync_bytes=it_bytes.get("mask_sync", {"inter": 0})["inter"],
-                **{key: out[key] for key in (
-                    "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
-                    "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2", "converged")})
-        done = k + 1
-        progress.update(done, loss=loss, test_accuracy=acc, inter_bytes=bytes_so_far("inter"),
-                        total_bytes=bytes_so_far("inter") + bytes_so_far("intra"))
-        if ckpt.due(done, last=done == tcfg.iters or solver.converged):
-            ckpt.save(done, {**solver.state_dict(), "train/predicted": json.dumps(predicted),
-                             "train/loss": loss})
-    progress.close()
-    if done == start:  # resumed with nothing left to do: evaluate the loaded z
-        acc = evaluate_z()
+    loop.run(body)
+    done = loop.done
     z = solver.state.z
     pruned = getattr(solver, "pruned", [])
     kept = sum(int(xp.count_nonzero(z[solver.slices[i]])) for i in pruned)
     total = sum(int(solver.layout.sizes[solver.names[i]]) for i in pruned)
     # physically compact export of z (every rank builds it; rank 0 writes and evaluates it)
-    load_z()
+    body.load_z()
     export = export_compact(eval_model, solver.global_masks())
     compact_acc = float("nan")
     if run.rank == 0:
         path = export.save(Path(run.out) / "compact_model.npz")
         compact_acc = evaluate(load_compact_model(path, xp=xp), test)[1]
     # test accuracy is evaluated on rank 0, which writes the summary (NaN on other ranks)
-    metrics = {"final_test_accuracy": float(acc),
-               "final_loss": loss, "iterations": done,
+    metrics = {"final_test_accuracy": loop.final_accuracy,
+               "final_loss": body.loss, "iterations": done,
                "conv_density": kept / total if total else 1.0,
                "compact_test_accuracy": compact_acc,
                "compact_conv_params": export.compact_conv_params,
                "dense_conv_params": export.dense_conv_params}
     if config["resume"]:
-        metrics["resumed_from_iteration"] = start
-    pred = {"inter_node_bytes": bytes_so_far("inter"), "intra_node_bytes": bytes_so_far("intra"),
-            "by_phase": predicted}
+        metrics["resumed_from_iteration"] = loop.start
     manifest = {"file": "compact_model.npz",
                 **{k: v for k, v in export.manifest.items() if k != "format"}}
-    summary = run.finish(metrics=metrics, predicted=pred, extra={"compact_export": manifest})
+    summary = run.finish(metrics=metrics, predicted=loop.predicted.block(),
+                         extra={"compact_export": manifest})
     return {**summary, "_rank": run.rank}
 
 

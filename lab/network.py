@@ -100,7 +100,13 @@ CALIBRATION_BYTES = 4 << 20
 #: chunk restarted from 10 segments and waited for ACKs queued behind the reverse direction's
 #: data; a 2 x 2 ddp step on a 10 Mbit/s link took 1.19 s against 0.26 s without the restart
 #: (the alpha-beta model of the interconnects spardist models, RDMA, has no such window).
-HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_idle=0")
+#: TCP small queues at 64 KiB per socket (the kernel's default, 4 MiB, lets one bulk flow fill
+#: the shaped egress queue with a third of a second of data at 100 Mbit/s): the lab's qdiscs are
+#: FIFOs (this kernel has no fq), so a ring's rendezvous replies and ACKs waited behind the
+#: reverse direction's chunks; a replayed 2 x 2 ddp step at 100 Mbit/s measured 0.654 s against
+#: 0.573 s predicted with 4 MiB, 0.602 s with 64 KiB (load 7-9).
+HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_idle=0",
+                "net.ipv4.tcp_limit_output_bytes=65536")
 #: tbf bucket, in seconds of the rate: a link idle for longer sends this much at once.  Short:
 #: with 4 ms (the old ``rate / 250``) an H-SADMM iteration's 145 kB all-reduce after 6 ms of
 #: compute took 9 ms on a 100 Mbit/s link instead of the 12.1 ms its size takes at the rate

@@ -15,23 +15,41 @@
 from __future__ import annotations
 
 import gzip
-import io
 import importlib
 import importlib.util
+import io
 import os
 import pickle
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 __all__ = [
-    "Dataset", "DatasetSplit", "DatasetFormatError", "DatasetNotFoundError",
-    "load_digits", "load_mnist", "load_cifar10", "make_synthetic", "DATASETS", "load_dataset",
-    "read_idx", "channel_stats", "normalize", "shard", "load_shard", "ShardSplit", "iterate_batches", "num_batches",
-    "check_batch_size", "IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC",
+    "DATASETS",
+    "IDX_IMAGES_MAGIC",
+    "IDX_LABELS_MAGIC",
+    "Dataset",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "DatasetSplit",
+    "ShardSplit",
+    "channel_stats",
+    "check_batch_size",
+    "iterate_batches",
+    "load_cifar10",
+    "load_dataset",
+    "load_digits",
+    "load_mnist",
+    "load_shard",
+    "make_synthetic",
+    "normalize",
+    "num_batches",
+    "read_idx",
+    "shard",
 ]
 
 #: IDX magic number of an unsigned-byte 3-D array (MNIST images): 0x00000803.
@@ -44,8 +62,9 @@ class DatasetFormatError(ValueError):
     """A dataset file exists but is not what was expected (wrong magic, truncated, bad shape)."""
 
 
-class DatasetNotFoundError(FileNotFoundError):
-    """A dataset directory or file is missing."""
+class DatasetNotFoundError(FileNotFoundError, ValueError):
+    """A dataset directory or file is missing (an input error: a ``ValueError`` too, so the
+    runner's error path reports it in one line, without a traceback)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +99,11 @@ class Dataset:
         """Per-sample shape ``(C, H, W)``."""
         return tuple(int(s) for s in self.x.shape[1:])
 
-    def subset(self, indices) -> "Dataset":
+    def subset(self, indices) -> Dataset:
         """Rows ``indices`` (copied)."""
         return Dataset(self.x[indices], self.y[indices], self.num_classes, self.name)
 
-    def to(self, xp) -> "Dataset":
+    def to(self, xp) -> Dataset:
         """The same data as ``xp`` arrays (``numpy`` or ``cupy``)."""
         return Dataset(xp.asarray(self.x), xp.asarray(self.y), self.num_classes, self.name)
 
@@ -157,7 +176,7 @@ def _read_digits() -> tuple[np.ndarray, np.ndarray]:
     path = _digits_file()
     if path is None:
         try:
-            from sklearn.datasets import load_digits as _sk_load_digits  # noqa: PLC0415
+            from sklearn.datasets import load_digits as _sk_load_digits
         except ImportError as e:
             raise DatasetNotFoundError(
                 "the digits dataset ships with scikit-learn, which is not installed; "
@@ -192,7 +211,7 @@ def load_digits(*, test_fraction: float = 0.2, split_seed: int = 0,
     x = (images.astype(np.float32) / 16.0)[:, None, :, :]
     y = target.astype(np.int64)
     perm = np.random.default_rng(split_seed).permutation(len(y))
-    n_test = int(round(test_fraction * len(y)))
+    n_test = round(test_fraction * len(y))
     test_idx, train_idx = perm[:n_test], perm[n_test:]
     train = Dataset(x[train_idx], y[train_idx], 10, "digits")
     test = Dataset(x[test_idx], y[test_idx], 10, "digits")
@@ -253,7 +272,8 @@ def read_idx(path, expected_magic: int) -> np.ndarray:
         if magic in kinds:
             hint = f"; is this a {kinds[magic]} file?"
         raise DatasetFormatError(
-            f"{path}: expected magic {expected_magic} for {what}, got {magic}{hint}")
+            f"{path}: expected magic {expected_magic} for {what}, got {magic}{hint}; not an "
+            f"IDX {what} file, or damaged: re-download it")
     ndim = raw[3]
     header = 4 + 4 * ndim
     if len(raw) < header:
@@ -265,7 +285,7 @@ def read_idx(path, expected_magic: int) -> np.ndarray:
         state = "truncated" if len(raw) - header < n_data else "has trailing bytes"
         raise DatasetFormatError(
             f"{path}: {state}; header says dims {dims} = {n_data} data bytes, file has "
-            f"{len(raw) - header}")
+            f"{len(raw) - header}: re-download it")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 
@@ -326,7 +346,7 @@ def load_mnist(root, *, normalize_data: bool = True) -> DatasetSplit:
 class _CifarUnpickler(pickle.Unpickler):
     """Unpickler that only reconstructs NumPy arrays and builtin containers (no code execution)."""
 
-    _ALLOWED = {
+    _ALLOWED: ClassVar[dict] = {
         ("numpy.core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
         ("numpy.core.numeric", "_frombuffer"): ("numpy._core.numeric", "_frombuffer"),
@@ -359,7 +379,7 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{path}: expected a dict with b'data' and b'labels', got "
                                  f"{type(obj).__name__}")
-    get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731 (py2 bytes or py3 str keys)
+    get = lambda k: obj.get(k.encode(), obj.get(k))
     data, labels = get("data"), get("labels")
     if data is None or labels is None:
         raise DatasetFormatError(f"{path}: expected keys b'data' and b'labels', found "
@@ -575,7 +595,7 @@ def load_shard(name: str, root=None, *, rank: int, size: int, seed: int | None =
 
 
 def _to_module(like, idx: np.ndarray):
-    from substrate.backend import array_module  # noqa: PLC0415
+    from substrate.backend import array_module
 
     return array_module(like).asarray(idx)
 

@@ -4,7 +4,8 @@ Public API::
 
     from partition import (Partition, make_partition, hypergraph_partition, random_partition,
                            HypergraphConfig, build_layer_hypergraph, compress_hypergraph,
-                           partition_metrics, PartitionMetrics, build_maps, LayerMaps)
+                           partition_metrics, PartitionMetrics, build_maps, LayerMaps,
+                           place_inputs)
 
 CLI: ``python -m partition layers W1.npz ... WL.npz --parts P --method hypergraph|random|both``
 (RadiX-Nets: ``python -m sparse_sgd partition``).  Imports only ``substrate`` (never
@@ -28,6 +29,7 @@ from partition.metrics import (
 from partition.partitioners import (
                                   ENGINES,
                                   PARTITIONERS,
+                                  PHASES,
                                   PRESETS,
                                   HypergraphConfig,
                                   Partition,
@@ -39,13 +41,15 @@ from partition.partitioners import (
                                   partitioner_errors,
                                   random_partition,
 )
+from partition.placement import INPUT_PLACEMENTS, place_inputs
 
 __all__ = [
-    "ENGINES", "PARTITIONERS", "PRESETS", "HypergraphConfig", "LayerHypergraph", "LayerMaps",
+    "ENGINES", "INPUT_PLACEMENTS", "PARTITIONERS", "PHASES", "PRESETS", "HypergraphConfig",
+    "LayerHypergraph", "LayerMaps",
     "Partition",
     "PartitionMetrics", "build_layer_hypergraph", "build_layer_maps", "build_maps",
     "compress_hypergraph", "connectivity_cutsize", "expected_random_spff", "format_table",
     "hypergraph_partition", "input_owner_from_connectivity", "layer_period", "make_partition",
     "pair_volumes", "partition_layer", "partition_metrics", "partitioner_errors",
-    "random_partition",
+    "place_inputs", "random_partition",
 ]

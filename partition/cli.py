@@ -11,27 +11,33 @@ them).  Writes ``OUT/partition.npz`` (the hypergraph partition with ``--method b
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import scipy.io
 import scipy.sparse as sp
-from runner.options import add_common_args
-from runner.run import start_run
 
+from partition.hmetis import save_partition as save_hmetis
 from partition.metrics import format_table, partition_metrics
 from partition.partitioners import (
     ENGINES,
+    PHASES,
     PRESETS,
     HypergraphConfig,
     hypergraph_partition,
     partitioner_errors,
     random_partition,
 )
+from runner.options import add_common_args
+from runner.run import start_run
 from substrate.options import add_dataclass_args, from_args, option
+from substrate.results import RunWriter
 
 __all__ = ["LayersConfig", "build_parser", "main", "read_layer"]
 
@@ -44,12 +50,20 @@ class LayersConfig:
     method: str = option("both", "partitions to compute", choices=("hypergraph", "random",
                                                                      "both"))
     engine: str = option("kahypar", "hypergraph partitioner", choices=ENGINES)
-    preset: str | None = option(None, "engine preset (default: deterministic for the seed)",
+    preset: str | None = option(None, "engine preset (default: kahypar fast, mtkahypar "
+                                "deterministic; both deterministic for the seed)",
                                 choices=PRESETS)
     epsilon: float = option(0.01, "allowed imbalance of eq. 2")
     threads: int = option(1, "Mt-KaHyPar threads (0: all cores)")
     tile: bool = option(True, "partition every layer (default: partition one period of a "
                         "periodic layer sequence and repeat it)")
+    phases: str = option("chained", "chained: phase k's fixed vertices from phase k-1 (§5); "
+                         "independent: every layer without fixed vertices, in --workers "
+                         "processes, part ids aligned to the previous layer (a deviation)",
+                         choices=PHASES)
+    workers: int = option(1, "processes for --phases independent (0: all cores)")
+    hmetis: bool = option(False, "also write OUT/hmetis/: every phase's hypergraph as hMetis "
+                          ".hgr/.fix and the saved partition as .part.P files")
 
     def __post_init__(self):
         if self.parts < 1:
@@ -58,30 +72,72 @@ class LayersConfig:
 
     def hypergraph_config(self, seed: int) -> HypergraphConfig:
         return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
-                                threads=self.threads, seed=seed, tile=self.tile)
+                                threads=self.threads, seed=seed, tile=self.tile,
+                                phases=self.phases, workers=self.workers)
+
+
+#: what a layer file may be (every refusal of one says it)
+LAYER_FORMATS = ("a SciPy sparse .npz (scipy.sparse.save_npz(path, W)) or a Matrix Market .mtx "
+                 "(scipy.io.mmwrite(path, W)), rows = neurons of the layer, real finite weights")
+#: scipy.io.mmread's messages start with the line they are about
+_MM_LINE = re.compile(r"^Line (\d+): (.*)$", re.DOTALL)
 
 
 def read_layer(path) -> sp.csr_matrix:
-    """W^k from a SciPy ``.npz`` or Matrix Market ``.mtx`` file (errors name the file)."""
+    """W^k from a SciPy ``.npz`` or Matrix Market ``.mtx`` file.
+
+    Raises
+    ------
+    ValueError
+        One line naming the file (and the line of a Matrix Market file where the reader says
+        which) and :data:`LAYER_FORMATS`: missing, a directory, another format, truncated or
+        garbage, no sparse matrix inside, complex or non-finite weights.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a layer file; give {LAYER_FORMATS}")
     if not path.is_file():
         raise ValueError(f"{path}: layer file not found")
+    if path.suffix not in (".npz", ".mtx", ".mm"):
+        raise ValueError(f"{path}: unknown layer format {path.suffix!r}; give {LAYER_FORMATS}")
     try:
-        if path.suffix == ".npz":
-            W = sp.load_npz(path)
-        elif path.suffix in (".mtx", ".mm"):
-            W = scipy.io.mmread(path)
-        else:
-            raise ValueError(f"{path}: unknown layer format {path.suffix!r}; give SciPy .npz "
-                             "(scipy.sparse.save_npz) or Matrix Market .mtx files")
-    except (OSError, ValueError, KeyError) as exc:
-        if str(path) in str(exc):
-            raise
-        raise ValueError(f"{path}: cannot read the layer ({exc}); give a SciPy .npz "
-                         "(scipy.sparse.save_npz) or Matrix Market .mtx file") from None
+        W = _load_npz(path) if path.suffix == ".npz" else scipy.io.mmread(path)
+    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError,
+            zipfile.BadZipFile, zlib.error) as exc:
+        text = str(exc).strip().rstrip(".")
+        line = _MM_LINE.match(text)
+        where = f"{path}:{line.group(1)}" if line else str(path)
+        why = line.group(2) if line else text if isinstance(exc, ValueError) else \
+            f"{type(exc).__name__}: {text}"
+        raise ValueError(f"{where}: cannot read the layer ({why}); give {LAYER_FORMATS}"
+                         ) from None
     W = sp.csr_matrix(W)
+    if W.dtype.kind not in "fiub":
+        raise ValueError(f"{path}: the layer holds {W.dtype} weights; give {LAYER_FORMATS}")
+    bad = ~np.isfinite(W.data) if W.dtype.kind == "f" else np.zeros(0, bool)
+    if bad.any():
+        r = int(np.searchsorted(W.indptr, int(np.flatnonzero(bad)[0]), side="right")) - 1
+        raise ValueError(f"{path}: {int(bad.sum())} non-finite weight(s) (NaN or Inf; the first "
+                         f"in row {r}); give {LAYER_FORMATS}")
     W.sort_indices()
     return W
+
+
+def _load_npz(path: Path):
+    """``scipy.sparse.load_npz``, with the ways an ``.npz`` can be wrong said in words."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head.startswith(b"PK"):
+        raise ValueError("not a zip archive: an .npz starts like a zip file; the file is "
+                         "garbage or of another format")
+    try:
+        return sp.load_npz(path)
+    except ValueError as exc:
+        if "does not contain a sparse" not in str(exc):
+            raise
+        with np.load(path, allow_pickle=False) as z:
+            names = ", ".join(z.files) or "nothing"
+        raise ValueError(f"no sparse matrix inside (it holds {names})") from None
 
 
 def _check_layers(paths, weights, parts: int) -> None:
@@ -114,19 +170,22 @@ def _layers(args) -> dict:
     if args.device != "cpu":
         raise ValueError("partitioning runs on the CPU; use --device cpu")
     cfg = from_args(LayersConfig, args)
-    run = start_run(args, system="partition", method=cfg.method, config=cfg, unit="step")
+    # the layer files are read before the run starts: a bad one leaves --out as it was
     weights = [read_layer(p) for p in args.files]
     _check_layers(args.files, weights, cfg.parts)
+    run = start_run(args, system="partition", method=cfg.method, config=cfg, unit="step")
     rows, saved = [], None
     if cfg.method in ("hypergraph", "both"):
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), time.perf_counter()
         with partitioner_errors():
             h = hypergraph_partition(weights, cfg.parts, cfg.hypergraph_config(args.seed))
+        wall = time.perf_counter() - w0
         rows.append(("H (hypergraph)", partition_metrics(weights, h)))
         saved = h
-        print(f"hypergraph partitioning: {h.seconds:.2f} s wall, "
+        print(f"hypergraph partitioning: {wall:.2f} s wall, "
               f"{time.process_time() - t0:.2f} s CPU ({len(weights)} layers, P={cfg.parts}, "
-              f"{h.info['engine']} preset {h.info['preset']}, period {h.info['period'] or '-'})")
+              f"{h.info['engine']} preset {h.info['preset']}, {h.info['phases']} phases, period "
+              f"{h.info['period'] or '-'})")
     if cfg.method in ("random", "both"):
         rnd = random_partition(weights, cfg.parts, seed=args.seed)
         rows.append(("R (random)", partition_metrics(weights, rnd)))
@@ -138,6 +197,9 @@ def _layers(args) -> dict:
     if run.rank == 0:
         saved.save(path)
         print(f"saved the {saved.method} partition to {path}")
+        if cfg.hmetis:
+            save_hmetis(weights, saved, Path(run.out) / "hmetis")
+            print(f"wrote its hMetis files to {Path(run.out) / 'hmetis'}")
     return run.finish(metrics={"table1": {label: m.table1() for label, m in rows},
                                "spff_spbp": {label: m.table1_spff_spbp() for label, m in rows},
                                "partition_file": str(path),
@@ -151,6 +213,7 @@ def main(argv=None) -> int:
     try:
         _layers(args)
     except ValueError as exc:
+        RunWriter.abandon_open()   # a run that fails leaves no in-progress files behind
         print(f"python -m partition: error: {exc}", file=sys.stderr)
         return 2
     return 0

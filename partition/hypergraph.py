@@ -134,11 +134,13 @@ def connectivity_cutsize(hg: LayerHypergraph, part: np.ndarray) -> int:
 def _set_hash(indptr: np.ndarray, indices: np.ndarray, n_items: int, seed: int) -> np.ndarray:
     """64-bit hash of each CSR row's index set (sum of random words, wrapping)."""
     rnd = np.random.default_rng(seed).integers(1, 2**63 - 1, size=n_items, dtype=np.int64)
-    vals = rnd[indices].astype(np.uint64)
-    seg = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+    vals = rnd.view(np.uint64)[indices]
+    counts = np.diff(indptr)
     out = np.zeros(indptr.size - 1, dtype=np.uint64)
-    np.add.at(out, seg, vals)
-    return out + np.diff(indptr).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    rows = np.flatnonzero(counts)
+    if rows.size:  # reduceat over the non-empty rows (wrapping uint64 sums)
+        out[rows] = np.add.reduceat(vals, indptr[:-1][rows])
+    return out + counts.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
 def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
@@ -203,7 +205,7 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
         fixed = np.full(n_v, -1, dtype=np.int64)
     # merge identical nets
     hn = _set_hash(ptr, idx, n_v + parts, seed=54321)
-    uniq, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
+    _, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
     keep = np.sort(first_net)
     mult_of = dict(zip(first_net.tolist(), mult.tolist()))
     cost = np.array([NET_COST * mult_of[e] for e in keep.tolist()], dtype=np.int64)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import re
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,7 @@ from partition.hypergraph import (
     compress_hypergraph,
     connectivity_cutsize,
 )
+from partition.placement import INPUT_PLACEMENTS, place_inputs
 from substrate.results import atomic_write_bytes
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "KAHYPAR_PRESETS",
     "MTKAHYPAR_PRESETS",
     "PARTITIONERS",
+    "PHASES",
     "PRESETS",
     "HypergraphConfig",
     "Partition",
@@ -50,11 +54,19 @@ ENGINES = ("mtkahypar", "kahypar")
 #: Mt-KaHyPar presets (``large_k`` does not support fixed vertices)
 MTKAHYPAR_PRESETS = ("default", "quality", "highest_quality", "deterministic",
                      "deterministic_quality")
-#: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`
-#: (``fast``: one initial partitioning run per bisection; ``km1``: 20; ``km1_flows``: 20 and
-#: flow-based refinement)
-KAHYPAR_PRESETS = ("fast", "km1", "km1_flows")
+#: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`.
+#: ``fast`` (issue 29): no community detection, one greedy-global initial partitioning run per
+#: bisection, no coarsening inside a bisection below 800 vertices, bisection FM stopped after 10
+#: moves without gain, no k-way FM after the bisections (it changed no partition measured and
+#: took minutes on a 16384-row random layer): 0.1x the CPU time of ``fast_communities`` per
+#: random 32-regular layer at km1 +0.4 %, 0.55x and +3 % on the relabelled Graph Challenge
+#: layers of N = 16384; ``fast_communities``: the ``fast`` before issue 29 (Louvain
+#: communities, one run of the pool of initial partitioners, k-way FM); ``km1``: 20 runs;
+#: ``km1_flows``: 20 runs and flow-based refinement
+KAHYPAR_PRESETS = ("fast", "fast_communities", "km1", "km1_flows")
 PRESETS = MTKAHYPAR_PRESETS + KAHYPAR_PRESETS
+#: how the phases of the multi-phase model follow each other (``HypergraphConfig.phases``)
+PHASES = ("chained", "independent")
 #: the preset each engine uses when none is given (deterministic for a given seed)
 DEFAULT_PRESET = {"mtkahypar": "deterministic", "kahypar": "fast"}
 
@@ -162,22 +174,11 @@ def random_partition(weights, parts: int, *, seed: int = 0) -> Partition:
                      seconds=time.perf_counter() - t0)
 
 
-def input_owner_from_connectivity(W1: sp.spmatrix, owner1: np.ndarray, parts: int) -> np.ndarray:
-    """Place x^0 from the connectivity of the nets of H(phi_1) (§5, Fig. 3).
-
-    x^0(j) goes to the part holding most pins of net n_j (ties: lowest part id), so it is sent to
-    lambda(n_j) - 1 parts and never adds a part to the net; unused entries are dealt round-robin.
-    """
-    A = sp.csr_matrix(W1, copy=True)
-    A.data[:] = 1.0
-    n0 = A.shape[1]
-    onehot = sp.csr_matrix((np.ones(owner1.size), (owner1, np.arange(owner1.size))),
-                           shape=(parts, owner1.size))
-    C = sp.csc_matrix(onehot @ A)  # C[m, j] = pins of net j in part m
-    owner0 = np.asarray(C.argmax(axis=0)).ravel().astype(np.int64)
-    empty = np.flatnonzero(np.diff(C.indptr) == 0)
-    owner0[empty] = np.arange(empty.size) % parts
-    return owner0
+def input_owner_from_connectivity(W1: sp.spmatrix, owner1: np.ndarray, parts: int,
+                                  rule: str = "balanced") -> np.ndarray:
+    """Place x^0 inside the connectivity sets of the nets of H(phi_1) (§5, Fig. 3), balancing
+    the entries and the layer-1 sends per processor (:func:`partition.placement.place_inputs`)."""
+    return place_inputs(W1, owner1, parts, rule)
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,13 @@ class HypergraphConfig:
     epsilon : float
         Maximum allowed imbalance of eq. 2 (paper: 0.01).
     engine : str
-        ``"mtkahypar"`` (Mt-KaHyPar) or ``"kahypar"`` (sequential KaHyPar).
+        ``"kahypar"`` (sequential KaHyPar, the default of every command: ``sparse_sgd``'s
+        :class:`~sparse_sgd.plan.PartitionOptions` and ``python -m partition layers``) or
+        ``"mtkahypar"`` (Mt-KaHyPar).
     preset : str or None
         Engine preset: Mt-KaHyPar's ``default, quality, highest_quality, deterministic,
-        deterministic_quality`` or KaHyPar's ``fast, km1, km1_flows``; None picks
+        deterministic_quality`` or KaHyPar's ``fast, fast_communities, km1, km1_flows``
+        (:data:`KAHYPAR_PRESETS`); None picks
         :data:`DEFAULT_PRESET` of the engine (both deterministic for a given seed).
     threads : int
         Mt-KaHyPar threads (0: all cores available to the process).  Ignored by KaHyPar.
@@ -205,6 +209,21 @@ class HypergraphConfig:
     chunk_divisor : int
         Identical rows are grouped in chunks of at most ``max(1, N_k / (parts * chunk_divisor))``
         rows so balance stays reachable.
+    phases : str
+        ``chained`` (§5): phase phi_k pins the fixed vertex of net n_j to the part that
+        computed x^{k-1}(j) in phase phi_{k-1}, one phase after the other.  ``independent``
+        (a deviation, issue 29): every phase is partitioned without fixed vertices, all at once
+        (``workers`` processes), then the part ids of layer k are permuted to agree best with
+        layer k-1 (:func:`_align_parts`: the permutation that keeps most x^{k-1}(j) inside the
+        connectivity set of their net, an exact linear assignment on the cut size of eq. 1).
+        Used for layers that no structure covers (not for the period of a tiled network).
+    workers : int
+        Processes partitioning independent phases at the same time (0: every core available;
+        KaHyPar only, Mt-KaHyPar runs its own threads).  The result does not depend on it.
+    input_placement : str
+        How x^0 is placed after phase phi_1 (:data:`partition.placement.INPUT_PLACEMENTS`):
+        ``balanced`` (inside the nets' connectivity sets, balancing entries and layer-1 sends)
+        or ``most_pins`` (the rule before issue 29).
     tile : bool
         When the layer sequence is periodic (:func:`layer_period`: W^{k+p} has the sparsity of
         W^k for every k, checked exactly), partition one period, then the period's first layer
@@ -214,13 +233,16 @@ class HypergraphConfig:
     """
 
     epsilon: float = 0.01
-    engine: str = "mtkahypar"
+    engine: str = "kahypar"
     preset: str | None = None
     threads: int = 1
     seed: int = 0
     compress: bool = True
     chunk_divisor: int = 1
     tile: bool = True
+    input_placement: str = "balanced"
+    phases: str = "chained"
+    workers: int = 1
 
     def __post_init__(self):
         if not 0 <= self.epsilon < 1:
@@ -235,6 +257,13 @@ class HypergraphConfig:
                              f"of {presets}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: all cores), got {self.threads}")
+        if self.phases not in PHASES:
+            raise ValueError(f"phases must be one of {PHASES}, got {self.phases!r}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: all cores), got {self.workers}")
+        if self.input_placement not in INPUT_PLACEMENTS:
+            raise ValueError(f"input_placement must be one of {INPUT_PLACEMENTS}, got "
+                             f"{self.input_placement!r}")
 
     @property
     def resolved_preset(self) -> str:
@@ -340,7 +369,11 @@ _KAHYPAR_COMMON = {
     "r-runs": "-1", "r-fm-stop": "adaptive_opt", "r-fm-stop-alpha": "1", "r-fm-stop-i": "350",
 }
 _KAHYPAR_PRESETS = {
-    "fast": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1", "i-runs": "1"},
+    "fast": {**_KAHYPAR_COMMON, "r-type": "do_nothing", "i-runs": "1",
+             "p-detect-communities": "false", "p-detect-communities-in-ip": "false",
+             "c-rating-use-communities": "false", "i-c-rating-use-communities": "false",
+             "i-algo": "greedy_global", "i-c-t": "400", "i-r-fm-stop-i": "10"},
+    "fast_communities": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1", "i-runs": "1"},
     "km1": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1"},
     "km1_flows": {**_KAHYPAR_COMMON, "r-type": "kway_fm_hyperflow_cutter_km1",
                   "r-flow-execution-policy": "exponential", "r-hfc-size-constraint": "mf-style",
@@ -396,15 +429,22 @@ def partition_layer(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
     Returns the part of every row; the balance of eq. 2 is enforced (repaired greedily if
     the engine misses it) and fixed vertices are checked.
     """
-    full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
-    cap = _block_capacity(int(full.vertex_weight[:full.num_rows].sum()), parts, cfg.epsilon)
+    W = sp.csr_matrix(W)
+    weight = np.maximum(np.diff(W.indptr), 1)  # the vertex weights of build_layer_hypergraph
+    cap = _block_capacity(int(weight.sum()), parts, cfg.epsilon)
     run = _ENGINE_RUN[cfg.engine]
+    full = None
     if cfg.compress:
         chunk = max(1, W.shape[0] // (parts * cfg.chunk_divisor))
         small, row_to_vertex = compress_hypergraph(W, prev_owner, parts, chunk)
         owner = run(small, parts, cfg, layer, cap)[row_to_vertex]
     else:
+        full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
         owner = run(full, parts, cfg, layer, cap)
+    if np.bincount(owner, weights=weight, minlength=parts).max() <= cap:
+        return owner
+    if full is None:
+        full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
     return _rebalance(full, owner, parts, cap)
 
 
@@ -479,6 +519,68 @@ def _phase_chain(weights, parts: int, config: HypergraphConfig, first_prev, firs
     return owners
 
 
+#: (weights, parts, config) of the independent phases, inherited by forked workers
+_FREE_PHASES: tuple = ()
+
+
+def _free_phase(k: int) -> np.ndarray:
+    """Phase phi_k without fixed vertices (a worker of :func:`_independent_phases`)."""
+    weights, parts, config = _FREE_PHASES
+    return partition_layer(weights[k - 1], None, parts, config, k)
+
+
+def _align_parts(W, owner: np.ndarray, prev_owner: np.ndarray, parts: int) -> np.ndarray:
+    """Permute the part ids of ``owner`` (rows of W) to minimise the cut size of eq. 1 with
+    fixed vertices ``prev_owner``.
+
+    Under a permutation sigma, net n_j has the parts sigma(S_j) of its rows plus the fixed part
+    o_j, so lambda(n_j) = |S_j| + [o_j not in sigma(S_j)]: the cut size falls by one for every
+    net whose fixed part is the image of one of its row parts.  sigma maximises
+    sum_{a,b} [sigma(a) = b] M[a, b] with M[a, b] = #{j : a in S_j, o_j = b}: a linear
+    assignment (:func:`scipy.optimize.linear_sum_assignment`), exact.
+    """
+    C = sp.csr_matrix((np.ones(owner.size), (owner, np.arange(owner.size))),
+                      shape=(parts, owner.size)) @ sp.csr_matrix(W)
+    C = sp.csr_matrix(C)
+    C.data[:] = 1.0  # a in S_j
+    M = (C @ sp.csr_matrix((np.ones(prev_owner.size), (np.arange(prev_owner.size),
+                                                        prev_owner)),
+                           shape=(prev_owner.size, parts))).toarray()
+    rows, cols = linear_sum_assignment(-M)
+    sigma = np.empty(parts, dtype=np.int64)
+    sigma[rows] = cols
+    return sigma[owner]
+
+
+def _independent_phases(weights, parts: int, config: HypergraphConfig, first_prev,
+                        first_k: int, count: int) -> list:
+    """Owners of layers first_k .. first_k + count - 1, each phase partitioned without fixed
+    vertices (in ``config.workers`` processes), then aligned to the previous layer one after
+    the other (:func:`_align_parts`)."""
+    global _FREE_PHASES
+    layers = list(range(first_k, first_k + count))
+    workers = config.workers or _available_cores()
+    workers = min(workers, count) if config.engine == "kahypar" else 1
+    _FREE_PHASES = (weights, parts, config)
+    try:
+        if workers > 1:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                free = list(pool.map(_free_phase, layers,
+                                     chunksize=max(1, count // (4 * workers))))
+        else:
+            free = [_free_phase(k) for k in layers]
+    finally:
+        _FREE_PHASES = ()
+    owners, prev = [], first_prev
+    for k, owner in zip(layers, free):
+        if prev is not None:
+            owner = _align_parts(weights[k - 1], owner, prev, parts)
+        owners.append(owner)
+        prev = owner
+    return owners
+
+
 def _boundary_words(W, owner, prev_owner) -> int:
     """Connectivity-1 cut size (eq. 1) of one layer under a given partition."""
     hg = build_layer_hypergraph(W, prev_owner)
@@ -510,8 +612,11 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
                          ) -> Partition:
     """H-SGD partition: phases phi_1 .. phi_L of the fixed-vertex hypergraph model (§5).
 
-    Phase phi_1 partitions W^1 without fixed vertices and places x^0 from net connectivity; phase
-    phi_k (k >= 2) pins the fixed vertex of column j to the part that computed x^{k-1}(j).  With
+    Phase phi_1 partitions W^1 without fixed vertices and places x^0 inside the connectivity
+    sets of its nets (:func:`partition.placement.place_inputs`, ``config.input_placement``);
+    phase phi_k (k >= 2) pins the fixed vertex of column j to the part that computed
+    x^{k-1}(j) (``config.phases="independent"``: every phase without fixed vertices, in
+    parallel, part ids aligned afterwards, :func:`_independent_phases`).  With
     ``config.tile`` and a periodic layer sequence of period p with 2p < L (:func:`layer_period`),
     phases phi_1 .. phi_p run once and are repeated: layer k = r p + j gets the owners of layer
     j with part ids permuted by sigma^r (:func:`_tile_relabelling`, chosen from the wrap-around
@@ -532,7 +637,8 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
         for k, W in enumerate(weights, start=1):
             owners[k] = np.zeros(W.shape[0], dtype=np.int64)
     elif period is None:
-        owners[1:] = _phase_chain(weights, parts, config, None, 1, L)
+        phases = _phase_chain if config.phases == "chained" else _independent_phases
+        owners[1:] = phases(weights, parts, config, None, 1, L)
     else:
         first = _phase_chain(weights, parts, config, None, 1, period)
         wrap = partition_layer(weights[period], first[-1], parts, config, period + 1)
@@ -544,11 +650,14 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
                 step = sigma[step]
             owners[k] = step[first[j]]
     if parts > 1:
-        owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts)
+        owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts,
+                                                  config.input_placement)
     return Partition(owners=tuple(owners), parts=parts, method="hypergraph",
                      seconds=time.perf_counter() - t0,
                      info={"engine": config.engine, "preset": config.resolved_preset,
                            "epsilon": config.epsilon, "compress": config.compress,
+                           "input_placement": config.input_placement,
+                           "phases": config.phases,
                            "period": period or 0})
 
 

@@ -32,8 +32,10 @@ class RunCheckpoints:
 
     A checkpoint holds the trainer's state (a dict of arrays; JSON text for nested values)
     plus the run's own: the ledger of this rank (so the resumed run's traffic is the whole
-    run's), its measured compute time, rank 0's metrics lines up to the checkpoint (a resumed
-    run neither loses nor repeats a line) and a fingerprint of everything that must not change.
+    run's), the call log's count and digest (so are its calls), its measured compute time,
+    rank 0's metrics lines up to the checkpoint (a resumed run neither loses nor repeats a
+    line), a fingerprint of everything that must not change, and the schedule that follows from
+    the total.
     Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept), written after every
     ``every``-th unit and at the end.
 
@@ -47,9 +49,18 @@ class RunCheckpoints:
         the common options but ``--out``/``--overwrite`` and the world size are added.
     unit, flag : str
         What is counted ("iteration") and the flag of the total ("--iters"), for messages.
+    schedule : dict, optional
+        JSON-able values that fix what the trainer does at each unit and follow from the total
+        (a cosine learning rate's length and warm-up): a resume that would change them is
+        refused (``schedule_why`` says why they depend on the total), so a resumed run always
+        equals the uninterrupted one.  A run's total may change on resume only where its
+        schedule does not depend on it.
+    schedule_why : str
+        How ``schedule`` depends on the total, for the message.
     """
 
-    def __init__(self, run: Run, *, every: int, fingerprint: dict, unit: str, flag: str) -> None:
+    def __init__(self, run: Run, *, every: int, fingerprint: dict, unit: str, flag: str,
+                 schedule: dict | None = None, schedule_why: str = "") -> None:
         if every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {every}")
         self.run = run
@@ -59,6 +70,11 @@ class RunCheckpoints:
                   if k not in ("out", "overwrite")}
         fp = {**fingerprint, **common, "world": run.size}
         self.fingerprint = json.loads(json.dumps(to_jsonable(fp)))  # as it comes back
+        self.schedule = (json.loads(json.dumps(to_jsonable(schedule)))
+                         if schedule is not None else None)
+        self.schedule_why = schedule_why
+        #: the total of the run (set by :meth:`save` / :meth:`resume`; kept in the checkpoint)
+        self.total: int | None = None
         self.ckpt = Checkpointer(Path(run.out) / CHECKPOINTS, rank=run.rank)
 
     def due(self, done: int, last: bool) -> bool:
@@ -70,8 +86,10 @@ class RunCheckpoints:
         run = self.run
         full = {**state,
                 "run/fingerprint": json.dumps(self.fingerprint),
+                "run/schedule": json.dumps({"total": self.total, "values": self.schedule}),
                 "run/ledger": json.dumps(run.ledger.local()),
                 "run/clock": json.dumps(run.clock.state()),
+                "run/calls": json.dumps(run.recorder.log.state()),
                 "run/metrics": json.dumps(run.writer.records)}
         self.ckpt.save(full, done)
 
@@ -120,7 +138,12 @@ class RunCheckpoints:
                       "the same result (damaged files renamed to *.corrupt)",
                       file=sys.stderr, flush=True)
         state = ck.load(step)
-        saved = json.loads(str(state.pop("run/fingerprint", "{}")))
+        if "run/fingerprint" not in state:
+            raise ValueError(f"--resume: {ck.path(step)} is not a checkpoint of a spardist run "
+                             f"(it holds {', '.join(sorted(state)[:6]) or 'nothing'}"
+                             f"{' ...' if len(state) > 6 else ''}): restore the checkpoint "
+                             "files the run wrote, or start afresh with --overwrite")
+        saved = json.loads(str(state.pop("run/fingerprint")))
         diff = sorted(k for k in set(saved) | set(self.fingerprint)
                       if saved.get(k) != self.fingerprint.get(k))
         if diff:
@@ -138,8 +161,34 @@ class RunCheckpoints:
             raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
                              f"{self.unit}s ({SUMMARY}): pass a larger {self.flag} to train "
                              "further, or start afresh with --overwrite")
+        self._check_schedule(json.loads(str(state.pop("run/schedule", "null"))), total, step)
+        self.total = total
         _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
         run.clock.load_state(json.loads(str(state.pop("run/clock"))))
+        calls = state.pop("run/calls", None)    # absent in checkpoints of older spardists
+        if calls is not None:
+            run.recorder.log.load_state(json.loads(str(calls)))
         for line in json.loads(str(state.pop("run/metrics"))):
             run.writer.log(json.loads(line))
         return step, state
+
+    def _check_schedule(self, saved: dict | None, total: int, step: int) -> None:
+        """Refuse a resume whose total changes the schedule the checkpoint was written under
+        (a checkpoint without one, written before schedules were recorded, is not checked)."""
+        if saved is None or saved.get("values") is None or self.schedule is None:
+            return
+        was, now = saved["values"], self.schedule
+        diff = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        if not diff:
+            return
+        changes = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in diff)
+        keep = saved.get("total")
+        if keep is not None and keep > step:
+            again = f"resume with {self.flag} {keep} (the total it was written with)"
+        else:
+            again = (f"the run ends with its {step} {self.unit}s under that schedule: train "
+                     "further in a new run (another --out)")
+        raise ValueError(f"--resume: {self.flag} {total} would change the schedule of the run "
+                         f"in {self.run.out} ({changes}): {self.schedule_why}; a resumed run "
+                         f"keeps the schedule it started with, so it equals the uninterrupted "
+                         f"run: {again}, or start afresh with --overwrite")

@@ -63,7 +63,8 @@ def _fail(exc: BaseException, errors_comm) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     if errors_comm is None:
-        _print_errors({rank: (text, detail)})
+        if not getattr(exc, "quiet", False):   # one of many singletons: the first one speaks
+            _print_errors({rank: (text, detail)})
         sys.exit(1)
     # the job's abort interrupts every rank: end quietly, not with a KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.SIG_DFL)

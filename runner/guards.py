@@ -50,12 +50,18 @@ def check_world_size(size: int, env=None) -> None:
     if want is None or want[0] == size:
         return
     n, var = want
-    raise ValueError(
+    env = os.environ if env is None else env
+    who = next((env[k] for k in ("SLURM_PROCID", "PMI_RANK", "PMIX_RANK",
+                                 "OMPI_COMM_WORLD_RANK") if env.get(k, "").isdigit()), "0")
+    err = ValueError(
         f"the launcher started {n} ranks ({var}={n}) but MPI sees a world of {size}: the ranks "
-        f"did not find each other (singletons). Under Slurm with the MPICH wheel use "
-        f"SPARDIST_LAUNCHER='srun --mpi=pmi2' (or plain mpiexec inside the allocation); with a "
-        f"site MPI use the srun --mpi plugin it was built for (srun --mpi=list); make sure "
-        f"mpiexec and mpi4py come from the same MPI library")
+        f"did not find each other (singletons). With srun and the MPICH wheel launch with "
+        f"srun --mpi=pmi2 ... (or plain mpiexec inside the allocation; ./run_mpi.sh and "
+        f"spardist run do it for you); with a site MPI use the srun --mpi plugin it was built "
+        f"for (srun --mpi=list); make sure mpiexec and mpi4py come from the same MPI library")
+    # every singleton fails alike: only the launcher's first process says so
+    err.quiet = who != "0"
+    raise err
 
 
 # -- the results directory ---------------------------------------------------------------------
@@ -117,31 +123,34 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
     return "new", None
 
 
-def _inspect_profile_out(path: Path, *, overwrite: bool) -> str | None:
-    """Why ``--compute-profile-out`` cannot be written at the end of the run, or ``None``: an
+def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
+                      example: str = "out.json") -> str | None:
+    """Why the file ``flag`` names cannot be written at the end of the run, or ``None``: an
     existing file is kept unless ``--overwrite`` (the rule of ``--out``'s results)."""
     if path.is_dir():
-        return (f"--compute-profile-out {path} is a directory: pass a file path (e.g. "
-                f"{path / 'profile.json'})")
+        return f"{flag} {path} is a directory: pass a file path (e.g. {path / example})"
     if path.exists() and not overwrite:
-        return (f"--compute-profile-out {path} already exists: pass --overwrite to replace it, "
-                "or choose another file")
+        return (f"{flag} {path} already exists: pass --overwrite to replace it, or choose "
+                "another file")
     why = _dir_write_error(path.parent)
     if why:
-        return (f"--compute-profile-out {path}: its directory is not writable ({why}): choose a "
-                "file in a directory you can write to")
+        return (f"{flag} {path}: its directory is not writable ({why}): choose a file in a "
+                "directory you can write to")
     return None
 
 
 def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
-                 profile_out: str | None = None) -> str:
-    """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``), every rank gets
-    the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
+                 profile_out: str | None = None, trace: str | None = None) -> str:
+    """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``, ``--trace``), every
+    rank gets the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
     verdict = None
     if topo.rank == 0:
         verdict = _inspect_out(out, resume=resume, overwrite=overwrite)
-        if verdict[1] is None and profile_out is not None:
-            verdict = (verdict[0], _inspect_profile_out(Path(profile_out), overwrite=overwrite))
+        for flag, path, example in (("--compute-profile-out", profile_out, "profile.json"),
+                                    ("--trace", trace, "trace.json")):
+            if verdict[1] is None and path is not None:
+                verdict = (verdict[0], _inspect_file_out(flag, Path(path), overwrite=overwrite,
+                                                         example=example))
     previous, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)

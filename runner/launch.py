@@ -289,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dry_run:
         print(shlex.join(cmd))
         return 0
-    return run_tree(cmd, env=mpi_env(ns.np))
+    env = mpi_env(ns.np)
+    if sys.stderr.isatty():     # rank 0's stderr is a pipe under mpiexec: tell it ours is not
+        env.setdefault("SPARDIST_TTY", "1")
+    return run_tree(cmd, env=env)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from substrate import collectives as coll
@@ -12,12 +13,24 @@ from substrate import costmodel as cm
 from substrate.clock import SOURCES
 from substrate.costmodel import CostModel
 from substrate.options import add_dataclass_args, check_range, option
+from substrate.trace import parse_steps
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every spardist command shares: the fields of :class:`CommonConfig`
-    (results, seed, device, topology, collectives, cost model)."""
+    (results, seed, device, topology, collectives, cost model), and ``--version``."""
+    add_version_arg(parser)
     return add_dataclass_args(parser, CommonConfig)
+
+
+def add_version_arg(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the installed spardist's version (once per parser)."""
+    if "--version" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no API
+        try:
+            v = version("spardist")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        parser.add_argument("--version", action="version", version=f"spardist {v}")
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -119,6 +132,13 @@ class CommonConfig:
         None, "record a compute profile of this run (per event: the least, median and count of "
         "its measurements by the compute source, per rank) into FILE when the run finishes; an "
         "existing FILE is refused unless --overwrite", metavar="FILE", group=CLOCK)
+    trace: str | None = option(
+        None, "write the timeline of --trace-steps of every rank as Chrome Trace Event JSON into "
+        "FILE when the run finishes (Perfetto, chrome://tracing); an existing FILE is refused "
+        "unless --overwrite", metavar="FILE", group=CLOCK)
+    trace_steps: str = option(
+        "last", "steps written by --trace: indices and ranges (0,3-5), last, or all",
+        metavar="STEPS", group=CLOCK)
     device_tflops: float | None = option(
         None, "peak TFLOP/s of the modeled device (compute-source flops)", metavar="TFLOPS",
         group=CLOCK)
@@ -127,6 +147,9 @@ class CommonConfig:
         metavar="GBS", group=CLOCK)
 
     def __post_init__(self) -> None:
+        parse_steps(self.trace_steps)          # a malformed --trace-steps stops here
+        if self.trace is not None and self.clock != "timeline":
+            raise ValueError("--trace writes the event timeline: it needs --clock timeline")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         check_range("--intra-bw", self.intra_bw, gt=0, unit="Gbit/s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from .run import Run
@@ -14,8 +15,9 @@ def _mib(nbytes: float) -> str:
 
 
 class Progress:
-    """Progress of a long run, on rank 0's stderr: a tqdm bar when stderr is a terminal,
-    otherwise one line every ``every`` units (and at the last); ``every = 0`` is quiet.
+    """Progress of a long run, on rank 0's stderr: one line every ``every`` units (and at the
+    last), kept in logs, and a tqdm bar below them when stderr is a terminal (or the launcher's
+    is: ``SPARDIST_TTY=1``, set by ``run_mpi.sh``); ``every = 0`` is quiet.
 
     :meth:`update` takes the units done and named values, e.g. ``loss``, ``test_accuracy``:
     floats are printed with 4 decimals, ``inter_bytes`` / ``total_bytes`` (wire bytes so far) in
@@ -28,7 +30,9 @@ class Progress:
         self.total, self.unit, self.every = total, unit, every
         self.enabled = run.rank == 0 and every > 0
         self.bar = None
-        if self.enabled and sys.stderr.isatty():
+        # under mpiexec a rank's stderr is a pipe: the launcher says when its own is a terminal
+        terminal = sys.stderr.isatty() or os.environ.get("SPARDIST_TTY") == "1"
+        if self.enabled and terminal:
             from tqdm.auto import tqdm  # noqa: PLC0415 (10 MiB a rank; rank 0 on a terminal only)
 
             self.bar = tqdm(total=total, initial=start, unit=unit, desc=run.method,
@@ -53,13 +57,17 @@ class Progress:
         if not self.enabled:
             return
         fields = self._fields(values)
+        line = None
+        if done % self.every == 0 or done == self.total:
+            text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            line = f"spardist: {self.unit} {done}/{self.total}  {text}"
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
             self.bar.update(done - self.bar.n)  # redrawn at most every tqdm.mininterval
-        elif done % self.every == 0 or done == self.total:
-            text = "  ".join(f"{k} {v}" for k, v in fields.items())
-            print(f"spardist: {self.unit} {done}/{self.total}  {text}", file=sys.stderr,
-                  flush=True)
+            if line is not None:                # the periodic lines stay in the log
+                self.bar.write(line, file=sys.stderr)
+        elif line is not None:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

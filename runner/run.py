@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -28,10 +29,11 @@ from substrate.backend import Backend, get_backend
 from substrate.clock import SimClock, make_source
 from substrate.profile import ProfileRecorder, write_profile
 from substrate.program import Program
-from substrate.results import RunWriter, to_jsonable
+from substrate.results import RunWriter, atomic_write_bytes, to_jsonable
 from substrate.threads import cap_threads
 from substrate.timeline import Timeline
 from substrate.topology import Topology
+from substrate.trace import parse_steps, trace_document
 
 from .guards import _prepare_out, check_world_size
 from .options import CommonConfig
@@ -150,6 +152,8 @@ class Run:
             self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
             timeline=Timeline(self.cost) if common.clock == "timeline" else None)
         self.recorder.timeline = self.clock.timeline   # every call declares its own event
+        if common.trace is not None:
+            self.clock.trace_steps = parse_steps(common.trace_steps)
         self.recorder.overlap = common.overlap == "on"
         #: the rank's event program, recorded beside the compute profile (for replay)
         self.program = None
@@ -166,12 +170,13 @@ class Run:
         self.collectives = coll.describe(self.world.mode, self.world.mpi)
 
     def log(self, index: int | None = None, /, **record) -> None:
-        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced).
+        """One ``metrics.jsonl`` line (written by rank 0; pass values already reduced):
+        ``unit`` (:attr:`unit`), ``index``, the index under the unit's own name unless
+        ``record`` has that key, then ``record`` in its order.
 
-        Every line has one schema: ``unit`` (:attr:`unit`), ``index`` (also under the unit's own
-        name, e.g. ``"step": 12``), ``intra_node_bytes`` and ``inter_node_bytes`` (world totals
-        since the previous line), then the system's values.  ``run.log(k, loss=...)``; the older
-        keyword form ``run.log(step=k, ...)`` is accepted.
+        The trainers write their lines through :class:`runner.loop.RunLoop`, in the one schema
+        of ``runner/metrics.schema.json``.  ``run.log(k, loss=...)``; the older keyword form
+        ``run.log(step=k, ...)`` is accepted.
         """
         if index is None:
             for key in (self.unit, *UNITS):
@@ -180,9 +185,9 @@ class Run:
                     break
             else:
                 raise TypeError(f"run.log needs the {self.unit} index: run.log(k, ...)")
-        line = {"unit": self.unit, "index": int(index), self.unit: int(index),
-                "intra_node_bytes": record.pop("intra_node_bytes", None),
-                "inter_node_bytes": record.pop("inter_node_bytes", None)}
+        line = {"unit": self.unit, "index": int(index)}
+        if self.unit not in record:
+            line[self.unit] = int(index)
         line.update(record)
         self.writer.log(line)
 
@@ -262,6 +267,17 @@ class Run:
         }
         if extra:
             summary.update(extra)
+        if self.common.trace is not None:
+            traced = self.world.mpi.gather(self.clock.traced, root=0)
+            if self.rank == 0:
+                doc = trace_document(dict(enumerate(traced)),
+                                     {"system": self.system, "method": self.method,
+                                      "steps": self.common.trace_steps,
+                                      "compute_source": self.clock.source.describe()})
+                atomic_write_bytes(self.common.trace,
+                                   json.dumps(to_jsonable(doc)).encode() + b"\n")
+                summary["trace"] = {"file": str(self.common.trace),
+                                    "events": len(doc["traceEvents"])}
         summary = to_jsonable(summary)
         self.writer.finish(summary)
         if self.rank == 0 and not self.collectives["verified"]:
@@ -327,7 +343,7 @@ def check_profile_job(profile: dict, job: dict, partial: bool) -> list[str]:
     return diffs
 
 
-def _profile_provenance(run: "Run") -> dict:
+def _profile_provenance(run: Run) -> dict:
     rec = run.profile_recorder
     return {"source": rec.base.describe(), "blas_threads": getattr(rec.base, "blas_threads",
                                                                    None),
@@ -354,15 +370,17 @@ def _default_out(system: str, method: str, topo: Topology, resume: bool) -> Path
     """The run folder when ``--out`` is not given (collective): a new
     ``results/<system>_<method>/run-N`` (``N`` one more than the largest there, created
     atomically, so no run ever lands in another's folder) with ``latest`` pointing at it; with
-    ``--resume``, the folder ``latest`` points at."""
-    base = Path("results") / f"{system}_{method}"
+    ``--resume``, the folder ``latest`` points at.  ``results/`` is relative to the working
+    directory; the environment variable ``SPARDIST_RESULTS`` names another root."""
+    base = Path(os.environ.get("SPARDIST_RESULTS") or "results") / f"{system}_{method}"
     verdict = None
     if topo.rank == 0:
         try:
             verdict = (str(_new_run_dir(base)), None) if not resume else _latest(base)
         except OSError as exc:
-            verdict = (None, f"cannot create a run folder under {base} ({exc.strerror or exc}): "
-                             "pass --out DIR in a directory you can write to")
+            why = (f"cannot create a run folder under {base} ({exc.strerror or exc}): "
+                   "pass --out DIR in a directory you can write to")
+            verdict = (None, why)
     path, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)
@@ -416,7 +434,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else _default_out(system, method, topo, resume)
     previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
-                            profile_out=common.compute_profile_out)
+                            profile_out=common.compute_profile_out, trace=common.trace)
     # however the ranks were launched, each caps its own compute threads (plain mpiexec/srun
     # set nothing: its BLAS pools would take every core and the cpu clock would change)
     threads = cap_threads(topo.real_node_ranks)

@@ -3,8 +3,12 @@
 Run distributed as ``./run_mpi.sh -n 4 sparse_sgd train ...``
 (= ``mpiexec -n 4 python -m mpi4py -m sparse_sgd train ...``).
 
-* ``train``: SGD with SpFF + SpBP (Algs. 2-3) on digits or MNIST, a held-out test accuracy at
-  the end.  The default workload learns (ReLU, fan-in-scaled initial weights);
+* ``train``: SGD with SpFF + SpBP (Algs. 2-3) on digits or MNIST in
+  :class:`runner.loop.RunLoop`, a held-out test accuracy after the last step (and every
+  ``--eval-every`` steps; its messages are accounted like a step's, in the line that
+  evaluates).  ``metrics.jsonl`` (the schema of ``runner/metrics.schema.json``) has a line
+  after steps 1, 1 + N, 1 + 2N, ... (``--log-every N``) and the last, with the interval's mean
+  loss and mini-batch accuracy.  The default workload learns (ReLU, fan-in-scaled initial weights);
   ``--paper-timing`` runs the paper's timing workload instead (sigmoid, U[-1, 1] weights, §6.1).
   ``--checkpoint-every N`` / ``--resume`` continue exactly as an uninterrupted run
   (:class:`runner.checkpoints.RunCheckpoints`); rank 0 reports progress every ``--progress-every``
@@ -34,11 +38,12 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from partition.hmetis import load_partition as load_hmetis
+from partition.hmetis import save_partition as save_hmetis
 from partition.partitioners import Partition, partitioner_errors
-from runner.checkpoints import RunCheckpoints
 from runner.errors import main_guard
+from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
-from runner.progress import Progress
 from runner.run import start_run
 from sparse_sgd.activations import ACTIVATIONS
 from sparse_sgd.data import class_targets, digits_dataset, mnist_dataset, train_test_split
@@ -110,8 +115,9 @@ class NetworkConfig(PartitionOptions):
     neurons: int = option(1024, "neurons per layer N (a Graph Challenge size)",
                           choices=sorted(CHALLENGE_BIAS), group=NET)
     layers: int = option(12, "layers L", group=NET)
-    permute: bool = option(True, "relabel the hidden neurons at random (P_k W^k P_{k-1}^T: the "
-                           "same network under other neuron ids)", group=NET)
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random, P_k W^k P_{k-1}^T: the same network under other "
+                           "neuron ids)", group=NET)
     network_dir: str | None = option(None, "read the challenge network from DIR (or "
                                      "DIR/neuron{N}) instead of generating it", group=NET,
                                      metavar="DIR")
@@ -121,8 +127,9 @@ class NetworkConfig(PartitionOptions):
     partition: str = option("hypergraph", "row partition: hypergraph (H-SGD) or random (SGD)",
                             choices=METHODS, group=NET)
     partition_file: str | None = option(
-        None, "partition written by `python -m sparse_sgd partition` (OUT/partition.npz)",
-        group=NET, metavar="FILE")
+        None, "partition written by `python -m sparse_sgd partition` (OUT/partition.npz), or a "
+        "directory of hMetis layer_K.part.P files (OUT/hmetis, or a partitioner's output on "
+        "its .hgr files)", group=NET, metavar="FILE|DIR")
 
     def __post_init__(self):
         super().__post_init__()
@@ -159,7 +166,10 @@ class TrainConfig(NetworkConfig, HSGDOptions):
     mnist_labels: str | None = option(None, "MNIST labels IDX file (--data mnist)", group=TRAIN)
     test_fraction: float = option(0.2, "fraction of the images held out for the test accuracy",
                                   group=TRAIN)
-    log_every: int = option(10, "steps between metrics.jsonl lines", group=TRAIN)
+    log_every: int = option(10, "steps between metrics.jsonl lines (after steps 1, 1 + N, "
+                            "...; and the last)", group=TRAIN, metavar="N")
+    eval_every: int = option(0, "held-out accuracy after every N-th step and after the last "
+                             "(0: after the last only)", group=TRAIN, metavar="N")
     checkpoint_every: int = option(0, cli=False)
     resume: bool = option(False, cli=False)
 
@@ -181,6 +191,9 @@ class TrainConfig(NetworkConfig, HSGDOptions):
         for flag, value in (("--steps", self.steps), ("--log-every", self.log_every)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: after the last step only), got "
+                             f"{self.eval_every}")
         check_range("--lr", self.lr, gt=0)
         if not 0 <= self.test_fraction < 1:
             raise ValueError(f"--test-fraction must be >= 0 and < 1, got {self.test_fraction}")
@@ -220,6 +233,8 @@ class PartitionConfig(NetworkConfig):
     partition: str = option("hypergraph", cli=False)
     partition_file: str | None = option(None, cli=False)
     threshold: float = option(0.25, cli=False)
+    hmetis: bool = option(False, "also write OUT/hmetis/: every phase's hypergraph as hMetis "
+                          ".hgr/.fix and the partition as .part.P files (partition.hmetis)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -237,7 +252,8 @@ class GenerateConfig:
 
     neurons: int = option(1024, "neurons per layer N", choices=sorted(CHALLENGE_BIAS))
     layers: int = option(12, "layers L")
-    permute: bool = option(True, "relabel the hidden neurons at random")
+    permute: bool = option(True, "keep the generator's neuron ids (default: relabel the hidden "
+                           "neurons at random)")
     threshold: float = option(0.25, "pixel threshold of the binary input features")
     num_inputs: int | None = option(None, "write the first N digits images", metavar="N")
 
@@ -285,6 +301,9 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
 
     Returns the partition and the number of bytes broadcast (0 when read from a file).
     """
+    if partition_file and Path(partition_file).is_dir():
+        part = load_hmetis(weights, partition_file, run.size)
+        return part, 0
     if partition_file:
         part = Partition.load(partition_file)
         if part.parts != run.size:
@@ -357,11 +376,10 @@ def _class_scores(net, out_class: np.ndarray, batch: int) -> np.ndarray:
     return scores
 
 
-def _account_setup(run, plan: HSGDPlan, predicted: Predicted, part_bytes: int) -> None:
-    """Hold the set-up against the plan: the partition broadcast when rank 0 partitioned
+def _setup_calls(run, plan: HSGDPlan, part_bytes: int) -> list:
+    """The plan's records of the set-up: the partition broadcast when rank 0 partitioned
     (``part_bytes``), nothing when every rank read the partition from a file."""
-    setup = plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
-    predicted.add(run.recorder.account(setup))
+    return plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
 
 
 def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> float:
@@ -383,6 +401,78 @@ def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> float
     return float(np.mean(pred == ds.labels)) if n else float("nan")
 
 
+class _Steps(LoopBody):
+    """One SpFF + SpBP step of ``sparse_sgd train`` for :class:`runner.loop.RunLoop`; the
+    evaluation is the held-out accuracy (:func:`_evaluate`, with its records)."""
+
+    def __init__(self, run, cfg: TrainConfig, plan: HSGDPlan, net: DistributedSparseNet,
+                 partition: tuple[Partition, int], ds, test, targets, batch_rng,
+                 dtype) -> None:
+        self.run, self.cfg, self.plan, self.net = run, cfg, plan, net
+        self.partition = partition      # (the partition, its broadcast bytes): checkpointed
+        self.ds, self.test, self.targets, self.batch_rng, self.dtype = (ds, test, targets,
+                                                                        batch_rng, dtype)
+        self.in_rows, out_rows = net.input_rows, net.output_rows
+        self.out_rows = out_rows
+        self.out_class = out_rows % NUM_CLASSES
+        self.class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES,
+                                      minlength=NUM_CLASSES)
+        self.red = np.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
+        # the plan's records of one step (held against the calls each step runs)
+        self.step_calls = plan.calls(run.topo.placement, cfg.batch_size, dtype.itemsize)
+        #: every step's loss and mini-batch accuracy (the summary's trajectory)
+        self.losses: list[float] = []
+        self.accs: list[float] = []
+        self._line_from = 0     # the first step of the next metrics line
+
+    def unit(self, due):
+        run, cfg, net, red = self.run, self.cfg, self.net, self.red
+        idx = self.batch_rng.choice(self.ds.features.shape[0], size=cfg.batch_size,
+                                    replace=False)
+        with run.clock.compute("batch"):
+            X0 = np.ascontiguousarray(self.ds.features[idx][:, self.in_rows].T,
+                                      dtype=self.dtype)
+            Y = np.ascontiguousarray(self.targets[idx][:, self.out_rows].T, dtype=self.dtype)
+        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet)
+        red[0] = net.step(X0, Y, cfg.lr)
+        with run.clock.compute("class_scores"):
+            red[1:] = _class_scores(net, self.out_class, cfg.batch_size).ravel()  # pre-update
+        run.world.allreduce(red, "sum", phase=PHASE_LOSS)
+        pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size)
+                         / self.class_size[:, None], axis=0)
+        self.losses.append(float(red[0]))
+        self.accs.append(float(np.mean(pred == self.ds.labels[idx])))
+        return self.step_calls
+
+    def evaluate(self) -> Evaluation:
+        cfg, test = self.cfg, self.test
+        acc = _evaluate(self.run, self.net, test, cfg, self.dtype, self.in_rows,
+                        self.out_class, self.class_size)
+        return Evaluation(acc, records=self.plan.calls(
+            self.run.topo.placement, cfg.batch_size, self.dtype.itemsize, phase="eval",
+            samples=test.features.shape[0]))
+
+    def line(self, interval) -> dict:
+        lo, self._line_from = self._line_from, len(self.losses)
+        return {"loss": float(np.mean(self.losses[lo:])),
+                "batch_accuracy": float(np.mean(self.accs[lo:]))}
+
+    def progress(self) -> dict:
+        return {"loss": self.losses[-1], "batch_accuracy": self.accs[-1]}
+
+    def state_dict(self) -> dict:
+        return {**_net_state(self.net, *self.partition),
+                "train/batch_rng": json.dumps(self.batch_rng.bit_generator.state),
+                "train/losses": np.array(self.losses), "train/accs": np.array(self.accs),
+                "train/line_from": np.int64(self._line_from)}
+
+    def load_state_dict(self, state: dict) -> None:
+        _load_net_state(self.net, state)
+        self.batch_rng.bit_generator.state = json.loads(str(state["train/batch_rng"]))
+        self.losses, self.accs = state["train/losses"].tolist(), state["train/accs"].tolist()
+        self._line_from = int(state["train/line_from"])
+
+
 def _train(args) -> dict:
     _require_cpu(args)
     cfg = from_args(TrainConfig, args)
@@ -402,91 +492,40 @@ def _train(args) -> dict:
                          f"replacement): pass --batch-size {ds.features.shape[0]} or less")
     weights = init_weights(weights, cfg.init, cfg.activation, np.random.default_rng([args.seed, 1]))
     fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
-    ckpt = RunCheckpoints(run, every=cfg.checkpoint_every, fingerprint=fingerprint,
-                          unit="step", flag="--steps")
-    batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
-    start, losses, accs, train_s = 0, [], [], 0.0
-    predicted = Predicted()
-    if cfg.resume:
-        start, state = ckpt.resume(cfg.steps)
+    # a metrics line after steps 1, 1 + N, 1 + 2N, ... (--log-every N) and the last; the
+    # held-out accuracy every --eval-every steps (default: after the last only)
+    loop = RunLoop(run, total=cfg.steps, flag="--steps", fingerprint=fingerprint,
+                   checkpoint_every=cfg.checkpoint_every,
+                   progress_every=getattr(args, "progress_every", 0),
+                   eval_every=cfg.eval_every, log_every=cfg.log_every, log_phase=1,
+                   resume=cfg.resume)
+    state = loop.resume()
+    if state is not None:
         part, part_bytes = _saved_partition(state)
         part.check_network(weights)
-        batch_rng.bit_generator.state = json.loads(str(state["train/batch_rng"]))
-        losses, accs = state["train/losses"].tolist(), state["train/accs"].tolist()
-        train_s = float(state["train/train_s"])
-        predicted = Predicted.from_state(json.loads(str(state["train/predicted"])))
         plan = HSGDPlan.from_partition(weights, part)
     else:
         part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                                 partition_file=cfg.partition_file,
                                                 seed=args.seed, options=cfg, network=network)
         plan = HSGDPlan.from_partition(weights, part)
-        _account_setup(run, plan, predicted, part_bytes)
-    # the plan's records of one step (held against the calls each step runs)
-    step_calls = plan.calls(run.topo.placement, cfg.batch_size, dtype.itemsize)
+        loop.account(_setup_calls(run, plan, part_bytes))
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
                                    dtype=dtype, clock=run.clock)
-    if cfg.resume:
-        _load_net_state(net, state)
-    targets = class_targets(ds.labels, cfg.neurons, NUM_CLASSES)
-    in_rows, out_rows = net.input_rows, net.output_rows
-    out_class = out_rows % NUM_CLASSES
-    class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES)
-    red = np.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
-    progress = Progress(run, total=cfg.steps, unit="step",
-                        every=getattr(args, "progress_every", 0), start=start)
-    last_logged, t0 = start, time.perf_counter()
-    if cfg.resume and run.writer.records:
-        # the interval of the next line starts after the last line written before the stop
-        last_logged = int(json.loads(run.writer.records[-1])["index"]) + 1
-    for it in range(start, cfg.steps):
-        t_step = time.perf_counter()
-        idx = batch_rng.choice(ds.features.shape[0], size=cfg.batch_size, replace=False)
-        with run.clock.compute("batch"):
-            X0 = np.ascontiguousarray(ds.features[idx][:, in_rows].T, dtype=dtype)
-            Y = np.ascontiguousarray(targets[idx][:, out_rows].T, dtype=dtype)
-        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet)
-        red[0] = net.step(X0, Y, cfg.lr)
-        with run.clock.compute("class_scores"):
-            red[1:] = _class_scores(net, out_class, cfg.batch_size).ravel()  # pre-update
-        run.world.allreduce(red, "sum", phase=PHASE_LOSS)
-        # one timeline step per SGD step; the step's calls were the plan's (or this raises)
-        timing = run.clock.step()
-        step_bytes = predicted.add(run.recorder.account(step_calls))
-        loss = float(red[0])
-        pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size) / class_size[:, None],
-                         axis=0)
-        acc = float(np.mean(pred == ds.labels[idx]))
-        losses.append(loss)
-        accs.append(acc)
-        done = it + 1
-        if it % cfg.log_every == 0 or done == cfg.steps:
-            run.log(it, intra_node_bytes=(done - last_logged) * step_bytes["intra"],
-                    inter_node_bytes=(done - last_logged) * step_bytes["inter"],
-                    step_wall_s=time.perf_counter() - t_step, step_sim_s=timing.step_s,
-                    step_no_overlap_s=timing.no_overlap_s, loss=loss, batch_accuracy=acc)
-            last_logged = done
-        progress.update(done, loss=loss, batch_accuracy=acc,
-                        inter_bytes=done * step_bytes["inter"],
-                        total_bytes=done * (step_bytes["inter"] + step_bytes["intra"]))
-        if ckpt.due(done, last=done == cfg.steps):
-            ckpt.save(done, {**_net_state(net, part, part_bytes),
-                             "train/batch_rng": json.dumps(batch_rng.bit_generator.state),
-                             "train/losses": np.array(losses), "train/accs": np.array(accs),
-                             "train/train_s": train_s + time.perf_counter() - t0,
-                             "train/predicted": json.dumps(predicted.state())})
-    progress.close()
-    train_s += time.perf_counter() - t0
-    test_acc = _evaluate(run, net, test, cfg, dtype, in_rows, out_class, class_size)
-    predicted.add(run.recorder.account(plan.calls(
-        run.topo.placement, cfg.batch_size, dtype.itemsize, phase="eval",
-        samples=test.features.shape[0])))
+    batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
+    body = _Steps(run, cfg, plan, net, (part, part_bytes), ds, test,
+                  class_targets(ds.labels, cfg.neurons, NUM_CLASSES), batch_rng, dtype)
+    if state is not None:
+        body.load_state_dict(state)
+    loop.run(body)
+    train_s = loop.units_wall_s
+    losses, accs = body.losses, body.accs
     nnz = sum(W.nnz for W in weights)
     tail = max(1, min(10, len(losses)))
     result = {"final_loss": losses[-1], "initial_loss": losses[0],
               "final_batch_accuracy": float(np.mean(accs[-tail:])),
-              "test_accuracy": test_acc, "test_images": int(test.features.shape[0]),
+              "test_accuracy": loop.final_accuracy, "test_images": int(test.features.shape[0]),
               "loss_trajectory": losses, "steps": cfg.steps,
               "activation": cfg.activation, "init": cfg.init, "paper_timing": cfg.paper_timing,
               "partition_method": part.method, "partition_seconds": part.seconds,
@@ -495,11 +534,11 @@ def _train(args) -> dict:
               "train_seconds": train_s,
               "edges_per_second": 3 * nnz * cfg.batch_size * cfg.steps / max(train_s, 1e-12)}
     if cfg.resume:
-        result["resumed_from_step"] = start
-    out = run.finish(metrics=result, predicted=predicted.block())
+        result["resumed_from_step"] = loop.start
+    out = run.finish(metrics=result, predicted=loop.predicted.block())
     if run.rank == 0:
-        print(f"test accuracy {test_acc:.3f} on {test.features.shape[0]} held-out images "
-              f"({cfg.activation}, init {cfg.init}, {cfg.steps} steps)")
+        print(f"test accuracy {loop.final_accuracy:.3f} on {test.features.shape[0]} held-out "
+              f"images ({cfg.activation}, init {cfg.init}, {cfg.steps} steps)")
         _print_traffic(out)
     return out
 
@@ -544,12 +583,12 @@ def _infer(args) -> dict:
                                             options=cfg, network=network)
     plan = HSGDPlan.from_partition(weights, part)
     predicted = Predicted()
-    _account_setup(run, plan, predicted, part_bytes)
+    predicted.add(run.recorder.account(_setup_calls(run, plan, part_bytes)))
     net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock)
     in_rows = net.input_rows
     nonzero = np.zeros(n_in + 1, dtype=np.float64)  # categories, then the elapsed time
     run.world.barrier(phase=PHASE_SYNC)
-    t0 = time.perf_counter()
+    t0 = t_batch = time.perf_counter()
     for s in range(0, n_in, cfg.batch_size):
         with run.clock.compute("infer_batch"):
             block = Y0[s:s + cfg.batch_size][:, in_rows]
@@ -558,7 +597,12 @@ def _infer(args) -> dict:
         XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)  # its blocks and sends: events
         with run.clock.compute("infer_categories"):
             nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
-        run.log(s // cfg.batch_size, step_wall_s=time.perf_counter() - t0)
+        # a line per batch: its wall time and the inference's so far (the traffic of the whole
+        # inference is accounted once, after the last batch)
+        now = time.perf_counter()
+        run.log(s // cfg.batch_size + 1, interval_units=1, step_wall_s=now - t_batch,
+                elapsed_s=now - t0)
+        t_batch = now
     nonzero[-1] = time.perf_counter() - t0
     run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
     predicted.add(run.recorder.account(plan.calls(run.topo.placement, cfg.batch_size,
@@ -598,9 +642,14 @@ def _partition(args) -> dict:
     if run.size != 1:
         raise ValueError("python -m sparse_sgd partition runs serially: start it without "
                          "mpiexec (or with -n 1)")
+    t0 = time.perf_counter()
     weights, _, network = load_network(cfg, args.seed)
+    load_s = time.perf_counter() - t0
     methods = METHODS if cfg.method == "both" else (cfg.method,)
     rows, parts = table1_rows(weights, cfg.parts, methods, cfg, seed=args.seed, network=network)
+    source = f"read from {cfg.network_dir}" if cfg.network_dir else "generated (RadiX-Net)"
+    print(f"network: {source}, {sum(W.nnz for W in weights)} connections, in {load_s:.2f} s; "
+          "wall s / cpu s: the whole partitioning step")
     print(f"N={cfg.neurons} L={cfg.layers} P={cfg.parts}: per processor per layer, SpFF words "
           "and messages of one input vector (Table 1's convention); ff+bp: SpFF + SpBP words")
     print(format_table1(rows))
@@ -612,12 +661,17 @@ def _partition(args) -> dict:
             if by["R"][k]))
     saved = parts.get("hypergraph") or parts["random"]
     path = Path(run.out) / "partition.npz"
+    hmetis = Path(run.out) / "hmetis"
     if run.rank == 0:
         saved.save(path)
         print(f"saved the {saved.method} partition to {path} (train --partition-file)")
+        if cfg.hmetis:
+            save_hmetis(weights, saved, hmetis)
+            print(f"wrote its hMetis files to {hmetis} (train --partition-file {hmetis})")
     table = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
     return run.finish(metrics={"table1": table, "partition_file": str(path),
-                               "partition_info": saved.info})
+                               "hmetis_dir": str(hmetis) if cfg.hmetis else None,
+                               "partition_info": saved.info, "network_seconds": load_s})
 
 
 def _generate(args) -> dict:

@@ -15,14 +15,17 @@ Folder layout (the challenge's downloads, written by ``python -m sparse_sgd gene
     DIR/neuron{N}-l{L}-categories.tsv    truth categories
 
 :func:`network_folder` accepts ``DIR`` or ``DIR/neuron{N}``.  Parsing streams the file in
-chunks of lines and accepts any whitespace between fields.  Malformed lines, a file cut inside a
-line, an empty file and repeated (row, col) entries raise ``ValueError`` naming the file and the
-line (repeated entries are added instead with ``sum_duplicates=True``).
+chunks of lines and accepts any whitespace between fields.  A last line without a newline is read
+like any other (POSIX-tolerant, as the challenge's reference reader); a file cut inside a line
+leaves a malformed last line, which is refused with a hint.  Malformed lines, indices above the
+neuron count, an empty file and repeated (row, col) entries raise ``ValueError`` naming the file
+and the line (repeated entries are added instead with ``sum_duplicates=True``).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +48,7 @@ __all__ = [
     "write_triples",
 ]
 
-CHUNK_LINES = 1 << 16
+CHUNK_LINES = 1 << 18
 
 
 def _bad_line(line: str) -> str | None:
@@ -81,31 +84,106 @@ def _parse_chunk(lines: list[str], linenos: np.ndarray, path: str):
     for line, lineno in zip(lines, linenos.tolist()):
         what = _bad_line(line)
         if what:
+            cut = ("; the file ends inside this line (no newline): truncated? Re-create or "
+                   "re-download it" if not line.endswith("\n") else "")
             raise ValueError(f"{path}:{lineno}: malformed line {line.strip()!r}: {what} "
-                             "(format: row col value, 1-based, separated by tabs or spaces)")
+                             f"(format: row col value, 1-based, separated by tabs or spaces){cut}")
     raise ValueError(f"{path}: could not parse lines {linenos[0]}..{linenos[-1]}")
 
 
+def _check_bounds(path: str, r, c, linenos, bounds) -> None:
+    """Raise ValueError naming the first line whose row or column index is above ``bounds``."""
+    for idx, limit, what in ((r, bounds[0], "row"), (c, bounds[1], "column")):
+        if limit is None:
+            continue
+        over = np.flatnonzero(idx >= limit)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"{path}:{linenos[i]}: {what} index {idx[i] + 1} exceeds "
+                             f"N={limit}; pass the network's neuron count (--neurons) or fix "
+                             "the line")
+
+
+def _loadtxt(path):
+    """All triples of a well-formed file in one C pass (:func:`numpy.loadtxt`: any whitespace,
+    blank lines skipped, a last line without newline read); None when the file is not a clean
+    table of triples with integral indices >= 1 and finite values (the chunked parser then
+    names the first bad line)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data"
+            data = np.loadtxt(path, dtype=np.float64, ndmin=2, comments=None,
+                              encoding="ascii")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if data.size == 0:
+        return np.zeros((0, 3))
+    if data.shape[1] != 3:
+        return None
+    rc = data[:, :2]
+    if np.any(rc < 1) or np.any(rc != np.floor(rc)) or not np.all(np.isfinite(data)):
+        return None
+    return data
+
+
+def _entry_lines(path) -> np.ndarray:
+    """1-based line numbers of the non-blank lines of a file (the line of every triple)."""
+    a = np.fromfile(path, dtype=np.uint8)
+    ends = np.flatnonzero(a == 10)
+    word = np.flatnonzero(~np.isin(a, (9, 10, 11, 12, 13, 32)))
+    return np.unique(np.searchsorted(ends, word)) + 1
+
+
 def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = False,
-                 sum_duplicates: bool = False):
-    """Stream ``row col value`` triples (1-based, any whitespace); returns 0-based
+                 sum_duplicates: bool = False, bounds=(None, None)):
+    """Read ``row col value`` triples (1-based, any whitespace); returns 0-based
     (rows, cols, values).
 
-    Blank lines are skipped.  Raises ValueError naming ``path`` and the 1-based line number of
-    the first malformed line; of the last line when the file does not end with a newline (a
-    file cut mid-line would otherwise parse as a shorter number); of the first repeated
-    (row, col) entry unless ``sum_duplicates`` (then they are returned as they are and the
-    matrix readers add them); and when the file holds no entry unless ``allow_empty``.
+    A well-formed file is parsed in one C pass (:func:`numpy.loadtxt`); otherwise the file is
+    streamed in chunks of ``chunk_lines`` lines to name the first bad line.  Blank lines are
+    skipped; the last line needs no newline (POSIX-tolerant, as the Graph Challenge reference
+    reader).  Raises ValueError naming ``path`` and the 1-based line number of the first
+    malformed line (with a truncation hint when it is an unterminated last line); of the first
+    line whose 1-based row or column exceeds ``bounds = (rows, cols)`` (None: no bound); of the
+    first repeated (row, col) entry unless ``sum_duplicates`` (then they are returned as they
+    are and the matrix readers add them); and when the file holds no entry unless
+    ``allow_empty``.
     """
     path_s = str(path)
+    data = _loadtxt(path)
+    if data is not None:
+        r = data[:, 0].astype(np.int64) - 1
+        c = data[:, 1].astype(np.int64) - 1
+        rows, cols, vals = [r], [c], [data[:, 2]]
+        over = any(lim is not None and idx.size and idx.max() >= lim
+                   for idx, lim in zip((r, c), bounds))
+        if over:
+            _check_bounds(path_s, r, c, _entry_lines(path), bounds)
+        linenos = None
+    else:
+        rows, cols, vals, linenos = _read_chunks(path_s, chunk_lines, bounds)
+    if sum(x.size for x in rows) == 0:
+        if allow_empty:
+            return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
+        raise ValueError(f"{path_s}: no entries (empty file): expected 'row col value' lines; "
+                         "re-create the file (python -m sparse_sgd generate) or check the path")
+    r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    if not sum_duplicates:
+        _check_duplicates(path_s, r, c, lambda: (np.concatenate(linenos) if linenos is not None
+                                                 else _entry_lines(path)))
+    return r, c, v
+
+
+def _read_chunks(path_s: str, chunk_lines: int, bounds):
+    """The line-by-line parser: chunks of ``chunk_lines`` lines; raises on the first bad line
+    with its number.  Returns per-chunk lists of rows, columns, values and line numbers."""
     rows, cols, vals, linenos = [], [], [], []
-    with open(path, encoding="ascii", errors="replace") as fh:
-        lineno, last = 0, ""
+    with open(path_s, encoding="ascii", errors="replace") as fh:
+        lineno = 0
         while True:
             chunk, nums = [], []
             for line in fh:
                 lineno += 1
-                last = line
                 if not line.strip():
                     continue
                 chunk.append(line)
@@ -116,27 +194,22 @@ def read_triples(path, chunk_lines: int = CHUNK_LINES, *, allow_empty: bool = Fa
                 break
             nums = np.asarray(nums, dtype=np.int64)
             r, c, v = _parse_chunk(chunk, nums, path_s)
+            _check_bounds(path_s, r, c, nums, bounds)
             rows.append(r)
             cols.append(c)
             vals.append(v)
             linenos.append(nums)
-    if last and not last.endswith("\n"):
-        raise ValueError(f"{path_s}:{lineno}: the file ends inside a line ({last!r} has no "
-                         "newline): truncated file? Re-create or re-download it")
-    if not rows:
-        if allow_empty:
-            return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
-        raise ValueError(f"{path_s}: no entries (empty file): expected 'row col value' lines; "
-                         "re-create the file (python -m sparse_sgd generate) or check the path")
-    r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
-    if not sum_duplicates:
-        _check_duplicates(path_s, r, c, np.concatenate(linenos))
-    return r, c, v
+    return rows, cols, vals, linenos
 
 
-def _check_duplicates(path: str, r, c, linenos) -> None:
-    """Raise ValueError naming the first line that repeats an earlier (row, col) entry."""
+def _check_duplicates(path: str, r, c, lines) -> None:
+    """Raise ValueError naming the first line that repeats an earlier (row, col) entry
+    (``lines()`` gives the line number of every entry; only called when one repeats)."""
     key = r * (int(c.max()) + 1) + c
+    ordered = np.sort(key)
+    if not np.any(ordered[1:] == ordered[:-1]):
+        return
+    linenos = lines()
     order = np.lexsort((linenos, key))
     repeat = np.flatnonzero(np.diff(key[order]) == 0) + 1
     if repeat.size:
@@ -185,10 +258,7 @@ def categories_path(directory, neurons: int, layers: int) -> Path:
 
 def read_challenge_layer(path, neurons: int, *, sum_duplicates: bool = False) -> sp.csr_matrix:
     """Read a challenge layer file and return W^k in the paper orientation (rows = outputs)."""
-    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
-    if r.max() >= neurons or c.max() >= neurons:
-        raise ValueError(f"{path}: index {max(r.max(), c.max()) + 1} exceeds N={neurons}; "
-                         "pass the network's neuron count")
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates, bounds=(neurons, neurons))
     W = sp.csr_matrix((v, (c, r)), shape=(neurons, neurons))  # file is (input, output)
     W.sum_duplicates()
     W.sort_indices()
@@ -246,10 +316,7 @@ def read_input_tsv(path, neurons: int, num_inputs: int | None = None, *,
 
     ``num_inputs`` keeps the first images (default: up to the largest image index in the file).
     """
-    r, c, v = read_triples(path, sum_duplicates=sum_duplicates)
-    if c.max() >= neurons:
-        raise ValueError(f"{path}: feature index {c.max() + 1} exceeds N={neurons}; pass the "
-                         "network's neuron count")
+    r, c, v = read_triples(path, sum_duplicates=sum_duplicates, bounds=(None, neurons))
     n_file = int(r.max()) + 1
     if num_inputs is None:
         num_inputs = n_file

@@ -27,6 +27,8 @@ import numpy as np
 from partition.metrics import PartitionMetrics, partition_metrics
 from partition.partitioners import (
     ENGINES,
+    KAHYPAR_PRESETS,
+    MTKAHYPAR_PRESETS,
     PRESETS,
     HypergraphConfig,
     Partition,
@@ -86,8 +88,8 @@ class PartitionOptions:
     engine: str = option("kahypar", "hypergraph partitioner: sequential KaHyPar or Mt-KaHyPar",
                          choices=ENGINES, group=PART)
     preset: str | None = option(
-        None, "engine preset (kahypar: fast, km1, km1_flows; mtkahypar: default, quality, "
-        "highest_quality, deterministic, deterministic_quality; default: fast / deterministic)",
+        None, f"engine preset (kahypar: {', '.join(KAHYPAR_PRESETS)}; mtkahypar: "
+        f"{', '.join(MTKAHYPAR_PRESETS)}; default: fast / deterministic)",
         choices=PRESETS, group=PART)
     epsilon: float = option(0.01, "allowed imbalance of eq. 2", group=PART)
     threads: int = option(1, "Mt-KaHyPar threads (0: all cores; more than one makes the "

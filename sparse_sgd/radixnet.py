@@ -34,6 +34,8 @@ __all__ = [
     "period",
     "place_values",
     "radixnet",
+    "random_regular_layer",
+    "random_regular_network",
     "relabel_owners",
     "relabelling",
     "spff_lower_bound",
@@ -189,6 +191,58 @@ def radixnet(config: RadixNetConfig) -> list[sp.csr_matrix]:
     return weights
 
 
+def random_regular_layer(rows: int, cols: int, degree: int, rng: np.random.Generator, *,
+                         weight: float = 1.0 / CHALLENGE_BLOCK) -> sp.csr_matrix:
+    """A uniformly shuffled ``degree``-regular sparsity pattern: every row and every column of
+    the square layer holds exactly ``degree`` nonzeros, no structure (the worst case for
+    partitioning, the shape of a pruned network with equal fan-in and fan-out).
+
+    The union of ``degree`` random perfect matchings (permutations); a position that repeats
+    an earlier matching's entry of its row is swapped with a random other position until both
+    are new.
+    """
+    if rows != cols:
+        raise ValueError(f"a regular layer here is square, got {rows} x {cols}")
+    if not 1 <= degree <= rows:
+        raise ValueError(f"degree must be in [1, {rows}], got {degree}")
+    n = rows
+    taken = np.zeros(0, dtype=np.int64)  # sorted row * n + col of the entries so far
+
+    def free(key: int) -> bool:
+        at = int(np.searchsorted(taken, key))
+        return at == taken.size or taken[at] != key
+
+    cols_of = np.empty((n, degree), dtype=np.int64)
+    base = np.arange(n, dtype=np.int64) * n
+    for t in range(degree):
+        perm = rng.permutation(n)
+        keys = base + perm
+        at = np.minimum(np.searchsorted(taken, keys), max(taken.size - 1, 0))
+        clash = np.flatnonzero(taken[at] == keys) if taken.size else np.zeros(0, np.int64)
+        for i in clash.tolist():
+            while not free(i * n + int(perm[i])):
+                j = int(rng.integers(n))
+                if free(i * n + int(perm[j])) and free(j * n + int(perm[i])):
+                    perm[i], perm[j] = perm[j], perm[i]
+        taken = np.sort(np.concatenate((taken, base + perm)))
+        cols_of[:, t] = perm
+    cols_of.sort(axis=1)
+    return sp.csr_matrix((np.full(n * degree, weight), cols_of.ravel(),
+                          np.arange(0, n * degree + 1, degree)), shape=(n, n))
+
+
+def random_regular_network(neurons: int, layers: int, degree: int = 32, *, seed: int = 0,
+                           weight: float = 1.0 / CHALLENGE_BLOCK) -> list[sp.csr_matrix]:
+    """``layers`` independent :func:`random_regular_layer` s of ``neurons`` neurons: a network
+    without period and without twins (issue 29's non-periodic benchmark: 32-regular, the
+    connections per neuron of the Graph Challenge networks)."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    rng = np.random.default_rng(seed)
+    return [random_regular_layer(neurons, neurons, degree, rng, weight=weight)
+            for _ in range(layers)]
+
+
 def period(config: RadixNetConfig) -> int | None:
     """Period of the layer sequence: ``len(radices)`` for an unpermuted net with equal blocks
     (W^{k + period} = W^k), else None."""
@@ -244,7 +298,7 @@ def challenge_config(neurons: int, layers: int, *, permute: bool = True, seed: i
         raise ValueError(f"Graph Challenge networks have N in {sorted(CHALLENGE_BIAS)}, got "
                          f"{neurons}; use RadixNetConfig directly for other sizes")
     n = neurons // CHALLENGE_BLOCK
-    m = int(round(np.log2(n)))
+    m = n.bit_length() - 1  # n is a power of two
     return RadixNetConfig(radices=(2,) * m, num_layers=layers, blocks=(CHALLENGE_BLOCK,),
                           weight=1.0 / CHALLENGE_BLOCK, permute=permute, seed=seed)
 

@@ -54,21 +54,21 @@ from .timeline import transfer_parts
 
 __all__ = [
     "ALGORITHMS",
+    "Call",
+    "CallLog",
     "Placement",
+    "Priced",
     "Ready",
     "Work",
-    "Call",
-    "wire_bytes",
+    "bytes_by_phase",
+    "calls_of_rank",
+    "declare",
+    "event_parts",
     "messages",
+    "price",
     "rank_seconds",
     "slowest_link",
-    "event_parts",
-    "price",
-    "Priced",
-    "bytes_by_phase",
-    "declare",
-    "calls_of_rank",
-    "CallLog",
+    "wire_bytes",
 ]
 
 ALGORITHMS = ("allreduce", "allgather", "bcast", "barrier", "p2p", "alltoallv")
@@ -107,26 +107,26 @@ class Placement:
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
-    def node_major(cls, nodes: int, ranks_per_node: int) -> "Placement":
+    def node_major(cls, nodes: int, ranks_per_node: int) -> Placement:
         """``M`` nodes of ``P`` consecutive ranks (``mpiexec`` block placement, virtual nodes)."""
         M, P = _positive(nodes, "nodes"), _positive(ranks_per_node, "ranks per node")
         return cls(tuple(int(r) // P for r in range(M * P)))
 
     @classmethod
-    def round_robin(cls, nodes: int, ranks_per_node: int) -> "Placement":
+    def round_robin(cls, nodes: int, ranks_per_node: int) -> Placement:
         """Rank ``r`` on node ``r mod M`` (a hostfile of ``M`` hosts with one slot each, cycled;
         ``mpiexec -ppn 1`` over ``M`` hosts)."""
         M, P = _positive(nodes, "nodes"), _positive(ranks_per_node, "ranks per node")
         return cls(tuple(int(r) % M for r in range(M * P)))
 
     @classmethod
-    def from_sizes(cls, sizes: Sequence[int]) -> "Placement":
+    def from_sizes(cls, sizes: Sequence[int]) -> Placement:
         """Consecutive ranks on nodes of the given (possibly unequal) sizes."""
         sizes = [_positive(s, "node size") for s in sizes]
         return cls(tuple(m for m, s in enumerate(sizes) for _ in range(s)))
 
     @classmethod
-    def parse(cls, text: str, size: int) -> "Placement":
+    def parse(cls, text: str, size: int) -> Placement:
         """A ``--node-map`` for ``size`` ranks: ``block:R`` (nodes of ``R`` consecutive ranks),
         ``round-robin:R`` (``size / R`` nodes, rank ``r`` on node ``r mod (size / R)``: a
         hostfile cycled over the hosts) or the node of every rank (``0,1,0,1``)."""
@@ -361,7 +361,7 @@ class Call:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Call":
+    def from_dict(cls, d: dict) -> Call:
         return cls(d["phase"], d["algorithm"], tuple(d["group"]), nbytes=d.get("nbytes", 0),
                    itemsize=d.get("itemsize", 1), root=d.get("root", 0), op=d.get("op"),
                    blocks=tuple(d["blocks"]) if "blocks" in d else None,
@@ -391,7 +391,7 @@ class Call:
             return bool(np.any(self.pairs[:, 0] == int(rank)))
         return int(rank) in self.group
 
-    def sends_of(self, rank: int) -> "Call":
+    def sends_of(self, rank: int) -> Call:
         """``p2p``: the messages ``rank`` sends (one record)."""
         if self.algorithm != "p2p":
             raise ValueError(f"sends_of() is for p2p calls, not {self.algorithm}")
@@ -721,9 +721,11 @@ def _own_records(calls: Sequence, rank: int) -> list[Call]:
 
 
 class CallLog:
-    """The records a rank executed (or waited for), in order: a count and a SHA-256 over their
-    keys (a run and its replay agree call for call), and the records since the last
-    :meth:`check` (which holds them against the plan's)."""
+    """The records a rank executed (or waited for), in order: a count and a SHA-256 chained
+    over their keys (a run and its replay, and a resumed run and the uninterrupted one, agree
+    call for call), and the records since the last :meth:`check` (which holds them against the
+    plan's).  :meth:`state` / :meth:`load_state` carry the count and the digest through a
+    checkpoint."""
 
     #: records kept for one :meth:`check` at most (a command that never checks keeps counting)
     MAX_PENDING = 100_000
@@ -732,11 +734,12 @@ class CallLog:
         self.count = 0
         self.pending: list[tuple[Call, bool]] = []
         self.overflow = False
-        self._sha = hashlib.sha256()
+        self._digest = hashlib.sha256().digest()
 
     def add(self, call: Call, member: bool = True) -> None:
         self.count += 1
-        self._sha.update(repr((call.key(), member)).encode())
+        # chained (digest of the previous digest and this record), so the state is two values
+        self._digest = hashlib.sha256(self._digest + repr((call.key(), member)).encode()).digest()
         if len(self.pending) < self.MAX_PENDING:
             self.pending.append((call, member))
         else:
@@ -764,10 +767,19 @@ class CallLog:
 
     @property
     def digest(self) -> str:
-        return self._sha.hexdigest()
+        return self._digest.hex()
 
     def describe(self) -> dict:
         return {"count": self.count, "sha256": self.digest}
+
+    def state(self) -> dict:
+        """The count and digest (JSON-able), for a checkpoint."""
+        return {"count": self.count, "sha256": self.digest}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from :meth:`state` (the calls since, still to be checked, are kept)."""
+        self.count = int(state["count"])
+        self._digest = bytes.fromhex(state["sha256"])
 
 
 def _show(c: Call) -> str:

@@ -46,7 +46,7 @@ from .ledger import Ledger
 from .profile import ProfileSource
 from .timeline import StepTiming, Timeline
 
-__all__ = ["SimClock", "make_source", "SOURCES"]
+__all__ = ["SOURCES", "SimClock", "make_source"]
 
 #: Names :func:`make_source` accepts (the ``--compute-source`` choices).
 SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops",
@@ -137,6 +137,10 @@ class SimClock:
         self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
         #: the rank's recorded program (:mod:`substrate.program`), when a profile is recorded
         self.program = None
+        #: steps kept for ``--trace`` (:func:`substrate.trace.parse_steps`; ``None``: all)
+        self.trace_steps = False
+        #: the kept steps: ``{"step", "sim_start_s", "sim_s", "wall_s", "events"}``
+        self.traced: list[dict] = []
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
         self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
         self._depth = 0
@@ -144,7 +148,6 @@ class SimClock:
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
         self.step_wall_s = 0.0
-        self._diagnostic_s = 0.0       # wall time of diagnostic() blocks in the open step
         self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
 
     @property
@@ -225,34 +228,21 @@ class SimClock:
     # -- steps -----------------------------------------------------------------------------------
     def mark(self) -> None:
         """Restart the wall-time interval of the next :meth:`step` (call it after work that is
-        not part of a step, e.g. an evaluation)."""
+        not part of a step, e.g. an evaluation or a checkpoint)."""
         self._step_t0 = time.perf_counter()
-        self._diagnostic_s = 0.0
-
-    @contextmanager
-    def diagnostic(self):
-        """Work inside a step that is not part of the simulated system (a statistic the run
-        reports, such as SSFusion's tensor-missing rate): not a compute event, and its wall
-        time is left out of :attr:`step_wall_s`, so a measured step compares with the
-        simulated one."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._diagnostic_s += time.perf_counter() - t0
 
     def step(self) -> StepTiming:
         """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
-        time since the previous ``step()`` (or :meth:`mark`), less :meth:`diagnostic` blocks.
+        time since the previous ``step()`` (or :meth:`mark`): everything the rank did in the
+        step, diagnostics included.
 
         Timeline mode: schedule and start a new step.  Additive mode: the step's compute and
         ledger α–β, added (so trainers call ``step()`` the same way in both modes)."""
         if self.program is not None:
             self.program.step()
         now = time.perf_counter()
-        self.step_wall_s = now - self._step_t0 - self._diagnostic_s
+        self.step_wall_s = now - self._step_t0
         self._step_t0 = now
-        self._diagnostic_s = 0.0
         self.source.new_step()
         if self.timeline is None:
             compute = self._compute_s - self._prev["compute_s"]
@@ -262,8 +252,29 @@ class SimClock:
                                         comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
                                         no_overlap_s=compute + comm)
             return self.last_step
+        sim_start = self.sim_s - (self.timeline.schedule().step_s
+                                  if self.timeline.open_events else 0.0)
         self.last_step = self.timeline.step()
+        if self.trace_steps is not False:
+            self._trace(self.timeline.steps - 1, sim_start)
         return self.last_step
+
+    def _trace(self, k: int, sim_start: float) -> None:
+        """Keep step ``k`` for ``--trace`` when it is selected (``last``: the newest only)."""
+        sel = self.trace_steps
+        keep_last = sel is not None and sel[1]
+        if sel is not None and k not in sel[0] and not keep_last:
+            return
+        if keep_last and self.traced and self.traced[-1].get("last_only") and \
+                self.traced[-1]["step"] not in sel[0]:
+            self.traced.pop()
+        self.traced.append({
+            "step": k, "sim_start_s": sim_start, "sim_s": self.last_step.step_s,
+            "wall_s": self.step_wall_s,
+            "last_only": sel is not None and k not in sel[0],
+            "events": [{"label": e.label, "kind": e.kind, "resource": e.resource,
+                        "start": e.start, "finish": e.finish, "phase": e.phase,
+                        "nbytes": e.nbytes} for e in self.last_step.events]})
 
     # -- readings --------------------------------------------------------------------------------
     def _open(self) -> tuple[float, float, float]:
@@ -341,7 +352,8 @@ class SimClock:
             if events:
                 d["last_step"]["events"] = [
                     {"label": e.label, "kind": e.kind, "resource": e.resource,
-                     "start": e.start, "finish": e.finish} for e in self.last_step.events]
+                     "start": e.start, "finish": e.finish, "phase": e.phase,
+                     "nbytes": e.nbytes} for e in self.last_step.events]
         return d
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -366,5 +378,5 @@ class SimClock:
             self._offset[k] = 0.0
         cur = {"sim_s": self.sim_s, "no_overlap_s": self.no_overlap_s,
                "compute_s": self.compute_s}
-        for k in cur:
-            self._offset[k] = float(state[k]) - cur[k]
+        for k, now in cur.items():
+            self._offset[k] = float(state[k]) - now

@@ -36,12 +36,24 @@ import tempfile
 import zipfile
 import zlib
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "RunWriter", "Checkpointer",
-           "CheckpointError", "to_jsonable", "file_mode", "recover_publish", "SUMMARY",
-           "METRICS", "METRICS_PART", "CHECKPOINTS"]
+__all__ = [
+    "CHECKPOINTS",
+    "METRICS",
+    "METRICS_PART",
+    "SUMMARY",
+    "CheckpointError",
+    "Checkpointer",
+    "RunWriter",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "file_mode",
+    "recover_publish",
+    "to_jsonable",
+]
 
 #: file names inside a results directory
 SUMMARY = "summary.json"
@@ -153,7 +165,7 @@ class RunWriter:
 
     #: writers whose run has neither finished nor been abandoned (see :meth:`abandon_open`);
     #: held strongly, so a run dropped before it failed is still cleaned up
-    _open: "set[RunWriter]" = set()
+    _open: ClassVar[set[RunWriter]] = set()
 
     def __init__(self, out_dir, enabled: bool = True) -> None:
         self.out = Path(out_dir)
@@ -167,7 +179,7 @@ class RunWriter:
             self.out.mkdir(parents=True, exist_ok=True)
             self._created = missing  # deepest first
             self._remove_stale()
-            self._fh = open(self._part, "w")
+            self._fh = open(self._part, "w")  # noqa: SIM115 - held open until finish
             RunWriter._open.add(self)
 
     def _remove_stale(self) -> None:
@@ -243,10 +255,15 @@ class CheckpointError(ValueError):
 def _read_npz(path: Path) -> dict:
     """Every array of an ``.npz`` (all members are read, so their CRC-32 is checked)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        with open(path, "rb") as f:
+            zipped = f.read(2) == b"PK"
+        if zipped:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
         raise CheckpointError(path, f"{type(exc).__name__}: {exc}") from None
+    raise CheckpointError(path, "not an .npz archive: the file does not start like a zip file "
+                                "(garbage, or another format)")
 
 
 class Checkpointer:

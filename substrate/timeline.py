@@ -160,6 +160,7 @@ class EventRecord:
     start: float
     finish: float
     phase: str | None = None
+    nbytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -549,8 +550,8 @@ def _simulate(events: list[Event], keep: bool) -> StepTiming:
     offload_s = sum((e.seconds for e in events if e.kind == "compute"
                      and e.resource == "offload"), 0.0)
     comm_s = sum((e.standalone_s for e in events if e.kind == "transfer"), 0.0)
-    records = tuple(EventRecord(e.label, e.kind, e.resource, e.start, e.finish, e.phase)
-                    for e in events) if keep else ()
+    records = tuple(EventRecord(e.label, e.kind, e.resource, e.start, e.finish, e.phase,
+                                e.nbytes) for e in events) if keep else ()
     return StepTiming(step_s=step_s, compute_s=compute_s, offload_s=offload_s, comm_s=comm_s,
                       comm_busy_s={link: _union_length(v) for link, v in comm.items()},
                       exposed_comm_s=max(0.0, exposed),

@@ -5,9 +5,11 @@ Built once per run with :meth:`Topology.from_comm`:
 * real nodes: ``comm.Split_type(MPI.COMM_TYPE_SHARED)`` groups the ranks that share memory;
 * virtual nodes (simulation on one host): ``ranks_per_node=R`` groups ranks ``rank // R``.
 
-Every node must hold the same number of ranks (H-SADMM assumes homogeneous nodes).  A world size
-that is not a multiple of ``R``, or nodes of unequal size, raise :class:`TopologyError` on every
-rank (every rank reaches the same verdict from the same data, so nothing hangs).
+Nodes may hold different numbers of ranks (any placement a launcher or hostfile produces);
+systems that need equal nodes (H-SADMM's γ counts P ranks per node) refuse others with
+:meth:`Topology.require_uniform`.  A world size that is not a multiple of ``R`` raises
+:class:`TopologyError` on every rank (every rank reaches the same verdict from the same data, so
+nothing hangs).
 
 The hierarchy is a list of :class:`Level` objects, bottom-up: level 0 is the node level (``intra``
 = the node's ranks, ``inter`` = the node leaders).  ``nodes_per_rack=K`` adds a rack level above
@@ -75,20 +77,12 @@ def assign_nodes(node_roots) -> tuple[np.ndarray, np.ndarray]:
     (numpy.ndarray, numpy.ndarray)
         ``node_of`` (ids ``0..M-1`` ordered by leader rank) and the leaders' world ranks.
 
-    Raises
-    ------
-    TopologyError
-        If the nodes hold unequal numbers of ranks.
+    Nodes may hold different numbers of ranks (a hostfile with unequal slots); the systems that
+    need equal nodes say so (:meth:`Topology.require_uniform`).
     """
     roots = np.asarray(node_roots, dtype=np.int64)
     leaders = np.unique(roots)
     node_of = np.searchsorted(leaders, roots)
-    counts = np.bincount(node_of)
-    if counts.min() != counts.max():
-        raise TopologyError(
-            f"nodes hold unequal rank counts {counts.tolist()}: H-SADMM assumes homogeneous "
-            "nodes; launch the same number of ranks on every node (e.g. srun "
-            "--ntasks-per-node) or simulate with --ranks-per-node")
     return node_of, leaders
 
 
@@ -243,7 +237,9 @@ class Topology:
         self.node_of = node_of
         self.node = int(node_of[rank])
         self.num_nodes = int(uniq.size)
-        self.ranks_per_node = int(counts[0])
+        #: ranks of every node when they are equal, else ``None`` (uneven nodes)
+        self.ranks_per_node = int(counts[0]) if counts.min() == counts.max() else None
+        self.node_sizes = tuple(int(c) for c in counts)
         self.local_rank = intra_mpi.Get_rank()
         self.is_leader = self.local_rank == 0
         # GPUs belong to the real node: bind by the real node's local rank among the ranks
@@ -289,6 +285,16 @@ class Topology:
                 rack_leaders = self.inter.sub(0 if group.rank == 0 else -1)
             self.levels.append(Level("rack", group, rack_leaders, rack_of))
         return self
+
+    def require_uniform(self, what: str, why: str) -> int:
+        """The ranks per node, or a :class:`TopologyError` (raised alike on every rank) naming
+        ``what`` and ``why`` it needs equal nodes, with the fix."""
+        if self.ranks_per_node is None:
+            raise TopologyError(
+                f"{what} needs every node to hold the same number of ranks ({why}), but the "
+                f"nodes hold {list(self.node_sizes)}: launch the same number of ranks on every "
+                "node (e.g. srun --ntasks-per-node, or --node-map round-robin:R / block:R)")
+        return self.ranks_per_node
 
     # -- conveniences ----------------------------------------------------------------------------
     def bind_backend(self, backend: Backend) -> None:

@@ -1,5 +1,7 @@
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/mpi_helpers.py
@@ -12,3 +14,7 @@ def _terminate(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _terminate)
+
+# runs without --out (error-path cases, default run folders) land in a temporary results root,
+# never in the checkout's results/ (runner.run: SPARDIST_RESULTS); MPI jobs inherit it
+os.environ.setdefault("SPARDIST_RESULTS", tempfile.mkdtemp(prefix="spardist-test-results-"))

@@ -1,3 +1,5 @@
+import dataclasses
+
 """Serial tests of the data-parallel building blocks: buckets, top-k selection, option flags and
 the closed forms of volume.dataparallel against hand-computed cases."""
 
@@ -82,6 +84,19 @@ def test_conflicting_shared_flag_defaults_are_refused():
     add_options_args(p, TopKOptions, "topk")
     with pytest.raises(ValueError, match="declared twice"):
         add_options_args(p, Other, "other")
+
+
+def test_shared_flag_help_names_every_method_that_reads_it():
+    """--density sits in one method's group but topk and ssfusion both read it: the help says
+    so, and a flag only one method reads is not labelled."""
+    from dataparallel.strategy import STRATEGIES
+    from dataparallel.train import build_parser
+    readers = sorted(n for n, c in STRATEGIES.items()
+                     if "density" in {f.name for f in dataclasses.fields(c.Options)})
+    assert len(readers) >= 2
+    helps = {a.dest: a.help or "" for a in build_parser()._actions}
+    assert f"[used by --method {', '.join(readers)}]" in helps["density"]
+    assert "used by --method" not in helps["density_floor"]
 
 
 @pytest.mark.parametrize("kw,msg", [

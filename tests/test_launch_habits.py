@@ -64,8 +64,9 @@ def test_default_out_never_collides_and_latest_follows(tmp_path):
     ``latest`` points at the newest; --resume without --out continues the newest."""
     job = ["train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 1,
            "--progress-every", 0, "--checkpoint-every", 1]
+    here = {"SPARDIST_RESULTS": ""}   # the default root: results/ in the working directory
     for _ in range(2):
-        run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path)
+        run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path, env=here)
     base = tmp_path / "results" / "dataparallel_ddp"
     assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
     assert (base / "latest").resolve() == (base / "run-2").resolve()
@@ -73,9 +74,17 @@ def test_default_out_never_collides_and_latest_follows(tmp_path):
     assert (base / "run-2" / "summary.json").is_file()
     # continuing the newest run (finished at 2 steps) to 3 steps, in its own folder
     longer = [*job[:4], 3, *job[5:]]
-    run_mpi(None, 2, *longer, "--resume", module="dataparallel", timeout=180, cwd=tmp_path)
+    run_mpi(None, 2, *longer, "--resume", module="dataparallel", timeout=180, cwd=tmp_path,
+            env=here)
     assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
     assert read_summary(base / "run-2")["metrics"]["steps"] == 3
+    # SPARDIST_RESULTS names another root (the test suite's own, so no test writes into the
+    # checkout's results/)
+    other = tmp_path / "elsewhere"
+    run_mpi(None, 2, *job, module="dataparallel", timeout=180, cwd=tmp_path,
+            env={"SPARDIST_RESULTS": str(other)})
+    assert (other / "dataparallel_ddp" / "run-1" / "summary.json").is_file()
+    assert sorted(p.name for p in base.iterdir()) == ["latest", "run-1", "run-2"]
 
 
 def test_resume_without_out_and_without_runs_is_refused(tmp_path):
@@ -114,3 +123,24 @@ def test_rerun_refuses_a_folder_without_a_record(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "commvol", "rerun", str(tmp_path / "old")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "has no run record" in proc.stderr
+
+
+def test_the_console_command_and_version():
+    """``spardist`` (the installed console command) runs every command and prints the version;
+    every command has ``--version``; the license file the metadata declares exists."""
+    exe = Path(sys.executable).with_name("spardist")
+    assert exe.exists(), "pip install -e . registers the spardist console command"
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.startswith("spardist ")
+    for cmd in (["commvol", "predict", "--help"], ["hsadmm", "train", "--help"],
+                ["run", "--dry-run", "-n", "2", "runner.probe"]):
+        proc = subprocess.run([str(exe), *cmd], capture_output=True, text=True, timeout=120,
+                              check=False, cwd=ROOT)
+        assert proc.returncode == 0, (cmd, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "dataparallel", "train", "--version"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith("spardist ")
+    assert subprocess.run([str(exe), "nope"], capture_output=True, text=True,
+                          timeout=60).returncode == 2
+    assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")

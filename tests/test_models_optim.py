@@ -176,17 +176,32 @@ def test_proximal_hook_per_tensor_rho_matches_reference():
 
 
 def test_proximal_hook_inactive_until_center_set():
+    """Before set_center the hook adds nothing, though theta != 0 (an active hook anchored at
+    its zero-initialised centre would add rho * theta); once set it adds rho ⊙ (theta - z + u)
+    per tensor (eq. 8), computed here tensor by tensor, and theta == z - u cancels it."""
     params, grads = make_buffers()
-    hook = ProximalHook(LAYOUT, 10.0, dtype=np.float64)
-    d = np.zeros(LAYOUT.total)
+    assert np.all(params.flat != 0)
+    rho = {n: 0.5 + i for i, n in enumerate(LAYOUT.names)}
+    hook = ProximalHook(LAYOUT, rho, dtype=np.float64)
 
     class Opt:
         pass
     opt = Opt()
     opt.params = params
+    d = np.full(LAYOUT.total, 0.25)
     hook(d, opt)
-    assert np.all(d == 0)
+    assert np.all(d == 0.25)
+    rng = np.random.default_rng(8)
+    z, u = rng.standard_normal(LAYOUT.total), rng.standard_normal(LAYOUT.total)
+    hook.set_center(z, u)
+    hook(d, opt)
+    zs, us = FlatTensors(LAYOUT, z, dtype=np.float64), FlatTensors(LAYOUT, u, dtype=np.float64)
+    got = FlatTensors(LAYOUT, d, dtype=np.float64)
+    for n in LAYOUT.names:
+        want = 0.25 + rho[n] * (params[n] - zs[n] + us[n])
+        np.testing.assert_allclose(got[n], want, rtol=1e-14, atol=1e-14, err_msg=n)
     hook.set_center(params.flat.copy())          # theta == z: the term vanishes
+    d[...] = 0.0
     hook(d, opt)
     assert np.all(d == 0)
 

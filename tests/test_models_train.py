@@ -66,11 +66,16 @@ def _run_cli(*args, timeout=120):
 
 def test_cli_writes_metrics_and_summary(tmp_path):
     out = tmp_path / "run"
-    proc = _run_cli("train", "--model", "mlp", "--dataset", "synthetic", "--epochs", "2",
-                    "--batch-size", "64", "--lr", "0.05", "--quiet", "--out", str(out))
+    proc = _run_cli("train", "--model", "mlp", "--dataset", "synthetic", "--epochs", "3",
+                    "--eval-every", "2", "--batch-size", "64", "--lr", "0.05", "--quiet",
+                    "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in lines] == [0, 1]
+    assert [r["epoch"] for r in lines] == [r["index"] for r in lines] == [1, 2, 3]
+    # evaluated after epoch 2 (--eval-every 2) and after the last; epoch 1 has no evaluation
+    assert [r["test_accuracy"] is None for r in lines] == [True, False, False]
+    assert lines[0]["eval_wall_s"] is None and lines[1]["eval_wall_s"] > 0
+    assert [r["optimizer_steps"] for r in lines] == [16, 32, 48]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["system"] == "models" and summary["config"]["model"] == "mlp"
     assert summary["metrics"]["final_test_accuracy"] == lines[-1]["test_accuracy"]

@@ -182,3 +182,42 @@ def test_replay_refuses_another_world_size(tmp_path):
             timeout=180)
     assert_fails_on_every_rank("runner.replay", ["--compute-profile", prof],
                                "recorded on 2 ranks; replay it on 2", tmp_path / "x", n=4)
+
+
+# -- every system on round-robin and uneven placements ----------------------------------------
+SYSTEM_JOBS = {
+    "ddp": ("dataparallel", ["train", "--method", "ddp", "--steps", 2]),
+    "topk": ("dataparallel", ["train", "--method", "topk", "--steps", 2]),
+    "fp16": ("dataparallel", ["train", "--method", "fp16", "--steps", 2]),
+    "pactrain": ("dataparallel", ["train", "--method", "pactrain", "--steps", 3,
+                                  "--warmup-steps", 1, "--stable-window", 1]),
+    "sdp": ("dataparallel", ["train", "--method", "sdp", "--steps", 2]),
+    "ssfusion": ("dataparallel", ["train", "--method", "ssfusion", "--steps", 3,
+                                  "--profile-steps", 1]),
+    "hsadmm": ("hsadmm", ["train", "--iters", 2, "--local-steps", 2]),
+    "flat-admm": ("hsadmm", ["train", "--method", "flat-admm", "--iters", 2,
+                             "--local-steps", 2]),
+    "sparse_sgd": ("sparse_sgd", ["train", "--neurons", 1024, "--layers", 3, "--steps", 2]),
+}
+#: systems whose algorithm needs equal nodes (they refuse others, naming why)
+UNIFORM_ONLY = {"sdp", "hsadmm"}
+
+
+@pytest.mark.parametrize("system", sorted(SYSTEM_JOBS))
+@pytest.mark.parametrize("n,node_map", [(4, "round-robin:2"), (5, "0,0,0,1,1")],
+                         ids=["round-robin-2x2", "uneven-3+2"])
+def test_every_system_measured_equals_predicted_on_any_placement(tmp_path, system, n, node_map):
+    module, args = SYSTEM_JOBS[system]
+    out = tmp_path / "run"
+    uneven = node_map.count(",") and len(set(node_map.split(","))) < n and \
+        len({node_map.split(",").count(x) for x in set(node_map.split(","))}) > 1
+    if uneven and system in UNIFORM_ONLY:
+        assert_fails_on_every_rank(module, [*args, "--node-map", node_map, "--progress-every", 0],
+                                   "needs every node to hold the same number of ranks", out,
+                                   n=n)
+        return
+    run_mpi(None, n, *args, "--node-map", node_map, "--progress-every", 0, "--out", out,
+            module=module, timeout=240)
+    s = read_summary(out)
+    assert_measured_equals_predicted(s)
+    assert s["topology"]["node_of"] == list(Placement.parse(node_map, n).node_of)

@@ -45,9 +45,12 @@ def test_fig3_phase1_hypergraph():
     np.testing.assert_array_equal(hg.vertex_weight, [2, 3, 3, 2])  # nnz per row
     assert _nets(hg) == [[0, 1, 2], [0, 1], [1, 2, 3], [2, 3]]  # eq. 12 without fixed vertices
     np.testing.assert_array_equal(hg.net_cost, 2)
-    # x0 from net connectivity: n2 only connects V2, n1 is mostly in V2
+    # x0 inside the net connectivity sets: n2 only connects V2, n4 only V1; n1 connects both,
+    # so x0(1) "can be stored by one of the processors" (§5): the balanced rule takes the one
+    # with less to send, the most-pins rule the one holding most pins (V2)
     owner0 = input_owner_from_connectivity(W1, PI1, 2)
-    assert owner0[1] == 1 and owner0[0] == 1 and owner0[3] == 0
+    assert owner0[1] == 1 and owner0[3] == 0 and owner0[0] in (0, 1)
+    assert input_owner_from_connectivity(W1, PI1, 2, "most_pins")[0] == 1
 
 
 def test_fig3_phase2_fixed_vertices():
@@ -181,3 +184,29 @@ def test_rebalance_repairs_an_overloaded_partition():
     fixed = _rebalance(hg, owner, 4, cap)
     assert np.bincount(fixed, minlength=4).max() * 32 <= cap
     assert np.all(fixed[600:] == owner[600:])  # only rows of the overloaded block moved
+
+
+def test_one_default_partition_configuration_everywhere():
+    """The library's HypergraphConfig() is what every command runs by default (issue 29: the
+    library defaulted to Mt-KaHyPar while the CLIs default to KaHyPar)."""
+    from partition.cli import LayersConfig
+    from sparse_sgd.plan import PartitionOptions
+
+    lib = HypergraphConfig()
+    assert lib.engine == "kahypar"
+    assert PartitionOptions().hypergraph_config(0) == lib
+    assert LayersConfig().hypergraph_config(0) == lib
+
+
+def test_no_permute_help_says_what_the_flag_does():
+    """``--no-permute`` keeps the generator's ids; its help must say so, not describe the
+    default it turns off (issue 29)."""
+    import argparse
+
+    from sparse_sgd.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("train", "infer", "partition", "generate"):
+        action = next(a for a in sub.choices[name]._actions if "--no-permute" in a.option_strings)
+        assert action.help.startswith("keep the generator's neuron ids"), (name, action.help)
+        assert "default: relabel" in action.help

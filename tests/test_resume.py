@@ -4,6 +4,8 @@ run equals an uninterrupted one bit for bit (see ``tests/mpi/resume_checks.py``)
 import pytest
 from mpi_helpers import run_mpi
 
+from substrate.testing import busy_loops
+
 pytestmark = pytest.mark.mpi
 
 
@@ -20,3 +22,15 @@ def test_dataparallel_resume_equals_uninterrupted_run(tmp_path):
 def test_sparse_sgd_resume_equals_uninterrupted_run(tmp_path):
     res = run_mpi("resume_checks.py", 4, "sparse", tmp_path, timeout=300)
     assert "OK resume sparse_sgd" in res.stdout, res.stdout + res.stderr
+
+
+def test_resume_reuses_the_timing_derived_plan_under_load(tmp_path):
+    """SSFusion's plan (Cupcake buffers and selective sparsification, decided from the warm-up
+    timings) is kept in the checkpoint: resumed beside two busy loops, a run equals the
+    uninterrupted one in every call (count and digest), byte, message and metric but measured
+    times, 10 times out of 10 (``tests/mpi/resume_plan_checks.py``)."""
+    with busy_loops(2):
+        res = run_mpi("resume_plan_checks.py", 2, tmp_path, 10, timeout=400)
+    for i in range(10):
+        assert f"OK plan repeat {i}" in res.stdout, res.stdout + res.stderr
+    assert "PLANS " in res.stdout

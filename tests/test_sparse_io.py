@@ -40,7 +40,7 @@ def test_network_round_trip_and_orientation(tmp_path):
             assert (a != b).nnz == 0
     # the file holds the challenge orientation (row = input neuron, col = output neuron)
     tmp_path = folder
-    r, c, v = read_triples(layer_path(tmp_path, 1024, 1))
+    r, c, _v = read_triples(layer_path(tmp_path, 1024, 1))
     i = 5
     np.testing.assert_array_equal(np.sort(r[c == i]), W[0].indices[W[0].indptr[i]:
                                                                   W[0].indptr[i + 1]])
@@ -97,6 +97,14 @@ def test_any_whitespace_separates_fields(tmp_path):
     np.testing.assert_array_equal(r, [0, 2, 4])
     np.testing.assert_array_equal(c, [1, 3, 5])
     np.testing.assert_array_equal(v, [0.5, 0.25, 0.1])
+    # blank lines (and chunks holding nothing else), CRLF ends, every chunk size
+    p.write_text("\n\n \t\n1 2 0.5\r\n\n\n\n3 4 0.25\n\n")
+    for chunk in (1, 2, 3, 100):
+        r, c, v = read_triples(p, chunk_lines=chunk)
+        assert (r.tolist(), c.tolist(), v.tolist()) == ([0, 2], [1, 3], [0.5, 0.25])
+    p.write_text("\n\n\n")
+    with pytest.raises(ValueError, match="no entries"):
+        read_triples(p, chunk_lines=2)
 
 
 def test_empty_truncated_and_duplicate_files_are_refused(tmp_path):
@@ -108,8 +116,10 @@ def test_empty_truncated_and_duplicate_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"n1024-l2\.tsv: no entries"):
         read_challenge_network(tmp_path, 1024, 2)
     lines = text.splitlines(keepends=True)
-    path.write_text("".join(lines[:100]) + lines[100][:-4])  # cut inside line 101
-    with pytest.raises(ValueError, match=r"n1024-l2\.tsv:101: the file ends inside a line"):
+    cut = lines[100][:lines[100].rfind("\t")]  # cut inside line 101: the value is gone
+    path.write_text("".join(lines[:100]) + cut)
+    with pytest.raises(ValueError, match=r"n1024-l2\.tsv:101: malformed line .*expected 3 "
+                                         r".*found 2.*ends inside this line.*truncated"):
         read_challenge_network(tmp_path, 1024, 2)
     path.write_text("".join(lines[:50]) + lines[7] + "".join(lines[50:]))  # line 51 repeats 8
     with pytest.raises(ValueError, match=r"n1024-l2\.tsv:51: duplicate entry .* line 8; .*"
@@ -158,6 +168,44 @@ def test_layer_index_out_of_range(tmp_path):
     write_triples(tmp_path / "l.tsv", [0, 2000], [1, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="exceeds N=1024"):
         read_challenge_layer(tmp_path / "l.tsv", 1024)
+
+
+def test_index_above_n_names_its_line(tmp_path):
+    """An index above N is reported with the file and the line that holds it (issue 29), in
+    any chunk of the streamed file, for layer files (either index) and input files."""
+    rows = np.arange(300) % 1024
+    cols = np.arange(300) % 7
+    rows[212] = 1024  # 1-based 1025 on line 213
+    write_triples(tmp_path / "l.tsv", rows, cols, np.ones(300))
+    with pytest.raises(ValueError, match=r"l\.tsv:213: row index 1025 exceeds N=1024; "
+                                         r"pass .*--neurons"):
+        read_challenge_layer(tmp_path / "l.tsv", 1024)
+    for chunk in (1, 50, 1000):
+        with pytest.raises(ValueError, match=r"l\.tsv:213: row index 1025 exceeds N=1024"):
+            read_triples(tmp_path / "l.tsv", chunk, bounds=(1024, 1024))
+    write_triples(tmp_path / "c.tsv", cols, rows, np.ones(300))  # the column is too large
+    with pytest.raises(ValueError, match=r"c\.tsv:213: column index 1025 exceeds N=1024"):
+        read_challenge_layer(tmp_path / "c.tsv", 1024)
+    with pytest.raises(ValueError, match=r"c\.tsv:213: column index 1025 exceeds N=1024"):
+        read_input_tsv(tmp_path / "c.tsv", 1024)
+
+
+def test_last_line_without_newline_is_read(tmp_path):
+    """A valid last line without a trailing newline is part of the file (POSIX-tolerant, like
+    the challenge's reference reader): the layer reads back whole, whatever the chunking."""
+    W = graph_challenge_network(1024, 1, seed=3).weights
+    folder = write_challenge_network(tmp_path, W)
+    path = layer_path(folder, 1024, 1)
+    path.write_text(path.read_text().rstrip("\n"))
+    assert not path.read_text().endswith("\n")
+    back = read_challenge_network(tmp_path, 1024, 1)[0]
+    assert back.nnz == W[0].nnz and (back != W[0]).nnz == 0
+    for chunk in (1, 3, W[0].nnz, W[0].nnz + 1):
+        r, c, v = read_triples(path, chunk)
+        assert r.size == W[0].nnz
+    (tmp_path / "one.tsv").write_text("3 4 0.5")  # a one-line file without newline
+    r, c, v = read_triples(tmp_path / "one.tsv")
+    assert (r.tolist(), c.tolist(), v.tolist()) == ([2], [3], [0.5])
 
 
 def _write_idx(path, arr, code):

@@ -67,14 +67,23 @@ def test_cli_train_measured_equals_predicted_and_hypergraph_moves_less(tmp_path)
         return bp["spff"]["bytes"] + bp["spbp"]["bytes"]
 
     assert p2p(sr) >= 3 * p2p(sh)
-    # metrics.jsonl: one schema, the plan's bytes per line add up to the training phases
+    # metrics.jsonl: one schema; a line after steps 1, 5, 9 (--log-every 4) and the last, whose
+    # bytes (the plan's records: set-up on the first line, the evaluation on the last) add up
+    # to the run's measured traffic
     lines = [json.loads(x) for x in (tmp_path / "hypergraph" / "metrics.jsonl").read_text()
              .splitlines()]
-    assert [x["step"] for x in lines] == [0, 4, 8, 11] and lines[0]["unit"] == "step"
+    assert [x["step"] for x in lines] == [x["index"] for x in lines] == [1, 5, 9, 12]
+    assert [x["interval_units"] for x in lines] == [1, 4, 4, 3] and lines[0]["unit"] == "step"
     assert all(x["step_wall_s"] > 0 for x in lines)
-    bp = sh["traffic"]["measured"]["by_phase"]
-    assert sum(x["inter_node_bytes"] + x["intra_node_bytes"] for x in lines) == sum(
-        bp[ph]["bytes"] for ph in ("spff", "spbp", "loss"))
+    assert [x["test_accuracy"] is None for x in lines] == [True, True, True, False]
+    assert lines[-1]["test_accuracy"] == sh["metrics"]["test_accuracy"]
+    m = sh["traffic"]["measured"]
+    for link in ("inter_node_bytes", "intra_node_bytes"):
+        assert sum(x[link] for x in lines) == m[link]
+    bp = m["by_phase"]
+    assert lines[0]["inter_node_bytes"] + lines[0]["intra_node_bytes"] == \
+        bp["partition"]["bytes"] + (bp["spff"]["bytes"] + bp["spbp"]["bytes"]
+                                    + bp["loss"]["bytes"]) // 12
     assert 0 <= sh["metrics"]["test_accuracy"] <= 1 and sh["metrics"]["test_images"] == 359
 
 
@@ -120,7 +129,7 @@ def test_cli_train_with_saved_partition_file(tmp_path):
     from sparse_sgd.cli import main as sparse_main
 
     sparse_main(["partition", "--neurons", "1024", "--layers", "4", "--parts", "2",
-                 "--method", "hypergraph", "--out", str(tmp_path / "h2")])
+                 "--method", "hypergraph", "--hmetis", "--out", str(tmp_path / "h2")])
     pfile = tmp_path / "h2" / "partition.npz"
     out = tmp_path / "run"
     run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
@@ -130,6 +139,15 @@ def test_cli_train_with_saved_partition_file(tmp_path):
     assert "partition" not in pred["by_phase"]  # read from the file on every rank: no bcast
     assert s["metrics"]["partition_method"] == "hypergraph"
     assert_measured_equals_predicted(s)
+    # the same partition through its hMetis files (partition.hmetis): the same run, byte for byte
+    out_h = tmp_path / "run_hmetis"
+    run_mpi(None, 2, "train", "--neurons", 1024, "--layers", 4, "--partition-file",
+            tmp_path / "h2" / "hmetis", "--steps", 3, "--batch-size", 8, "--out", out_h,
+            module="sparse_sgd", timeout=180)
+    h = json.loads((out_h / "summary.json").read_text())
+    assert h["metrics"]["partition_method"] == "hmetis"
+    assert h["traffic"]["measured"] == s["traffic"]["measured"]
+    assert h["metrics"]["test_accuracy"] == s["metrics"]["test_accuracy"]
     run_mpi(None, 4, "train", "--neurons", 1024, "--layers", 4, "--partition-file", pfile,
             "--steps", 1, "--out", tmp_path / "bad", module="sparse_sgd", timeout=120,
             expect_fail=True)

@@ -142,15 +142,15 @@ def test_single_rank_topology_and_bad_inputs():
             Topology.from_comm(MPI.COMM_SELF, ranks_per_node=bad)
 
 
-def test_assign_nodes_orders_by_leader_and_rejects_unequal_nodes():
+def test_assign_nodes_orders_by_leader_and_keeps_unequal_nodes():
     from substrate.topology import assign_nodes
 
     node_of, leaders = assign_nodes([0, 0, 2, 2, 4, 4])
     assert node_of.tolist() == [0, 0, 1, 1, 2, 2] and leaders.tolist() == [0, 2, 4]
     node_of, _ = assign_nodes([0, 1, 0, 1])  # round-robin placement: ids still by leader rank
     assert node_of.tolist() == [0, 1, 0, 1]
-    with pytest.raises(TopologyError, match=r"unequal rank counts \[3, 1\]"):
-        assign_nodes([0, 0, 0, 3])
+    node_of, leaders = assign_nodes([0, 0, 0, 3])  # 3 + 1: allowed, the systems decide
+    assert node_of.tolist() == [0, 0, 0, 1] and leaders.tolist() == [0, 3]
 
 
 def test_comm_rejects_bad_arguments():

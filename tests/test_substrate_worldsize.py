@@ -51,3 +51,17 @@ def test_singleton_run_stops_and_writes_nothing(tmp_path):
 ])
 def test_slurm_launcher_per_library(flavor, plugins, want):
     assert slurm_launcher(flavor, plugins) == want
+
+
+def test_only_the_first_singleton_speaks(tmp_path):
+    """srun without a PMI the library speaks starts N singletons that all fail alike: the
+    launcher's process 0 prints the error, the others exit non-zero quietly (not N copies of
+    'error on rank 0')."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    for procid, speaks in (("0", True), ("3", False)):
+        env = {**base, "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": procid}
+        res = subprocess.run([sys.executable, "-m", "runner.probe", "--out",
+                              str(tmp_path / procid)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode != 0
+        assert ("MPI sees a world of 1" in res.stderr) == speaks, res.stderr

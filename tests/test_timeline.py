@@ -442,6 +442,22 @@ def test_additive_step_reports_the_step_added_up():
     assert clock.step_wall_s >= 0.0
 
 
+def test_step_wall_time_is_the_whole_step_and_mark_starts_the_next():
+    """Everything between two steps is the step's wall time (work outside compute blocks, such
+    as a diagnostic, included); mark() leaves what came before it (an evaluation) out."""
+    clock = SimClock(Ledger(), source="wall")
+    assert not hasattr(clock, "diagnostic")
+    with clock.compute("work"):
+        time.sleep(0.02)
+    time.sleep(0.03)                 # not a compute block: still the step's
+    clock.step()
+    assert clock.step_wall_s >= 0.05
+    time.sleep(0.05)                 # e.g. an evaluation, then mark()
+    clock.mark()
+    clock.step()
+    assert clock.step_wall_s < 0.04
+
+
 def test_flops_source_needs_a_peak():
     with pytest.raises(ValueError, match="--device-tflops"):
         make_source("flops")

@@ -36,7 +36,9 @@ class SDP(Strategy):
         rank = topo.rank
         model, opt = ctx.model, ctx.opt
         self.model, self.opt = model, opt
-        self.plan = plan = SDPPlan.for_model(model, topo.num_nodes, topo.ranks_per_node,
+        rpn = topo.require_uniform("SDP", "its holder sets are laid out node by node, "
+                                   "ranks_per_node ranks each")
+        self.plan = plan = SDPPlan.for_model(model, topo.num_nodes, rpn,
                                              options, seed=ctx.seed)
         self.forward_masking = options.sdp_mode != "block-backward"
         g = model.grads.flat

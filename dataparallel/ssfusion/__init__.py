@@ -66,9 +66,10 @@ Simulation notes: the collectives run in ``sync`` after the backward, buffer by 
 does the main-thread sparsification; on the timeline clock every call and compute part is
 declared after what the plan's records name (:meth:`SSFusion.sync`, Fig. 10), the parts on the
 compute stream right after the backward event that completes them, so the collectives overlap
-the rest of the backward.  The tensor-missing count is a :meth:`SimClock.diagnostic` (not part
-of the step).  The ``flops`` source counts the sparsification's element operations
-(:meth:`SSFusionPlan.segment_flops`), with no kernel-launch cost per tensor.
+the rest of the backward.  The tensor-missing count (a diagnostic, not part of the modeled
+system) runs only on steps that write a metrics line, so an ordinary step does no diagnostic
+work and ``step_wall_s`` is the whole step.  The ``flops`` source counts the sparsification's
+element operations (:meth:`SSFusionPlan.segment_flops`), with no kernel-launch cost per tensor.
 """
 
 from ..sparsify import exact_select, gaussiank_select

@@ -10,6 +10,7 @@ The warm-up profiling, the decision and SSFusion-O's CPU worker are in
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._last: tuple = ("none", False, False)
         self._records: dict = {}
         self._stats = {"sparse_steps": 0, "sparsify_s": 0.0, "worker_s": 0.0,
-                       "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0}
+                       "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0,
+                       "missing_steps": 0}
         self._missing_by_tensor = np.zeros(self.L)
         if not needs_profile(options):
             self._install(self._template)
@@ -220,7 +222,12 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         The code runs after the backward; on the timeline each part is placed on the compute
         stream right after the backward event that completes it (``after=``: it delays the rest
         of the backward, as a kernel launched there would), so buffer ``i``'s collectives overlap
-        the rest of the backward and buffer ``i+1``'s sparsification."""
+        the rest of the backward and buffer ``i+1``'s sparsification.
+
+        The tensor-missing rate (:meth:`_count_missing`, a diagnostic that is not part of the
+        modeled system) is counted only on steps that write a metrics line
+        (``state.logged``), so ordinary steps carry no diagnostic work and every step's
+        ``step_wall_s`` is the whole step; the report's rates are means over those steps."""
         g = buffers.flat
         step = int(state.step)
         if self.plan is None or step < self.warmup:
@@ -254,7 +261,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                                    flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
                                    deps=prev):
                     self._unpack_gathered(buf, prev.result, g, p, gathered_idx)
-        with clock.diagnostic():
+        if state.logged:
             self._count_missing(gathered_idx)
         self._stats["sparse_steps"] += 1
         self._last = ("sparse", False, False)
@@ -366,6 +373,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
             return ~(hit | dense)
 
         mine = missing(own)
+        self._stats["missing_steps"] += 1
         self._missing_by_tensor += mine
         self._stats["missing"] += mine.sum() / self.L
         self._stats["missing_global"] += missing(gathered_idx).sum() / self.L
@@ -374,7 +382,9 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
     def state_dict(self) -> dict:
         """Error-feedback residuals (the host-side ones of offloaded tensors on a GPU run), the
         installed selection, the profile sums or the decided profile and offload guard, the
-        statistics and the step whose backward runs next."""
+        statistics and the step whose backward runs next.  The plan decided from the warm-up
+        timings is saved whole, so a run resumed after the warm-up runs it unchanged (the
+        timings of a resumed process never re-decide it)."""
         host = self.run.backend.asnumpy
         state = {
             "residual": host(self.residual).copy(),
@@ -399,6 +409,17 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._step = int(state["step"])
         self._load_profiling_state(state)
         self._load_offload_state(state)
+        source = getattr(self.run.clock.source, "name", "")
+        if self.plan is None and needs_profile(self.options) and self.run.rank == 0 \
+                and source not in ("profile", "flops"):
+            # the decided plan is in every later checkpoint; one inside the warm-up has only
+            # the timings of the steps before it
+            print(f"spardist: warning: resuming inside SSFusion's warm-up (step {self._step} "
+                  f"of --profile-steps {self.warmup}): the fusion plan will be decided on "
+                  "timings this run measures for the remaining warm-up steps, so it may differ "
+                  "from the plan of an uninterrupted run; a resume after the warm-up reuses "
+                  "the decided plan, and --compute-source profile makes the timings "
+                  "load-independent", file=sys.stderr, flush=True)
 
     # -- summary ----------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -418,6 +439,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                              placement)
         ddp_total = sum(sum(v.values()) for v in ddp.values())
         n = max(1, st["sparse_steps"])
+        n_missing = max(1, st["missing_steps"])
         row_bytes = sum(b.row.nbytes for b in self._bufs) + 4 * sum(ar)
         out.update({
             "payload_ratio": row_bytes / (4 * self.layout.total),
@@ -425,10 +447,11 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                                       if ddp_total else None),
             "transmitted_elements": sum(ar) + sum(agd) + sum(ks),
             "target_elements": sum(self._k_full),
-            "tensor_missing_rate": st["missing"] / n,
-            "tensor_missing_rate_global": st["missing_global"] / n,
-            "missing_by_tensor": {self.names[l]: float(c / n)
+            "tensor_missing_rate": st["missing"] / n_missing,
+            "tensor_missing_rate_global": st["missing_global"] / n_missing,
+            "missing_by_tensor": {self.names[l]: float(c / n_missing)
                                   for l, c in enumerate(self._missing_by_tensor) if c},
+            "missing_rate_steps": st["missing_steps"],
             "sparsify_s_per_step": st["sparsify_s"] / n,
             "offload_worker_s_per_step": st["worker_s"] / n,
             "selection": {

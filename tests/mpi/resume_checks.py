@@ -34,9 +34,10 @@ from substrate import collective_check
 
 COMM = MPI.COMM_WORLD
 #: checkpoint entries and metrics fields that hold measured times (differ run to run)
-TIMED_KEYS = ("run/clock", "run/metrics", "train/time_to_target", "strategy/stats",
-              "train/train_s", "partition/seconds")
-TIMED_FIELDS = ("sim_s", "compute_s", "step_wall_s", "step_sim_s", "step_no_overlap_s")
+TIMED_KEYS = ("run/clock", "run/metrics", "loop/timing", "train/time_to_target",
+              "strategy/stats", "partition/seconds")
+TIMED_FIELDS = ("sim_s", "compute_s", "step_wall_s", "step_sim_s", "step_no_overlap_s",
+                "eval_wall_s")
 #: method -> its options in these runs
 DP_METHODS = {
     "ddp": [],
