@@ -31,8 +31,8 @@ more accurate than a float32 reduction.  Per channel ``c`` over ``M`` values:
 The forward is two passes over ``X`` (statistics, then ``y``) and the backward two passes over
 ``dY`` and ``X`` (sums, then ``dx``); ``x_hat`` is recomputed from ``X`` rather than stored.
 
-Convolution data movement (channels-last, the kernels behind :func:`models.layers.im2col_nhwc`
-and :func:`models.layers.col2im_nhwc`):
+Convolution data movement (channels-last, the kernels behind :func:`models.im2col.im2col_nhwc`
+and :func:`models.im2col.col2im_nhwc`):
 
 * ``im2col``: row ``(n, ho, wo)``, column ``(i, j, c)`` of the result is ``X[n, ho sh + i - ph,
   wo sw + j - pw, c]``, zero outside the image (the zero border is never materialised);

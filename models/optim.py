@@ -30,7 +30,7 @@ import numpy as np
 
 from substrate.backend import array_module
 
-from .layers import _numba_kernels
+from .kernel_loader import numba_kernels as _numba_kernels
 from .params import PARAM_KINDS, FlatTensors, ParamLayout
 
 #: elements per block of the optimizer's element-wise passes (four float32 vectors of one
@@ -38,7 +38,8 @@ from .params import PARAM_KINDS, FlatTensors, ParamLayout
 STEP_BLOCK = 1 << 16
 
 __all__ = [
-    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook", "ProximalHook", "MaskHook",
+    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook",
+    "ProximalHook", "MaskHook",
     "ConstantLR", "StepLR", "CosineLR", "SCHEDULES", "make_schedule",
 ]
 
@@ -407,7 +408,7 @@ class SGD(_FlatOptimizer):
         Every operation is element-wise, so the flat vector is updated in blocks of
         :data:`STEP_BLOCK` elements (cache-sized: one block's ``g, θ, b, d`` stay in cache across
         the operations), the blocks shared over the process's threads once the Numba kernels
-        are loaded (:func:`models.layers._numba_kernels`); the same operations element by
+        are loaded (:func:`models.kernel_loader.numba_kernels`); the same operations element by
         element, so the same bits for any blocking and thread count.  Hooks see the whole
         ``d``: with hooks the pass is split into the part before them and the part after.
         """

@@ -300,7 +300,7 @@ def test_bad_arguments_raise_valueerror_with_fix():
 @pytest.mark.parametrize("stride,pad", [((1, 1), (1, 1)), ((2, 2), (1, 0)), ((1, 2), (0, 2))])
 def test_im2col_col2im_are_adjoint(stride, pad):
     """<im2col(x), C> == <x, col2im(C)> for every path (the identity backward relies on)."""
-    from models.layers import col2im, col2im_rows, im2col, im2col_rows
+    from models.im2col import col2im, col2im_rows, im2col, im2col_rows
     rng = np.random.default_rng(11)
     x = rng.standard_normal((2, 3, 6, 7))
     if stride == (1, 1):
@@ -315,6 +315,16 @@ def test_im2col_col2im_are_adjoint(stride, pad):
         back = col2im(C, x.shape, 3, 2, stride, pad)
     assert back.shape == x.shape
     assert float((cols * C).sum()) == pytest.approx(float((x * back).sum()), rel=1e-12)
+
+
+def test_im2col_module_names_are_still_importable_from_layers():
+    """im2col/col2im live in :mod:`models.im2col`; :mod:`models.layers` re-exports them (the
+    same objects), so existing imports keep working."""
+    from models import im2col as I
+    from models import layers as L
+    for name in I.__all__:
+        if name != "transient":
+            assert getattr(L, name) is getattr(I, name), name
 
 
 def test_conv_workspace_reuse_across_batch_sizes():
@@ -355,7 +365,7 @@ def im2col_nhwc_loops(x, kh, kw, stride, padding):
 @pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
                                           ((1, 1), (2, 2), (0, 0)), ((2, 3), (1, 2), (1, 0))])
 def test_im2col_nhwc_matches_definition_and_col2im_is_its_adjoint(k, stride, pad):
-    from models.layers import col2im_nhwc, im2col_nhwc
+    from models.im2col import col2im_nhwc, im2col_nhwc
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 3, 6, 7))
     ref = im2col_nhwc_loops(x, *k, stride, pad)
@@ -373,11 +383,11 @@ def conv_backward_loops(x, w, dy, stride, padding):
     """dL/dx and dL/dw of y = conv(x, w) by loops over the definition (float64)."""
     (sh, sw), (ph, pw) = stride, padding
     N, C, H, W = x.shape
-    O, _, kh, kw = w.shape
+    c_out, _, kh, kw = w.shape
     xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     dxpad = np.zeros_like(xpad)
     dw = np.zeros_like(w)
-    for n, o, ho, wo in np.ndindex(N, O, *dy.shape[2:]):
+    for n, o, ho, wo in np.ndindex(N, c_out, *dy.shape[2:]):
         g = dy[n, o, ho, wo]
         patch = (slice(None), slice(ho * sh, ho * sh + kh), slice(wo * sw, wo * sw + kw))
         dw[o] += g * xpad[n][patch]
@@ -568,8 +578,10 @@ def threaded_kernels(monkeypatch):
 
 def array_path(monkeypatch):
     """Make the layers take their NumPy array path for conv data movement, ReLU and sums."""
+    from models import im2col
     from models import layers as L
     monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+    monkeypatch.setattr(im2col, "_numba_kernels", lambda xp: None)
 
 
 @pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
