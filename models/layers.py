@@ -223,11 +223,27 @@ class Linear(Layer):
         return y
 
     def backward(self, dy):
+        return self.backward_with_bias_grad(dy, dy.sum(axis=0) if self.bias else None)
+
+    def forward_nobias(self, x):
+        """``x W^T`` without the bias, for a caller that adds it in a pass of its own (the
+        transformer's fused residual, LayerNorm and GELU passes); caches ``x`` as
+        :meth:`forward`."""
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
+        self._x = x
+        return x @ self.P["weight"].T
+
+    def backward_with_bias_grad(self, dy, dbias):
+        """:meth:`backward` with the bias gradient ``dbias`` (``Σ_rows dy``) supplied by the
+        caller (summed in a fused pass; ignored without a bias): writes ``dW = dy^T x`` and the
+        bias gradient, announces them, returns ``dy W``."""
         x = self._x
         xp = array_module(dy)
         xp.matmul(dy.T, x, out=self.G["weight"])
         if self.bias:
-            self.G["bias"][...] = dy.sum(axis=0)
+            self.G["bias"][...] = dbias
         self._emit_ready()
         return dy @ self.P["weight"]
 
