@@ -302,9 +302,15 @@ class Conv2d(Layer):
     bias : bool, default True
     """
 
+    #: :meth:`backward` returns ``None`` without computing the input gradient while
+    #: ``input_grad`` is ``False`` (:meth:`models.network.Model.backward` sets it on the layer
+    #: that reads the data, whose gradient training discards)
+    skips_input_grad = True
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  bias: bool = True):
         super().__init__()
+        self.input_grad = True
         if in_channels <= 0 or out_channels <= 0:
             raise ValueError(
                 f"Conv2d needs positive channel counts, got {in_channels}->{out_channels}")
@@ -428,6 +434,8 @@ class Conv2d(Layer):
             if b:
                 g_mat += part
         self._weight_grad_done(g_mat, dym)
+        if not self.input_grad:
+            return None
         w_flip = self._w_flip(dyl.dtype, xp)
         dbuf = _transient("dcols_block", (per * H * W, kh * kw * c_out), dyl.dtype, xp)
         dx = xp.empty((N * H * W, C), dtype=dyl.dtype)
@@ -489,6 +497,8 @@ class Conv2d(Layer):
             g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
             xp.matmul(dym.T, cols, out=g_mat)
             self._weight_grad_done(g_mat, dym)
+        if not self.input_grad:
+            return None
         if self._pointwise():
             dx = xp.matmul(dym, w_mat)
         elif self._transposed_input_grad():

@@ -1137,14 +1137,14 @@ class TransformerModel(Model):
             return out[:, -1]
         return out
 
-    def backward(self, dlogits, ready=None):
+    def backward(self, dlogits, ready=None, input_grad: bool = True):
         """Back-propagate; for a language model ``dlogits`` is ``(N, V)`` (last position, as
         :meth:`forward` returned) or ``(N, T, V)`` (every position)."""
         if self.lm and dlogits.ndim == 2:
             full = self.xp.zeros(self._seq_shape, dtype=dlogits.dtype)
             full[:, -1] = dlogits
             dlogits = full
-        return super().backward(dlogits, ready=ready)
+        return super().backward(dlogits, ready=ready, input_grad=input_grad)
 
     @staticmethod
     def shifted_targets(x, y):
@@ -1167,7 +1167,7 @@ class TransformerModel(Model):
         if not self.lm:
             return super().loss_and_grad(x, y, ready=ready)
         loss, dl, logits = self.lm_loss(x, y, training=True)
-        super().backward(dl, ready=ready)
+        super().backward(dl, ready=ready, input_grad=False)
         return loss, logits[:, -1]
 
     def evaluate_lm(self, data, batch_size: int = 256) -> dict:

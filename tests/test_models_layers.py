@@ -229,6 +229,45 @@ def test_whole_small_resnet_gradients():
                                                   rel=1e-5, abs=1e-9)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+def test_training_step_skips_the_first_convs_input_gradient(monkeypatch, blocked):
+    """loss_and_grad leaves out the stem conv's input gradient (the data has none): the same
+    parameter gradients as a backward that computes it, the stem's backward returns ``None``
+    only inside loss_and_grad, and a plain ``backward`` still returns the input gradient."""
+    from models import layers as L
+    if blocked:
+        monkeypatch.setattr(L, "BLOCK_ROWS", 1)
+        monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 3, 8, 8))
+    labels = rng.integers(0, 5, 4)
+
+    def model():
+        return resnet((3, 8, 8), 5, dtype=np.float64, depths=(1,), planes=(4,), seed=3)
+
+    full = model()
+    logits = full.forward(x, training=True)
+    dx = full.backward(softmax_cross_entropy(logits, labels)[1])
+    assert dx.shape == x.shape
+    skip = model()
+    stem = skip.root.children()[0][1]
+    assert isinstance(stem, Conv2d) and skip._input_layer() is stem
+    returned = []
+    original = Conv2d.backward
+
+    def spy(self, dy):
+        out = original(self, dy)
+        if self is stem:
+            returned.append(out)
+        return out
+
+    monkeypatch.setattr(Conv2d, "backward", spy)
+    skip.loss_and_grad(x, labels)
+    assert returned == [None] and stem.input_grad
+    np.testing.assert_array_equal(skip.grads.flat, full.grads.flat)
+    assert skip.backward(softmax_cross_entropy(skip.forward(x), labels)[1]).shape == x.shape
+
+
 # --------------------------------------------------------------------------- BatchNorm semantics
 def test_batchnorm_train_uses_batch_stats_and_updates_running_stats():
     rng = np.random.default_rng(9)
