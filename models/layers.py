@@ -259,6 +259,14 @@ class Linear(Layer):
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
 
 
+#: Winograd convs (:meth:`Conv2d._winograd`): at least this many input and output channels
+#: (fewer: the transforms cost more than the multiplications they save)
+WINOGRAD_MIN_CHANNELS = 16
+#: ... and at least this many pixels per image (on 4x4 images the weight transforms dominate)
+WINOGRAD_MIN_HW = 64
+#: ... tiles per block (one block's transformed input and products stay in the larger caches)
+WINOGRAD_TILES = 1024
+
 #: blocked convs (:meth:`Conv2d._block_images`): im2col rows per block (a few MiB: cache-resident)
 BLOCK_ROWS = 2048
 #: ... only for GEMMs this thin (output channels), whose cost is packing ``cols`` from memory
@@ -344,6 +352,83 @@ class Conv2d(Layer):
         return (self.stride == (1, 1) and ph <= kh - 1 and pw <= kw - 1
                 and self.out_channels <= 2 * self.in_channels)
 
+    def _winograd(self, xp, H: int, W: int) -> bool:
+        """Winograd F(2x2, 3x3) path: NumPy arrays with the Numba kernels loaded, a 3x3 kernel,
+        stride 1, padding 1, even ``H`` and ``W`` of at least :data:`WINOGRAD_MIN_HW`, and at
+        least :data:`WINOGRAD_MIN_CHANNELS` input and output channels."""
+        return (self.kernel_size == (3, 3) and self.stride == (1, 1) and self.padding == (1, 1)
+                and H % 2 == 0 and W % 2 == 0 and H * W >= WINOGRAD_MIN_HW
+                and min(self.in_channels, self.out_channels) >= WINOGRAD_MIN_CHANNELS
+                and _numba_kernels(xp) is not None)
+
+    def _wino_blocks(self, N: int, H: int, W: int):
+        """``(n0, n1)`` image ranges of about :data:`WINOGRAD_TILES` tiles each."""
+        per = max(1, WINOGRAD_TILES // ((H // 2) * (W // 2)))
+        return [(n0, min(N, n0 + per)) for n0 in range(0, N, per)]
+
+    def _wino_conv(self, k, Xp, U, bias, Y, tag: str) -> None:
+        """``Y`` (N, H, W, K) = the 3x3 stride-1 padding-1 convolution of the image whose
+        zero-padded copy is ``Xp`` (N, H+2, W+2, C), with the transformed kernel ``U``
+        (16, C, K), block of images by block: input transform, 16 GEMMs ``M[e] = V[e] U[e]``,
+        output transform (+ bias)."""
+        N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
+        P, K = (H // 2) * (W // 2), U.shape[2]
+        for n0, n1 in self._wino_blocks(N, H, W):
+            T = (n1 - n0) * P
+            V = _transient(f"wino_v{tag}", (16, T, C), Xp.dtype, np)
+            M = _transient(f"wino_m{tag}", (16, T, K), Xp.dtype, np)
+            k.winograd_input(Xp, n0, n1, V)
+            np.matmul(V, U, out=M)
+            k.winograd_output(M, n0, bias, Y)
+
+    def _forward_winograd(self, xl):
+        """Forward by Winograd F(2x2, 3x3) (Lavin & Gray 2016): 16 multiplications per 2x2
+        output tile and channel pair instead of 36 (the transforms in :mod:`models.kernels`);
+        caches the input."""
+        k = _numba_kernels(np)
+        N, H, W, C = xl.shape
+        Xp = self._ws.get("wino_xpad", (N, H + 2, W + 2, C), xl.dtype, np)
+        k.pad1(np.ascontiguousarray(xl), Xp)
+        U = self._ws.get("wino_u", (16, C, self.out_channels), xl.dtype, np)
+        k.winograd_weight(self.P["weight"], U)
+        Y = np.empty((N, H, W, self.out_channels), dtype=xl.dtype)
+        self._wino_conv(k, Xp, U, self.P["bias"] if self.bias else None, Y, "f")
+        self._cache = (Xp, (N, H, W, C), (H, W), "winograd")
+        return Y.transpose(0, 3, 1, 2)
+
+    def _backward_winograd(self, Xp, dyl):
+        """``dW`` as the adjoint of the Winograd forward (``dU[e] = Σ_blocks V[e]^T dM[e]``
+        with ``dM`` the adjoint output transform of ``dY``, then ``dW = G^T dU G``), announced;
+        then ``dX`` as the Winograd convolution of ``dY`` with the flipped kernel (channels
+        swapped)."""
+        k = _numba_kernels(np)
+        N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
+        dtype = Xp.dtype
+        c_out = self.out_channels
+        P = (H // 2) * (W // 2)
+        dU = self._ws.get("wino_du", (16, C, c_out), dtype, np)
+        part = self._ws.get("wino_du_part", (16, C, c_out), dtype, np)
+        for b, (n0, n1) in enumerate(self._wino_blocks(N, H, W)):
+            T = (n1 - n0) * P
+            V = _transient("wino_vf", (16, T, C), dtype, np)
+            dM = _transient("wino_mf", (16, T, c_out), dtype, np)
+            k.winograd_input(Xp, n0, n1, V)
+            k.winograd_output_adjoint(dyl, n0, dM)
+            np.matmul(V.transpose(0, 2, 1), dM, out=part if b else dU)
+            if b:
+                dU += part
+        k.winograd_weight_grad(dU, self.G["weight"])
+        self._weight_grad_done(None, dyl.reshape(-1, c_out))
+        if not self.input_grad:
+            return None
+        Ut = self._ws.get("wino_ut", (16, c_out, C), dtype, np)
+        k.winograd_weight(self.P["weight"], Ut, flip=True)
+        dYp = _transient("wino_dypad", (N, H + 2, W + 2, c_out), dtype, np)
+        k.pad1(dyl, dYp)
+        dX = np.empty((N, H, W, C), dtype=dtype)
+        self._wino_conv(k, dYp, Ut, None, dX, "b")
+        return dX.transpose(0, 3, 1, 2)
+
     def _block_images(self, xp, N: int, Ho: int, Wo: int) -> int:
         """Images per block of the blocked path, or 0 to take one GEMM over the batch."""
         if (xp is not np or not self._transposed_input_grad()
@@ -363,6 +448,8 @@ class Conv2d(Layer):
         c_out, K = self.out_channels, C * kh * kw
         ws = self._ws
         xl = x.transpose(0, 2, 3, 1)                        # (N, H, W, C) view
+        if self._winograd(xp, H, W):
+            return self._forward_winograd(xl)
         per = self._block_images(xp, N, Ho, Wo)
         if per:
             return self._forward_blocked(xl, per)
@@ -483,6 +570,8 @@ class Conv2d(Layer):
         c_out = self.out_channels
         ws = self._ws
         dyl = xp.ascontiguousarray(dy.transpose(0, 2, 3, 1))     # no copy if channels-last
+        if per == "winograd":
+            return self._backward_winograd(cols, dyl)
         if per:                         # blocked forward: the cache holds the input
             return self._backward_blocked(cols, dyl, per)
         if cols.ndim == 4:                                  # after an evaluation forward

@@ -454,6 +454,139 @@ def test_conv_backward_paths_match_loops(c_in, c_out, k, stride, pad):
     np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
 
 
+# --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+@pytest.fixture
+def winograd_everywhere(monkeypatch):
+    """Every 3x3 stride-1 padding-1 conv with even H, W takes the Winograd path (small test
+    shapes included), with blocks of 2 images of 4x6 (6 tiles each) so blocks split the batch."""
+    from models import layers as L
+    if L._kernels() is None:
+        pytest.skip("Numba not installed")
+    monkeypatch.setattr(L, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(L, "WINOGRAD_MIN_HW", 1)
+    monkeypatch.setattr(L, "WINOGRAD_TILES", 12)
+    return L
+
+
+@pytest.mark.parametrize("c_in,c_out,bias,training", [(3, 5, True, True), (5, 2, False, True),
+                                                      (4, 4, True, False)])
+def test_winograd_conv_matches_loops(winograd_everywhere, c_in, c_out, bias, training):
+    """Forward, input gradient and weight gradient of the Winograd path equal the loop
+    definitions (float64; 5 images of 4x6: blocks of 2, 2, 1), after a training or an
+    evaluation forward; the bias gradient too."""
+    L = winograd_everywhere
+    rng = np.random.default_rng(31)
+    layer = Conv2d(c_in, c_out, 3, padding=1, bias=bias)
+    m = wrap(layer, (c_in, 4, 6))
+    assert layer._winograd(np, 4, 6)
+    x = rng.standard_normal((5, c_in, 4, 6))
+    y = m.forward(x, training=training)
+    assert layer._cache[3] == "winograd"
+    ref = conv_reference(x, layer.P["weight"], layer.P["bias"] if bias else None, (1, 1),
+                         (1, 1))
+    np.testing.assert_allclose(y, ref, rtol=1e-11, atol=1e-12)
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)
+    ref_dx, ref_dw = conv_backward_loops(x, layer.P["weight"], dy, (1, 1), (1, 1))
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-11, atol=1e-12)
+    if bias:
+        np.testing.assert_allclose(layer.G["bias"], dy.sum(axis=(0, 2, 3)), rtol=1e-12)
+    del L
+
+
+def test_winograd_float32_error_is_round_off():
+    """At ResNet width (64 channels, 16x16: the default thresholds take Winograd), float32
+    Winograd agrees with the float64 loop definition to a few float32 ulps relative to the
+    output's scale, as the float32 im2col path does (within a factor 4 of its error)."""
+    from models import layers as L
+    if L._kernels() is None:
+        pytest.skip("Numba not installed")
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal((2, 64, 16, 16))
+    errs = {}
+    for name, min_ch in (("winograd", L.WINOGRAD_MIN_CHANNELS), ("im2col", 10 ** 9)):
+        layer = Conv2d(64, 64, 3, padding=1, bias=False)
+        m = Model(layer, (64, 16, 16), None, dtype=np.float32, seed=5)
+        old = L.WINOGRAD_MIN_CHANNELS
+        L.WINOGRAD_MIN_CHANNELS = min_ch
+        try:
+            assert layer._winograd(np, 16, 16) == (name == "winograd")
+            y = m.forward(x.astype(np.float32))
+            dy = rng.standard_normal(y.shape)
+            dx = m.backward(dy.astype(np.float32))
+        finally:
+            L.WINOGRAD_MIN_CHANNELS = old
+        w = layer.P["weight"].astype(np.float64)
+        ref_y = conv_reference(x, w, None, (1, 1), (1, 1))
+        ref_dx, ref_dw = conv_backward_loops(x[:1], w, dy[:1], (1, 1), (1, 1))
+        ref_dx2, ref_dw2 = conv_backward_loops(x[1:], w, dy[1:], (1, 1), (1, 1))
+        errs[name] = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in (
+            (y, ref_y), (dx, np.concatenate([ref_dx, ref_dx2])),
+            (layer.G["weight"], ref_dw + ref_dw2))]
+    for e_w, e_i in zip(errs["winograd"], errs["im2col"]):
+        assert e_w < 2e-6 and e_w < 4 * max(e_i, 1e-7), errs
+
+
+def test_winograd_transforms_match_their_matrices():
+    """The transform kernels against the matrices of Lavin & Gray (2016) applied with NumPy:
+    ``V = B^T d B`` per 4x4 patch, ``U = G g G^T``, ``Y = A^T m A`` (+ bias), the adjoints
+    ``A dy A^T`` and ``G^T dU G``."""
+    from models import layers as L
+    k = L._kernels()
+    if k is None:
+        pytest.skip("Numba not installed")
+    Bt = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], float)
+    G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
+    At = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], float)
+    rng = np.random.default_rng(33)
+    N, H, W, C, K = 3, 4, 6, 5, 7
+    X = rng.standard_normal((N, H, W, C))
+    Xp = np.zeros((N, H + 2, W + 2, C))
+    k.pad1(X, Xp)
+    np.testing.assert_array_equal(Xp[:, 1:-1, 1:-1], X)
+    assert not Xp[:, 0].any() and not Xp[:, :, -1].any()
+    P = (H // 2) * (W // 2)
+    V = np.zeros((16, 2 * P, C))
+    k.winograd_input(Xp, 1, 3, V)                       # images 1 and 2
+    for t in range(2 * P):
+        n, ty, tx = 1 + t // P, (t % P) // (W // 2), t % (W // 2)
+        d = Xp[n, 2 * ty:2 * ty + 4, 2 * tx:2 * tx + 4]  # (4, 4, C)
+        np.testing.assert_allclose(V[:, t].reshape(4, 4, C),
+                                   np.einsum("ai,ijc,bj->abc", Bt, d, Bt), atol=1e-12)
+    w = rng.standard_normal((K, C, 3, 3))
+    U, Uf = np.zeros((16, C, K)), np.zeros((16, K, C))
+    k.winograd_weight(w, U)
+    k.winograd_weight(w, Uf, flip=True)
+    np.testing.assert_allclose(U.reshape(4, 4, C, K), np.einsum("ai,kcij,bj->abck", G, w, G),
+                               atol=1e-12)
+    np.testing.assert_allclose(Uf.reshape(4, 4, K, C),
+                               np.einsum("ai,kcij,bj->abkc", G, w[:, :, ::-1, ::-1], G),
+                               atol=1e-12)
+    M = rng.standard_normal((16, P, K))
+    bias = rng.standard_normal(K)
+    Y = np.full((N, H, W, K), np.nan)
+    k.winograd_output(M, 2, bias, Y)                    # image 2 only
+    for t in range(P):
+        ty, tx = t // (W // 2), t % (W // 2)
+        ref = np.einsum("ai,ijk,bj->abk", At, M[:, t].reshape(4, 4, K), At) + bias
+        np.testing.assert_allclose(Y[2, 2 * ty:2 * ty + 2, 2 * tx:2 * tx + 2], ref, atol=1e-12)
+    assert np.isnan(Y[:2]).all()
+    dY = rng.standard_normal((N, H, W, K))
+    dM = np.zeros((16, P, K))
+    k.winograd_output_adjoint(dY, 0, dM)
+    for t in range(P):
+        ty, tx = t // (W // 2), t % (W // 2)
+        g = dY[0, 2 * ty:2 * ty + 2, 2 * tx:2 * tx + 2]
+        np.testing.assert_allclose(dM[:, t].reshape(4, 4, K),
+                                   np.einsum("ai,abk,bj->ijk", At, g, At), atol=1e-12)
+    dU = rng.standard_normal((16, C, K))
+    dW = np.zeros((K, C, 3, 3))
+    k.winograd_weight_grad(dU, dW)
+    np.testing.assert_allclose(dW, np.einsum("ai,abck,bj->kcij", G, dU.reshape(4, 4, C, K), G),
+                               atol=1e-12)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocked convolutions on small test shapes: blocks of ~84 im2col rows, 2 blocks enough."""
