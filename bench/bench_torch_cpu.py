@@ -30,6 +30,11 @@ Fairness
   OpenMP workers sleep instead of spinning between parallel regions, which on shared cores
   starves everything else), then also ``torch.set_num_threads(n)`` and
   ``threadpoolctl.threadpool_limits(n)``.  Both sides run the same thread count.
+* Memory: by default (``--malloc keep``) the child runs with glibc's ``MALLOC_MMAP_MAX_=0``
+  and ``MALLOC_TRIM_THRESHOLD_=2^40``, so freed blocks stay in the process and the next step
+  reuses them; otherwise every step faults its large temporaries in afresh (hundreds of MB,
+  0.2-0.75 s of system time per step in the largest cells, for both frameworks).  Both sides
+  share the process, so both get the same allocator.  ``--malloc default`` measures without.
 * The BLAS libraries in the process are printed (threadpoolctl: library, version, kernel).
 * Time per step is taken per window of consecutive steps (about 0.3 s or one step), as CPU time
   (``time.process_time``: every thread of the process) and wall time; the two frameworks'
@@ -73,14 +78,24 @@ DEFAULT_CELLS = ["gpt-w128-c64:32", "gpt-w128-c256:32", "gpt-w256-c64:32", "gpt-
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def thread_env(n: int) -> dict:
-    """The child's environment for ``n`` threads (read when NumPy, Numba and PyTorch load)."""
+#: glibc malloc tunables of ``--malloc keep`` (both frameworks, one process): every block from
+#: the heap (no mmap) and freed memory kept, so a step's large temporaries reuse last step's
+#: pages instead of faulting fresh zeroed ones in (0.2-0.75 s of system time per step for the
+#: largest cells, either framework)
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def thread_env(n: int, malloc: str = "keep") -> dict:
+    """The child's environment for ``n`` threads (read when NumPy, Numba and PyTorch load),
+    with the glibc malloc tunables of :data:`MALLOC_KEEP` unless ``malloc="default"``."""
     env = dict(os.environ)
     env.update({v: str(n) for v in THREAD_VARS})
     env["OMP_WAIT_POLICY"] = "PASSIVE"
     # OpenBLAS workers sleep after a GEMM instead of spinning ~0.1 s (as substrate.launch sets
     # for MPI ranks)
     env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    if malloc == "keep":
+        env.update(MALLOC_KEEP)
     return env
 
 
@@ -424,6 +439,10 @@ def main(argv=None) -> int:
                         help="timed windows per framework and repeat (the minimum is kept)")
     parser.add_argument("--window-s", type=float, default=0.3,
                         help="seconds a window aims at (at least one step)")
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                        help="keep: glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
+                             "MALLOC_TRIM_THRESHOLD_=2^40) for both frameworks; default: as "
+                             "the environment has it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag in ("repeat", "windows"):
@@ -449,9 +468,12 @@ def main(argv=None) -> int:
           f"float32; NumPy {np.__version__}, PyTorch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"load average at start {os.getloadavg()[0]:.2f}")
+    tunables = " ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items())
+    malloc = f"keep ({tunables})" if args.malloc == "keep" else "default"
     print(f"one process per thread count (NUMBA/OMP/OPENBLAS/MKL_NUM_THREADS=n, "
-          f"OMP_WAIT_POLICY=PASSIVE, torch.set_num_threads(n), threadpool_limits(n)); per step: "
-          f"min over {args.windows} windows, median over {args.repeat} repeats")
+          f"OMP_WAIT_POLICY=PASSIVE, torch.set_num_threads(n), threadpool_limits(n)); malloc "
+          f"{malloc}; per step: min over {args.windows} windows, median over {args.repeat} "
+          f"repeats")
     head = (f"{'cell':<17} {'thr':>3} | {'proj cpu':>8} {'torch cpu':>9} {'ratio':>5} | "
             f"{'proj wall':>9} {'torch wall':>10} {'ratio':>5} | {'proj GF/s':>9} "
             f"{'torch GF/s':>10} | {'ratios cpu, each repeat':<29} | {'load':>9} | "
@@ -461,8 +483,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(n),
                "--repeat", str(args.repeat), "--windows", str(args.windows),
                "--window-s", str(args.window_s), "--cells", *args.cells]
-        proc = subprocess.Popen(cmd, env=thread_env(n), stdout=subprocess.PIPE, text=True,
-                                cwd=str(ROOT))
+        proc = subprocess.Popen(cmd, env=thread_env(n, args.malloc), stdout=subprocess.PIPE,
+                                text=True, cwd=str(ROOT))
         for line in proc.stdout:
             rec = json.loads(line)
             if "pools" in rec:
