@@ -60,7 +60,8 @@ __all__ = ["channel_stats", "bn_apply", "bn_backward_sums", "bn_backward_input",
            "layer_norm_forward", "layer_norm_backward", "gelu_forward", "gelu_backward",
            "softmax_shift", "softmax_normalize", "softmax_backward", "embedding_grad",
            "adamw_step", "GELU_ROWS", "winograd_input", "winograd_output",
-           "winograd_output_adjoint", "winograd_weight", "winograd_weight_grad", "pad1"]
+           "winograd_output_adjoint", "winograd_weight", "winograd_weight_grad", "pad1",
+           "matmul", "blas_on_one_thread", "GEMM_MIN_SPLIT", "GEMM_PARTS"]
 
 _JIT = dict(nopython=True, nogil=True, cache=True, fastmath=False)
 
@@ -145,6 +146,89 @@ def parallel_for(kernel, n: int, work: int, *args) -> None:
         cv.wait_for(lambda: state["done"] >= nchunks)
     if state["error"] is not None:
         raise state["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMMs on the same threads
+# ---------------------------------------------------------------------------------------------
+#: GEMMs with fewer multiply-accumulates run as one BLAS call on the calling thread
+GEMM_MIN_SPLIT = 1 << 22
+#: a split GEMM is cut into this many parts (fixed: the cut does not depend on the threads)
+GEMM_PARTS = 8
+
+_BLAS: list = []
+
+
+def _blas_pools():
+    """threadpoolctl's controllers of the BLAS libraries loaded in the process (NumPy's
+    OpenBLAS), found once; empty without threadpoolctl."""
+    if not _BLAS:
+        try:
+            from threadpoolctl import ThreadpoolController  # noqa: PLC0415 (optional)
+            _BLAS.append(list(ThreadpoolController().select(user_api="blas").lib_controllers))
+        except Exception:                       # noqa: BLE001 (no control: BLAS as it is)
+            _BLAS.append([])
+    return _BLAS[0]
+
+
+class blas_on_one_thread:
+    """Context: the BLAS pools run each call on the calling thread (then restored), so that
+    GEMMs issued by :func:`parallel_for`'s threads neither wake nor wait for BLAS's own
+    threads.  A BLAS pool splits every GEMM statically over its threads and sleeps between
+    calls (``OPENBLAS_THREAD_TIMEOUT``): on a shared core one late thread stalls the whole
+    GEMM, and hundreds of small GEMMs each pay a wake-up; the model's step collapsed (a
+    two-thread GPT step 3-7x slower than one thread beside one busy process)."""
+
+    def __enter__(self):
+        self._saved = []
+        for lib in _blas_pools():
+            n = lib.num_threads
+            if n > 1:
+                lib.set_num_threads(1)
+                self._saved.append((lib, n))
+        return self
+
+    def __exit__(self, *exc):
+        for lib, n in self._saved:
+            lib.set_num_threads(n)
+        return False
+
+
+def _gemm_parts(a, b, out, axis, edges, lo, hi):
+    """Parts ``lo..hi-1`` of a GEMM cut along ``axis`` of ``out`` (1: rows, 2: columns of the
+    last two axes) at ``edges``."""
+    for p in range(lo, hi):
+        s = slice(edges[p], edges[p + 1])
+        if axis == 1:
+            np.matmul(a[..., s, :], b, out=out[..., s, :])
+        else:
+            np.matmul(a, b[..., :, s], out=out[..., :, s])
+
+
+def matmul(a, b, out=None):
+    """``out = a @ b`` (2-D, or stacks of equal 2-D shapes) on the process's threads.
+
+    One thread (or a GEMM under :data:`GEMM_MIN_SPLIT` multiply-accumulates): one
+    ``np.matmul`` call.  Otherwise the output is cut into :data:`GEMM_PARTS` blocks of rows (or
+    of columns when it has more columns than rows), one single-threaded BLAS call each, taken
+    by :func:`parallel_for`'s threads as they come (a descheduled thread leaves its parts to
+    the others) inside :class:`blas_on_one_thread`.  Each output element is the same dot
+    product either way (OpenBLAS cuts the inner dimension alike), so the values agree to
+    round-off with the single call, and do not depend on the thread count.
+    """
+    if out is None:
+        shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+        out = np.empty(shape, dtype=np.result_type(a, b))
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    macs = out.size * k
+    if numba.get_num_threads() <= 1 or macs < GEMM_MIN_SPLIT or max(m, n) < 2 * GEMM_PARTS:
+        np.matmul(a, b, out=out)
+        return out
+    axis, size = (1, m) if m >= n else (2, n)
+    edges = [size * p // GEMM_PARTS for p in range(GEMM_PARTS + 1)]
+    with blas_on_one_thread():
+        parallel_for(_gemm_parts, GEMM_PARTS, macs, a, b, out, axis, edges)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,6 +58,16 @@ def _rows(x):
     return xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(-1, x.shape[1])
 
 
+def _matmul(a, b, out=None):
+    """``a @ b`` (into ``out``): on the Numba kernels' threads with single-threaded BLAS calls
+    (:func:`models.kernels.matmul`) once they are loaded, else the array module's matmul."""
+    xp = array_module(a)
+    k = _numba_kernels(xp)
+    if k is not None:
+        return k.matmul(a, b, out)
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)
+
+
 def _copy_slab(dst, src, lo, hi):
     dst[lo:hi] = src[lo:hi]
 
@@ -217,7 +227,7 @@ class Linear(Layer):
             raise ValueError(
                 f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
         self._x = x
-        y = x @ self.P["weight"].T
+        y = _matmul(x, self.P["weight"].T)
         if self.bias:
             y += self.P["bias"]
         return y
@@ -233,19 +243,18 @@ class Linear(Layer):
             raise ValueError(
                 f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
         self._x = x
-        return x @ self.P["weight"].T
+        return _matmul(x, self.P["weight"].T)
 
     def backward_with_bias_grad(self, dy, dbias):
         """:meth:`backward` with the bias gradient ``dbias`` (``Σ_rows dy``) supplied by the
         caller (summed in a fused pass; ignored without a bias): writes ``dW = dy^T x`` and the
         bias gradient, announces them, returns ``dy W``."""
         x = self._x
-        xp = array_module(dy)
-        xp.matmul(dy.T, x, out=self.G["weight"])
+        _matmul(dy.T, x, out=self.G["weight"])
         if self.bias:
             self.G["bias"][...] = dbias
         self._emit_ready()
-        return dy @ self.P["weight"]
+        return _matmul(dy, self.P["weight"])
 
     def output_shape(self, in_shape):
         if prod(in_shape) != self.in_features:
@@ -379,7 +388,7 @@ class Conv2d(Layer):
             V = _transient(f"wino_v{tag}", (16, T, C), Xp.dtype, np)
             M = _transient(f"wino_m{tag}", (16, T, K), Xp.dtype, np)
             k.winograd_input(Xp, n0, n1, V)
-            np.matmul(V, U, out=M)
+            _matmul(V, U, out=M)
             k.winograd_output(M, n0, bias, Y)
 
     def _forward_winograd(self, xl):
@@ -415,7 +424,7 @@ class Conv2d(Layer):
             dM = _transient("wino_mf", (16, T, c_out), dtype, np)
             k.winograd_input(Xp, n0, n1, V)
             k.winograd_output_adjoint(dyl, n0, dM)
-            np.matmul(V.transpose(0, 2, 1), dM, out=part if b else dU)
+            _matmul(V.transpose(0, 2, 1), dM, out=part if b else dU)
             if b:
                 dU += part
         k.winograd_weight_grad(dU, self.G["weight"])
@@ -460,7 +469,7 @@ class Conv2d(Layer):
             cols = self._cols(xl, None, Workspace())
         w_mat = self._w_mat(x.dtype, xp)                   # (C_out, kh*kw*C_in)
         y = xp.empty((N * Ho * Wo, c_out), dtype=x.dtype)
-        xp.matmul(cols, w_mat.T, out=y)
+        _matmul(cols, w_mat.T, out=y)
         if self.bias:
             y += self.P["bias"]
         # evaluation keeps no im2col matrix or padded copy (rank 0's evaluation models would
@@ -496,7 +505,7 @@ class Conv2d(Layer):
         for n0, n1, r0, r1 in self._blocks(N, per, Ho * Wo):
             cols = im2col_nhwc(xl[n0:n1], kh, kw, self.stride, self.padding,
                                out=buf[:r1 - r0])
-            xp.matmul(cols, w_mat.T, out=y[r0:r1])
+            _matmul(cols, w_mat.T, out=y[r0:r1])
         if self.bias:
             y += self.P["bias"]
         self._cache = (xl, (N, H, W, C), (Ho, Wo), per)
@@ -518,7 +527,7 @@ class Conv2d(Layer):
         for b, (n0, n1, r0, r1) in enumerate(self._blocks(N, per, Ho * Wo)):
             cols = im2col_nhwc(xl[n0:n1], kh, kw, self.stride, self.padding,
                                out=buf[:r1 - r0])
-            xp.matmul(dym[r0:r1].T, cols, out=part if b else g_mat)
+            _matmul(dym[r0:r1].T, cols, out=part if b else g_mat)
             if b:
                 g_mat += part
         self._weight_grad_done(g_mat, dym)
@@ -530,7 +539,7 @@ class Conv2d(Layer):
         for n0, n1, r0, r1 in self._blocks(N, per, H * W):
             dcols = im2col_nhwc(dyl[n0:n1], kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
                                 out=dbuf[:r1 - r0])
-            xp.matmul(dcols, w_flip, out=dx[r0:r1])
+            _matmul(dcols, w_flip, out=dx[r0:r1])
         return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def _weight_grad_done(self, g_mat, dym) -> None:
@@ -581,16 +590,16 @@ class Conv2d(Layer):
         w_mat = ws.get("w_mat", (c_out, C * kh * kw), dy.dtype, xp)
         gw = self.G["weight"]
         if kh == kw == 1:
-            xp.matmul(dym.T, cols, out=gw.reshape(c_out, C))
+            _matmul(dym.T, cols, out=gw.reshape(c_out, C))
             self._weight_grad_done(None, dym)
         else:
             g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
-            xp.matmul(dym.T, cols, out=g_mat)
+            _matmul(dym.T, cols, out=g_mat)
             self._weight_grad_done(g_mat, dym)
         if not self.input_grad:
             return None
         if self._pointwise():
-            dx = xp.matmul(dym, w_mat)
+            dx = _matmul(dym, w_mat)
         elif self._transposed_input_grad():
             ph, pw = self.padding
             # dX = full correlation of dY with W flipped in space, C_in and C_out swapped
@@ -598,10 +607,10 @@ class Conv2d(Layer):
             dcols = im2col_nhwc(dyl, kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
                                 out=_transient("dcols", (N * H * W, kh * kw * c_out),
                                                dy.dtype, xp))
-            dx = xp.matmul(dcols, w_flip)
+            dx = _matmul(dcols, w_flip)
         else:
             dcols = _transient("dcols", (N * Ho * Wo, C * kh * kw), dy.dtype, xp)
-            xp.matmul(dym, w_mat, out=dcols)
+            _matmul(dym, w_mat, out=dcols)
             dx = col2im_nhwc(dcols, in_nhwc, kh, kw, self.stride, self.padding)
         return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 

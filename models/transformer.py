@@ -46,7 +46,7 @@ from substrate.backend import array_module
 from .data import iterate_batches
 from .im2col import Workspace
 from .kernel_loader import kernels as _load_kernels
-from .layers import Layer, Linear, Sequential, softmax_cross_entropy
+from .layers import Layer, Linear, Sequential, _matmul, softmax_cross_entropy
 from .modelspec import ModelSpec, layer_tree_specs
 from .network import Model
 
@@ -616,7 +616,8 @@ class MultiHeadSelfAttention(Layer):
                     k.softmax_normalize(probs, n0, n1, i0, i1, L)
                     np.matmul(a, v[n0:n1, :, :L], out=ov[n0:n1, :, i0:i1])
 
-        k.parallel_for(chunks, -(-N // per), 2 * N * h * T * T)
+        with k.blas_on_one_thread():
+            k.parallel_for(chunks, -(-N // per), 2 * N * h * T * T)
         self._cache = ("rows", probs, o, per, blocks, qkv)
         return o
 
@@ -701,7 +702,8 @@ class MultiHeadSelfAttention(Layer):
                         dk[n0:n1, :, :L] += tmp
                     first = False
 
-        k.parallel_for(chunks, -(-N // per), 4 * N * h * T * T)
+        with k.blas_on_one_thread():
+            k.parallel_for(chunks, -(-N // per), 4 * N * h * T * T)
         return dqkv
 
     def output_shape(self, in_shape):
@@ -959,18 +961,18 @@ class LMHead(Layer):
 
     def forward(self, x, training: bool = True):
         self._x = x
-        return x @ self._weight().T
+        return _matmul(x, self._weight().T)
 
     def backward(self, dy):
         x, self._x = self._x, None
         d = x.shape[-1]
         dy2, x2 = dy.reshape(-1, self.vocab), x.reshape(-1, d)
         if self.tie is not None:
-            self.tie._tied_grad = dy2.T @ x2
+            self.tie._tied_grad = _matmul(dy2.T, x2)
         else:
-            array_module(dy).matmul(dy2.T, x2, out=self.G["weight"])
+            _matmul(dy2.T, x2, out=self.G["weight"])
             self._emit_ready()
-        return dy @ self._weight()
+        return _matmul(dy, self._weight())
 
     def output_shape(self, in_shape):
         return (*in_shape[:-1], self.vocab)

@@ -852,3 +852,30 @@ def test_kernel_threads_follow_omp_num_threads():
                          check=False, timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("shape_a,shape_b,transpose_a", [
+    ((70, 33), (33, 20), False),        # rows cut
+    ((20, 33), (33, 70), False),        # columns cut
+    ((33, 70), (33, 20), True),         # a transposed view (the weight-gradient form)
+    ((16, 40, 9), (16, 9, 24), False),  # a stack of 16 GEMMs (Winograd)
+])
+def test_threaded_matmul_matches_numpy(threaded_kernels, monkeypatch, shape_a, shape_b,
+                                       transpose_a):
+    """kernels.matmul cut into parts on 2 threads (every size split) equals one np.matmul to
+    float32 round-off, for row and column cuts, a transposed operand and GEMM stacks; the BLAS
+    pools get their thread counts back."""
+    kern = threaded_kernels
+    monkeypatch.setattr(kern, "GEMM_MIN_SPLIT", 0)
+    rng = np.random.default_rng(40)
+    a = rng.standard_normal(shape_a).astype(np.float32)
+    a = a.T if transpose_a else a
+    b = rng.standard_normal(shape_b).astype(np.float32)
+    before = [lib.num_threads for lib in kern._blas_pools()]
+    got = kern.matmul(a, b)
+    out = np.full(got.shape, np.nan, np.float32)
+    assert kern.matmul(a, b, out) is out
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out, got)
+    assert [lib.num_threads for lib in kern._blas_pools()] == before
