@@ -4,6 +4,7 @@ Prints (not a test)::
 
     python bench/bench_torch_cpu.py [--cells gpt-w128-c64:32 ... resnet18:128]
                                     [--threads 1 2] [--repeat 5] [--windows 2]
+                                    [--malloc keep|default] [--busy N]
 
 PyTorch is an optional *bench* comparator only (never imported by the package)::
 
@@ -443,6 +444,9 @@ def main(argv=None) -> int:
                         help="keep: glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
                              "MALLOC_TRIM_THRESHOLD_=2^40) for both frameworks; default: as "
                              "the environment has it")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="run the table beside this many busy processes ('while True: "
+                             "pass', substrate.testing.busy_loops): the shared-core load")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag in ("repeat", "windows"):
@@ -455,8 +459,21 @@ def main(argv=None) -> int:
             parse_cell(cell)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.busy < 0:
+        parser.error(f"--busy must be >= 0, got {args.busy}")
     if args.child:
         return child(args)
+    if args.busy:
+        sys.path.insert(0, str(ROOT))
+        from substrate.testing import busy_loops  # noqa: PLC0415
+
+        with busy_loops(args.busy):
+            return table(args)
+    return table(args)
+
+
+def table(args) -> int:
+    """Run one child per thread count and print the side-by-side table."""
     try:
         import torch  # noqa: PLC0415
     except ImportError:
@@ -470,6 +487,8 @@ def main(argv=None) -> int:
           f"load average at start {os.getloadavg()[0]:.2f}")
     tunables = " ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items())
     malloc = f"keep ({tunables})" if args.malloc == "keep" else "default"
+    if args.busy:
+        print(f"beside {args.busy} busy process(es) ('while True: pass') for the whole run")
     print(f"one process per thread count (NUMBA/OMP/OPENBLAS/MKL_NUM_THREADS=n, "
           f"OMP_WAIT_POLICY=PASSIVE, torch.set_num_threads(n), threadpool_limits(n)); malloc "
           f"{malloc}; per step: min over {args.windows} windows, median over {args.repeat} "
