@@ -667,10 +667,10 @@ def softmax_normalize(P, n0, n1, i0, i1, L):
 
 
 @numba.jit(**_JIT_ROWS)
-def softmax_backward(P, dS, dO, Ot, n0, n1, i0, i1, L, scale, causal):
-    """Attention's score gradient in place of ``dS`` (n1-n0, H, i1-i0, L), which holds
-    ``dA = dO V^T`` on entry: ``dS = scale A ⊙ (dA - rowsum(dO ⊙ O))`` with ``A =
-    P[n0:n1, :, i0:i1, :L]`` (``rowsum(dO ⊙ O) = rowsum(dA ⊙ A)`` for ``O = A V``: a sum over
+def softmax_backward(P, dA, dO, Ot, n0, n1, i0, i1, L, scale, causal):
+    """Attention's score gradient written over the probabilities ``A = P[n0:n1, :, i0:i1,
+    :L]``: ``dS = scale A ⊙ (dA - rowsum(dO ⊙ O))`` with ``dA = dO V^T`` given in ``dA``
+    (n1-n0, H, i1-i0, L) (``rowsum(dO ⊙ O) = rowsum(dA ⊙ A)`` for ``O = A V``: a sum over
     ``d_h`` instead of ``L`` terms); ``dO``, ``Ot`` = ``O`` are (N, T, H, d_h); zero where a
     causal row sees no key."""
     H = P.shape[1]
@@ -678,7 +678,7 @@ def softmax_backward(P, dS, dO, Ot, n0, n1, i0, i1, L, scale, causal):
         for h in range(H):
             for i in range(i0, i1):
                 a = P[n, h, i]
-                ds = dS[n - n0, h, i - i0]
+                da = dA[n - n0, h, i - i0]
                 g = dO[n, i, h]
                 o = Ot[n, i, h]
                 dv = np.float32(0.0)
@@ -686,8 +686,8 @@ def softmax_backward(P, dS, dO, Ot, n0, n1, i0, i1, L, scale, causal):
                     dv += g[k] * o[k]
                 c = min(L, i + 1) if causal else L
                 for j in range(c):
-                    ds[j] = scale * a[j] * (ds[j] - dv)
-                ds[c:L] = 0
+                    a[j] = scale * a[j] * (da[j] - dv)
+                a[c:L] = 0
 
 
 @numba.jit(**_JIT)

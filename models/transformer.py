@@ -62,7 +62,7 @@ GPT2_INIT_STD = 0.02
 #: causal attention's query block (:meth:`MultiHeadSelfAttention._blocks`)
 ATTN_QUERY_BLOCK = 64
 #: bytes of attention scores per chunk of samples (cache-sized)
-ATTN_CHUNK_BYTES = 1 << 19
+ATTN_CHUNK_BYTES = 1 << 18
 
 
 def _kernels_for(x):
@@ -659,9 +659,10 @@ class MultiHeadSelfAttention(Layer):
 
     def _core_backward(self, k, do):
         """``dV = A^T dO``, ``dS = A ⊙ (dO V^T - rowsum(dO ⊙ O)) / sqrt(d_h)``, ``dQ = dS K``,
-        ``dK = dS^T Q``, chunk by chunk and query block by query block (last block first: it
-        sees every key, so it writes ``dK``, ``dV`` and the earlier blocks add to their
-        prefix); chunks shared over the threads."""
+        ``dK = dS^T Q``, chunk by chunk: ``dV`` and ``dK`` by key blocks (keys ``[j0, j1)`` are
+        seen by queries ``[j0, T)``, or all queries when not causal: one GEMM each, nothing to
+        accumulate), ``dS`` (written over the kept probabilities) and ``dQ`` by query blocks;
+        chunks shared over the threads."""
         _, probs, o, per, blocks, qkv = self._cache
         N, T, h, dh = do.shape
         q, kk, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
@@ -675,32 +676,22 @@ class MultiHeadSelfAttention(Layer):
         def chunks(lo, hi):
             for c in range(lo, hi):
                 n0, n1 = c * per, min(N, (c + 1) * per)
-                g = n1 - n0
-                first = True
-                for i0, i1 in reversed(blocks):
+                p = probs[n0:n1]
+                for j0, j1 in blocks:                   # dV = A^T dO by key blocks
+                    q0 = j0 if causal else 0
+                    np.matmul(p[:, :, q0:, j0:j1].transpose(0, 1, 3, 2), dov[n0:n1, :, q0:],
+                              out=dv[n0:n1, :, j0:j1])
+                for i0, i1 in blocks:                   # dS over A, dQ = dS K by query blocks
                     L = i1 if causal else T
-                    R = i1 - i0
-                    a = probs[n0:n1, :, i0:i1, :L]
-                    dob = dov[n0:n1, :, i0:i1]
-                    at = a.transpose(0, 1, 3, 2)
-                    if first:
-                        np.matmul(at, dob, out=dv[n0:n1, :, :L])
-                    else:
-                        tmp = _thread_scratch("attn_kv", (g, h, L, dh), do.dtype)
-                        np.matmul(at, dob, out=tmp)
-                        dv[n0:n1, :, :L] += tmp
-                    ds = _thread_scratch("attn_ds", (g, h, R, L), do.dtype)
-                    np.matmul(dob, v[n0:n1, :, :L].transpose(0, 1, 3, 2), out=ds)
-                    k.softmax_backward(probs, ds, do, o, n0, n1, i0, i1, L, scale, causal)
-                    np.matmul(ds, kk[n0:n1, :, :L], out=dq[n0:n1, :, i0:i1])
-                    dst = ds.transpose(0, 1, 3, 2)
-                    if first:
-                        np.matmul(dst, q[n0:n1, :, i0:i1], out=dk[n0:n1, :, :L])
-                    else:
-                        tmp = _thread_scratch("attn_kv", (g, h, L, dh), do.dtype)
-                        np.matmul(dst, q[n0:n1, :, i0:i1], out=tmp)
-                        dk[n0:n1, :, :L] += tmp
-                    first = False
+                    da = _thread_scratch("attn_da", (n1 - n0, h, i1 - i0, L), do.dtype)
+                    np.matmul(dov[n0:n1, :, i0:i1], v[n0:n1, :, :L].transpose(0, 1, 3, 2),
+                              out=da)
+                    k.softmax_backward(probs, da, do, o, n0, n1, i0, i1, L, scale, causal)
+                    np.matmul(p[:, :, i0:i1, :L], kk[n0:n1, :, :L], out=dq[n0:n1, :, i0:i1])
+                for j0, j1 in blocks:                   # dK = dS^T Q by key blocks
+                    q0 = j0 if causal else 0
+                    np.matmul(p[:, :, q0:, j0:j1].transpose(0, 1, 3, 2), q[n0:n1, :, q0:],
+                              out=dk[n0:n1, :, j0:j1])
 
         with k.blas_on_one_thread():
             k.parallel_for(chunks, -(-N // per), 4 * N * h * T * T)
