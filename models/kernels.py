@@ -61,7 +61,8 @@ __all__ = ["channel_stats", "bn_apply", "bn_backward_sums", "bn_backward_input",
            "softmax_shift", "softmax_normalize", "softmax_backward", "embedding_grad",
            "adamw_step", "GELU_ROWS", "winograd_input", "winograd_output",
            "winograd_output_adjoint", "winograd_weight", "winograd_weight_grad", "pad1",
-           "matmul", "blas_on_one_thread", "GEMM_MIN_SPLIT", "GEMM_PARTS"]
+           "matmul", "blas_on_one_thread", "GEMM_MIN_SPLIT", "GEMM_PARTS",
+           "softmax_cross_entropy", "CE_ROWS"]
 
 _JIT = dict(nopython=True, nogil=True, cache=True, fastmath=False)
 
@@ -688,6 +689,67 @@ def softmax_backward(P, dA, dO, Ot, n0, n1, i0, i1, L, scale, causal):
                 for j in range(c):
                     a[j] = scale * a[j] * (da[j] - dv)
                 a[c:L] = 0
+
+
+#: rows per block of the softmax cross-entropy (the logits' block stays in cache over its
+#: three passes; the loss is summed per block, then over blocks in order)
+CE_ROWS = 64
+
+
+@numba.jit(**_JIT)
+def _ce_shift(X, labels, G, true, r0, r1):
+    """Rows ``r0..r1-1``: ``G = x - max(x)`` and ``true[r] = G[r, labels[r]]``."""
+    K = X.shape[1]
+    for r in range(r0, r1):
+        x = X[r]
+        g = G[r]
+        m = _row_max(x, K)
+        for j in range(K):
+            g[j] = x[j] - m
+        true[r] = g[labels[r]]
+
+
+@numba.jit(**_JIT_ROWS)
+def _ce_grad(G, labels, true, inv_n, r0, r1):
+    """Rows ``r0..r1-1`` of ``G = exp(x - max)``: returns ``sum_r (log sum_j G[r, j] -
+    true[r])`` (float64) and turns ``G`` into ``(softmax - onehot) / N``."""
+    K = G.shape[1]
+    total = 0.0
+    for r in range(r0, r1):
+        g = G[r]
+        s = 0.0
+        for j in range(K):
+            s += g[j]
+        total += np.log(s) - true[r]
+        inv = 1.0 / s
+        for j in range(K):
+            g[j] = g[j] * inv
+        g[labels[r]] -= 1
+        for j in range(K):
+            g[j] = g[j] * inv_n
+    return total
+
+
+def _ce_blocks(X, labels, G, true, parts, lo, hi):
+    for b in range(lo, hi):
+        r0, r1 = b * CE_ROWS, min(X.shape[0], (b + 1) * CE_ROWS)
+        _ce_shift(X, labels, G, true, r0, r1)
+        np.exp(G[r0:r1], out=G[r0:r1])
+        parts[b] = _ce_grad(G, labels, true, 1.0 / X.shape[0], r0, r1)
+
+
+def softmax_cross_entropy(X, labels):
+    """Mean softmax cross-entropy of the rows of ``X`` (N, K) and its gradient
+    ``(softmax - onehot) / N``: per block of :data:`CE_ROWS` rows the shift by the row maximum
+    (Numba), NumPy's vectorised ``exp``, the sums (float64), the loss and the gradient (Numba);
+    blocks shared over threads, the loss summed over blocks in order."""
+    N = X.shape[0]
+    nb = -(-N // CE_ROWS)
+    G = np.empty_like(X)
+    true = np.empty(N)
+    parts = np.zeros(nb)
+    parallel_for(_ce_blocks, nb, 3 * X.size, X, labels, G, true, parts)
+    return float(parts.sum() / N), G
 
 
 @numba.jit(**_JIT)

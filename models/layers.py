@@ -1063,6 +1063,10 @@ class Bottleneck(_Residual):
 # ---------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------
+#: logits with at least this many entries take the fused Numba pass once the kernels are loaded
+CE_MIN_KERNEL = 1 << 16
+
+
 def softmax_cross_entropy(logits, labels):
     """Mean softmax cross-entropy and its gradient with respect to the logits.
 
@@ -1084,6 +1088,11 @@ def softmax_cross_entropy(logits, labels):
     N, K = logits.shape
     if labels.shape != (N,):
         raise ValueError(f"labels must have shape ({N},), got {tuple(labels.shape)}")
+    k = _numba_kernels(xp)
+    if k is not None and logits.dtype.kind == "f" and N * K >= CE_MIN_KERNEL and N:
+        # fused rows (a language model's N T x V logits): the same values to round-off
+        return k.softmax_cross_entropy(np.ascontiguousarray(logits),
+                                       np.ascontiguousarray(labels, dtype=np.int64))
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = xp.exp(shifted)
     sum_exp = exp.sum(axis=1, keepdims=True)

@@ -197,6 +197,53 @@ def test_softmax_cross_entropy_value_and_gradient():
     assert big == pytest.approx(1e4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_softmax_cross_entropy_matches_definition(monkeypatch, threads):
+    """The fused Numba pass (blocks of 7 rows, shared over 1 or 2 threads; huge and tiny
+    logits) gives the float64 definition's loss and gradient to float32 round-off, and in
+    float64 to 1e-12; the array path agrees; the loss does not depend on the thread count."""
+    from models import layers as L
+    k = L._kernels()
+    if k is None:
+        pytest.skip("Numba not installed")
+    import numba
+    monkeypatch.setattr(k, "CE_ROWS", 7)
+    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(L, "CE_MIN_KERNEL", 0)
+    rng = np.random.default_rng(41)
+    X = rng.standard_normal((50, 13)) * 4
+    X[3] += 1e4
+    X[4] -= 80
+    y = rng.integers(0, 13, 50)
+
+    def reference(Z):
+        sh = Z - Z.max(axis=1, keepdims=True)
+        e = np.exp(sh)
+        grad = e / e.sum(axis=1, keepdims=True)
+        grad[np.arange(50), y] -= 1
+        return float(np.mean(np.log(e.sum(axis=1)) - sh[np.arange(50), y])), grad / 50
+
+    ref_loss, ref_grad = reference(X)
+    ref_loss32, ref_grad32 = reference(X.astype(np.float32).astype(np.float64))
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        results = {dt: softmax_cross_entropy(X.astype(dt), y) for dt in (np.float64, np.float32)}
+    finally:
+        numba.set_num_threads(before)
+    loss64, grad64 = results[np.float64]
+    assert loss64 == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad64, ref_grad, rtol=1e-12, atol=1e-15)
+    loss32, grad32 = results[np.float32]
+    assert grad32.dtype == np.float32
+    assert loss32 == pytest.approx(ref_loss32, rel=1e-6)
+    np.testing.assert_allclose(grad32, ref_grad32, rtol=1e-5, atol=1e-7)
+    monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+    loss_a, grad_a = softmax_cross_entropy(X.astype(np.float32), y)
+    assert loss_a == pytest.approx(loss32, rel=1e-6)
+    np.testing.assert_allclose(grad_a, grad32, rtol=1e-5, atol=1e-7)
+
+
 def test_whole_small_resnet_gradients():
     """Input and parameter gradients of a 2-stage ResNet (projection shortcut) through the loss."""
     rng = np.random.default_rng(8)
