@@ -1,8 +1,19 @@
 """Numba kernels for the memory-bound passes of the layers (CPU, NumPy arrays only).
 
-Imported lazily by :mod:`models.layers` (the first BatchNorm forward on a NumPy array), so a run
-whose model has no BatchNorm never imports Numba.  Compiled code is cached on disk
-(``cache=True``): ranks load it instead of each compiling.
+Imported lazily (:mod:`models.kernel_loader`) by the first BatchNorm or transformer layer
+forward on a NumPy array, so a run whose model has neither (the digits CNN) never imports
+Numba.  Compiled code is cached on disk (``cache=True``): ranks load it instead of each
+compiling.
+
+Writing kernels that vectorise: LLVM vectorises a loop over a contiguous axis when its index
+starts at 0 (``range(lo, hi)`` over an array index keeps Numba's negative-index wrap-around in
+the loop, so slice first), when it divides under NumPy's error model (Python's raises on zero),
+when it touches few distinct arrays (past about eight, the run-time alias checks are given up:
+split the loop), and when its float reductions may be reassociated (``fastmath`` ``reassoc``,
+used for per-row sums whose order is then fixed by the compiled code, never by the threads).
+It does not vectorise a float ``max`` reduction: :func:`_row_max` keeps eight running maxima.
+Transcendental functions are NumPy's (vectorised ``exp``/``tanh``; Numba's scalar ``tanh`` is
+~100x slower) on cache-sized blocks between Numba passes.
 
 Threads
 -------
@@ -42,6 +53,23 @@ and :func:`models.im2col.col2im_nhwc`):
 
 ReLU and the residual sum are NumPy ufuncs on chunks of flat views of one memory order (the
 same operations as the layers' array path, shared out by :func:`parallel_for`).
+
+GEMMs (:func:`matmul`): a large GEMM is cut into :data:`GEMM_PARTS` row or column parts, each
+one single-threaded BLAS call, taken by :func:`parallel_for`'s threads with the BLAS pool held
+at one thread (:class:`blas_on_one_thread`).  A BLAS pool splits statically and sleeps between
+calls, so on a shared core one late thread (or one wake-up per small GEMM) stalls every GEMM.
+
+Transformers (:mod:`models.transformer`): LayerNorm rows in one pass (float64 statistics) with
+the residual sum and a bias row fused in, its backward with the residual gradient and the
+bias gradient's column sum fused in; GELU around NumPy's ``tanh`` per block of rows (the array
+path's float32 operations, same bits) with the bias fused in; the attention softmax's shift,
+normalisation and backward on the rows of one chunk; the token embedding's gradient (the bits
+of ``np.add.at``); the softmax cross-entropy of large logits; AdamW in one pass (the array
+path's bits).
+
+Winograd F(2x2, 3x3) convolution (:class:`models.layers.Conv2d`, Lavin & Gray 2016): input,
+output and weight transforms and their adjoints over channel vectors (the matrices are given
+with the kernels below).
 """
 
 from __future__ import annotations

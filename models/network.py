@@ -326,12 +326,14 @@ class Model:
                 first.input_grad = True
 
     def _input_layer(self):
-        """The layer that reads the model's input (first children through containers) when it
-        can skip its input gradient, else ``None``."""
+        """The layer that reads the model's input (first children through containers) when its
+        class can skip the input gradient (declares ``skips_input_grad = True`` itself: a
+        subclass that overrides ``backward``, e.g. H-SADMM's compact convolution, does not
+        inherit it), else ``None``."""
         layer = self.root
         while isinstance(layer, Sequential) and layer.children():
             layer = layer.children()[0][1]
-        return layer if getattr(layer, "skips_input_grad", False) else None
+        return layer if type(layer).__dict__.get("skips_input_grad", False) else None
 
     def loss_and_grad(self, x, y, ready: Callable[[str], None] | None = None):
         """Forward in training mode, softmax cross-entropy, backward.

@@ -23,6 +23,15 @@ Softmax and LayerNorm are computed in the dtype of the model (float32 by default
 forms: the row maximum is subtracted before ``exp``, and the variance is the mean of squared
 *centered* values (never ``E[x^2] - E[x]^2``).
 
+On NumPy arrays the layers load the Numba kernels (:mod:`models.kernels`) and take fused paths
+(the same values to float round-off; CuPy keeps the array path): LayerNorm in one pass per row
+(statistics in float64), a pre-norm block's residual sum ``h = x + (attention + proj bias)``
+formed in ``ln2``'s pass and its backward's ``dh = dy + ln2'(...)`` with the projection's bias
+gradient summed in the same pass; GELU with ``fc1``'s bias; attention chunk by chunk of
+samples with the scores of a chunk in cache and, when causal, queries in blocks of
+:data:`ATTN_QUERY_BLOCK` so the blocks above the diagonal are never computed; the embedding's
+scatter-add threaded.  GEMMs run through :func:`models.kernels.matmul`.
+
 Models: :func:`vit` (a small ViT for the 8x8 digits: 2x2 patches) and :func:`gpt` (a small
 GPT-2-style decoder over bytes).  Both are :class:`TransformerModel` (a :class:`Model` subclass)
 that initializes like GPT-2 (``N(0, 0.02)`` weights, residual projections scaled by

@@ -315,6 +315,21 @@ def test_training_step_skips_the_first_convs_input_gradient(monkeypatch, blocked
     assert skip.backward(softmax_cross_entropy(skip.forward(x), labels)[1]).shape == x.shape
 
 
+def test_input_gradient_skip_is_opt_in_for_conv_subclasses():
+    """A Conv2d subclass that post-processes backward's result (H-SADMM's compact conv) is not
+    asked to skip the input gradient unless it says so; Conv2d itself is."""
+    class Scaled(Conv2d):
+        def backward(self, dy):
+            return 2 * super().backward(dy)
+
+    for cls, skipped in ((Conv2d, True), (Scaled, False)):
+        root = Sequential([("conv", cls(3, 4, 3, padding=1)), ("flat", Flatten())])
+        m = Model(root, (3, 4, 4), None, dtype=np.float64)
+        assert (m._input_layer() is root.children()[0][1]) == skipped
+        y = m.forward(np.ones((2, 3, 4, 4)))
+        m.backward(np.ones_like(y), input_grad=False)          # no error either way
+
+
 # --------------------------------------------------------------------------- BatchNorm semantics
 def test_batchnorm_train_uses_batch_stats_and_updates_running_stats():
     rng = np.random.default_rng(9)
