@@ -480,9 +480,10 @@ def _gelu_constants(dtype):
 @numba.jit(**_JIT_ROWS)
 def _ln_forward_rows(X, R, B, add, eps, gamma, beta, H, Y, mean, rstd, lo, hi):
     """Rows ``lo..hi-1``: ``h = x + (r + b)`` when ``add`` (else ``h = x``), statistics of
-    ``h`` in float64, ``y = (h - mean) rstd gamma + beta``."""
+    ``h`` in float64, ``y = (h - mean) rstd gamma + beta`` in the dtype."""
     D = X.shape[1]
     inv_d = 1.0 / D
+    t = np.empty(2, X.dtype)
     for i in range(lo, hi):
         src = H if add else X
         if add:
@@ -499,8 +500,11 @@ def _ln_forward_rows(X, R, B, add, eps, gamma, beta, H, Y, mean, rstd, lo, hi):
         r = 1.0 / np.sqrt(q * inv_d + eps)
         mean[i] = m
         rstd[i] = r
+        t[0] = m                            # the statistics in the dtype: the output pass
+        t[1] = r                            # runs at the dtype's vector width
+        mt, rt = t[0], t[1]
         for j in range(D):
-            Y[i, j] = (np.float64(src[i, j]) - m) * r * gamma[j] + beta[j]
+            Y[i, j] = (src[i, j] - mt) * rt * gamma[j] + beta[j]
 
 
 def layer_norm_forward(X, gamma, beta, eps, Y, mean, rstd, R=None, B=None, H=None):
@@ -526,6 +530,7 @@ def _ln_backward_blocks(dY, X, mean, rstd, gamma, Rg, add, dX, DG, DB, DS, colsu
     ``DG = Σ dy x̂``, ``DB = Σ dy`` (and ``DS = Σ dx`` when ``colsum``)."""
     M, D = X.shape
     inv_d = 1.0 / D
+    t = np.empty(4, X.dtype)
     for b in range(lo, hi):
         for i in range(b * ROW_BLOCK, min(M, (b + 1) * ROW_BLOCK)):
             m = mean[i]
@@ -540,12 +545,15 @@ def _ln_backward_blocks(dY, X, mean, rstd, gamma, Rg, add, dX, DG, DB, DS, colsu
                 sgx += g * xh
                 DG[b, j] += dy * xh
                 DB[b, j] += dy
-            a = sg * inv_d
-            c = sgx * inv_d
+            t[0] = m                        # the output pass in the dtype
+            t[1] = r
+            t[2] = sg * inv_d
+            t[3] = sgx * inv_d
+            mt, rt, at, ct = t[0], t[1], t[2], t[3]
             for j in range(D):
-                xh = (np.float64(X[i, j]) - m) * r
-                dX[i, j] = r * (np.float64(dY[i, j]) * gamma[j] - a - xh * c)
-                if add:                             # rounded to the dtype, then added
+                xh = (X[i, j] - mt) * rt
+                dX[i, j] = rt * (dY[i, j] * gamma[j] - at - xh * ct)
+                if add:
                     dX[i, j] = Rg[i, j] + dX[i, j]
                 if colsum:
                     DS[b, j] += dX[i, j]
@@ -561,8 +569,8 @@ def layer_norm_backward(dY, X, mean, rstd, gamma, dX, R=None, colsum: bool = Fal
     DB = np.zeros((nb, D), np.float64)
     DS = np.zeros((nb if colsum else 1, D), np.float64)
     add = R is not None
-    parallel_for(_ln_backward_blocks, nb, 4 * X.size, dY, X, mean, rstd,
-                 gamma.astype(np.float64), R if add else dY, add, dX, DG, DB, DS, colsum)
+    parallel_for(_ln_backward_blocks, nb, 4 * X.size, dY, X, mean, rstd, gamma,
+                 R if add else dY, add, dX, DG, DB, DS, colsum)
     return DG.sum(axis=0), DB.sum(axis=0), (DS.sum(axis=0) if colsum else None)
 
 
