@@ -45,8 +45,10 @@ Fairness
   PyTorch (lower is better for the project, 1.00 = parity).
 * ``GF/s``: the step's model FLOPs (``6 x forward MACs x batch``: forward 2, backward 4 FLOPs
   per multiply-accumulate; attention counted over the full ``T x T`` score matrix, causal or
-  not) over the median wall time, beside the **GEMM peak** measured in the same process and
-  thread count (``float32 2048^3`` matmul, best of several, NumPy's BLAS and PyTorch's).
+  not) per CPU second (``cpu``: the rate per busy core, what load from other processes
+  disturbs least) and per wall second, beside the **GEMM peak** measured in the same process
+  and thread count the same two ways (``float32 2048^3`` matmul, best of 8, NumPy's BLAS and
+  PyTorch's).
 * Before timing, one step of each from the same weights is compared (relative differences of
   the loss, and of the logits + SGD update (CNNs) or the gradient (transformers)): both sides
   compute the same thing to float32 round-off.
@@ -358,8 +360,9 @@ def time_repeat(pair: Pair, steps: int, windows: int, flip: bool) -> list[float]
     return [*best["proj"], *best["torch"]]
 
 
-def gemm_peak(torch, n: int = 2048, repeat: int = 5) -> tuple[float, float]:
-    """Best float32 ``n^3`` matmul rate (GFLOP/s, wall) of NumPy's BLAS and of PyTorch."""
+def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
+    """Best float32 ``n^3`` matmul rates of NumPy's BLAS and of PyTorch:
+    ``[[numpy per wall s, numpy per CPU s], [torch ..., ...]]`` (GFLOP/s)."""
     import numpy as np  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
@@ -370,13 +373,14 @@ def gemm_peak(torch, n: int = 2048, repeat: int = 5) -> tuple[float, float]:
     out = []
     for fn in (lambda: np.matmul(a, b, out=c), lambda: torch.matmul(ta, tb, out=tc)):
         fn()
-        best = math.inf
+        wall = cpu = math.inf
         for _ in range(repeat):
-            t = time.perf_counter()
+            w, t = time.perf_counter(), time.process_time()
             fn()
-            best = min(best, time.perf_counter() - t)
-        out.append(2.0 * n ** 3 / best / 1e9)
-    return out[0], out[1]
+            wall = min(wall, time.perf_counter() - w)
+            cpu = min(cpu, time.process_time() - t)
+        out.append([2.0 * n ** 3 / wall / 1e9, 2.0 * n ** 3 / max(cpu, 1e-9) / 1e9])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +405,7 @@ def child(args) -> int:
                     f"({i.get('architecture') or i.get('threading_layer') or '-'}, "
                     f"{i.get('num_threads')} thr)"
                     for i in threadpool_info()})
-    peak_np, peak_torch = gemm_peak(torch)
+    peak_np, peak_torch = gemm_peak(torch)   # [wall, cpu] GF/s each
     print(json.dumps({"threads": n, "pools": pools, "numba_threads": numba.get_num_threads(),
                       "torch_threads": torch.get_num_threads(),
                       "gemm_numpy": peak_np, "gemm_torch": peak_torch}), flush=True)
@@ -494,10 +498,9 @@ def table(args) -> int:
           f"{malloc}; per step: min over {args.windows} windows, median over {args.repeat} "
           f"repeats")
     head = (f"{'cell':<17} {'thr':>3} | {'proj cpu':>8} {'torch cpu':>9} {'ratio':>5} | "
-            f"{'proj wall':>9} {'torch wall':>10} {'ratio':>5} | {'proj GF/s':>9} "
-            f"{'torch GF/s':>10} | {'ratios cpu, each repeat':<29} | {'load':>9} | "
+            f"{'proj wall':>9} {'torch wall':>10} {'ratio':>5} | {'GF/s cpu p/t':>12} | "
+            f"{'GF/s wall p/t':>13} | {'ratios cpu, each repeat':<29} | {'load':>9} | "
             f"{'rel diff':>15}")
-    summary = []
     for n in args.threads:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(n),
                "--repeat", str(args.repeat), "--windows", str(args.windows),
@@ -509,8 +512,10 @@ def table(args) -> int:
             if "pools" in rec:
                 print(f"\n[{n} thread(s)] pools: {'; '.join(rec['pools'])}; numba "
                       f"{rec['numba_threads']}, torch {rec['torch_threads']} thread(s)")
-                print(f"[{n} thread(s)] GEMM peak (float32 2048^3, wall): NumPy "
-                      f"{rec['gemm_numpy']:.1f} GF/s, PyTorch {rec['gemm_torch']:.1f} GF/s")
+                print(f"[{n} thread(s)] GEMM peak (float32 2048^3): NumPy "
+                      f"{rec['gemm_numpy'][0]:.1f} GF/s ({rec['gemm_numpy'][1]:.1f} per CPU s), "
+                      f"PyTorch {rec['gemm_torch'][0]:.1f} GF/s ({rec['gemm_torch'][1]:.1f} per "
+                      f"CPU s)")
                 print(head, flush=True)
                 continue
             rows = np.array(rec["rows"])
@@ -518,18 +523,19 @@ def table(args) -> int:
             rc = rows[:, 0] / rows[:, 2]
             rw = rows[:, 1] / rows[:, 3]
             each = " ".join(f"{r:.2f}" for r in rc)
-            what, dl, d2 = rec["agree"]
+            _, dl, d2 = rec["agree"]
             f = rec["flops"] / 1e9
             print(f"{rec['cell']:<17} {n:>3} | {pc:8.4f} {tc:9.4f} {np.median(rc):5.2f} | "
-                  f"{pw:9.4f} {tw:10.4f} {np.median(rw):5.2f} | {f / pw:9.1f} {f / tw:10.1f} | "
+                  f"{pw:9.4f} {tw:10.4f} {np.median(rw):5.2f} | {f / pc:5.1f} {f / tc:6.1f} | "
+                  f"{f / pw:6.1f} {f / tw:6.1f} | "
                   f"{each:<29} | {rec['load'][0]:4.1f}>{rec['load'][1]:4.1f} | "
                   f"{dl:7.1e} {d2:7.1e}", flush=True)
-            summary.append((rec["cell"], n, float(np.median(rc)), float(np.median(rw))))
         if proc.wait():
             print(f"bench_torch_cpu: the {n}-thread child failed (exit {proc.returncode})")
             return proc.returncode
     print("\ntimes in s per step; ratio = project / PyTorch (median over repeats of the "
-          "per-repeat ratio); GF/s = 6 x forward MACs x batch / median wall time; rel diff = "
+          "per-repeat ratio); GF/s = 6 x forward MACs x batch / median CPU or wall time, project "
+          "/ PyTorch; rel diff = "
           "loss and (gradient for transformers, SGD update for CNNs) of one step from the same "
           f"weights; load average (1 min) before>after each cell; at end "
           f"{os.getloadavg()[0]:.2f}")
