@@ -1,58 +1,105 @@
-"""One training step of the project's models against PyTorch CPU, side by side in one process.
+"""One training step of the project's models against PyTorch CPU, side by side, one command.
 
 Prints (not a test)::
 
-    python bench/bench_torch_cpu.py [--models cnn resnet18] [--batches 32 128]
-                                    [--threads 1 2] [--repeat 3] [--windows 2] [--steps 0]
+    python bench/bench_torch_cpu.py [--cells gpt-w128-c64:32 ... resnet18:128]
+                                    [--threads 1 2] [--repeat 5] [--windows 2]
+                                    [--malloc keep|default] [--busy N]
 
-PyTorch is an optional *bench* dependency only (never imported by the package)::
+PyTorch is an optional *bench* comparator only (never imported by the package)::
 
     .venv/bin/pip install torch==2.13.0        # CPU build
 
-For every (model, batch size, thread count) cell, both frameworks run the same training step
-(forward in training mode + softmax cross-entropy + backward + SGD with momentum 0.9) on the
-same float32 weights (the project's initial weights are copied into the PyTorch module by name)
-and the same batch.  Threads: ``threadpoolctl.threadpool_limits(n)`` caps every BLAS/OpenMP
-pool loaded in the process (NumPy's OpenBLAS and PyTorch's OpenMP/MKL), ``torch.set_num_threads
-(n)`` sets PyTorch's intra-op pool, and ``numba.set_num_threads(n)`` the pool of the project's
-Numba kernels (loaded before timing for a model with BatchNorm, as its first forward would).
-Time is taken per window of ``--steps`` consecutive steps, as CPU time (``time.process_time``:
-all threads of the process) and wall time (``time.perf_counter``); the two frameworks' windows
-are interleaved and the minimum over ``--windows`` windows is one *repeat* (the least disturbed
-window; other processes on the machine perturb the rest).  Each cell is repeated ``--repeat``
-times and the table gives the **median** over repeats of each time and of each ratio (the
-ratio of one repeat compares windows taken side by side).  ``ratio`` is project / PyTorch
-(lower is better for the project; 1.0 = parity).  The load average (1 min) is printed before
-and after each cell.
+Cells (``NAME:BATCH``; default: the issue-28 set below)
 
-Before timing, one step of each is compared: the max relative difference of the logits and of
-the parameter update shows that both compute the same thing (float32 round-off).
+* ``gpt-wD-cT``: the byte GPT (:func:`models.transformer.gpt`), width ``D``, context ``T``, 4
+  layers, 4 heads, MLP 4x, untied head, causal-LM loss over every position, **AdamW**
+  (lr 1e-3, weight decay 0.01 on weight matrices only, on both sides);
+* ``vit``: the digits ViT (:func:`models.transformer.vit`: 2x2 patches, width 64, 4 layers),
+  AdamW as above;
+* ``resnet18``: ResNet-18 at CIFAR shape, **SGD** momentum 0.9; ``cnn``: the digits CNN.
+
+The PyTorch twins are the same architectures (``torch.nn.functional``, pre-norm blocks,
+tanh-GELU, ``scaled_dot_product_attention``; ``torch.nn`` modules for the CNNs) with the
+project's initial weights copied in, float32.
+
+Fairness
+--------
+* **One process per thread count** (``n`` in ``--threads``): the parent starts a child with
+  ``NUMBA_NUM_THREADS=OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=n`` and
+  ``OMP_WAIT_POLICY=PASSIVE`` in its environment (read when the libraries load: PyTorch's
+  OpenMP workers sleep instead of spinning between parallel regions, which on shared cores
+  starves everything else), then also ``torch.set_num_threads(n)`` and
+  ``threadpoolctl.threadpool_limits(n)``.  Both sides run the same thread count.
+* Memory: by default (``--malloc keep``) the child runs with glibc's ``MALLOC_MMAP_MAX_=0``
+  and ``MALLOC_TRIM_THRESHOLD_=2^40``, so freed blocks stay in the process and the next step
+  reuses them; otherwise every step faults its large temporaries in afresh (hundreds of MB,
+  0.2-0.75 s of system time per step in the largest cells, for both frameworks).  Both sides
+  share the process, so both get the same allocator.  ``--malloc default`` measures without.
+* The BLAS libraries in the process are printed (threadpoolctl: library, version, kernel).
+* Time per step is taken per window of consecutive steps (about 0.3 s or one step), as CPU time
+  (``time.process_time``: every thread of the process) and wall time; the two frameworks'
+  windows alternate (who goes first alternates too); the minimum over ``--windows`` windows is
+  one *repeat*, and the table gives the **median over** ``--repeat`` repeats of each time and of
+  each ratio (a repeat's ratio compares windows taken side by side).  ``ratio`` = project /
+  PyTorch (lower is better for the project, 1.00 = parity).
+* ``GF/s``: the step's model FLOPs (``6 x forward MACs x batch``: forward 2, backward 4 FLOPs
+  per multiply-accumulate; attention counted over the full ``T x T`` score matrix, causal or
+  not) per CPU second (``cpu``: the rate per busy core, what load from other processes
+  disturbs least) and per wall second, beside the **GEMM peak** measured in the same process
+  and thread count the same two ways (``float32 2048^3`` matmul, best of 8, NumPy's BLAS and
+  PyTorch's).
+* Before timing, one step of each from the same weights is compared (relative differences of
+  the loss, and of the logits + SGD update (CNNs) or the gradient (transformers)): both sides
+  compute the same thing to float32 round-off.
+* The load average (1 min) is printed before > after each cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-# OpenBLAS workers sleep after a GEMM instead of spinning ~0.1 s, which starves the layer kernels'
-# helper threads on small core counts (what runner.launch sets for MPI ranks); read when NumPy
-# loads OpenBLAS. PyTorch's wheel has its own pools and is not affected.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
 
 INSTALL_HINT = ("bench_torch_cpu: PyTorch is not installed; it is an optional bench comparator. "
                 "Install the CPU build with\n    .venv/bin/pip install torch==2.13.0\n"
                 "and run again.")
 
 LR, MOMENTUM = 0.05, 0.9
+ADAMW = dict(lr=1e-3, weight_decay=0.01)
+DEFAULT_CELLS = ["gpt-w128-c64:32", "gpt-w128-c256:32", "gpt-w256-c64:32", "gpt-w256-c256:32",
+                 "vit:32", "resnet18:32", "resnet18:128"]
+THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+#: glibc malloc tunables of ``--malloc keep`` (both frameworks, one process): every block from
+#: the heap (no mmap) and freed memory kept, so a step's large temporaries reuse last step's
+#: pages instead of faulting fresh zeroed ones in (0.2-0.75 s of system time per step for the
+#: largest cells, either framework)
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def thread_env(n: int, malloc: str = "keep") -> dict:
+    """The child's environment for ``n`` threads (read when NumPy, Numba and PyTorch load),
+    with the glibc malloc tunables of :data:`MALLOC_KEEP` unless ``malloc="default"``."""
+    env = dict(os.environ)
+    env.update({v: str(n) for v in THREAD_VARS})
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    # OpenBLAS workers sleep after a GEMM instead of spinning ~0.1 s (as runner.launch sets
+    # for MPI ranks)
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    if malloc == "keep":
+        env.update(MALLOC_KEEP)
+    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,179 +166,378 @@ def torch_resnet(torch, c_in: int, num_classes: int, depths=(2, 2, 2, 2),
     return Net()
 
 
+def torch_transformer_loss(torch, model, P: dict, xt, yt):
+    """The loss of the project's ViT / GPT written with ``torch.nn.functional`` on the
+    parameter dict ``P`` (the project's names): a closure ``() -> loss``."""
+    F = torch.nn.functional
+    depth = sum(1 for n in P if n.endswith("ln1.weight"))
+    d = P["blocks.0.ln1.weight"].shape[0]
+    layers = dict(model.root.walk())
+    heads = layers["blocks.0."].heads
+
+    def blocks(h, causal):
+        N, T, _ = h.shape
+        for b in range(depth):
+            def p(name, b=b):
+                return P[f"blocks.{b}.{name}"]
+            a = F.layer_norm(h, (d,), p("ln1.weight"), p("ln1.bias"), 1e-5)
+            q, k, v = F.linear(a, p("attn.qkv.weight"), p("attn.qkv.bias")).split(d, dim=-1)
+            q, k, v = (t.reshape(N, T, heads, d // heads).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            h = h + F.linear(o.transpose(1, 2).reshape(N, T, d), p("attn.proj.weight"),
+                             p("attn.proj.bias"))
+            a = F.layer_norm(h, (d,), p("ln2.weight"), p("ln2.bias"), 1e-5)
+            a = F.gelu(F.linear(a, p("mlp.fc1.weight"), p("mlp.fc1.bias")), approximate="tanh")
+            h = h + F.linear(a, p("mlp.fc2.weight"), p("mlp.fc2.bias"))
+        return h
+
+    def loss_fn():
+        if model.lm:
+            N, T = xt.shape
+            h = P["wte.weight"][xt] + P["wpe.weight"][:T]
+            h = F.layer_norm(blocks(h, True), (d,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
+            logits = F.linear(h, P["head.weight"])
+            targets = torch.cat([xt[:, 1:], yt[:, None]], dim=1)
+            return F.cross_entropy(logits.reshape(N * T, -1), targets.reshape(-1))
+        N = xt.shape[0]
+        C, H, W = model.input_shape
+        p_ = layers["patch_embed."].patch
+        cols = xt.reshape(N, C, H // p_, p_, W // p_, p_).permute(0, 2, 4, 1, 3, 5)
+        h = F.linear(cols.reshape(N, -1, C * p_ * p_), P["patch_embed.proj.weight"],
+                     P["patch_embed.proj.bias"])
+        h = torch.cat([P["cls_token.weight"].expand(N, 1, d), h], dim=1) + P["pos_embed.weight"]
+        h = F.layer_norm(blocks(h, False), (d,), P["norm.weight"], P["norm.bias"], 1e-5)
+        return F.cross_entropy(F.linear(h[:, 0], P["head.weight"], P["head.bias"]), yt)
+
+    return loss_fn
+
+
 # ---------------------------------------------------------------------------------------------
 # one cell
 # ---------------------------------------------------------------------------------------------
-def build_pair(torch, name: str, batch: int, seed: int = 0):
-    """Project model + optimizer, PyTorch twin + optimizer (same weights), one batch."""
-    from models.optim import SGD, SGDConfig  # noqa: PLC0415
-    from models.zoo import cnn, resnet  # noqa: PLC0415
-
-    rng = np.random.default_rng(seed)
-    if name == "cnn":
-        shape, k = (1, 8, 8), 10
-        model = cnn(shape, k, seed=seed)
-        tmodel = torch_cnn(torch, 1, 8, k)
-    elif name == "resnet18":
-        shape, k = (3, 32, 32), 10
-        model = resnet(shape, k, depths=(2, 2, 2, 2), planes=(64, 128, 256, 512), seed=seed)
-        tmodel = torch_resnet(torch, 3, k)
-    else:
-        raise ValueError(f"unknown model {name!r}; use cnn or resnet18")
-    state = {n: torch.from_numpy(np.array(v)) for n, v in model.state_dict().items()}
-    missing, unexpected = tmodel.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("num_batches_tracked")]
-    if missing or unexpected:
-        raise RuntimeError(f"twin mismatch: missing {missing}, unexpected {unexpected}")
-    tmodel.train()
-    opt = SGD(model.params, model.grads, SGDConfig(lr=LR, momentum=MOMENTUM))
-    topt = torch.optim.SGD(tmodel.parameters(), lr=LR, momentum=MOMENTUM)
-    x = rng.standard_normal((batch, *shape)).astype(np.float32)
-    y = rng.integers(0, k, batch)
-    return model, opt, tmodel, topt, x, y
+def parse_cell(cell: str) -> tuple[str, int]:
+    name, _, batch = cell.partition(":")
+    if name.startswith("gpt-"):
+        try:
+            w, c = name[4:].split("-")
+            if not (w[0] == "w" and c[0] == "c" and int(w[1:]) > 0 and int(c[1:]) > 0):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"cell {cell!r}: a GPT cell is gpt-wWIDTH-cCONTEXT, e.g. "
+                             "gpt-w128-c64:32") from None
+    elif name not in ("vit", "resnet18", "cnn"):
+        raise ValueError(f"cell {cell!r}: model must be gpt-wD-cT, vit, resnet18 or cnn")
+    if not batch.isdigit() or int(batch) < 1:
+        raise ValueError(f"cell {cell!r}: give the batch size as NAME:BATCH, e.g. {name}:32")
+    return name, int(batch)
 
 
-def agreement(torch, model, opt, tmodel, topt, x, y) -> dict:
-    """One step of each from the same weights: relative differences of the logits (max abs
-    difference / max abs value) and of the parameter update (``||du|| / ||u||`` over the flat
-    vector, ``u`` = the parameter change of the step)."""
-    import torch.nn.functional as F  # noqa: PLC0415, N812
+class Pair:
+    """The project's step and PyTorch's step on the same model, weights and batch."""
 
-    before = model.params.flat.copy()
-    loss, logits = model.loss_and_grad(x, y)
-    opt.step()
-    topt.zero_grad(set_to_none=False)
-    tl = tmodel(torch.from_numpy(x))
-    tloss = F.cross_entropy(tl, torch.from_numpy(y))
-    tloss.backward()
-    topt.step()
-    tl = tl.detach().numpy()
-    tparams = dict(tmodel.named_parameters())
-    du = np.concatenate([(model.params[n] - tparams[n].detach().numpy()).ravel()
-                         for n in model.params.names])
-    upd = model.params.flat - before
-    return {"logits": float(np.abs(logits - tl).max() / np.abs(tl).max()),
-            "loss": abs(loss - float(tloss.detach())) / abs(float(tloss.detach())),
-            "update": float(np.linalg.norm(du) / np.linalg.norm(upd))}
+    def __init__(self, torch, name: str, batch: int, seed: int = 0):
+        import numpy as np  # noqa: PLC0415
+
+        self.torch, self.name, self.batch = torch, name, batch
+        rng = np.random.default_rng(seed)
+        torch.manual_seed(seed)
+        if name.startswith("gpt-") or name == "vit":
+            self._transformer(np, rng, name, batch, seed)
+        else:
+            self._cnn(np, rng, name, batch, seed)
+        self.flops = 6.0 * self.model.macs_per_sample() * batch
+
+    # -- builders ---------------------------------------------------------------------------
+    def _transformer(self, np, rng, name, batch, seed):
+        from models.optim import AdamW, AdamWConfig  # noqa: PLC0415
+        from models.transformer import gpt, vit  # noqa: PLC0415
+
+        torch = self.torch
+        if name == "vit":
+            model = vit((1, 8, 8), 10, seed=seed)
+            x = rng.standard_normal((batch, 1, 8, 8)).astype(np.float32)
+            y = rng.integers(0, 10, batch)
+        else:
+            w, c = (int(s[1:]) for s in name[4:].split("-"))
+            model = gpt((c,), 256, dim=w, depth=4, heads=4, seed=seed)
+            x = rng.integers(0, 256, (batch, c))
+            y = rng.integers(0, 256, batch)
+        kinds = ("conv", "fc")
+        opt = AdamW(model.params, model.grads, AdamWConfig(**ADAMW, decay_kinds=kinds))
+        P = {n: torch.nn.Parameter(torch.tensor(model.params[n].copy()))
+             for n in model.layout.names}
+        decay = [p for n, p in P.items() if model.layout.kind(n) in kinds]
+        rest = [p for n, p in P.items() if model.layout.kind(n) not in kinds]
+        topt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                                 **ADAMW)
+        n_torch = sum(p.numel() for p in P.values())
+        if n_torch != model.num_params:
+            raise RuntimeError(f"twin has {n_torch} parameters, project {model.num_params}")
+        loss_fn = torch_transformer_loss(torch, model, P, torch.tensor(x), torch.tensor(y))
+        self.model, self.opt, self.topt, self.x, self.y = model, opt, topt, x, y
+        self.P, self.loss_fn = P, loss_fn
+
+    def _cnn(self, np, rng, name, batch, seed):
+        from models.optim import SGD, SGDConfig  # noqa: PLC0415
+        from models.zoo import cnn, resnet  # noqa: PLC0415
+
+        torch = self.torch
+        if name == "cnn":
+            shape, k = (1, 8, 8), 10
+            model = cnn(shape, k, seed=seed)
+            tmodel = torch_cnn(torch, 1, 8, k)
+        else:
+            shape, k = (3, 32, 32), 10
+            model = resnet(shape, k, depths=(2, 2, 2, 2), planes=(64, 128, 256, 512), seed=seed)
+            tmodel = torch_resnet(torch, 3, k)
+        state = {n: torch.from_numpy(np.array(v)) for n, v in model.state_dict().items()}
+        missing, unexpected = tmodel.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("num_batches_tracked")]
+        if missing or unexpected:
+            raise RuntimeError(f"twin mismatch: missing {missing}, unexpected {unexpected}")
+        tmodel.train()
+        opt = SGD(model.params, model.grads, SGDConfig(lr=LR, momentum=MOMENTUM))
+        topt = torch.optim.SGD(tmodel.parameters(), lr=LR, momentum=MOMENTUM)
+        x = rng.standard_normal((batch, *shape)).astype(np.float32)
+        y = rng.integers(0, k, batch)
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        F = torch.nn.functional
+        self.model, self.opt, self.topt, self.x, self.y = model, opt, topt, x, y
+        self.tmodel = tmodel
+        self.loss_fn = lambda: F.cross_entropy(tmodel(tx), ty)
+
+    # -- steps ------------------------------------------------------------------------------
+    def proj_step(self):
+        self.model.loss_and_grad(self.x, self.y)
+        self.opt.step()
+
+    def torch_step(self):
+        self.topt.zero_grad(set_to_none=False)
+        self.loss_fn().backward()
+        self.topt.step()
+
+    def agreement(self) -> tuple[str, float, float]:
+        """One step of each from the same weights: (what, loss rel diff, second rel diff)."""
+        import numpy as np  # noqa: PLC0415
+
+        model = self.model
+        before = model.params.flat.copy()
+        loss, logits = model.loss_and_grad(self.x, self.y)
+        self.topt.zero_grad(set_to_none=False)
+        tloss = self.loss_fn()
+        tloss.backward()
+        tl = float(tloss.detach())
+        dloss = abs(loss - tl) / abs(tl)
+        if hasattr(self, "P"):                      # transformers: the gradients
+            g = np.concatenate([self.P[n].grad.numpy().ravel() for n in model.layout.names])
+            ours = model.grads.flat
+            second = float(np.linalg.norm(ours - g) / np.linalg.norm(g))
+            self.opt.step()
+            self.topt.step()
+            return "loss grad", dloss, second
+        self.opt.step()                             # CNNs: the SGD update
+        self.topt.step()
+        tparams = dict(self.tmodel.named_parameters())
+        du = np.concatenate([(model.params[n] - tparams[n].detach().numpy()).ravel()
+                             for n in model.params.names])
+        upd = model.params.flat - before
+        return "loss update", dloss, float(np.linalg.norm(du) / np.linalg.norm(upd))
 
 
-def time_pair(torch, model, opt, tmodel, topt, x, y, steps: int, windows: int,
-              warmup: int = 1) -> dict:
-    """Interleaved windows of ``steps`` steps; minimum CPU and wall seconds per step of each."""
-    import torch.nn.functional as F  # noqa: PLC0415, N812
-
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def proj():
-        model.loss_and_grad(x, y)
-        opt.step()
-
-    def tor():
-        topt.zero_grad(set_to_none=False)
-        F.cross_entropy(tmodel(tx), ty).backward()
-        topt.step()
-
-    best = {"proj": [np.inf, np.inf], "torch": [np.inf, np.inf]}
-    for fn in (proj, tor):
-        for _ in range(warmup):
-            fn()
-    for _ in range(windows):
-        for key, fn in (("proj", proj), ("torch", tor)):
+def time_repeat(pair: Pair, steps: int, windows: int, flip: bool) -> list[float]:
+    """Interleaved windows of ``steps`` steps; [proj cpu, proj wall, torch cpu, torch wall] per
+    step, each the minimum over the windows."""
+    best = {"proj": [math.inf, math.inf], "torch": [math.inf, math.inf]}
+    order = [("proj", pair.proj_step), ("torch", pair.torch_step)]
+    for w in range(windows):
+        for key, fn in (order[::-1] if (w + flip) % 2 else order):
             c0, w0 = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 fn()
             c1, w1 = time.process_time(), time.perf_counter()
             best[key][0] = min(best[key][0], (c1 - c0) / steps)
             best[key][1] = min(best[key][1], (w1 - w0) / steps)
-    return best
+    return [*best["proj"], *best["torch"]]
 
 
-def set_threads(torch, n: int):
-    """Cap every thread pool at ``n``; returns the threadpoolctl limiter (keep it alive)."""
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
+    """Best float32 ``n^3`` matmul rates of NumPy's BLAS and of PyTorch:
+    ``[[numpy per wall s, numpy per CPU s], [torch ..., ...]]`` (GFLOP/s)."""
+    import numpy as np  # noqa: PLC0415
 
-    limiter = threadpool_limits(limits=n)
-    torch.set_num_threads(n)
-    if "numba" in sys.modules:
-        import numba  # noqa: PLC0415
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    return limiter
-
-
-def run_cell(torch, name: str, batch: int, n: int, steps: int, windows: int, repeat: int):
-    """``repeat`` timings of one cell; returns per-repeat rows and the agreement of step 1."""
-    torch.manual_seed(0)
-    pair = build_pair(torch, name, batch)       # fresh: agreement from the same start
-    if name == "resnet18":
-        from models.layers import _kernels  # noqa: PLC0415
-
-        _kernels()          # Numba loaded as the first BatchNorm forward would, then capped
-    limiter = set_threads(torch, n)
-    try:
-        agree = agreement(torch, *pair)
-        rows = []
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
+    c = np.empty_like(a)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    tc = torch.empty_like(ta)
+    out = []
+    for fn in (lambda: np.matmul(a, b, out=c), lambda: torch.matmul(ta, tb, out=tc)):
+        fn()
+        wall = cpu = math.inf
         for _ in range(repeat):
-            t = time_pair(torch, *pair, steps=steps, windows=windows)
-            rows.append((*t["proj"], *t["torch"], os.getloadavg()[0]))
-    finally:
-        limiter.restore_original_limits()
-    return np.array(rows), agree
+            w, t = time.perf_counter(), time.process_time()
+            fn()
+            wall = min(wall, time.perf_counter() - w)
+            cpu = min(cpu, time.process_time() - t)
+        out.append([2.0 * n ** 3 / wall / 1e9, 2.0 * n ** 3 / max(cpu, 1e-9) / 1e9])
+    return out
 
 
+# ---------------------------------------------------------------------------------------------
+# child: one thread count
+# ---------------------------------------------------------------------------------------------
+def child(args) -> int:
+    import numpy as np  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    import torch  # noqa: PLC0415
+    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
+
+    n = args.threads[0]
+    torch.set_num_threads(n)
+    from models.layers import _kernels  # noqa: PLC0415
+
+    _kernels()              # Numba loaded as the first BatchNorm forward would
+    limiter = threadpool_limits(limits=n)
+    import numba  # noqa: PLC0415
+
+    pools = sorted({f"{i.get('internal_api')} {i.get('version')} "
+                    f"({i.get('architecture') or i.get('threading_layer') or '-'}, "
+                    f"{i.get('num_threads')} thr)"
+                    for i in threadpool_info()})
+    peak_np, peak_torch = gemm_peak(torch)   # [wall, cpu] GF/s each
+    print(json.dumps({"threads": n, "pools": pools, "numba_threads": numba.get_num_threads(),
+                      "torch_threads": torch.get_num_threads(),
+                      "gemm_numpy": peak_np, "gemm_torch": peak_torch}), flush=True)
+    for cell in args.cells:
+        name, batch = parse_cell(cell)
+        load0 = os.getloadavg()[0]
+        pair = Pair(torch, name, batch)
+        what, dloss, second = pair.agreement()
+        t0 = time.perf_counter()            # one step of each sizes the windows
+        pair.proj_step()
+        t1 = time.perf_counter()
+        pair.torch_step()
+        t2 = time.perf_counter()
+        steps = max(1, math.ceil(args.window_s / max(min(t1 - t0, t2 - t1), 1e-6)))
+        rows = np.array([time_repeat(pair, steps, args.windows, flip=bool(r % 2))
+                         for r in range(args.repeat)])
+        print(json.dumps({"cell": f"{name}:{batch}", "threads": n, "rows": rows.tolist(),
+                          "steps": steps, "flops": pair.flops, "load": [load0,
+                          os.getloadavg()[0]], "agree": [what, dloss, second]}), flush=True)
+        del pair
+    limiter.restore_original_limits()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parent: one child per thread count, one table
+# ---------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"],
-                        choices=("cnn", "resnet18"))
-    parser.add_argument("--batches", "--batch-size", nargs="+", type=int, default=[32, 128],
-                        dest="batches")
+    parser.add_argument("--cells", nargs="+", default=DEFAULT_CELLS,
+                        help="NAME:BATCH, NAME one of gpt-wD-cT, vit, resnet18, cnn")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=5,
                         help="repeats per cell; the table shows medians over repeats")
     parser.add_argument("--windows", type=int, default=2,
                         help="timed windows per framework and repeat (the minimum is kept)")
-    parser.add_argument("--steps", type=int, default=0,
-                        help="steps per window (0: 20 for cnn, 1 for resnet18)")
+    parser.add_argument("--window-s", type=float, default=0.3,
+                        help="seconds a window aims at (at least one step)")
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                        help="keep: glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
+                             "MALLOC_TRIM_THRESHOLD_=2^40) for both frameworks; default: as "
+                             "the environment has it")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="run the table beside this many busy processes ('while True: "
+                             "pass', substrate.testing.busy_loops): the shared-core load")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag in ("repeat", "windows"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.steps < 0:
-        parser.error(f"--steps must be >= 0 (0: the per-model default), got {args.steps}")
+    if any(t < 1 for t in args.threads):
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    try:
+        for cell in args.cells:
+            parse_cell(cell)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.busy < 0:
+        parser.error(f"--busy must be >= 0, got {args.busy}")
+    if args.child:
+        return child(args)
+    if args.busy:
+        sys.path.insert(0, str(ROOT))
+        from substrate.testing import busy_loops  # noqa: PLC0415
+
+        with busy_loops(args.busy):
+            return table(args)
+    return table(args)
+
+
+def table(args) -> int:
+    """Run one child per thread count and print the side-by-side table."""
     try:
         import torch  # noqa: PLC0415
     except ImportError:
         print(INSTALL_HINT)
         return 0
-    from threadpoolctl import threadpool_info  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
 
-    blas = [f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info()
-            if i.get("user_api") == "blas"]
-    print(f"bench_torch_cpu: one training step (forward + cross-entropy + backward + SGD "
-          f"momentum {MOMENTUM}), float32, NumPy {np.__version__} ({', '.join(blas)}), "
-          f"PyTorch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.2f}")
-    print(f"threads: threadpoolctl.threadpool_limits(n) on every BLAS/OpenMP pool + "
-          f"torch.set_num_threads(n) + numba.set_num_threads(n); per step: min over "
-          f"{args.windows} windows, median over {args.repeat} repeats")
-    print(f"{'model':<9} {'batch':>5} {'thr':>3} | {'proj cpu':>8} {'torch cpu':>9} "
-          f"{'ratio':>5} | {'proj wall':>9} {'torch wall':>10} {'ratio':>5} | "
-          f"{'ratios cpu / wall, each repeat':<32} | {'load':>9} | {'rel diff':>15}")
-    for name in args.models:
-        for batch in args.batches:
-            for n in args.threads:
-                load0 = os.getloadavg()[0]
-                steps = args.steps or (20 if name == "cnn" else 1)
-                rows, agree = run_cell(torch, name, batch, n, steps, args.windows, args.repeat)
-                pc, pw, tc, tw = (np.median(rows[:, i]) for i in range(4))
-                rc, rw = rows[:, 0] / rows[:, 2], rows[:, 1] / rows[:, 3]
-                each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rc, rw))
-                print(f"{name:<9} {batch:>5} {n:>3} | {pc:8.3f} {tc:9.3f} {np.median(rc):5.2f} | "
-                      f"{pw:9.3f} {tw:10.3f} {np.median(rw):5.2f} | {each:<32} | "
-                      f"{load0:4.1f}>{rows[-1, 4]:4.1f} | "
-                      f"{agree['logits']:7.1e} {agree['update']:7.1e}", flush=True)
-    print(f"times in s per step; ratio = project / PyTorch; rel diff = (logits, update) of "
-          f"step 1; load average (1 min) before>after each cell; at end "
+    print(f"bench_torch_cpu: one training step (forward + loss + backward + optimizer), "
+          f"float32; NumPy {np.__version__}, PyTorch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    tunables = " ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items())
+    malloc = f"keep ({tunables})" if args.malloc == "keep" else "default"
+    if args.busy:
+        print(f"beside {args.busy} busy process(es) ('while True: pass') for the whole run")
+    print(f"one process per thread count (NUMBA/OMP/OPENBLAS/MKL_NUM_THREADS=n, "
+          f"OMP_WAIT_POLICY=PASSIVE, torch.set_num_threads(n), threadpool_limits(n)); malloc "
+          f"{malloc}; per step: min over {args.windows} windows, median over {args.repeat} "
+          f"repeats")
+    head = (f"{'cell':<17} {'thr':>3} | {'proj cpu':>8} {'torch cpu':>9} {'ratio':>5} | "
+            f"{'proj wall':>9} {'torch wall':>10} {'ratio':>5} | {'GF/s cpu p/t':>12} | "
+            f"{'GF/s wall p/t':>13} | {'ratios cpu, each repeat':<29} | {'load':>9} | "
+            f"{'rel diff':>15}")
+    for n in args.threads:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(n),
+               "--repeat", str(args.repeat), "--windows", str(args.windows),
+               "--window-s", str(args.window_s), "--cells", *args.cells]
+        proc = subprocess.Popen(cmd, env=thread_env(n, args.malloc), stdout=subprocess.PIPE,
+                                text=True, cwd=str(ROOT))
+        for line in proc.stdout:
+            rec = json.loads(line)
+            if "pools" in rec:
+                print(f"\n[{n} thread(s)] pools: {'; '.join(rec['pools'])}; numba "
+                      f"{rec['numba_threads']}, torch {rec['torch_threads']} thread(s)")
+                print(f"[{n} thread(s)] GEMM peak (float32 2048^3): NumPy "
+                      f"{rec['gemm_numpy'][0]:.1f} GF/s ({rec['gemm_numpy'][1]:.1f} per CPU s), "
+                      f"PyTorch {rec['gemm_torch'][0]:.1f} GF/s ({rec['gemm_torch'][1]:.1f} per "
+                      f"CPU s)")
+                print(head, flush=True)
+                continue
+            rows = np.array(rec["rows"])
+            pc, pw, tc, tw = (float(np.median(rows[:, i])) for i in range(4))
+            rc = rows[:, 0] / rows[:, 2]
+            rw = rows[:, 1] / rows[:, 3]
+            each = " ".join(f"{r:.2f}" for r in rc)
+            _, dl, d2 = rec["agree"]
+            f = rec["flops"] / 1e9
+            print(f"{rec['cell']:<17} {n:>3} | {pc:8.4f} {tc:9.4f} {np.median(rc):5.2f} | "
+                  f"{pw:9.4f} {tw:10.4f} {np.median(rw):5.2f} | {f / pc:5.1f} {f / tc:6.1f} | "
+                  f"{f / pw:6.1f} {f / tw:6.1f} | "
+                  f"{each:<29} | {rec['load'][0]:4.1f}>{rec['load'][1]:4.1f} | "
+                  f"{dl:7.1e} {d2:7.1e}", flush=True)
+        if proc.wait():
+            print(f"bench_torch_cpu: the {n}-thread child failed (exit {proc.returncode})")
+            return proc.returncode
+    print("\ntimes in s per step; ratio = project / PyTorch (median over repeats of the "
+          "per-repeat ratio); GF/s = 6 x forward MACs x batch / median CPU or wall time, project "
+          "/ PyTorch; rel diff = "
+          "loss and (gradient for transformers, SGD update for CNNs) of one step from the same "
+          f"weights; load average (1 min) before>after each cell; at end "
           f"{os.getloadavg()[0]:.2f}")
     return 0
 

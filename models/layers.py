@@ -27,6 +27,12 @@ import numpy as np
 
 from substrate.backend import array_module
 
+from .im2col import (Workspace, col2im, col2im_nhwc, col2im_rows, conv_output_size, im2col,
+                     im2col_nhwc, im2col_rows)
+from .im2col import transient as _transient
+from .kernel_loader import kernels as _kernels
+from .kernel_loader import numba_kernels as _numba_kernels
+
 __all__ = [
     "Layer", "Linear", "Conv2d", "ReLU", "MaxPool2d", "GlobalAvgPool2d", "BatchNorm2d", "Flatten",
     "Sequential", "BasicBlock", "Bottleneck", "softmax_cross_entropy", "SoftmaxCrossEntropy",
@@ -45,255 +51,6 @@ def _pair(v, what: str) -> tuple[int, int]:
     return a, b
 
 
-def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
-    """Spatial output size ``floor((size + 2 padding - kernel) / stride) + 1``."""
-    out = (size + 2 * padding - kernel) // stride + 1
-    if out <= 0:
-        raise ValueError(
-            f"input size {size} is too small for kernel {kernel} with padding {padding} "
-            f"and stride {stride}; use a larger input or more padding"
-        )
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# im2col / col2im
-# ---------------------------------------------------------------------------------------------
-class Workspace:
-    """Scratch arrays reused across calls (plan once, run many).
-
-    A conv layer allocates its im2col matrix and temporaries once per input shape instead of
-    every step, which avoids allocator churn (fresh pages for every multi-MB temporary).  An
-    array handed out under a key stays valid until the next request for that key.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict = {}
-
-    def get(self, key: str, shape: tuple[int, ...], dtype, xp, *, zero: bool = False):
-        """Array ``key`` of ``shape``/``dtype`` (zeros when new, or when ``zero``)."""
-        buf = self._bufs.get(key)
-        if (buf is None or buf.shape != tuple(shape) or buf.dtype != dtype
-                or array_module(buf) is not xp):
-            buf = xp.zeros(shape, dtype=dtype)
-            self._bufs[key] = buf
-        elif zero:
-            buf.fill(0)
-        return buf
-
-    def clear(self) -> None:
-        """Drop every scratch array."""
-        self._bufs.clear()
-
-
-def _scratch(ws: Workspace | None, key: str, shape, dtype, xp, zero: bool = False):
-    if ws is None:
-        return xp.zeros(shape, dtype=dtype)
-    return ws.get(key, shape, dtype, xp, zero=zero)
-
-
-def _padded(x, ph: int, pw: int, extra_rows: int, ws: Workspace | None):
-    """``x`` inside a zero border (plus ``extra_rows`` zero rows at the bottom).
-
-    A reused buffer keeps its zero border: only the interior is ever written.
-    """
-    xp = array_module(x)
-    N, C, H, W = x.shape
-    if ph == 0 and pw == 0 and extra_rows == 0:
-        return x
-    buf = _scratch(ws, "xpad", (N, C, H + 2 * ph + extra_rows, W + 2 * pw), x.dtype, xp)
-    buf[:, :, ph:ph + H, pw:pw + W] = x
-    return buf
-
-
-def im2col(x, kh: int, kw: int, stride: tuple[int, int], padding: tuple[int, int],
-           ws: Workspace | None = None):
-    """Unfold ``(N, C, H, W)`` (zero-padded by ``padding``) into a ``(C*kh*kw, N*Ho*Wo)`` matrix.
-
-    Row ``(c, i, j)`` and column ``(n, ho, wo)`` hold ``xpad[n, c, ho*sh + i, wo*sw + j]``.  The
-    window view is built with ``as_strided`` (no copy) and copied once into the result.
-
-    Returns
-    -------
-    cols : array (C*kh*kw, N*Ho*Wo)
-    out_hw : (Ho, Wo)
-    """
-    xp = array_module(x)
-    N, C, H, W = x.shape
-    sh, sw = stride
-    ph, pw = padding
-    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
-    xpad = _padded(x, ph, pw, 0, ws)
-    bN, bC, bH, bW = xpad.strides
-    win = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(C, kh, kw, N, Ho, Wo), strides=(bC, bH, bW, bN, bH * sh, bW * sw))
-    cols = _scratch(ws, "cols", (C * kh * kw, N * Ho * Wo), x.dtype, xp)
-    xp.copyto(cols.reshape(C, kh, kw, N, Ho, Wo), win)
-    return cols, (Ho, Wo)
-
-
-def col2im(dcols, in_shape: tuple[int, int, int, int], kh: int, kw: int,
-           stride: tuple[int, int], padding: tuple[int, int], ws: Workspace | None = None):
-    """Adjoint of :func:`im2col`: ``(C*kh*kw, N*Ho*Wo)`` → ``(N, C, H, W)``, overlaps summed.
-
-    The loop runs over the ``kh*kw`` kernel offsets only; each iteration is one vectorised
-    strided add over all batch elements, channels and pixels.
-    """
-    xp = array_module(dcols)
-    N, C, H, W = in_shape
-    sh, sw = stride
-    ph, pw = padding
-    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
-    d = dcols.reshape(C, kh, kw, N, Ho, Wo)
-    # accumulate in (C, N, Hp, Wp) so each add reads d[:, i, j] contiguously
-    acc = _scratch(ws, "acc", (C, N, H + 2 * ph, W + 2 * pw), dcols.dtype, xp, zero=True)
-    for i in range(kh):
-        for j in range(kw):
-            acc[:, :, i:i + sh * (Ho - 1) + 1:sh, j:j + sw * (Wo - 1) + 1:sw] += d[:, i, j]
-    return xp.ascontiguousarray(acc[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3))
-
-
-def im2col_rows(x, kh: int, kw: int, padding: tuple[int, int], ws: Workspace | None = None):
-    """Stride-1 im2col on the *row-extended* grid: ``(C*kh*kw, N*Ho*Wp)``.
-
-    With the padded image flattened row by row (row length ``Wp``), the window offset ``(i, j)``
-    is a plain shift by ``i*Wp + j``, so every copied run is ``Ho*Wp`` contiguous values instead
-    of ``Wo``.  Column ``(n, h, w)`` for ``w >= Wo`` wraps into the next row: those outputs are
-    computed and discarded (a ``Wp/Wo`` GEMM overhead, 1.06 for 32x32 3x3 convs), in exchange
-    for long vectorised copies in both :func:`im2col_rows` and :func:`col2im_rows`.
-
-    Returns
-    -------
-    cols : array (C*kh*kw, N*Ho*Wp)
-    geometry : tuple (Hp, Wp, Ho, Wo)
-    """
-    xp = array_module(x)
-    N, C, H, W = x.shape
-    ph, pw = padding
-    Hp, Wp = H + 2 * ph, W + 2 * pw
-    Ho, Wo = conv_output_size(H, kh, 1, ph), conv_output_size(W, kw, 1, pw)
-    # one spare zero row so the last shifted run (offset (kh-1)*Wp + kw-1) stays in bounds
-    buf = _padded(x, ph, pw, 1, ws)
-    L = Ho * Wp
-    bN, bC, bH, bW = buf.strides
-    win = xp.lib.stride_tricks.as_strided(
-        buf, shape=(C, kh, kw, N, L), strides=(bC, bH, bW, bN, bW))
-    cols = _scratch(ws, "cols", (C * kh * kw, N * L), x.dtype, xp)
-    xp.copyto(cols.reshape(C, kh, kw, N, L), win)
-    return cols, (Hp, Wp, Ho, Wo)
-
-
-def col2im_rows(dcols, in_shape: tuple[int, int, int, int], kh: int, kw: int,
-                padding: tuple[int, int], geometry: tuple[int, int, int, int],
-                ws: Workspace | None = None):
-    """Adjoint of :func:`im2col_rows` (columns with ``w >= Wo`` must hold zeros)."""
-    xp = array_module(dcols)
-    N, C, H, W = in_shape
-    ph, pw = padding
-    Hp, Wp, Ho, _ = geometry
-    L = Ho * Wp
-    d = dcols.reshape(C, kh, kw, N, L)
-    acc = _scratch(ws, "acc", (C, N, (Hp + 1) * Wp), dcols.dtype, xp, zero=True)
-    for i in range(kh):
-        for j in range(kw):
-            off = i * Wp + j
-            acc[:, :, off:off + L] += d[:, i, j]
-    img = acc.reshape(C, N, Hp + 1, Wp)[:, :, ph:ph + H, pw:pw + W]
-    return xp.ascontiguousarray(img.transpose(1, 0, 2, 3))
-
-
-#: scratch shared by every layer for arrays that live only within one call (keyed by shape)
-_TRANSIENT = Workspace()
-
-
-def _transient(key: str, shape, dtype, xp, zero: bool = False):
-    """A scratch array from :data:`_TRANSIENT`, one per ``(key, shape, dtype, array module)``."""
-    shape = tuple(int(s) for s in shape)
-    full = (key, shape, str(dtype), xp.__name__)
-    return _TRANSIENT.get(full, shape, dtype, xp, zero=zero)
-
-
-def im2col_nhwc(xl, kh: int, kw: int, stride: tuple[int, int], padding: tuple[int, int],
-                out=None, ws: Workspace | None = None):
-    """Channels-last im2col: ``(N, H, W, C)`` (any strides) → ``(N*Ho*Wo, kh*kw*C)``.
-
-    Row ``(n, ho, wo)`` and column ``(i, j, c)`` hold ``xpad[n, ho*sh + i, wo*sw + j, c]``
-    (``xpad``: ``xl`` inside a zero border of ``padding``).  With the Numba kernels loaded
-    (:func:`_kernels`), one pass shared out over threads by output image rows, the border never
-    materialised.  Otherwise the padded image is one copy into a shared scratch buffer whose
-    border stays zero (a transposed ``NCHW`` input becomes channels-last in the same copy); the
-    windows are an ``as_strided`` view copied once into ``out``, in runs of ``kw*C`` contiguous
-    values (stride 1).  Both give the same array.
-
-    Parameters
-    ----------
-    xl : array (N, H, W, C)
-    kh, kw : int
-    stride, padding : (int, int)
-    out : array (N*Ho*Wo, kh*kw*C), optional
-        Destination (a fresh array when omitted).
-    ws : Workspace, optional
-        Where the padded copy lives (default: the shared scratch, kept for the next call of
-        the same shape; pass a throwaway ``Workspace()`` for one-off calls).
-    """
-    xp = array_module(xl)
-    N, H, W, C = xl.shape
-    (sh, sw), (ph, pw) = stride, padding
-    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
-    k = _numba_kernels(xp)
-    if k is not None:                  # one parallel pass, the zero border never materialised
-        if out is None:
-            out = np.empty((N * Ho * Wo, kh * kw * C), dtype=xl.dtype)
-        k.im2col_nhwc(np.ascontiguousarray(xl), kh, kw, sh, sw, ph, pw, out)
-        return out
-    if ph or pw:
-        shape = (N, H + 2 * ph, W + 2 * pw, C)
-        xpad = (_transient(f"pad{ph}x{pw}", shape, xl.dtype, xp) if ws is None
-                else ws.get(f"pad{ph}x{pw}", shape, xl.dtype, xp))
-        xpad[:, ph:ph + H, pw:pw + W, :] = xl
-    else:
-        xpad = xl
-    bN, bH, bW, bC = xpad.strides
-    win = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(N, Ho, Wo, kh, kw, C), strides=(bN, bH * sh, bW * sw, bH, bW, bC))
-    if out is None:
-        out = xp.empty((N * Ho * Wo, kh * kw * C), dtype=xl.dtype)
-    xp.copyto(out.reshape(N, Ho, Wo, kh, kw, C), win)
-    return out
-
-
-def col2im_nhwc(dcols, in_nhwc: tuple[int, int, int, int], kh: int, kw: int,
-                stride: tuple[int, int], padding: tuple[int, int]):
-    """Adjoint of :func:`im2col_nhwc`: ``(N*Ho*Wo, kh*kw*C)`` → a fresh ``(N, H, W, C)``.
-
-    One strided add per kernel offset ``(i, j)`` over all pixels and channels, into a zeroed
-    padded accumulator, whose interior is returned; with the Numba kernels loaded, one gather
-    pass per input pixel in the same ``(i, j)`` order, shared out over threads by image rows
-    (the same bits).
-    """
-    xp = array_module(dcols)
-    N, H, W, C = in_nhwc
-    (sh, sw), (ph, pw) = stride, padding
-    Ho, Wo = conv_output_size(H, kh, sh, ph), conv_output_size(W, kw, sw, pw)
-    k = _numba_kernels(xp)
-    if k is not None:                  # one parallel gather pass, same summation order
-        dx = np.empty((N, H, W, C), dtype=dcols.dtype)
-        k.col2im_nhwc(np.ascontiguousarray(dcols), kh, kw, sh, sw, ph, pw, dx)
-        return dx
-    d = dcols.reshape(N, Ho, Wo, kh, kw, C)
-    if ph or pw:
-        acc = _transient(f"acc{ph}x{pw}", (N, H + 2 * ph, W + 2 * pw, C), dcols.dtype, xp,
-                         zero=True)
-    else:
-        acc = xp.zeros((N, H, W, C), dtype=dcols.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            acc[:, i:i + sh * (Ho - 1) + 1:sh, j:j + sw * (Wo - 1) + 1:sw, :] += d[:, :, :, i, j, :]
-    if ph or pw:
-        return acc[:, ph:ph + H, pw:pw + W, :].copy()
-    return acc
-
-
 def _rows(x):
     """``(N, C, H, W)`` → its channels-last ``(N*H*W, C)`` matrix (a view when ``x`` is
     channels-last, else a copy)."""
@@ -301,31 +58,14 @@ def _rows(x):
     return xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(-1, x.shape[1])
 
 
-_KERNELS: list = []
-
-
-def _kernels(load: bool = True):
-    """:mod:`models.kernels` (Numba), imported on first use; ``None`` without Numba.
-
-    BatchNorm loads it (``load=True``).  The convolutions' data movement asks with
-    ``load=False``: they use the kernels once a BatchNorm has paid for Numba (~40 MiB a rank),
-    and keep their NumPy copies in a model without BatchNorm (the digits CNN), which then never
-    imports Numba.  Both give the same bits.
-    """
-    if not _KERNELS:
-        if not load:
-            return None
-        try:
-            from . import kernels  # noqa: PLC0415 (lazy: Numba costs ~40 MiB and ~0.3 s)
-        except ImportError:
-            kernels = None
-        _KERNELS.append(kernels)
-    return _KERNELS[0]
-
-
-def _numba_kernels(xp):
-    """The loaded Numba kernels for NumPy arrays, else ``None`` (CuPy, or not loaded yet)."""
-    return _kernels(load=False) if xp is np else None
+def _matmul(a, b, out=None):
+    """``a @ b`` (into ``out``): on the Numba kernels' threads with single-threaded BLAS calls
+    (:func:`models.kernels.matmul`) once they are loaded, else the array module's matmul."""
+    xp = array_module(a)
+    k = _numba_kernels(xp)
+    if k is not None:
+        return k.matmul(a, b, out)
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)
 
 
 def _copy_slab(dst, src, lo, hi):
@@ -487,19 +227,34 @@ class Linear(Layer):
             raise ValueError(
                 f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
         self._x = x
-        y = x @ self.P["weight"].T
+        y = _matmul(x, self.P["weight"].T)
         if self.bias:
             y += self.P["bias"]
         return y
 
     def backward(self, dy):
+        return self.backward_with_bias_grad(dy, dy.sum(axis=0) if self.bias else None)
+
+    def forward_nobias(self, x):
+        """``x W^T`` without the bias, for a caller that adds it in a pass of its own (the
+        transformer's fused residual, LayerNorm and GELU passes); caches ``x`` as
+        :meth:`forward`."""
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"Linear expects input (N, {self.in_features}), got {tuple(x.shape)}")
+        self._x = x
+        return _matmul(x, self.P["weight"].T)
+
+    def backward_with_bias_grad(self, dy, dbias):
+        """:meth:`backward` with the bias gradient ``dbias`` (``Σ_rows dy``) supplied by the
+        caller (summed in a fused pass; ignored without a bias): writes ``dW = dy^T x`` and the
+        bias gradient, announces them, returns ``dy W``."""
         x = self._x
-        xp = array_module(dy)
-        xp.matmul(dy.T, x, out=self.G["weight"])
+        _matmul(dy.T, x, out=self.G["weight"])
         if self.bias:
-            self.G["bias"][...] = dy.sum(axis=0)
+            self.G["bias"][...] = dbias
         self._emit_ready()
-        return dy @ self.P["weight"]
+        return _matmul(dy, self.P["weight"])
 
     def output_shape(self, in_shape):
         if prod(in_shape) != self.in_features:
@@ -512,6 +267,15 @@ class Linear(Layer):
     def __repr__(self):
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
 
+
+#: Winograd convs (:meth:`Conv2d._winograd`): at least this many input and output channels
+#: (fewer: the transforms cost more than the multiplications they save)
+WINOGRAD_MIN_CHANNELS = 16
+#: ... and at least this many pixels per image (ResNet-18's 4x4 stage gains too: 2.4 % of the
+#: step at batch 32, 12 % at 128; below 4x4 a 2x2 tile grid is mostly border)
+WINOGRAD_MIN_HW = 16
+#: ... tiles per block (one block's transformed input and products stay in the larger caches)
+WINOGRAD_TILES = 1024
 
 #: blocked convs (:meth:`Conv2d._block_images`): im2col rows per block (a few MiB: cache-resident)
 BLOCK_ROWS = 2048
@@ -546,6 +310,24 @@ class Conv2d(Layer):
     batch 32: the four 64-channel 3x3 convs ~15 % faster, 75 MiB less memory each).  ``dW`` is
     the sum of the blocks' ``dY_b^T cols_b`` (float32 round-off from the one-GEMM sum).
 
+    *Winograd* convs (:meth:`_winograd`: NumPy arrays with the Numba kernels loaded, 3x3,
+    stride 1, padding 1, even ``H``, ``W`` with ``H W >=`` :data:`WINOGRAD_MIN_HW`, at least
+    :data:`WINOGRAD_MIN_CHANNELS` channels in and out: every 3x3 conv of a ResNet-18 but the
+    stem and the strided ones) use F(2x2, 3x3) (Lavin & Gray 2016): per 2x2 output tile and
+    channel pair 16 multiplications instead of 36, as 16 GEMMs ``M[e] = V[e] U[e]`` over blocks
+    of :data:`WINOGRAD_TILES` tiles between the input transform ``V = B^T d B`` and the output
+    transform ``A^T m A`` (:mod:`models.kernels`).  The input gradient is the same convolution
+    of ``dY`` with the flipped kernel (channels swapped); the weight gradient is the adjoint,
+    ``dU[e] = Σ V[e]^T dM[e]`` with ``dM = A dy A^T``, then ``dW = G^T dU G``.  Values agree
+    with the loop definition to round-off (float32: about twice the im2col path's error;
+    ``WINOGRAD_MIN_CHANNELS = sys.maxsize`` turns the path off).  ResNet-18 at CIFAR shape, one
+    thread: step 23 % faster at batch 32, more at 128.  All GEMMs go through
+    :func:`models.kernels.matmul` once the kernels are loaded (parts on the process's threads).
+
+    With ``input_grad`` set to ``False`` (the layer that reads the data, during
+    :meth:`models.network.Model.loss_and_grad`) backward stops after the weight gradient and
+    returns ``None``.
+
     Parameters
     ----------
     in_channels, out_channels : int
@@ -556,9 +338,16 @@ class Conv2d(Layer):
     bias : bool, default True
     """
 
+    #: :meth:`backward` returns ``None`` without computing the input gradient while
+    #: ``input_grad`` is ``False`` (:meth:`models.network.Model.backward` sets it on the layer
+    #: that reads the data, whose gradient training discards); only a class that sets this
+    #: itself is asked (a subclass overriding ``backward`` opts in explicitly)
+    skips_input_grad = True
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  bias: bool = True):
         super().__init__()
+        self.input_grad = True
         if in_channels <= 0 or out_channels <= 0:
             raise ValueError(
                 f"Conv2d needs positive channel counts, got {in_channels}->{out_channels}")
@@ -592,6 +381,83 @@ class Conv2d(Layer):
         return (self.stride == (1, 1) and ph <= kh - 1 and pw <= kw - 1
                 and self.out_channels <= 2 * self.in_channels)
 
+    def _winograd(self, xp, H: int, W: int) -> bool:
+        """Winograd F(2x2, 3x3) path: NumPy arrays with the Numba kernels loaded, a 3x3 kernel,
+        stride 1, padding 1, even ``H`` and ``W`` of at least :data:`WINOGRAD_MIN_HW`, and at
+        least :data:`WINOGRAD_MIN_CHANNELS` input and output channels."""
+        return (self.kernel_size == (3, 3) and self.stride == (1, 1) and self.padding == (1, 1)
+                and H % 2 == 0 and W % 2 == 0 and H * W >= WINOGRAD_MIN_HW
+                and min(self.in_channels, self.out_channels) >= WINOGRAD_MIN_CHANNELS
+                and _numba_kernels(xp) is not None)
+
+    def _wino_blocks(self, N: int, H: int, W: int):
+        """``(n0, n1)`` image ranges of about :data:`WINOGRAD_TILES` tiles each."""
+        per = max(1, WINOGRAD_TILES // ((H // 2) * (W // 2)))
+        return [(n0, min(N, n0 + per)) for n0 in range(0, N, per)]
+
+    def _wino_conv(self, k, Xp, U, bias, Y, tag: str) -> None:
+        """``Y`` (N, H, W, K) = the 3x3 stride-1 padding-1 convolution of the image whose
+        zero-padded copy is ``Xp`` (N, H+2, W+2, C), with the transformed kernel ``U``
+        (16, C, K), block of images by block: input transform, 16 GEMMs ``M[e] = V[e] U[e]``,
+        output transform (+ bias)."""
+        N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
+        P, K = (H // 2) * (W // 2), U.shape[2]
+        for n0, n1 in self._wino_blocks(N, H, W):
+            T = (n1 - n0) * P
+            V = _transient(f"wino_v{tag}", (16, T, C), Xp.dtype, np)
+            M = _transient(f"wino_m{tag}", (16, T, K), Xp.dtype, np)
+            k.winograd_input(Xp, n0, n1, V)
+            _matmul(V, U, out=M)
+            k.winograd_output(M, n0, bias, Y)
+
+    def _forward_winograd(self, xl):
+        """Forward by Winograd F(2x2, 3x3) (Lavin & Gray 2016): 16 multiplications per 2x2
+        output tile and channel pair instead of 36 (the transforms in :mod:`models.kernels`);
+        caches the input."""
+        k = _numba_kernels(np)
+        N, H, W, C = xl.shape
+        Xp = self._ws.get("wino_xpad", (N, H + 2, W + 2, C), xl.dtype, np)
+        k.pad1(np.ascontiguousarray(xl), Xp)
+        U = self._ws.get("wino_u", (16, C, self.out_channels), xl.dtype, np)
+        k.winograd_weight(self.P["weight"], U)
+        Y = np.empty((N, H, W, self.out_channels), dtype=xl.dtype)
+        self._wino_conv(k, Xp, U, self.P["bias"] if self.bias else None, Y, "f")
+        self._cache = (Xp, (N, H, W, C), (H, W), "winograd")
+        return Y.transpose(0, 3, 1, 2)
+
+    def _backward_winograd(self, Xp, dyl):
+        """``dW`` as the adjoint of the Winograd forward (``dU[e] = Σ_blocks V[e]^T dM[e]``
+        with ``dM`` the adjoint output transform of ``dY``, then ``dW = G^T dU G``), announced;
+        then ``dX`` as the Winograd convolution of ``dY`` with the flipped kernel (channels
+        swapped)."""
+        k = _numba_kernels(np)
+        N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
+        dtype = Xp.dtype
+        c_out = self.out_channels
+        P = (H // 2) * (W // 2)
+        dU = self._ws.get("wino_du", (16, C, c_out), dtype, np)
+        part = self._ws.get("wino_du_part", (16, C, c_out), dtype, np)
+        for b, (n0, n1) in enumerate(self._wino_blocks(N, H, W)):
+            T = (n1 - n0) * P
+            V = _transient("wino_vf", (16, T, C), dtype, np)
+            dM = _transient("wino_mf", (16, T, c_out), dtype, np)
+            k.winograd_input(Xp, n0, n1, V)
+            k.winograd_output_adjoint(dyl, n0, dM)
+            _matmul(V.transpose(0, 2, 1), dM, out=part if b else dU)
+            if b:
+                dU += part
+        k.winograd_weight_grad(dU, self.G["weight"])
+        self._weight_grad_done(None, dyl.reshape(-1, c_out))
+        if not self.input_grad:
+            return None
+        Ut = self._ws.get("wino_ut", (16, c_out, C), dtype, np)
+        k.winograd_weight(self.P["weight"], Ut, flip=True)
+        dYp = _transient("wino_dypad", (N, H + 2, W + 2, c_out), dtype, np)
+        k.pad1(dyl, dYp)
+        dX = np.empty((N, H, W, C), dtype=dtype)
+        self._wino_conv(k, dYp, Ut, None, dX, "b")
+        return dX.transpose(0, 3, 1, 2)
+
     def _block_images(self, xp, N: int, Ho: int, Wo: int) -> int:
         """Images per block of the blocked path, or 0 to take one GEMM over the batch."""
         if (xp is not np or not self._transposed_input_grad()
@@ -611,6 +477,8 @@ class Conv2d(Layer):
         c_out, K = self.out_channels, C * kh * kw
         ws = self._ws
         xl = x.transpose(0, 2, 3, 1)                        # (N, H, W, C) view
+        if self._winograd(xp, H, W):
+            return self._forward_winograd(xl)
         per = self._block_images(xp, N, Ho, Wo)
         if per:
             return self._forward_blocked(xl, per)
@@ -620,7 +488,7 @@ class Conv2d(Layer):
             cols = self._cols(xl, None, Workspace())
         w_mat = self._w_mat(x.dtype, xp)                   # (C_out, kh*kw*C_in)
         y = xp.empty((N * Ho * Wo, c_out), dtype=x.dtype)
-        xp.matmul(cols, w_mat.T, out=y)
+        _matmul(cols, w_mat.T, out=y)
         if self.bias:
             y += self.P["bias"]
         # evaluation keeps no im2col matrix or padded copy (rank 0's evaluation models would
@@ -656,7 +524,7 @@ class Conv2d(Layer):
         for n0, n1, r0, r1 in self._blocks(N, per, Ho * Wo):
             cols = im2col_nhwc(xl[n0:n1], kh, kw, self.stride, self.padding,
                                out=buf[:r1 - r0])
-            xp.matmul(cols, w_mat.T, out=y[r0:r1])
+            _matmul(cols, w_mat.T, out=y[r0:r1])
         if self.bias:
             y += self.P["bias"]
         self._cache = (xl, (N, H, W, C), (Ho, Wo), per)
@@ -678,17 +546,19 @@ class Conv2d(Layer):
         for b, (n0, n1, r0, r1) in enumerate(self._blocks(N, per, Ho * Wo)):
             cols = im2col_nhwc(xl[n0:n1], kh, kw, self.stride, self.padding,
                                out=buf[:r1 - r0])
-            xp.matmul(dym[r0:r1].T, cols, out=part if b else g_mat)
+            _matmul(dym[r0:r1].T, cols, out=part if b else g_mat)
             if b:
                 g_mat += part
         self._weight_grad_done(g_mat, dym)
+        if not self.input_grad:
+            return None
         w_flip = self._w_flip(dyl.dtype, xp)
         dbuf = _transient("dcols_block", (per * H * W, kh * kw * c_out), dyl.dtype, xp)
         dx = xp.empty((N * H * W, C), dtype=dyl.dtype)
         for n0, n1, r0, r1 in self._blocks(N, per, H * W):
             dcols = im2col_nhwc(dyl[n0:n1], kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
                                 out=dbuf[:r1 - r0])
-            xp.matmul(dcols, w_flip, out=dx[r0:r1])
+            _matmul(dcols, w_flip, out=dx[r0:r1])
         return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def _weight_grad_done(self, g_mat, dym) -> None:
@@ -729,6 +599,8 @@ class Conv2d(Layer):
         c_out = self.out_channels
         ws = self._ws
         dyl = xp.ascontiguousarray(dy.transpose(0, 2, 3, 1))     # no copy if channels-last
+        if per == "winograd":
+            return self._backward_winograd(cols, dyl)
         if per:                         # blocked forward: the cache holds the input
             return self._backward_blocked(cols, dyl, per)
         if cols.ndim == 4:                                  # after an evaluation forward
@@ -737,14 +609,16 @@ class Conv2d(Layer):
         w_mat = ws.get("w_mat", (c_out, C * kh * kw), dy.dtype, xp)
         gw = self.G["weight"]
         if kh == kw == 1:
-            xp.matmul(dym.T, cols, out=gw.reshape(c_out, C))
+            _matmul(dym.T, cols, out=gw.reshape(c_out, C))
             self._weight_grad_done(None, dym)
         else:
             g_mat = ws.get("g_mat", (c_out, C * kh * kw), dy.dtype, xp)
-            xp.matmul(dym.T, cols, out=g_mat)
+            _matmul(dym.T, cols, out=g_mat)
             self._weight_grad_done(g_mat, dym)
+        if not self.input_grad:
+            return None
         if self._pointwise():
-            dx = xp.matmul(dym, w_mat)
+            dx = _matmul(dym, w_mat)
         elif self._transposed_input_grad():
             ph, pw = self.padding
             # dX = full correlation of dY with W flipped in space, C_in and C_out swapped
@@ -752,10 +626,10 @@ class Conv2d(Layer):
             dcols = im2col_nhwc(dyl, kh, kw, (1, 1), (kh - 1 - ph, kw - 1 - pw),
                                 out=_transient("dcols", (N * H * W, kh * kw * c_out),
                                                dy.dtype, xp))
-            dx = xp.matmul(dcols, w_flip)
+            dx = _matmul(dcols, w_flip)
         else:
             dcols = _transient("dcols", (N * Ho * Wo, C * kh * kw), dy.dtype, xp)
-            xp.matmul(dym, w_mat, out=dcols)
+            _matmul(dym, w_mat, out=dcols)
             dx = col2im_nhwc(dcols, in_nhwc, kh, kw, self.stride, self.padding)
         return dx.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
@@ -1208,6 +1082,10 @@ class Bottleneck(_Residual):
 # ---------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------
+#: logits with at least this many entries take the fused Numba pass once the kernels are loaded
+CE_MIN_KERNEL = 1 << 16
+
+
 def softmax_cross_entropy(logits, labels):
     """Mean softmax cross-entropy and its gradient with respect to the logits.
 
@@ -1229,6 +1107,11 @@ def softmax_cross_entropy(logits, labels):
     N, K = logits.shape
     if labels.shape != (N,):
         raise ValueError(f"labels must have shape ({N},), got {tuple(labels.shape)}")
+    k = _numba_kernels(xp)
+    if k is not None and logits.dtype.kind == "f" and N * K >= CE_MIN_KERNEL and N:
+        # fused rows (a language model's N T x V logits): the same values to round-off
+        return k.softmax_cross_entropy(np.ascontiguousarray(logits),
+                                       np.ascontiguousarray(labels, dtype=np.int64))
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = xp.exp(shifted)
     sum_exp = exp.sum(axis=1, keepdims=True)

@@ -298,7 +298,8 @@ class Model:
             x = x.astype(self.dtype)
         return self.root.forward(x, training)
 
-    def backward(self, dlogits, ready: Callable[[str], None] | None = None):
+    def backward(self, dlogits, ready: Callable[[str], None] | None = None,
+                 input_grad: bool = True):
         """Back-propagate ``dlogits``; writes ``grads`` and returns the input gradient.
 
         Parameters
@@ -308,12 +309,31 @@ class Model:
             Called with each parameter name as soon as its gradient is written, in exactly the
             order of ``layout.names`` (backward order): the hook for overlapping communication
             with the backward pass.
+        input_grad : bool, default True
+            ``False``: the input gradient is not wanted (training: the data has none), so a
+            first layer that can skip it (a convolution: ``skips_input_grad``) does, and the
+            call returns ``None`` for it.
         """
+        first = None if input_grad else self._input_layer()
         self._ready_cb = ready
+        if first is not None:
+            first.input_grad = False
         try:
             return self.root.backward(dlogits)
         finally:
             self._ready_cb = None
+            if first is not None:
+                first.input_grad = True
+
+    def _input_layer(self):
+        """The layer that reads the model's input (first children through containers) when its
+        class can skip the input gradient (declares ``skips_input_grad = True`` itself: a
+        subclass that overrides ``backward``, e.g. H-SADMM's compact convolution, does not
+        inherit it), else ``None``."""
+        layer = self.root
+        while isinstance(layer, Sequential) and layer.children():
+            layer = layer.children()[0][1]
+        return layer if type(layer).__dict__.get("skips_input_grad", False) else None
 
     def loss_and_grad(self, x, y, ready: Callable[[str], None] | None = None):
         """Forward in training mode, softmax cross-entropy, backward.
@@ -330,7 +350,7 @@ class Model:
             with self.recorder.layer("forward", "loss", 5 * logits.size,
                                      2 * logits.size * self.dtype.itemsize):
                 loss, dlogits = softmax_cross_entropy(logits, y)
-        self.backward(dlogits, ready=ready)
+        self.backward(dlogits, ready=ready, input_grad=False)
         return loss, logits
 
     def zero_grad(self) -> None:

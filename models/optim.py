@@ -30,7 +30,7 @@ import numpy as np
 
 from substrate.backend import array_module
 
-from .layers import _numba_kernels
+from .kernel_loader import numba_kernels as _numba_kernels
 from .params import PARAM_KINDS, FlatTensors, ParamLayout
 
 #: elements per block of the optimizer's element-wise passes (four float32 vectors of one
@@ -38,7 +38,8 @@ from .params import PARAM_KINDS, FlatTensors, ParamLayout
 STEP_BLOCK = 1 << 16
 
 __all__ = [
-    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook", "ProximalHook", "MaskHook",
+    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook",
+    "ProximalHook", "MaskHook",
     "ConstantLR", "StepLR", "CosineLR", "SCHEDULES", "make_schedule",
 ]
 
@@ -407,7 +408,7 @@ class SGD(_FlatOptimizer):
         Every operation is element-wise, so the flat vector is updated in blocks of
         :data:`STEP_BLOCK` elements (cache-sized: one block's ``g, θ, b, d`` stay in cache across
         the operations), the blocks shared over the process's threads once the Numba kernels
-        are loaded (:func:`models.layers._numba_kernels`); the same operations element by
+        are loaded (:func:`models.kernel_loader.numba_kernels`); the same operations element by
         element, so the same bits for any blocking and thread count.  Hooks see the whole
         ``d``: with hooks the pass is split into the part before them and the part after.
         """
@@ -559,12 +560,29 @@ class AdamW(_FlatOptimizer):
         self._scratch_and_decay(params, config)
 
     def step(self) -> float:
-        """Apply one update to ``params.flat`` in place; returns the learning rate used."""
+        """Apply one update to ``params.flat`` in place; returns the learning rate used.
+
+        With the Numba kernels loaded (a transformer's layers load them), one fused pass in
+        blocks of :data:`STEP_BLOCK` elements shared over the process's threads, in the same
+        float32 operation order as the array path below (the same bits); the gradient is
+        copied into ``d`` only when hooks are to modify it."""
         xp, c = self.xp, self.config
         lr = self.schedule(self.step_count)
         t = self.step_count + 1
         theta, d, tmp = self.params.flat, self._d, self._tmp
         m, v = self.momentum_buffer, self.exp_avg_sq
+        k = _numba_kernels(xp)
+        if k is not None and theta.dtype.kind == "f":
+            if self.hooks:
+                d[...] = self.grads.flat
+                for hook in self.hooks:
+                    hook(d, self)
+            else:
+                d = self.grads.flat
+            k.adamw_step(theta, d, m, v, self._wd, lr, c.beta1, c.beta2, c.eps,
+                         1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t, STEP_BLOCK)
+            self.step_count = t
+            return lr
         d[...] = self.grads.flat
         for hook in self.hooks:
             hook(d, self)

@@ -23,6 +23,15 @@ Softmax and LayerNorm are computed in the dtype of the model (float32 by default
 forms: the row maximum is subtracted before ``exp``, and the variance is the mean of squared
 *centered* values (never ``E[x^2] - E[x]^2``).
 
+On NumPy arrays the layers load the Numba kernels (:mod:`models.kernels`) and take fused paths
+(the same values to float round-off; CuPy keeps the array path): LayerNorm in one pass per row
+(statistics in float64), a pre-norm block's residual sum ``h = x + (attention + proj bias)``
+formed in ``ln2``'s pass and its backward's ``dh = dy + ln2'(...)`` with the projection's bias
+gradient summed in the same pass; GELU with ``fc1``'s bias; attention chunk by chunk of
+samples with the scores of a chunk in cache and, when causal, queries in blocks of
+:data:`ATTN_QUERY_BLOCK` so the blocks above the diagonal are never computed; the embedding's
+scatter-add threaded.  GEMMs run through :func:`models.kernels.matmul`.
+
 Models: :func:`vit` (a small ViT for the 8x8 digits: 2x2 patches) and :func:`gpt` (a small
 GPT-2-style decoder over bytes).  Both are :class:`TransformerModel` (a :class:`Model` subclass)
 that initializes like GPT-2 (``N(0, 0.02)`` weights, residual projections scaled by
@@ -37,13 +46,16 @@ by one, completed by the label), the usual causal-LM loss.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 from substrate.backend import array_module
 
-from .layers import Layer, Linear, Sequential, softmax_cross_entropy
 from .data import iterate_batches
+from .im2col import Workspace
+from .kernel_loader import kernels as _load_kernels
+from .layers import Layer, Linear, Sequential, _matmul, softmax_cross_entropy
 from .modelspec import ModelSpec, layer_tree_specs
 from .network import Model
 
@@ -56,6 +68,37 @@ __all__ = [
 
 #: standard deviation of GPT-2's weight initializer
 GPT2_INIT_STD = 0.02
+#: causal attention's query block (:meth:`MultiHeadSelfAttention._blocks`)
+ATTN_QUERY_BLOCK = 64
+#: bytes of attention scores per chunk of samples (cache-sized)
+ATTN_CHUNK_BYTES = 1 << 18
+
+
+def _kernels_for(x):
+    """The Numba kernels (:mod:`models.kernels`, imported on first use) for a NumPy float
+    array, else ``None`` (CuPy arrays, integer input, or no Numba): the layers then take their
+    array path, the same values to float round-off."""
+    if x.dtype.kind != "f" or array_module(x) is not np:
+        return None
+    return _load_kernels()
+
+
+_LOCAL = threading.local()
+
+
+def _thread_scratch(key: str, shape, dtype):
+    """A scratch array private to the calling thread (one per key, shape and dtype), for the
+    passes that :func:`models.kernels.parallel_for` shares over threads."""
+    ws = getattr(_LOCAL, "ws", None)
+    if ws is None:
+        ws = _LOCAL.ws = Workspace()
+    shape = tuple(int(n) for n in shape)
+    return ws.get((key, shape, np.dtype(dtype).str), shape, dtype, np)
+
+
+def _rows2d(x):
+    """``x`` as a C-contiguous ``(rows, last dim)`` matrix (a view when it already is one)."""
+    return np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
 
 
 def _scatter_add_rows(out, idx, rows) -> None:
@@ -112,8 +155,12 @@ class Embedding(Layer):
 
     def backward(self, dy):
         g = self.G["weight"]
-        g.fill(0)
-        _scatter_add_rows(g, self._idx.reshape(-1), dy.reshape(-1, self.dim))
+        k = _kernels_for(dy)
+        if k is not None and g.flags.c_contiguous:      # threaded, the bits of np.add.at
+            k.embedding_grad(g, np.ascontiguousarray(self._idx.reshape(-1)), _rows2d(dy))
+        else:
+            g.fill(0)
+            _scatter_add_rows(g, self._idx.reshape(-1), dy.reshape(-1, self.dim))
         if self._tied_grad is not None:
             g += self._tied_grad
             self._tied_grad = None
@@ -307,16 +354,65 @@ class LayerNorm(Layer):
     def forward(self, x, training: bool = True):
         if x.shape[-1] != self.dim:
             raise ValueError(f"LayerNorm expects last dim {self.dim}, got {tuple(x.shape)}")
+        k = _kernels_for(x)
+        if k is not None:
+            return self._forward_rows(k, x)[1]
         xp = array_module(x)
         xc = x - x.mean(axis=-1, keepdims=True)
         var = (xc * xc).mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + self.eps)
         x_hat = xc * rstd
-        self._cache = (x_hat, rstd)
+        self._cache = ("xp", x_hat, rstd)
         return x_hat * self.P["weight"] + self.P["bias"]
 
+    def _forward_rows(self, k, x, r=None, b=None):
+        """Numba path: one pass per row (statistics in float64); with ``r`` the residual sum
+        ``h = x + (r + b)`` is formed in the same pass and normalized.  Returns ``(h, y)``."""
+        X = _rows2d(x)
+        M = X.shape[0]
+        Y = np.empty_like(X)
+        mean, rstd = np.empty(M), np.empty(M)
+        if r is None:
+            H = X
+            k.layer_norm_forward(X, self.P["weight"], self.P["bias"], self.eps, Y, mean, rstd)
+        else:
+            H = np.empty_like(X)
+            k.layer_norm_forward(X, self.P["weight"], self.P["bias"], self.eps, Y, mean, rstd,
+                                 R=_rows2d(r), B=b, H=H)
+        self._cache = ("rows", H, mean, rstd)
+        return H.reshape(x.shape), Y.reshape(x.shape)
+
+    def forward_residual(self, x, r, b=None):
+        """``h = x + (r + b)`` (a residual sum; ``b`` a bias row or ``None``) and ``LN(h)``, in
+        one pass with the Numba kernels; returns ``(h, LN(h))``."""
+        k = _kernels_for(x)
+        if k is not None and r.shape == x.shape:
+            return self._forward_rows(k, x, r, b)
+        h = x + (r if b is None else r + b)
+        return h, self.forward(h)
+
     def backward(self, dy):
-        x_hat, rstd = self._cache
+        return self.backward_residual(dy)[0]
+
+    def backward_residual(self, dy, dres=None, colsum: bool = False):
+        """Input gradient plus the residual stream's gradient ``dres`` (``dres + dx``, one
+        pass with the Numba kernels), and with ``colsum`` its sum over rows (the bias
+        gradient of the layer whose output fed the residual sum); returns ``(dx, sum or
+        None)``."""
+        if self._cache[0] == "rows":
+            _, X, mean, rstd = self._cache
+            k = _load_kernels()
+            dY = _rows2d(dy)
+            dX = np.empty_like(dY)
+            dg, db, cs = k.layer_norm_backward(dY, X, mean, rstd, self.P["weight"], dX,
+                                               R=None if dres is None else _rows2d(dres),
+                                               colsum=colsum)
+            self.G["weight"][...] = dg
+            self.G["bias"][...] = db
+            self._emit_ready()
+            self._cache = None
+            return dX.reshape(dy.shape), (None if cs is None else cs.astype(dy.dtype))
+        _, x_hat, rstd = self._cache
         lead = tuple(range(dy.ndim - 1))
         self.G["weight"][...] = (dy * x_hat).sum(axis=lead)
         self.G["bias"][...] = dy.sum(axis=lead)
@@ -326,7 +422,9 @@ class LayerNorm(Layer):
         dx = rstd / D * (D * g - g.sum(axis=-1, keepdims=True)
                          - x_hat * (g * x_hat).sum(axis=-1, keepdims=True))
         self._cache = None
-        return dx
+        if dres is not None:
+            dx = dres + dx
+        return dx, (dx.reshape(-1, D).sum(axis=0) if colsum else None)
 
     def __repr__(self):
         return f"LayerNorm({self.dim}, eps={self.eps})"
@@ -370,16 +468,43 @@ class GELU(Layer):
     """``y = x/2 (1 + tanh(c (x + 0.044715 x^3)))``, ``c = sqrt(2/pi)`` (GPT-2 / BERT form)."""
 
     def forward(self, x, training: bool = True):
+        return self.forward_bias(x)
+
+    def forward_bias(self, z, b=None):
+        """GELU of ``z + b`` (``b`` a bias row or ``None``): with the Numba kernels, the bias
+        sum, the polynomial and the output in Numba around NumPy's vectorised ``tanh``, block
+        by block of rows (the same float32 operations, so the same values as the array path);
+        ``z`` may be overwritten with ``z + b``."""
+        k = _kernels_for(z)
+        if k is not None:
+            Z = _rows2d(z)
+            T, Y = np.empty_like(Z), np.empty_like(Z)
+            k.gelu_forward(Z, b, Z, T, Y)
+            self._cache = ("rows", Z, T)
+            return Y.reshape(z.shape)
+        x = z if b is None else z + b
         xp = array_module(x)
         t = xp.tanh(_GELU_C * (x + 0.044715 * x * x * x))
-        self._cache = (x, t)
+        self._cache = ("xp", x, t)
         return 0.5 * x * (1.0 + t)
 
     def backward(self, dy):
-        x, t = self._cache
+        return self.backward_bias(dy)[0]
+
+    def backward_bias(self, dy, bias_grad: bool = False):
+        """``dL/dz`` and, with ``bias_grad``, ``Σ_rows dL/dz`` (the gradient of the bias added
+        in :meth:`forward_bias`, summed in the same pass); returns ``(dz, sum or None)``."""
+        kind, x, t = self._cache
         self._cache = None
+        if kind == "rows":
+            k = _load_kernels()
+            dY = _rows2d(dy)
+            dZ = np.empty_like(dY)
+            db = k.gelu_backward(dY, x, t, dZ, colsum=bias_grad)
+            return dZ.reshape(dy.shape), (None if db is None else db.astype(dy.dtype))
         du = _GELU_C * (1.0 + 3 * 0.044715 * x * x)
-        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+        dz = dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+        return dz, (dz.reshape(-1, dz.shape[-1]).sum(axis=0) if bias_grad else None)
 
 
 class Tanh(Layer):
@@ -419,17 +544,36 @@ class MultiHeadSelfAttention(Layer):
         self.head_dim = self.dim // self.heads
         self.qkv = self.add_child("qkv", Linear(dim, 3 * dim, bias=bias))
         self.proj = self.add_child("proj", Linear(dim, dim, bias=bias))
+        self._ws = Workspace()
         self.qkv.init_std = {"weight": GPT2_INIT_STD}
         self.proj.init_std = {"weight": GPT2_INIT_STD}
         self.proj.residual_out = True
 
     def forward(self, x, training: bool = True):
+        return self.forward_residual(x, training, proj_bias=True)
+
+    def forward_residual(self, x, training: bool = True, proj_bias: bool = True):
+        """The layer's output; without ``proj_bias`` the projection's bias is left for the
+        caller to add (in its fused residual pass; :meth:`backward_residual` then takes its
+        gradient)."""
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise ValueError(f"attention expects (N, T, {self.dim}), got {tuple(x.shape)}")
-        xp = array_module(x)
         N, T, d = x.shape
         h, dh = self.heads, self.head_dim
         qkv = self.qkv.forward(x.reshape(N * T, d)).reshape(N, T, 3, h, dh)
+        k = _kernels_for(x)
+        if k is not None:
+            o = self._core_forward(k, qkv)
+        else:
+            o = self._core_forward_xp(qkv)
+        o2 = o.reshape(N * T, d)
+        y = self.proj.forward(o2) if proj_bias else self.proj.forward_nobias(o2)
+        return y.reshape(N, T, d)
+
+    def _core_forward_xp(self, qkv):
+        """Array path (CuPy, no Numba): whole ``(N, h, T, T)`` score arrays."""
+        xp = array_module(qkv)
+        N, T, _, h, dh = qkv.shape
         q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (N, h, T, dh)
         scale = 1.0 / math.sqrt(dh)
         s = (q @ k.transpose(0, 1, 3, 2)) * scale
@@ -439,26 +583,128 @@ class MultiHeadSelfAttention(Layer):
         a = xp.exp(s)
         a /= a.sum(axis=-1, keepdims=True)
         o = a @ v
-        self._cache = (q, k, v, a)
-        y = self.proj.forward(o.transpose(0, 2, 1, 3).reshape(N * T, d))
-        return y.reshape(N, T, d)
+        self._cache = ("xp", q, k, v, a)
+        return o.transpose(0, 2, 1, 3)
+
+    # -- Numba path: blocks of samples (and of queries), scores in cache ----------------------
+    def _blocks(self, N: int, T: int):
+        """``(samples per chunk, [(i0, i1), ...] query blocks)``.  Causal attention takes
+        queries in blocks of :data:`ATTN_QUERY_BLOCK`; block ``[i0, i1)`` sees keys
+        ``[0, i1)``, so the score blocks above the diagonal are never computed (at T = 256,
+        62.5 % of the full products).  A chunk's scores take about :data:`ATTN_CHUNK_BYTES`."""
+        qb = ATTN_QUERY_BLOCK if self.causal and T > ATTN_QUERY_BLOCK else T
+        blocks = [(i0, min(T, i0 + qb)) for i0 in range(0, T, qb)]
+        per_sample = self.heads * qb * T * 4
+        return max(1, min(N, ATTN_CHUNK_BYTES // per_sample)), blocks
+
+    def _core_forward(self, k, qkv):
+        """``softmax(Q K^T / sqrt(d_h) + M) V`` chunk by chunk: per query block one batched
+        GEMM for the scores (written into the kept probability array), the row maximum, shift
+        and scale in Numba, ``exp`` in NumPy, the row normalization in Numba, one batched GEMM
+        for ``A V`` into the output; chunks shared over the threads."""
+        N, T, _, h, dh = qkv.shape
+        q = qkv[:, :, 0].transpose(0, 2, 1, 3)               # (N, h, T, dh) views
+        kt = qkv[:, :, 1].transpose(0, 2, 3, 1)              # (N, h, dh, T)
+        v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+        o = np.empty((N, T, h, dh), dtype=qkv.dtype)
+        ov = o.transpose(0, 2, 1, 3)
+        probs = self._ws.get("probs", (N, h, T, T), qkv.dtype, np)
+        per, blocks = self._blocks(N, T)
+        scale = qkv.dtype.type(1.0 / math.sqrt(dh))
+        causal = self.causal
+
+        def chunks(lo, hi):
+            for c in range(lo, hi):
+                n0, n1 = c * per, min(N, (c + 1) * per)
+                for i0, i1 in blocks:
+                    L = i1 if causal else T
+                    a = probs[n0:n1, :, i0:i1, :L]
+                    np.matmul(q[n0:n1, :, i0:i1], kt[n0:n1, :, :, :L], out=a)
+                    k.softmax_shift(probs, n0, n1, i0, i1, L, scale, causal)
+                    np.exp(a, out=a)
+                    k.softmax_normalize(probs, n0, n1, i0, i1, L)
+                    np.matmul(a, v[n0:n1, :, :L], out=ov[n0:n1, :, i0:i1])
+
+        with k.blas_on_one_thread():
+            k.parallel_for(chunks, -(-N // per), 2 * N * h * T * T)
+        self._cache = ("rows", probs, o, per, blocks, qkv)
+        return o
 
     def backward(self, dy):
-        xp = array_module(dy)
-        q, k, v, a = self._cache
+        return self.backward_residual(dy)
+
+    def backward_residual(self, dy, proj_bias_grad=None):
+        """Input gradient; ``proj_bias_grad`` is the projection's bias gradient when the
+        forward left the bias to the caller (``Σ_rows dy``, summed by the caller's pass)."""
         N, T, d = dy.shape
         h, dh = self.heads, self.head_dim
+        dy2 = dy.reshape(N * T, d)
+        if proj_bias_grad is None:
+            do = self.proj.backward(dy2)
+        else:
+            do = self.proj.backward_with_bias_grad(dy2, proj_bias_grad)
+        do = do.reshape(N, T, h, dh)
+        if self._cache[0] == "rows":
+            dqkv = self._core_backward(_load_kernels(), do)
+        else:
+            dqkv = self._core_backward_xp(do)
+        self._cache = None
+        return self.qkv.backward(dqkv.reshape(N * T, 3 * d)).reshape(N, T, d)
+
+    def _core_backward_xp(self, do):
+        xp = array_module(do)
+        _, q, k, v, a = self._cache
+        N, T, h, dh = do.shape
         scale = 1.0 / math.sqrt(dh)
-        do = self.proj.backward(dy.reshape(N * T, d)).reshape(N, T, h, dh).transpose(0, 2, 1, 3)
-        dqkv = xp.empty((N, T, 3, h, dh), dtype=dy.dtype)
+        do = do.transpose(0, 2, 1, 3)
+        dqkv = xp.empty((N, T, 3, h, dh), dtype=do.dtype)
         dqkv[:, :, 2] = (a.transpose(0, 1, 3, 2) @ do).transpose(0, 2, 1, 3)
         da = do @ v.transpose(0, 1, 3, 2)
         ds = a * (da - (da * a).sum(axis=-1, keepdims=True))
         ds *= scale
         dqkv[:, :, 0] = (ds @ k).transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = (ds.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)
-        self._cache = None
-        return self.qkv.backward(dqkv.reshape(N * T, 3 * d)).reshape(N, T, d)
+        return dqkv
+
+    def _core_backward(self, k, do):
+        """``dV = A^T dO``, ``dS = A ⊙ (dO V^T - rowsum(dO ⊙ O)) / sqrt(d_h)``, ``dQ = dS K``,
+        ``dK = dS^T Q``, chunk by chunk: ``dV`` and ``dK`` by key blocks (keys ``[j0, j1)`` are
+        seen by queries ``[j0, T)``, or all queries when not causal: one GEMM each, nothing to
+        accumulate), ``dS`` (written over the kept probabilities) and ``dQ`` by query blocks;
+        chunks shared over the threads."""
+        _, probs, o, per, blocks, qkv = self._cache
+        N, T, h, dh = do.shape
+        q, kk, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        dqkv = np.empty((N, T, 3, h, dh), dtype=do.dtype)
+        dq, dk, dv = (dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        do = np.ascontiguousarray(do)
+        dov = do.transpose(0, 2, 1, 3)
+        scale = do.dtype.type(1.0 / math.sqrt(dh))
+        causal = self.causal
+
+        def chunks(lo, hi):
+            for c in range(lo, hi):
+                n0, n1 = c * per, min(N, (c + 1) * per)
+                p = probs[n0:n1]
+                for j0, j1 in blocks:                   # dV = A^T dO by key blocks
+                    q0 = j0 if causal else 0
+                    np.matmul(p[:, :, q0:, j0:j1].transpose(0, 1, 3, 2), dov[n0:n1, :, q0:],
+                              out=dv[n0:n1, :, j0:j1])
+                for i0, i1 in blocks:                   # dS over A, dQ = dS K by query blocks
+                    L = i1 if causal else T
+                    da = _thread_scratch("attn_da", (n1 - n0, h, i1 - i0, L), do.dtype)
+                    np.matmul(dov[n0:n1, :, i0:i1], v[n0:n1, :, :L].transpose(0, 1, 3, 2),
+                              out=da)
+                    k.softmax_backward(probs, da, do, o, n0, n1, i0, i1, L, scale, causal)
+                    np.matmul(p[:, :, i0:i1, :L], kk[n0:n1, :, :L], out=dq[n0:n1, :, i0:i1])
+                for j0, j1 in blocks:                   # dK = dS^T Q by key blocks
+                    q0 = j0 if causal else 0
+                    np.matmul(p[:, :, q0:, j0:j1].transpose(0, 1, 3, 2), q[n0:n1, :, q0:],
+                              out=dk[n0:n1, :, j0:j1])
+
+        with k.blas_on_one_thread():
+            k.parallel_for(chunks, -(-N // per), 4 * N * h * T * T)
+        return dqkv
 
     def output_shape(self, in_shape):
         return tuple(in_shape)
@@ -504,10 +750,21 @@ class MLP(_Tokenwise):
         self.fc2.residual_out = True
 
     def forward(self, x, training: bool = True):
-        return self._run(x, training)
+        if _kernels_for(x) is None:
+            return self._run(x, training)
+        # fc1's bias is added in GELU's first pass, its gradient summed in GELU's backward
+        self._shape = x.shape
+        z = self.fc1.forward_nobias(x.reshape(-1, self.dim))
+        a = self._children[1][1].forward_bias(z, self.fc1.P["bias"] if self.fc1.bias else None)
+        return self.fc2.forward(a, training).reshape(*x.shape[:-1], self.dim)
 
     def backward(self, dy):
-        return self._back(dy)
+        act = self._children[1][1]
+        if act._cache is None or act._cache[0] != "rows":
+            return self._back(dy)
+        da = self.fc2.backward(dy.reshape(-1, self.dim))
+        dz, db = act.backward_bias(da, bias_grad=self.fc1.bias)
+        return self.fc1.backward_with_bias_grad(dz, db).reshape(self._shape)
 
     def macs(self, in_shape):
         rows = math.prod(in_shape[:-1]) if len(in_shape) > 1 else 1
@@ -608,6 +865,14 @@ class TransformerBlock(Layer):
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
 
     def forward(self, x, training: bool = True):
+        if self.norm_first and self.norm == "layer" and self.attn.proj.bias:
+            # the residual sum h = x + (attention + its projection bias) formed in ln2's pass
+            r = self.attn.forward_residual(self.ln1.forward(x, training), training,
+                                           proj_bias=False)
+            h, a = self.ln2.forward_residual(x, r, self.attn.proj.P["bias"])
+            self._fused = True
+            return h + self.mlp.forward(a, training)
+        self._fused = False
         if self.norm_first:
             h = x + self.attn.forward(self.ln1.forward(x, training), training)
             return h + self.mlp.forward(self.ln2.forward(h, training), training)
@@ -615,6 +880,11 @@ class TransformerBlock(Layer):
         return self.ln2.forward(h + self.mlp.forward(h, training), training)
 
     def backward(self, dy):
+        if self._fused:
+            # dh = dy + ln2'(...) and its row sum (the projection's bias gradient) in one pass
+            dh, db = self.ln2.backward_residual(self.mlp.backward(dy), dy, colsum=True)
+            da = self.attn.backward_residual(dh, proj_bias_grad=db)
+            return self.ln1.backward_residual(da, dh)[0]
         if self.norm_first:
             dh = dy + self.ln2.backward(self.mlp.backward(dy))
             return dh + self.ln1.backward(self.attn.backward(dh))
@@ -691,18 +961,18 @@ class LMHead(Layer):
 
     def forward(self, x, training: bool = True):
         self._x = x
-        return x @ self._weight().T
+        return _matmul(x, self._weight().T)
 
     def backward(self, dy):
         x, self._x = self._x, None
         d = x.shape[-1]
         dy2, x2 = dy.reshape(-1, self.vocab), x.reshape(-1, d)
         if self.tie is not None:
-            self.tie._tied_grad = dy2.T @ x2
+            self.tie._tied_grad = _matmul(dy2.T, x2)
         else:
-            array_module(dy).matmul(dy2.T, x2, out=self.G["weight"])
+            _matmul(dy2.T, x2, out=self.G["weight"])
             self._emit_ready()
-        return dy @ self._weight()
+        return _matmul(dy, self._weight())
 
     def output_shape(self, in_shape):
         return (*in_shape[:-1], self.vocab)
@@ -869,14 +1139,14 @@ class TransformerModel(Model):
             return out[:, -1]
         return out
 
-    def backward(self, dlogits, ready=None):
+    def backward(self, dlogits, ready=None, input_grad: bool = True):
         """Back-propagate; for a language model ``dlogits`` is ``(N, V)`` (last position, as
         :meth:`forward` returned) or ``(N, T, V)`` (every position)."""
         if self.lm and dlogits.ndim == 2:
             full = self.xp.zeros(self._seq_shape, dtype=dlogits.dtype)
             full[:, -1] = dlogits
             dlogits = full
-        return super().backward(dlogits, ready=ready)
+        return super().backward(dlogits, ready=ready, input_grad=input_grad)
 
     @staticmethod
     def shifted_targets(x, y):
@@ -899,7 +1169,7 @@ class TransformerModel(Model):
         if not self.lm:
             return super().loss_and_grad(x, y, ready=ready)
         loss, dl, logits = self.lm_loss(x, y, training=True)
-        super().backward(dl, ready=ready)
+        super().backward(dl, ready=ready, input_grad=False)
         return loss, logits[:, -1]
 
     def evaluate_lm(self, data, batch_size: int = 256) -> dict:

@@ -208,6 +208,53 @@ def test_softmax_cross_entropy_value_and_gradient():
     assert big == pytest.approx(1e4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_softmax_cross_entropy_matches_definition(monkeypatch, threads):
+    """The fused Numba pass (blocks of 7 rows, shared over 1 or 2 threads; huge and tiny
+    logits) gives the float64 definition's loss and gradient to float32 round-off, and in
+    float64 to 1e-12; the array path agrees; the loss does not depend on the thread count."""
+    from models import layers as L
+    k = L._kernels()
+    if k is None:
+        pytest.skip("Numba not installed")
+    import numba
+    monkeypatch.setattr(k, "CE_ROWS", 7)
+    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(L, "CE_MIN_KERNEL", 0)
+    rng = np.random.default_rng(41)
+    X = rng.standard_normal((50, 13)) * 4
+    X[3] += 1e4
+    X[4] -= 80
+    y = rng.integers(0, 13, 50)
+
+    def reference(Z):
+        sh = Z - Z.max(axis=1, keepdims=True)
+        e = np.exp(sh)
+        grad = e / e.sum(axis=1, keepdims=True)
+        grad[np.arange(50), y] -= 1
+        return float(np.mean(np.log(e.sum(axis=1)) - sh[np.arange(50), y])), grad / 50
+
+    ref_loss, ref_grad = reference(X)
+    ref_loss32, ref_grad32 = reference(X.astype(np.float32).astype(np.float64))
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        results = {dt: softmax_cross_entropy(X.astype(dt), y) for dt in (np.float64, np.float32)}
+    finally:
+        numba.set_num_threads(before)
+    loss64, grad64 = results[np.float64]
+    assert loss64 == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad64, ref_grad, rtol=1e-12, atol=1e-15)
+    loss32, grad32 = results[np.float32]
+    assert grad32.dtype == np.float32
+    assert loss32 == pytest.approx(ref_loss32, rel=1e-6)
+    np.testing.assert_allclose(grad32, ref_grad32, rtol=1e-5, atol=1e-7)
+    monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+    loss_a, grad_a = softmax_cross_entropy(X.astype(np.float32), y)
+    assert loss_a == pytest.approx(loss32, rel=1e-6)
+    np.testing.assert_allclose(grad_a, grad32, rtol=1e-5, atol=1e-7)
+
+
 def test_whole_small_resnet_gradients():
     """Input and parameter gradients of a 2-stage ResNet (projection shortcut) through the loss."""
     rng = np.random.default_rng(8)
@@ -238,6 +285,60 @@ def test_whole_small_resnet_gradients():
     for i in rng.choice(xf.size, 20, replace=False):
         assert dx.reshape(-1)[i] == pytest.approx(central_difference(xf, i, loss, eps),
                                                   rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_training_step_skips_the_first_convs_input_gradient(monkeypatch, blocked):
+    """loss_and_grad leaves out the stem conv's input gradient (the data has none): the same
+    parameter gradients as a backward that computes it, the stem's backward returns ``None``
+    only inside loss_and_grad, and a plain ``backward`` still returns the input gradient."""
+    from models import layers as L
+    if blocked:
+        monkeypatch.setattr(L, "BLOCK_ROWS", 1)
+        monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 3, 8, 8))
+    labels = rng.integers(0, 5, 4)
+
+    def model():
+        return resnet((3, 8, 8), 5, dtype=np.float64, depths=(1,), planes=(4,), seed=3)
+
+    full = model()
+    logits = full.forward(x, training=True)
+    dx = full.backward(softmax_cross_entropy(logits, labels)[1])
+    assert dx.shape == x.shape
+    skip = model()
+    stem = skip.root.children()[0][1]
+    assert isinstance(stem, Conv2d) and skip._input_layer() is stem
+    returned = []
+    original = Conv2d.backward
+
+    def spy(self, dy):
+        out = original(self, dy)
+        if self is stem:
+            returned.append(out)
+        return out
+
+    monkeypatch.setattr(Conv2d, "backward", spy)
+    skip.loss_and_grad(x, labels)
+    assert returned == [None] and stem.input_grad
+    np.testing.assert_array_equal(skip.grads.flat, full.grads.flat)
+    assert skip.backward(softmax_cross_entropy(skip.forward(x), labels)[1]).shape == x.shape
+
+
+def test_input_gradient_skip_is_opt_in_for_conv_subclasses():
+    """A Conv2d subclass that post-processes backward's result (H-SADMM's compact conv) is not
+    asked to skip the input gradient unless it says so; Conv2d itself is."""
+    class Scaled(Conv2d):
+        def backward(self, dy):
+            return 2 * super().backward(dy)
+
+    for cls, skipped in ((Conv2d, True), (Scaled, False)):
+        root = Sequential([("conv", cls(3, 4, 3, padding=1)), ("flat", Flatten())])
+        m = Model(root, (3, 4, 4), None, dtype=np.float64)
+        assert (m._input_layer() is root.children()[0][1]) == skipped
+        y = m.forward(np.ones((2, 3, 4, 4)))
+        m.backward(np.ones_like(y), input_grad=False)          # no error either way
 
 
 # --------------------------------------------------------------------------- BatchNorm semantics
@@ -311,7 +412,7 @@ def test_bad_arguments_raise_valueerror_with_fix():
 @pytest.mark.parametrize("stride,pad", [((1, 1), (1, 1)), ((2, 2), (1, 0)), ((1, 2), (0, 2))])
 def test_im2col_col2im_are_adjoint(stride, pad):
     """<im2col(x), C> == <x, col2im(C)> for every path (the identity backward relies on)."""
-    from models.layers import col2im, col2im_rows, im2col, im2col_rows
+    from models.im2col import col2im, col2im_rows, im2col, im2col_rows
     rng = np.random.default_rng(11)
     x = rng.standard_normal((2, 3, 6, 7))
     if stride == (1, 1):
@@ -326,6 +427,16 @@ def test_im2col_col2im_are_adjoint(stride, pad):
         back = col2im(C, x.shape, 3, 2, stride, pad)
     assert back.shape == x.shape
     assert float((cols * C).sum()) == pytest.approx(float((x * back).sum()), rel=1e-12)
+
+
+def test_im2col_module_names_are_still_importable_from_layers():
+    """im2col/col2im live in :mod:`models.im2col`; :mod:`models.layers` re-exports them (the
+    same objects), so existing imports keep working."""
+    from models import im2col as I
+    from models import layers as L
+    for name in I.__all__:
+        if name != "transient":
+            assert getattr(L, name) is getattr(I, name), name
 
 
 def test_conv_workspace_reuse_across_batch_sizes():
@@ -366,7 +477,7 @@ def im2col_nhwc_loops(x, kh, kw, stride, padding):
 @pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
                                           ((1, 1), (2, 2), (0, 0)), ((2, 3), (1, 2), (1, 0))])
 def test_im2col_nhwc_matches_definition_and_col2im_is_its_adjoint(k, stride, pad):
-    from models.layers import col2im_nhwc, im2col_nhwc
+    from models.im2col import col2im_nhwc, im2col_nhwc
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 3, 6, 7))
     ref = im2col_nhwc_loops(x, *k, stride, pad)
@@ -384,11 +495,11 @@ def conv_backward_loops(x, w, dy, stride, padding):
     """dL/dx and dL/dw of y = conv(x, w) by loops over the definition (float64)."""
     (sh, sw), (ph, pw) = stride, padding
     N, C, H, W = x.shape
-    O, _, kh, kw = w.shape
+    c_out, _, kh, kw = w.shape
     xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     dxpad = np.zeros_like(xpad)
     dw = np.zeros_like(w)
-    for n, o, ho, wo in np.ndindex(N, O, *dy.shape[2:]):
+    for n, o, ho, wo in np.ndindex(N, c_out, *dy.shape[2:]):
         g = dy[n, o, ho, wo]
         patch = (slice(None), slice(ho * sh, ho * sh + kh), slice(wo * sw, wo * sw + kw))
         dw[o] += g * xpad[n][patch]
@@ -414,6 +525,139 @@ def test_conv_backward_paths_match_loops(c_in, c_out, k, stride, pad):
     ref_dx, ref_dw = conv_backward_loops(x, layer.P["weight"], dy, layer.stride, layer.padding)
     np.testing.assert_allclose(dx, ref_dx, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+@pytest.fixture
+def winograd_everywhere(monkeypatch):
+    """Every 3x3 stride-1 padding-1 conv with even H, W takes the Winograd path (small test
+    shapes included), with blocks of 2 images of 4x6 (6 tiles each) so blocks split the batch."""
+    from models import layers as L
+    if L._kernels() is None:
+        pytest.skip("Numba not installed")
+    monkeypatch.setattr(L, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(L, "WINOGRAD_MIN_HW", 1)
+    monkeypatch.setattr(L, "WINOGRAD_TILES", 12)
+    return L
+
+
+@pytest.mark.parametrize("c_in,c_out,bias,training", [(3, 5, True, True), (5, 2, False, True),
+                                                      (4, 4, True, False)])
+def test_winograd_conv_matches_loops(winograd_everywhere, c_in, c_out, bias, training):
+    """Forward, input gradient and weight gradient of the Winograd path equal the loop
+    definitions (float64; 5 images of 4x6: blocks of 2, 2, 1), after a training or an
+    evaluation forward; the bias gradient too."""
+    L = winograd_everywhere
+    rng = np.random.default_rng(31)
+    layer = Conv2d(c_in, c_out, 3, padding=1, bias=bias)
+    m = wrap(layer, (c_in, 4, 6))
+    assert layer._winograd(np, 4, 6)
+    x = rng.standard_normal((5, c_in, 4, 6))
+    y = m.forward(x, training=training)
+    assert layer._cache[3] == "winograd"
+    ref = conv_reference(x, layer.P["weight"], layer.P["bias"] if bias else None, (1, 1),
+                         (1, 1))
+    np.testing.assert_allclose(y, ref, rtol=1e-11, atol=1e-12)
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)
+    ref_dx, ref_dw = conv_backward_loops(x, layer.P["weight"], dy, (1, 1), (1, 1))
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(layer.G["weight"], ref_dw, rtol=1e-11, atol=1e-12)
+    if bias:
+        np.testing.assert_allclose(layer.G["bias"], dy.sum(axis=(0, 2, 3)), rtol=1e-12)
+    del L
+
+
+def test_winograd_float32_error_is_round_off():
+    """At ResNet width (64 channels, 16x16: the default thresholds take Winograd), float32
+    Winograd agrees with the float64 loop definition to a few float32 ulps relative to the
+    output's scale, as the float32 im2col path does (within a factor 4 of its error)."""
+    from models import layers as L
+    if L._kernels() is None:
+        pytest.skip("Numba not installed")
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal((2, 64, 16, 16))
+    errs = {}
+    for name, min_ch in (("winograd", L.WINOGRAD_MIN_CHANNELS), ("im2col", 10 ** 9)):
+        layer = Conv2d(64, 64, 3, padding=1, bias=False)
+        m = Model(layer, (64, 16, 16), None, dtype=np.float32, seed=5)
+        old = L.WINOGRAD_MIN_CHANNELS
+        L.WINOGRAD_MIN_CHANNELS = min_ch
+        try:
+            assert layer._winograd(np, 16, 16) == (name == "winograd")
+            y = m.forward(x.astype(np.float32))
+            dy = rng.standard_normal(y.shape)
+            dx = m.backward(dy.astype(np.float32))
+        finally:
+            L.WINOGRAD_MIN_CHANNELS = old
+        w = layer.P["weight"].astype(np.float64)
+        ref_y = conv_reference(x, w, None, (1, 1), (1, 1))
+        ref_dx, ref_dw = conv_backward_loops(x[:1], w, dy[:1], (1, 1), (1, 1))
+        ref_dx2, ref_dw2 = conv_backward_loops(x[1:], w, dy[1:], (1, 1), (1, 1))
+        errs[name] = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in (
+            (y, ref_y), (dx, np.concatenate([ref_dx, ref_dx2])),
+            (layer.G["weight"], ref_dw + ref_dw2))]
+    for e_w, e_i in zip(errs["winograd"], errs["im2col"]):
+        assert e_w < 2e-6 and e_w < 4 * max(e_i, 1e-7), errs
+
+
+def test_winograd_transforms_match_their_matrices():
+    """The transform kernels against the matrices of Lavin & Gray (2016) applied with NumPy:
+    ``V = B^T d B`` per 4x4 patch, ``U = G g G^T``, ``Y = A^T m A`` (+ bias), the adjoints
+    ``A dy A^T`` and ``G^T dU G``."""
+    from models import layers as L
+    k = L._kernels()
+    if k is None:
+        pytest.skip("Numba not installed")
+    Bt = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], float)
+    G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
+    At = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], float)
+    rng = np.random.default_rng(33)
+    N, H, W, C, K = 3, 4, 6, 5, 7
+    X = rng.standard_normal((N, H, W, C))
+    Xp = np.zeros((N, H + 2, W + 2, C))
+    k.pad1(X, Xp)
+    np.testing.assert_array_equal(Xp[:, 1:-1, 1:-1], X)
+    assert not Xp[:, 0].any() and not Xp[:, :, -1].any()
+    P = (H // 2) * (W // 2)
+    V = np.zeros((16, 2 * P, C))
+    k.winograd_input(Xp, 1, 3, V)                       # images 1 and 2
+    for t in range(2 * P):
+        n, ty, tx = 1 + t // P, (t % P) // (W // 2), t % (W // 2)
+        d = Xp[n, 2 * ty:2 * ty + 4, 2 * tx:2 * tx + 4]  # (4, 4, C)
+        np.testing.assert_allclose(V[:, t].reshape(4, 4, C),
+                                   np.einsum("ai,ijc,bj->abc", Bt, d, Bt), atol=1e-12)
+    w = rng.standard_normal((K, C, 3, 3))
+    U, Uf = np.zeros((16, C, K)), np.zeros((16, K, C))
+    k.winograd_weight(w, U)
+    k.winograd_weight(w, Uf, flip=True)
+    np.testing.assert_allclose(U.reshape(4, 4, C, K), np.einsum("ai,kcij,bj->abck", G, w, G),
+                               atol=1e-12)
+    np.testing.assert_allclose(Uf.reshape(4, 4, K, C),
+                               np.einsum("ai,kcij,bj->abkc", G, w[:, :, ::-1, ::-1], G),
+                               atol=1e-12)
+    M = rng.standard_normal((16, P, K))
+    bias = rng.standard_normal(K)
+    Y = np.full((N, H, W, K), np.nan)
+    k.winograd_output(M, 2, bias, Y)                    # image 2 only
+    for t in range(P):
+        ty, tx = t // (W // 2), t % (W // 2)
+        ref = np.einsum("ai,ijk,bj->abk", At, M[:, t].reshape(4, 4, K), At) + bias
+        np.testing.assert_allclose(Y[2, 2 * ty:2 * ty + 2, 2 * tx:2 * tx + 2], ref, atol=1e-12)
+    assert np.isnan(Y[:2]).all()
+    dY = rng.standard_normal((N, H, W, K))
+    dM = np.zeros((16, P, K))
+    k.winograd_output_adjoint(dY, 0, dM)
+    for t in range(P):
+        ty, tx = t // (W // 2), t % (W // 2)
+        g = dY[0, 2 * ty:2 * ty + 2, 2 * tx:2 * tx + 2]
+        np.testing.assert_allclose(dM[:, t].reshape(4, 4, K),
+                                   np.einsum("ai,abk,bj->ijk", At, g, At), atol=1e-12)
+    dU = rng.standard_normal((16, C, K))
+    dW = np.zeros((K, C, 3, 3))
+    k.winograd_weight_grad(dU, dW)
+    np.testing.assert_allclose(dW, np.einsum("ai,abck,bj->kcij", G, dU.reshape(4, 4, C, K), G),
+                               atol=1e-12)
 
 
 @pytest.fixture
@@ -579,8 +823,10 @@ def threaded_kernels(monkeypatch):
 
 def array_path(monkeypatch):
     """Make the layers take their NumPy array path for conv data movement, ReLU and sums."""
+    from models import im2col
     from models import layers as L
     monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+    monkeypatch.setattr(im2col, "_numba_kernels", lambda xp: None)
 
 
 @pytest.mark.parametrize("k,stride,pad", [((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (0, 2)),
@@ -679,3 +925,30 @@ def test_kernel_threads_follow_omp_num_threads():
                          check=False, timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("shape_a,shape_b,transpose_a", [
+    ((70, 33), (33, 20), False),        # rows cut
+    ((20, 33), (33, 70), False),        # columns cut
+    ((33, 70), (33, 20), True),         # a transposed view (the weight-gradient form)
+    ((16, 40, 9), (16, 9, 24), False),  # a stack of 16 GEMMs (Winograd)
+])
+def test_threaded_matmul_matches_numpy(threaded_kernels, monkeypatch, shape_a, shape_b,
+                                       transpose_a):
+    """kernels.matmul cut into parts on 2 threads (every size split) equals one np.matmul to
+    float32 round-off, for row and column cuts, a transposed operand and GEMM stacks; the BLAS
+    pools get their thread counts back."""
+    kern = threaded_kernels
+    monkeypatch.setattr(kern, "GEMM_MIN_SPLIT", 0)
+    rng = np.random.default_rng(40)
+    a = rng.standard_normal(shape_a).astype(np.float32)
+    a = a.T if transpose_a else a
+    b = rng.standard_normal(shape_b).astype(np.float32)
+    before = [lib.num_threads for lib in kern._blas_pools()]
+    got = kern.matmul(a, b)
+    out = np.full(got.shape, np.nan, np.float32)
+    assert kern.matmul(a, b, out) is out
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out, got)
+    assert [lib.num_threads for lib in kern._blas_pools()] == before
