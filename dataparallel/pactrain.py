@@ -49,6 +49,15 @@ One run follows Algorithm 1 of the paper:
    (``ternary_allgather``: a sum all-reduce of 2-bit codes is not closed), then every rank
    decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased estimate of the average.
 
+**During the backward** (``--overlap on``, as DDP's communication hook runs): the ready hook
+(:meth:`PacTrain.on_ready`, between two units) sends every bucket as soon as the backward wrote
+it, on the communication stream, in the plan's order; :meth:`PacTrain.sync` waits and
+unpacks.  A ternary unit's encoding needs its scales' MAX all-reduce: the host waits for it
+when the next bucket is ready (``--ternary-wait bucket``) or after the backward
+(``backward``), then encodes and all-gathers (the paper's comm hook chains them on the
+all-reduce's future without the host waiting: see the README's deviations).
+``--overlap off``: every call blocks in :meth:`PacTrain.sync`, after the backward.
+
 **One plan.** :meth:`PacTrainPlan.build` (pure: layout, options and the run's kept index set
 or, for a prediction, the keep rate) gives ``K`` per tensor and bucket, the chunks, the TernGrad
 segments, the dense-until-stable schedule and every step's call records
