@@ -49,6 +49,15 @@ One run follows Algorithm 1 of the paper:
    (``ternary_allgather``: a sum all-reduce of 2-bit codes is not closed), then every rank
    decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased estimate of the average.
 
+**During the backward** (``--overlap on``, as DDP's communication hook runs): the ready hook
+(:meth:`PacTrain.on_ready`, between two units) sends every bucket as soon as the backward wrote
+it, on the communication stream, in the plan's order; :meth:`PacTrain.sync` waits and
+unpacks.  A ternary unit's encoding needs its scales' MAX all-reduce: the host waits for it
+when the next bucket is ready (``--ternary-wait bucket``) or after the backward
+(``backward``), then encodes and all-gathers (the paper's comm hook chains them on the
+all-reduce's future without the host waiting: see the README's deviations).
+``--overlap off``: every call blocks in :meth:`PacTrain.sync`, after the backward.
+
 **One plan.** :meth:`PacTrainPlan.build` (pure: layout, options and the run's kept index set
 or, for a prediction, the keep rate) gives ``K`` per tensor and bucket, the chunks, the TernGrad
 segments, the dense-until-stable schedule and every step's call records
@@ -83,6 +92,7 @@ __all__ = [
     "PRUNE_SCORES",
     "TERNARY_SCALES",
     "TERNARY_STREAM",
+    "TERNARY_WAITS",
     "MaskTracker",
     "PacTrain",
     "PacTrainOptions",
@@ -104,6 +114,9 @@ __all__ = [
 #: ``S``), keep the largest ``|θ|``.
 PRUNE_SCORES = ("grasp-abs", "grasp", "magnitude")
 TERNARY_SCALES = ("tensor", "global")
+#: ``--ternary-wait``: where the host waits for a ternary unit's scales before encoding it: when
+#: the next bucket is ready (in the backward) or after the backward.
+TERNARY_WAITS = ("bucket", "backward")
 #: ``--mask-scope``: one mask tracker per gradient bucket (Algorithm 1) or one for all.
 MASK_SCOPES = ("bucket", "global")
 #: Parameter kinds that are pruned (biases and BatchNorm parameters are kept whole).
@@ -472,6 +485,12 @@ class PacTrainOptions:
     ternary_scale: str = option(
         "tensor", "TernGrad scale s = max|g|: one per tensor (TernGrad's layer-wise scaling) or "
         "one per packed vector", choices=TERNARY_SCALES)
+    ternary_wait: str = option(
+        "bucket", "--ternary with --overlap on: the encoding needs the scales' MAX all-reduce; "
+        "the host waits for a unit's scales when the next bucket is ready (bucket: later "
+        "buckets go out during the backward, which waits for the scales) or after the backward "
+        "(backward: the backward never waits, the calls after the first unit's scales follow "
+        "it)", choices=TERNARY_WAITS)
     bucket_mib: float = option(32.0, "gradient bucket size in MiB")
 
     def __post_init__(self) -> None:
@@ -496,6 +515,9 @@ class PacTrainOptions:
         if self.mask_scope not in MASK_SCOPES:
             raise ValueError(f"--mask-scope {self.mask_scope!r} unknown; use one of "
                              f"{MASK_SCOPES}")
+        if self.ternary_wait not in TERNARY_WAITS:
+            raise ValueError(f"--ternary-wait {self.ternary_wait!r} unknown; use one of "
+                             f"{TERNARY_WAITS}")
         if self.ternary_scale not in TERNARY_SCALES:
             raise ValueError(f"--ternary-scale {self.ternary_scale!r} unknown; use one of "
                              f"{TERNARY_SCALES}")
@@ -748,6 +770,24 @@ class PacTrain(Strategy):
         self.packed_unit_steps = 0                   # Σ over steps of the units sent packed
         self.stable_steps: list[int] = []            # steps at which every unit (re)started packing
         self._was_packed = False
+        # the bucket of every tensor (buckets are whole tensors in backward order and do not
+        # change when the mask re-plans), how many tensors each holds, its mask unit; and the
+        # step in flight: the calls issued (to wait and unpack), the last one, a ternary unit
+        # whose scales are in flight
+        ends = [b for _, b in self.plan.buckets]
+        offsets = layout.offsets
+        self._bucket_of = {n: next(k for k, e in enumerate(ends) if offsets[n] < e)
+                           for n in layout.names}
+        self._bucket_tensors = [sum(1 for n in layout.names if self._bucket_of[n] == k)
+                                for k in range(len(ends))]
+        self._unit_of_bucket = {k: u for u, ks in enumerate(self.plan.unit_buckets) for k in ks}
+        self._left = list(self._bucket_tensors)
+        self._next = 0                               # the next bucket to send
+        self._live: int | None = None
+        self._issued: list = []
+        self._prev = None
+        self._pending = None
+        self._uniforms = None
         if options.init is not None:
             load_init(options.init, ctx.model)
         if options.warmup == 0:
@@ -825,56 +865,171 @@ class PacTrain(Strategy):
         return score
 
     # -- the step ---------------------------------------------------------------------------------
-    def sync(self, state, buffers):
-        xp, g, world, clock = self.xp, buffers.flat, self.topo.world, self.run.clock
+    def _event(self):
+        """The timeline event of the compute block that just closed (``None`` without one)."""
+        clock = self.run.clock
+        return clock.last_event if clock.timeline is not None else None
+
+    def _begin(self, step: int) -> None:
+        """Start step ``step`` before any of its buckets is sent: the mask trackers compare
+        this step's mask ``θ ≠ 0`` (a change re-masks and re-plans) and fix every unit's mode.
+        θ does not change during the backward, so this runs at the first ready bucket."""
+        xp = self.xp
         self._grasp_in_step, self._grasp_pending = self._grasp_pending, False
         self.steps += 1
+        self._live = int(step)
         modes = ["dense"] * self.plan.num_units
         if self.pruned:
-            theta = self.model.params.flat
-            xp.not_equal(theta, 0, out=self._m)
-            self._m |= self.keep_always
-            changed = False
-            for u, (a, b) in enumerate(self.plan.units):
-                before = self.trackers[u].version
-                if self.trackers[u].observe(self._m[a:b]):
-                    modes[u] = self.plan.packed_mode
-                changed |= self.trackers[u].version != before
-            if changed:                                  # a new mask: re-mask and re-plan
-                self.hook.set_mask(self._m)
-                self.plan = self._build_plan(self._m)
-        plan = self.plan
-        self._step = (plan, tuple(modes))
-        uniforms = None
-        h = None                     # the previous call on the communication stream
-        for u, mode in enumerate(modes):
-            if mode == "dense":
-                for bi in plan.unit_buckets[u]:
-                    a, b = plan.buckets[bi]
-                    if self.pruned:
-                        g[a:b] *= self._m[a:b]           # eq. 2 (GSE)
-                    h = world.allreduce(g[a:b], "avg", phase="dense_allreduce",
-                                        after=[clock.ready(a, b), h])
+            with self.run.clock.compute("pactrain_mask"):
+                theta = self.model.params.flat
+                xp.not_equal(theta, 0, out=self._m)
+                self._m |= self.keep_always
+                changed = False
+                for u, (a, b) in enumerate(self.plan.units):
+                    before = self.trackers[u].version
+                    if self.trackers[u].observe(self._m[a:b]):
+                        modes[u] = self.plan.packed_mode
+                    changed |= self.trackers[u].version != before
+                if changed:                              # a new mask: re-mask and re-plan
+                    self.hook.set_mask(self._m)
+                    self.plan = self._build_plan(self._m)
+        self._step = (self.plan, tuple(modes))
+        self._left = list(self._bucket_tensors)
+        self._next = 0
+        self._uniforms = None
+
+    def on_ready(self, name: str) -> None:
+        """The backward wrote ``name``'s gradient (called between units): when that completes
+        a bucket, send it at once on the communication stream, as the plan's records say (a
+        dense bucket after its gradients; a packed or ternary unit after its last bucket);
+        :meth:`sync` waits and unpacks.  ``--overlap off``: nothing here, every call blocks in
+        :meth:`sync`, after the backward."""
+        k = self._bucket_of.get(name)
+        if k is None or not self.run.recorder.overlap:
+            return
+        if self._live is None:
+            self._begin(self.steps)
+        self._left[k] -= 1
+        held = self._pending is not None and self.options.ternary_wait == "backward"
+        if self._left[k] == 0 and not held:
+            self._bucket_done(k)
+
+    def _bucket_done(self, k: int) -> None:
+        """Send bucket ``k`` (buckets go out in order: ``k`` is the next one)."""
+        if k != self._next:
+            raise RuntimeError(f"PacTrain: bucket {k} ready before bucket {self._next} was sent")
+        self._next += 1
+        plan, modes = self._step
+        u = self._unit_of_bucket[k]
+        if modes[u] == "dense":
+            self._send_dense(k)
+        elif k == plan.unit_buckets[u][-1]:
+            self._send_unit(u, modes[u])
+
+    def _send_dense(self, k: int) -> None:
+        """Bucket ``k`` of a dense unit: eq. 2 (GSE) once pruned, then its average all-reduce
+        after its gradients and the previous call on the stream."""
+        clock, g = self.run.clock, self.model.grads.flat
+        a, b = self._step[0].buckets[k]
+        after = [clock.ready(a, b), self._prev]
+        if self.pruned:
+            with clock.compute(f"pactrain_gse[{k}]"):
+                g[a:b] *= self._m[a:b]                   # eq. 2 (GSE)
+            after.append(self._event())
+        self._flush()
+        self._prev = self.topo.world.allreduce(g[a:b], "avg", phase="dense_allreduce",
+                                               after=after, wait=False)
+        self._issued.append(("dense", k, [self._prev], None))
+
+    def _send_unit(self, u: int, mode: str) -> None:
+        """Unit ``u`` once its last bucket is written: pack its survivors (eq. 2 + pack; for
+        TernGrad also each segment's max|g|), then its packed all-reduces or, ternary, the MAX
+        all-reduce of its scales (the encoding and the all-gather follow when the scales are
+        back: :meth:`_flush`)."""
+        xp, clock, world = self.xp, self.run.clock, self.topo.world
+        plan, g = self._step[0], self.model.grads.flat
+        a, b = plan.units[u]
+        packed, idx = self._packed[u], self._idx[u]
+        with clock.compute(f"pactrain_pack[{u}]"):
+            xp.take(g, idx, out=packed)                  # eq. 2 + pack
+            if mode == "ternary":
+                scale = self._scale[u]
+                for l, (sa, sb) in enumerate(plan.segments[u]):
+                    scale[l] = xp.abs(packed[sa:sb]).max() if sb > sa else 0
+        self._flush()
+        dep = [clock.ready(a, b), self._event(), self._prev]
+        if mode == "packed":
+            hs, off = [], 0
+            for n in plan.chunks[u]:
+                self._prev = world.allreduce(packed[off:off + n], "avg",
+                                             phase="packed_allreduce", after=dep, wait=False)
+                hs.append(self._prev)
+                dep, off = [self._prev], off + n
+            self._issued.append(("packed", u, hs, None))
+        elif mode == "ternary":
+            self._prev = world.allreduce(self._scale[u], "max", phase="ternary_scale",
+                                         after=dep, wait=False)
+            self._pending = (u, self._prev)
+        else:
+            raise ValueError(f"unknown PacTrain step mode {mode!r}")
+
+    def _flush(self) -> None:
+        """Finish the ternary unit whose scales are in flight: wait for them (the host, as a
+        blocking wait: the next compute waits for the MAX all-reduce), encode ``sign(g) · b``
+        with ``b ~ Bernoulli(|g|/s)`` (eq. 3) into 2-bit codes and issue their all-gather.  Run
+        before the next call is issued (the plan's order: a unit's all-gather precedes the next
+        unit's first call) and at the end of the backward."""
+        if self._pending is None:
+            return
+        u, h = self._pending
+        self._pending = None
+        xp, clock, plan = self.xp, self.run.clock, self._step[0]
+        packed = self._packed[u]
+        h.wait()
+        with clock.compute(f"pactrain_encode[{u}]", deps=h):
+            if self._uniforms is None:                   # one stream per rank and step
+                self._uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
+                                                             self._live, plan.kept,
+                                                             dtype=packed.dtype))
+            off = plan.packed_offsets[u]
+            s = self._scale[u][self._segment_of[u]]
+            pack_2bit(ternarize(packed, s, self._uniforms[off:off + packed.size]),
+                      out=self._codes[u])
+        self._prev = self.topo.world.allgather(self._codes[u], phase="ternary_allgather",
+                                               after=[h, self._event()], wait=False)
+        self._issued.append(("ternary", u, [self._prev], s))
+
+    def sync(self, state, buffers):
+        """Send what the backward did not (every bucket with ``--overlap off`` or without the
+        ready hook, each as :meth:`on_ready` would), wait for every call in issue order and
+        unpack: a packed unit's average into its survivors, a ternary one's ``(s/p) Σ_j
+        sign(g_j) b_j`` (eq. 3), zeros elsewhere in the unit."""
+        g, clock = buffers.flat, self.run.clock
+        if self._live is None:
+            self._begin(int(state.step))
+        elif self._live != int(state.step):
+            raise ValueError(f"PacTrain: the backward ran step {self._live} (the strategy's "
+                             f"count), the trainer syncs step {state.step}; restore the "
+                             "strategy's state with the trainer's (load_state_dict)")
+        for k in range(self._next, len(self._left)):     # not sent during the backward
+            self._bucket_done(k)
+        self._flush()
+        plan, modes = self._step
+        p = self.topo.size
+        for kind, u, hs, s in self._issued:
+            for h in hs:
+                h.wait()
+            if kind == "dense":
                 continue
             a, b = plan.units[u]
             packed, idx = self._packed[u], self._idx[u]
-            xp.take(g, idx, out=packed)                  # eq. 2 + pack
-            dep = [clock.ready(a, b), h]                 # the unit's gradients, the stream
-            if mode == "packed":
-                off = 0
-                for k in plan.chunks[u]:
-                    h = world.allreduce(packed[off:off + k], "avg", phase="packed_allreduce",
-                                        after=dep)
-                    dep, off = [h], off + k
-            else:
-                if uniforms is None:                     # one stream per rank and step
-                    uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
-                                                           state.step, plan.kept,
-                                                           dtype=packed.dtype))
-                off = plan.packed_offsets[u]
-                h = self._ternary_average(u, packed, uniforms[off:off + packed.size], dep)
-            g[a:b] = 0
-            g[idx] = packed
+            with clock.compute(f"pactrain_unpack[{u}]", deps=hs[-1] if hs else None):
+                if kind == "ternary":
+                    total = unpack_2bit(hs[-1].result, packed.size).sum(axis=0, dtype=np.int32)
+                    packed[...] = total * s / p
+                g[a:b] = 0
+                g[idx] = packed
+        self._issued, self._prev, self._live = [], None, None
         n_packed = sum(m != "dense" for m in modes)
         self.packed_unit_steps += n_packed
         all_packed = n_packed == len(modes)
@@ -882,22 +1037,6 @@ class PacTrain(Strategy):
             self.stable_steps.append(state.step)
         self._was_packed = all_packed
         return g
-
-    def _ternary_average(self, u: int, packed, uniforms, after):
-        """Replace unit ``u``'s ``packed`` by ``(s/p) Σ_j ternarize(g_j)`` (eq. 3), identical on
-        all ranks; ``s`` is the MAX all-reduce (after ``after``) of each segment's (tensor's, or
-        the whole vector's) max|g|.  Returns the all-gather's handle."""
-        xp, world = self.xp, self.topo.world
-        scale = self._scale[u]
-        for l, (a, b) in enumerate(self.plan.segments[u]):
-            scale[l] = xp.abs(packed[a:b]).max() if b > a else 0
-        h = world.allreduce(scale, "max", phase="ternary_scale", after=after)
-        s = scale[self._segment_of[u]]
-        pack_2bit(ternarize(packed, s, uniforms), out=self._codes[u])
-        h = world.allgather(self._codes[u], phase="ternary_allgather", after=h)
-        total = unpack_2bit(h.result, packed.size).sum(axis=0, dtype=np.int32)
-        packed[...] = total * s / self.topo.size
-        return h
 
     def after_step(self, state) -> None:
         if not self.pruned and state.step + 1 == self.options.warmup:

@@ -137,12 +137,28 @@ def _wrap_unit(u: ComputeUnit, rec) -> None:
                        n * u.activation_bytes + u.param_bytes):
             return fwd(x, training)
 
+    subs = [sub for _, sub in layer.walk()]
+
     def backward(dy):
+        # the unit's ready notifications are held until its event has closed: the hook (a
+        # strategy handing a bucket to the network, or preparing it) runs between units, so
+        # what it computes is not charged to this unit (issue 24)
+        held: list = []
+        hooks = [sub._ready for sub in subs]
+        for sub, hook in zip(subs, hooks):
+            if hook is not None:
+                sub._ready = lambda name, hook=hook: held.append((hook, name))
         n = dy.shape[0]
-        with rec.layer("backward", u.name, n * u.backward_flops,
-                       2 * (n * u.activation_bytes + u.param_bytes)):
-            dx = bwd(dy)
+        try:
+            with rec.layer("backward", u.name, n * u.backward_flops,
+                           2 * (n * u.activation_bytes + u.param_bytes)):
+                dx = bwd(dy)
+        finally:
+            for sub, hook in zip(subs, hooks):
+                sub._ready = hook
         rec.grads_ready(u.name, u.lo, u.hi)
+        for hook, name in held:
+            hook(name)
         return dx
 
     layer.forward = forward

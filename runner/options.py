@@ -96,10 +96,12 @@ class CommonConfig:
         "sent on any MPI; native: the MPI library's, pinned to the booked algorithm where known "
         "(default: $SPARDIST_COLLECTIVES or exact)", choices=coll.MODES, group=RUN)
     overlap: str = option(
-        "on", "on: calls the system issues without waiting (DDP's buckets during the backward, "
-        "SSFusion's buffers) run on a communication thread while the rank computes, and the "
-        "timeline overlaps them the same way; off: every call blocks where it is issued, in "
-        "the run and on the timeline (the no-overlap reference)", choices=("on", "off"),
+        "on", "on: calls the system issues without waiting (the buckets of DDP and "
+        "PacTrain, SDP's holder sets and SSFusion's buffers, sent from the backward as it "
+        "writes them) run on a communication thread while the rank computes, and the "
+        "timeline overlaps them the same way; off: every call blocks where it is issued (after "
+        "the backward), in the run and on the timeline (the no-overlap reference)",
+        choices=("on", "off"),
         group=RUN)
     intra_bw: float = option(cm.DEFAULT_INTRA_GBPS, "intra-node bandwidth in Gbit/s "
                              "(default %(default)s: NVLink-class)", metavar="GBPS", group=COST)

@@ -144,6 +144,8 @@ class SimClock:
         self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
         self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
         self._depth = 0
+        self._outer_last = None        # the last layer event when the outermost block began
+        self._nested_s = 0.0           # Σ seconds of blocks that were events inside another
         self.last_event = None
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
@@ -159,14 +161,17 @@ class SimClock:
     def compute(self, label: str = "compute", *, flops: float | None = None, deps=(),
                 stream: str = "compute", after=None, key: str | None = None):
         """Time the enclosed block as compute (a block nested in another is part of the outer
-        one).  In timeline mode the block becomes an event ``label`` on ``stream`` after
+        one, except between two units of a model's pass: :meth:`_between_units`, where it is an
+        event of its own, declared after the unit that just ended, and the outer block's rest
+        leaves it out as it leaves out the per-layer events).  In timeline mode the block becomes an event ``label`` on ``stream`` after
         ``deps`` (its handle is :attr:`last_event` afterwards); per-layer events the model
         recorded inside the block are events of their own and only the rest of the block (loss,
         Python) is added as ``label``.  ``flops`` gives the block's FLOP count to the ``flops``
         source; ``after`` places the event in its stream right after that event
         (:meth:`Timeline.compute`); ``key`` overrides the block's profile key (a replay
         repeats the recorded one)."""
-        if self._depth:
+        nested = self._depth > 0
+        if nested and not self._between_units():
             yield None
             return
         if key is None:
@@ -175,8 +180,11 @@ class SimClock:
                 key = _call_site(sys._getframe(2))
         if self.program is not None:
             self.program.begin("clock", label, key, deps, stream, after)
+        if not nested:
+            self._outer_last = self.layers.last if self.layers is not None else None
         self._depth += 1
         inner0 = self.layers.recorded_s if self.layers is not None else 0.0
+        nested0 = self._nested_s
         try:
             with self.source.measure(flops, None, key) as m:
                 yield m
@@ -185,7 +193,7 @@ class SimClock:
         if self.timeline is None:
             self._compute_s += m.seconds
         else:
-            inner = self.layers.recorded_s - inner0
+            inner = self.layers.recorded_s - inner0 + self._nested_s - nested0
             if inner > 0 and isinstance(self.source, FlopSource):
                 self.last_event = self.layers.last        # the layers' FLOPs are the block
             else:
@@ -195,8 +203,19 @@ class SimClock:
                                                             stream=stream, after=after)
                 else:
                     self.last_event = self.layers.last
+        if nested:                      # the outer block's rest leaves it out
+            self._nested_s += m.seconds
         if self.program is not None:
             self.program.end(self.last_event if self.timeline is not None else None)
+
+    def _between_units(self) -> bool:
+        """Whether a block opened inside another one is an event of its own: on a timeline,
+        while the outer block runs a model's units (it recorded per-layer events) and between
+        two of them (no unit open): work a strategy does from the backward's ready hook, which
+        runs after each unit's backward (:func:`models.network._wrap_unit`)."""
+        lay = self.layers
+        return (self.timeline is not None and lay is not None and lay.open is None
+                and lay.last is not None and lay.last is not self._outer_last)
 
     # -- dependencies for strategies ------------------------------------------------------------
     def ready(self, lo: int, hi: int):
@@ -211,12 +230,13 @@ class SimClock:
         return self.last_event
 
     def now(self):
-        """Dependency for a call issued from inside the backward of a unit (e.g. a bucket its
-        gradients complete): that unit's event (:attr:`LayerEvents.open`), else the last
-        compute event; ``None`` in additive mode."""
+        """Dependency for a call issued from the backward (e.g. a bucket its gradients
+        complete): the unit being computed (:attr:`LayerEvents.open`), else the last unit
+        (the ready hook runs right after a unit's backward), else the last compute event;
+        ``None`` in additive mode."""
         if self.timeline is None:
             return None
-        return self.layers.open or self.last_event or self.layers.last
+        return self.layers.open or self.layers.last or self.last_event
 
     def comm_events(self) -> list:
         """The transfers declared so far in the open step (e.g. ``deps`` of the optimizer

@@ -301,8 +301,10 @@ class Timeline:
         ``after``: place the event in its stream's order right after that (earlier declared)
         event of the same stream instead of at the end, e.g. a fusion buffer's sparsification
         launched on the compute stream as soon as the backward event that completes the buffer
-        has run, before the rest of the backward (SSFusion's pipeline), although the code
-        computes it after the backward.  Several events placed after one event keep their
+        has run, before the rest of the backward (SSFusion's pipeline), when the events are
+        declared after the backward (a plan laid on a paper-scale timeline,
+        :func:`substrate.calls.declare`; a run's ready hook declares it there in program
+        order).  Several events placed after one event keep their
         declaration order.  Its ``deps`` may only name events declared up to ``after`` (so the
         in-order stream cannot wait for an event behind it), and ``after`` must itself be in
         declaration order (not placed with ``after``).

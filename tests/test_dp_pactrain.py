@@ -183,6 +183,7 @@ def test_hessian_vector_fd_is_exact_on_a_quadratic():
     ({"warmup_steps": -2}, "--warmup-steps must be >= 0"),
     ({"prune_score": "snip"}, "--prune-score 'snip' unknown"),
     ({"ternary_scale": "row"}, "--ternary-scale 'row' unknown"),
+    ({"ternary_wait": "never"}, "--ternary-wait 'never' unknown"),
     ({"init": "/nonexistent/x.npz"}, "--init /nonexistent/x.npz: no such file"),
     ({"bucket_mib": 0}, "--bucket-mib must be > 0"),
     ({"mask_scope": "layer"}, "--mask-scope 'layer' unknown"),

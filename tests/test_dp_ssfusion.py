@@ -204,6 +204,22 @@ def test_offload_plan_fits_cpu_work_under_backward():
                         deadline="buffer").tolist() == [1, 0, 1, 0]
 
 
+@pytest.mark.parametrize("deadline", ["buffer", "backward"])
+def test_plan_offloads_by_the_deadline_option(deadline):
+    """--offload-deadline reaches the plan: buffer (the paper's, the default: the buffer is
+    sent when its backward ends) or backward (for --overlap off)."""
+    sizes = [10, 640, 64, 32768, 32, 4608, 16, 144]
+    T_b = np.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]) * 1e-3
+    T_cpu = np.full(8, 0.4e-3)
+    o = SSFusionOptions(fusion_policy="count", buffers=2, offload=True,
+                        offload_deadline=deadline)
+    assert SSFusionOptions().offload_deadline == "buffer"
+    plan = plan_ssfusion(sizes, 4, cm.INTER, o, CostModel(), profile=(T_b, T_cpu, T_cpu))
+    sparse = np.array([k >= 0 for k in plan.k])
+    want = plan_offload(T_b, T_cpu, sparse, plan.buffers, deadline=deadline)
+    assert plan.offload == tuple(bool(v) for v in want) and any(plan.offload)
+
+
 def test_plan_selective_and_roundtrip():
     sizes = [10, 640, 64, 32768, 32, 4608, 16, 144]
     prof = (np.full(8, 1e-3),) * 3
@@ -343,6 +359,7 @@ def test_run_bytes_sums_the_steps():
     ({"sample_ratio": 0.0}, "--sample-ratio must be in (0, 1]"),
     ({"offload": True, "fusion": "per-tensor"}, "--offload is SSFusion-O on top of"),
     ({"offload": True, "profile_steps": 1}, "use --profile-steps >= 2"),
+    ({"offload_deadline": "step"}, "--offload-deadline 'step' unknown"),
 ])
 def test_bad_options(kw, message):
     with pytest.raises(ValueError, match=None) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from mpi_helpers import (
     assert_fails_on_every_rank,
@@ -54,6 +55,81 @@ def test_overlap_on_equals_overlap_off_bitwise(tmp_path, allreduce, shape):
     t_on, t_off = s_on["timing"], s_off["timing"]
     assert t_off["sim_s"] == pytest.approx(t_off["no_overlap_s"], rel=1e-9)
     assert t_on["sim_s"] < t_on["no_overlap_s"] * (1 - 1e-6)
+
+
+def _final_state(out, steps, ranks):
+    """Every rank's parameters, optimizer and strategy arrays after the last step (its last
+    checkpoint), timing statistics left out."""
+    state = []
+    for r in range(ranks):
+        with np.load(out / "checkpoints" / f"ckpt-r{r}-s{steps:08d}.npz") as f:
+            state.append({k: f[k] for k in f.files
+                          if k.startswith(("model/", "opt/", "strategy/residual",
+                                           "strategy/velocity", "strategy/mask",
+                                           "strategy/hook_mask", "strategy/tracker/"))})
+    return state
+
+
+#: the systems whose runs send during the backward (issue 24): method options, world and
+#: placement; the flops source makes SSFusion's profile-based plan the same in both runs
+SENDING_IN_BACKWARD = {
+    "pactrain-3x1": (3, ["--method", "pactrain", "--warmup-steps", 1, "--stable-window", 1,
+                         "--bucket-mib", 0.02, "--ranks-per-node", 3]),
+    "pactrain-ternary-2x2": (4, ["--method", "pactrain", "--ternary", "--warmup-steps", 1,
+                                 "--stable-window", 1, "--bucket-mib", 0.02,
+                                 "--ranks-per-node", 2]),
+    "pactrain-ternary-wait-backward-3x1": (3, ["--method", "pactrain", "--ternary",
+                                               "--ternary-wait", "backward", "--warmup-steps",
+                                               1, "--stable-window", 1, "--bucket-mib", 0.02,
+                                               "--ranks-per-node", 3]),
+    "sdp-2x2": (4, ["--method", "sdp", "--ranks-per-node", 2]),
+    "ssfusion-2x2": (4, ["--method", "ssfusion", "--profile-steps", 2, "--ranks-per-node", 2]),
+    # SSFusion-O: at 1e-7 TFLOP/s the worker's saving beats the measured slowdown (the
+    # offload guard keeps it); two count buffers leave tensors that fit the buffer deadline
+    "ssfusion-offload-3x1": (3, ["--method", "ssfusion", "--offload", "--fusion-policy",
+                                 "count", "--buffers", 2, "--profile-steps", 2,
+                                 "--ranks-per-node", 3, "--device-tflops", 1e-7]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SENDING_IN_BACKWARD))
+def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, case):
+    """PacTrain (plain, ternary), SDP and SSFusion (selective, SSFusion-O) issue their calls
+    from the backward's ready hook with ``--overlap on`` and block after the backward with
+    ``--overlap off``: parameters, optimizer and strategy state, losses, accuracies, bytes
+    and messages are bitwise the same; traffic is the plan's; the timeline of ``on`` has
+    transfers during the backward and ``off`` none, as the runs did."""
+    n, args = SENDING_IN_BACKWARD[case]
+    steps = 4
+    runs = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        base = ["--compute-source", "flops", "--device-tflops", 0.01]
+        if "--device-tflops" in args:
+            base = ["--compute-source", "flops"]
+        run_mpi(None, n, "train", *args, *base, "--steps", steps, "--eval-every", 2,
+                "--checkpoint-every", steps, "--overlap", mode, "--progress-every", 0,
+                "--out", out, module="dataparallel", timeout=300)
+        runs[mode] = (read_summary(out), _lines(out), _final_state(out, steps, n))
+    (s_on, l_on, st_on), (s_off, l_off, st_off) = runs["on"], runs["off"]
+    keys = ("loss", "test_accuracy", "inter_node_bytes", "intra_node_bytes")
+    assert [[x[k] for k in keys] for x in l_on] == [[x[k] for k in keys] for x in l_off]
+    assert s_on["traffic"] == s_off["traffic"]                  # bytes and messages
+    for a, b in zip(st_on, st_off):
+        assert a.keys() == b.keys() and any(k.startswith("model/params") for k in a)
+        for k in a:
+            assert a[k].tobytes() == b[k].tobytes(), k
+    assert_measured_equals_predicted(s_on)
+    assert s_on["calls"]["per_rank"] == s_off["calls"]["per_rank"]
+    t_on, t_off = s_on["timing"], s_off["timing"]
+    if "--offload" not in args:       # the worker overlaps the compute stream in both
+        assert t_off["sim_s"] == pytest.approx(t_off["no_overlap_s"], rel=1e-9)
+    assert t_on["sim_s"] < t_on["no_overlap_s"] * (1 - 1e-9)
+    for s, during in ((s_on, True), (s_off, False)):
+        events = s["timeline"]["rank0"]["events"]
+        end = max(e["finish"] for e in events if e["label"].startswith("backward:"))
+        first = min(e["start"] for e in events if e["kind"] == "transfer")
+        assert (first < end) is during, (s["overlap"], first, end)
 
 
 def test_without_thread_multiple_the_stream_blocks_and_says_so(tmp_path):
@@ -114,6 +190,12 @@ REPLAYED = [
     ("ddp", ["--allreduce", "hierarchical", "--bucket-mib", 0.02], ("--node-map", "0,1,0,1")),
     ("topk", ["--density", 0.02], ("--ranks-per-node", 2)),
     ("fp16", [], ("--node-map", "round-robin:2")),
+    # calls issued from the backward's ready hook, compute between units (issue 24)
+    ("pactrain", ["--ternary", "--warmup-steps", 1, "--stable-window", 1, "--bucket-mib", 0.02],
+     ("--ranks-per-node", 2)),
+    ("sdp", [], ("--ranks-per-node", 2)),
+    ("ssfusion", ["--fusion", "per-tensor", "--fusion-policy", "count", "--profile-steps", 1],
+     ("--ranks-per-node", 2)),
 ]
 
 

@@ -488,6 +488,70 @@ def _batch(model, n=5, seed=1):
     return x, rng.integers(0, model.num_classes, n)
 
 
+class _Fixed(ComputeSource):
+    """Seconds by label (a layer's ``phase:name``, a block's key): exact, no measurement."""
+
+    name = "fixed"
+
+    def __init__(self, table):
+        self.table = table
+
+    def measure(self, flops=None, nbytes=None, label=None):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def cm():
+            m = self.Measurement()
+            yield m
+            m.seconds = self.table.get(label, 0.0)
+        return cm()
+
+
+def test_work_in_the_ready_hook_is_an_event_between_units_not_the_units():
+    """Issue 24: the ready hook runs after the unit's event closed (its gradients reported, no
+    unit open); a compute block it runs inside the outer backward block is an event of its
+    own, after that unit's event on the compute stream and before the next unit's, and the
+    outer block's rest leaves it out, as it leaves out the per-layer events."""
+    m = build_model("mlp", (20,), 5)
+    units = [u.name for u in m.compute_units()]
+    table = {f"{p}:{u}": 1.0 for u in units for p in ("forward", "backward")}
+    table.update({"forward:loss": 1.0, "hook": 0.25, "nothing": 7.0})
+    hooked = [n for n in m.layout.names]
+    table["fwdbwd"] = 2 * len(units) + 1 + 0.25 * len(hooked) + 0.5   # + a rest of 0.5
+    clock = SimClock(Ledger(), source=_Fixed(table), timeline=Timeline(CostModel()))
+    m.recorder = clock.layers
+    seen = []
+
+    def ready(name):
+        assert clock.layers.open is None                   # between units
+        sl = m.layout.slice(name)
+        unit = clock.ready(sl.start, sl.stop)              # its unit's event, already closed
+        with clock.compute("hook", deps=unit):
+            pass
+        seen.append((unit, clock.last_event))
+
+    with clock.compute("outer"), clock.compute("nothing"):   # no unit yet: part of "outer"
+        pass
+    with clock.compute("fwdbwd"):
+        m.loss_and_grad(*_batch(m), ready=ready)
+    labels = [e.label for e in clock.timeline.open_events]
+    assert "nothing" not in labels and labels.count("hook") == len(hooked)
+    t = clock.step()
+    for unit, hook in seen:
+        assert hook.label == "hook" and hook.seconds == approx(0.25)
+        assert hook.start >= unit.finish - 1e-12           # after the unit that wrote it
+    rest = [e for e in t.events if e.label == "fwdbwd"]
+    assert len(rest) == 1 and rest[0].finish - rest[0].start == approx(0.5)
+    # the compute stream runs everything in program order, the hooks between the units
+    order = sorted((e for e in t.events if e.resource == "compute"), key=lambda e: e.start)
+    back = [e.label for e in order if e.label.startswith("backward:") or e.label == "hook"]
+    want = []
+    for u in reversed(units):
+        want += [f"backward:{u}"] + ["hook"] * sum(n.startswith(u + ".") for n in hooked)
+    assert back == want
+    assert t.compute_s == approx(table["fwdbwd"])     # "nothing" was part of "outer" (0 s)
+
+
 @pytest.mark.parametrize("name, shape", [("resnet", (3, 12, 12)), ("cnn", (1, 8, 8)),
                                          ("mlp", (20,)), ("vit", (1, 8, 8))])
 def test_recorder_does_not_change_numerics_or_ready_order(name, shape):

@@ -19,7 +19,10 @@ sets, the sub-communicators' member sets, B_b-SDP's broadcast roots and the eval
 :meth:`SDPPlan.calls` lists a step's call records (:class:`substrate.calls.Call`); the strategy
 executes exactly them (the trainer holds the run to them) and ``commvol``'s SDP model prices
 them; their bytes are checked against :mod:`volume.sdp`'s closed forms written from the paper's
-coverage and layer shapes (``tests/test_sdp_plan.py``).
+coverage and layer shapes (``tests/test_sdp_plan.py``).  With ``--overlap on`` each holder
+set's all-reduce goes to the communication stream from the backward's ready hook as soon as
+the set's span is written (in the plan's order); ``--overlap off`` runs them blocking after
+the backward.
 
 The package, one idea per module: :mod:`~dataparallel.sdp.options` (flags),
 :mod:`~dataparallel.sdp.masks` (holder sets from the layers), :mod:`~dataparallel.sdp.plan`

@@ -94,6 +94,14 @@ class SDP(Strategy):
         self._scale = (xp.asarray(plan.scale.astype(g.dtype))
                        if rank == 0 and options.eval_rescale and self.forward_masking else None)
 
+        # the step in flight: the flat end of every tensor (the backward writes them in flat
+        # order), the sets sent, their handles, the last call on the stream
+        self._end_of = {n: int(model.layout.offsets[n] + model.layout.sizes[n])
+                        for n in model.layout.names}
+        self._written = self._sent = 0
+        self._issued: list = []
+        self._prev = None
+
         self.flop_factor = plan.flop_factor()
         # what ran since the last sync (step_calls): B_b's refresh, the evaluation's assembly
         self._refreshed = self._assembled = False
@@ -129,18 +137,46 @@ class SDP(Strategy):
         return out
 
     # -- every step ------------------------------------------------------------------------------
+    def on_ready(self, name: str) -> None:
+        """The backward wrote ``name``'s gradient (between units; gradients are written in
+        flat order): send every holder set of this rank whose span is now written, in the
+        plan's order, on the communication stream; :meth:`sync` waits and unpacks.
+        ``--overlap off``: nothing here, every call blocks in :meth:`sync`."""
+        if not self.run.recorder.overlap:
+            return
+        self._written = self._end_of[name]
+        while self._sent < len(self._reduce) and self._reduce[self._sent][4][1] <= self._written:
+            self._send_set(self._sent)
+            self._sent += 1
+
+    def _send_set(self, i: int) -> None:
+        """Pack holder set ``i``'s coordinates and issue its SUM all-reduce over its holders
+        after its span's gradients and this rank's previous call."""
+        xp, clock = self.xp, self.run.clock
+        idx, buf, comm, _, (lo, hi) = self._reduce[i]
+        with clock.compute(f"sdp_pack[{i}]"):
+            xp.take(self.model.grads.flat, idx, out=buf)
+        pack = clock.last_event if clock.timeline is not None else None
+        self._prev = comm.allreduce(buf, "sum", phase=GATED,
+                                    after=[clock.ready(lo, hi), pack, self._prev], wait=False)
+        self._issued.append(self._prev)
+
     def sync(self, state, buffers):
         """Gated average (eq. "average"): ``ĝ_j = Σ_{i ∈ H_j} g_ij / d_j`` on the holders,
-        zero elsewhere."""
-        xp, g, clock = self.xp, buffers.flat, self.run.clock
+        zero elsewhere.  The sets the backward did not send (all with ``--overlap off``) are
+        sent here; then every call is waited for in order and unpacked."""
+        g, clock = buffers.flat, self.run.clock
         self._refreshed = self._assembled = False
-        h = None                 # this rank's previous call: its calls run one after another
-        for idx, buf, comm, d, (lo, hi) in self._reduce:
-            xp.take(g, idx, out=buf)
-            h = comm.allreduce(buf, "sum", phase=GATED, after=[clock.ready(lo, hi), h])
-            buf /= d
-            g[idx] = buf
-        g *= self.mask
+        for i in range(self._sent, len(self._reduce)):
+            self._send_set(i)
+        for i, (h, (idx, buf, _, d, _)) in enumerate(zip(self._issued, self._reduce)):
+            h.wait()
+            with clock.compute(f"sdp_unpack[{i}]", deps=h):
+                buf /= d
+                g[idx] = buf
+        with clock.compute("sdp_mask"):
+            g *= self.mask
+        self._issued, self._prev, self._sent, self._written = [], None, 0, 0
         return g
 
     def _refresh_params(self) -> None:

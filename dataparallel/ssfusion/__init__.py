@@ -37,8 +37,9 @@ The ``--profile-steps`` dense warm-up steps all-reduce the gradient in the ``--b
     ring all-reduce (``Buffer_AR``) and the rest with one all-gather (``Buffer_AG``: dense
     values, then float32 values and int32 indices of the sparse ones); ``--no-interleave``
     all-gathers the whole buffer (SSFusion "naive").  *Offloading* (SSFusion-O, §IV-C,
-    ``--offload``): the sparsification of large tensors whose CPU time fits under the rest of
-    the backward pass (:func:`plan_offload`) runs on one CPU worker thread, submitted from
+    ``--offload``): the sparsification of tensors whose CPU time fits under the rest of their
+    buffer's backward (:func:`plan_offload`; ``--offload-deadline backward``: under the rest
+    of the whole backward) runs on one CPU worker thread, submitted from
     :meth:`SSFusion.on_ready`.
 ``per-tensor``
     every tensor sparsified at density ``d`` (``k_l = ⌈d n_l⌉``), each buffer all-gathered.
@@ -62,11 +63,13 @@ Rooms: :mod:`.options` (the flags), :mod:`.selection` (the planning rules of §I
 feedback: :mod:`dataparallel.codec`; sparsifiers: :mod:`dataparallel.sparsify`.  Closed forms
 and the second source: :mod:`volume.ssfusion`.
 
-Simulation notes: the collectives run in ``sync`` after the backward, buffer by buffer, and so
-does the main-thread sparsification; on the timeline clock every call and compute part is
-declared after what the plan's records name (:meth:`SSFusion.sync`, Fig. 10), the parts on the
-compute stream right after the backward event that completes them, so the collectives overlap
-the rest of the backward.  The tensor-missing count (a diagnostic, not part of the modeled
+Simulation notes: with ``--overlap on`` the run is the paper's pipeline (Fig. 10): the ready
+hook (:meth:`SSFusion.on_ready`, called between two units of the backward) prepares each part
+of a buffer once the backward wrote it and hands its collective to the communication stream,
+so the collectives overlap the rest of the backward for real; :meth:`SSFusion.sync` waits and
+decodes.  On the timeline clock every call and compute part is declared where it ran, after
+what the plan's records name.  ``--overlap off``: everything runs in ``sync`` after the
+backward, each call blocking.  The tensor-missing count (a diagnostic, not part of the modeled
 system) runs only on steps that write a metrics line, so an ordinary step does no diagnostic
 work and ``step_wall_s`` is the whole step.  The ``flops`` source counts the sparsification's
 element operations (:meth:`SSFusionPlan.segment_flops`), with no kernel-launch cost per tensor.

@@ -11,13 +11,16 @@ from substrate.options import option
 
 from ..topk import TopKOptions
 
-__all__ = ["FIRST_BUFFER_RULES", "FUSION_MODES", "FUSION_POLICIES", "SPARSIFIERS",
-           "SSFusionOptions", "needs_profile"]
+__all__ = ["FIRST_BUFFER_RULES", "FUSION_MODES", "FUSION_POLICIES", "OFFLOAD_DEADLINES",
+           "SPARSIFIERS", "SSFusionOptions", "needs_profile"]
 
 FUSION_MODES = ("selective", "per-tensor", "multi-tensor")
 FUSION_POLICIES = ("cupcake", "count")
 FIRST_BUFFER_RULES = ("per-tensor", "exclude")
 SPARSIFIERS = ("dgc", "gaussiank", "exact")
+#: ``--offload-deadline``: a worker's tensor must be sparsified by the end of its buffer's
+#: backward (the paper's rule: the buffer is communicated then) or of the whole backward
+OFFLOAD_DEADLINES = ("buffer", "backward")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class SSFusionOptions:
                               "sparse part (disable with --no-interleave)")
     offload: bool = option(False, "ssfusion: sparsify large tensors on a CPU worker thread "
                            "during backward")
+    offload_deadline: str = option(
+        "buffer", "ssfusion --offload: a tensor goes to the CPU worker when the worker can "
+        "finish it by the end of its buffer's backward (buffer: the paper's rule, the buffer is "
+        "sent then) or by the end of the whole backward (backward: for --overlap off, where "
+        "every buffer is sent after it)", choices=OFFLOAD_DEADLINES)
     error_feedback: bool = option(True, "accumulate unsent entries into the next step "
                                   "(disable with --no-error-feedback)")
 
@@ -72,7 +80,9 @@ class SSFusionOptions:
         for flag, v, allowed in (("--fusion", self.fusion, FUSION_MODES),
                                  ("--fusion-policy", self.fusion_policy, FUSION_POLICIES),
                                  ("--first-buffer", self.first_buffer, FIRST_BUFFER_RULES),
-                                 ("--sparsifier", self.sparsifier, SPARSIFIERS)):
+                                 ("--sparsifier", self.sparsifier, SPARSIFIERS),
+                                 ("--offload-deadline", self.offload_deadline,
+                                  OFFLOAD_DEADLINES)):
             if v not in allowed:
                 raise ValueError(f"{flag} {v!r} unknown; use one of {allowed}")
         for flag, v in (("--buffers", self.buffers), ("--profile-steps", self.profile_steps)):

@@ -449,7 +449,8 @@ def plan_ssfusion(sizes, p: int, link: str, options: SSFusionOptions, cost, *, p
         lps.append(lp)
     if dense is not None and {int(l) for l in dense} - {l for l in range(L) if k[l] < 0}:
         raise ValueError(f"dense tensors {sorted(dense)} are not all tensor indices 0..{L - 1}")
-    off = (plan_offload(T_b, T_cpu, np.array([v >= 0 for v in k]), buffers) if o.offload
+    off = (plan_offload(T_b, T_cpu, np.array([v >= 0 for v in k]), buffers,
+                        deadline=o.offload_deadline) if o.offload
            else np.zeros(L, dtype=bool))
     return SSFusionPlan(o.fusion, sizes, warm, buffers, tuple(k), tuple(lps),
                         tuple(bool(v) for v in off), True, **sparsification)

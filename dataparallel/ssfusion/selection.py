@@ -204,8 +204,9 @@ def plan_offload(T_b, T_cpu, sparse, buffers, *, deadline: str = "backward") -> 
     in backward order, so ``l`` finishes at ``F_l = max(R_l, F_prev) + T_cpu^l``.  It is
     offloaded when ``F_l`` does not exceed the deadline: the end of its buffer's backward
     (``deadline="buffer"``, the paper's rule for a pipeline that communicates each buffer during
-    backward) or the end of the whole backward (``"backward"``, this trainer's case: buffers are
-    communicated in ``sync`` after the backward).
+    backward, as the trainer does with ``--overlap on``) or the end of the whole backward
+    (``"backward"``: for a run that communicates every buffer after the backward, ``--overlap
+    off``).
     """
     if deadline not in ("buffer", "backward"):
         raise ValueError(f"deadline must be 'buffer' or 'backward', got {deadline!r}")

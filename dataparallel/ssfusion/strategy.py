@@ -34,15 +34,6 @@ from .selection import per_tensor_counts
 __all__ = ["SSFusion"]
 
 
-def _placeable(event):
-    """``event`` if a compute event can be placed right after it on the compute stream
-    (:meth:`substrate.timeline.Timeline.compute`'s ``after``), else ``None`` (additive clock,
-    no per-layer events: the event then goes at the end of the stream)."""
-    if event is None or event.kind != "compute" or event.resource != "compute":
-        return None
-    return event if event.order == (event.index,) else None
-
-
 @dataclass
 class _Buffer:
     """A fusion buffer of the plan (:class:`~dataparallel.ssfusion.FusionBuffer`) with its
@@ -112,6 +103,14 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._seg_of: dict = {}
         self._k_full = per_tensor_counts(self.sizes, options.density)
         self._step = 0  # the step whose backward runs (for on_ready)
+        # the step in flight: calls issued (kind, buffer, handle) to wait and decode in sync,
+        # the last call on the stream, each buffer's stage (1: Buffer_AR sent, 2: all sent)
+        # and head event, the warm-up buffers sent
+        self._issued: list = []
+        self._prev = None
+        self._stage: dict = {}
+        self._head_ev: dict = {}
+        self._warm_sent = 0
         self._init_profiling()
         # SSFusion-O: the worker's events are timed on its thread by the run's compute source;
         # a GPU run's worker does host work that CUDA events cannot see: its thread CPU time
@@ -139,6 +138,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._bufs = [_Buffer(spec, xp.empty(spec.n_ar, dtype=np.float32), spec.row.empty(xp))
                       for spec in plan.layout]
         self._seg_of = {s.sid: (buf, s) for buf in self._bufs for s in buf.segments}
+        self._buffer_of = {l: i for i, buf in enumerate(self._bufs) for l in range(buf.t0, buf.t1)}
         self._install_offload()
 
     def _counts(self) -> tuple[list[int], list[int], list[int]]:
@@ -209,20 +209,80 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                       and not (s.offload and s.sid in self._futures)))
 
     # -- one step ---------------------------------------------------------------------------------
+    def on_ready(self, name: str) -> None:
+        """The backward wrote ``name``'s gradient (called between units, right after the unit
+        that wrote it).  Warm-up profiling and SSFusion-O's submissions as before
+        (:meth:`WarmupProfiler.on_ready`); then, with ``--overlap on``, the paper's pipeline
+        (§IV-D, Fig. 10) for real: when the tensors before a buffer's split are written, their
+        part is prepared here (momentum, sparsification, packing of ``Buffer_AR``: compute
+        between units, so it delays the rest of the backward as a kernel on the compute stream
+        would) and ``Buffer_AR``'s all-reduce goes to the communication stream; when the whole
+        buffer is written, the rest is prepared, the worker's segments collected and the
+        all-gather of ``Buffer_AG`` issued.  In a warm-up step with nothing to compute after the
+        backward (no profiling, no momentum correction) each warm-up buffer's all-reduce is
+        issued as soon as the backward wrote it.  :meth:`sync` waits and decodes."""
+        super().on_ready(name)
+        if not self.run.recorder.overlap:
+            return                  # --overlap off: every call blocks in sync, after it
+        l = self.index_of[name]
+        if self.plan is None or self._step < self.warmup:
+            if self.plan is not None and not self.mu:
+                wb = self._template.warmup_buffers
+                while self._warm_sent < len(wb) and l + 1 >= wb[self._warm_sent][1]:
+                    self._send_warmup(self._warm_sent, self.ctx.model.grads.flat, [])
+            return
+        i = self._buffer_of[l]
+        buf = self._bufs[i]
+        if buf.c > buf.a and int(self.offsets[l + 1]) == buf.c:
+            self._send_head(i, self._step)
+        if l + 1 == buf.t1:
+            self._send_tail(i, self._step)
+
+    def _send_head(self, i: int, step: int) -> None:
+        """Buffer ``i``'s part before its split: prepare it, then all-reduce ``Buffer_AR``
+        after it, its gradients and the previous call on the stream."""
+        clock, buf = self.run.clock, self._bufs[i]
+        head = self._prepare_part(buf, step, True, f"ssf_sparsify_ar[{i}]")
+        self._head_ev[i] = head
+        if buf.n_ar:
+            self._prev = self.topo.world.allreduce(
+                buf.ar_buf, "avg", phase=DENSE, after=[clock.ready(buf.a, buf.c), head,
+                                                        self._prev], wait=False)
+            self._issued.append(("ar", i, self._prev))
+        self._stage[i] = 1
+
+    def _send_tail(self, i: int, step: int) -> None:
+        """The rest of buffer ``i``: prepare the part after the split, collect the worker's
+        segments (the host waits for them: the compute stream does too,
+        ``ssf_offload_wait[i]``), then all-gather ``Buffer_AG`` after both parts, the worker's
+        events and the previous call (``T2 = max(T_AR, Σ T_b + T_sp) + T_AG``)."""
+        clock, buf = self.run.clock, self._bufs[i]
+        if self._stage.get(i, 0) == 0 and buf.c > buf.a:
+            self._send_head(i, step)
+        tail = None
+        if buf.b > buf.c:
+            tail = self._prepare_part(buf, step, False, f"ssf_sparsify[{i}]")
+        offloaded = self._collect_offloaded(buf)
+        if offloaded:
+            with clock.compute(f"ssf_offload_wait[{i}]", deps=offloaded):
+                pass
+        if buf.send.size:
+            self._prev = self.topo.world.allgather(
+                buf.send, phase=SPARSE, after=[clock.ready(buf.a, buf.b), self._head_ev.get(i),
+                                               tail, *offloaded, self._prev], wait=False)
+            self._issued.append(("ag", i, self._prev))
+        self._stage[i] = 2
+
     def sync(self, state, buffers):
         """One sparse step, buffer by buffer in backward order, as :meth:`SSFusionPlan.calls`
-        lists it: the part before the split (momentum, sparsification, packing of
-        ``Buffer_AR``) on the compute stream once the backward wrote it, the all-reduce of
-        ``Buffer_AR`` after it and the previous buffer's last call, the part after the split,
-        the worker's offloaded segments (:meth:`_collect_offloaded`), then the all-gather of
-        ``Buffer_AG`` after all of them and the all-reduce (one communication channel:
-        ``T2 = max(T_AR, Σ_{j>l'} T_b + T_sp) + T_AG``, §IV-D).  Each received buffer is
-        decoded into the gradient after its call.
-
-        The code runs after the backward; on the timeline each part is placed on the compute
-        stream right after the backward event that completes it (``after=``: it delays the rest
-        of the backward, as a kernel launched there would), so buffer ``i``'s collectives overlap
-        the rest of the backward and buffer ``i+1``'s sparsification.
+        lists it.  With ``--overlap on`` the backward has already prepared every buffer and
+        issued its calls (:meth:`on_ready`); what it did not (every buffer with ``--overlap
+        off``, where each call blocks) is done here, after the backward, in the same order: the
+        part before the split (momentum, sparsification, packing of ``Buffer_AR``), the
+        all-reduce of ``Buffer_AR``, the part after the split, the worker's offloaded segments
+        (:meth:`_collect_offloaded`), the all-gather of ``Buffer_AG``.  Then every call is waited
+        for in issue order and its buffer decoded into the gradient (``ssf_unpack_dense[i]``,
+        ``ssf_unpack_sparse[i]``: compute after their call).
 
         The tensor-missing rate (:meth:`_count_missing`, a diagnostic that is not part of the
         modeled system) is counted only on steps that write a metrics line
@@ -233,48 +293,47 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         if self.plan is None or step < self.warmup:
             return self._warmup_sync(step, g)
         clock = self.run.clock
-        world, p = self.topo.world, self.topo.size
+        p = self.topo.size
+        for i in range(len(self._bufs)):
+            if self._stage.get(i, 0) < 2:            # not sent during the backward
+                self._send_tail(i, step)
         gathered_idx = []
-        prev = None  # the last call on the communication channel
-        for i, buf in enumerate(self._bufs):
-            head = tail = None
-            if buf.c > buf.a:
-                head = self._prepare_part(buf, step, True, f"ssf_sparsify_ar[{i}]")
-            if buf.n_ar:
-                prev = world.allreduce(buf.ar_buf, "avg", phase=DENSE,
-                                       after=[clock.ready(buf.a, buf.c), head, prev])
-                with clock.compute(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar), deps=prev):
+        for kind, i, h in self._issued:
+            buf = self._bufs[i]
+            h.wait()
+            if kind == "ar":
+                with clock.compute(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar), deps=h):
                     o = 0
                     for ra, rb in buf.ar:
                         g[ra:rb] = buf.ar_buf[o:o + rb - ra]
                         o += rb - ra
-            if buf.b > buf.c:
-                tail = self._prepare_part(buf, step, False, f"ssf_sparsify[{i}]")
-            offloaded = self._collect_offloaded(buf)
-            if buf.send.size:
-                prev = world.allgather(buf.send, phase=SPARSE,
-                                       after=[clock.ready(buf.a, buf.b), head, tail, *offloaded,
-                                              prev])
-                # element operations: the p dense blocks summed, the p K entries
-                # scatter-added, the buffer's dense and sparse ranges written back
-                with clock.compute(f"ssf_unpack_sparse[{i}]",
-                                   flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
-                                   deps=prev):
-                    self._unpack_gathered(buf, prev.result, g, p, gathered_idx)
+                continue
+            # element operations: the p dense blocks summed, the p K entries scatter-added,
+            # the buffer's dense and sparse ranges written back
+            with clock.compute(f"ssf_unpack_sparse[{i}]",
+                               flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
+                               deps=h):
+                self._unpack_gathered(buf, h.result, g, p, gathered_idx)
+        self._end_step()
         if state.logged:
             self._count_missing(gathered_idx)
         self._stats["sparse_steps"] += 1
         self._last = ("sparse", False, False)
         return g
 
+    def _end_step(self) -> None:
+        """Forget the step's calls (all waited for)."""
+        self._issued, self._prev, self._warm_sent = [], None, 0
+        self._stage, self._head_ev = {}, {}
+
     def _prepare_part(self, buf: _Buffer, step: int, head: bool, label: str):
-        """:meth:`_prepare` as a compute event placed right after the backward event that
-        completes the part (the paper's pipeline, Fig. 10); returns the event."""
+        """:meth:`_prepare` as a compute event after the backward event that completes the
+        part: run from the ready hook it is declared right there, between two units (the
+        paper's pipeline, Fig. 10); run from :meth:`sync` it follows the backward, as it ran.
+        Returns the event."""
         clock = self.run.clock
         lo, hi = (buf.a, buf.c) if head else (buf.c, buf.b)
-        ready = clock.ready(lo, hi)
-        with clock.compute(label, flops=self._part_flops(buf, head), deps=ready,
-                           after=_placeable(ready)):
+        with clock.compute(label, flops=self._part_flops(buf, head), deps=clock.ready(lo, hi)):
             t = time.perf_counter()
             self._prepare(buf, step, head)
             self.run.backend.synchronize()
@@ -325,18 +384,29 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                 self.velocity += g
                 g[...] = self.velocity
             before.append(clock.last_event if clock.timeline is not None else None)
-        world = self.topo.world
-        prev = None
-        for (t0, t1) in template.warmup_buffers:
-            a, b = int(self.offsets[t0]), int(self.offsets[t1])
-            prev = world.allreduce(g[a:b], "avg", phase=WARMUP,
-                                   after=[clock.ready(a, b), *before, prev])
+        while self._warm_sent < len(template.warmup_buffers):   # not sent during the backward
+            self._send_warmup(self._warm_sent, g, before)
+        for _, _, h in self._issued:
+            h.wait()
+        last = self._prev
+        self._end_step()
         decided = profiling and step == self.warmup - 1
         if decided:
-            self._decide(prev)
+            self._decide(last)
         self._last = ("warmup", decided, profiling)
         self._ready_count = 0
         return g
+
+    def _send_warmup(self, j: int, g, before: list) -> None:
+        """Warm-up buffer ``j``'s average all-reduce after its gradients, ``before`` (the
+        step's profiling and momentum events) and the previous call on the stream."""
+        t0, t1 = self._template.warmup_buffers[j]
+        a, b = int(self.offsets[t0]), int(self.offsets[t1])
+        self._prev = self.topo.world.allreduce(
+            g[a:b], "avg", phase=WARMUP, after=[self.run.clock.ready(a, b), *before, self._prev],
+            wait=False)
+        self._issued.append(("warmup", j, self._prev))
+        self._warm_sent = j + 1
 
     def after_step(self, state) -> None:
         self._step = int(state.step) + 1
