@@ -218,8 +218,8 @@ def test_fused_softmax_cross_entropy_matches_definition(monkeypatch, threads):
     if k is None:
         pytest.skip("Numba not installed")
     import numba
-    monkeypatch.setattr(k, "CE_ROWS", 7)
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_transformer.CE_ROWS", 7)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     monkeypatch.setattr(L, "CE_MIN_KERNEL", 0)
     rng = np.random.default_rng(41)
     X = rng.standard_normal((50, 13)) * 4
@@ -814,7 +814,7 @@ def threaded_kernels(monkeypatch):
     if k is None:
         pytest.skip("Numba not installed")
     import numba
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     yield k
@@ -938,17 +938,18 @@ def test_threaded_matmul_matches_numpy(threaded_kernels, monkeypatch, shape_a, s
     """kernels.matmul cut into parts on 2 threads (every size split) equals one np.matmul to
     float32 round-off, for row and column cuts, a transposed operand and GEMM stacks; the BLAS
     pools get their thread counts back."""
+    from models import kernels_threads
     kern = threaded_kernels
-    monkeypatch.setattr(kern, "GEMM_MIN_SPLIT", 0)
+    monkeypatch.setattr("models.kernels_threads.GEMM_MIN_SPLIT", 0)
     rng = np.random.default_rng(40)
     a = rng.standard_normal(shape_a).astype(np.float32)
     a = a.T if transpose_a else a
     b = rng.standard_normal(shape_b).astype(np.float32)
-    before = [lib.num_threads for lib in kern._blas_pools()]
+    before = [lib.num_threads for lib in kernels_threads._blas_pools()]
     got = kern.matmul(a, b)
     out = np.full(got.shape, np.nan, np.float32)
     assert kern.matmul(a, b, out) is out
     want = a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out, got)
-    assert [lib.num_threads for lib in kern._blas_pools()] == before
+    assert [lib.num_threads for lib in kernels_threads._blas_pools()] == before
