@@ -65,6 +65,7 @@ import numpy as np
 
 from .kernels_threads import (
     _JIT,
+    CHUNKS_PER_THREAD,
     GEMM_MIN_SPLIT,
     GEMM_PARTS,
     MIN_PARALLEL,
@@ -99,6 +100,7 @@ from .kernels_winograd import (
 
 __all__ = [
     "CE_ROWS",
+    "CHUNKS_PER_THREAD",
     "GELU_ROWS",
     "GEMM_MIN_SPLIT",
     "GEMM_PARTS",

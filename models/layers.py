@@ -33,7 +33,15 @@ import numpy as np
 from substrate.backend import array_module
 
 from .batchnorm import BatchNorm2d
-from .conv import Conv2d
+from .conv import (
+    BLOCK_MAX_COUT,
+    BLOCK_MIN_BLOCKS,
+    BLOCK_ROWS,
+    WINOGRAD_MIN_CHANNELS,
+    WINOGRAD_MIN_HW,
+    WINOGRAD_TILES,
+    Conv2d,
+)
 from .im2col import (
     Workspace,
     col2im,
@@ -49,6 +57,12 @@ from .kernel_loader import numba_kernels as _numba_kernels
 from .layer_base import Layer, _empty_like_layout, _flat_layout, _matmul, _pair
 
 __all__ = [
+    "BLOCK_MAX_COUT",
+    "BLOCK_MIN_BLOCKS",
+    "BLOCK_ROWS",
+    "WINOGRAD_MIN_CHANNELS",
+    "WINOGRAD_MIN_HW",
+    "WINOGRAD_TILES",
     "BasicBlock",
     "BatchNorm2d",
     "Bottleneck",
