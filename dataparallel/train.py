@@ -47,7 +47,7 @@ from runner.options import add_common_args, add_training_args
 from runner.run import start_run
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
-from .pactrain import INIT_FORMAT, check_init_file, load_init
+from .pactrain.init_file import INIT_FORMAT, check_init_file, load_init
 from .strategy import (
     STRATEGIES,
     StepState,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layers import Layer
+from .layer_base import Layer
 from .params import ParamLayout, ParamSpec
 
-__all__ = ["ModelSpec", "spec_from_layers", "layer_tree_specs"]
+__all__ = ["ModelSpec", "layer_tree_specs", "spec_from_layers"]
 
 
 def layer_tree_specs(root: Layer) -> list[ParamSpec]:

@@ -218,8 +218,8 @@ def test_fused_softmax_cross_entropy_matches_definition(monkeypatch, threads):
     if k is None:
         pytest.skip("Numba not installed")
     import numba
-    monkeypatch.setattr(k, "CE_ROWS", 7)
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_transformer.CE_ROWS", 7)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     monkeypatch.setattr(L, "CE_MIN_KERNEL", 0)
     rng = np.random.default_rng(41)
     X = rng.standard_normal((50, 13)) * 4
@@ -292,10 +292,10 @@ def test_training_step_skips_the_first_convs_input_gradient(monkeypatch, blocked
     """loss_and_grad leaves out the stem conv's input gradient (the data has none): the same
     parameter gradients as a backward that computes it, the stem's backward returns ``None``
     only inside loss_and_grad, and a plain ``backward`` still returns the input gradient."""
-    from models import layers as L
+    from models import conv as C
     if blocked:
-        monkeypatch.setattr(L, "BLOCK_ROWS", 1)
-        monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+        monkeypatch.setattr(C, "BLOCK_ROWS", 1)
+        monkeypatch.setattr(C, "BLOCK_MIN_BLOCKS", 2)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((4, 3, 8, 8))
     labels = rng.integers(0, 5, 4)
@@ -533,11 +533,12 @@ def winograd_everywhere(monkeypatch):
     """Every 3x3 stride-1 padding-1 conv with even H, W takes the Winograd path (small test
     shapes included), with blocks of 2 images of 4x6 (6 tiles each) so blocks split the batch."""
     from models import layers as L
+    from models import conv as C
     if L._kernels() is None:
         pytest.skip("Numba not installed")
-    monkeypatch.setattr(L, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(L, "WINOGRAD_MIN_HW", 1)
-    monkeypatch.setattr(L, "WINOGRAD_TILES", 12)
+    monkeypatch.setattr(C, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(C, "WINOGRAD_MIN_HW", 1)
+    monkeypatch.setattr(C, "WINOGRAD_TILES", 12)
     return L
 
 
@@ -573,23 +574,24 @@ def test_winograd_float32_error_is_round_off():
     Winograd agrees with the float64 loop definition to a few float32 ulps relative to the
     output's scale, as the float32 im2col path does (within a factor 4 of its error)."""
     from models import layers as L
+    from models import conv as C
     if L._kernels() is None:
         pytest.skip("Numba not installed")
     rng = np.random.default_rng(32)
     x = rng.standard_normal((2, 64, 16, 16))
     errs = {}
-    for name, min_ch in (("winograd", L.WINOGRAD_MIN_CHANNELS), ("im2col", 10 ** 9)):
+    for name, min_ch in (("winograd", C.WINOGRAD_MIN_CHANNELS), ("im2col", 10 ** 9)):
         layer = Conv2d(64, 64, 3, padding=1, bias=False)
         m = Model(layer, (64, 16, 16), None, dtype=np.float32, seed=5)
-        old = L.WINOGRAD_MIN_CHANNELS
-        L.WINOGRAD_MIN_CHANNELS = min_ch
+        old = C.WINOGRAD_MIN_CHANNELS
+        C.WINOGRAD_MIN_CHANNELS = min_ch
         try:
             assert layer._winograd(np, 16, 16) == (name == "winograd")
             y = m.forward(x.astype(np.float32))
             dy = rng.standard_normal(y.shape)
             dx = m.backward(dy.astype(np.float32))
         finally:
-            L.WINOGRAD_MIN_CHANNELS = old
+            C.WINOGRAD_MIN_CHANNELS = old
         w = layer.P["weight"].astype(np.float64)
         ref_y = conv_reference(x, w, None, (1, 1), (1, 1))
         ref_dx, ref_dw = conv_backward_loops(x[:1], w, dy[:1], (1, 1), (1, 1))
@@ -663,9 +665,9 @@ def test_winograd_transforms_match_their_matrices():
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocked convolutions on small test shapes: blocks of ~84 im2col rows, 2 blocks enough."""
-    from models import layers as L
-    monkeypatch.setattr(L, "BLOCK_ROWS", 84)
-    monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+    from models import conv as C
+    monkeypatch.setattr(C, "BLOCK_ROWS", 84)
+    monkeypatch.setattr(C, "BLOCK_MIN_BLOCKS", 2)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -673,7 +675,7 @@ def test_blocked_conv_matches_loops_and_the_one_gemm_path(small_blocks, training
     """The blocked path (2 images of 7x6 per block, 5 images: blocks of 2, 2, 1) gives the loop
     definition's output, input gradient and weight gradient, after a training or an evaluation
     forward, and agrees with the one-GEMM path to round-off."""
-    from models import layers as L
+    from models import conv as C
     rng = np.random.default_rng(23)
     layer = Conv2d(3, 4, 3, padding=1, bias=True)
     m = wrap(layer, (3, 7, 6))
@@ -693,7 +695,7 @@ def test_blocked_conv_matches_loops_and_the_one_gemm_path(small_blocks, training
     np.testing.assert_allclose(y, ref_y + layer.P["bias"][:, None, None], rtol=1e-12,
                                atol=1e-12)
     blocked = (y.copy(), dx.copy(), layer.G["weight"].copy())
-    L.BLOCK_ROWS = 10**9                             # one block is too few: the one-GEMM path
+    C.BLOCK_ROWS = 10**9                             # one block is too few: the one-GEMM path
     y1 = m.forward(x, training=training)
     assert layer._cache[3] == 0
     dx1 = m.backward(dy)
@@ -814,7 +816,7 @@ def threaded_kernels(monkeypatch):
     if k is None:
         pytest.skip("Numba not installed")
     import numba
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     yield k
@@ -824,8 +826,11 @@ def threaded_kernels(monkeypatch):
 def array_path(monkeypatch):
     """Make the layers take their NumPy array path for conv data movement, ReLU and sums."""
     from models import im2col
+    from models import conv, layer_base
     from models import layers as L
     monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
+    monkeypatch.setattr(layer_base, "_numba_kernels", lambda xp: None)
+    monkeypatch.setattr(conv, "_numba_kernels", lambda xp: None)
     monkeypatch.setattr(im2col, "_numba_kernels", lambda xp: None)
 
 
@@ -867,9 +872,9 @@ def test_threaded_kernels_give_the_array_path_bits_in_a_resnet(threaded_kernels,
     (one image per block): both paths block alike."""
     import numba
     if blocked:
-        from models import layers as L
-        monkeypatch.setattr(L, "BLOCK_ROWS", 1)
-        monkeypatch.setattr(L, "BLOCK_MIN_BLOCKS", 2)
+        from models import conv as C
+        monkeypatch.setattr(C, "BLOCK_ROWS", 1)
+        monkeypatch.setattr(C, "BLOCK_MIN_BLOCKS", 2)
     rng = np.random.default_rng(21)
     x = rng.standard_normal((3, 3, 9, 7)).astype(np.float32)
     labels = rng.integers(0, 5, 3)
@@ -938,17 +943,18 @@ def test_threaded_matmul_matches_numpy(threaded_kernels, monkeypatch, shape_a, s
     """kernels.matmul cut into parts on 2 threads (every size split) equals one np.matmul to
     float32 round-off, for row and column cuts, a transposed operand and GEMM stacks; the BLAS
     pools get their thread counts back."""
+    from models import kernels_threads
     kern = threaded_kernels
-    monkeypatch.setattr(kern, "GEMM_MIN_SPLIT", 0)
+    monkeypatch.setattr("models.kernels_threads.GEMM_MIN_SPLIT", 0)
     rng = np.random.default_rng(40)
     a = rng.standard_normal(shape_a).astype(np.float32)
     a = a.T if transpose_a else a
     b = rng.standard_normal(shape_b).astype(np.float32)
-    before = [lib.num_threads for lib in kern._blas_pools()]
+    before = [lib.num_threads for lib in kernels_threads._blas_pools()]
     got = kern.matmul(a, b)
     out = np.full(got.shape, np.nan, np.float32)
     assert kern.matmul(a, b, out) is out
     want = a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out, got)
-    assert [lib.num_threads for lib in kern._blas_pools()] == before
+    assert [lib.num_threads for lib in kernels_threads._blas_pools()] == before

@@ -115,7 +115,7 @@ def test_sgd_blocked_threaded_step_gives_the_reference_bits(monkeypatch, mu, nes
         pytest.skip("Numba not installed")
     import numba
     monkeypatch.setattr(optim, "STEP_BLOCK", 7)
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
@@ -415,7 +415,7 @@ def test_adamw_fused_kernel_gives_the_array_path_bits(monkeypatch, wd, decay_kin
         pytest.skip("Numba not installed")
     import numba
     monkeypatch.setattr(optim, "STEP_BLOCK", 7)
-    monkeypatch.setattr(k, "MIN_PARALLEL", 0)
+    monkeypatch.setattr("models.kernels_threads.MIN_PARALLEL", 0)
     seq = [{n: g.astype(np.float32) for n, g in step.items()} for step in grad_sequence(4)]
     sched = CosineLR(0.05, 4, warmup_steps=1)
     mask = (np.random.default_rng(3).random(LAYOUT.total) < 0.7).astype(np.float32)
