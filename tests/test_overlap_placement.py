@@ -164,36 +164,6 @@ def test_any_placement_measured_equals_predicted(tmp_path, method, extra, n, nod
         assert tr["intra_node_bytes"] == 0 and tr["inter_node_bytes"] > 0
 
 
-@pytest.mark.parametrize("method,extra", [
-    ("pactrain", ["--warmup-steps", 1, "--stable-window", 1, "--bucket-mib", 0.02]),
-    ("sdp", []),
-    ("ssfusion", ["--profile-steps", 1]),
-])
-def test_round_robin_measured_equals_predicted_for_every_strategy(tmp_path, method, extra):
-    """PacTrain, SDP and SSFusion on a round-robin placement (issue 24): the ring phases cross
-    nodes on every link, SDP's holder sets and SSFusion's buffers follow the real placement."""
-    out = tmp_path / "run"
-    run_mpi(None, 4, "train", "--method", method, "--steps", 4, "--eval-every", 4,
-            "--node-map", "round-robin:2", "--out", out, *extra, module="dataparallel",
-            timeout=240)
-    s = read_summary(out)
-    assert s["topology"]["node_of"] == [0, 1, 0, 1]
-    assert_measured_equals_predicted(s)
-    assert s["traffic"]["measured"]["inter_node_bytes"] > 0
-
-
-def test_hsgd_round_robin_measured_equals_predicted(tmp_path):
-    """H-SGD's SpFF/SpBP messages on a round-robin placement: which pairs cross nodes changes,
-    the prediction prices the plan's pairs on the run's placement."""
-    out = tmp_path / "run"
-    run_mpi(None, 4, "train", "--neurons", 256, "--layers", 4, "--steps", 3,
-            "--node-map", "round-robin:2", "--out", out, module="sparse_sgd", timeout=240)
-    s = read_summary(out)
-    assert s["topology"]["node_of"] == [0, 1, 0, 1]
-    assert_measured_equals_predicted(s)
-    assert s["traffic"]["measured"]["inter_node_bytes"] > 0
-
-
 @pytest.mark.parametrize("node_map,message", [
     ("round-robin:3", "positive divisor of the 4 ranks"),
     ("0,1,0", "gives 3 node ids for 4 ranks"),
