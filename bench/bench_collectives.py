@@ -62,9 +62,9 @@ def main(argv=None):
         buf = np.ones(mib * (1 << 20) // 4, dtype=np.float32)
         raws, wraps, exs = [], [], []
         for _ in range(args.reps):  # interleaved
-            raws.append(_median_time(lambda: raw.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), raw, 1))
-            wraps.append(_median_time(lambda: w.allreduce(buf, phase="bench"), raw, 1))
-            exs.append(_median_time(lambda: exact.allreduce(buf, phase="bench"), raw, 1))
+            raws.append(_median_time(lambda buf=buf: raw.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), raw, 1))
+            wraps.append(_median_time(lambda buf=buf: w.allreduce(buf, phase="bench"), raw, 1))
+            exs.append(_median_time(lambda buf=buf: exact.allreduce(buf, phase="bench"), raw, 1))
         r, l, x = statistics.median(raws), statistics.median(wraps), statistics.median(exs)
         # the wrapper's own work (argument checks + ledger record), timed without MPI noise
         t = time.perf_counter()

@@ -162,7 +162,7 @@ def main(argv=None) -> None:
     for _ in range(args.reps):  # interleaved
         for name, spans in (("bucketed", plan.buckets), ("per-layer", layers)):
             snap = topo.ledger.snapshot()
-            times[name].append(_median_time(lambda: reduce(spans), world, 1))
+            times[name].append(_median_time(lambda spans=spans: reduce(spans), world, 1))
             modeled[name] = topo.ledger.since(snap).get("bench", {}).get("modeled_s", 0.0)
     if rank0:
         med = {k: statistics.median(v) for k, v in times.items()}

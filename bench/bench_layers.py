@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.layers import Conv2d  # noqa: E402
-from models.network import Model  # noqa: E402
+from models.layers import Conv2d
+from models.network import Model
 
 # (label, C_in, C_out, H=W, kernel, stride, padding)
 SHAPES = [
@@ -96,7 +96,7 @@ def bench_conv(xp, label, c_in, c_out, hw, k, s, p, batch, repeat):
                                        repeat)
     scipy_ratio = None
     if xp is np:
-        from scipy import signal  # noqa: PLC0415
+        from scipy import signal
 
         w = layer.P["weight"]
         n_ref = min(batch, 4)
@@ -119,9 +119,9 @@ def bench_conv(xp, label, c_in, c_out, hw, k, s, p, batch, repeat):
 def bench_digits_cnn(xp, batch, window=20, windows=10):
     """Training steps per second of the digits CNN: best of ``windows`` runs of ``window``
     consecutive steps (forward + backward + SGD), robust to other processes on the machine."""
-    from models.data import load_digits  # noqa: PLC0415
-    from models.optim import SGD, SGDConfig  # noqa: PLC0415
-    from models.zoo import cnn  # noqa: PLC0415
+    from models.data import load_digits
+    from models.optim import SGD, SGDConfig
+    from models.zoo import cnn
 
     train = load_digits().train.to(xp)
     model = cnn(train.input_shape, 10, xp=xp, seed=0)
@@ -138,7 +138,7 @@ def bench_digits_cnn(xp, batch, window=20, windows=10):
 
 def _blas_threads() -> str:
     try:
-        from threadpoolctl import threadpool_info  # noqa: PLC0415 (ships with scikit-learn)
+        from threadpoolctl import threadpool_info
 
         info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
         if info:
@@ -156,13 +156,13 @@ def main(argv=None) -> int:
                         help="timed calls per measurement; the minimum is reported")
     args = parser.parse_args(argv)
     if args.device == "gpu":
-        from substrate.backend import cupy_available  # noqa: PLC0415
+        from substrate.backend import cupy_available
 
         if not cupy_available():
             print("bench_layers --device gpu: skipped (CuPy not installed or no CUDA device "
                   "visible)")
             return 0
-        import cupy as xp  # noqa: PLC0415
+        import cupy as xp
         lib = f"CuPy {xp.__version__} on {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}"
     else:
         xp = np

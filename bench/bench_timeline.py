@@ -40,12 +40,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dataparallel.ddp import DDPPlan  # noqa: E402
-from substrate.calls import Placement, declare  # noqa: E402
-from substrate.compute import FlopSource, LayerEvents  # noqa: E402
-from substrate.costmodel import CostModel  # noqa: E402
-from substrate.testing import busy_loops  # noqa: E402
-from substrate.timeline import Timeline  # noqa: E402
+from dataparallel.ddp import DDPPlan
+from substrate.calls import Placement, declare
+from substrate.compute import FlopSource, LayerEvents
+from substrate.costmodel import CostModel
+from substrate.testing import busy_loops
+from substrate.timeline import Timeline
 
 _WORK = r"""
 import sys, time
@@ -89,8 +89,8 @@ def part_load() -> None:
 
 
 def part_overlap() -> None:
-    from models.zoo import resnet  # noqa: PLC0415
-    from substrate.buckets import bucket_groups  # noqa: PLC0415
+    from models.zoo import resnet
+    from substrate.buckets import bucket_groups
 
     model = resnet((3, 32, 32), 10, depths=(2, 2, 2, 2), planes=(64, 128, 256, 512))
     batch, p, tflops = 32, 8, 15.7
@@ -117,7 +117,7 @@ def part_overlap() -> None:
         placement = Placement.node_major(2, p // 2)
         plan = DDPPlan(tuple(buckets), "ring", item)
         ev = declare(tl, plan.calls(placement), placement, 0,
-                     resolve=lambda r: rec.ready_event(r.lo, r.hi))
+                     resolve=lambda r, rec=rec: rec.ready_event(r.lo, r.hi))
         tl.compute("optimizer", rec.source.seconds(4 * model.num_params), deps=ev)
         t = tl.step()
         model.recorder = None
@@ -137,7 +137,7 @@ SIM_SOURCES = ("cpu", "calibrated", "profile")
 
 
 def _sim_cmd(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
-    from runner.launch import launch_command  # noqa: PLC0415
+    from runner.launch import launch_command
 
     module, args, flag = SIM_JOBS[system]
     return launch_command(4, module, [*args, flag, str(steps), "--ranks-per-node", "2",
@@ -147,7 +147,7 @@ def _sim_cmd(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
 
 def _sim_jobs(cmds: list[list[str]], outs: list[Path]) -> list[tuple[float, str]]:
     """Run the jobs at the same time; per job (simulated seconds per step, compute source)."""
-    from runner.launch import mpi_env  # noqa: PLC0415
+    from runner.launch import mpi_env
 
     procs = [subprocess.Popen(c, cwd=ROOT, env=mpi_env(4), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for c in cmds]

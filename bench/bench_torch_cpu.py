@@ -75,7 +75,7 @@ INSTALL_HINT = ("bench_torch_cpu: PyTorch is not installed; it is an optional be
                 "and run again.")
 
 LR, MOMENTUM = 0.05, 0.9
-ADAMW = dict(lr=1e-3, weight_decay=0.01)
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 DEFAULT_CELLS = ["gpt-w128-c64:32", "gpt-w128-c256:32", "gpt-w256-c64:32", "gpt-w256-c256:32",
                  "vit:32", "resnet18:32", "resnet18:128"]
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -236,7 +236,7 @@ class Pair:
     """The project's step and PyTorch's step on the same model, weights and batch."""
 
     def __init__(self, torch, name: str, batch: int, seed: int = 0):
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         self.torch, self.name, self.batch = torch, name, batch
         rng = np.random.default_rng(seed)
@@ -249,8 +249,8 @@ class Pair:
 
     # -- builders ---------------------------------------------------------------------------
     def _transformer(self, np, rng, name, batch, seed):
-        from models.optim import AdamW, AdamWConfig  # noqa: PLC0415
-        from models.transformer import gpt, vit  # noqa: PLC0415
+        from models.optim import AdamW, AdamWConfig
+        from models.transformer import gpt, vit
 
         torch = self.torch
         if name == "vit":
@@ -278,8 +278,8 @@ class Pair:
         self.P, self.loss_fn = P, loss_fn
 
     def _cnn(self, np, rng, name, batch, seed):
-        from models.optim import SGD, SGDConfig  # noqa: PLC0415
-        from models.zoo import cnn, resnet  # noqa: PLC0415
+        from models.optim import SGD, SGDConfig
+        from models.zoo import cnn, resnet
 
         torch = self.torch
         if name == "cnn":
@@ -318,11 +318,11 @@ class Pair:
 
     def agreement(self) -> tuple[str, float, float]:
         """One step of each from the same weights: (what, loss rel diff, second rel diff)."""
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         model = self.model
         before = model.params.flat.copy()
-        loss, logits = model.loss_and_grad(self.x, self.y)
+        loss, _logits = model.loss_and_grad(self.x, self.y)
         self.topt.zero_grad(set_to_none=False)
         tloss = self.loss_fn()
         tloss.backward()
@@ -363,7 +363,7 @@ def time_repeat(pair: Pair, steps: int, windows: int, flip: bool) -> list[float]
 def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
     """Best float32 ``n^3`` matmul rates of NumPy's BLAS and of PyTorch:
     ``[[numpy per wall s, numpy per CPU s], [torch ..., ...]]`` (GFLOP/s)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
@@ -387,19 +387,19 @@ def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
 # child: one thread count
 # ---------------------------------------------------------------------------------------------
 def child(args) -> int:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    import torch  # noqa: PLC0415
-    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
+    import torch
+    from threadpoolctl import threadpool_info, threadpool_limits
 
     n = args.threads[0]
     torch.set_num_threads(n)
-    from models.layers import _kernels  # noqa: PLC0415
+    from models.layers import _kernels
 
     _kernels()              # Numba loaded as the first BatchNorm forward would
     limiter = threadpool_limits(limits=n)
-    import numba  # noqa: PLC0415
+    import numba
 
     pools = sorted({f"{i.get('internal_api')} {i.get('version')} "
                     f"({i.get('architecture') or i.get('threading_layer') or '-'}, "
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
         return child(args)
     if args.busy:
         sys.path.insert(0, str(ROOT))
-        from substrate.testing import busy_loops  # noqa: PLC0415
+        from substrate.testing import busy_loops
 
         with busy_loops(args.busy):
             return table(args)
@@ -479,11 +479,11 @@ def main(argv=None) -> int:
 def table(args) -> int:
     """Run one child per thread count and print the side-by-side table."""
     try:
-        import torch  # noqa: PLC0415
+        import torch
     except ImportError:
         print(INSTALL_HINT)
         return 0
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     print(f"bench_torch_cpu: one training step (forward + loss + backward + optimizer), "
           f"float32; NumPy {np.__version__}, PyTorch {torch.__version__}, "

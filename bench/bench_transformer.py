@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.optim import AdamW, AdamWConfig  # noqa: E402
-from models.transformer import gpt, vit  # noqa: E402
+from models.optim import AdamW, AdamWConfig
+from models.transformer import gpt, vit
 
 
 def best_times(fns, repeat: int, warmup: int = 2) -> list[float]:

@@ -217,8 +217,8 @@ def run_system(name: str, out: Path, ranks: int, *, strict: bool, mode: str = "e
         res[f"{device}_wall_s"] = round(time.perf_counter() - t0, 2)
         if proc.returncode:
             if "sparse_sgd runs on the CPU" in proc.stderr:
-                res.update(ok=None, problems=["refused: the sparse_sgd CLI does not take "
-                                              "--device gpu yet (issue 25 report: its change)"])
+                res.update(ok=None, problems=[("refused: the sparse_sgd CLI does not take "
+                                              "--device gpu yet (issue 25 report: its change)")])
                 return res
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             res.update(ok=False, problems=[f"{device} run failed: {' | '.join(tail)}"])
@@ -481,8 +481,8 @@ def render(report: dict) -> str:
                   for k, v in report["tests"].items()]
     if "systems" in report:
         lines += ["", "## Every system with --device gpu beside its CPU run", "",
-                  "| command | ranks | mode | ok | loss rel. diff | accuracy diff | devices | "
-                  "problems |", "| --- | ---: | --- | --- | ---: | ---: | --- | --- |"]
+                  ("| command | ranks | mode | ok | loss rel. diff | accuracy diff | devices | "
+                  "problems |"), "| --- | ---: | --- | --- | ---: | ---: | --- | --- |"]
         for r in report["systems"]:
             lines.append(f"| {r['name']} | {r['ranks']} | {r['mode']} | {r.get('ok')} | "
                          f"{r.get('loss_rel_diff', float('nan')):.2e} | "

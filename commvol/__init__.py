@@ -14,4 +14,4 @@ from . import predict
 from .report import comparison_table
 from .systems import SYSTEMS
 
-__all__ = ["comparison_table", "predict", "SYSTEMS"]
+__all__ = ["SYSTEMS", "comparison_table", "predict"]

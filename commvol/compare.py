@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from mpi4py import MPI
-from runner.errors import main_guard
-from runner.options import CommonConfig, add_common_args
 
 import dataparallel.train as dp_train
 import hsadmm.train as admm_train
+from runner.errors import main_guard
+from runner.options import CommonConfig, add_common_args
 from substrate.options import flag_of
 
 from .report import comparison_table

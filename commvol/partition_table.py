@@ -27,7 +27,6 @@ import io
 from pathlib import Path
 
 from runner.options import add_common_args
-
 from sparse_sgd.plan import METHODS, PartitionOptions
 from sparse_sgd.radixnet import radixnet
 from sparse_sgd.table1 import table1_rows
@@ -119,8 +118,8 @@ def format_markdown(rows: list[dict]) -> str:
     for N in dict.fromkeys(r["neurons"] for r in rows):
         block = [r for r in rows if r["neurons"] == N]
         out += [f"### N = {N} ({block[0]['layers']} layers; the paper: {PAPER_LAYERS})", "",
-                "| P | row | avg volume | max volume | avg messages | max messages | imb | "
-                "ff+bp avg volume |",
+                ("| P | row | avg volume | max volume | avg messages | max messages | imb | "
+                "ff+bp avg volume |"),
                 "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in block:
             if r["method"] == "H/R":

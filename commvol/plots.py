@@ -36,8 +36,16 @@ from .predict import fmt_bytes
 from .report import Plot, _pyplot, _save, fmt_time, load_run, run_labels, time_unit
 from .report import plot_scaling as _report_plot_scaling
 
-__all__ = ["LANES", "Plot", "step_events", "plot_gantt", "plot_scaling", "tta_points",
-           "plot_tta", "add_parser"]
+__all__ = [
+    "LANES",
+    "Plot",
+    "add_parser",
+    "plot_gantt",
+    "plot_scaling",
+    "plot_tta",
+    "step_events",
+    "tta_points",
+]
 
 #: Lanes of the Gantt chart: the timeline's streams and link classes
 LANES = ("compute", "offload", "intra", "inter")

@@ -25,7 +25,6 @@ import json
 from pathlib import Path
 
 from runner.options import CommonConfig, add_cost_args
-
 from substrate import costmodel as cm
 from substrate.costmodel import CostModel
 from substrate.options import add_dataclass_args, flag_of, from_args
@@ -34,9 +33,20 @@ from .hsgd import RadixNetSpec
 from .specs import DATASET_SHAPES, MODEL_ALIASES, model_names, resolve_model
 from .systems import SYSTEMS, Prediction, get_system
 
-__all__ = ["MODEL_ALIASES", "DATASET_SHAPES", "model_names", "resolve_model", "resolve_spec",
-           "predict", "format_prediction", "add_cost_args", "cost_from_args", "add_parser",
-           "run", "fmt_bytes"]
+__all__ = [
+    "DATASET_SHAPES",
+    "MODEL_ALIASES",
+    "add_cost_args",
+    "add_parser",
+    "cost_from_args",
+    "fmt_bytes",
+    "format_prediction",
+    "model_names",
+    "predict",
+    "resolve_model",
+    "resolve_spec",
+    "run",
+]
 
 def resolve_spec(system: str, model: str | None = None, *, dataset: str = "digits",
                  neurons: int = 1024, layers: int = 12, seed: int = 0):
@@ -107,17 +117,17 @@ def format_prediction(pred: Prediction, iters: int, baseline: Prediction | None 
     cost = cost or CostModel()
     preds = [pred] + ([baseline] if baseline is not None else [])
     d = cost.describe()
-    out = [f"# {pred.system} on {pred.model} ({pred.num_params:,} parameters), {pred.nodes} "
+    out = [(f"# {pred.system} on {pred.model} ({pred.num_params:,} parameters), {pred.nodes} "
            f"nodes x {pred.gpus_per_node} ranks = {pred.nodes * pred.gpus_per_node} ranks, "
-           f"{iters} iterations",
+           f"{iters} iterations"),
            "",
-           f"cost model: intra {d['intra_gbps']:g} Gbit/s, {d['intra_lat_us']:g} us; inter "
+           (f"cost model: intra {d['intra_gbps']:g} Gbit/s, {d['intra_lat_us']:g} us; inter "
            f"{d['inter_gbps']:g} Gbit/s, {d['inter_lat_us']:g} us; ring all-reduce, ring "
            "all-gather, binomial broadcast (a ring that crosses nodes runs at the inter-node "
-           "rate)",
+           "rate)"),
            "",
-           "## per iteration (wire bytes summed over all links; messages summed over ranks; "
-           "modeled seconds on the busiest rank)",
+           ("## per iteration (wire bytes summed over all links; messages summed over ranks; "
+           "modeled seconds on the busiest rank)"),
            "",
            "| system | iterations | phase | intra bytes | inter bytes | messages | modeled s |",
            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
@@ -128,9 +138,9 @@ def format_prediction(pred: Prediction, iters: int, baseline: Prediction | None 
             out += _phase_rows(f"{p.system} ({p.unit})",
                                f"{first}" if first == last else f"{first}-{last}", c)
     out += ["", f"## totals over {iters} iterations", "",
-            "| system | unit | inter-node | intra-node | inter / iter | inter vs "
+            ("| system | unit | inter-node | intra-node | inter / iter | inter vs "
             f"{baseline.system if baseline else 'baseline'} | messages | modeled comm s | "
-            "payload / sender | payload ratio |",
+            "payload / sender | payload ratio |"),
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     base_inter = baseline.total(iters).inter if baseline is not None else None
     for p in preds:
@@ -144,13 +154,13 @@ def format_prediction(pred: Prediction, iters: int, baseline: Prediction | None 
     out += ["", "## assumptions", ""]
     for p in preds:
         out += [f"- {p.system}: {n}" for n in p.notes]
-    out += ["- wire bytes: ring all-reduce of n bytes over g ranks puts 2(g-1)/g n on each of "
+    out += [("- wire bytes: ring all-reduce of n bytes over g ranks puts 2(g-1)/g n on each of "
             "its g links (node-major world ring: M of the p links cross nodes); binomial "
-            "broadcast: one copy per tree edge",
-            "- payload / sender: bytes one leader (H-SADMM), rank (DDP, Top-K) or processor "
+            "broadcast: one copy per tree edge"),
+            ("- payload / sender: bytes one leader (H-SADMM), rank (DDP, Top-K) or processor "
             "(sparse SGD, average) contributes per iteration, summed over the iterations "
             "(PruneX Fig. 6 plots this quantity in GiB: 60 x 232.6 MB = 13.00 GiB for dense "
-            "ResNet-152)",
+            "ResNet-152)"),
             "- GiB = 2^30 bytes"]
     return "\n".join(out)
 

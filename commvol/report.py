@@ -37,10 +37,26 @@ from runner.metrics import write_csv
 from .predict import fmt_bytes
 from .specs import resolve_model
 
-__all__ = ["RunData", "load_run", "time_to_target", "comparison_table", "LEDGER_BYTES",
-           "time_unit", "fmt_time", "Plot", "run_labels", "draw_report", "write_plots",
-           "plot_payload", "plot_accuracy_vs_bytes", "plot_comm_breakdown", "plot_residuals",
-           "plot_scaling", "add_parser", "run"]
+__all__ = [
+    "LEDGER_BYTES",
+    "Plot",
+    "RunData",
+    "add_parser",
+    "comparison_table",
+    "draw_report",
+    "fmt_time",
+    "load_run",
+    "plot_accuracy_vs_bytes",
+    "plot_comm_breakdown",
+    "plot_payload",
+    "plot_residuals",
+    "plot_scaling",
+    "run",
+    "run_labels",
+    "time_to_target",
+    "time_unit",
+    "write_plots",
+]
 
 
 @dataclass
@@ -231,8 +247,8 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
     head = ("| method | nodes x ranks | final acc | iters/steps | inter-node total | inter / unit "
             f"| payload ratio | comm modeled | sim | wall | sim to {target:g} | "
             "inter vs ddp | measured = predicted |")
-    out = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-                 "---: | --- |"]
+    out = [head, ("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+                 "---: | --- |")]
     for r in runs:
         s = r.summary
         topo, timing = s.get("topology", {}), s.get("timing", {})

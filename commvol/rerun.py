@@ -15,9 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from runner.run import git_commit
-
 from runner import launch
+from runner.run import git_commit
 
 __all__ = ["add_parser", "rerun_command", "run"]
 

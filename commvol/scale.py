@@ -54,9 +54,18 @@ from .specs import SPEC_ARCH, build_trainable
 from .systems import get_system
 from .timeline_scale import ComputeModel, epoch_timing, units_for_spec
 
-__all__ = ["SPEC_ARCH", "build_trainable", "measure_compute_s_per_sample", "strong_scaling",
-           "timeline_scaling", "format_scaling", "format_paper_comparison", "PRUNEX_FIG9",
-           "add_parser", "run"]
+__all__ = [
+    "PRUNEX_FIG9",
+    "SPEC_ARCH",
+    "add_parser",
+    "build_trainable",
+    "format_paper_comparison",
+    "format_scaling",
+    "measure_compute_s_per_sample",
+    "run",
+    "strong_scaling",
+    "timeline_scaling",
+]
 
 #: PruneX (paper 000) §5.4, Fig. 9: measured speedup on 64 GPUs over 8 GPUs (ResNet-152,
 #: CIFAR-10, batch 128 per GPU, 4 V100 per node, 100 Gbit/s HDR InfiniBand).
@@ -202,9 +211,9 @@ def format_scaling(table: dict[str, list[dict]]) -> str:
     have no no-overlap columns)."""
     timeline = all("no_overlap_time_s" in r for rows in table.values() for r in rows)
     if not timeline:
-        out = ["| system | GPUs | nodes | iters/epoch | compute s | comm s | time s/epoch | "
-               "speedup | efficiency |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
-               "---: | ---: |"]
+        out = [("| system | GPUs | nodes | iters/epoch | compute s | comm s | time s/epoch | "
+               "speedup | efficiency |"), ("| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+               "---: | ---: |")]
         for name, rows in table.items():
             for r in rows:
                 out.append(f"| {name} | {r['gpus']} | {r['nodes']} | "
@@ -212,10 +221,10 @@ def format_scaling(table: dict[str, list[dict]]) -> str:
                            f"{r['comm_s']:.3f} | {r['time_s']:.3f} | {r['speedup']:.2f}x | "
                            f"{100 * r['efficiency']:.1f} % |")
         return "\n".join(out)
-    out = ["| system | GPUs | nodes | iters/epoch | s/iteration | compute s | comm s | exposed "
-           "comm s | time s/epoch | speedup | efficiency | no-overlap s/epoch | no-overlap speedup |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-           "| ---: |"]
+    out = [("| system | GPUs | nodes | iters/epoch | s/iteration | compute s | comm s | exposed "
+           "comm s | time s/epoch | speedup | efficiency | no-overlap s/epoch | no-overlap speedup |"),
+           ("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+           "| ---: |")]
     for name, rows in table.items():
         for r in rows:
             out.append(f"| {name} | {r['gpus']} | {r['nodes']} | {r['iterations_per_epoch']:.3g} "
@@ -230,8 +239,8 @@ def format_paper_comparison(table: dict, additive: dict | None = None, p0: int =
                             p1: int = 64) -> str | None:
     """Our speedup ``p0 -> p1`` beside PruneX Fig. 9's (:data:`PRUNEX_FIG9`); ``None`` when no
     system of the table is in the paper's figure or the GPU counts are missing."""
-    lines = [f"| system | PruneX Fig. 9 ({p0} -> {p1} GPUs) | timeline | no-overlap | "
-             "earlier additive model |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [(f"| system | PruneX Fig. 9 ({p0} -> {p1} GPUs) | timeline | no-overlap | "
+             "earlier additive model |"), "| --- | ---: | ---: | ---: | ---: |"]
     any_row = False
     for name, paper in PRUNEX_FIG9.items():
         rows = {r["gpus"]: r for r in table.get(name, [])}
@@ -368,23 +377,23 @@ def run(args) -> dict:
     iters = ", ".join(f"{g} GPUs: {math.ceil(args.dataset_size / (g * args.batch_size))}"
                       for g in args.gpus)
     assumptions = [
-        f"model: {spec.name} ({spec.num_params:,} parameters), input {spec.input_shape}; "
+        (f"model: {spec.name} ({spec.num_params:,} parameters), input {spec.input_shape}; "
         f"{fwd / 1e9:.3f} GFLOP forward + {(compute.flops_per_sample - fwd) / 1e9:.3f} GFLOP "
-        f"backward per sample, {flop_how}",
-        f"compute: {t_s:.6g} s per sample per rank ({how}); "
-        f"{args.batch_size * t_s:.4g} s forward+backward per step of {args.batch_size}",
-        f"memory-bound events (Top-K selection/decode, SGD-momentum update: 20 B per "
-        f"parameter) at {args.device_gbs:g} GB/s (--device-gbs)",
-        f"epoch = {args.dataset_size} samples, batch {args.batch_size} per GPU; data-parallel "
-        f"steps per epoch ({iters}), the last one partial",
-        f"links: intra {d['intra_gbps']:g} Gbit/s ({d['intra_lat_us']:g} us), inter "
+        f"backward per sample, {flop_how}"),
+        (f"compute: {t_s:.6g} s per sample per rank ({how}); "
+        f"{args.batch_size * t_s:.4g} s forward+backward per step of {args.batch_size}"),
+        (f"memory-bound events (Top-K selection/decode, SGD-momentum update: 20 B per "
+        f"parameter) at {args.device_gbs:g} GB/s (--device-gbs)"),
+        (f"epoch = {args.dataset_size} samples, batch {args.batch_size} per GPU; data-parallel "
+        f"steps per epoch ({iters}), the last one partial"),
+        (f"links: intra {d['intra_gbps']:g} Gbit/s ({d['intra_lat_us']:g} us), inter "
         f"{d['inter_gbps']:g} Gbit/s ({d['inter_lat_us']:g} us), {args.gpus_per_node} GPUs per "
         "node; a ring that crosses nodes runs at the inter-node rate; concurrent transfers on "
-        "one link share its bandwidth; one rank's timeline (every rank does the same work)",
-        *([f"inter-node bandwidth {args.inter_bw:.4g} Gbit/s: the effective rate of PruneX "
+        "one link share its bandwidth; one rank's timeline (every rank does the same work)"),
+        *([(f"inter-node bandwidth {args.inter_bw:.4g} Gbit/s: the effective rate of PruneX "
            f"Fig. 7 (dense DDP's measured {PRUNEX_FIG7_DDP_COMM_S:g} s of communication per "
            f"iteration at {PRUNEX_FIG7_GPUS} GPUs = a ring all-reduce of the "
-           f"{4 * spec.layout.total / 1e6:.1f} MB gradient at that rate; --paper-network)"]
+           f"{4 * spec.layout.total / 1e6:.1f} MB gradient at that rate; --paper-network)")]
           if args.paper_network else []),
         *notes,
     ]

@@ -10,8 +10,14 @@ import numpy as np
 
 from models import MODELS, SPECS, build_model, get_spec, resnet
 
-__all__ = ["MODEL_ALIASES", "DATASET_SHAPES", "SPEC_ARCH", "model_names", "resolve_model",
-           "build_trainable"]
+__all__ = [
+    "DATASET_SHAPES",
+    "MODEL_ALIASES",
+    "SPEC_ARCH",
+    "build_trainable",
+    "model_names",
+    "resolve_model",
+]
 
 #: other spellings of the spec names
 MODEL_ALIASES = {"wrn50_2": "wide_resnet50_2", "wrn-50-2": "wide_resnet50_2",

@@ -47,8 +47,16 @@ from .specs import DATASET_SHAPES, MODEL_ALIASES, SPEC_ARCH
 from .systems import ITEMSIZE, get_system
 from .systems.core import IterCost
 
-__all__ = ["Unit", "ComputeModel", "units_for_spec", "OPTIMIZER_FLOPS_PER_PARAM",
-           "OPTIMIZER_BYTES_PER_PARAM", "dp_step", "admm_iteration", "epoch_timing"]
+__all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "OPTIMIZER_FLOPS_PER_PARAM",
+    "ComputeModel",
+    "Unit",
+    "admm_iteration",
+    "dp_step",
+    "epoch_timing",
+    "units_for_spec",
+]
 
 #: SGD with momentum and weight decay per parameter: ``d = g + wd θ``, ``v = μ v + d``,
 #: ``θ -= lr v`` (6 FLOPs), reading ``θ, g, v`` and writing ``θ, v`` (5 float32).
@@ -133,7 +141,7 @@ class ComputeModel:
             raise ValueError("the FLOP model needs at least one compute unit")
 
     @classmethod
-    def from_seconds_per_sample(cls, units, seconds: float, device_gbs: float) -> "ComputeModel":
+    def from_seconds_per_sample(cls, units, seconds: float, device_gbs: float) -> ComputeModel:
         """The rate at which forward + backward of one sample takes ``seconds``."""
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"--compute-s-per-sample must be a finite number > 0, got "
@@ -178,7 +186,7 @@ def _step_records(system: str, spec, M: int, P: int, options, cost: CostModel) -
     return it
 
 
-def _declare(tl: Timeline, it: IterCost, compute: "ComputeModel", resolve) -> list:
+def _declare(tl: Timeline, it: IterCost, compute: ComputeModel, resolve) -> list:
     """Lay the records of rank 0 (a node leader: it takes part in, or waits for, every phase)
     on ``tl`` (:func:`substrate.calls.declare`); compute items cost their roofline."""
     return declare(tl, it.calls, it.placement, 0, resolve=resolve,

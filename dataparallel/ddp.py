@@ -17,7 +17,7 @@ from substrate.options import option
 
 from .strategy import Strategy, register
 
-__all__ = ["DDPOptions", "DDPPlan", "DDP", "flat_buckets"]
+__all__ = ["DDP", "DDPOptions", "DDPPlan", "flat_buckets"]
 
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical")
 
@@ -64,7 +64,7 @@ class DDPPlan:
     itemsize: int
 
     @classmethod
-    def for_layout(cls, layout, options: DDPOptions, itemsize: int = 4) -> "DDPPlan":
+    def for_layout(cls, layout, options: DDPOptions, itemsize: int = 4) -> DDPPlan:
         buckets = flat_buckets(layout, int(options.bucket_mib * (1 << 20)), itemsize)
         return cls(tuple(buckets), options.allreduce, int(itemsize))
 

@@ -21,13 +21,13 @@ import numpy as np
 from substrate.calls import Call, Placement, Ready
 from substrate.options import option
 
-#: bytes of one half-precision value on the wire
-FP16_ITEMSIZE = np.dtype(np.float16).itemsize
-
 from .ddp import flat_buckets
 from .strategy import Strategy, register
 
-__all__ = ["FP16", "FP16Options", "FP16Plan", "FP16_ITEMSIZE"]
+#: bytes of one half-precision value on the wire
+FP16_ITEMSIZE = np.dtype(np.float16).itemsize
+
+__all__ = ["FP16", "FP16_ITEMSIZE", "FP16Options", "FP16Plan"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class FP16Plan:
     buckets: tuple[tuple[int, int], ...]
 
     @classmethod
-    def for_layout(cls, layout, options: FP16Options, itemsize: int = 4) -> "FP16Plan":
+    def for_layout(cls, layout, options: FP16Options, itemsize: int = 4) -> FP16Plan:
         return cls(tuple(flat_buckets(layout, int(options.bucket_mib * (1 << 20)), itemsize)))
 
     def calls(self, placement: Placement) -> list[Call]:

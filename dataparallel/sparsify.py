@@ -33,18 +33,18 @@ from .codec import exact_topk
 __all__ = [
     "SAMPLE_MIN",
     "compact_positions",
-    "refine_threshold_device",
-    "threshold_counts",
     "dgc_topk",
     "exact_select",
     "gaussiank_select",
     "refine_threshold",
+    "refine_threshold_device",
     "sample_magnitudes",
     "sample_rank",
     "sample_threshold",
     "segment_rng",
     "select",
     "selection_flops",
+    "threshold_counts",
 ]
 
 #: Smallest sample; tensors with at most this many entries are selected exactly.

@@ -22,7 +22,7 @@ from substrate.options import check_range, option
 from .penalty import RHO_UPDATES
 from .projection import keep_count, parse_sparsity
 
-__all__ = ["HSADMMConfig", "PAPER_DEFAULTS", "RHO_SCOPES", "SOLVER", "read_keep_file"]
+__all__ = ["PAPER_DEFAULTS", "RHO_SCOPES", "SOLVER", "HSADMMConfig", "read_keep_file"]
 
 #: ``--rho-scope`` values: one penalty per layer (PruneX §3.4) or per parameter tensor
 RHO_SCOPES = ("layer", "tensor")

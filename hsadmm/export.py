@@ -42,8 +42,14 @@ from substrate.results import atomic_write_bytes
 
 from .shrink import kept_indices
 
-__all__ = ["FORMAT", "CompactConv2d", "CompactExport", "export_compact", "read_compact",
-           "load_compact_model"]
+__all__ = [
+    "FORMAT",
+    "CompactConv2d",
+    "CompactExport",
+    "export_compact",
+    "load_compact_model",
+    "read_compact",
+]
 
 #: Format tag stored in the manifest; a reader refuses any other tag.
 FORMAT = "spardist-hsadmm-compact/1"
@@ -101,7 +107,7 @@ class CompactConv2d(Conv2d):
         self._index: dict = {}
 
     @classmethod
-    def from_conv(cls, conv: Conv2d, k_out, k_in) -> "CompactConv2d":
+    def from_conv(cls, conv: Conv2d, k_out, k_in) -> CompactConv2d:
         """The compact counterpart of a dense ``conv`` (same geometry and bias)."""
         return cls(conv.in_channels, conv.out_channels, conv.kernel_size, k_out, k_in,
                    stride=conv.stride, padding=conv.padding, bias=conv.bias)

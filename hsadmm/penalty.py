@@ -19,8 +19,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["balance_penalty", "increase_penalty", "eps_primal", "eps_dual", "penalty_groups",
-           "RHO_UPDATES"]
+__all__ = [
+    "RHO_UPDATES",
+    "balance_penalty",
+    "eps_dual",
+    "eps_primal",
+    "increase_penalty",
+    "penalty_groups",
+]
 
 #: ``--rho-update`` rules: Boyd's residual balancing, or a penalty that grows every iteration
 RHO_UPDATES = ("balance", "increase")

@@ -21,8 +21,16 @@ import math
 
 from substrate.backend import array_module
 
-__all__ = ["SPARSITY_KINDS", "parse_sparsity", "keep_count", "project_filter",
-           "project_channel", "project_shape", "project", "structured_mask"]
+__all__ = [
+    "SPARSITY_KINDS",
+    "keep_count",
+    "parse_sparsity",
+    "project",
+    "project_channel",
+    "project_filter",
+    "project_shape",
+    "structured_mask",
+]
 
 #: Group axes kept by each elementary set (the complementary axes are reduced in the norm).
 _GROUP_AXES = {"filter": (0,), "channel": (1,), "shape": (1, 2, 3)}

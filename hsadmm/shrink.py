@@ -26,7 +26,7 @@ from substrate.buckets import bucket_groups
 
 from .projection import keep_count, parse_sparsity
 
-__all__ = ["MaskCodec", "ShrinkPlan", "kept_indices", "keep_rate_mask", "pruned_names"]
+__all__ = ["MaskCodec", "ShrinkPlan", "keep_rate_mask", "kept_indices", "pruned_names"]
 
 
 class MaskCodec:

@@ -98,7 +98,7 @@ class _Base:
             raise ValueError(f"keep overrides name unknown conv layers {unknown}; conv layers "
                              f"are {[self.names[i] for i in self.pruned]}")
         self.keep = {i: float(overrides.get(self.names[i], cfg.keep)) for i in self.pruned}
-        for i, k in self.keep.items():
+        for k in self.keep.values():
             keep_count(k, 1)  # validates (0, 1]
         self.kinds = cfg.sparsity_kinds
         self.prox = ProximalHook(self.layout, self.rho_per_tensor(self.state.rho1), xp=self.xp,

@@ -78,7 +78,8 @@ def wire_report(lab, summary: dict, job: dict, base: dict, launch: str, module_a
     retrans = sum(v["run"]["retrans_segs"] for v in per_host.values())
     dups = sum(v["run"]["duplicate_segs"] for v in per_host.values())
     dropped = sum(v["run"]["dropped"] for v in per_host.values())
-    ratio = lambda x, y: (x / y) if y else None
+    def ratio(x, y):
+        return (x / y) if y else None
     topo = summary.get("topology", {})
     warnings = []
     if topo and (topo.get("nodes") != lab.hosts or topo.get("virtual_nodes")):
@@ -265,7 +266,8 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     if not used:
         raise LabError(f"{out}: no step left after skipping {skip} warm-up line(s); run more "
                        "steps or pass a smaller --skip")
-    med = lambda xs: float(statistics.median(xs))
+    def med(xs):
+        return float(statistics.median(xs))
     res = {"out": str(out), "skip": skip, "rows": rows, "steps_compared": len(used),
            "median_measured_s": med([r["measured_s"] for r in used]),
            "median_predicted_s": med([r["predicted_s"] for r in used]),
@@ -342,7 +344,8 @@ def format_run(r: dict) -> str:
 
 def format_comparison(res: dict) -> str:
     """The table of :func:`compare_systems`: one line per system x hosts x ranks x link."""
-    f = lambda x, p=4: "-" if x is None else f"{x:.{p}f}"
+    def f(x, p=4):
+        return "-" if x is None else f"{x:.{p}f}"
     lines = [("| system | hosts x ranks | link | alpha inter / intra (us) | predicted s/step | "
               "measured s/step | predicted / measured | no-overlap s/step | "
               "no-overlap / measured | runs | load |"),

@@ -31,9 +31,9 @@ def idle_main(argv: list[str]) -> int:
     """MPI init + the same topology set-up as every spardist command, then exit (the start-up
     baseline).  With ``--out DIR`` rank 0 also writes a summary.json booking nothing (a null
     measurement: the lab's noise floor)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415 (the lab's parent process must not initialise MPI; only the in-lab ranks do)
 
-    from substrate.topology import Topology
+    from substrate.topology import Topology  # noqa: PLC0415 (imports mpi4py: only in the in-lab ranks)
 
     topo = Topology.from_comm(MPI.COMM_WORLD)
     if "--sleep" in argv and topo.rank == 0:
@@ -54,9 +54,9 @@ def _write_summary(out: Path, method: str, topo, inter: int) -> None:
 def sendrecv_main(argv: list[str]) -> int:
     """``--sendrecv NBYTES --out DIR``: every rank sends NBYTES to the rank with the same local
     index on the next host (``Sendrecv``), and rank 0 writes a summary.json booking them."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415 (the lab's parent process must not initialise MPI; only the in-lab ranks do)
 
-    from substrate.topology import Topology
+    from substrate.topology import Topology  # noqa: PLC0415 (imports mpi4py: only in the in-lab ranks)
 
     p = argparse.ArgumentParser(prog="lab --sendrecv")
     p.add_argument("--sendrecv", type=int, required=True)
@@ -94,9 +94,9 @@ def pingpong_main(argv: list[str]) -> int:
     slope between the smallest and the largest size.  Each size is timed for at most
     ``--budget-s`` seconds (at least 5 round trips), so large messages on slow links end in
     time.  The other ranks wait without spinning."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415 (the lab's parent process must not initialise MPI; only the in-lab ranks do)
 
-    from substrate.topology import Topology
+    from substrate.topology import Topology  # noqa: PLC0415 (imports mpi4py: only in the in-lab ranks)
 
     p = argparse.ArgumentParser(prog="lab --pingpong")
     p.add_argument("--pingpong", action="store_true")

@@ -176,7 +176,7 @@ def _read_digits() -> tuple[np.ndarray, np.ndarray]:
     path = _digits_file()
     if path is None:
         try:
-            from sklearn.datasets import load_digits as _sk_load_digits
+            from sklearn.datasets import load_digits as _sk_load_digits  # noqa: PLC0415 (optional dataset source, ~1 s to import)
         except ImportError as e:
             raise DatasetNotFoundError(
                 "the digits dataset ships with scikit-learn, which is not installed; "
@@ -379,7 +379,8 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{path}: expected a dict with b'data' and b'labels', got "
                                  f"{type(obj).__name__}")
-    get = lambda k: obj.get(k.encode(), obj.get(k))
+    def get(k):
+        return obj.get(k.encode(), obj.get(k))
     data, labels = get("data"), get("labels")
     if data is None or labels is None:
         raise DatasetFormatError(f"{path}: expected keys b'data' and b'labels', found "
@@ -595,7 +596,7 @@ def load_shard(name: str, root=None, *, rank: int, size: int, seed: int | None =
 
 
 def _to_module(like, idx: np.ndarray):
-    from substrate.backend import array_module
+    from substrate.backend import array_module  # noqa: PLC0415 (CuPy-aware index conversion; models import no backend at module level)
 
     return array_module(like).asarray(idx)
 

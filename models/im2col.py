@@ -22,8 +22,17 @@ from substrate.backend import array_module
 
 from .kernel_loader import numba_kernels as _numba_kernels
 
-__all__ = ["conv_output_size", "Workspace", "transient", "im2col", "col2im", "im2col_rows",
-           "col2im_rows", "im2col_nhwc", "col2im_nhwc"]
+__all__ = [
+    "Workspace",
+    "col2im",
+    "col2im_nhwc",
+    "col2im_rows",
+    "conv_output_size",
+    "im2col",
+    "im2col_nhwc",
+    "im2col_rows",
+    "transient",
+]
 
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     """Spatial output size ``floor((size + 2 padding - kernel) / stride) + 1``."""

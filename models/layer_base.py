@@ -128,7 +128,7 @@ class Layer:
     def add_child(self, local: str, layer: Layer) -> Layer:
         """Register ``layer`` as a child named ``local`` (forward execution order)."""
         if not isinstance(layer, Layer):
-            raise ValueError(  # noqa: TRY004 (the error type callers see, unchanged)
+            raise ValueError(
                 f"child {local!r} must be a Layer, got {type(layer).__name__}")
         if any(n == local for n, _ in self._children):
             raise ValueError(f"duplicate child name {local!r}")

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from .layers import (BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Layer, Linear, MaxPool2d,
-                     ReLU, Sequential, _Residual, softmax_cross_entropy)
+from .layers import (
+    BatchNorm2d,
+    Conv2d,
+    Flatten,
+    GlobalAvgPool2d,
+    Layer,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sequential,
+    _Residual,
+    softmax_cross_entropy,
+)
 from .modelspec import layer_tree_specs, spec_from_layers
 from .params import FlatTensors, ParamLayout
 
-__all__ = ["Model", "layer_tree_specs", "ComputeUnit", "compute_units", "layer_flops",
-           "BACKWARD_FLOP_FACTOR"]
+__all__ = [
+    "BACKWARD_FLOP_FACTOR",
+    "ComputeUnit",
+    "Model",
+    "compute_units",
+    "layer_flops",
+    "layer_tree_specs",
+]
 
 #: Backward FLOPs per forward FLOP of a layer (input gradient + weight gradient, each about one
 #: forward's worth: the usual 2x of Kaplan et al. 2020, §2.1).  An assumption of the FLOP model.

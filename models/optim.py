@@ -23,8 +23,9 @@ one ρ per tensor) and :class:`MaskHook` (PacTrain, paper 002: ``d ← m ⊙ d``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -38,9 +39,20 @@ from .params import PARAM_KINDS, FlatTensors, ParamLayout
 STEP_BLOCK = 1 << 16
 
 __all__ = [
-    "SGDConfig", "SGD", "AdamWConfig", "AdamW", "OPTIMIZERS", "make_optimizer", "GradHook",
-    "ProximalHook", "MaskHook",
-    "ConstantLR", "StepLR", "CosineLR", "SCHEDULES", "make_schedule",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "SGD",
+    "AdamW",
+    "AdamWConfig",
+    "ConstantLR",
+    "CosineLR",
+    "GradHook",
+    "MaskHook",
+    "ProximalHook",
+    "SGDConfig",
+    "StepLR",
+    "make_optimizer",
+    "make_schedule",
 ]
 
 
@@ -159,7 +171,7 @@ def make_schedule(name: str, lr: float, total_steps: int, *, step_size: int | No
 class GradHook(Protocol):
     """``hook(d, opt)`` modifies the flat update direction ``d`` in place."""
 
-    def __call__(self, d, opt: "SGD") -> None: ...
+    def __call__(self, d, opt: SGD) -> None: ...
 
 
 def _per_element(layout: ParamLayout, value, xp, dtype, what: str):
@@ -227,7 +239,7 @@ class ProximalHook:
         """The current anchor ``z − u`` (flat)."""
         return self._center
 
-    def __call__(self, d, opt: "SGD") -> None:
+    def __call__(self, d, opt: SGD) -> None:
         if not self.active:
             return
         tmp = self._tmp
@@ -267,7 +279,7 @@ class MaskHook:
     def mask(self):
         return self._mask
 
-    def __call__(self, d, opt: "SGD") -> None:
+    def __call__(self, d, opt: SGD) -> None:
         if d.shape != self._mask.shape:
             raise ValueError(f"mask has length {self._mask.shape[0]} but the model has "
                              f"{d.shape[0]} parameters; build the mask from model.layout")

@@ -25,13 +25,13 @@ BatchNorm running statistics are *buffers*, not parameters: they are not in the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from math import prod
-from typing import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["PARAM_KINDS", "ParamSpec", "ParamLayout", "FlatTensors"]
+__all__ = ["PARAM_KINDS", "FlatTensors", "ParamLayout", "ParamSpec"]
 
 #: The parameter kinds a layer may declare.
 PARAM_KINDS = ("conv", "fc", "bias", "bn")

@@ -49,19 +49,38 @@ the vocabulary (BERT: the pooled width).  Swin-T's window attention is a shape-o
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from .layers import (Conv2d, Flatten, Layer, Linear, MaxPool2d, ReLU, Sequential,
-                     conv_output_size)
+from .layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, ReLU, Sequential, conv_output_size
 from .modelspec import ModelSpec, layer_tree_specs, spec_from_layers
-from .transformer import (MLP, LayerNorm, TokenPool, bert_layers, gpt_layers, llama_layers,
-                          vit_layers)
+from .transformer import (
+    MLP,
+    LayerNorm,
+    TokenPool,
+    bert_layers,
+    gpt_layers,
+    llama_layers,
+    vit_layers,
+)
 from .zoo import resnet_layers
 
-__all__ = ["ModelSpec", "spec_from_layers", "resnet18_spec", "resnet152_spec",
-           "wide_resnet50_2_spec", "resnet152_imagenet_spec", "vgg19_spec", "vit_spec",
-           "bert_spec", "gpt2_spec", "llama_spec", "swin_t_spec", "PUBLISHED_PARAMS", "SPECS",
-           "get_spec"]
+__all__ = [
+    "PUBLISHED_PARAMS",
+    "SPECS",
+    "ModelSpec",
+    "bert_spec",
+    "get_spec",
+    "gpt2_spec",
+    "llama_spec",
+    "resnet18_spec",
+    "resnet152_imagenet_spec",
+    "resnet152_spec",
+    "spec_from_layers",
+    "swin_t_spec",
+    "vgg19_spec",
+    "vit_spec",
+    "wide_resnet50_2_spec",
+]
 
 
 def resnet18_spec(num_classes: int = 10, input_shape=(3, 32, 32)) -> ModelSpec:

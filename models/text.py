@@ -27,8 +27,15 @@ import numpy as np
 
 from .data import Dataset, DatasetSplit
 
-__all__ = ["corpus_bytes", "text_windows", "load_text", "unigram_entropy", "cross_entropy_under",
-           "TEXT_DATASETS", "VOCAB"]
+__all__ = [
+    "TEXT_DATASETS",
+    "VOCAB",
+    "corpus_bytes",
+    "cross_entropy_under",
+    "load_text",
+    "text_windows",
+    "unigram_entropy",
+]
 
 #: byte-level vocabulary size
 VOCAB = 256

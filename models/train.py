@@ -248,7 +248,7 @@ def fit(model: Model, opt: SGD, train: Dataset, test: Dataset, *, epochs: int, b
 
 
 def _bar(total: int, desc: str):
-    from tqdm.auto import tqdm  # lazy: 10 MiB; only a run that shows a bar
+    from tqdm.auto import tqdm  # noqa: PLC0415 (10 MiB; only a run that shows a bar)
 
     return tqdm(total=total, unit="step", desc=desc, leave=False)
 

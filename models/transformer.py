@@ -378,7 +378,7 @@ def vit_layers(input_shape, num_classes: int, *, patch: int = 2, dim: int = 64, 
     ``pool="cls"``), learned positions, ``depth`` pre-norm encoder blocks, final LayerNorm, pooled
     token, linear head.  ViT-L/16: ``patch=16, dim=1024, depth=24, heads=16, mlp_ratio=4``."""
     C, H, W = (int(s) for s in input_shape)
-    hidden = int(round(dim * mlp_ratio))  # noqa: RUF046 (mlp_ratio may be a NumPy float)
+    hidden = int(round(dim * mlp_ratio))
     patches = PatchEmbedding((C, H, W), patch, dim)
     tokens = patches.grid[0] * patches.grid[1] + (pool == "cls")
     layers: list = [("patch_embed", patches)]
@@ -401,7 +401,7 @@ def gpt_layers(context: int, vocab: int = 256, *, dim: int = 64, depth: int = 2,
     wte = Embedding(vocab, dim)
     return Sequential([
         ("wte", wte), ("wpe", PositionEmbedding(context, dim)),
-        ("blocks", _blocks(depth, dim, heads, int(round(dim * mlp_ratio)),  # noqa: RUF046
+        ("blocks", _blocks(depth, dim, heads, int(round(dim * mlp_ratio)),
                            causal=True, eps=eps)),
         ("ln_f", LayerNorm(dim, eps)), ("head", LMHead(dim, vocab, tie=wte if tie else None)),
     ])

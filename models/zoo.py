@@ -11,18 +11,37 @@ arrays), which :mod:`models.specs` uses for shape-only specifications.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from math import prod
-from typing import Callable, Sequence
 
 import numpy as np
 
-from .layers import (BasicBlock, BatchNorm2d, Bottleneck, Conv2d, Flatten, GlobalAvgPool2d,
-                     Layer, Linear, MaxPool2d, ReLU, Sequential)
+from .layers import (
+    BasicBlock,
+    BatchNorm2d,
+    Bottleneck,
+    Conv2d,
+    Flatten,
+    GlobalAvgPool2d,
+    Layer,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sequential,
+)
 from .network import Model
 from .transformer import gpt, vit
 
-__all__ = ["mlp_layers", "cnn_layers", "resnet_layers", "mlp", "cnn", "resnet", "MODELS",
-           "build_model"]
+__all__ = [
+    "MODELS",
+    "build_model",
+    "cnn",
+    "cnn_layers",
+    "mlp",
+    "mlp_layers",
+    "resnet",
+    "resnet_layers",
+]
 
 
 def _check_shape(input_shape, ndim: int | None, what: str) -> tuple[int, ...]:

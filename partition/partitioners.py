@@ -279,7 +279,7 @@ class _MtKaHyPar:
 
     @classmethod
     def get(cls, threads: int):
-        import mtkahypar  # compiled extension, imported where first partitioned (start-up cost)
+        import mtkahypar  # noqa: PLC0415 (optional partitioner, compiled extension)
 
         if cls._initializer is None:
             cls._threads = threads
@@ -398,7 +398,7 @@ def _kahypar_ini(preset: str) -> str:
 def _run_kahypar(hg: LayerHypergraph, parts: int, cfg: HypergraphConfig, layer: int,
                  cap: int) -> np.ndarray:
     """Partition one hypergraph with sequential KaHyPar (same contract as Mt-KaHyPar's)."""
-    import kahypar  # optional engine: only imported when --engine kahypar is chosen
+    import kahypar  # noqa: PLC0415 (optional partitioner)
 
     vw, caps = _free_capacities(hg, parts, cap)
     h = kahypar.Hypergraph(hg.num_vertices, hg.num_nets, hg.net_ptr.tolist(), hg.pins.tolist(),

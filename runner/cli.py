@@ -18,7 +18,7 @@ import runpy
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["main", "COMMANDS", "spardist_version"]
+__all__ = ["COMMANDS", "main", "spardist_version"]
 
 #: sub-command -> the module ``python -m`` runs for it
 COMMANDS = {

@@ -28,8 +28,17 @@ from pathlib import Path
 
 from substrate.pinning import pinning_env
 
-__all__ = ["find_mpiexec", "mpi_flavor", "launch_command", "mpi_env", "main", "DEFAULT_JOB",
-           "descendants", "kill_tree", "run_tree"]
+__all__ = [
+    "DEFAULT_JOB",
+    "descendants",
+    "find_mpiexec",
+    "kill_tree",
+    "launch_command",
+    "main",
+    "mpi_env",
+    "mpi_flavor",
+    "run_tree",
+]
 
 #: ``./run_mpi.sh`` with no arguments (the main job on the embedded default).  It replaces its own
 #: previous output in ``results/headline`` (``--overwrite``, said in the README): the demo is
@@ -54,12 +63,12 @@ def find_mpiexec() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_flavor(mpiexec: str) -> str:
     """``"openmpi"``, ``"mpich"``, ``"intel"`` or ``"unknown"`` from ``mpiexec --version``."""
     try:
         out = subprocess.run([*shlex.split(mpiexec), "--version"], capture_output=True,
-                             text=True, timeout=20).stdout
+                             text=True, timeout=20, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     low = out.lower()
@@ -72,11 +81,11 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def srun_mpi_plugins(srun: str = "srun") -> tuple[str, ...]:
     """The PMI plugins this Slurm offers (``srun --mpi=list``), e.g. ``("pmix", "pmi2")``."""
     try:
-        out = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ()
     names = []
@@ -274,9 +283,27 @@ def run_tree(cmd: list[str], env: dict | None = None) -> int:
     return 128 + got[0] if got else rc
 
 
+def _lint() -> int:
+    """ruff over the checkout (the project's configuration in pyproject.toml) before the tests:
+    the suite fails fast on a finding.  ``SPARDIST_NO_LINT=1`` skips it; an installed package
+    (no pyproject.toml beside it) has nothing to lint."""
+    root = Path(__file__).resolve().parents[1]
+    if os.environ.get("SPARDIST_NO_LINT") == "1" or not (root / "pyproject.toml").is_file():
+        return 0
+    rc = subprocess.run([sys.executable, "-m", "ruff", "check", str(root)], check=False).returncode
+    if rc:
+        print(f"spardist: ruff found problems in {root} (above); fix them (many with "
+              f"`{sys.executable} -m ruff check --fix {root}`), then run the tests again; "
+              "SPARDIST_NO_LINT=1 skips the lint", file=sys.stderr)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--test":
+        rc = _lint()
+        if rc:
+            return rc
         cmd = [sys.executable, "-m", "pytest", *argv[1:]]
         return run_tree(cmd)
     if not argv:

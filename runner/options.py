@@ -25,7 +25,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_version_arg(parser: argparse.ArgumentParser) -> None:
     """``--version``: the installed spardist's version (once per parser)."""
-    if "--version" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no API
+    if "--version" not in parser._option_string_actions:
         try:
             v = version("spardist")
         except PackageNotFoundError:
@@ -182,7 +182,7 @@ class CommonConfig:
                              "with --compute-source cpu (or calibrated, wall, cuda)")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "CommonConfig":
+    def from_args(cls, args: argparse.Namespace) -> CommonConfig:
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
               if hasattr(args, f.name)}
         if kw.get("out") is not None:

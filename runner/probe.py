@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     add_common_args(parser)
     args = parser.parse_args(argv)
     run = start_run(args, system="substrate", method="probe")
-    report, measured, predicted = probe(run)
+    report, _measured, predicted = probe(run)
     pred_block = {"inter_node_bytes": report["traffic"]["predicted_inter_node_bytes"],
                   "intra_node_bytes": report["traffic"]["predicted_intra_node_bytes"],
                   "by_phase": predicted}

@@ -270,7 +270,7 @@ def set_kernel_threads(run) -> int:
 
     Oversubscribed Numba thread pools spin against the MPI progress loops of the other ranks.
     """
-    import numba  # heavy (LLVM start-up): only commands that run the kernels import it
+    import numba  # noqa: PLC0415 (LLVM start-up: only commands that run the kernels)
 
     try:
         cores = len(os.sched_getaffinity(0))

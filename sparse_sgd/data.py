@@ -53,7 +53,7 @@ def images_to_features(images: np.ndarray, neurons: int, threshold: float) -> np
 def digits_dataset(neurons: int, threshold: float = 0.25) -> Dataset:
     """scikit-learn's 8x8 digits (1797 images, values 0..16) as binary vectors of length N."""
     # scikit-learn is heavy (~1 s to import) and only the digits need it
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # noqa: PLC0415 (optional dataset source, ~1 s to import)
 
     d = load_digits()
     images = d.images.astype(np.float64) / 16.0

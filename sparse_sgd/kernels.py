@@ -20,8 +20,14 @@ import numpy as np
 
 from substrate.backend import array_module
 
-__all__ = ["challenge_layer", "challenge_finish_device", "sddmm_update",
-           "sddmm_update_device", "spmm_add", "spmm_add_challenge"]
+__all__ = [
+    "challenge_finish_device",
+    "challenge_layer",
+    "sddmm_update",
+    "sddmm_update_device",
+    "spmm_add",
+    "spmm_add_challenge",
+]
 
 
 @numba.njit(inline="always", cache=True)

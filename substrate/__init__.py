@@ -27,7 +27,7 @@ _EXPORTS = {
     "Level": "topology", "Topology": "topology", "TopologyError": "topology",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 (the lazy exports above are the one list)
 
 
 def __getattr__(name: str):

@@ -50,8 +50,15 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["Backend", "Staged", "StagingPool", "get_backend", "array_module", "cupy_available",
-           "device_slot"]
+__all__ = [
+    "Backend",
+    "Staged",
+    "StagingPool",
+    "array_module",
+    "cupy_available",
+    "device_slot",
+    "get_backend",
+]
 
 #: smallest pool block (bytes); blocks are powers of two from here
 MIN_BLOCK = 4096
@@ -124,7 +131,7 @@ def device_slot(local_index: int, visible: int) -> tuple[int, bool]:
 # -- the pinned staging pool ----------------------------------------------------------------------------
 
 class _Block:
-    __slots__ = ("mem", "host", "size", "fence", "pooled")
+    __slots__ = ("fence", "host", "mem", "pooled", "size")
 
     def __init__(self, mem, size: int, pooled: bool) -> None:
         self.mem = mem
@@ -200,7 +207,7 @@ class StagingPool:
             if block is None:
                 pooled = self.held + size <= self.limit
                 if not pooled:                      # make room: drop idle blocks of other sizes
-                    for other, lst in self._free.items():
+                    for lst in self._free.values():
                         while lst and self.held + size > self.limit:
                             b = lst.pop()
                             if b.fence is not None:
@@ -243,10 +250,21 @@ class StagingPool:
 class Staged:
     """One buffer of one communication call on its way to MPI and back (module docstring)."""
 
-    __slots__ = ("backend", "arr", "send", "recv", "ready", "lease", "host", "_pulled",
-                 "_landed", "_fence", "_staged")
+    __slots__ = (
+        "_fence",
+        "_landed",
+        "_pulled",
+        "_staged",
+        "arr",
+        "backend",
+        "host",
+        "lease",
+        "ready",
+        "recv",
+        "send",
+    )
 
-    def __init__(self, backend: "Backend", arr, send: bool, recv: bool) -> None:
+    def __init__(self, backend: Backend, arr, send: bool, recv: bool) -> None:
         self.backend, self.arr, self.send, self.recv = backend, arr, send, recv
         self.lease = self.host = self.ready = self._fence = None
         self._pulled = self._landed = self._staged = False
@@ -448,7 +466,7 @@ class Backend:
             self._compute.wait_event(fence[1])
 
     @staticmethod
-    def pool_staged(staged: "Staged") -> bool:
+    def pool_staged(staged: Staged) -> bool:
         return staged._staged
 
     def order_after_side(self) -> None:

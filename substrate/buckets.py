@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["bucket_groups", "BucketPlan"]
+__all__ = ["BucketPlan", "bucket_groups"]
 
 
 def bucket_groups(nbytes, bucket_bytes: int, keys=None) -> list[list[int]]:

@@ -48,19 +48,19 @@ from .costmodel import binomial_children, ring_chunk_counts
 from .pinning import WIRE_VERIFIED, pinning_env
 
 __all__ = [
-    "MODES",
     "DEFAULT_MODE",
-    "default_mode",
-    "check_mode",
+    "MODES",
     "UFUNCS",
-    "ring_allreduce",
-    "ring_allreduce_staged",
-    "ring_allgatherv",
     "binomial_bcast",
-    "pairwise_alltoallv",
+    "check_mode",
+    "default_mode",
+    "describe",
     "dissemination_barrier",
     "library",
-    "describe",
+    "pairwise_alltoallv",
+    "ring_allgatherv",
+    "ring_allreduce",
+    "ring_allreduce_staged",
 ]
 
 MODES = ("exact", "native")

@@ -45,8 +45,15 @@ from .costmodel import (
 from .recorder import Handle, Recorder
 from .stream import CommStream
 
-__all__ = ["Comm", "Waiting", "Request", "Handle", "bucketed_allreduce", "BucketPlan",
-           "bucket_groups"]
+__all__ = [
+    "BucketPlan",
+    "Comm",
+    "Handle",
+    "Request",
+    "Waiting",
+    "bucket_groups",
+    "bucketed_allreduce",
+]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 
@@ -59,7 +66,7 @@ class Request(Handle):
     pinned block stays leased until the request completes, then a receive is copied back to
     the device."""
 
-    __slots__ = ("mpi", "buf", "staged")
+    __slots__ = ("buf", "mpi", "staged")
 
     def __init__(self, mpi: MPI.Request, call: Call | None = None, event=None, buf=None,
                  staged: Staged | None = None) -> None:
@@ -147,7 +154,7 @@ class Comm:
             raise ValueError(f"{what} needs a C-contiguous array (got {type(buf).__name__}); "
                              "pass np.ascontiguousarray(buf)")
 
-    def sub(self, color: int, key: int | None = None) -> "Comm | None":
+    def sub(self, color: int, key: int | None = None) -> Comm | None:
         """Split into sub-communicators (collective); ``color < 0`` gets ``None``."""
         c = self.mpi.Split(MPI.UNDEFINED if color < 0 else color,
                            self.rank if key is None else key)

@@ -41,9 +41,18 @@ from contextlib import contextmanager
 
 from .timeline import Event, Timeline
 
-__all__ = ["ComputeSource", "WallSource", "CpuTimeSource", "CudaEventSource", "FlopSource",
-           "CalibratedSource", "DeferredMeasurement", "blas_threads", "LayerEvents",
-           "resolve_pending"]
+__all__ = [
+    "CalibratedSource",
+    "ComputeSource",
+    "CpuTimeSource",
+    "CudaEventSource",
+    "DeferredMeasurement",
+    "FlopSource",
+    "LayerEvents",
+    "WallSource",
+    "blas_threads",
+    "resolve_pending",
+]
 
 
 # -- compute sources -------------------------------------------------------------------------------
@@ -146,10 +155,10 @@ class DeferredMeasurement(ComputeSource.Measurement):
     Reading :attr:`seconds` before then resolves at once (a host wait); consumers that can
     wait register :meth:`then` instead."""
 
-    __slots__ = ("_source", "_events", "_value", "_callbacks")
+    __slots__ = ("_callbacks", "_events", "_source", "_value")
     deferred = True
 
-    def __init__(self, source: "CudaEventSource") -> None:
+    def __init__(self, source: CudaEventSource) -> None:
         self._source = source
         self._events = None
         self._value = None

@@ -35,20 +35,20 @@ INTER = "inter"
 LINKS = (INTRA, INTER)
 
 __all__ = [
-    "INTRA",
     "INTER",
+    "INTRA",
     "LINKS",
     "CostModel",
-    "ring_chunk_counts",
-    "ring_allreduce_sent",
-    "ring_allgatherv_sent",
+    "bcast_split",
+    "bcast_wire_bytes",
     "binomial_children",
     "binomial_depth",
-    "ring_allreduce_wire_bytes",
-    "ring_allreduce_split",
     "ring_allgather_wire_bytes",
-    "bcast_wire_bytes",
-    "bcast_split",
+    "ring_allgatherv_sent",
+    "ring_allreduce_sent",
+    "ring_allreduce_split",
+    "ring_allreduce_wire_bytes",
+    "ring_chunk_counts",
 ]
 
 #: Defaults (documented in the README): NVLink-3-class intra-node links, 100 Gb/s
@@ -88,7 +88,7 @@ class CostModel:
 
     @classmethod
     def from_cli(cls, intra_gbps: float, inter_gbps: float, intra_lat_us: float,
-                 inter_lat_us: float) -> "CostModel":
+                 inter_lat_us: float) -> CostModel:
         """Build from CLI units (Gbit/s and microseconds)."""
         return cls(intra_gbps * 1e9 / 8, inter_gbps * 1e9 / 8, intra_lat_us * 1e-6,
                    inter_lat_us * 1e-6)

@@ -183,5 +183,5 @@ class Predicted:
         return {p: dict(e) for p, e in self.by_phase.items()}
 
     @classmethod
-    def from_state(cls, state: dict) -> "Predicted":
+    def from_state(cls, state: dict) -> Predicted:
         return cls(state)

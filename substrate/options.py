@@ -29,14 +29,14 @@ import typing
 import weakref
 from pathlib import Path
 
-__all__ = ["option", "add_dataclass_args", "from_args", "flag_of", "option_flags", "check_range"]
+__all__ = ["add_dataclass_args", "check_range", "flag_of", "from_args", "option", "option_flags"]
 
 #: flags added through this module, per parser: dest -> (flag, default)
 _ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
-           type=None, choices=None, metavar: str | None = None, group: str | None = None,  # noqa: A002
+def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None,
+           type=None, choices=None, metavar: str | None = None, group: str | None = None,
            cli: bool = True, default_factory=dataclasses.MISSING, append: bool = False):
     """A dataclass field carrying its command-line description.
 

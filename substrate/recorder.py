@@ -25,7 +25,7 @@ from .calls import Call, CallLog, Placement, bytes_by_phase, declare_one, rank_s
 from .costmodel import CostModel
 from .ledger import Ledger
 
-__all__ = ["Recorder", "Handle"]
+__all__ = ["Handle", "Recorder"]
 
 
 class Handle:
@@ -36,7 +36,7 @@ class Handle:
     ``deps=``.  :meth:`wait` completes a non-blocking call and returns the result.
     """
 
-    __slots__ = ("call", "event", "result", "_wait", "entry", "program")
+    __slots__ = ("_wait", "call", "entry", "event", "program", "result")
 
     def __init__(self, call: Call | None, event=None, result=None, wait=None, entry=None,
                  program=None) -> None:

@@ -20,13 +20,14 @@ two threads never use one communicator at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpi4py import MPI
 
-__all__ = ["CommStream", "POLL_S", "available"]
+__all__ = ["POLL_S", "CommStream", "available"]
 
 #: Seconds between two tests of the stream's pending requests.
 POLL_S = 50e-6
@@ -77,10 +78,8 @@ class CommStream:
         """Wait until everything submitted so far has run (its errors stay with its future)."""
         last = self._last
         if last is not None:
-            try:
+            with contextlib.suppress(BaseException):  # the call's own handle raises it
                 last.result()
-            except BaseException:  # noqa: BLE001 - the call's own handle raises it
-                pass
 
     @property
     def busy(self) -> bool:

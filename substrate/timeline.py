@@ -45,8 +45,15 @@ from functools import lru_cache
 
 from .costmodel import INTER, INTRA, LINKS, CostModel
 
-__all__ = ["STREAMS", "ALGORITHMS", "Event", "EventRecord", "StepTiming", "Timeline",
-           "transfer_parts"]
+__all__ = [
+    "ALGORITHMS",
+    "STREAMS",
+    "Event",
+    "EventRecord",
+    "StepTiming",
+    "Timeline",
+    "transfer_parts",
+]
 
 
 #: Serial resources: the compute stream and an offload thread.

@@ -33,8 +33,14 @@ from .costmodel import CostModel
 from .recorder import Recorder
 from .stream import CommStream
 
-__all__ = ["Topology", "TopologyError", "Level", "assign_nodes", "binding_slots",
-           "shared_devices"]
+__all__ = [
+    "Level",
+    "Topology",
+    "TopologyError",
+    "assign_nodes",
+    "binding_slots",
+    "shared_devices",
+]
 
 
 class TopologyError(ValueError):
@@ -165,7 +171,7 @@ class Topology:
                   nodes_per_rack: int | None = None, node_map: str | None = None,
                   cost: CostModel | None = None,
                   backend: Backend | None = None,
-                  collectives: str | None = None) -> "Topology":
+                  collectives: str | None = None) -> Topology:
         """Discover (or simulate) the node structure of ``comm`` (collective).
 
         Parameters

@@ -13,7 +13,7 @@ step by step.  Format: the Trace Event Format document (JSON object with ``trace
 
 from __future__ import annotations
 
-__all__ = ["LANES", "trace_events", "trace_document", "parse_steps"]
+__all__ = ["LANES", "parse_steps", "trace_document", "trace_events"]
 
 #: lane (thread) ids, in display order
 LANES = {"compute": 1, "offload": 2, "intra": 3, "inter": 4, "none": 5, "wall": 6}

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from runner.launch import kill_tree, launch_command, mpi_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
 
 def read_summary(out_dir) -> dict:
     """``summary.json`` of a finished run directory."""
-    import json  # noqa: PLC0415
+    import json
 
     return json.loads((Path(out_dir) / "summary.json").read_text())
 

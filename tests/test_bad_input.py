@@ -12,7 +12,6 @@ import json
 
 import pytest
 from mpi_helpers import assert_fails_on_every_rank
-from runner.errors import main_guard
 
 from commvol.__main__ import main as commvol_main
 from dataparallel.pactrain import save_init
@@ -22,6 +21,7 @@ from models import build_model
 from models.train import main as models_main
 from partition.cli import main as partition_main
 from partition.cli import partitioner_errors
+from runner.errors import main_guard
 from sparse_sgd.cli import main as sparse_main
 from sparse_sgd.io import write_challenge_network
 from sparse_sgd.radixnet import graph_challenge_network

@@ -53,11 +53,11 @@ def test_a_plan_alone_is_executed_booked_and_accounted(tmp_path, n, node_map):
 
 
 def test_a_plan_alone_is_predicted_and_scaled(monkeypatch):
-    from commvol.systems import core  # noqa: PLC0415
-    from commvol.timeline_scale import ComputeModel, Unit, dp_step  # noqa: PLC0415
-    from models.layers import Linear, Sequential  # noqa: PLC0415
-    from models.modelspec import spec_from_layers  # noqa: PLC0415
-    from substrate.options import option  # noqa: PLC0415
+    from commvol.systems import core
+    from commvol.timeline_scale import ComputeModel, Unit, dp_step
+    from models.layers import Linear, Sequential
+    from models.modelspec import spec_from_layers
+    from substrate.options import option
 
     @dataclass(frozen=True)
     class ToyOptions:

@@ -153,8 +153,7 @@ def test_hsadmm_run_is_reproduced(runs):
 def test_report_of_the_runs(runs, tmp_path):
     dirs = [runs / m for m in ("hsadmm", "ddp", "topk")]
     text = comparison_table(dirs, target=0.0)
-    rows = [ln for ln in text.splitlines() if ln.startswith("| hsadmm") or
-            ln.startswith("| ddp") or ln.startswith("| topk")]
+    rows = [ln for ln in text.splitlines() if ln.startswith(("| hsadmm", "| ddp", "| topk"))]
     assert len(rows) == 3 and all(r.rstrip(" |").endswith("yes") for r in rows)
     first_sim = json.loads((runs / "ddp" / "metrics.jsonl").read_text().splitlines()[0])["sim_s"]
     ddp_row = [c.strip() for c in rows[1].split("|")[1:-1]]
@@ -170,9 +169,8 @@ def test_report_of_the_runs(runs, tmp_path):
 def test_headline_comparison(tmp_path):
     """The default job (``./run_mpi.sh`` = ``commvol.compare`` on 2 virtual nodes x 2): every
     system runs with its defaults and appears in one table with measured = predicted."""
-    from runner.launch import DEFAULT_JOB  # noqa: PLC0415
-
-    from commvol.compare import SYSTEM_RUNS  # noqa: PLC0415
+    from commvol.compare import SYSTEM_RUNS
+    from runner.launch import DEFAULT_JOB
 
     assert DEFAULT_JOB[DEFAULT_JOB.index("commvol.compare") - 2:] == \
         ["--ranks-per-node", "2", "commvol.compare", "--overwrite"]
@@ -226,7 +224,7 @@ def uneven_runs(request, tmp_path_factory):
 def test_uneven_layout_really_has_uneven_rings(uneven_runs):
     """The digits CNN's parameter count (one DDP bucket, the ADMM rings) is not a multiple of
     3 or 6, so the rings' chunks differ: a ``2 (p-1) n // p`` per-link formula is off."""
-    from substrate import costmodel as cm  # noqa: PLC0415
+    from substrate import costmodel as cm
 
     root, M, P = uneven_runs
     T = resolve_model("cnn").layout.total
@@ -245,7 +243,7 @@ def test_uneven_layout_really_has_uneven_rings(uneven_runs):
 def test_uneven_layout_measured_equals_predicted(uneven_runs, name):
     """Every system's own closed form (its summary's predicted block) equals the ledger, in
     total and per phase and link class."""
-    root, M, P = uneven_runs
+    root, _M, _P = uneven_runs
     s = read_summary(root / name)
     assert_measured_equals_predicted(s)
     if name == "probe":  # also messages and calls of every wrapped call

@@ -7,12 +7,12 @@ import importlib.util
 import json
 
 import pytest
+from mpi_helpers import run_mpi
 
 from commvol.__main__ import main
 from commvol.plots import LANES, plot_gantt, plot_scaling, plot_tta, step_events, tta_points
 from commvol.predict import fmt_bytes
 from commvol.report import fmt_time, time_unit
-from mpi_helpers import run_mpi
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")

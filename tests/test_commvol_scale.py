@@ -5,6 +5,7 @@ ADMM chain against the systems' predicted communication, the no-overlap sum agai
 additive model, speedup sanity, the paper comparison, and bad input."""
 
 import dataclasses
+import itertools
 import json
 import math
 
@@ -307,7 +308,7 @@ def test_speedup_grows_with_gpus_and_never_beats_ideal(system):
     rows = timeline_scaling(system, spec, gpus, 2, compute=cm, dataset_size=60_000,
                             batch_size=32, cost=CostModel.from_cli(100, 10, 2, 5))
     sp = [r["speedup"] for r in rows]
-    assert sp[0] == 1.0 and all(a < b for a, b in zip(sp, sp[1:]))
+    assert sp[0] == 1.0 and all(a < b for a, b in itertools.pairwise(sp))
     for r in rows:
         assert r["speedup"] <= r["gpus"] / gpus[0] + 1e-9
         assert r["efficiency"] == pytest.approx(r["speedup"] * gpus[0] / r["gpus"])

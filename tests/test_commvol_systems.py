@@ -299,7 +299,7 @@ def test_sdp_time_is_the_busiest_ranks():
 def test_sdp_seed_reaches_the_block_order(tmp_path, capsys):
     import json
 
-    kw = dict(nodes=2, gpus_per_node=2, sdp_mode="block")
+    kw = {"nodes": 2, "gpus_per_node": 2, "sdp_mode": "block"}
     by_seed = {s: predict("sdp", "resnet", seed=s, **kw).steady.inter for s in range(6)}
     assert len(set(by_seed.values())) > 1  # which block two workers share moves the bytes
     main(["predict", "--system", "sdp", "--model", "resnet", "--sdp-mode", "block", "--seed",

@@ -12,10 +12,8 @@ import pytest
 from commvol.__main__ import main
 from commvol.hsgd import radixnet_config, radixnet_weights
 from commvol.partition_table import TABLE_KEYS, partition_table
-from commvol.predict import predict, resolve_model
-from commvol.predict import fmt_bytes
-from commvol.report import (comparison_table, draw_report, load_run, time_to_target,
-                            write_plots)
+from commvol.predict import fmt_bytes, predict, resolve_model
+from commvol.report import comparison_table, draw_report, load_run, time_to_target, write_plots
 from commvol.scale import measure_compute_s_per_sample, strong_scaling
 from hsadmm.penalty import penalty_groups
 from partition import partition_metrics, random_partition
@@ -150,7 +148,7 @@ def test_report_table(fake_runs):
     assert time_to_target(load_run(ddp).lines, 0.95) is None
     text = comparison_table([hs, ddp], target=0.9)
     row = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
-           for ln in text.splitlines() if ln.startswith("| hs") or ln.startswith("| ddp")}
+           for ln in text.splitlines() if ln.startswith(("| hs", "| ddp"))}
     # method, topo, acc, units, total, per unit, payload, comm, sim, wall, tta, vs ddp, match
     assert row["hsadmm"][2:] == ["0.9500", "3 iterations", "300 B", "100 B / iteration",
                                  "0.6000", "500 ms", "3.00 s", "9.00 s", "2.00 s", "0.250", "yes"]
@@ -283,7 +281,7 @@ def test_report_plots(fake_runs, tmp_path, capsys):
     r_inter = axes[titles.index(next(t for t in titles if t.startswith("hsadmm (hs2): inter")))]
     zero_layer = {ln.get_label(): ln for ln in r_inter.get_lines()}[layers[0]]
     assert all(math.isnan(y) for y in zero_layer.get_ydata())
-    assert min(y for ln in r_inter.get_lines() for y in ln.get_ydata() if y == y) > 1e-3
+    assert min(y for ln in r_inter.get_lines() for y in ln.get_ydata() if not math.isnan(y)) > 1e-3
     flat_inter = axes[titles.index("flat-admm: r_inter")]
     assert not flat_inter.get_lines()
     assert any("r_inter = 0 in every layer and iteration" in t.get_text()

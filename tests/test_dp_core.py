@@ -4,6 +4,7 @@ import dataclasses
 the closed forms of volume.dataparallel against hand-computed cases."""
 
 import argparse
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +25,7 @@ def test_flat_buckets_are_contiguous_whole_tensors_within_budget():
     budget = 4 * 300
     b = flat_buckets(layout, budget, 4)
     assert b[0][0] == 0 and b[-1][1] == layout.total
-    assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(b))
     bounds = set(np.cumsum([0] + sizes).tolist())
     for a, c in b:  # bucket edges are tensor edges; over budget only for a single tensor
         assert a in bounds and c in bounds

@@ -106,8 +106,8 @@ def test_plan_rejects_masks_without_holders(cnn, resnet):
 
 def test_disconnected_masks_are_rejected():
     """Two workers that share no coordinate never agree (paper §3.1 assumes connectivity)."""
-    kw = dict(mode="neuron", buffer_ids={}, scale=np.ones(4), coverage=Fraction(1, 2),
-              detail={})
+    kw = {"mode": "neuron", "buffer_ids": {}, "scale": np.ones(4), "coverage": Fraction(1, 2),
+              "detail": {}}
     split = SDPPlan(n=4, sets=(0b1111, 0b0011, 0b1100), set_id=np.array([1, 1, 2, 2]), **kw)
     with pytest.raises(ValueError, match="raise p in --coverage p/4"):
         _check_connected(split, Fraction(1, 2))
@@ -249,8 +249,8 @@ def test_flop_factor_follows_the_paper():
     # 8 workers, coordinate j held by 4 of them: every worker holds half of the model
     sets = tuple([(1 << 8) - 1] + [sum(1 << ((c + k) % 8) for k in range(4)) for c in range(8)])
     set_id = np.arange(1, 9, dtype=np.int32)
-    kw = dict(n=8, sets=sets, set_id=set_id, buffer_ids={}, scale=np.ones(8),
-              coverage=Fraction(1, 2), detail={})
+    kw = {"n": 8, "sets": sets, "set_id": set_id, "buffer_ids": {}, "scale": np.ones(8),
+              "coverage": Fraction(1, 2), "detail": {}}
     assert SDPPlan(mode="neuron", **kw).flop_factor() == 2          # "C = 4/8 doubles"
     assert SDPPlan(mode="block-backward", **kw).flop_factor() == Fraction(3, 2)  # "1.5x"
 

@@ -57,7 +57,7 @@ small = arrays(np.float64, (4, 3, 2, 2),
 def test_projection_is_closest_point_of_its_set(w, keep, kind):
     ours = {"filter": project_filter, "channel": project_channel, "shape": project_shape}[kind](
         w, keep)
-    ref, ref_d, alpha = brute_force_projection(w, kind, keep)
+    _ref, ref_d, alpha = brute_force_projection(w, kind, keep)
     assert n_active_groups(ours, kind) <= alpha  # in the set
     assert np.linalg.norm(w - ours) == pytest.approx(ref_d, rel=1e-9, abs=1e-9)  # and closest
     # kept entries are copied exactly, pruned ones are exactly zero

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from mpi_helpers import read_summary, run_mpi
-from runner.launch import find_mpiexec, launch_command
 
+from runner.launch import find_mpiexec, launch_command
 from substrate.threads import THREAD_VARS, cap_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +53,11 @@ def test_cap_threads_divides_the_cores_among_the_node_s_ranks(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     got = cap_threads(3, cores=8, apply=False)
     assert got["threads"] == 2 and not any(v in os.environ for v in THREAD_VARS)
+    assert cap_threads(16, cores=8, apply=False)["threads"] == 1
+    # applying may set NUMBA_NUM_THREADS (Numba not loaded yet): the later calls would keep it
     assert cap_threads(3, cores=8)["threads"] == 2
     assert not any(os.environ.get(v) for v in THREAD_VARS if v != "NUMBA_NUM_THREADS")
     assert got["set_by"] == "spardist: 8 usable cores // 3 ranks on this node"
-    assert cap_threads(16, cores=8, apply=False)["threads"] == 1
 
 
 def test_default_out_never_collides_and_latest_follows(tmp_path):
@@ -142,5 +143,5 @@ def test_the_console_command_and_version():
                           capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("spardist ")
     assert subprocess.run([str(exe), "nope"], capture_output=True, text=True,
-                          timeout=60).returncode == 2
+                          timeout=60, check=False).returncode == 2
     assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")

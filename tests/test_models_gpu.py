@@ -7,13 +7,13 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from substrate.backend import cupy_available  # noqa: E402
+from substrate.backend import cupy_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cupy_available(), reason="no CUDA device visible")]
 
-from models.optim import SGD, MaskHook, ProximalHook, SGDConfig  # noqa: E402
-from models.zoo import cnn, resnet  # noqa: E402
+from models.optim import SGD, MaskHook, ProximalHook, SGDConfig
+from models.zoo import cnn, resnet
 
 
 def small_resnet(shape, k, **kw):

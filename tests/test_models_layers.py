@@ -418,7 +418,7 @@ def test_im2col_col2im_are_adjoint(stride, pad):
     if stride == (1, 1):
         cols, geom = im2col_rows(x, 3, 2, pad)
         C = rng.standard_normal(cols.shape)
-        Hp, Wp, Ho, Wo = geom
+        _Hp, Wp, Ho, Wo = geom
         C.reshape(-1, 2, Ho, Wp)[..., Wo:] = 0.0          # discarded columns hold zeros
         back = col2im_rows(C, x.shape, 3, 2, pad, geom)
     else:
@@ -494,7 +494,7 @@ def test_im2col_nhwc_matches_definition_and_col2im_is_its_adjoint(k, stride, pad
 def conv_backward_loops(x, w, dy, stride, padding):
     """dL/dx and dL/dw of y = conv(x, w) by loops over the definition (float64)."""
     (sh, sw), (ph, pw) = stride, padding
-    N, C, H, W = x.shape
+    N, _C, H, W = x.shape
     c_out, _, kh, kw = w.shape
     xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     dxpad = np.zeros_like(xpad)
@@ -532,8 +532,8 @@ def test_conv_backward_paths_match_loops(c_in, c_out, k, stride, pad):
 def winograd_everywhere(monkeypatch):
     """Every 3x3 stride-1 padding-1 conv with even H, W takes the Winograd path (small test
     shapes included), with blocks of 2 images of 4x6 (6 tiles each) so blocks split the batch."""
-    from models import layers as L
     from models import conv as C
+    from models import layers as L
     if L._kernels() is None:
         pytest.skip("Numba not installed")
     monkeypatch.setattr(C, "WINOGRAD_MIN_CHANNELS", 1)
@@ -573,8 +573,8 @@ def test_winograd_float32_error_is_round_off():
     """At ResNet width (64 channels, 16x16: the default thresholds take Winograd), float32
     Winograd agrees with the float64 loop definition to a few float32 ulps relative to the
     output's scale, as the float32 im2col path does (within a factor 4 of its error)."""
-    from models import layers as L
     from models import conv as C
+    from models import layers as L
     if L._kernels() is None:
         pytest.skip("Numba not installed")
     rng = np.random.default_rng(32)
@@ -825,8 +825,7 @@ def threaded_kernels(monkeypatch):
 
 def array_path(monkeypatch):
     """Make the layers take their NumPy array path for conv data movement, ReLU and sums."""
-    from models import im2col
-    from models import conv, layer_base
+    from models import conv, im2col, layer_base
     from models import layers as L
     monkeypatch.setattr(L, "_numba_kernels", lambda xp: None)
     monkeypatch.setattr(layer_base, "_numba_kernels", lambda xp: None)

@@ -45,7 +45,7 @@ def reference_run(theta0: dict, grad_seq, *, lr_fn, mu, nesterov, wd, decay_kind
     buf = {n: None for n in theta}
     for t, grads in enumerate(grad_seq):
         lr = lr_fn(t)
-        for n in theta:
+        for n in theta:  # noqa: PLC0206 (grads is another dict, indexed by theta's names)
             d = grads[n].copy()
             if decay_kinds is None or LAYOUT.kind(n) in decay_kinds:
                 d = d + wd * theta[n]
@@ -179,7 +179,7 @@ def test_proximal_hook_inactive_until_center_set():
     """Before set_center the hook adds nothing, though theta != 0 (an active hook anchored at
     its zero-initialised centre would add rho * theta); once set it adds rho ⊙ (theta - z + u)
     per tensor (eq. 8), computed here tensor by tensor, and theta == z - u cancels it."""
-    params, grads = make_buffers()
+    params, _grads = make_buffers()
     assert np.all(params.flat != 0)
     rho = {n: 0.5 + i for i, n in enumerate(LAYOUT.names)}
     hook = ProximalHook(LAYOUT, rho, dtype=np.float64)
@@ -309,7 +309,7 @@ def adamw_reference(theta0, grad_seq, *, lr_fn, b1, b2, eps, wd, decay_kinds):
     v2 = {n: [0.0] * len(v) for n, v in theta.items()}
     for t, grads in enumerate(grad_seq, start=1):
         lr = lr_fn(t - 1)
-        for n in theta:
+        for n in theta:  # noqa: PLC0206 (grads is another dict, indexed by theta's names)
             lam = wd if (decay_kinds is None or LAYOUT.kind(n) in decay_kinds) else 0.0
             for i, g in enumerate(grads[n].ravel()):
                 m[n][i] = b1 * m[n][i] + (1 - b1) * g

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from runner.launch import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]

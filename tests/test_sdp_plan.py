@@ -61,7 +61,7 @@ def neuron_layers(model):
     else:  # plain chain conv1 -> conv2 -> fc1 -> fc2: hidden layers conv1, conv2, fc1
         chain = ["conv1", "conv2", "fc1", "fc2"]
         hidden = []
-        for a, nxt in zip(chain[:-1], chain[1:]):
+        for a, nxt in itertools.pairwise(chain):
             w = L.shape(f"{a}.weight")[0]
             per = (_size(L, f"{a}.weight") + _size(L, f"{a}.bias")
                    + _size(L, f"{nxt}.weight")) // w
@@ -69,7 +69,7 @@ def neuron_layers(model):
         # non-adjacent subsets, the one holding the most parameters (ties: earlier layers)
         best = max((s for r in range(len(hidden) + 1)
                     for s in itertools.combinations(range(len(hidden)), r)
-                    if all(b - a > 1 for a, b in zip(s, s[1:]))),
+                    if all(b - a > 1 for a, b in itertools.pairwise(s))),
                    key=lambda s: (sum(hidden[i][0] * hidden[i][1] for i in s),
                                   [-i for i in s]))
         layers = [hidden[i] for i in best]

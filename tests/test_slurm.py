@@ -25,7 +25,7 @@ def _slurm_reason() -> str | None:
             return f"no {tool} on PATH (install Slurm, e.g. Debian slurm-wlm + munge)"
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%t %c"], capture_output=True, text=True,
-                             timeout=15)
+                             timeout=15, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"sinfo failed: {exc}"
     if out.returncode != 0:
@@ -60,7 +60,7 @@ def test_run_mpi_inside_salloc_gives_one_world(tmp_path):
     out = tmp_path / "probe"
     res = subprocess.run(["salloc", "-N", "1", "-n", "4", "--immediate=60", str(ROOT / "run_mpi.sh"),
                           "-n", "4", "runner.probe", "--out", str(out)],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
     assert _allocated(res).returncode == 0, res.stderr
     topo = json.loads((out / "summary.json").read_text())["topology"]
     assert topo["world"] == 4 and topo["nodes"] == 1
@@ -74,19 +74,19 @@ def test_sbatch_of_hsadmm_train_gives_one_world(tmp_path):
     script.write_text(f"#!/bin/bash\ncd {ROOT}\n./run_mpi.sh -n 4 --ranks-per-node 2 hsadmm train "
                       f"--iters 1 --local-steps 1 --out {out}\n")
     res = subprocess.run(["sbatch", "--parsable", "-n", "4", "-o", str(log), str(script)],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]
     deadline = time.time() + 240
     while time.time() < deadline:
-        q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
+        q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30, check=False)
         if not q.stdout.strip():
             break
         time.sleep(2)
     else:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
-                               text=True, timeout=30).stdout.strip()
-        subprocess.run(["scancel", job], timeout=30)
+                               text=True, timeout=30, check=False).stdout.strip()
+        subprocess.run(["scancel", job], timeout=30, check=False)
         if state == "PENDING":
             pytest.skip(f"sbatch job {job} never started (node busy)")
         pytest.fail(f"sbatch job {job} did not finish in 240 s (state {state})")
@@ -106,7 +106,7 @@ def test_plain_srun_without_pmi_stops_singletons_fast(tmp_path):
     res = subprocess.run(["salloc", "-N", "1", "-n", "2", "--immediate=60", "srun", "--mpi=none",
                           "-n", "2", str(py), "-m", "mpi4py", "-m", "runner.probe", "--out",
                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, check=False)
     assert _allocated(res).returncode != 0
     # MPICH starts singletons, which spardist stops with its own message; Open MPI 4 refuses to
     # start without PMI ("OPAL ERROR: Unreachable"): either way the job fails fast, writing nothing

@@ -94,7 +94,7 @@ def test_cuda_array_interface_needs_a_synchronized_writer():
     with strict_cupy() as cp:
         a = cp.arange(4.0) * 2
         with pytest.raises(RuntimeError, match="before the stream that wrote it"):
-            a.__cuda_array_interface__
+            _ = a.__cuda_array_interface__
         cp.cuda.get_current_stream().synchronize()
         assert a.__cuda_array_interface__["shape"] == (4,)
         assert a.reshape(2, 2).__cuda_array_interface__["shape"] == (2, 2)   # a view: no write

@@ -2,8 +2,8 @@
 
 import pytest
 from mpi4py import MPI
-from runner.launch import mpi_env
 
+from runner.launch import mpi_env
 from substrate import collectives as coll
 from substrate.pinning import MPICH_PINNING, OPENMPI_PINNING, pinning_env
 

@@ -9,6 +9,7 @@ transfers in it), not against the engine's own arithmetic.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -269,13 +270,13 @@ def test_bad_events_are_refused_with_the_fix(call, match):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(algorithm="tree"), "unknown transfer algorithm"),
-    (dict(p=0), "integer >= 1"),
-    (dict(algorithm="p2p", messages=0), "messages >= 1"),
-    (dict(nbytes=-5), "nbytes must be"),
+    ({"algorithm": "tree"}, "unknown transfer algorithm"),
+    ({"p": 0}, "integer >= 1"),
+    ({"algorithm": "p2p", "messages": 0}, "messages >= 1"),
+    ({"nbytes": -5}, "nbytes must be"),
 ])
 def test_bad_transfers_are_refused(kw, match):
-    args = dict(nbytes=100, algorithm="allreduce")
+    args = {"nbytes": 100, "algorithm": "allreduce"}
     args.update(kw)
     nbytes = args.pop("nbytes")
     with pytest.raises(ValueError, match=match):
@@ -317,7 +318,7 @@ def test_schedule_invariants(specs):
         assert e.finish >= e.start + e.standalone_s - eps
     for s in ("compute", "offload"):
         on = [e for e in evs if e.resource == s]
-        for a, b in zip(on, on[1:]):
+        for a, b in itertools.pairwise(on):
             assert b.start >= a.finish - eps
     assert t.step_s <= t.no_overlap_s + eps
     for link in ("intra", "inter"):
@@ -580,7 +581,7 @@ def test_grads_ready_ranges_tile_the_flat_vector_in_backward_order(name, shape):
     spans = [(lo, hi) for _, _, lo, hi in ready if hi > lo]
     # backward order: the flat layout is filled from offset 0 upwards, without gaps
     assert spans[0][0] == 0 and spans[-1][1] == m.num_params
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     # each range is exactly the layout slices of the parameters under the unit's name
     for _, unit, lo, hi in ready:
         own = [m.layout.slice(n) for n in m.layout.names if n.startswith(unit + ".")]
@@ -678,7 +679,7 @@ print(min(best))
 
 def _measure(env):
     out = subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, capture_output=True,
-                         text=True, timeout=240)
+                         text=True, timeout=240, check=False)
     assert out.returncode == 0, out.stderr
     return float(out.stdout.split()[-1])
 
@@ -991,9 +992,9 @@ def test_profile_input_errors_stop_every_rank(tmp_path, flags, message):
 
 # -- wire-lab validation harness (lab) -------------------------------------------------------------
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import lab as wl  # noqa: E402
+import lab as wl
 
 
 def _write_metrics(d: Path, lines):

@@ -55,8 +55,8 @@ def _main(argv) -> None:
     import importlib
 
     from mpi4py import MPI
-    from runner.run import Run
 
+    from runner.run import Run
     from substrate.calls import event_parts
     from substrate.clock import SimClock
     from substrate.recorder import Recorder

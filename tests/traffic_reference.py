@@ -4,7 +4,7 @@ charge each message to the link it takes.  Written from the algorithms, independ
 
 import numpy as np
 
-__all__ = ["simulated_ring", "simulated_bcast"]
+__all__ = ["simulated_bcast", "simulated_ring"]
 
 
 def simulated_ring(count, itemsize, nodes):

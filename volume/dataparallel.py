@@ -27,8 +27,14 @@ from substrate import costmodel as cm
 
 from .hsadmm import add_bytes
 
-__all__ = ["ddp_step_bytes", "hierarchical_step_bytes", "topk_k", "topk_step_bytes",
-           "world_ring_bytes", "world_allgather_bytes"]
+__all__ = [
+    "ddp_step_bytes",
+    "hierarchical_step_bytes",
+    "topk_k",
+    "topk_step_bytes",
+    "world_allgather_bytes",
+    "world_ring_bytes",
+]
 
 
 def world_ring_bytes(count: int, itemsize: int, M: int, P: int) -> dict:

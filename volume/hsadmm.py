@@ -36,9 +36,16 @@ import numpy as np
 
 from substrate import costmodel as cm
 
-__all__ = ["hsadmm_iteration_bytes", "flat_admm_iteration_bytes", "add_bytes",
-           "RESIDUALS_PER_LAYER", "kept_groups", "eq15_kept_sets", "eq15_compact_elems",
-           "hsadmm_eq15_iteration_bytes"]
+__all__ = [
+    "RESIDUALS_PER_LAYER",
+    "add_bytes",
+    "eq15_compact_elems",
+    "eq15_kept_sets",
+    "flat_admm_iteration_bytes",
+    "hsadmm_eq15_iteration_bytes",
+    "hsadmm_iteration_bytes",
+    "kept_groups",
+]
 
 #: float64 sums of squares reduced per layer and iteration for residuals and stopping thresholds
 RESIDUALS_PER_LAYER = 9

@@ -44,9 +44,17 @@ import numpy as np
 
 from substrate import costmodel as cm
 
-__all__ = ["GATED", "BCAST", "ASSEMBLE", "gated_allreduce_bytes",
-           "param_bcast_bytes", "assemble_bytes", "sdp_step_bytes", "neuron_sdp_bytes",
-           "block_sdp_bytes"]
+__all__ = [
+    "ASSEMBLE",
+    "BCAST",
+    "GATED",
+    "assemble_bytes",
+    "block_sdp_bytes",
+    "gated_allreduce_bytes",
+    "neuron_sdp_bytes",
+    "param_bcast_bytes",
+    "sdp_step_bytes",
+]
 
 GATED = "sdp_gated_allreduce"
 BCAST = "sdp_param_bcast"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -12,9 +12,19 @@ from substrate import costmodel as cm
 from substrate.calls import Call, Placement, price
 from substrate.costmodel import CostModel
 
-__all__ = ["IterCost", "Prediction", "SystemModel", "register", "get_system", "ITEMSIZE",
-           "SYSTEMS", "_int_list", "_check_topology", "_dp_units_per_epoch",
-           "_admm_units_per_epoch"]
+__all__ = [
+    "ITEMSIZE",
+    "SYSTEMS",
+    "IterCost",
+    "Prediction",
+    "SystemModel",
+    "_admm_units_per_epoch",
+    "_check_topology",
+    "_dp_units_per_epoch",
+    "_int_list",
+    "get_system",
+    "register",
+]
 
 #: float32 parameters/gradients, as every trainer of the project builds its models
 ITEMSIZE = 4
@@ -65,7 +75,7 @@ class IterCost:
 
     @classmethod
     def from_calls(cls, calls, placement: Placement, cost: CostModel | None = None,
-                   payload: int = 0, dense: int = 0) -> "IterCost":
+                   payload: int = 0, dense: int = 0) -> IterCost:
         """Price the records of one iteration (:func:`substrate.calls.price`): every number of
         a prediction comes from the plan's records by the one generic rule; ``calls`` are kept
         for the paper-scale timeline (:mod:`commvol.timeline_scale`)."""
@@ -94,7 +104,7 @@ class IterCost:
             return float(max(self.rank_s))
         return float(sum(self.modeled_s.values()))
 
-    def times(self, k: int) -> "IterCost":
+    def times(self, k: int) -> IterCost:
         """``k`` repetitions (e.g. ``k`` DDP steps per iteration)."""
         return IterCost({p: {cm.INTRA: k * v[cm.INTRA], cm.INTER: k * v[cm.INTER]}
                          for p, v in self.phases.items()},
@@ -104,7 +114,7 @@ class IterCost:
                         tuple(k * t for t in self.rank_s), self.calls, self.placement)
 
     @staticmethod
-    def sum(costs) -> "IterCost":
+    def sum(costs) -> IterCost:
         """Phase-wise sum of several costs (:attr:`rank_s` rank-wise when every cost tracks it
         for the same ranks, else dropped)."""
         costs = list(costs)

@@ -98,8 +98,8 @@ def predict_topk(spec, nodes, gpus_per_node, options: TopKOptions, cost=None,
     step = IterCost.from_calls(plan.calls(placement), placement, cost, 8 * K,
                                ITEMSIZE * layout.total)
     s = (assumptions or DPAssumptions()).steps_per_iter
-    notes = (f"K = sum_l max(1, ceil({options.density:g} n_l)) = {K} of {layout.total} "
-             f"(float32 value + int32 index each: payload ratio {2 * K / layout.total:.4f})",
+    notes = ((f"K = sum_l max(1, ceil({options.density:g} n_l)) = {K} of {layout.total} "
+             f"(float32 value + int32 index each: payload ratio {2 * K / layout.total:.4f})"),
              f"one iteration = {_unit(s)} (--ddp-steps-per-iter {s})")
     return Prediction("topk", spec.name, M, P, _unit(s), ((None, step.times(s)),), notes=notes,
                       num_params=layout.total)

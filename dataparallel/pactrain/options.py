@@ -38,7 +38,7 @@ DEFAULT_WARMUP_STEPS = 24
 
 def _whole(flag: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{flag} takes a whole number of steps, got {v!r}")  # noqa: TRY004 (bad flags are ValueErrors)
+        raise ValueError(f"{flag} takes a whole number of steps, got {v!r}")
 
 
 @dataclass(frozen=True)

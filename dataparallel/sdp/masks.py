@@ -122,7 +122,7 @@ def neuron_groups(model) -> list[list[NeuronGroup]]:
         return [c for c in chains if c]
     root = model.root
     if not isinstance(root, Sequential):
-        raise ValueError(f"--sdp-mode neuron needs a Sequential model (cnn, mlp, resnet), got "  # noqa: TRY004 (bad flags are ValueErrors)
+        raise ValueError(f"--sdp-mode neuron needs a Sequential model (cnn, mlp, resnet), got "
                          f"{type(root).__name__}")
     chain = _chain_groups([(f"{name}.", layer) for name, layer in root.children()],
                           f"model {model.name}")

@@ -69,7 +69,7 @@ def _check_ledger(run, strat, snap, steps):
 
 def check_ddp(allreduce):
     run, model, strat = _setup("ddp", bucket_mib=0.01, allreduce=allreduce)
-    rank, size = run.rank, run.size
+    rank = run.rank
     snap = run.ledger.snapshot()
     ok, msgs, preds = True, [], []
     for step in range(2):

@@ -141,7 +141,7 @@ def structural_block_check(model, masks, b):
 def gated(mode, coverage="3/4"):
     model_name = "cnn" if mode == "neuron" else "resnet"
     opts = {"sdp_mode": mode, "coverage": coverage}
-    cfg, run, data, train, model, opt, strat = _setup(model_name, **opts)
+    _cfg, run, _data, _train, model, _opt, strat = _setup(model_name, **opts)
     rank, n = run.rank, run.size
     T = model.layout.total
     masks = np.array(COMM.allgather(strat.mask.astype(bool)))
@@ -221,9 +221,8 @@ def train(mode, coverage="3/4", rescale=""):
             if not np.allclose(got1, want1, rtol=1e-5, atol=1e-6):
                 msgs.append(f"first update differs from the serial reference by {err}")
     all_theta = np.array(COMM.allgather(model.params.flat.copy()))
-    if forward:
-        if np.any(all_theta[~masks] != 0):
-            msgs.append("a non-holder's parameter moved away from zero")
+    if forward and np.any(all_theta[~masks] != 0):
+        msgs.append("a non-holder's parameter moved away from zero")
     lowest = masks.argmax(axis=0)
     pick = all_theta[lowest, np.arange(all_theta.shape[1])]
     for r in range(n):

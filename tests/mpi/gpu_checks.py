@@ -19,7 +19,6 @@ from substrate import Topology, collective_check
 from substrate.backend import Backend
 
 
-
 def _topos(mode, R):
     """A CPU and a GPU topology of the same shape (the GPU one bound to a fresh backend)."""
     cpu = Topology.from_comm(MPI.COMM_WORLD, ranks_per_node=R, collectives=mode)
@@ -177,7 +176,7 @@ def collectives(mode, R):
         out.append(host(w.bcast(conv(b), root=p - 1, phase="bc").result))
         out.append(host(w.allgather(conv(rng_vals["small"].copy()), phase="ag").result))
         v = np.arange(r + 3, dtype=np.float64) * (r + 1)
-        got, counts = w.allgatherv(conv(v), phase="agv").result
+        got, _counts = w.allgatherv(conv(v), phase="agv").result
         out.append(host(got))
         sc = np.arange(p, dtype=np.int64) + r + 1
         sb = np.arange(int(sc.sum()), dtype=np.float32) + 100 * r

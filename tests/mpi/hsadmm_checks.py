@@ -15,6 +15,7 @@ compact buckets) and flat ADMM; and a plan that is not what ran is refused.
 """
 
 import dataclasses
+import itertools
 import sys
 import tempfile
 from argparse import Namespace
@@ -91,7 +92,7 @@ def reference(cfg, data, size, M):
             d = m.grads.flat + decay * th + rho1 * (th - z_i + u)
             b = cfg.momentum * b + d
             th -= np.float32(cfg.lr) * b
-            steps += 1
+            steps += 1  # noqa: SIM113 (counts the local steps taken, read after the loop)
             if steps == cfg.local_steps:
                 break
         thetas.append(m.params.flat.copy())
@@ -135,7 +136,7 @@ def reference(cfg, data, size, M):
 
 
 def one_iteration(**kw):
-    cfg, run, data, model, solver = _setup(local_steps=4, adaptive_rho=False, freeze_iter=0,
+    cfg, run, data, _model, solver = _setup(local_steps=4, adaptive_rho=False, freeze_iter=0,
                                            freeze_patience=0, **kw)
     solver.iterate(0)
     th, u, zi, v, z = reference(cfg, data, run.size, run.topo.num_nodes)
@@ -157,7 +158,7 @@ def one_iteration_theta_decay():
 
 
 def freezing():
-    cfg, run, data, model, solver = _setup(local_steps=2, freeze_iter=2)
+    _cfg, run, _data, _model, solver = _setup(local_steps=2, freeze_iter=2)
     solver.iterate(0)
     solver.iterate(1)
     ok = solver.frozen
@@ -183,8 +184,8 @@ def freezing():
 def checkpoint():
     # 5 local steps do not divide the 12 batches of a shard epoch: resumption is mid-epoch;
     # freezing after iteration 3 happens in the resumed part
-    kw = dict(local_steps=5, freeze_iter=3)
-    cfg, run, data, model, a = _setup(**kw)
+    kw = {"local_steps": 5, "freeze_iter": 3}
+    cfg, run, data, _model, a = _setup(**kw)
     for k in range(2):
         a.iterate(k)
     with tempfile.TemporaryDirectory() as d:
@@ -207,7 +208,7 @@ def checkpoint():
 def flat_freezing():
     """Flat ADMM (PruneX (AR)) tracks the masks of z's projection, reports their real drift and
     freezes them as H-SADMM does (§4.5); it never synchronizes masks on the wire."""
-    cfg, run, data, model, solver = _setup(FlatADMM, local_steps=3, freeze_iter=3,
+    _cfg, run, _data, _model, solver = _setup(FlatADMM, local_steps=3, freeze_iter=3,
                                            freeze_patience=0)
     drifts, history = [], []
     for k in range(5):
@@ -225,7 +226,7 @@ def flat_freezing():
     want0 = 1 - kept / solver.codec.nbits
     # the drift is the fraction of changed bits between consecutive global masks
     real = [float(np.mean(np.concatenate([(a != b).ravel() for a, b in zip(h0, h1)])))
-            for h0, h1 in zip(history, history[1:])]
+            for h0, h1 in itertools.pairwise(history)]
     ok = ok_frozen and abs(drifts[0] - want0) < 1e-12
     ok = ok and all(abs(d - r) < 1e-12 for d, r in zip(drifts[1:], real))
     ok = ok and drifts[3:] == [0.0, 0.0]  # frozen after iteration 3 (index 2)

@@ -194,7 +194,7 @@ def _exercise(t, rng_seed=3):
             res.append(x.copy())
     counts = np.array([(3 * i + 1) % 4 for i in range(p)], dtype=np.int64)  # zeros included
     mine = np.arange(counts[r], dtype=np.float32) + 100 * r
-    v, c = w.allgatherv(mine, counts, phase="agv").result
+    v, _c = w.allgatherv(mine, counts, phase="agv").result
     want = np.concatenate([np.arange(counts[i], dtype=np.float32) + 100 * i for i in range(p)])
     if not np.array_equal(v, want):
         ok = False

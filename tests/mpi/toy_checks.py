@@ -6,15 +6,15 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])      # tests/ (the toy plan)
 
-from test_call_record import ToyPlan  # noqa: E402
+from test_call_record import ToyPlan
 
-from runner.options import add_common_args  # noqa: E402
-from runner.replay import communicators, execute  # noqa: E402
-from runner.run import start_run  # noqa: E402
+from runner.options import add_common_args
+from runner.replay import communicators, execute
+from runner.run import start_run
 
 
 def main(argv):
-    import argparse  # noqa: PLC0415
+    import argparse
 
     p = argparse.ArgumentParser()
     add_common_args(p)

@@ -248,7 +248,7 @@ class Stream:
         _tls.stream = self
         return self
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> Stream:  # noqa: PYI034 (CuPy's Stream.__enter__ returns the stream)
         self._prev.append(getattr(_tls, "stream", None))
         _tls.stream = self
         return self
