@@ -240,9 +240,11 @@ def test_plot_scaling_refuses_bad_files(tmp_path):
 @needs_mpl
 def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
     out = tmp_path / "scale.json"
+    # small buckets: DDP's all-reduces overlap the backward, so the timeline and the
+    # no-overlap lines differ and swapping them is seen
     assert main(["scale", "--system", "ddp", "topk", "--model", "cnn", "--gpus", "8", "16",
-                 "64", "--gpus-per-node", "4", "--device-tflops", "0.05", "--out",
-                 str(out)]) == 0
+                 "64", "--gpus-per-node", "4", "--device-tflops", "0.05", "--bucket-mib",
+                 "0.01", "--out", str(out)]) == 0
     png = tmp_path / "scaling.png"
     assert main(["plot-scaling", str(out), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == PNG
@@ -262,7 +264,14 @@ def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
         star = lines[f"{name}: measured, PruneX Fig. 9 (8 -> 64 GPUs)"]
         assert (list(star.get_xdata()), list(star.get_ydata())) == \
             ([64], [doc["paper"]["speedup"][name]])
+    ddp = doc["systems"]["ddp"]
+    assert [r["speedup"] for r in ddp] != pytest.approx([r["no_overlap_speedup"] for r in ddp])
     eff = {ln.get_label(): ln for ln in b.get_lines()}
+    for name, rows in doc["systems"].items():
+        assert list(eff[f"{name}: modeled, timeline"].get_ydata()) == \
+            pytest.approx([100 * r["efficiency"] for r in rows])
+        assert list(eff[f"{name}: modeled, no overlap"].get_ydata()) == \
+            pytest.approx([100 * r["no_overlap_efficiency"] for r in rows])
     assert list(eff["ddp: measured, PruneX Fig. 9 (8 -> 64 GPUs)"].get_ydata()) == \
         pytest.approx([100 * 5.81 * 8 / 64])
     # every line says whether it is modeled or measured; the legends say which style is which

@@ -425,3 +425,27 @@ def test_mpi_measured_bytes_equal_predicted(tmp_path, ranks, configs):
 def test_bad_flags_fail_on_every_rank(tmp_path, args, message):
     assert_fails_on_every_rank("dataparallel", ["train", "--method", "ssfusion", *args], message,
                                tmp_path / "x")
+
+
+def test_every_flag_the_messages_name_exists():
+    """Every ``--flag`` a data-parallel help text, error message or docstring names is a flag
+    of ``dataparallel train`` (a flag renamed without its messages leaves users a fix that
+    does not parse); a default-on feature may be named by its flag when ``--no-FLAG`` exists."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from dataparallel.train import build_parser
+
+    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    root = Path(__file__).resolve().parents[1] / "dataparallel"
+    unknown = {}
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])",
+                                   node.value):
+                if flag not in flags and "--no-" + flag[2:] not in flags:
+                    unknown.setdefault(flag, set()).add(f.name)
+    assert not unknown, f"flags named in dataparallel/ that `dataparallel train` lacks: {unknown}"

@@ -195,6 +195,10 @@ def test_records_run_in_the_strategys_order_after_their_gradients(w, scope, tern
 
 
 @pytest.mark.parametrize("kw", [{}, {"ternary": True, "mask_scope": "global"},
+                                # per-bucket survivors 31, 72, 158, 15, 68: 2-bit codes that
+                                # do not fill their last byte
+                                {"ternary": True, "mask_scope": "bucket",
+                                 "bucket_mib": BUCKETS_MIB[1]},
                                 {"prune_score": "magnitude", "stable_window": 0,
                                  "warmup_steps": 0, "bucket_mib": BUCKETS_MIB[1]}])
 def test_commvol_predicts_the_papers_bytes_and_calls(kw):

@@ -34,11 +34,10 @@ def test_a_run_on_a_mutated_plan_stops_at_the_first_step(tmp_path):
     calls differ from the plan on every rank, which stops the job before it writes anything."""
     res = run_mpi("sparse_checks.py", 4, "mutant", "random", 2, tmp_path / "out", timeout=240,
                   expect_fail=True)
-    # the account's message (substrate.calls._show) cannot yet describe a record that is not
-    # an all-gather and raises TypeError inside the account instead: either way the account
-    # of the first step stopped the run
+    # the account names the call, what ran and what the plan said (the messages of the pairs)
     err = res.stderr
-    assert "differs from the plan" in err or ("in account" in err and "_show" in err), err
+    assert "call 0 of the interval differs from the plan: ran spff" in err, err
+    assert "planned" in err and "messages" in err, err
     assert not (tmp_path / "out" / "summary.json").exists()
 
 

@@ -354,7 +354,7 @@ def plan_masks(model, mode: str, n: int, *, coverage: Fraction,
         chains = neuron_groups(model)
         if not chains:
             raise ValueError(f"model {model.name!r} has no hidden layer to mask; use a model with "
-                             f"hidden layers (cnn, mlp with --hidden, resnet)")
+                             f"hidden layers (cnn, mlp with --arch hidden=N, resnet)")
         sizes = layout.sizes
         chosen = [masked_groups(chain, sizes) for chain in chains]
         family = window_sets(n, p)
