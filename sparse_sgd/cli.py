@@ -329,8 +329,20 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
 
 def _require_cpu(args) -> None:
     if getattr(args, "device", "cpu") != "cpu":
-        raise ValueError("sparse_sgd runs on the CPU (SciPy sparse + Numba kernels); "
+        raise ValueError("sparse_sgd partition runs on the CPU (a serial partitioner); "
                          "use --device cpu")
+
+
+def _staged(net: DistributedSparseNet, *arrays):
+    """Host arrays on the net's device, one copy each (as they are on the CPU)."""
+    return arrays if not net.gpu else tuple(net.xp.asarray(a) for a in arrays)
+
+
+def _host_floats(net: DistributedSparseNet, *values) -> list[float]:
+    """Scalars (0-d arrays) as Python floats; on the GPU with one host read for them all."""
+    if not net.gpu:
+        return [float(v) for v in values]
+    return [float(v) for v in net.backend.asnumpy(net.xp.stack(values))]
 
 
 #: configuration fields a resumed run may change (everything else must match the checkpoint)
@@ -343,10 +355,12 @@ def _net_state(net: DistributedSparseNet, part: Partition, part_bytes: int) -> d
              "partition/seconds": np.float64(part.seconds),
              "partition/bytes": np.int64(part_bytes)}
     state.update({f"partition/owner_{k}": np.asarray(o) for k, o in enumerate(part.owners)})
+    net.pull_weights()                  # a GPU net's rows into its host maps (host copies)
+    biases = net.host_biases()
     for k, mp in enumerate(net.maps):
         state[f"net/local_{k}"] = mp.W_local.data.copy()
         state[f"net/remote_{k}"] = mp.W_remote.data.copy()
-        state[f"net/bias_{k}"] = net.b[k].copy()
+        state[f"net/bias_{k}"] = np.array(biases[k], copy=True)
     return state
 
 
@@ -362,18 +376,13 @@ def _saved_partition(state: dict) -> tuple[Partition, int]:
 
 
 def _load_net_state(net: DistributedSparseNet, state: dict) -> None:
-    """Restore :func:`_net_state`'s weights and biases in place (same partition, same rows)."""
+    """Restore :func:`_net_state`'s weights and biases in place (same partition, same rows;
+    a GPU net's onto its device)."""
     for k, mp in enumerate(net.maps):
         mp.W_local.data[...] = state[f"net/local_{k}"]
         mp.W_remote.data[...] = state[f"net/remote_{k}"]
-        net.b[k][...] = state[f"net/bias_{k}"]
-
-
-def _class_scores(net, out_class: np.ndarray, batch: int) -> np.ndarray:
-    """This rank's share of the class scores: sum of x^L over the output neurons of a class."""
-    scores = np.zeros((NUM_CLASSES, batch))
-    np.add.at(scores, out_class, net.X[-1])
-    return scores
+        net.b[k][...] = net.xp.asarray(state[f"net/bias_{k}"])
+    net.push_weights()
 
 
 def _setup_calls(run, plan: HSGDPlan, part_bytes: int) -> list:
@@ -382,23 +391,26 @@ def _setup_calls(run, plan: HSGDPlan, part_bytes: int) -> list:
     return plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
 
 
-def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size) -> float:
+def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size, labels) -> float:
     """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
     ``eval``) and one all-reduce of the class scores (``eval_scores``): the records of
-    :meth:`HSGDPlan.calls` ``(phase="eval")``."""
+    :meth:`HSGDPlan.calls` ``(phase="eval")``.  On a GPU each batch is staged once, the scores
+    stay on the device and the accuracy is the one host read (``out_class``, ``class_size``
+    and ``labels`` are on the net's device)."""
+    xp = net.xp
     n = ds.features.shape[0]
-    scores = np.zeros((NUM_CLASSES, max(n, 1)))
+    scores = xp.zeros((NUM_CLASSES, max(n, 1)))
     for s in range(0, n, cfg.batch_size):
         with run.clock.compute("eval_batch"):
-            X0 = np.ascontiguousarray(ds.features[s:s + cfg.batch_size][:, in_rows].T,
-                                      dtype=dtype)
+            X0, = _staged(net, np.ascontiguousarray(
+                ds.features[s:s + cfg.batch_size][:, in_rows].T, dtype=dtype))
         net.forward(X0, phase=PHASE_EVAL)  # its sends declare their events (phase eval)
         with run.clock.compute("eval_scores"):
-            scores[:, s:s + X0.shape[1]] = _class_scores(net, out_class, X0.shape[1])
+            scores[:, s:s + X0.shape[1]] = net.class_scores(out_class, NUM_CLASSES)
     if n:
         run.world.allreduce(scores, "sum", phase=PHASE_EVAL_SCORES)
-    pred = np.argmax(scores[:, :n] / class_size[:, None], axis=0)
-    return float(np.mean(pred == ds.labels)) if n else float("nan")
+    pred = xp.argmax(scores[:, :n] / class_size[:, None], axis=0)
+    return _host_floats(net, xp.mean(pred == labels))[0] if n else float("nan")
 
 
 class _Steps(LoopBody):
@@ -414,10 +426,13 @@ class _Steps(LoopBody):
                                                                         batch_rng, dtype)
         self.in_rows, out_rows = net.input_rows, net.output_rows
         self.out_rows = out_rows
-        self.out_class = out_rows % NUM_CLASSES
-        self.class_size = np.bincount(np.arange(cfg.neurons) % NUM_CLASSES,
-                                      minlength=NUM_CLASSES)
-        self.red = np.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
+        # on a GPU the class map, the class sizes, the test labels and the reduced loss and
+        # scores live on the device (staged once; a step reads its loss and accuracy once)
+        self.out_class, self.class_size, self.test_labels = _staged(
+            net, out_rows % NUM_CLASSES,
+            np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES),
+            test.labels)
+        self.red = net.xp.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
         # the plan's records of one step (held against the calls each step runs)
         self.step_calls = plan.calls(run.topo.placement, cfg.batch_size, dtype.itemsize)
         #: every step's loss and mini-batch accuracy (the summary's trajectory)
@@ -430,24 +445,29 @@ class _Steps(LoopBody):
         idx = self.batch_rng.choice(self.ds.features.shape[0], size=cfg.batch_size,
                                     replace=False)
         with run.clock.compute("batch"):
-            X0 = np.ascontiguousarray(self.ds.features[idx][:, self.in_rows].T,
-                                      dtype=self.dtype)
-            Y = np.ascontiguousarray(self.targets[idx][:, self.out_rows].T, dtype=self.dtype)
-        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet)
+            X0, Y, labels = _staged(
+                net, np.ascontiguousarray(self.ds.features[idx][:, self.in_rows].T,
+                                          dtype=self.dtype),
+                np.ascontiguousarray(self.targets[idx][:, self.out_rows].T, dtype=self.dtype),
+                self.ds.labels[idx])
+        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet);
+        # on a GPU the loss stays on the device
         red[0] = net.step(X0, Y, cfg.lr)
         with run.clock.compute("class_scores"):
-            red[1:] = _class_scores(net, self.out_class, cfg.batch_size).ravel()  # pre-update
+            red[1:] = net.class_scores(self.out_class, NUM_CLASSES).ravel()  # pre-update
         run.world.allreduce(red, "sum", phase=PHASE_LOSS)
-        pred = np.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size)
+        xp = net.xp
+        pred = xp.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size)
                          / self.class_size[:, None], axis=0)
-        self.losses.append(float(red[0]))
-        self.accs.append(float(np.mean(pred == self.ds.labels[idx])))
+        loss, acc = _host_floats(net, red[0], xp.mean(pred == labels))  # one host read
+        self.losses.append(loss)
+        self.accs.append(acc)
         return self.step_calls
 
     def evaluate(self) -> Evaluation:
         cfg, test = self.cfg, self.test
         acc = _evaluate(self.run, self.net, test, cfg, self.dtype, self.in_rows,
-                        self.out_class, self.class_size)
+                        self.out_class, self.class_size, self.test_labels)
         return Evaluation(acc, records=self.plan.calls(
             self.run.topo.placement, cfg.batch_size, self.dtype.itemsize, phase="eval",
             samples=test.features.shape[0]))
@@ -474,7 +494,6 @@ class _Steps(LoopBody):
 
 
 def _train(args) -> dict:
-    _require_cpu(args)
     cfg = from_args(TrainConfig, args)
     method = "hsgd" if cfg.partition == "hypergraph" else "sgd"  # the paper's names
     run = start_run(args, system="sparse_sgd", method=method, config=cfg, unit="step")
@@ -563,7 +582,6 @@ def _print_traffic(summary: dict) -> None:
 
 
 def _infer(args) -> dict:
-    _require_cpu(args)
     cfg = from_args(InferConfig, args)
     run = start_run(args, system="sparse_sgd", method=f"hspff_{cfg.partition}", config=cfg,
                     unit="step")
@@ -586,17 +604,21 @@ def _infer(args) -> dict:
     predicted.add(run.recorder.account(_setup_calls(run, plan, part_bytes)))
     net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock)
     in_rows = net.input_rows
-    nonzero = np.zeros(n_in + 1, dtype=np.float64)  # categories, then the elapsed time
+    # categories, then the elapsed time; on a GPU on the device (each batch staged once, its
+    # categories found there, one host read after the reduction)
+    nonzero = net.xp.zeros(n_in + 1, dtype=np.float64)
     run.world.barrier(phase=PHASE_SYNC)
     t0 = t_batch = time.perf_counter()
     for s in range(0, n_in, cfg.batch_size):
         with run.clock.compute("infer_batch"):
             block = Y0[s:s + cfg.batch_size][:, in_rows]
             block = block.toarray() if sp.issparse(block) else block
-            X0 = np.ascontiguousarray(block.T, dtype=dtype)
+            X0, = _staged(net, np.ascontiguousarray(block.T, dtype=dtype))
         XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)  # its blocks and sends: events
         with run.clock.compute("infer_categories"):
-            nonzero[s:s + X0.shape[1]] = np.any(XL != 0, axis=0)
+            nonzero[s:s + X0.shape[1]] = net.xp.any(XL != 0, axis=0)
+        if net.gpu:
+            net.backend.synchronize()   # the batch's wall time includes its device work
         # a line per batch: its wall time and the inference's so far (the traffic of the whole
         # inference is accounted once, after the last batch)
         now = time.perf_counter()
@@ -605,6 +627,7 @@ def _infer(args) -> dict:
         t_batch = now
     nonzero[-1] = time.perf_counter() - t0
     run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
+    nonzero = net.backend.asnumpy(nonzero) if net.gpu else nonzero
     predicted.add(run.recorder.account(plan.calls(run.topo.placement, cfg.batch_size,
                                                   dtype.itemsize, phase="infer",
                                                   samples=n_in)))

@@ -41,6 +41,7 @@ from .compute import (
     FlopSource,
     LayerEvents,
     WallSource,
+    resolve_pending,
 )
 from .ledger import Ledger
 from .profile import ProfileSource
@@ -146,6 +147,7 @@ class SimClock:
         self._depth = 0
         self._outer_last = None        # the last layer event when the outermost block began
         self._nested_s = 0.0           # Σ seconds of blocks that were events inside another
+        self._nested_ms: list = []     # their measurements, with a deferred source
         self.last_event = None
         self.last_step: StepTiming | None = None
         self._t0 = self._step_t0 = time.perf_counter()
@@ -183,14 +185,22 @@ class SimClock:
         if not nested:
             self._outer_last = self.layers.last if self.layers is not None else None
         self._depth += 1
-        inner0 = self.layers.recorded_s if self.layers is not None else 0.0
-        nested0 = self._nested_s
+        # a deferred source (CUDA events, read once when the step closes) leaves the block's
+        # seconds, and its layers' and nested blocks', to then: no host wait here
+        deferred = getattr(self.source, "deferred", False)
+        if deferred:
+            start = (self.layers.count if self.layers is not None else 0, len(self._nested_ms))
+        else:
+            inner0 = self.layers.recorded_s if self.layers is not None else 0.0
+            nested0 = self._nested_s
         try:
             with self.source.measure(flops, None, key) as m:
                 yield m
         finally:
             self._depth -= 1
-        if self.timeline is None:
+        if deferred:
+            self._deferred_end(m, start, nested, label, deps, stream, after)
+        elif self.timeline is None:
             self._compute_s += m.seconds
         else:
             inner = self.layers.recorded_s - inner0 + self._nested_s - nested0
@@ -203,10 +213,45 @@ class SimClock:
                                                             stream=stream, after=after)
                 else:
                     self.last_event = self.layers.last
-        if nested:                      # the outer block's rest leaves it out
-            self._nested_s += m.seconds
+            if nested:                  # the outer block's rest leaves it out
+                self._nested_s += m.seconds
         if self.program is not None:
             self.program.end(self.last_event if self.timeline is not None else None)
+
+    def _deferred_end(self, m, start: tuple[int, int], nested: bool, label: str, deps,
+                      stream: str, after) -> None:
+        """The end of a block timed by a deferred source (:class:`DeferredMeasurement`): in
+        timeline mode its event is declared now with 0 seconds (its handle is
+        :attr:`last_event`) and gets the block's rest (its seconds less those of the layer
+        events and nested blocks it holds) when the step's events are read; in additive mode
+        the seconds are added then.  :meth:`step` reads them (one host wait) before it
+        schedules, and so does any reading of the open step."""
+        if self.timeline is None:
+            m.then(self._add_compute)
+        else:
+            ev = self.timeline.compute(label, 0.0, deps=deps, stream=stream, after=after)
+            self.last_event = ev
+            layers = self.layers.span(start[0]) if self.layers is not None else (lambda: 0.0)
+            inner_ms = self._nested_ms[start[1]:]
+            timeline = self.timeline
+
+            def rest(seconds: float) -> None:
+                inner = layers() + sum(x.seconds for x in inner_ms)
+                timeline.set_seconds(ev, max(0.0, seconds - inner))
+
+            m.then(rest)
+        if nested:                      # the outer block's rest leaves it out
+            self._nested_ms.append(m)
+        elif self._depth == 0:
+            self._nested_ms = []
+
+    def _add_compute(self, seconds: float) -> None:
+        self._compute_s += seconds
+
+    def _resolve(self) -> None:
+        """Read the pending deferred measurements (before a reading of the open step)."""
+        if getattr(self.source, "deferred", False):
+            resolve_pending(self.source)
 
     def _between_units(self) -> bool:
         """Whether a block opened inside another one is an event of its own: on a timeline,
@@ -299,6 +344,7 @@ class SimClock:
     # -- readings --------------------------------------------------------------------------------
     def _open(self) -> tuple[float, float, float]:
         """(critical path, no-overlap sum, compute) of the open step."""
+        self._resolve()
         if self.timeline is None or not self.timeline.open_events:
             return 0.0, 0.0, 0.0
         t = self.timeline.schedule()
@@ -307,6 +353,7 @@ class SimClock:
     @property
     def compute_s(self) -> float:
         if self.timeline is None:
+            self._resolve()
             return self._compute_s
         tot = self.timeline.totals
         return self._offset["compute_s"] + tot["compute_s"] + tot["offload_s"] + self._open()[2]

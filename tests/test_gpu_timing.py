@@ -1,15 +1,16 @@
 """CUDA-event compute timing on the strict CuPy stand-in (issue 25): a block's events are read
 once per step with one host wait, not one wait per block; the timeline gets the same seconds;
-reading a block early still works (it resolves then)."""
+reading a block early still works (it resolves then); a clock whose blocks are read at the step
+end keeps the same time as one that reads each block at its end."""
 
-import inspect
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from strict_backend import real_cupy_or_skip, strict_cupy
 
 from substrate.clock import SimClock
-from substrate.compute import CudaEventSource, LayerEvents
+from substrate.compute import ComputeSource, CudaEventSource, DeferredMeasurement, LayerEvents
 from substrate.costmodel import CostModel
 from substrate.ledger import Ledger
 from substrate.timeline import Timeline
@@ -71,13 +72,6 @@ def test_layer_events_get_their_seconds_at_the_step_end():
         assert layers.recorded_s == pytest.approx(sum(e.seconds for e in tl.open_events))
 
 
-def _clock_defers() -> bool:
-    return "deferred" in inspect.getsource(SimClock.compute)
-
-
-@pytest.mark.xfail(not _clock_defers(), strict=True,
-                   reason="substrate/clock.py does not yet leave CUDA-event blocks to the step "
-                          "end (the SimClock.compute change of the issue-25 report)")
 def test_clock_steps_with_one_host_wait():
     with strict_cupy() as cp:
         clock = SimClock(Ledger(), source=CudaEventSource(), timeline=Timeline(CostModel()))
@@ -95,6 +89,97 @@ def test_clock_steps_with_one_host_wait():
             assert timing.compute_s > 0
             labels = {e.label: e for e in timing.events}
             assert labels["optimizer"].finish > labels["optimizer"].start
+
+
+#: seconds of every block and layer of :func:`_scripted_steps`, by label
+SECONDS = {"fb": 5.0, "fwd:l1": 1.0, "fwd:l2": 2.0, "hook": 0.5, "opt": 0.25, "tail": 1.0,
+           "fwd:l3": 1.0}
+
+
+class _Scripted(ComputeSource):
+    """Seconds by label, known when a block ends (as a CPU source)."""
+
+    name = "scripted"
+
+    @contextmanager
+    def measure(self, flops=None, nbytes=None, label=None):
+        m = self.Measurement()
+        yield m
+        m.seconds = SECONDS[label]
+
+
+class _ScriptedDeferred(ComputeSource):
+    """The same seconds, read at the step end with one 'host wait' (as CUDA events)."""
+
+    name = "scripted_deferred"
+    deferred = True
+
+    def __init__(self) -> None:
+        self._pending, self.reads = [], 0
+
+    @contextmanager
+    def measure(self, flops=None, nbytes=None, label=None):
+        m = DeferredMeasurement(self)
+        yield m
+        self._pending.append((m, SECONDS[label]))
+
+    def resolve(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self.reads += 1
+        for m, sec in pending:
+            m._set(sec)
+
+    def new_step(self) -> None:
+        self.resolve()
+
+
+def _scripted_steps(clock: SimClock, steps: int = 2) -> list:
+    out = []
+    for _ in range(steps):
+        with clock.compute("fb"):            # two layers, a hook between them: rest 1.5 s
+            with clock.layers.layer("fwd", "l1"):
+                pass
+            with clock.compute("hook"):
+                pass
+            with clock.layers.layer("fwd", "l2"):
+                pass
+        fb = clock.last_event
+        with clock.compute("tail"), clock.layers.layer("fwd", "l3"):   # all one layer: no rest
+            pass
+        with clock.compute("opt", deps=[fb]):
+            pass
+        mid = clock.sim_s                    # a reading of the open step resolves it
+        t = clock.step()
+        out.append((mid, t.step_s, t.compute_s, t.no_overlap_s,
+                    sorted((e.label, e.start, e.finish) for e in t.events if e.finish > e.start)))
+    return out
+
+
+@pytest.mark.parametrize("timeline", [True, False], ids=["timeline", "additive"])
+def test_deferred_blocks_keep_the_clock_of_blocks_read_at_their_end(timeline):
+    """The same blocks, layers and nested hook give the same step times, compute, events and
+    readings whether each block is read at its end or the step's blocks at the step end."""
+    clocks = []
+    for src in (_Scripted(), _ScriptedDeferred()):
+        tl = Timeline(CostModel()) if timeline else None
+        clocks.append(SimClock(Ledger(), source=src, timeline=tl))
+    if not timeline:
+        for c in clocks:                     # additive mode: plain blocks only
+            for _ in range(2):
+                with c.compute("fb"):
+                    pass
+                with c.compute("opt"):
+                    pass
+                c.step()
+        assert clocks[0].compute_s == clocks[1].compute_s == pytest.approx(10.5)
+        assert clocks[0].sim_s == clocks[1].sim_s
+        return
+    now, later = (_scripted_steps(c) for c in clocks)
+    assert now == later
+    assert now[0][1] == pytest.approx(5.0 + 1.0 + 0.25)
+    assert clocks[1].source.reads == 2       # once per step (the mid-step reading)
+    assert clocks[0].as_dict()["sim_s"] == clocks[1].as_dict()["sim_s"]
 
 
 @pytest.mark.gpu

@@ -24,6 +24,16 @@ def test_sparse_sgd_resume_equals_uninterrupted_run(tmp_path):
     assert "OK resume sparse_sgd" in res.stdout, res.stdout + res.stderr
 
 
+def test_sparse_sgd_resume_on_the_gpu_equals_uninterrupted_run(tmp_path):
+    """``sparse_sgd train --device gpu`` on the strict CuPy stand-in: checkpoints written from
+    host copies of the device rows, a resume restores them onto the device, bit for bit."""
+    from strict_backend import strict_env
+
+    res = run_mpi("resume_checks.py", 4, "sparse-gpu", tmp_path, timeout=300,
+                  env=strict_env())
+    assert "OK resume sparse_sgd on the GPU" in res.stdout, res.stdout + res.stderr
+
+
 def test_resume_reuses_the_timing_derived_plan_under_load(tmp_path):
     """SSFusion's plan (Cupcake buffers and selective sparsification, decided from the warm-up
     timings) is kept in the checkpoint: resumed beside two busy loops, a run equals the

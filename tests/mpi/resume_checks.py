@@ -11,7 +11,8 @@ but measured times.  ``--resume --steps 4`` after 8 steps is refused on every ra
 
 ``python -m mpi4py resume_checks.py sparse OUT`` does A and B for ``sparse_sgd train``
 (crash in the 5th iteration after the checkpoint of iteration 4; the hypergraph partition of
-the checkpoint is kept).
+the checkpoint is kept); ``sparse-gpu`` the same with ``--device gpu`` (on the strict CuPy
+stand-in: checkpoints written from host copies, restored onto the device).
 
 Prints ``OK <name>`` per check on rank 0.
 """
@@ -158,12 +159,12 @@ def _sparse(out: Path, every: int, *extra) -> None:
         "--progress-every", "0", "--checkpoint-every", str(every), "--out", str(out), *extra]))
 
 
-def check_sparse(root: Path) -> None:
+def check_sparse(root: Path, *device) -> None:
     a, b = root / "sparse-a", root / "sparse-b"
-    _sparse(a, 3)
+    _sparse(a, 3, *device)
     with crash_in(DistributedSparseNet, "step", 5):
-        _sparse(b, 4)
-    _sparse(b, 3, "--resume")
+        _sparse(b, 4, *device)
+    _sparse(b, 3, "--resume", *device)
     _same_run(a, b, 7, "sparse_sgd")
     if COMM.rank == 0:
         sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
@@ -172,8 +173,10 @@ def check_sparse(root: Path) -> None:
         ok = True
     collective_check(COMM, ok, "sparse_sgd: loss trajectories differ")
     if COMM.rank == 0:
-        print("OK resume sparse_sgd", flush=True)
+        print(f"OK resume sparse_sgd{' on the GPU' if device else ''}", flush=True)
 
 
 if __name__ == "__main__":
-    {"dataparallel": check_dataparallel, "sparse": check_sparse}[sys.argv[1]](Path(sys.argv[2]))
+    {"dataparallel": check_dataparallel, "sparse": check_sparse,
+     "sparse-gpu": lambda root: check_sparse(root, "--device", "gpu"),
+     }[sys.argv[1]](Path(sys.argv[2]))
