@@ -334,9 +334,11 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         clock = self.run.clock
         lo, hi = (buf.a, buf.c) if head else (buf.c, buf.b)
         with clock.compute(label, flops=self._part_flops(buf, head), deps=clock.ready(lo, hi)):
+            # host time of the preparation: on a GPU the time to queue it (no device wait
+            # here: the staging copy waits for the compute stream's event, and the compute
+            # event's CUDA timing has the device's time); on the CPU the work itself
             t = time.perf_counter()
             self._prepare(buf, step, head)
-            self.run.backend.synchronize()
             self._stats["sparsify_s"] += time.perf_counter() - t
         return clock.last_event if clock.timeline is not None else None
 
@@ -355,7 +357,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
             summed = scatter_mean(values, idx, buf.b - buf.a, p, base=buf.a)
             for seg in buf.segments:
                 g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
-            gathered_idx.append(idx[values != 0])
+            gathered_idx.append((idx, values))   # read by the diagnostic on logged steps
 
     def _warmup_sync(self, step: int, g):
         """Dense all-reduce of every warm-up buffer (with momentum correction, of ``u = μ u +
@@ -427,18 +429,22 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
     # -- diagnostics (not part of the simulated system) -------------------------------------------
     def _count_missing(self, gathered_idx) -> None:
         """Tensor-missing rate (Table I): tensors with no entry sent (with a non-zero value) by
-        this rank, and by no rank (dense tensors are never missing)."""
+        this rank, and by no rank (dense tensors are never missing).  ``gathered_idx`` holds
+        the step's gathered ``(indices, values)``; the non-zero entries are counted per tensor
+        by a scatter-add (no compaction, so a device reads nothing until the one result)."""
         xp = self.xp
-        own = [buf.send[buf.n_agd + buf.K:][buf.send[buf.n_agd:buf.n_agd + buf.K] != 0]
+        own = [(buf.send[buf.n_agd + buf.K:], buf.send[buf.n_agd:buf.n_agd + buf.K])
                for buf in self._bufs if buf.K]
         dense = np.array([k < 0 for k in self.plan.k], dtype=bool)
 
-        def missing(idx_list) -> np.ndarray:
-            if not idx_list:
+        def missing(pairs) -> np.ndarray:
+            if not pairs:
                 return ~dense
-            idx = xp.concatenate(idx_list)
-            tid = xp.searchsorted(self._offsets_x, idx, side="right") - 1
-            hit = xp.bincount(tid, minlength=self.L) > 0
+            idx = xp.concatenate([i for i, _ in pairs])
+            nonzero = xp.concatenate([v != 0 for _, v in pairs]).astype(np.float64)
+            tid = xp.clip(xp.searchsorted(self._offsets_x, idx, side="right") - 1, 0,
+                          self.L - 1)
+            hit = scatter_mean(nonzero, tid, self.L, 1) > 0
             hit = hit.get() if hasattr(hit, "get") else hit
             return ~(hit | dense)
 
