@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -207,7 +209,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     p.add_argument("module", help="module to run, e.g. runner.probe or hsadmm")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the module")
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    # a placeholder or typo would otherwise start every rank only to fail in runpy, once a rank
+    top = ns.module.split(".")[0]
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", ns.module) or \
+            importlib.util.find_spec(top) is None:
+        p.error(f"MODULE {ns.module!r} is not a module this Python can run; give one such as "
+                "hsadmm, dataparallel, sparse_sgd, partition, models, commvol or runner.probe, "
+                "then its arguments")
+    return ns
 
 
 def descendants(pid: int) -> list[int]:

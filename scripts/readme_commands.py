@@ -71,6 +71,9 @@ def skip_reason(cmd: str, skip_tests: bool) -> str | None:
             return "needs environment modules (a site's `module` command)"
         if not prog.startswith(".") and not prog.startswith("/") and shutil.which(prog) is None:
             return f"needs {prog!r}, not installed here"
+    if ("[gpu]" in cmd or ("gpu_check.py" in cmd and "--strict" not in cmd)) and \
+            shutil.which("nvidia-smi") is None:
+        return "needs a GPU node (no nvidia-smi here); the stand-in commands run instead"
     for flag, what in NEEDS_FILE.items():
         if flag in words:
             return f"needs {what} ({flag} {words[words.index(flag) + 1]})"

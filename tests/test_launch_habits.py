@@ -145,3 +145,14 @@ def test_the_console_command_and_version():
     assert subprocess.run([str(exe), "nope"], capture_output=True, text=True,
                           timeout=60, check=False).returncode == 2
     assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")
+
+
+@pytest.mark.parametrize("module", ["[-n", "nosuchmodule", "hsadmm/train.py"])
+def test_a_module_that_cannot_run_is_refused_before_any_rank_starts(module):
+    """A README placeholder or a typo copied as MODULE is refused by the launcher itself (exit
+    2, one line naming MODULE and examples), not by every rank's runpy traceback."""
+    proc = subprocess.run([str(ROOT / "run_mpi.sh"), "-n", "2", module, "train"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert f"MODULE {module!r} is not a module this Python can run" in proc.stderr
+    assert "Traceback" not in proc.stderr
