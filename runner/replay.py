@@ -40,7 +40,7 @@ from .errors import main_guard
 from .options import add_common_args
 from .run import start_run
 
-__all__ = ["communicators", "execute", "main", "Sleeper", "replay", "step_bytes"]
+__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "step_bytes"]
 
 
 def _dtype(itemsize: int, op: str | None):
