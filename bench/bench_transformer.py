@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_torch_cpu import torch_transformer_loss
 from models.optim import AdamW, AdamWConfig
 from models.transformer import gpt, vit
 
@@ -65,49 +66,12 @@ def spardist_step(model, x, y):
 
 
 def torch_step(torch, model, x, y):
-    """The same architecture in PyTorch, parameters copied from the spardist model."""
-    F = torch.nn.functional
+    """The same architecture in PyTorch, parameters copied from the spardist model (the loss
+    is :func:`bench.bench_torch_cpu.torch_transformer_loss`, the one PyTorch transcription)."""
     P = {n: torch.nn.Parameter(torch.tensor(model.params[n].copy())) for n in model.layout.names}
     opt = torch.optim.AdamW(list(P.values()), lr=1e-3, weight_decay=0.01)
-    depth = sum(1 for n in P if n.endswith("ln1.weight"))
-    d = P["blocks.0.ln1.weight"].shape[0]
-    heads = 4
-    xt, yt = torch.tensor(x), torch.tensor(y)
     lm = model.lm
-
-    def blocks(h, causal):
-        N, T, _ = h.shape
-        for b in range(depth):
-            def p(name, b=b):
-                return P[f"blocks.{b}.{name}"]
-            a = F.layer_norm(h, (d,), p("ln1.weight"), p("ln1.bias"), 1e-5)
-            q, k, v = F.linear(a, p("attn.qkv.weight"), p("attn.qkv.bias")).split(d, dim=-1)
-            q, k, v = (t.reshape(N, T, heads, d // heads).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            h = h + F.linear(o.transpose(1, 2).reshape(N, T, d), p("attn.proj.weight"),
-                             p("attn.proj.bias"))
-            a = F.layer_norm(h, (d,), p("ln2.weight"), p("ln2.bias"), 1e-5)
-            a = F.gelu(F.linear(a, p("mlp.fc1.weight"), p("mlp.fc1.bias")), approximate="tanh")
-            h = h + F.linear(a, p("mlp.fc2.weight"), p("mlp.fc2.bias"))
-        return h
-
-    def loss_fn():
-        if lm:
-            N, T = xt.shape
-            h = P["wte.weight"][xt] + P["wpe.weight"][:T]
-            h = F.layer_norm(blocks(h, True), (d,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
-            logits = F.linear(h, P["head.weight"])
-            targets = torch.cat([xt[:, 1:], yt[:, None]], dim=1)
-            return F.cross_entropy(logits.reshape(N * T, -1), targets.reshape(-1))
-        N = xt.shape[0]
-        C, H, W = model.input_shape
-        p_ = 2
-        cols = xt.reshape(N, C, H // p_, p_, W // p_, p_).permute(0, 2, 4, 1, 3, 5)
-        h = F.linear(cols.reshape(N, -1, C * p_ * p_), P["patch_embed.proj.weight"],
-                     P["patch_embed.proj.bias"])
-        h = torch.cat([P["cls_token.weight"].expand(N, 1, d), h], dim=1) + P["pos_embed.weight"]
-        h = F.layer_norm(blocks(h, False), (d,), P["norm.weight"], P["norm.bias"], 1e-5)
-        return F.cross_entropy(F.linear(h[:, 0], P["head.weight"], P["head.bias"]), yt)
+    loss_fn = torch_transformer_loss(torch, model, P, torch.tensor(x), torch.tensor(y))
 
     def step():
         opt.zero_grad()
