@@ -116,6 +116,32 @@ def _wait(reqs, poll) -> None:
         time.sleep(poll)
 
 
+def _ring(mpi: MPI.Intracomm, buf, recv, reduce, poll) -> list[tuple[int, int]]:
+    """The ring all-reduce schedule on the 1-D ``buf`` (``p > 1``): reduce-scatter step ``s``
+    sends chunk ``(i-s) % p`` to ``i+1``, receives chunk ``(i-s-1) % p`` from ``i-1`` into
+    ``recv`` and hands it to ``reduce(lo, hi, received)`` (which must leave the sum in
+    ``buf[lo:hi]``); all-gather step ``s`` sends chunk ``(i+1-s) % p``, receives ``(i-s) % p``
+    in place.  Returns ``(peer, bytes)`` of every message sent."""
+    p, i = mpi.Get_size(), mpi.Get_rank()
+    counts = ring_chunk_counts(buf.size, p)
+    offs = np.concatenate(([0], np.cumsum(counts)))
+    chunk = [buf[offs[j]:offs[j + 1]] for j in range(p)]
+    right, left = (i + 1) % p, (i - 1) % p
+    itemsize = buf.itemsize
+    sent = []
+    for s in range(p - 1):
+        si, ri = (i - s) % p, (i - s - 1) % p
+        got = recv[:counts[ri]]
+        _sendrecv(mpi, chunk[si], right, got, left, poll)
+        reduce(int(offs[ri]), int(offs[ri + 1]), got)
+        sent.append((right, int(counts[si]) * itemsize))
+    for s in range(p - 1):
+        si, ri = (i + 1 - s) % p, (i - s) % p
+        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
+        sent.append((right, int(counts[si]) * itemsize))
+    return sent
+
+
 def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[tuple[int, int]]:
     """In-place ring all-reduce (reduce-scatter + all-gather) of the 1-D contiguous ``buf``.
 
@@ -124,30 +150,18 @@ def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[t
     ``(i+1) % p``.  All-gather step ``s``: send chunk ``(i+1-s) % p``, receive ``(i-s) % p``.
     Every rank ends with bitwise-identical data (each chunk is reduced once, then copied).
     """
-    p, i = mpi.Get_size(), mpi.Get_rank()
+    p = mpi.Get_size()
     if p == 1:
         return []
     ufunc = getattr(xp, UFUNCS[op])
     sync = _sync_for(xp)
-    counts = ring_chunk_counts(buf.size, p)
-    offs = np.concatenate(([0], np.cumsum(counts)))
-    chunk = [buf[offs[j]:offs[j + 1]] for j in range(p)]
-    right, left = (i + 1) % p, (i - 1) % p
-    tmp = xp.empty(int(counts.max()), dtype=buf.dtype)
-    itemsize = buf.itemsize
-    sent = []
-    for s in range(p - 1):
-        si, ri = (i - s) % p, (i - s - 1) % p
-        recv = tmp[:counts[ri]]
-        _sendrecv(mpi, chunk[si], right, recv, left, poll)
-        ufunc(chunk[ri], recv, out=chunk[ri])
+    tmp = xp.empty(int(ring_chunk_counts(buf.size, p).max()), dtype=buf.dtype)
+
+    def reduce(lo, hi, got):
+        ufunc(buf[lo:hi], got, out=buf[lo:hi])
         sync()
-        sent.append((right, int(counts[si]) * itemsize))
-    for s in range(p - 1):
-        si, ri = (i + 1 - s) % p, (i - s) % p
-        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
-        sent.append((right, int(counts[si]) * itemsize))
-    return sent
+
+    return _ring(mpi, buf, tmp, reduce, poll)
 
 
 def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
@@ -160,26 +174,9 @@ def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
     ``s`` the received chunk goes to ``reduce_chunk(lo, hi, recv[:hi-lo])``, which adds it
     into the device buffer and refreshes ``host[lo:hi]`` with the sum (what the next step
     sends); the all-gather runs on the host mirror, which the caller copies back."""
-    p, i = mpi.Get_size(), mpi.Get_rank()
-    if p == 1:
+    if mpi.Get_size() == 1:
         return []
-    counts = ring_chunk_counts(host.size, p)
-    offs = np.concatenate(([0], np.cumsum(counts)))
-    chunk = [host[offs[j]:offs[j + 1]] for j in range(p)]
-    right, left = (i + 1) % p, (i - 1) % p
-    itemsize = host.itemsize
-    sent = []
-    for s in range(p - 1):
-        si, ri = (i - s) % p, (i - s - 1) % p
-        got = recv[:counts[ri]]
-        _sendrecv(mpi, chunk[si], right, got, left, poll)
-        reduce_chunk(int(offs[ri]), int(offs[ri + 1]), got)
-        sent.append((right, int(counts[si]) * itemsize))
-    for s in range(p - 1):
-        si, ri = (i + 1 - s) % p, (i - s) % p
-        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
-        sent.append((right, int(counts[si]) * itemsize))
-    return sent
+    return _ring(mpi, host, recv, reduce_chunk, poll)
 
 
 def ring_allgatherv(mpi: MPI.Intracomm, out, counts, displs, poll=None) -> list[tuple[int, int]]:
