@@ -497,6 +497,19 @@ class DistributedSparseNet:
                                     buf.xrecv_h[k - 1] if self._staged else None,
                                     mp.recv_ptr, mp.recv_ranks)
 
+    def _spff_exchange_gpu(self, k, mp, d, x_prev, buf, phase: str, label: str, B: int):
+        """Layer ``k``'s SpFF exchange on the device (training and inference alike): the
+        receives posted (before the pack where the plan says so), the rows the peers need
+        gathered into one device block (compute ``{label}_pack[k]``) and sent, the remaining
+        receives posted.  Returns ``(receive requests, send requests)``."""
+        rreq = self._recvs_ff(k, phase, buf, mp, before=True)
+        with self._compute(f"{label}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
+            if d.send_all.size:
+                self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
+        sreq = self._send_gpu(buf.xsend[k - 1], buf.xsend_h[k - 1] if self._staged else None,
+                              d.send_ptr, mp.send_ranks, k, phase, self._after())
+        return rreq or self._recvs_ff(k, phase, buf, mp, before=False), sreq
+
     def _forward_gpu(self, X0, phase: str):
         X0 = self._device_input(X0, self.input_rows.size, "X0")
         B = X0.shape[1]
@@ -504,14 +517,7 @@ class DistributedSparseNet:
         self.X = [X0]
         for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
             x_prev = self.X[-1]
-            rreq = self._recvs_ff(k, phase, buf, mp, before=True)
-            with self._compute(f"{phase}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-                if d.send_all.size:
-                    self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
-            sreq = self._send_gpu(buf.xsend[k - 1],
-                                  buf.xsend_h[k - 1] if self._staged else None,
-                                  d.send_ptr, mp.send_ranks, k, phase, self._after())
-            rreq = rreq or self._recvs_ff(k, phase, buf, mp, before=False)
+            rreq, sreq = self._spff_exchange_gpu(k, mp, d, x_prev, buf, phase, phase, B)
             rows = mp.rows.size
             with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
                 z = d.Wl @ x_prev  # line 6: local product overlaps the messages
@@ -588,14 +594,8 @@ class DistributedSparseNet:
         x_prev = X0
         for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
             rows = mp.rows.size
-            rreq = self._recvs_ff(k, PHASE_SPFF, buf, mp, before=True)
-            with self._compute(f"infer_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-                if d.send_all.size:
-                    self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
-            sreq = self._send_gpu(buf.xsend[k - 1],
-                                  buf.xsend_h[k - 1] if self._staged else None,
-                                  d.send_ptr, mp.send_ranks, k, PHASE_SPFF, self._after())
-            rreq = rreq or self._recvs_ff(k, PHASE_SPFF, buf, mp, before=False)
+            rreq, sreq = self._spff_exchange_gpu(k, mp, d, x_prev, buf, PHASE_SPFF, "infer",
+                                                 B)
             with self._compute(f"infer_local[{k}]", 2 * mp.W_local.nnz * B):
                 z = d.Wl @ x_prev
             local = self._last()
