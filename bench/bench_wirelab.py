@@ -144,7 +144,7 @@ def replayed(loads: dict, tmp: Path, timeout: float) -> dict:
                     raise wl.LabError(f"recording {name} on {n} ranks failed: "
                                       f"{(proc.stderr or proc.stdout).strip()[-300:]}")
             return ["runner.replay", "--compute-profile", str(prof)]
-        out[name] = {"args": args, "skip": w["skip"]}
+        out[name] = {"args": args, "skip": w["skip"], "replay": True}
     return out
 
 
@@ -175,6 +175,20 @@ def _links(text: str) -> list[tuple[float, float]]:
     return out
 
 
+def _dilation(text: str, replay: bool) -> float:
+    """``--dilation``: a number K >= 1 (only with ``--replay``)."""
+    try:
+        k = float(text)
+    except ValueError:
+        raise wl.LabError(f"--dilation {text!r}: give a number >= 1. Fix: e.g. --dilation 16"
+                          ) from None
+    if not k >= 1:
+        raise wl.LabError(f"--dilation {text}: must be >= 1. Fix: e.g. --dilation 16")
+    if k != 1 and not replay:
+        raise wl.LabError("--dilation slows only replayed compute: add --replay")
+    return k
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--links", default="100,1000",
@@ -200,8 +214,17 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", action="store_true",
                     help="run every workload as a replay of a recorded run: compute slept from "
                          "its profile, communication real (many ranks on few cores)")
+    ap.add_argument("--dilation", default="1", metavar="K",
+                    help="time dilation (with --replay): shape the links to 1/K of the rate, "
+                         "sleep K x the compute, K x the timer slack, divide the measured step "
+                         "by K (runner.replay; default 1)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        dilation = _dilation(a.dilation, a.replay)
+    except wl.LabError as exc:
+        print(f"bench_wirelab: error: {exc}", file=sys.stderr)
+        return 2
     loads = workloads(a.steps, a.tiny)
     names = a.systems.split(",") if a.systems else (
         list(loads) if a.tiny else ["ddp", "ssfusion", "hsadmm", "sparse_sgd"])
@@ -222,7 +245,8 @@ def main(argv=None) -> int:
         res = wl.compare_systems(loads, shapes=shapes, links=links, repeat=a.repeat,
                                  out_root=a.out, nice=a.nice,
                                  env=None if a.no_yield else wl.YIELD_ENV, timeout=a.timeout,
-                                 verbose=a.verbose, progress=lambda s: print(s, flush=True))
+                                 verbose=a.verbose, progress=lambda s: print(s, flush=True),
+                                 dilation=dilation)
     except wl.LabError as exc:
         print(f"bench_wirelab: error: {exc}", file=sys.stderr)
         return 2
@@ -232,7 +256,7 @@ def main(argv=None) -> int:
     res["settings"] = {"links_mbit": [m for m, _ in links], "shapes": shapes,
                        "steps": a.steps, "repeat": a.repeat, "nice": a.nice,
                        "yield_env": None if a.no_yield else wl.YIELD_ENV,
-                       "replay": a.replay,
+                       "replay": a.replay, "dilation": a.dilation,
                        "workloads": {n: {"args": w["args"] if not callable(w["args"]) else
                                          "replay of a recorded run", "skip": w["skip"]}
                                      for n, w in loads.items()},
@@ -241,7 +265,10 @@ def main(argv=None) -> int:
     (a.out / "compare.json").write_text(json.dumps(res, indent=2) + "\n")
     for lab in res["labs"]:
         lk = lab["link"]
-        print(f"# lab {lab['hosts']} x {lab['ranks_per_host']}, {lk['mbit']:g} Mbit/s "
+        k = lab["time_dilation"]
+        dil = "" if k == 1 else (f" emulating {lab['emulated_mbit']:g} Mbit/s at time "
+                                 f"dilation {k:g}")
+        print(f"# lab {lab['hosts']} x {lab['ranks_per_host']}, {lk['mbit']:g} Mbit/s{dil} "
               f"({lk['qdisc']}, latency applied {lk['latency_us_applied']:g} us): alpha "
               + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in lab["alpha_s"].items())
               + f"; cost flags {' '.join(lab['cost_flags'])}")

@@ -186,22 +186,26 @@ def link_payload_gbps(mbit: float) -> float:
     return mbit * 1e-3 * mss / (MTU + ETH_HDR)
 
 
-def cost_flags(link, pingpong: dict | None) -> list[str]:
+def cost_flags(link, pingpong: dict | None, dilation: float = 1.0) -> list[str]:
     """Cost-model flags for a run on the lab: ``--inter-bw`` from the ``--link`` rate
     (:func:`link_payload_gbps`), ``--inter-lat`` / ``--intra-lat`` (and ``--intra-bw``) from
-    the ping-pong (``pingpong.json`` content), when given."""
+    the ping-pong (``pingpong.json`` content), when given.
+
+    ``dilation`` K (time dilation, :mod:`runner.replay`): ``link`` is the *emulated* rate (the
+    lab shapes its links to 1/K of it) and the ping-pong was measured in dilated time, so its
+    alphas are divided and its bandwidths multiplied by K: the emulated cluster's values."""
     flags = []
     if link is not None:
         flags += ["--inter-bw", f"{link_payload_gbps(float(link[0])):.9g}"]
     links = (pingpong or {}).get("links", {})
     if "inter" in links:
-        flags += ["--inter-lat", f"{links['inter']['alpha_s'] * 1e6:.6g}"]
+        flags += ["--inter-lat", f"{links['inter']['alpha_s'] * 1e6 / dilation:.6g}"]
         if link is None and links["inter"].get("bandwidth_gbps"):
-            flags += ["--inter-bw", f"{links['inter']['bandwidth_gbps']:.6g}"]
+            flags += ["--inter-bw", f"{links['inter']['bandwidth_gbps'] * dilation:.6g}"]
     if "intra" in links:
-        flags += ["--intra-lat", f"{links['intra']['alpha_s'] * 1e6:.6g}"]
+        flags += ["--intra-lat", f"{links['intra']['alpha_s'] * 1e6 / dilation:.6g}"]
         if links["intra"].get("bandwidth_gbps"):
-            flags += ["--intra-bw", f"{links['intra']['bandwidth_gbps']:.6g}"]
+            flags += ["--intra-bw", f"{links['intra']['bandwidth_gbps'] * dilation:.6g}"]
     return flags
 
 
@@ -233,7 +237,9 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     ``sim_s`` with a step counter (``step`` / ``iteration`` / ``k``), from which the predicted
     time per step is the difference to the previous line over the steps between them; likewise
     ``step_no_overlap_s`` or cumulative ``no_overlap_s`` for the additive clock, when present.
-    The first ``skip`` lines (warm-up) are left out of the medians.
+    The first ``skip`` lines (warm-up) are left out of the medians.  A line's
+    ``time_dilation`` K (a dilated replay, :mod:`runner.replay`) divides its measured time:
+    the measured step of the emulated cluster.
 
     Returns ``{"rows": [...], "median_ratio": predicted / measured, ...}``.
     """
@@ -248,7 +254,10 @@ def compare_steps(out, *, skip: int = 1) -> dict:
                            "step")
         k = line.get(key) if key else None
         dk = (k - prev.get(key, 0)) if (prev is not None and key) else k
-        row = {"k": k, "measured_s": float(line["step_wall_s"])}
+        dilation = float(line.get("time_dilation", 1.0))
+        row = {"k": k, "measured_s": float(line["step_wall_s"]) / dilation}
+        if dilation != 1.0:
+            row["time_dilation"] = dilation
         for name, per_step, cum in (("predicted_s", "step_sim_s", "sim_s"),
                                     ("no_overlap_s", "step_no_overlap_s", "no_overlap_s")):
             if per_step in line:
@@ -346,16 +355,17 @@ def format_comparison(res: dict) -> str:
     """The table of :func:`compare_systems`: one line per system x hosts x ranks x link."""
     def f(x, p=4):
         return "-" if x is None else f"{x:.{p}f}"
-    lines = [("| system | hosts x ranks | link | alpha inter / intra (us) | predicted s/step | "
-              "measured s/step | predicted / measured | no-overlap s/step | "
+    lines = [("| system | hosts x ranks | link | dilation | alpha inter / intra (us) | "
+              "predicted s/step | measured s/step | predicted / measured | no-overlap s/step | "
               "no-overlap / measured | runs | load |"),
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in res["rows"]:
         a = r["alpha_s"] or {}
         alpha = " / ".join(f"{a[k] * 1e6:.1f}" if k in a else "-" for k in ("inter", "intra"))
         load = f"{f(r['load_before'], 1)} -> {f(r['load_after'], 1)}"
         lines.append(f"| {r['system']} | {r['hosts']} x {r['ranks_per_host']} | "
-                     f"{r['mbit']:g} Mbit/s | {alpha} | {f(r['predicted_s'])} | "
+                     f"{r['mbit']:g} Mbit/s | {r.get('time_dilation') or 1:g} | {alpha} | "
+                     f"{f(r['predicted_s'])} | "
                      f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | {f(r['no_overlap_s'])} | "
                      f"{f(r['no_overlap_ratio'], 3)} | {r['runs']} | {load} |")
         for e in r["errors"]:

@@ -19,7 +19,10 @@ from .jobs import DEFAULT_TIMEOUT, Lab, write_json
 from .netns import LabError
 from .network import parse_link
 
-__all__ = ["compare_systems", "run_lab"]
+__all__ = ["DEFAULT_TIMER_SLACK_US", "compare_systems", "run_lab"]
+
+#: Linux's default timer slack of a thread (``prctl(2)``, PR_SET_TIMERSLACK), microseconds
+DEFAULT_TIMER_SLACK_US = 50.0
 
 
 def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: str = "mpiexec",
@@ -57,7 +60,8 @@ def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: 
 def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),), repeat: int = 1,
                     out_root, nice: int | None = None, env: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, launch: str = "mpiexec",
-                    netmod: str = "ucx", verbose: bool = False, progress=None) -> dict:
+                    netmod: str = "ucx", verbose: bool = False, progress=None,
+                    dilation=1.0) -> dict:
     """Predicted vs measured time per step of several spardist commands on shaped links.
 
     For every ``(hosts, ranks_per_host)`` of ``shapes`` and every ``(mbit, latency_us)`` of
@@ -71,6 +75,12 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
     ``args(hosts, ranks_per_host)`` may stand for the list.  ``progress(text)`` is called after
     every run (e.g. ``print``).
 
+    ``dilation`` (time dilation, :mod:`runner.replay`): a number K, or a callable
+    ``dilation(hosts, ranks_per_host, mbit)`` giving K per lab.  The links are shaped to
+    ``mbit / K``, the jobs' timer slack is K x Linux's 50 us (:func:`lab.jobs._timer_slack_setter`), the workloads (replays only: ``"replay": True`` in their dict) get
+    ``--dilation K``, the cost flags describe the
+    emulated cluster (:func:`cost_flags`) and the measured steps are divided by K.
+
     Returns ``{"labs": [...], "runs": [...], "rows": [...]}``: one ``runs`` entry per run (its
     medians over steps, the 1-minute load average before and after, or its error), one ``rows``
     entry per system x shape x link (medians over the repeats).
@@ -81,20 +91,34 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
         raise LabError("compare_systems: give at least one workload")
     # every shape and link checked before the first lab is built (a lab takes seconds to set up)
     links = [parse_link(link) for link in links]
+    def dilation_of(hosts, rph, mbit) -> float:
+        k = float(dilation(hosts, rph, mbit) if callable(dilation) else dilation)
+        if not k >= 1:
+            raise LabError(f"time dilation {k:g} for {hosts}x{rph} at {mbit:g} Mbit/s: must be "
+                           ">= 1. Fix: e.g. --dilation 4")
+        return k
+
     for hosts, rph in shapes:
         Lab(hosts, rph, netmod=netmod, timeout=timeout, nice=nice)   # validates; creates nothing
+        for mbit, lat in links:
+            if dilation_of(hosts, rph, mbit) != 1 and not all(w.get("replay")
+                                                              for w in workloads.values()):
+                raise LabError("time dilation slows only replayed compute: run the workloads "
+                               "as replays (bench_wirelab.py --replay) or drop --dilation")
     out_root = Path(out_root)
     labs, runs = [], []
     for hosts, rph in shapes:
         for mbit, lat in links:
-            with Lab(hosts, rph, link=(mbit, lat), netmod=netmod, timeout=timeout,
-                     env={**(env or {})}, verbose=verbose, nice=nice) as lab:
+            k = dilation_of(hosts, rph, mbit)
+            with Lab(hosts, rph, link=(mbit / k, lat * k), netmod=netmod, timeout=timeout,
+                     env={**(env or {})}, verbose=verbose, nice=nice,
+                     timer_slack_us=None if k == 1 else DEFAULT_TIMER_SLACK_US * k) as lab:
                 tag = f"{hosts}x{rph}_{mbit:g}mbit"
                 pp = lab.ping_pong(launch=launch, out=out_root / f"pingpong_{tag}")
-                flags = cost_flags(lab.link, pp)
-                alpha = {k: v["alpha_s"] for k, v in pp["links"].items()}
+                flags = cost_flags((mbit, lat), pp, dilation=k)
+                alpha = {name: v["alpha_s"] / k for name, v in pp["links"].items()}
                 labs.append({"lab_id": lab.id, "hosts": hosts, "ranks_per_host": rph,
-                             "link": lab.shaping,
+                             "link": lab.shaping, "emulated_mbit": mbit, "time_dilation": k,
                              "alpha_s": alpha, "cost_flags": flags,
                              "env": {k: v for k, v in lab.mpi_env().items()
                                      if k.startswith(("MPIR_CVAR_", "UCX_", "FI_"))},
@@ -102,10 +126,13 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                 for rep in range(repeat):
                     for name, w in workloads.items():
                         args = w["args"](hosts, rph) if callable(w["args"]) else w["args"]
+                        if k != 1:
+                            args = [*args, "--dilation", f"{k:g}"]
                         out = out_root / f"{name}_{tag}_r{rep}"
                         run = {"system": name, "hosts": hosts, "ranks_per_host": rph,
                                "mbit": mbit, "repeat": rep, "out": str(out),
                                "skip": int(w.get("skip", 1)), "alpha_s": alpha,
+                               "time_dilation": k,
                                "load_before": os.getloadavg()[0]}
                         try:
                             wire = lab.measure([*args, *flags], out=out, launch=launch,
@@ -137,6 +164,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                 rows.append({
                     "system": name, "hosts": hosts, "ranks_per_host": rph,
                     "mbit": float(link[0]), "alpha_s": rs[0]["alpha_s"] if rs else None,
+                    "time_dilation": rs[0]["time_dilation"] if rs else None,
                     "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
                     **{k: median_of([r.get(k) for r in ok]) for k in (
                         "predicted_s", "measured_s", "ratio", "no_overlap_s", "no_overlap_ratio",

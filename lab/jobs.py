@@ -57,6 +57,30 @@ YIELD_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
              "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64"}
 
 
+#: Linux ``prctl`` option that sets the calling thread's timer slack (``linux/prctl.h``)
+PR_SET_TIMERSLACK = 29
+
+
+def _timer_slack_setter(us: float):
+    """A ``preexec_fn`` that sets the job's timer slack to ``us`` microseconds.
+
+    The slack is how late the kernel may fire a sleeping thread's timer; every process and
+    thread the job forks inherits it through ``exec``.  A rank waiting in MPI with
+    :data:`YIELD_ENV` sleeps ``usleep(1)`` between polls, i.e. one slack (50 us by default):
+    in a time-dilated lab (:mod:`runner.replay` ``--dilation K``) a slack of K x 50 us keeps
+    that wake-up period 50 us of *emulated* time and divides the CPU the waiting ranks burn by
+    K, as dilation does for every other timer of the emulated hosts."""
+    import ctypes  # noqa: PLC0415 (only time-dilated jobs set a slack)
+
+    ns = int(us * 1000)
+
+    def setter() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK)")
+    return setter
+
+
 class Lab(Network):
     """``hosts`` emulated hosts with ``ranks_per_host`` MPI ranks each (see the module docstring
     and :class:`lab.network.Network`).
@@ -88,7 +112,7 @@ class Lab(Network):
     def __init__(self, hosts: int, ranks_per_host: int, *, link=None, netmod: str = "ucx",
                  offload: bool = False, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
                  python: str | None = None, verbose: bool = False,
-                 nice: int | None = None) -> None:
+                 nice: int | None = None, timer_slack_us: float | None = None) -> None:
         super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose)
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
                 or ranks_per_host < 1:
@@ -102,7 +126,11 @@ class Lab(Network):
         if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
                                  or not -20 <= nice <= 19):
             raise LabError(f"--nice must be an integer in -20 .. 19, got {nice!r}")
+        if timer_slack_us is not None and not (isinstance(timer_slack_us, (int, float))
+                                               and 1 <= timer_slack_us <= 1e6):
+            raise LabError(f"timer_slack_us must be in 1 .. 1e6 us, got {timer_slack_us!r}")
         self.rph = ranks_per_host
+        self.timer_slack_us = timer_slack_us
         self.netmod, self.timeout = netmod, float(timeout)
         self.extra_env = dict(env or {})
         self.nice = nice
@@ -191,8 +219,10 @@ class Lab(Network):
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
             niced = cmd if self.nice is None else ["nice", "-n", str(self.nice), *cmd]
+            slack = ({} if self.timer_slack_us is None else
+                     {"preexec_fn": _timer_slack_setter(self.timer_slack_us)})
             p = self._popen(self.in_host0(niced), cwd=ROOT, env=env, stdout=f,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, **slack)
             stop = threading.Event()
             if self.nice is not None:
                 threading.Thread(target=self._renice, args=(stop,), daemon=True).start()

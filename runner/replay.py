@@ -21,6 +21,14 @@ dependencies, issued blocking or to the communication stream as the run issued i
 * many ranks fit on few cores: a sleeping rank leaves its core to the others (SimGrid SMPI's
   method), which is how the wire lab emulates 8-16 hosts on a small machine.
 
+``--dilation K`` (time dilation, Gupta et al., "To Infinity and Beyond: Time-Warped Network
+Emulation", NSDI 2006): every compute block sleeps K times its profile time.  On a lab whose
+links are shaped to 1/K of the emulated rate, the whole run is the emulated run slowed K-fold,
+while the CPU work per message (MPI, Python, the bridge's forwarding) is not: K ranks sharing a
+core, or a bridge forwarding K links at once, then see each emulated host with a core of its
+own.  The run's ``step_wall_s`` stays real (dilated) seconds; the metrics lines and the summary
+carry ``time_dilation`` and the lab divides by it (:func:`lab.analysis.compare_steps`).
+
 Receives and the results of reductions are not meaningful (the buffers hold zeros); sizes,
 order and timing are.  A program that used a pairwise all-to-all is refused (a member's record
 holds its own row only).
@@ -89,11 +97,12 @@ class Sleeper:
     H-SADMM iteration added milliseconds the profiled run never spent.  Each call sleeps its
     time less what earlier calls overslept (the debt), and measures the new overshoot."""
 
-    def __init__(self) -> None:
+    def __init__(self, dilation: float = 1.0) -> None:
         self.debt = 0.0
+        self.dilation = dilation
 
     def __call__(self, seconds: float) -> None:
-        want = seconds - self.debt
+        want = seconds * self.dilation - self.debt
         if want <= 0:                       # earlier oversleeping already covered this block
             self.debt = -want
             return
@@ -103,9 +112,10 @@ class Sleeper:
 
 
 def replay(run, program: list, comms: dict, sleep: bool = True,
-           world_bytes: list | None = None) -> int:
+           world_bytes: list | None = None, dilation: float = 1.0) -> int:
     """Run one rank's ``program``; returns the steps closed.  ``world_bytes``: the world's
-    bytes per step (:func:`step_bytes`), for the metrics lines."""
+    bytes per step (:func:`step_bytes`), for the metrics lines; ``dilation``: compute sleeps
+    that many times its profile time (``--dilation``, module docstring)."""
     world_bytes = world_bytes or []
     clock, rec = run.clock, run.recorder
     world = run.topo.world
@@ -113,7 +123,7 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
     handles: dict = {}                     # entry -> handle / request
     blocks: list = []                      # open blocks: (entry, kind, context manager)
     steps = 0
-    nap = Sleeper()
+    nap = Sleeper(dilation)
 
     def ev(i):
         return None if i is None else events.get(i)
@@ -170,7 +180,8 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
             b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
             run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=timing.step_s,
                     step_no_overlap_s=timing.no_overlap_s, sim_s=clock.sim_s,
-                    inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0))
+                    inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),
+                    time_dilation=dilation)
     return steps
 
 
@@ -246,7 +257,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", choices=("on", "off"), default="on",
                         help="sleep each compute block's profile time (default on; off: the "
                              "calls back to back, same simulated time)")
+    parser.add_argument("--dilation", type=float, default=1.0, metavar="K",
+                        help="time dilation: sleep K x each compute block's profile time, for a "
+                             "lab whose links are shaped to 1/K of the emulated rate (default 1; "
+                             "see the module docstring)")
     args = parser.parse_args(argv)
+    if not args.dilation >= 1:
+        raise ValueError(f"--dilation {args.dilation:g}: must be >= 1 (1: real time; K: the "
+                         "run slowed K-fold). Fix: e.g. --dilation 4")
     if args.compute_profile is None:
         raise ValueError("runner.replay needs --compute-profile FILE (a profile written by "
                          "--compute-profile-out on a run with the timeline clock)")
@@ -267,12 +285,12 @@ def main(argv=None) -> int:
     comms = communicators(run.topo, _groups(programs))
     steps = replay(run, programs[run.rank], comms, sleep=args.sleep == "on",
                    world_bytes=step_bytes(programs, run.topo.placement) if run.rank == 0
-                   else None)
+                   else None, dilation=args.dilation)
     prov = doc.get("provenance", {})
     summary = run.finish(metrics={"replay_of": str(args.compute_profile),
                                   "recorded_by": {k: prov.get(k) for k in
                                                   ("system", "method", "model", "world")},
-                                  "steps": steps})
+                                  "steps": steps, "time_dilation": args.dilation})
     if run.rank == 0:
         t = summary["traffic"]["measured"]
         print(f"replay of {args.compute_profile}: {steps} steps, inter-node bytes "

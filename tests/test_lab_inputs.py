@@ -131,6 +131,18 @@ def test_bench_refuses_bad_link_rates_in_one_line(links, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--dilation", "4"], "--dilation slows only replayed compute: add --replay"),
+    (["--dilation", "0.5", "--replay"], "--dilation 0.5: must be >= 1"),
+    (["--dilation", "fast", "--replay"], "--dilation 'fast': give a number >= 1"),
+])
+def test_bench_refuses_bad_dilation_in_one_line(args, message):
+    proc = _cli([*args, "--tiny"], module=(str(ROOT / "bench" / "bench_wirelab.py"),))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
 def test_compare_refuses_bad_input_before_building_a_lab(tmp_path):
     with pytest.raises(lab.LabError, match="repeat must be an integer >= 1"):
         lab.compare_systems({"x": {"args": ["m"]}}, repeat=0, out_root=tmp_path)

@@ -78,6 +78,39 @@ def test_bench_wirelab_compares_predicted_and_measured_steps(tmp_path):
     assert all(x["step_sim_s"] <= x["step_no_overlap_s"] * (1 + 1e-9) for x in lines)
     assert row["ratio"] == run["ratio"] and row["runs"] == 1
     # the table names the row; the MPI job ran with the yield environment
-    assert f"| ddp | 2 x 1 | 100 Mbit/s | {alpha * 1e6:.1f} / - |" in proc.stdout
+    assert f"| ddp | 2 x 1 | 100 Mbit/s | 1 | {alpha * 1e6:.1f} / - |" in proc.stdout
     assert res["labs"][0]["env"]["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
     assert leftovers(res["labs"][0]["lab_id"]) == []
+
+
+@pytest.mark.timeout(400)
+def test_bench_wirelab_dilated_replay_emulates_the_undilated_link(tmp_path):
+    """--replay --dilation 4 at 100 Mbit/s: the lab's links run at 25 Mbit/s, the replay sleeps
+    4 x its profile and logs time_dilation 4, its cost model is the emulated cluster's (beta
+    from 100 Mbit/s, alpha the dilated ping-pong's / 4), the measured step is step_wall_s / 4,
+    the jobs ran with 4 x 50 us of timer slack, and the lab is gone afterwards."""
+    out = tmp_path / "dil"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_wirelab.py"), "--tiny", "--systems", "ddp",
+         "--replay", "--dilation", "4", "--links", "100", "--shapes", "2x1", "--repeat", "1",
+         "--steps", "3", "--nice", "0", "--timeout", "240", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=380, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads((out / "compare.json").read_text())
+    (labinfo,) = res["labs"]
+    assert labinfo["link"]["mbit"] == 25.0 and labinfo["emulated_mbit"] == 100.0
+    assert labinfo["time_dilation"] == 4.0
+    (run,) = res["runs"]
+    assert "error" not in run, run
+    pp = json.loads((out / "pingpong_2x1_100mbit" / lab.PINGPONG_JSON).read_text())
+    cm = json.loads((Path(run["out"]) / "summary.json").read_text())["cost_model"]
+    assert cm["inter_gbps"] == pytest.approx(100e-3 * 1448 / 1514, rel=1e-6)
+    assert cm["inter_lat_us"] == pytest.approx(pp["links"]["inter"]["alpha_s"] * 1e6 / 4,
+                                               rel=1e-5)
+    lines = [json.loads(x) for x in (Path(run["out"]) / "metrics.jsonl").read_text().split("\n")
+             if x.strip()]
+    assert all(x["time_dilation"] == 4.0 for x in lines)
+    used = lines[1:]
+    assert run["measured_s"] == pytest.approx(_median([x["step_wall_s"] / 4 for x in used]))
+    assert "emulating 100 Mbit/s at time dilation 4" in proc.stdout
+    assert leftovers(labinfo["lab_id"]) == []

@@ -320,3 +320,33 @@ def test_replay_sleeps_sum_to_the_profile(monkeypatch):
     assert sum(blocks) <= now[0] <= sum(blocks) + 9e-5 + 1e-12
     # without the debt: one overshoot per block (what the replay did before)
     assert sum(b + 9e-5 for b in blocks) - now[0] > 0.02
+    # --dilation K: the same blocks sleep K times as long, still within one overshoot
+    now[0] = 0.0
+    nap = rp.Sleeper(dilation=16.0)
+    for s in blocks:
+        nap(s)
+    assert 16 * sum(blocks) <= now[0] <= 16 * sum(blocks) + 9e-5 + 1e-12
+
+
+def test_replay_refuses_a_dilation_below_one(tmp_path):
+    from runner import replay as rp
+
+    prof = tmp_path / "p.json"
+    prof.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        rp.main(["--compute-profile", str(prof), "--dilation", "0.5", "--out",
+                 str(tmp_path / "o")])
+    assert exc.value.code != 0
+
+
+def test_lab_jobs_inherit_the_timer_slack():
+    """A dilated lab sets its jobs' timer slack (K x 50 us): inherited by every process the
+    job forks and execs (MPI's launcher, its proxies, the ranks)."""
+    import subprocess
+
+    from lab.jobs import _timer_slack_setter
+
+    out = subprocess.run(["sh", "-c", "sh -c 'cat /proc/self/timerslack_ns'"],
+                         preexec_fn=_timer_slack_setter(800.0), capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "800000"

@@ -1024,6 +1024,33 @@ def test_compare_steps_per_step_and_cumulative(tmp_path):
     assert r["median_ratio"] == approx(0.75)
 
 
+def test_compare_steps_divides_a_dilated_run_by_its_dilation(tmp_path):
+    """A replay at --dilation K runs K times slower than the cluster it emulates: its measured
+    step is step_wall_s / K (the prediction is already the emulated cluster's)."""
+    _write_metrics(tmp_path, [
+        {"step": 1, "step_sim_s": 0.5, "step_wall_s": 9.0, "time_dilation": 16.0},
+        {"step": 2, "step_sim_s": 0.5, "step_wall_s": 8.0, "time_dilation": 16.0},
+        {"step": 3, "step_sim_s": 0.5, "step_wall_s": 10.0, "time_dilation": 16.0}])
+    r = wl.compare_steps(tmp_path, skip=1)
+    assert [row["measured_s"] for row in r["rows"]] == [approx(9 / 16), approx(0.5),
+                                                        approx(10 / 16)]
+    assert r["median_ratio"] == approx((1.0 + 0.8) / 2)
+    assert r["rows"][0]["time_dilation"] == 16.0
+
+
+def test_cost_flags_of_a_dilated_lab_describe_the_emulated_cluster():
+    """At dilation K the lab's links run at rate / K and its ping-pong is timed in dilated
+    time: the flags give the emulated rate, the alphas / K and the probed bandwidths x K."""
+    pp = {"links": {"inter": {"alpha_s": 160e-6, "bandwidth_gbps": 0.05},
+                    "intra": {"alpha_s": 16e-6, "bandwidth_gbps": 2.0}}}
+    flags = wl.cost_flags((1000.0, 0.0), pp, dilation=16)
+    got = dict(zip(flags[::2], flags[1::2]))
+    assert float(got["--inter-bw"]) == approx(1.0 * 1448 / 1514)
+    assert float(got["--inter-lat"]) == approx(10.0)
+    assert float(got["--intra-lat"]) == approx(1.0)
+    assert float(got["--intra-bw"]) == approx(32.0)
+
+
 def test_compare_steps_refuses_runs_without_the_readings(tmp_path):
     with pytest.raises(wl.LabError, match="metrics.jsonl not found"):
         wl.compare_steps(tmp_path)
