@@ -513,7 +513,8 @@ def _train(args) -> dict:
     fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
     # a metrics line after steps 1, 1 + N, 1 + 2N, ... (--log-every N) and the last; the
     # held-out accuracy every --eval-every steps (default: after the last only)
-    loop = RunLoop(run, total=cfg.steps, flag="--steps", fingerprint=fingerprint,
+    loop = RunLoop(run, total=cfg.steps, flag="--steps", may_change=("--log-every",),
+                   fingerprint=fingerprint,
                    checkpoint_every=cfg.checkpoint_every,
                    progress_every=getattr(args, "progress_every", 0),
                    eval_every=cfg.eval_every, log_every=cfg.log_every, log_phase=1,

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import scipy.io
 import scipy.sparse as sp
+from mpi_helpers import ROOT
 
 from dataparallel.pactrain import save_init
 from models import build_model
@@ -34,9 +35,11 @@ DP = ["train", "--model", "mlp", "--arch", "hidden=16", "--progress-every", "0"]
 
 
 def _run(module: str, args, cwd) -> subprocess.CompletedProcess:
-    """``python -m module args`` serially (no launcher), in ``cwd``."""
+    """``python -m module args`` serially (no launcher), in ``cwd``, importing this checkout
+    (not whichever spardist the interpreter has installed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("SPARDIST_NP", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
 
@@ -243,8 +246,9 @@ CASES = {
         ("cosine by --epochs", "dataparallel", [
             *DP, "--lr-schedule", "cosine", "--warmup", "0.25", "--epochs", "1",
             "--checkpoint-every", "2", "--resume"],
-         "{dir}/cosine_mid", ["--resume: --steps 45 would change the schedule",
-                              "total_steps 4 -> 45", "resume with --steps 4"]),
+         "{dir}/cosine_mid", ["--resume: --epochs 1 (45 steps) would change the schedule",
+                              "total_steps 4 -> 45",
+                              "resume with --steps 4 (instead of --epochs)"]),
         ("warm-up only", "dataparallel", [
             *DP, "--lr-schedule", "cosine", "--warmup", "0.25", "--steps", "5",
             "--checkpoint-every", "2", "--resume"],

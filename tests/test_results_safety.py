@@ -301,6 +301,30 @@ def test_resume_refuses_a_different_configuration_and_fewer_steps(tmp_path):
         ck.resume(3)
 
 
+def test_resume_messages_name_the_option_that_set_the_total(tmp_path):
+    """A total the user gave as ``--epochs`` is named as such, with the steps it makes, and the
+    fix names ``--steps``, which overrides it; the options a resume may change are listed."""
+    run, ck = _checkpoints(tmp_path)
+    ck.save(4, {"w": np.zeros(3)})
+    run.finish()
+    run, _ = _checkpoints(tmp_path, resume=True)
+
+    def by_epochs(lr=0.1):
+        return RunCheckpoints(run, every=2, fingerprint={"lr": lr}, unit="step", flag="--steps",
+                              given="--epochs 0.5", may_change=("--epochs",))
+
+    with pytest.raises(ValueError, match=r"only --steps, --epochs, --checkpoint-every"):
+        by_epochs(lr=0.2).resume(3)
+    with pytest.raises(ValueError) as exc:
+        by_epochs().resume(3)
+    assert ("--resume: --epochs 0.5 (3 steps) is smaller than the 4 steps already done"
+            in str(exc.value))
+    assert "pass --steps 4 or more (instead of --epochs) to continue" in str(exc.value)
+    with pytest.raises(ValueError, match=r"already finished its 4 steps \(summary.json\): pass "
+                                         r"a larger --epochs \(or --steps\) to train further"):
+        by_epochs().resume(4)
+
+
 # -- progress -------------------------------------------------------------------------------------
 def test_progress_lines_every_n_and_at_the_end(tmp_path, capsys):
     run = _start(tmp_path)
