@@ -80,6 +80,7 @@ def inputs(tmp_path_factory) -> dict:
     np.savez(d / "dense.npz", a=np.ones(3))
     scipy.io.mmwrite(d / "layer.mtx", W)
     lines = (d / "layer.mtx").read_text().splitlines()
+    (d / "cut.mtx").write_text("\n".join(lines[:-5]) + "\n")
     lines[5] = "3 x 0.5"
     (d / "badline.mtx").write_text("\n".join(lines) + "\n")
     (d / "nan.mtx").write_text("%%MatrixMarket matrix coordinate real general\n2 2 1\n1 1 nan\n")
@@ -194,6 +195,9 @@ CASES = {
         ("mtx bad line", "partition", ["layers", "{dir}/badline.mtx", "--parts", "2"], EARLIER,
          ["{dir}/badline.mtx:6: cannot read the layer (Invalid integer value",
           "scipy.io.mmwrite"]),
+        ("mtx truncated", "partition", ["layers", "{dir}/cut.mtx", "--parts", "2"], EARLIER,
+         [("{dir}/cut.mtx:75: the file ends after 72 of the 77 entries its size line (line 3) "
+           "declares: it is truncated"), "scipy.io.mmwrite"]),
         ("mtx nan", "partition", ["layers", "{dir}/nan.mtx", "--parts", "2"], EARLIER,
          ["{dir}/nan.mtx: 1 non-finite weight(s)", "real finite weights"]),
         ("idx magic", "models", ["train", "--dataset", "mnist", "--data-dir", "{dir}/mnist"],
