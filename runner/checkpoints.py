@@ -184,9 +184,9 @@ class RunCheckpoints:
                   "--progress-every may change) or start afresh with --overwrite")
         if step > total:
             raise ValueError(f"--resume: {self.asked(total)} is smaller than the {step} "
-                             f"{self.unit}s already done ({ck.path(step)}): pass {self.flag} "
-                             f"{step} or more{self._instead()} to continue, or start afresh "
-                             "with --overwrite")
+                             f"{self.unit}s already done (checkpoints in {ck.dir}): pass "
+                             f"{self.flag} {step} or more{self._instead()} to continue, or "
+                             "start afresh with --overwrite")
         if step == total and run.previous == "finished":
             raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
                              f"{self.unit}s ({SUMMARY}): pass a larger {self._larger()} to "
