@@ -309,7 +309,10 @@ def train(args) -> dict:
                    "options": dataclasses.asdict(options)}
     # a metrics line at every evaluation (--eval-every steps, default one epoch's) and the last;
     # the learning-rate schedule follows from the budget, so a resume may not change it
-    loop = RunLoop(run, total=total, flag="--steps", fingerprint=fingerprint,
+    # the total is said in the option the user gave (--epochs 1 (45 steps)) in resume messages
+    asked = f"--steps {cfg.steps}" if cfg.steps is not None else f"--epochs {cfg.epochs:g}"
+    loop = RunLoop(run, total=total, flag="--steps", given=asked, may_change=("--epochs",),
+                   fingerprint=fingerprint,
                    checkpoint_every=cfg.checkpoint_every,
                    progress_every=getattr(args, "progress_every", 0),
                    eval_every=steps_per_epoch if cfg.eval_every is None else cfg.eval_every,

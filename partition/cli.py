@@ -11,6 +11,7 @@ them).  Writes ``OUT/partition.npz`` (the hypergraph partition with ``--method b
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -81,6 +82,11 @@ LAYER_FORMATS = ("a SciPy sparse .npz (scipy.sparse.save_npz(path, W)) or a Matr
                  "(scipy.io.mmwrite(path, W)), rows = neurons of the layer, real finite weights")
 #: scipy.io.mmread's messages start with the line they are about
 _MM_LINE = re.compile(r"^Line (\d+): (.*)$", re.DOTALL)
+#: the most neurons a layer may have a side: 256 times the largest Graph Challenge network's
+#: 65,536 (a Matrix Market size line beyond it is refused before anything is allocated)
+MAX_LAYER_NEURONS = 1 << 24
+#: the fewest bytes one value line of a Matrix Market file takes ("1 1\n", "1\n")
+_MM_MIN_LINE = {"coordinate": 4, "array": 2}
 
 
 def read_layer(path) -> sp.csr_matrix:
@@ -91,7 +97,8 @@ def read_layer(path) -> sp.csr_matrix:
     ValueError
         One line naming the file (and the line of a Matrix Market file where the reader says
         which) and :data:`LAYER_FORMATS`: missing, a directory, another format, truncated or
-        garbage, no sparse matrix inside, complex or non-finite weights.
+        garbage, no sparse matrix inside, complex or non-finite weights; a Matrix Market size
+        line no layer can have (:func:`_check_mm_header`), before anything is allocated.
     """
     path = Path(path)
     if path.is_dir():
@@ -100,10 +107,13 @@ def read_layer(path) -> sp.csr_matrix:
         raise ValueError(f"{path}: layer file not found")
     if path.suffix not in (".npz", ".mtx", ".mm"):
         raise ValueError(f"{path}: unknown layer format {path.suffix!r}; give {LAYER_FORMATS}")
+    header = None if path.suffix == ".npz" else _check_mm_header(path)
     try:
         W = _load_npz(path) if path.suffix == ".npz" else scipy.io.mmread(path)
     except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError,
             zipfile.BadZipFile, zlib.error) as exc:
+        if header is not None and "truncated" in str(exc).lower():
+            raise ValueError(_mm_truncated(path, *header)) from None
         text = str(exc).strip().rstrip(".")
         line = _MM_LINE.match(text)
         where = f"{path}:{line.group(1)}" if line else str(path)
@@ -121,6 +131,65 @@ def read_layer(path) -> sp.csr_matrix:
                          f"in row {r}); give {LAYER_FORMATS}")
     W.sort_indices()
     return W
+
+
+def _check_mm_header(path: Path) -> tuple[int, int, str] | None:
+    """Refuse a Matrix Market size line no network layer can have, before :func:`scipy.io.mmread`
+    allocates what it declares: more than :data:`MAX_LAYER_NEURONS` rows or columns, more entries
+    than the matrix has, or more than the rest of the file can hold (truncated).
+
+    Returns ``(size line number, values declared, format)`` for :func:`_mm_truncated`, or
+    ``None`` when the file does not start like a Matrix Market file (``mmread`` then says what
+    is wrong).
+    """
+    with open(path, "rb") as f:
+        banner = f.readline().split()
+        if not banner or banner[0].lower() != b"%%matrixmarket" or len(banner) < 3:
+            return None
+        fmt = banner[2].decode("ascii", "replace").lower()
+        line, size = 1, None
+        while size is None:
+            raw = f.readline()
+            if not raw:
+                return None
+            line += 1
+            if raw.strip() and not raw.lstrip().startswith(b"%"):
+                size = raw.split()
+        rest = os.fstat(f.fileno()).st_size - f.tell()
+    try:
+        dims = [int(t) for t in size]
+    except ValueError:
+        return None
+    if fmt not in _MM_MIN_LINE or len(dims) != (3 if fmt == "coordinate" else 2):
+        return None
+    rows, cols = dims[:2]
+    if max(rows, cols) > MAX_LAYER_NEURONS:
+        raise ValueError(f"{path}:{line}: the size line declares a {rows} x {cols} layer, more "
+                         f"than the {MAX_LAYER_NEURONS} neurons a side a layer may have: correct "
+                         "the size line (rows columns entries) or write the layer again "
+                         "(scipy.io.mmwrite(path, W))")
+    values = dims[2] if fmt == "coordinate" else rows * cols
+    if fmt == "coordinate" and values > rows * cols:
+        raise ValueError(f"{path}:{line}: the size line declares {values} entries, more than the "
+                         f"{rows} x {cols} layer has: correct the size line (rows columns "
+                         "entries) or write the layer again (scipy.io.mmwrite(path, W))")
+    if values * _MM_MIN_LINE[fmt] > rest:
+        raise ValueError(_mm_truncated(path, line, values, fmt))
+    return line, values, fmt
+
+
+def _mm_truncated(path: Path, size_line: int, declared: int, fmt: str) -> str:
+    """The message of a Matrix Market file with fewer values than its size line declares: the
+    line it ends at and how many values it holds (counted line by line, nothing kept)."""
+    found, last = 0, size_line
+    with open(path, "rb") as f:
+        for last, raw in enumerate(f, start=1):
+            if last > size_line and raw.strip() and not raw.lstrip().startswith(b"%"):
+                found += 1
+    what = "entries" if fmt == "coordinate" else "values"
+    return (f"{path}:{last}: the file ends after {found} of the {declared} {what} its size "
+            f"line (line {size_line}) declares: it is truncated; write the layer again "
+            "(scipy.io.mmwrite(path, W))")
 
 
 def _load_npz(path: Path):

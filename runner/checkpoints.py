@@ -48,7 +48,15 @@ class RunCheckpoints:
         JSON-able values a resumed run must share (configuration without the resumable fields);
         the common options but ``--out``/``--overwrite`` and the world size are added.
     unit, flag : str
-        What is counted ("iteration") and the flag of the total ("--iters"), for messages.
+        What is counted ("iteration") and the flag that sets the total in those units
+        ("--iters"), for messages.
+    given : str, optional
+        How the user set the total where it was not ``flag`` with the total itself, for
+        messages: another option (``"--epochs 1"``, of which the total follows) or ``flag``
+        with another value (a strategy that runs more steps than ``--steps`` asks).
+    may_change : tuple of str
+        The options besides ``flag``, ``--checkpoint-every`` and ``--progress-every`` that a
+        resume may change (``("--epochs",)``), for messages.
     schedule : dict, optional
         JSON-able values that fix what the trainer does at each unit and follow from the total
         (a cosine learning rate's length and warm-up): a resume that would change them is
@@ -60,12 +68,14 @@ class RunCheckpoints:
     """
 
     def __init__(self, run: Run, *, every: int, fingerprint: dict, unit: str, flag: str,
+                 given: str | None = None, may_change: tuple[str, ...] = (),
                  schedule: dict | None = None, schedule_why: str = "") -> None:
         if every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {every}")
         self.run = run
         self.every = every
         self.unit, self.flag = unit, flag
+        self.given, self.may_change = given, tuple(may_change)
         common = {k: v for k, v in dataclasses.asdict(run.common).items()
                   if k not in ("out", "overwrite")}
         fp = {**fingerprint, **common, "world": run.size}
@@ -80,6 +90,24 @@ class RunCheckpoints:
     def due(self, done: int, last: bool) -> bool:
         """Whether to save after ``done`` units (``last``: the loop is over)."""
         return bool(self.every) and (done % self.every == 0 or last)
+
+    # -- messages -------------------------------------------------------------------------------
+    def asked(self, total: int) -> str:
+        """The total as the user asked for it: ``--steps 8``, or ``--epochs 1 (45 steps)``."""
+        plain = f"{self.flag} {total}"
+        if self.given is None or self.given == plain:
+            return plain
+        return f"{self.given} ({total} {self.unit}s)"
+
+    def _instead(self) -> str:
+        """`` (instead of --epochs)`` where the user set the total with another option."""
+        given = self.given.split()[0] if self.given else self.flag
+        return "" if given == self.flag else f" (instead of {given})"
+
+    def _larger(self) -> str:
+        """The options that ask for more units: ``--epochs (or --steps)``, or ``--steps``."""
+        given = self.given.split()[0] if self.given else self.flag
+        return self.flag if given == self.flag else f"{given} (or {self.flag})"
 
     def save(self, done: int, state: dict) -> None:
         """Write this rank's checkpoint after ``done`` units (every rank calls it)."""
@@ -151,16 +179,18 @@ class RunCheckpoints:
                 f"--resume: the checkpoint in {ck.dir} was written with different "
                 + ", ".join(f"{k}={saved.get(k)!r} (now {self.fingerprint.get(k)!r})"
                             for k in diff)
-                + f"; resume with the same options (only {self.flag}, --checkpoint-every and "
+                + f"; resume with the same options (only "
+                  f"{', '.join((self.flag, *self.may_change))}, --checkpoint-every and "
                   "--progress-every may change) or start afresh with --overwrite")
         if step > total:
-            raise ValueError(f"--resume: {self.flag} {total} is smaller than the {step} "
-                             f"{self.unit}s already done ({ck.path(step)}): pass {self.flag} "
-                             f"{step} or more to continue, or start afresh with --overwrite")
+            raise ValueError(f"--resume: {self.asked(total)} is smaller than the {step} "
+                             f"{self.unit}s already done (checkpoints in {ck.dir}): pass "
+                             f"{self.flag} {step} or more{self._instead()} to continue, or "
+                             "start afresh with --overwrite")
         if step == total and run.previous == "finished":
             raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
-                             f"{self.unit}s ({SUMMARY}): pass a larger {self.flag} to train "
-                             "further, or start afresh with --overwrite")
+                             f"{self.unit}s ({SUMMARY}): pass a larger {self._larger()} to "
+                             "train further, or start afresh with --overwrite")
         self._check_schedule(json.loads(str(state.pop("run/schedule", "null"))), total, step)
         self.total = total
         _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
@@ -184,11 +214,12 @@ class RunCheckpoints:
         changes = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in diff)
         keep = saved.get("total")
         if keep is not None and keep > step:
-            again = f"resume with {self.flag} {keep} (the total it was written with)"
+            again = (f"resume with {self.flag} {keep}{self._instead()} (the total it was "
+                     "written with)")
         else:
             again = (f"the run ends with its {step} {self.unit}s under that schedule: train "
                      "further in a new run (another --out)")
-        raise ValueError(f"--resume: {self.flag} {total} would change the schedule of the run "
+        raise ValueError(f"--resume: {self.asked(total)} would change the schedule of the run "
                          f"in {self.run.out} ({changes}): {self.schedule_why}; a resumed run "
                          f"keeps the schedule it started with, so it equals the uninterrupted "
                          f"run: {again}, or start afresh with --overwrite")

@@ -4,17 +4,31 @@ asked for, and an ``--out`` that can take the run.
 Results are never lost: an ``--out`` that holds a finished run (``summary.json``) or the
 checkpoints of an interrupted one is refused unless ``--overwrite`` (start afresh) or
 ``--resume`` (continue it) is given, and so is an ``--out`` that is a file or not writable;
-rank 0 decides and every rank stops with the same message before any work.
+rank 0 decides and every rank stops with the same message before any work.  ``--overwrite``
+deletes nothing at the start: the earlier run's checkpoints are set aside
+(``OUT/checkpoints.replaced``) and removed only once the new run is published; a run that fails
+puts them back (:mod:`substrate.results`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from substrate.results import CHECKPOINTS, SUMMARY, Checkpointer, recover_publish
+from substrate.results import (
+    CHECKPOINTS,
+    REPLACED,
+    SUMMARY,
+    Checkpointer,
+    put_back_checkpoints,
+    recover_publish,
+    replacing_run_published,
+    set_aside_checkpoints,
+)
 from substrate.topology import Topology
 
 
@@ -106,9 +120,14 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
     if finished:
         recover_publish(out)
     checkpoints = Checkpointer.files(out / CHECKPOINTS)
-    if overwrite:
-        for p in checkpoints:
-            p.unlink(missing_ok=True)
+    if (out / REPLACED).exists() and replacing_run_published(out):
+        shutil.rmtree(out / REPLACED, ignore_errors=True)   # what its finish did not get to
+    if (out / REPLACED).exists():
+        problem = _replaced_leftover(out, checkpoints, resume=resume)
+        if problem:
+            return "new", problem
+        checkpoints = Checkpointer.files(out / CHECKPOINTS)
+    if overwrite:   # the earlier checkpoints are set aside once every check has passed
         return "new", None
     if resume:
         return ("finished" if finished else "interrupted"), None
@@ -121,6 +140,28 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
                        f"({out / CHECKPOINTS}): pass --resume to continue it, --overwrite to "
                        "discard them and start afresh, or choose another --out")
     return "new", None
+
+
+def _replaced_leftover(out: Path, checkpoints: list[Path], *, resume: bool) -> str | None:
+    """``OUT/checkpoints.replaced`` left by an ``--overwrite`` run that was killed before it
+    could finish or put them back: why the run cannot start, or ``None``.
+
+    Killed before its first checkpoint, it left nothing to continue: the earlier run's
+    checkpoints are put back.  Otherwise ``--resume`` continues the killed run (which removes
+    them when it finishes), and any other run is refused, so that neither set is lost.
+    """
+    aside = out / REPLACED
+    if not checkpoints:
+        put_back_checkpoints(out, aside)
+        print(f"spardist: note: put back the checkpoints in {out / CHECKPOINTS} that an "
+              "--overwrite run which did not finish had set aside", file=sys.stderr, flush=True)
+        return None
+    if resume:
+        return None
+    return (f"--out {out} holds the checkpoints of an --overwrite run that did not finish "
+            f"({out / CHECKPOINTS}) and, set aside, those of the run it was replacing ({aside}): "
+            f"pass --resume to continue the unfinished run, or remove {out / CHECKPOINTS} and "
+            f"rename {aside} to {out / CHECKPOINTS} to go back to the earlier run")
 
 
 def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
@@ -140,10 +181,17 @@ def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
 
 
 def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
-                 profile_out: str | None = None, trace: str | None = None) -> str:
+                 profile_out: str | None = None,
+                 trace: str | None = None) -> tuple[str, Path | None]:
     """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``, ``--trace``), every
-    rank gets the verdict and raises the same error (bookkeeping: not booked in the ledger)."""
-    verdict = None
+    rank gets the verdict and raises the same error (bookkeeping: not booked in the ledger).
+
+    Returns ``(previous, replaced)``: what ``out`` held (see :class:`runner.run.Run`) and, on
+    rank 0, the set-aside checkpoints of the run this one replaces (``OUT/checkpoints.replaced``:
+    moved there now with ``--overwrite``, before any rank can write a checkpoint; left there by
+    a killed ``--overwrite`` run that ``--resume`` continues), else ``None``.
+    """
+    verdict = replaced = None
     if topo.rank == 0:
         verdict = _inspect_out(out, resume=resume, overwrite=overwrite)
         for flag, path, example in (("--compute-profile-out", profile_out, "profile.json"),
@@ -151,7 +199,17 @@ def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
             if verdict[1] is None and path is not None:
                 verdict = (verdict[0], _inspect_file_out(flag, Path(path), overwrite=overwrite,
                                                          example=example))
+        if verdict[1] is None and overwrite:
+            try:
+                replaced = set_aside_checkpoints(out)
+            except OSError as exc:
+                why = (f"--overwrite: cannot set the earlier run's checkpoints aside "
+                       f"({out / CHECKPOINTS} -> {out / REPLACED}: {exc.strerror or exc}); "
+                       "move or remove them and run again")
+                verdict = (verdict[0], why)
+        elif verdict[1] is None and resume and (out / REPLACED).is_dir():
+            replaced = out / REPLACED
     previous, error = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)
-    return previous
+    return previous, replaced

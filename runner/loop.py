@@ -181,7 +181,11 @@ class RunLoop:
     total : int
         Units of the run (``--iters``, ``--steps``, ...).
     flag : str
-        The flag of ``total``, for messages (``"--iters"``).
+        The flag that sets ``total`` in units, for messages (``"--iters"``).
+    given, may_change : str, tuple of str
+        How the user set the total where not with ``flag`` itself (``"--epochs 1"``), and the
+        options besides ``flag`` that a resume may change, for messages
+        (:class:`RunCheckpoints`).
     fingerprint : dict
         Configuration a resumed run must share (:class:`RunCheckpoints`).
     checkpoint_every, progress_every : int
@@ -200,7 +204,8 @@ class RunLoop:
         (:class:`RunCheckpoints`).
     """
 
-    def __init__(self, run: Run, *, total: int, flag: str, fingerprint: dict | None = None,
+    def __init__(self, run: Run, *, total: int, flag: str, given: str | None = None,
+                 may_change: tuple[str, ...] = (), fingerprint: dict | None = None,
                  checkpoint_every: int = 0, progress_every: int = 0, eval_every: int = 0,
                  log_every: int = 0, log_phase: int = 0, resume: bool = False,
                  schedule: dict | None = None, schedule_why: str = "") -> None:
@@ -216,7 +221,8 @@ class RunLoop:
         self.progress_every = progress_every
         self.resuming = bool(resume)
         self.ckpt = RunCheckpoints(run, every=checkpoint_every, fingerprint=fingerprint or {},
-                                   unit=run.unit, flag=flag, schedule=schedule,
+                                   unit=run.unit, flag=flag, given=given,
+                                   may_change=may_change, schedule=schedule,
                                    schedule_why=schedule_why)
         self.ckpt.total = self.total
         #: units done (the next unit's index)

@@ -29,7 +29,12 @@ from substrate.backend import Backend, get_backend
 from substrate.clock import SimClock, make_source
 from substrate.profile import ProfileRecorder, write_profile
 from substrate.program import Program
-from substrate.results import RunWriter, atomic_write_bytes, to_jsonable
+from substrate.results import (
+    RunWriter,
+    atomic_write_bytes,
+    put_back_checkpoints,
+    to_jsonable,
+)
 from substrate.threads import cap_threads
 from substrate.timeline import Timeline
 from substrate.topology import Topology
@@ -433,14 +438,23 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               node_map=common.node_map, cost=cost,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else _default_out(system, method, topo, resume)
-    previous = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
-                            profile_out=common.compute_profile_out, trace=common.trace)
-    # however the ranks were launched, each caps its own compute threads (plain mpiexec/srun
-    # set nothing: its BLAS pools would take every core and the cpu clock would change)
-    threads = cap_threads(topo.real_node_ranks)
-    backend = get_backend(common.device, topo.gpu_index)
-    topo.bind_backend(backend)
-    writer = RunWriter(out, enabled=topo.rank == 0)
+    previous, replaced = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
+                                      profile_out=common.compute_profile_out,
+                                      trace=common.trace)
+    try:
+        # however the ranks were launched, each caps its own compute threads (plain
+        # mpiexec/srun set nothing: its BLAS pools would take every core and the cpu clock
+        # would change)
+        threads = cap_threads(topo.real_node_ranks)
+        backend = get_backend(common.device, topo.gpu_index)
+        topo.bind_backend(backend)
+        # from here the writer puts the replaced run's checkpoints back if the run fails
+        writer = RunWriter(out, enabled=topo.rank == 0, replaced=replaced,
+                           put_back=common.overwrite)
+    except BaseException:
+        if replaced is not None and common.overwrite:
+            put_back_checkpoints(out, replaced)
+        raise
     run = Run(system=system, method=method, common=common, config=config, topo=topo,
               unit=unit, backend=backend, writer=writer, previous=previous)
     run.threads = threads

@@ -23,6 +23,13 @@ started on the directory) completes step 4 by matching the SHA-256.  A run that 
 (:meth:`RunWriter.abandon`, called by :func:`runner.errors.main_guard`) removes its ``.part``
 file and the directories it created; a ``.part`` file or temporary file left by a killed run is
 removed when the next run starts in the directory.
+
+**Replacing a run** (``--overwrite``).  The earlier run's ``summary.json`` and
+``metrics.jsonl`` are replaced by the publish above; its checkpoints are moved aside to
+``OUT/checkpoints.replaced`` before the new run starts (:func:`set_aside_checkpoints`), so the
+new run's checkpoints never mix with them.  The writer removes that folder once the new run is
+published, and a run that fails (:meth:`RunWriter.abandon`) drops its own checkpoints and puts
+the earlier ones back: until the new run finishes, the earlier one stays whole.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import io
 import json
 import os
 import re
+import shutil
+import sys
 import tempfile
 import zipfile
 import zlib
@@ -44,6 +53,7 @@ __all__ = [
     "CHECKPOINTS",
     "METRICS",
     "METRICS_PART",
+    "REPLACED",
     "SUMMARY",
     "CheckpointError",
     "Checkpointer",
@@ -51,7 +61,10 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "file_mode",
+    "put_back_checkpoints",
     "recover_publish",
+    "replacing_run_published",
+    "set_aside_checkpoints",
     "to_jsonable",
 ]
 
@@ -60,6 +73,10 @@ SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 METRICS_PART = ".metrics.jsonl.part"
 CHECKPOINTS = "checkpoints"
+#: the checkpoints of the run an ``--overwrite`` run replaces, kept until it is published
+REPLACED = "checkpoints.replaced"
+#: in ``REPLACED``: the SHA-256 of the ``summary.json`` published when it was set aside
+_REPLACED_MARK = ".published-summary.sha256"
 #: temporary files of :func:`atomic_write_bytes` (``.NAME.RANDOM.tmp``)
 _TMP_PATTERN = re.compile(r"^\..+\.tmp$")
 
@@ -156,21 +173,83 @@ def recover_publish(out_dir) -> bool:
     return True
 
 
+def set_aside_checkpoints(out_dir) -> Path | None:
+    """Move ``OUT/checkpoints`` (the run an ``--overwrite`` run replaces) to
+    ``OUT/checkpoints.replaced``; returns the new path, or ``None`` when there is no such folder.
+
+    Hand the path to the new run's :class:`RunWriter` (``replaced``): it removes the folder when
+    the run is published and puts it back when the run fails.
+    """
+    out = Path(out_dir)
+    ckpt, aside = out / CHECKPOINTS, out / REPLACED
+    if not ckpt.is_dir():
+        return None
+    if aside.exists():
+        raise FileExistsError(f"{aside} already exists: the checkpoints of a replaced run are "
+                              "still set aside there")
+    os.replace(ckpt, aside)
+    _fsync_dir(out)
+    # which summary was published when they were set aside (see replacing_run_published)
+    (aside / _REPLACED_MARK).write_text(_sha256(out / SUMMARY) or "none")
+    return aside
+
+
+def replacing_run_published(out_dir) -> bool:
+    """Whether the run that set ``OUT/checkpoints.replaced`` aside was published after all
+    (killed between publishing and removing them): ``summary.json`` is no longer the one that
+    was published when they were set aside."""
+    out = Path(out_dir)
+    try:
+        was = (out / REPLACED / _REPLACED_MARK).read_text().strip()
+    except OSError:          # killed right after setting them aside: nothing was published
+        return False
+    return was != (_sha256(out / SUMMARY) or "none")
+
+
+def put_back_checkpoints(out_dir, aside) -> None:
+    """Undo :func:`set_aside_checkpoints`: drop the failed run's ``checkpoints`` and move the
+    earlier run's back (best effort on the failure path: a warning names what is left where)."""
+    out, aside = Path(out_dir), Path(aside)
+    ckpt = out / CHECKPOINTS
+    failed = out / f".{CHECKPOINTS}.failed.{os.getpid()}"
+    try:
+        if ckpt.exists():
+            os.replace(ckpt, failed)
+        (aside / _REPLACED_MARK).unlink(missing_ok=True)
+        os.replace(aside, ckpt)
+        _fsync_dir(out)
+    except OSError as exc:
+        print(f"spardist: warning: could not put the earlier run's checkpoints back from {aside} "
+              f"to {ckpt} ({exc.strerror or exc}): move them back by hand", file=sys.stderr,
+              flush=True)
+        return
+    shutil.rmtree(failed, ignore_errors=True)
+
+
 class RunWriter:
     """Writes a run's ``metrics.jsonl`` and ``summary.json`` (rank 0 only when ``enabled``).
 
     The lines logged so far are kept in :attr:`records` (checkpoints store them, so a resumed
     run neither loses nor repeats a line).
+
+    ``replaced`` is the folder of the checkpoints of the run this one replaces
+    (:func:`set_aside_checkpoints`): removed once this run is published (:meth:`finish`), and
+    moved back over this run's checkpoints when it is abandoned if ``put_back`` (``False``
+    where this run did not set them aside itself: a resumed run of an ``--overwrite`` run that
+    was killed removes them when it finishes, and leaves them if it fails too).
     """
 
     #: writers whose run has neither finished nor been abandoned (see :meth:`abandon_open`);
     #: held strongly, so a run dropped before it failed is still cleaned up
     _open: ClassVar[set[RunWriter]] = set()
 
-    def __init__(self, out_dir, enabled: bool = True) -> None:
+    def __init__(self, out_dir, enabled: bool = True, *, replaced: Path | None = None,
+                 put_back: bool = True) -> None:
         self.out = Path(out_dir)
         self.enabled = enabled
         self.records: list[str] = []
+        self._replaced = Path(replaced) if replaced is not None and enabled else None
+        self._put_back = put_back
         self._part = self.out / METRICS_PART
         self._fh = None
         self._created: list[Path] = []
@@ -217,17 +296,24 @@ class RunWriter:
         os.replace(self._part, self.out / METRICS)
         _fsync_dir(self.out)
         RunWriter._open.discard(self)
+        if self._replaced is not None:     # the run it replaces is gone now, checkpoints too
+            shutil.rmtree(self._replaced, ignore_errors=True)
+            self._replaced = None
         return published
 
     def abandon(self) -> None:
         """Drop the in-progress metrics (a failed run) and the directories this writer created
-        if they are empty; earlier results stay as they were."""
+        if they are empty, and put back the checkpoints of the run it was replacing (see the
+        class docstring); earlier results stay as they were."""
         RunWriter._open.discard(self)
         if self._fh is None:
             return
         self._fh.close()
         self._fh = None
         self._part.unlink(missing_ok=True)
+        if self._replaced is not None and self._put_back:
+            put_back_checkpoints(self.out, self._replaced)
+        self._replaced = None
         for d in self._created:
             try:
                 d.rmdir()

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import scipy.io
 import scipy.sparse as sp
+from mpi_helpers import ROOT
 
 from dataparallel.pactrain import save_init
 from models import build_model
@@ -34,9 +35,11 @@ DP = ["train", "--model", "mlp", "--arch", "hidden=16", "--progress-every", "0"]
 
 
 def _run(module: str, args, cwd) -> subprocess.CompletedProcess:
-    """``python -m module args`` serially (no launcher), in ``cwd``."""
+    """``python -m module args`` serially (no launcher), in ``cwd``, importing this checkout
+    (not whichever spardist the interpreter has installed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("SPARDIST_NP", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
 
@@ -77,6 +80,7 @@ def inputs(tmp_path_factory) -> dict:
     np.savez(d / "dense.npz", a=np.ones(3))
     scipy.io.mmwrite(d / "layer.mtx", W)
     lines = (d / "layer.mtx").read_text().splitlines()
+    (d / "cut.mtx").write_text("\n".join(lines[:-5]) + "\n")
     lines[5] = "3 x 0.5"
     (d / "badline.mtx").write_text("\n".join(lines) + "\n")
     (d / "nan.mtx").write_text("%%MatrixMarket matrix coordinate real general\n2 2 1\n1 1 nan\n")
@@ -191,6 +195,9 @@ CASES = {
         ("mtx bad line", "partition", ["layers", "{dir}/badline.mtx", "--parts", "2"], EARLIER,
          ["{dir}/badline.mtx:6: cannot read the layer (Invalid integer value",
           "scipy.io.mmwrite"]),
+        ("mtx truncated", "partition", ["layers", "{dir}/cut.mtx", "--parts", "2"], EARLIER,
+         [("{dir}/cut.mtx:75: the file ends after 72 of the 77 entries its size line (line 3) "
+           "declares: it is truncated"), "scipy.io.mmwrite"]),
         ("mtx nan", "partition", ["layers", "{dir}/nan.mtx", "--parts", "2"], EARLIER,
          ["{dir}/nan.mtx: 1 non-finite weight(s)", "real finite weights"]),
         ("idx magic", "models", ["train", "--dataset", "mnist", "--data-dir", "{dir}/mnist"],
@@ -243,8 +250,9 @@ CASES = {
         ("cosine by --epochs", "dataparallel", [
             *DP, "--lr-schedule", "cosine", "--warmup", "0.25", "--epochs", "1",
             "--checkpoint-every", "2", "--resume"],
-         "{dir}/cosine_mid", ["--resume: --steps 45 would change the schedule",
-                              "total_steps 4 -> 45", "resume with --steps 4"]),
+         "{dir}/cosine_mid", ["--resume: --epochs 1 (45 steps) would change the schedule",
+                              "total_steps 4 -> 45",
+                              "resume with --steps 4 (instead of --epochs)"]),
         ("warm-up only", "dataparallel", [
             *DP, "--lr-schedule", "cosine", "--warmup", "0.25", "--steps", "5",
             "--checkpoint-every", "2", "--resume"],

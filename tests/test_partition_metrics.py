@@ -9,6 +9,7 @@ import scipy.io
 import scipy.sparse as sp
 
 from partition.cli import main as partition_main
+from partition.cli import read_layer
 from partition.maps import build_maps
 from partition.metrics import expected_random_spff, partition_metrics
 from partition.partitioners import (
@@ -138,3 +139,46 @@ def test_cli_partitions_matrix_files(capsys, tmp_path):
     assert partition_main(["layers", str(tmp_path / "bad.txt"), "--parts", "2",
                            "--out", str(tmp_path / "r3")]) == 2
     assert "bad.txt" in capsys.readouterr().err
+
+
+MM = "%%MatrixMarket matrix coordinate real general\n"
+
+
+@pytest.mark.parametrize("name,text,fragments", [
+    ("huge.mtx", MM + "1000000000 1000000000 3\n1 1 1.0\n2 2 2.0\n3 3 3.0\n",
+     [":2: the size line declares a 1000000000 x 1000000000 layer", "correct the size line"]),
+    ("wide.mtx", MM + "% a comment\n4 100000000 1\n1 1 1.0\n",
+     [":3: the size line declares a 4 x 100000000 layer", "16777216 neurons a side"]),
+    ("dense.mtx", "%%MatrixMarket matrix array real general\n100000 100000\n1.0\n",
+     [":3: the file ends after 1 of the 10000000000 values its size line (line 2) declares",
+      "scipy.io.mmwrite"]),
+    ("entries.mtx", MM + "3 3 1000000000000\n1 1 1.0\n",
+     [":2: the size line declares 1000000000000 entries, more than the 3 x 3 layer has"]),
+], ids=["huge", "wide", "dense", "entries"])
+def test_matrix_market_size_line_is_checked_before_reading(tmp_path, monkeypatch, name, text,
+                                                           fragments):
+    """A size line no layer can have is refused, naming the file and the line, before
+    ``scipy.io.mmread`` would allocate what it declares."""
+    def mmread(path):
+        raise AssertionError(f"mmread reached for {path}: it would allocate the declared size")
+
+    monkeypatch.setattr(scipy.io, "mmread", mmread)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError) as exc:
+        read_layer(tmp_path / name)
+    for f in fragments:
+        assert f in str(exc.value)
+    assert str(exc.value).startswith(f"{tmp_path / name}:")
+
+
+def test_truncated_matrix_market_file_names_its_last_line(tmp_path):
+    W = sp.random(16, 16, density=0.3, format="csr", random_state=0)
+    scipy.io.mmwrite(tmp_path / "w.mtx", W)
+    lines = (tmp_path / "w.mtx").read_text().splitlines()
+    (tmp_path / "cut.mtx").write_text("\n".join(lines[:-5]) + "\n")
+    with pytest.raises(ValueError) as exc:
+        read_layer(tmp_path / "cut.mtx")
+    assert str(exc.value).startswith(
+        f"{tmp_path / 'cut.mtx'}:{len(lines) - 5}: the file ends after {W.nnz - 5} of the "
+        f"{W.nnz} entries its size line (line 3) declares: it is truncated")
+    assert (read_layer(tmp_path / "w.mtx") != W).nnz == 0     # the whole file still reads

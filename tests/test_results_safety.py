@@ -118,16 +118,79 @@ def test_finished_run_is_refused_without_overwrite_or_resume(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["final_loss"] == 1.0
 
 
-def test_overwrite_replaces_the_run_and_drops_its_checkpoints(tmp_path):
+def test_overwrite_replaces_the_run_and_its_checkpoints_when_it_finishes(tmp_path):
     _finished_run(tmp_path)
     ck = tmp_path / "checkpoints"
     Checkpointer(ck).save({"x": np.zeros(2)}, 3)
+    earlier = _snapshot(ck)
     run = _start(tmp_path, overwrite=True)
-    assert not list(ck.iterdir())
+    # nothing is deleted at the start: the earlier checkpoints wait aside, apart from the new
+    # run's (whose pruning would otherwise keep the earlier, higher steps over its own)
+    assert _snapshot(tmp_path / results.REPLACED).items() >= earlier.items()
+    assert not ck.exists()
+    Checkpointer(ck).save({"x": np.ones(2)}, 1)
     run.log(0, it="second")
     run.finish(metrics={"final_loss": 2.0})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["it"] == "second"
+    assert not (tmp_path / results.REPLACED).exists()
+    assert [p.name for p in Checkpointer.files(ck)] == ["ckpt-r0-s00000001.npz"]
+
+
+def _snapshot(folder) -> dict:
+    """Every file under ``folder`` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_failed_overwrite_run_leaves_the_earlier_run_whole(tmp_path, capsys):
+    _finished_run(tmp_path)
+    Checkpointer(tmp_path / "checkpoints").save({"x": np.zeros(2)}, 3)
+    before = _snapshot(tmp_path)
+
+    @main_guard
+    def main(argv):
+        _start(tmp_path, overwrite=True)
+        Checkpointer(tmp_path / "checkpoints").save({"x": np.ones(2)}, 1)
+        raise ValueError("boom")
+
+    with pytest.raises(SystemExit):
+        main([])
+    capsys.readouterr()
+    assert _snapshot(tmp_path) == before
+
+
+def test_checkpoints_set_aside_by_a_killed_overwrite_run(tmp_path, capsys):
+    """A killed ``--overwrite`` run cannot put the earlier checkpoints back: the next start does
+    when the killed run left none of its own, refuses to pick one set over the other when it
+    did, and removes them when the killed run had published after all."""
+    _finished_run(tmp_path)
+    ck = tmp_path / "checkpoints"
+    Checkpointer(ck).save({"x": np.zeros(2)}, 3)
+    earlier = _snapshot(ck)
+    results.set_aside_checkpoints(tmp_path)              # ... and killed before a checkpoint
+    with pytest.raises(ValueError, match="already holds a finished run"):
+        _start(tmp_path)
+    assert _snapshot(ck) == earlier and "put back the checkpoints" in capsys.readouterr().err
+    results.set_aside_checkpoints(tmp_path)              # ... killed after one of its own
+    Checkpointer(ck).save({"x": np.ones(2)}, 1)
+    for kw in ({}, {"overwrite": True}):
+        with pytest.raises(ValueError) as exc:
+            _start(tmp_path, **kw)
+        msg = str(exc.value)
+        assert "an --overwrite run that did not finish" in msg and "pass --resume" in msg
+        assert str(tmp_path / results.REPLACED) in msg
+    assert _snapshot(tmp_path / results.REPLACED).items() >= earlier.items()
+    run = start_run(_args(tmp_path, resume=True), system="t", method="m")
+    run.finish()                                          # the resumed run replaces it
+    assert not (tmp_path / results.REPLACED).exists()
+    assert [p.name for p in Checkpointer.files(ck)] == ["ckpt-r0-s00000001.npz"]
+    results.set_aside_checkpoints(tmp_path)              # ... killed after publishing
+    _finished_run(tmp_path / "other")
+    (tmp_path / "summary.json").write_bytes((tmp_path / "other" / "summary.json").read_bytes())
+    with pytest.raises(ValueError, match="already holds a finished run"):
+        _start(tmp_path)
+    assert not (tmp_path / results.REPLACED).exists() and not ck.exists()
 
 
 def test_interrupted_run_is_refused_without_resume(tmp_path):
@@ -236,6 +299,30 @@ def test_resume_refuses_a_different_configuration_and_fewer_steps(tmp_path):
         other.resume(6)
     with pytest.raises(ValueError, match="--steps 3 is smaller than the 4 steps already done"):
         ck.resume(3)
+
+
+def test_resume_messages_name_the_option_that_set_the_total(tmp_path):
+    """A total the user gave as ``--epochs`` is named as such, with the steps it makes, and the
+    fix names ``--steps``, which overrides it; the options a resume may change are listed."""
+    run, ck = _checkpoints(tmp_path)
+    ck.save(4, {"w": np.zeros(3)})
+    run.finish()
+    run, _ = _checkpoints(tmp_path, resume=True)
+
+    def by_epochs(lr=0.1):
+        return RunCheckpoints(run, every=2, fingerprint={"lr": lr}, unit="step", flag="--steps",
+                              given="--epochs 0.5", may_change=("--epochs",))
+
+    with pytest.raises(ValueError, match=r"only --steps, --epochs, --checkpoint-every"):
+        by_epochs(lr=0.2).resume(3)
+    with pytest.raises(ValueError) as exc:
+        by_epochs().resume(3)
+    assert ("--resume: --epochs 0.5 (3 steps) is smaller than the 4 steps already done"
+            in str(exc.value))
+    assert "pass --steps 4 or more (instead of --epochs) to continue" in str(exc.value)
+    with pytest.raises(ValueError, match=r"already finished its 4 steps \(summary.json\): pass "
+                                         r"a larger --epochs \(or --steps\) to train further"):
+        by_epochs().resume(4)
 
 
 # -- progress -------------------------------------------------------------------------------------
