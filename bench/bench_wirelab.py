@@ -175,17 +175,22 @@ def _links(text: str) -> list[tuple[float, float]]:
     return out
 
 
-def _dilation(text: str, replay: bool) -> float:
-    """``--dilation``: a number K >= 1 (only with ``--replay``)."""
+def _dilation(text: str, replay: bool):
+    """``--dilation``: a number K >= 1, or ``Cxranks`` (K = C x the shape's ranks, so every
+    emulated rank gets the same share of the box per emulated second); only with ``--replay``.
+    Returns K or ``K(hosts, ranks_per_host, mbit)``."""
+    per_rank = text.endswith("xranks")
     try:
-        k = float(text)
+        k = float(text[:-len("xranks")] if per_rank else text)
     except ValueError:
-        raise wl.LabError(f"--dilation {text!r}: give a number >= 1. Fix: e.g. --dilation 16"
-                          ) from None
-    if not k >= 1:
+        raise wl.LabError(f"--dilation {text!r}: give a number >= 1 or Cxranks. Fix: e.g. "
+                          "--dilation 16 or --dilation 4xranks") from None
+    if not k >= (1 if not per_rank else 1 / 64):
         raise wl.LabError(f"--dilation {text}: must be >= 1. Fix: e.g. --dilation 16")
-    if k != 1 and not replay:
+    if (per_rank or k != 1) and not replay:
         raise wl.LabError("--dilation slows only replayed compute: add --replay")
+    if per_rank:
+        return lambda hosts, rph, mbit: max(1.0, k * hosts * rph)
     return k
 
 
@@ -214,10 +219,10 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", action="store_true",
                     help="run every workload as a replay of a recorded run: compute slept from "
                          "its profile, communication real (many ranks on few cores)")
-    ap.add_argument("--dilation", default="1", metavar="K",
+    ap.add_argument("--dilation", default="1", metavar="K|Cxranks",
                     help="time dilation (with --replay): shape the links to 1/K of the rate, "
                          "sleep K x the compute, K x the timer slack, divide the measured step "
-                         "by K (runner.replay; default 1)")
+                         "by K (runner.replay; default 1); Cxranks: K = C x the shape's ranks")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     try:

@@ -135,6 +135,7 @@ def test_bench_refuses_bad_link_rates_in_one_line(links, message):
     (["--dilation", "4"], "--dilation slows only replayed compute: add --replay"),
     (["--dilation", "0.5", "--replay"], "--dilation 0.5: must be >= 1"),
     (["--dilation", "fast", "--replay"], "--dilation 'fast': give a number >= 1"),
+    (["--dilation", "4xranks"], "--dilation slows only replayed compute: add --replay"),
 ])
 def test_bench_refuses_bad_dilation_in_one_line(args, message):
     proc = _cli([*args, "--tiny"], module=(str(ROOT / "bench" / "bench_wirelab.py"),))
