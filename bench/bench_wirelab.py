@@ -45,6 +45,14 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     The same runs with ``--overlap off``: every call blocks where it is issued (the measured
     no-overlap reference; the timeline then declares every call as blocking).
 
+``--dilation K`` (with ``--replay``; time dilation as in DieCast, Gupta et al., NSDI 2006 and
+2008): the lab's links run at rate / K, every replayed compute block sleeps K times its profile
+time and the jobs' timer slack is K x 50 us, so the whole run is the emulated one slowed K-fold
+while the box's CPU work per message (MPI, Python, the bridge's forwarding) is not: 16-32 ranks
+on two vCPUs then behave as hosts with cores of their own.  The measured step is divided by K
+and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags`).
+``--dilation Cxranks`` takes K = C x the shape's ranks (one rule for a whole table).
+
 Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the
 ranks' own, not the other jobs' on this box.  ``--tiny`` runs a seconds-long version (the test).
@@ -223,8 +231,19 @@ def main(argv=None) -> int:
                     help="time dilation (with --replay): shape the links to 1/K of the rate, "
                          "sleep K x the compute, K x the timer slack, divide the measured step "
                          "by K (runner.replay; default 1); Cxranks: K = C x the shape's ranks")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the lab's MPI jobs (repeatable), e.g. "
+                         "UCX_RNDV_THRESH=8192")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
+    extra_env = {}
+    for item in a.env:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not key.replace("_", "").isalnum():
+            print(f"bench_wirelab: error: --env {item!r}: write KEY=VALUE. Fix: e.g. --env "
+                  "UCX_RNDV_THRESH=8192", file=sys.stderr)
+            return 2
+        extra_env[key] = value
     try:
         dilation = _dilation(a.dilation, a.replay)
     except wl.LabError as exc:
@@ -249,7 +268,8 @@ def main(argv=None) -> int:
               flush=True)
         res = wl.compare_systems(loads, shapes=shapes, links=links, repeat=a.repeat,
                                  out_root=a.out, nice=a.nice,
-                                 env=None if a.no_yield else wl.YIELD_ENV, timeout=a.timeout,
+                                 env={**({} if a.no_yield else wl.YIELD_ENV), **extra_env},
+                                 timeout=a.timeout,
                                  verbose=a.verbose, progress=lambda s: print(s, flush=True),
                                  dilation=dilation)
     except wl.LabError as exc:
@@ -261,6 +281,7 @@ def main(argv=None) -> int:
     res["settings"] = {"links_mbit": [m for m, _ in links], "shapes": shapes,
                        "steps": a.steps, "repeat": a.repeat, "nice": a.nice,
                        "yield_env": None if a.no_yield else wl.YIELD_ENV,
+                       "extra_env": extra_env,
                        "replay": a.replay, "dilation": a.dilation,
                        "workloads": {n: {"args": w["args"] if not callable(w["args"]) else
                                          "replay of a recorded run", "skip": w["skip"]}

@@ -80,6 +80,7 @@ def test_bench_wirelab_compares_predicted_and_measured_steps(tmp_path):
     # the table names the row; the MPI job ran with the yield environment
     assert f"| ddp | 2 x 1 | 100 Mbit/s | 1 | {alpha * 1e6:.1f} / - |" in proc.stdout
     assert res["labs"][0]["env"]["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
+    assert res["labs"][0]["env"]["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
     assert leftovers(res["labs"][0]["lab_id"]) == []
 
 
