@@ -40,7 +40,6 @@ from .costmodel import (
     binomial_depth,
     ring_allgatherv_sent,
     ring_allreduce_sent,
-    ring_chunk_counts,
 )
 from .recorder import Handle, Recorder
 from .stream import CommStream
@@ -288,16 +287,15 @@ class Comm:
         be = self.backend
         if staged.host is None:
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, be.xp, poll)
-        n, p, i = staged.arr.size, cmpi.Get_size(), cmpi.Get_rank()
-        counts = ring_chunk_counts(n, p)
-        if not be.reduce_on_device(int(counts.max()) * staged.arr.itemsize):
+        i = cmpi.Get_rank()
+        ring = coll.ring_schedule(staged.arr.size, cmpi.Get_size(), i, staged.arr.itemsize)
+        width = ring.width
+        if not be.reduce_on_device(width * staged.arr.itemsize):
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, np, poll)
-        offs = np.concatenate(([0], np.cumsum(counts)))
-        host = staged.pull(int(offs[i]), int(offs[i + 1])).reshape(-1)
+        host = staged.pull(ring.offs[i], ring.offs[i + 1]).reshape(-1)
         dev = staged.arr.reshape(-1)
         xp = be.xp
         ufunc = getattr(xp, coll.UFUNCS[op])
-        width = int(counts.max())
         lease = be.pool.acquire(width * dev.itemsize)
         recv = lease.array(dev.dtype, (width,))
         tmp = xp.empty(width, dtype=dev.dtype)
