@@ -67,6 +67,7 @@ __all__ = [
     "messages",
     "price",
     "rank_seconds",
+    "seconds_of",
     "slowest_link",
     "wire_bytes",
 ]
@@ -207,8 +208,15 @@ class Placement:
 
     def spans(self, ranks) -> bool:
         """True when ``ranks`` live on more than one node."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        return ranks.size > 1 and bool(np.unique(self.nodes_array[ranks]).size > 1)
+        node_of = self.node_of
+        first = None
+        for r in ranks:     # plain ints, stopping at the first other node: called per call
+            n = node_of[r]
+            if first is None:
+                first = n
+            elif n != first:
+                return True
+        return False
 
     def describe(self) -> str:
         if self.ranks_per_node and self.node_major_layout:
@@ -505,6 +513,16 @@ def rank_seconds(call: Call, cost: CostModel, placement: Placement) -> dict:
         return out
     t = _collective_seconds(call, cost, slowest_link(call, placement)) if call.size > 1 else 0.0
     return {r: t for r in call.group}
+
+
+def seconds_of(call: Call, cost: CostModel, placement: Placement, rank: int) -> float:
+    """World rank ``rank``'s entry of :func:`rank_seconds` (0 when it books nothing), priced
+    for that rank alone: what a communicator books for its own part of every call, without
+    building the whole group's dict (a collective costs every member the same)."""
+    if call.algorithm in ("p2p", "alltoallv") or rank not in call.group:
+        return rank_seconds(call, cost, placement).get(rank, 0.0)
+    return _collective_seconds(call, cost, slowest_link(call, placement)) if call.size > 1 \
+        else 0.0
 
 
 def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) -> list:

@@ -127,6 +127,9 @@ class Comm:
         self.recorder = recorder
         self.backend = backend or get_backend("cpu")
         self.member_nodes = self.node_of_world[self.world_ranks]
+        #: link class from this rank to every member (fixed for the life of the communicator)
+        self.links_to = tuple(INTRA if n == self.member_nodes[self.rank] else INTER
+                              for n in self.member_nodes)
         p = self.size
         # ring link i -> i+1 classes, fixed for the life of the communicator
         nxt = np.roll(self.member_nodes, -1)
@@ -145,7 +148,7 @@ class Comm:
     # -- helpers ---------------------------------------------------------------------------------
     def link_to(self, other: int) -> str:
         """Link class between this rank and member ``other``."""
-        return INTRA if self.member_nodes[other] == self.member_nodes[self.rank] else INTER
+        return self.links_to[other]
 
     @staticmethod
     def _check(buf, what: str) -> None:
@@ -182,8 +185,9 @@ class Comm:
         if sent is not None:
             intra = inter = 0
             links = set()
+            links_to = self.links_to
             for dest, nb in sent:
-                link = self.link_to(dest)
+                link = links_to[dest]
                 if link == INTRA:
                     intra += nb
                 else:
