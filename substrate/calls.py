@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -382,6 +383,11 @@ class Call:
         pairs = None if self.pairs is None else self.pairs.tobytes()
         return (self.phase, self.algorithm, self.group, self.nbytes, self.itemsize, self.blocks,
                 pairs, self.root if self.algorithm == "bcast" else 0, self.op)
+
+    @cached_property
+    def key_repr(self) -> str:
+        """``repr(self.key())``, worked out once (the call log digests it per call)."""
+        return repr(self.key())
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Call) and self.key() == other.key()
@@ -757,7 +763,9 @@ class CallLog:
     def add(self, call: Call, member: bool = True) -> None:
         self.count += 1
         # chained (digest of the previous digest and this record), so the state is two values
-        self._digest = hashlib.sha256(self._digest + repr((call.key(), member)).encode()).digest()
+        # (the text is repr((call.key(), member)), with the key's repr kept by the record)
+        line = f"({call.key_repr}, {member!r})".encode()
+        self._digest = hashlib.sha256(self._digest + line).digest()
         if len(self.pending) < self.MAX_PENDING:
             self.pending.append((call, member))
         else:

@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
+#: distinct collective records a communicator keeps for reuse (:meth:`Comm._call`)
+MAX_CALLS = 1024
 
 
 class Request(Handle):
@@ -140,6 +142,7 @@ class Comm:
             INTER if self.ring_links.all() else "mixed")
         self._bcast_cache: dict[int, tuple[int, int]] = {}
         self._bucket_plans: dict = {}
+        self._calls: dict = {}
 
     @property
     def ledger(self):
@@ -227,7 +230,20 @@ class Comm:
         return rec.handle(call, event, result, wait=lambda: finish(fut.result()))
 
     def _call(self, phase: str, algorithm: str, **kw) -> Call:
-        return Call(phase, algorithm, self.group, **kw)
+        """The record of a call on this communicator.  Records are immutable and a run makes
+        the same few collectives (phase, sizes) step after step, so each distinct one is built
+        and validated once and reused (up to :data:`MAX_CALLS` of them); direct messages and
+        all-to-alls, whose sizes change from call to call, get a new record each time."""
+        if algorithm in ("p2p", "alltoallv"):
+            return Call(phase, algorithm, self.group, **kw)
+        key = (phase, algorithm, *kw.items())
+        call = self._calls.get(key)
+        if call is None:
+            call = Call(phase, algorithm, self.group, **kw)
+            if len(self._calls) >= MAX_CALLS:
+                self._calls.clear()
+            self._calls[key] = call
+        return call
 
     # -- collectives -----------------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", *, phase: str, after=None,
