@@ -9,7 +9,10 @@
    prefix ``MPIR_CVAR_DEVICE_COLLECTIVES=all MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=auto`` to
    compare against MPICH's own defaults;
 2. ``bucketed_allreduce`` of 200 tensors of 4 KiB vs one wrapped call per tensor
-   (target: >= 3x faster).
+   (target: >= 3x faster);
+3. exact call overhead: the per-call time of a tiny all-reduce (16 float32, ``max``): raw
+   ``mpi4py``, the native wrapper, the bare exact ring (``collectives.ring_allreduce``, no
+   booking) and the exact wrapper (schedule + booking + record), each against raw.
 
 Timings interleave the two variants rep by rep and report medians, so machine noise hits both.
 """
@@ -24,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from substrate import Topology, bucketed_allreduce
-from substrate.collectives import describe
+from substrate.collectives import describe, ring_allreduce
 
 
 def _median_time(fn, comm, reps):
@@ -66,11 +69,15 @@ def main(argv=None):
             wraps.append(_median_time(lambda buf=buf: w.allreduce(buf, phase="bench"), raw, 1))
             exs.append(_median_time(lambda buf=buf: exact.allreduce(buf, phase="bench"), raw, 1))
         r, l, x = statistics.median(raws), statistics.median(wraps), statistics.median(exs)
-        # the wrapper's own work (argument checks + ledger record), timed without MPI noise
+        # the wrapper's own work (argument checks, call record, ledger booking), timed without
+        # MPI noise
         t = time.perf_counter()
         for _ in range(1000):
             w._check(buf, "allreduce")
-            w._record_allreduce("bench_bookkeeping", buf.size, buf.itemsize)
+            call = w._call("bench_bookkeeping", "allreduce", nbytes=buf.nbytes,
+                           itemsize=buf.itemsize, op="sum")
+            w.recorder.book(call, payload=buf.nbytes, intra=buf.nbytes,
+                            messages=2 * (w.size - 1), links=(w.out_link,))
         book = (time.perf_counter() - t) / 1000
         if rank0:
             print(f"| {mib} MiB | {r * 1e3:.2f} | {l * 1e3:.2f} | {x * 1e3:.2f} | "
@@ -99,6 +106,41 @@ def main(argv=None):
         print(f"| one call per tensor | {a * 1e3:.2f} |")
         print(f"| bucketed (32 MiB buckets, 1 call) | {b * 1e3:.2f} |")
         print(f"| **speed-up** | **{a / b:.1f}x** |")
+    call_overhead(w, exact, args.reps)
+
+
+def call_overhead(native, exact, reps, calls: int = 200):
+    """Per-call time of a tiny all-reduce (16 float32, ``max``: latency only), the variants
+    interleaved rep by rep: where the exact mode's time goes beyond the library's."""
+    raw = native.mpi
+    ring_mpi = raw.Dup()
+    a = np.ones(16, dtype=np.float32)
+    variants = {
+        "raw mpi4py Allreduce": lambda: raw.Allreduce(MPI.IN_PLACE, a, op=MPI.MAX),
+        "native wrapped (Comm.allreduce)": lambda: native.allreduce(a, "max", phase="tiny"),
+        "exact, bare ring (collectives.ring_allreduce)":
+            lambda: ring_allreduce(ring_mpi, a, "max"),
+        "exact wrapped (Comm.allreduce)": lambda: exact.allreduce(a, "max", phase="tiny"),
+    }
+
+    def batch(fn):
+        for _ in range(calls):
+            fn()
+
+    times = {k: [] for k in variants}
+    for fn in variants.values():
+        batch(fn)  # warm up (the exact communicator's Dup, the ring schedule)
+    for _ in range(reps):
+        for k, fn in variants.items():
+            times[k].append(_median_time(lambda fn=fn: batch(fn), raw, 1) / calls)
+    ring_mpi.Free()
+    if raw.Get_rank() == 0:
+        base = statistics.median(times["raw mpi4py Allreduce"])
+        print("\n| exact call overhead: all-reduce of 16 float32 (max) | per call (us) | vs raw |")
+        print("|---|---:|---:|")
+        for k, ts in times.items():
+            m = statistics.median(ts)
+            print(f"| {k} | {m * 1e6:.1f} | {m / base:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -67,6 +68,7 @@ __all__ = [
     "messages",
     "price",
     "rank_seconds",
+    "seconds_of",
     "slowest_link",
     "wire_bytes",
 ]
@@ -207,8 +209,15 @@ class Placement:
 
     def spans(self, ranks) -> bool:
         """True when ``ranks`` live on more than one node."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        return ranks.size > 1 and bool(np.unique(self.nodes_array[ranks]).size > 1)
+        node_of = self.node_of
+        first = None
+        for r in ranks:     # plain ints, stopping at the first other node: called per call
+            n = node_of[r]
+            if first is None:
+                first = n
+            elif n != first:
+                return True
+        return False
 
     def describe(self) -> str:
         if self.ranks_per_node and self.node_major_layout:
@@ -375,6 +384,11 @@ class Call:
         return (self.phase, self.algorithm, self.group, self.nbytes, self.itemsize, self.blocks,
                 pairs, self.root if self.algorithm == "bcast" else 0, self.op)
 
+    @cached_property
+    def key_repr(self) -> str:
+        """``repr(self.key())``, worked out once (the call log digests it per call)."""
+        return repr(self.key())
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Call) and self.key() == other.key()
 
@@ -505,6 +519,16 @@ def rank_seconds(call: Call, cost: CostModel, placement: Placement) -> dict:
         return out
     t = _collective_seconds(call, cost, slowest_link(call, placement)) if call.size > 1 else 0.0
     return {r: t for r in call.group}
+
+
+def seconds_of(call: Call, cost: CostModel, placement: Placement, rank: int) -> float:
+    """World rank ``rank``'s entry of :func:`rank_seconds` (0 when it books nothing), priced
+    for that rank alone: what a communicator books for its own part of every call, without
+    building the whole group's dict (a collective costs every member the same)."""
+    if call.algorithm in ("p2p", "alltoallv") or rank not in call.group:
+        return rank_seconds(call, cost, placement).get(rank, 0.0)
+    return _collective_seconds(call, cost, slowest_link(call, placement)) if call.size > 1 \
+        else 0.0
 
 
 def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) -> list:
@@ -739,7 +763,9 @@ class CallLog:
     def add(self, call: Call, member: bool = True) -> None:
         self.count += 1
         # chained (digest of the previous digest and this record), so the state is two values
-        self._digest = hashlib.sha256(self._digest + repr((call.key(), member)).encode()).digest()
+        # (the text is repr((call.key(), member)), with the key's repr kept by the record)
+        line = f"({call.key_repr}, {member!r})".encode()
+        self._digest = hashlib.sha256(self._digest + line).digest()
         if len(self.pending) < self.MAX_PENDING:
             self.pending.append((call, member))
         else:

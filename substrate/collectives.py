@@ -37,9 +37,12 @@ barrier             dissemination (``i + 2^k``), zero-byte messages             
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -51,6 +54,7 @@ __all__ = [
     "DEFAULT_MODE",
     "MODES",
     "UFUNCS",
+    "RingSchedule",
     "binomial_bcast",
     "check_mode",
     "default_mode",
@@ -61,6 +65,7 @@ __all__ = [
     "ring_allgatherv",
     "ring_allreduce",
     "ring_allreduce_staged",
+    "ring_schedule",
 ]
 
 MODES = ("exact", "native")
@@ -116,30 +121,57 @@ def _wait(reqs, poll) -> None:
         time.sleep(poll)
 
 
+@dataclass(frozen=True)
+class RingSchedule:
+    """What one ring all-reduce of ``count`` elements does on ring rank ``i`` of ``p``, as
+    plain ints, worked out once per ``(count, p, i, itemsize)`` (:func:`ring_schedule`).
+
+    ``offs[j]:offs[j + 1]`` are the elements of chunk ``j`` (the
+    :func:`~substrate.costmodel.ring_chunk_counts` cut); ``scatter`` lists the
+    reduce-scatter steps ``(send chunk, receive chunk)``, ``gather`` the all-gather steps;
+    ``width`` is the largest chunk (elements); ``sent`` the ``(peer, bytes)`` of every message
+    sent, in order (the booking)."""
+
+    p: int
+    right: int
+    left: int
+    offs: tuple
+    scatter: tuple
+    gather: tuple
+    width: int
+    sent: tuple
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_schedule(count: int, p: int, i: int, itemsize: int) -> RingSchedule:
+    """The :class:`RingSchedule` of ring rank ``i`` of ``p`` for ``count`` elements of
+    ``itemsize`` bytes (cached: a run all-reduces a few buffer sizes over and over)."""
+    counts = ring_chunk_counts(count, p).tolist()
+    offs = (0, *itertools.accumulate(counts))
+    scatter = tuple(((i - s) % p, (i - s - 1) % p) for s in range(p - 1))
+    gather = tuple(((i + 1 - s) % p, (i - s) % p) for s in range(p - 1))
+    right = (i + 1) % p
+    sent = tuple((right, counts[si] * itemsize) for si, _ in scatter + gather)
+    return RingSchedule(p, right, (i - 1) % p, offs, scatter, gather, max(counts), sent)
+
+
 def _ring(mpi: MPI.Intracomm, buf, recv, reduce, poll) -> list[tuple[int, int]]:
     """The ring all-reduce schedule on the 1-D ``buf`` (``p > 1``): reduce-scatter step ``s``
     sends chunk ``(i-s) % p`` to ``i+1``, receives chunk ``(i-s-1) % p`` from ``i-1`` into
     ``recv`` and hands it to ``reduce(lo, hi, received)`` (which must leave the sum in
     ``buf[lo:hi]``); all-gather step ``s`` sends chunk ``(i+1-s) % p``, receives ``(i-s) % p``
     in place.  Returns ``(peer, bytes)`` of every message sent."""
-    p, i = mpi.Get_size(), mpi.Get_rank()
-    counts = ring_chunk_counts(buf.size, p)
-    offs = np.concatenate(([0], np.cumsum(counts)))
-    chunk = [buf[offs[j]:offs[j + 1]] for j in range(p)]
-    right, left = (i + 1) % p, (i - 1) % p
-    itemsize = buf.itemsize
-    sent = []
-    for s in range(p - 1):
-        si, ri = (i - s) % p, (i - s - 1) % p
-        got = recv[:counts[ri]]
+    r = ring_schedule(buf.size, mpi.Get_size(), mpi.Get_rank(), buf.itemsize)
+    offs, right, left = r.offs, r.right, r.left
+    chunk = [buf[offs[j]:offs[j + 1]] for j in range(r.p)]
+    for si, ri in r.scatter:
+        lo, hi = offs[ri], offs[ri + 1]
+        got = recv[:hi - lo]
         _sendrecv(mpi, chunk[si], right, got, left, poll)
-        reduce(int(offs[ri]), int(offs[ri + 1]), got)
-        sent.append((right, int(counts[si]) * itemsize))
-    for s in range(p - 1):
-        si, ri = (i + 1 - s) % p, (i - s) % p
+        reduce(lo, hi, got)
+    for si, ri in r.gather:
         _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
-        sent.append((right, int(counts[si]) * itemsize))
-    return sent
+    return list(r.sent)
 
 
 def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[tuple[int, int]]:
@@ -155,7 +187,8 @@ def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[t
         return []
     ufunc = getattr(xp, UFUNCS[op])
     sync = _sync_for(xp)
-    tmp = xp.empty(int(ring_chunk_counts(buf.size, p).max()), dtype=buf.dtype)
+    tmp = xp.empty(ring_schedule(buf.size, p, mpi.Get_rank(), buf.itemsize).width,
+                   dtype=buf.dtype)
 
     def reduce(lo, hi, got):
         ufunc(buf[lo:hi], got, out=buf[lo:hi])

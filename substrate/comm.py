@@ -40,7 +40,6 @@ from .costmodel import (
     binomial_depth,
     ring_allgatherv_sent,
     ring_allreduce_sent,
-    ring_chunk_counts,
 )
 from .recorder import Handle, Recorder
 from .stream import CommStream
@@ -56,6 +55,8 @@ __all__ = [
 ]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
+#: distinct collective records a communicator keeps for reuse (:meth:`Comm._call`)
+MAX_CALLS = 1024
 
 
 class Request(Handle):
@@ -128,6 +129,9 @@ class Comm:
         self.recorder = recorder
         self.backend = backend or get_backend("cpu")
         self.member_nodes = self.node_of_world[self.world_ranks]
+        #: link class from this rank to every member (fixed for the life of the communicator)
+        self.links_to = tuple(INTRA if n == self.member_nodes[self.rank] else INTER
+                              for n in self.member_nodes)
         p = self.size
         # ring link i -> i+1 classes, fixed for the life of the communicator
         nxt = np.roll(self.member_nodes, -1)
@@ -138,6 +142,7 @@ class Comm:
             INTER if self.ring_links.all() else "mixed")
         self._bcast_cache: dict[int, tuple[int, int]] = {}
         self._bucket_plans: dict = {}
+        self._calls: dict = {}
 
     @property
     def ledger(self):
@@ -146,7 +151,7 @@ class Comm:
     # -- helpers ---------------------------------------------------------------------------------
     def link_to(self, other: int) -> str:
         """Link class between this rank and member ``other``."""
-        return INTRA if self.member_nodes[other] == self.member_nodes[self.rank] else INTER
+        return self.links_to[other]
 
     @staticmethod
     def _check(buf, what: str) -> None:
@@ -183,8 +188,9 @@ class Comm:
         if sent is not None:
             intra = inter = 0
             links = set()
+            links_to = self.links_to
             for dest, nb in sent:
-                link = self.link_to(dest)
+                link = links_to[dest]
                 if link == INTRA:
                     intra += nb
                 else:
@@ -224,7 +230,20 @@ class Comm:
         return rec.handle(call, event, result, wait=lambda: finish(fut.result()))
 
     def _call(self, phase: str, algorithm: str, **kw) -> Call:
-        return Call(phase, algorithm, self.group, **kw)
+        """The record of a call on this communicator.  Records are immutable and a run makes
+        the same few collectives (phase, sizes) step after step, so each distinct one is built
+        and validated once and reused (up to :data:`MAX_CALLS` of them); direct messages and
+        all-to-alls, whose sizes change from call to call, get a new record each time."""
+        if algorithm in ("p2p", "alltoallv"):
+            return Call(phase, algorithm, self.group, **kw)
+        key = (phase, algorithm, *kw.items())
+        call = self._calls.get(key)
+        if call is None:
+            call = Call(phase, algorithm, self.group, **kw)
+            if len(self._calls) >= MAX_CALLS:
+                self._calls.clear()
+            self._calls[key] = call
+        return call
 
     # -- collectives -----------------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", *, phase: str, after=None,
@@ -288,16 +307,15 @@ class Comm:
         be = self.backend
         if staged.host is None:
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, be.xp, poll)
-        n, p, i = staged.arr.size, cmpi.Get_size(), cmpi.Get_rank()
-        counts = ring_chunk_counts(n, p)
-        if not be.reduce_on_device(int(counts.max()) * staged.arr.itemsize):
+        i = cmpi.Get_rank()
+        ring = coll.ring_schedule(staged.arr.size, cmpi.Get_size(), i, staged.arr.itemsize)
+        width = ring.width
+        if not be.reduce_on_device(width * staged.arr.itemsize):
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, np, poll)
-        offs = np.concatenate(([0], np.cumsum(counts)))
-        host = staged.pull(int(offs[i]), int(offs[i + 1])).reshape(-1)
+        host = staged.pull(ring.offs[i], ring.offs[i + 1]).reshape(-1)
         dev = staged.arr.reshape(-1)
         xp = be.xp
         ufunc = getattr(xp, coll.UFUNCS[op])
-        width = int(counts.max())
         lease = be.pool.acquire(width * dev.itemsize)
         recv = lease.array(dev.dtype, (width,))
         tmp = xp.empty(width, dtype=dev.dtype)

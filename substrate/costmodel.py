@@ -25,6 +25,7 @@ written from these rules, not from the per-rank accounting, so each checks the o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -144,8 +145,10 @@ def ring_chunk_counts(count: int, p: int) -> np.ndarray:
     return sizes
 
 
+@functools.lru_cache(maxsize=1024)
 def ring_allreduce_sent(count: int, itemsize: int, p: int, i: int) -> int:
-    """Bytes ring-rank ``i`` sends in one ring all-reduce of ``count`` elements."""
+    """Bytes ring-rank ``i`` sends in one ring all-reduce of ``count`` elements (cached: a
+    native-mode run books the same few sizes every step)."""
     if p <= 1:
         return 0
     c = ring_chunk_counts(count, p)

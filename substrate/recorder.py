@@ -5,7 +5,8 @@ A :class:`Recorder` is shared by every :class:`~substrate.comm.Comm` of a run.  
 communicator runs (or, on a rank outside the group, waits for) it
 
 * books what this rank handed to MPI in the :class:`~substrate.ledger.Ledger`, with the α–β
-  seconds :func:`substrate.calls.rank_seconds` gives the record;
+  seconds :func:`substrate.calls.rank_seconds` gives the record (this rank's entry:
+  :func:`substrate.calls.seconds_of`);
 * declares the record's event on the run's :class:`~substrate.timeline.Timeline` (when the clock
   keeps one) after its dependencies (:func:`substrate.calls.declare_one`): by default after
   everything the rank declared before, and the rank's next compute waits for it (a blocking
@@ -21,7 +22,7 @@ It returns a :class:`Handle` carrying the record, its event and the call's resul
 
 from __future__ import annotations
 
-from .calls import Call, CallLog, Placement, bytes_by_phase, declare_one, rank_seconds
+from .calls import Call, CallLog, Placement, bytes_by_phase, declare_one, seconds_of
 from .costmodel import CostModel
 from .ledger import Ledger
 
@@ -113,7 +114,7 @@ class Recorder:
     def book(self, call: Call, *, payload: int, intra: int = 0, inter: int = 0,
              messages: int = 0, links=()) -> None:
         """Book this rank's part of ``call`` in the ledger (bytes it handed to MPI)."""
-        seconds = rank_seconds(call, self.cost, self.placement).get(self.rank, 0.0)
+        seconds = seconds_of(call, self.cost, self.placement, self.rank)
         self.ledger.record(call.phase, payload=payload, intra=intra, inter=inter,
                            messages=messages, modeled_s=seconds, links=links)
 
