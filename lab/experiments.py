@@ -17,12 +17,14 @@ from pathlib import Path
 from .analysis import STEPS_JSON, compare_steps, cost_flags, format_run, median_of
 from .jobs import DEFAULT_TIMEOUT, Lab, write_json
 from .netns import LabError
-from .network import parse_link
+from .network import TBF_BURST_S, parse_link
 
-__all__ = ["DEFAULT_TIMER_SLACK_US", "compare_systems", "run_lab"]
+__all__ = ["DEFAULT_TIMER_SLACK_US", "TCP_RTO_MIN_MS", "compare_systems", "run_lab"]
 
 #: Linux's default timer slack of a thread (``prctl(2)``, PR_SET_TIMERSLACK), microseconds
 DEFAULT_TIMER_SLACK_US = 50.0
+#: Linux's minimum TCP retransmission timeout (``TCP_RTO_MIN``), milliseconds
+TCP_RTO_MIN_MS = 200.0
 
 
 def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: str = "mpiexec",
@@ -77,7 +79,9 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
 
     ``dilation`` (time dilation, :mod:`runner.replay`): a number K, or a callable
     ``dilation(hosts, ranks_per_host, mbit)`` giving K per lab.  The links are shaped to
-    ``mbit / K``, the jobs' timer slack is K x Linux's 50 us (:func:`lab.jobs._timer_slack_setter`), the workloads (replays only: ``"replay": True`` in their dict) get
+    ``mbit / K`` with a tbf bucket of K x :data:`lab.network.TBF_BURST_S` (the same bytes as the
+    emulated link's) and a minimum TCP retransmission timeout of K x 200 ms, the jobs' timer
+    slack is K x Linux's 50 us (:func:`lab.jobs._timer_slack_setter`), the workloads (replays only: ``"replay": True`` in their dict) get
     ``--dilation K``, the cost flags describe the
     emulated cluster (:func:`cost_flags`) and the measured steps are divided by K.
 
@@ -112,7 +116,9 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
             k = dilation_of(hosts, rph, mbit)
             with Lab(hosts, rph, link=(mbit / k, lat * k), netmod=netmod, timeout=timeout,
                      env={**(env or {})}, verbose=verbose, nice=nice,
-                     timer_slack_us=None if k == 1 else DEFAULT_TIMER_SLACK_US * k) as lab:
+                     timer_slack_us=None if k == 1 else DEFAULT_TIMER_SLACK_US * k,
+                     burst_s=TBF_BURST_S * k,
+                     rto_min_ms=None if k == 1 else TCP_RTO_MIN_MS * k) as lab:
                 tag = f"{hosts}x{rph}_{mbit:g}mbit"
                 pp = lab.ping_pong(launch=launch, out=out_root / f"pingpong_{tag}")
                 flags = cost_flags((mbit, lat), pp, dilation=k)
