@@ -120,9 +120,9 @@ class Lab(Network):
                  offload: bool = False, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
                  python: str | None = None, verbose: bool = False,
                  nice: int | None = None, timer_slack_us: float | None = None,
-                 burst_s: float = TBF_BURST_S, rto_min_ms: float | None = None) -> None:
+                 burst_s: float = TBF_BURST_S) -> None:
         super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose,
-                         burst_s=burst_s, rto_min_ms=rto_min_ms)
+                         burst_s=burst_s)
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
                 or ranks_per_host < 1:
             raise LabError(f"--ranks-per-host must be an integer >= 1, got {ranks_per_host!r}")

@@ -225,20 +225,14 @@ class Network:
 
     def __init__(self, hosts: int, *, link=None, offload: bool = False,
                  python: str | None = None, verbose: bool = False,
-                 burst_s: float = TBF_BURST_S, rto_min_ms: float | None = None) -> None:
+                 burst_s: float = TBF_BURST_S) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 2:
             raise LabError(f"--hosts must be an integer >= 2, got {hosts!r}")
         if hosts > 250:
             raise LabError(f"--hosts must be <= 250 (one /24 subnet), got {hosts}")
         self.hosts = hosts
-        #: seconds of the rate the tbf bucket holds (:data:`TBF_BURST_S`; a time-dilated lab
-        #: dilates it too, so the bucket holds the same bytes as the link it emulates)
+        #: seconds of the rate the tbf bucket holds (:data:`TBF_BURST_S`)
         self.burst_s = float(burst_s)
-        #: TCP's minimum retransmission timeout on the lab's route (None: the kernel's 200 ms;
-        #: a time-dilated lab dilates it: a queue that an emulated link drains in 30 ms takes
-        #: K x 30 ms at rate / K and, above 200 ms, fired spurious timeouts that reset the
-        #: congestion window, measured as TCPTimeouts with D-SACKs at K = 16)
-        self.rto_min_ms = rto_min_ms
         self.link = parse_link(link)
         self.offload = offload
         self.python = python or venv_python()
@@ -322,10 +316,6 @@ class Network:
             run([*hn, "addr", "add", f"{self.addrs[i]}/24", "dev", HOST_IF])
             run([*hn, "link", "set", "lo", "up"])
             run([*hn, "link", "set", HOST_IF, "up"])
-            if self.rto_min_ms is not None:
-                run([*hn, "route", "replace", f"{SUBNET}.0/24", "dev", HOST_IF, "proto",
-                     "kernel", "scope", "link", "src", self.addrs[i], "rto_min",
-                     f"{int(self.rto_min_ms)}ms"])
         macs = [self._mac(ns) for ns in self.names]
         for i, ns in enumerate(self.names):
             for j, addr in enumerate(self.addrs):
