@@ -47,7 +47,8 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
 
 ``--dilation K`` (with ``--replay``; time dilation as in DieCast, Gupta et al., NSDI 2006 and
 2008): the lab's links run at rate / K, every replayed compute block sleeps K times its profile
-time and the jobs' timer slack is K x 50 us, so the whole run is the emulated one slowed K-fold
+time (``--dilate-timer-slack``: and the jobs' timer slack K x 50 us), so the whole run is the
+emulated one slowed K-fold
 while the box's CPU work per message (MPI, Python, the bridge's forwarding) is not: 16-32 ranks
 on two vCPUs then behave as hosts with cores of their own.  The measured step is divided by K
 and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags`).
@@ -229,8 +230,12 @@ def main(argv=None) -> int:
                          "its profile, communication real (many ranks on few cores)")
     ap.add_argument("--dilation", default="1", metavar="K|Cxranks",
                     help="time dilation (with --replay): shape the links to 1/K of the rate, "
-                         "sleep K x the compute, K x the timer slack, divide the measured step "
+                         "sleep K x the compute, divide the measured step "
                          "by K (runner.replay; default 1); Cxranks: K = C x the shape's ranks")
+    ap.add_argument("--dilate-timer-slack", action="store_true",
+                    help="with --dilation K: also set the jobs' timer slack to K x 50 us (less "
+                         "CPU burnt by waiting ranks, coarser MPI progress; see "
+                         "lab.experiments.compare_systems)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the lab's MPI jobs (repeatable), e.g. "
                          "UCX_RNDV_THRESH=8192")
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
                                  env={**({} if a.no_yield else wl.YIELD_ENV), **extra_env},
                                  timeout=a.timeout,
                                  verbose=a.verbose, progress=lambda s: print(s, flush=True),
-                                 dilation=dilation)
+                                 dilation=dilation,
+                                 dilate_timer_slack=a.dilate_timer_slack)
     except wl.LabError as exc:
         print(f"bench_wirelab: error: {exc}", file=sys.stderr)
         return 2
@@ -283,6 +289,7 @@ def main(argv=None) -> int:
                        "yield_env": None if a.no_yield else wl.YIELD_ENV,
                        "extra_env": extra_env,
                        "replay": a.replay, "dilation": a.dilation,
+                       "dilate_timer_slack": a.dilate_timer_slack,
                        "workloads": {n: {"args": w["args"] if not callable(w["args"]) else
                                          "replay of a recorded run", "skip": w["skip"]}
                                      for n, w in loads.items()},

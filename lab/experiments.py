@@ -61,7 +61,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                     out_root, nice: int | None = None, env: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, launch: str = "mpiexec",
                     netmod: str = "ucx", verbose: bool = False, progress=None,
-                    dilation=1.0) -> dict:
+                    dilation=1.0, dilate_timer_slack: bool = False) -> dict:
     """Predicted vs measured time per step of several spardist commands on shaped links.
 
     For every ``(hosts, ranks_per_host)`` of ``shapes`` and every ``(mbit, latency_us)`` of
@@ -81,8 +81,10 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
     of the emulated link, nearer a link without a bucket; dilated to K ms it let 2 x 2 steps at
     1 Gbit/s run 5-15 % faster than the rate allows; the kernel's TCP timers are not dilated:
     a minimum retransmission timeout of K x 200 ms made 2 x 2 ddp steps at 100 Mbit/s stall
-    now and then, 0.945 -> 0.860), the jobs' timer slack is K x Linux's 50 us
-    (:func:`lab.jobs._timer_slack_setter`), the workloads (replays only: ``"replay": True`` in their dict) get
+    now and then, 0.945 -> 0.860), with ``dilate_timer_slack`` the jobs' timer slack is K x
+    Linux's 50 us (:func:`lab.jobs._timer_slack_setter`: waiting ranks burn K times less CPU,
+    but MPI's progress loop then notices a message 50 us of emulated time late, which the
+    ping-pong's alpha shows: 159 us at K = 16 against 1.5-7.6 us without), the workloads (replays only: ``"replay": True`` in their dict) get
     ``--dilation K``, the cost flags describe the
     emulated cluster (:func:`cost_flags`) and the measured steps are divided by K.
 
@@ -117,7 +119,8 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
             k = dilation_of(hosts, rph, mbit)
             with Lab(hosts, rph, link=(mbit / k, lat * k), netmod=netmod, timeout=timeout,
                      env={**(env or {})}, verbose=verbose, nice=nice,
-                     timer_slack_us=None if k == 1 else DEFAULT_TIMER_SLACK_US * k) as lab:
+                     timer_slack_us=(DEFAULT_TIMER_SLACK_US * k if k != 1 and dilate_timer_slack
+                                     else None)) as lab:
                 tag = f"{hosts}x{rph}_{mbit:g}mbit"
                 pp = lab.ping_pong(launch=launch, out=out_root / f"pingpong_{tag}")
                 flags = cost_flags((mbit, lat), pp, dilation=k)

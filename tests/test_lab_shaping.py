@@ -89,7 +89,7 @@ def test_bench_wirelab_dilated_replay_emulates_the_undilated_link(tmp_path):
     """--replay --dilation 4 at 100 Mbit/s: the lab's links run at 25 Mbit/s, the replay sleeps
     4 x its profile and logs time_dilation 4, its cost model is the emulated cluster's (beta
     from 100 Mbit/s, alpha the dilated ping-pong's / 4), the measured step is step_wall_s / 4,
-    the jobs ran with 4 x 50 us of timer slack, and the lab is gone afterwards."""
+    and the lab is gone afterwards."""
     out = tmp_path / "dil"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_wirelab.py"), "--tiny", "--systems", "ddp",
