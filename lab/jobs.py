@@ -30,6 +30,7 @@ per launch style) and writes ``DIR/wire.json`` (:func:`lab.analysis.wire_report`
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -76,9 +77,8 @@ def _timer_slack_setter(us: float):
     :data:`YIELD_ENV` sleeps ``usleep(1)`` between polls, i.e. one slack (50 us by default):
     in a time-dilated lab (:mod:`runner.replay` ``--dilation K``) a slack of K x 50 us keeps
     that wake-up period 50 us of *emulated* time and divides the CPU the waiting ranks burn by
-    K, as dilation does for every other timer of the emulated hosts."""
-    import ctypes  # noqa: PLC0415 (only time-dilated jobs set a slack)
-
+    K (opt-in, ``bench_wirelab.py --dilate-timer-slack``: with MPICH's nanosleep yield every
+    progress poll then waits a slack, see :func:`lab.experiments.compare_systems`)."""
     ns = int(us * 1000)
 
     def setter() -> None:
