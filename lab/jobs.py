@@ -44,7 +44,7 @@ from pathlib import Path
 
 from .analysis import WIRE_JSON, wire_report
 from .netns import ROOT, LabError, autogroup_nice, find_hydra, netns_pids, run
-from .network import HOST_IF, TBF_BURST_S, Network
+from .network import HOST_IF, Network
 from .programs import PINGPONG_JSON
 
 __all__ = ["DEFAULT_TIMEOUT", "YIELD_ENV", "Lab", "default_out", "write_json"]
@@ -119,10 +119,8 @@ class Lab(Network):
     def __init__(self, hosts: int, ranks_per_host: int, *, link=None, netmod: str = "ucx",
                  offload: bool = False, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
                  python: str | None = None, verbose: bool = False,
-                 nice: int | None = None, timer_slack_us: float | None = None,
-                 burst_s: float = TBF_BURST_S) -> None:
-        super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose,
-                         burst_s=burst_s)
+                 nice: int | None = None, timer_slack_us: float | None = None) -> None:
+        super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose)
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
                 or ranks_per_host < 1:
             raise LabError(f"--ranks-per-host must be an integer >= 1, got {ranks_per_host!r}")

@@ -224,15 +224,12 @@ class Network:
     """
 
     def __init__(self, hosts: int, *, link=None, offload: bool = False,
-                 python: str | None = None, verbose: bool = False,
-                 burst_s: float = TBF_BURST_S) -> None:
+                 python: str | None = None, verbose: bool = False) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 2:
             raise LabError(f"--hosts must be an integer >= 2, got {hosts!r}")
         if hosts > 250:
             raise LabError(f"--hosts must be <= 250 (one /24 subnet), got {hosts}")
         self.hosts = hosts
-        #: seconds of the rate the tbf bucket holds (:data:`TBF_BURST_S`)
-        self.burst_s = float(burst_s)
         self.link = parse_link(link)
         self.offload = offload
         self.python = python or venv_python()
@@ -403,7 +400,7 @@ class Network:
         mbit, lat = self.link
         rate = f"{mbit:g}mbit"
         rate_bps = mbit * 1e6 / 8
-        burst = int(max(2 * (MTU + ETH_HDR), rate_bps * self.burst_s))
+        burst = int(max(2 * (MTU + ETH_HDR), rate_bps * TBF_BURST_S))
         limit = int(max(8 << 20, rate_bps))          # >= 1 s of queue: shaping must not drop
         # each direction of a link gets half the latency: host egress + switch port egress
         delay_us = lat / 2
