@@ -46,11 +46,11 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     no-overlap reference; the timeline then declares every call as blocking).
 
 ``--dilation K`` (with ``--replay``; time dilation as in DieCast, Gupta et al., NSDI 2006 and
-2008): the lab's links run at rate / K, every replayed compute block sleeps K times its profile
-time (``--dilate-timer-slack``: and the jobs' timer slack K x 50 us), so the whole run is the
-emulated one slowed K-fold
-while the box's CPU work per message (MPI, Python, the bridge's forwarding) is not: 16-32 ranks
-on two vCPUs then behave as hosts with cores of their own.  The measured step is divided by K
+2008): the lab's links run at rate / K and every replayed compute block sleeps K times its
+profile time, so the whole run is the emulated one slowed K-fold while the box's CPU work per
+message (MPI, Python, the bridge's forwarding) is not: 16-32 ranks on two vCPUs then behave as
+hosts with cores of their own (``--dilate-timer-slack`` also sets the jobs' timer slack to
+K x 50 us).  The measured step is divided by K
 and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags`).
 ``--dilation Cxranks`` takes K = C x the shape's ranks (one rule for a whole table).
 
@@ -194,8 +194,9 @@ def _dilation(text: str, replay: bool):
     except ValueError:
         raise wl.LabError(f"--dilation {text!r}: give a number >= 1 or Cxranks. Fix: e.g. "
                           "--dilation 16 or --dilation 4xranks") from None
-    if not k >= (1 if not per_rank else 1 / 64):
-        raise wl.LabError(f"--dilation {text}: must be >= 1. Fix: e.g. --dilation 16")
+    if not (k > 0 if per_rank else k >= 1):
+        raise wl.LabError(f"--dilation {text}: must be >= 1 (Cxranks: C > 0). Fix: e.g. "
+                          "--dilation 16")
     if (per_rank or k != 1) and not replay:
         raise wl.LabError("--dilation slows only replayed compute: add --replay")
     if per_rank:

@@ -77,16 +77,16 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
 
     ``dilation`` (time dilation, :mod:`runner.replay`): a number K, or a callable
     ``dilation(hosts, ranks_per_host, mbit)`` giving K per lab.  The links are shaped to
-    ``mbit / K`` (the tbf bucket stays :data:`lab.network.TBF_BURST_S` of the shaped rate: 1/K ms
-    of the emulated link, nearer a link without a bucket; dilated to K ms it let 2 x 2 steps at
-    1 Gbit/s run 5-15 % faster than the rate allows; the kernel's TCP timers are not dilated:
-    a minimum retransmission timeout of K x 200 ms made 2 x 2 ddp steps at 100 Mbit/s stall
-    now and then, 0.945 -> 0.860), with ``dilate_timer_slack`` the jobs' timer slack is K x
-    Linux's 50 us (:func:`lab.jobs._timer_slack_setter`: waiting ranks burn K times less CPU,
-    but MPI's progress loop then notices a message 50 us of emulated time late, which the
-    ping-pong's alpha shows: 159 us at K = 16 against 1.5-7.6 us without), the workloads (replays only: ``"replay": True`` in their dict) get
-    ``--dilation K``, the cost flags describe the
-    emulated cluster (:func:`cost_flags`) and the measured steps are divided by K.
+    ``mbit / K``, the workloads (replays only: ``"replay": True`` in their dict) get
+    ``--dilation K``, the cost flags describe the emulated cluster (:func:`cost_flags`) and the
+    measured steps are divided by K.  Not dilated: the tbf bucket (1 ms of the shaped rate, i.e.
+    1/K ms of the emulated link, nearer a link without a bucket; dilated to K ms it let 2 x 2
+    steps at 1 Gbit/s run 5-15 % faster than the rate allows) and the kernel's TCP timers (a
+    minimum retransmission timeout of K x 200 ms made 2 x 2 ddp steps at 100 Mbit/s stall now
+    and then, 0.945 -> 0.860).  ``dilate_timer_slack``: the jobs' timer slack is K x Linux's
+    50 us (:func:`lab.jobs._timer_slack_setter`): waiting ranks burn K times less CPU, but MPI's
+    progress loop then notices a message 50 us of emulated time late, which the ping-pong's
+    alpha shows (159 us at K = 16, against 1.5-14.7 us without).
 
     Returns ``{"labs": [...], "runs": [...], "rows": [...]}``: one ``runs`` entry per run (its
     medians over steps, the 1-minute load average before and after, or its error), one ``rows``
