@@ -60,7 +60,7 @@ from .netns import (
     lab_namespaces,
     stale_labs,
 )
-from .network import Network, check_link, parse_link
+from .network import TCP_CONGESTION, Network, check_link, parse_link
 from .programs import PINGPONG_JSON
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "PREFIX",
     "STATE_DIR",
     "STEPS_JSON",
+    "TCP_CONGESTION",
     "WIRE_JSON",
     "YIELD_ENV",
     "Lab",

@@ -19,10 +19,12 @@ from .jobs import DEFAULT_TIMEOUT, Lab, write_json
 from .netns import LabError
 from .network import parse_link
 
-__all__ = ["DEFAULT_TIMER_SLACK_US", "compare_systems", "run_lab"]
+__all__ = ["DEFAULT_TIMER_SLACK_US", "KERNEL_RTO_MIN_MS", "compare_systems", "run_lab"]
 
 #: Linux's default timer slack of a thread (``prctl(2)``, PR_SET_TIMERSLACK), microseconds
 DEFAULT_TIMER_SLACK_US = 50.0
+#: Linux's minimum TCP retransmission timeout (TCP_RTO_MIN), milliseconds
+KERNEL_RTO_MIN_MS = 200.0
 
 
 def run_lab(hosts: int, ranks_per_host: int, module_args, *, link=None, launch: str = "mpiexec",
@@ -61,7 +63,8 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                     out_root, nice: int | None = None, env: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, launch: str = "mpiexec",
                     netmod: str = "ucx", verbose: bool = False, progress=None,
-                    dilation=1.0, dilate_timer_slack: bool = False) -> dict:
+                    dilation=1.0, dilate_timer_slack: bool = False,
+                    dilate_rto: bool = False) -> dict:
     """Predicted vs measured time per step of several spardist commands on shaped links.
 
     For every ``(hosts, ranks_per_host)`` of ``shapes`` and every ``(mbit, latency_us)`` of
@@ -120,7 +123,8 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
             with Lab(hosts, rph, link=(mbit / k, lat * k), netmod=netmod, timeout=timeout,
                      env={**(env or {})}, verbose=verbose, nice=nice,
                      timer_slack_us=(DEFAULT_TIMER_SLACK_US * k if k != 1 and dilate_timer_slack
-                                     else None)) as lab:
+                                     else None),
+                     rto_min_ms=KERNEL_RTO_MIN_MS * k if k != 1 and dilate_rto else None) as lab:
                 tag = f"{hosts}x{rph}_{mbit:g}mbit"
                 pp = lab.ping_pong(launch=launch, out=out_root / f"pingpong_{tag}")
                 flags = cost_flags((mbit, lat), pp, dilation=k)

@@ -114,13 +114,17 @@ class Lab(Network):
     nice : int, optional
         Scheduling niceness of the MPI job (``nice -n``; -20 .. 19, below 0 needs root): a
         timing run on a box that other jobs load gets its cores first (``--nice -20``).
+    rto_min_ms : float, optional
+        TCP's minimum retransmission timeout (:class:`lab.network.Network`).
     """
 
     def __init__(self, hosts: int, ranks_per_host: int, *, link=None, netmod: str = "ucx",
                  offload: bool = False, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
                  python: str | None = None, verbose: bool = False,
-                 nice: int | None = None, timer_slack_us: float | None = None) -> None:
-        super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose)
+                 nice: int | None = None, timer_slack_us: float | None = None,
+                 rto_min_ms: float | None = None) -> None:
+        super().__init__(hosts, link=link, offload=offload, python=python, verbose=verbose,
+                         rto_min_ms=rto_min_ms)
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
                 or ranks_per_host < 1:
             raise LabError(f"--ranks-per-host must be an integer >= 1, got {ranks_per_host!r}")

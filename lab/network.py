@@ -5,7 +5,9 @@ How the hosts are emulated (nothing is added to the root network namespace):
 * one *switch* namespace ``spwl-<id>-sw`` holds a bridge ``br0`` and one veth port ``p<i>`` per
   host; the other end of each veth pair is ``eth0`` inside the *host* namespace
   ``spwl-<id>-h<i>`` with address ``10.251.0.<i+1>/24`` (private, only inside these namespaces),
-  ``lo`` up, IPv6 off, static neighbour entries (no ARP on the links) and
+  ``lo`` up, IPv6 off, static neighbour entries (no ARP on the links), TCP congestion control
+  :data:`TCP_CONGESTION` (CUBIC, Linux's default, whatever the machine's default) on the lab
+  subnet's route and
   ``/etc/netns/spwl-<id>-h<i>/hosts`` naming ``h0 .. h<H-1>`` (``ip netns exec`` bind-mounts it
   over ``/etc/hosts``);
 * every process of host ``i`` also runs in its own UTS namespace with hostname ``h<i>``: the
@@ -81,6 +83,7 @@ __all__ = [
     "RATE_MBIT",
     "SUBNET",
     "TCPEXT_FIELDS",
+    "TCP_CONGESTION",
     "TCP_HDR",
     "Network",
     "check_link",
@@ -107,6 +110,16 @@ CALIBRATION_BYTES = 4 << 20
 #: 0.573 s predicted with 4 MiB, 0.602 s with 64 KiB (load 7-9).
 HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_idle=0",
                 "net.ipv4.tcp_limit_output_bytes=65536")
+#: TCP congestion control of every host, set on the lab subnet's route (``congctl``: a namespace
+#: other than the first may not choose an algorithm outside ``tcp_allowed_congestion_control`` as
+#: its default).  Pinned to Linux's default, CUBIC, rather than inherited from the machine: this
+#: box defaults to BBR, whose timers run in real time (a ProbeRTT every 10 s cuts the window to 4
+#: segments for 200 ms; the bandwidth and minimum-RTT filters are windowed in seconds), so on a
+#: time-dilated lab (:func:`lab.experiments.compare_systems`) it stalled flows once per step of a
+#: replayed H-SGD 2 x 2 at K = 16 (the links idled in bursts while data was pending).
+TCP_CONGESTION = "cubic"
+#: Range of ``rto_min_ms`` (the kernel's 200 ms up to 64 x it, a lab dilated 64-fold)
+RTO_MIN_MS = (1.0, 64 * 200.0)
 #: tbf bucket, in seconds of the rate: a link idle for longer sends this much at once.  Short:
 #: with 4 ms (the old ``rate / 250``) an H-SADMM iteration's 145 kB all-reduce after 6 ms of
 #: compute took 9 ms on a 100 Mbit/s link instead of the 12.1 ms its size takes at the rate
@@ -221,12 +234,24 @@ class Network:
         TSO/GSO off and GRO on.
     python : str, optional
         The Python run inside the namespaces (default: the project's ``.venv``).
+    rto_min_ms : float, optional
+        TCP's minimum retransmission timeout on the lab subnet's route (``ip route ... rto_min``;
+        default: the kernel's 200 ms).  A time-dilated lab sets K x 200 ms (see
+        :func:`lab.experiments.compare_systems`).
     """
 
     def __init__(self, hosts: int, *, link=None, offload: bool = False,
-                 python: str | None = None, verbose: bool = False) -> None:
+                 python: str | None = None, verbose: bool = False,
+                 rto_min_ms: float | None = None) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 2:
             raise LabError(f"--hosts must be an integer >= 2, got {hosts!r}")
+        if rto_min_ms is not None and (isinstance(rto_min_ms, bool)
+                                       or not isinstance(rto_min_ms, (int, float))
+                                       or not RTO_MIN_MS[0] <= rto_min_ms <= RTO_MIN_MS[1]):
+            raise LabError(f"rto_min_ms must be a number of ms in {RTO_MIN_MS[0]:g} .. "
+                           f"{RTO_MIN_MS[1]:g}, got {rto_min_ms!r}. Fix: leave it out for the "
+                           "kernel's 200 ms")
+        self.rto_min_ms = rto_min_ms
         if hosts > 250:
             raise LabError(f"--hosts must be <= 250 (one /24 subnet), got {hosts}")
         self.hosts = hosts
@@ -313,6 +338,9 @@ class Network:
             run([*hn, "addr", "add", f"{self.addrs[i]}/24", "dev", HOST_IF])
             run([*hn, "link", "set", "lo", "up"])
             run([*hn, "link", "set", HOST_IF, "up"])
+            rto = [] if self.rto_min_ms is None else ["rto_min", f"{self.rto_min_ms:.0f}ms"]
+            run([*hn, "route", "replace", f"{SUBNET}.0/24", "dev", HOST_IF, "proto", "kernel",
+                 "scope", "link", "src", self.addrs[i], "congctl", TCP_CONGESTION, *rto])
         macs = [self._mac(ns) for ns in self.names]
         for i, ns in enumerate(self.names):
             for j, addr in enumerate(self.addrs):
@@ -382,7 +410,8 @@ class Network:
                 raise LabError(f"TSO/GSO stayed on for {bad}")
         self.features = {"mode": "kernel defaults" if self.offload else
                          "tso off, gso off, gro on (veth NAPI: in-order delivery)",
-                         "per_device": feats}
+                         "per_device": feats, "tcp_congestion": TCP_CONGESTION,
+                         "tcp_rto_min_ms": 200 if self.rto_min_ms is None else self.rto_min_ms}
 
     def _devices(self) -> list[tuple[str, str]]:
         """(namespace, device) of every veth end: host eth0s, then switch ports."""

@@ -9,6 +9,8 @@ baseline) is shared by the per-system checks, so the file runs in about a minute
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from lab_helpers import SKIP, leftovers, needs_lab
@@ -66,6 +68,48 @@ def test_sendrecv_bytes_appear_on_the_wire(lab22, tmp_path):
     # never overwritten silently
     with pytest.raises(lab.LabError, match="exists: pass --force"):
         lab22.measure(["lab", "--sendrecv", "1000"], out=tmp_path)
+
+
+_SERVER = """
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 47001)); s.listen(1); s.settimeout(30)
+c, _ = s.accept()
+print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode())
+"""
+_CLIENT = """
+import socket, sys, time
+for _ in range(300):
+    try:
+        c = socket.create_connection((sys.argv[1], 47001), timeout=5); break
+    except OSError:
+        time.sleep(0.05)
+print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode())
+"""
+
+
+@needs_lab
+def test_inter_host_tcp_runs_the_pinned_congestion_control(lab22):
+    """Whatever the machine's default (BBR on the development box, whose real-time probes
+    stalled dilated runs), a connection between two emulated hosts runs lab.TCP_CONGESTION on
+    both ends, and the lab records it."""
+    h0, h1 = lab22.names[:2]
+    server = subprocess.Popen(["ip", "netns", "exec", h1, sys.executable, "-c", _SERVER],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = subprocess.run(["ip", "netns", "exec", h0, sys.executable, "-c", _CLIENT,
+                                 lab22.addrs[1]], check=False, capture_output=True, text=True,
+                                timeout=60)
+        out, err = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert client.returncode == 0 and server.returncode == 0, (client.stderr, err)
+    assert client.stdout.strip() == out.strip() == lab.TCP_CONGESTION == "cubic"
+    assert lab22.features["tcp_congestion"] == "cubic"
+    route = subprocess.run(["ip", "-n", h0, "route", "show"], check=True, capture_output=True,
+                           text=True)
+    assert "congctl cubic" in route.stdout, route.stdout
 
 
 @needs_lab
