@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from substrate.calls import Call, wire_bytes
+from substrate.calls import Call, exchange_shares, wire_bytes
 
 from .errors import main_guard
 from .options import add_common_args
@@ -221,12 +221,14 @@ def execute(comms, call: Call, after=None, wait: bool = True, tag=None):
         if len(rows) == 1 and rows[0][0] == me:    # one message this rank sends (a replay)
             return comm.isend(np.zeros(rows[0][2], dtype=np.uint8),
                               comm.group.index(rows[0][1]), tag=tag or 0, phase=call.phase,
-                              after=after)
+                              after=after, share=call.share)
         # an exchange of a plan: receive what comes here, send this rank's rows, wait for all
         reqs = [comm.irecv(np.zeros(nb, dtype=np.uint8), comm.group.index(src), tag=tag or 0,
                            phase=call.phase) for src, dst, nb in rows if dst == me != src]
+        share = call.share if call.share is not None else \
+            exchange_shares(call, comm.placement).get(me)
         sends = [comm.isend(np.zeros(nb, dtype=np.uint8), comm.group.index(dst), tag=tag or 0,
-                            phase=call.phase, after=after)
+                            phase=call.phase, after=after, share=share)
                  for src, dst, nb in rows if src == me != dst]
         comm.waitall(reqs + sends)
         return sends[-1] if sends else reqs[-1] if reqs else None

@@ -534,7 +534,8 @@ def _train(args) -> dict:
         loop.account(_setup_calls(run, plan, part_bytes))
     with run.clock.compute():
         net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
-                                   dtype=dtype, clock=run.clock)
+                                   dtype=dtype, clock=run.clock,
+                                   link_shares=plan.link_shares(run.topo.placement, run.rank))
     batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
     body = _Steps(run, cfg, plan, net, (part, part_bytes), ds, test,
                   class_targets(ds.labels, cfg.neurons, NUM_CLASSES), batch_rng, dtype)
@@ -608,7 +609,8 @@ def _infer(args) -> dict:
     plan = HSGDPlan.from_partition(weights, part)
     predicted = Predicted()
     predicted.add(run.recorder.account(_setup_calls(run, plan, part_bytes)))
-    net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock)
+    net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock,
+                               link_shares=plan.link_shares(run.topo.placement, run.rank))
     in_rows = net.input_rows
     # categories, then the elapsed time; on a GPU on the device (each batch staged once, its
     # categories found there, one host read after the reduction)

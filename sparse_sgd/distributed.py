@@ -19,10 +19,13 @@ waits for the local product and for the layer's messages.  Per SpBP layer ``k``:
 (lines 10-13) waits for the messages.  Receives are not declared: a rank's timeline holds only
 its own events, and the rows it *receives* for layer ``k`` leave their senders at the same point
 of the same schedule, so their arrival is stood in for by the completion of the messages this
-rank sends for the layer (exact for a symmetric exchange, an estimate otherwise; the senders book
-the bytes).  A node's ranks exchange a layer at the same time over the node's one inter-node
-link: the send's event shares it with the node's other ranks of the communicator
-(:func:`substrate.calls.event_parts`), as the wire lab measured at 2 hosts x 2 ranks.  The next
+rank sends for the layer (the senders book the bytes).  A node's ranks exchange a layer at the
+same time over the node's one inter-node link, and every receiver waits for the busiest link of
+the layer: each inter-node send carries the share of :meth:`sparse_sgd.plan.HSGDPlan.link_shares`
+(:func:`substrate.calls.exchange_shares`: busiest link bytes / the rank's own inter-node bytes, R
+for a node whose R ranks send alike), so that this rank's sends end when the exchange does on
+its busiest link (the one-NIC rule alone, R, left the random-partition 8 x 2 and 16 x 1 wire-lab
+runs 4-7 % short).  The next
 layer's compute depends on its inputs only (the send buffers are per layer, so no send blocks
 the next layer).  What the sends carry is :meth:`sparse_sgd.plan.HSGDPlan.calls`'s records,
 message by message (the run accounts them).
@@ -137,11 +140,15 @@ class DistributedSparseNet:
         ledger as on the CPU, results equal within float round-off.  :meth:`forward` and
         :meth:`backward` accept host or device inputs; :attr:`X` is on the device, and
         :meth:`backward` returns the loss as a 0-d device array (read it when needed).
+    link_shares : list, optional
+        ``[spff, spbp]``, each per layer: the :attr:`substrate.calls.Call.share` of this rank's
+        inter-node messages (:meth:`sparse_sgd.plan.HSGDPlan.link_shares`: every exchange ends
+        on the timeline when its busiest node link does); default: the one-NIC rule.
     """
 
     def __init__(self, weights, partition: Partition, comm, *, biases=None,
                  activation: str = "sigmoid", dtype=np.float64, clock=None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, link_shares=None) -> None:
         if partition.parts != comm.size:
             raise ValueError(f"partition has {partition.parts} parts but the communicator has "
                              f"{comm.size} ranks; partition for {comm.size} processors")
@@ -153,6 +160,12 @@ class DistributedSparseNet:
         self.f = ACTIVATIONS[activation]
         self.act_flops = ACT_FLOPS[activation]
         self.L = len(weights)
+        if link_shares is None:
+            link_shares = [[None] * self.L, [None] * self.L]
+        if len(link_shares) != 2 or any(len(row) != self.L for row in link_shares):
+            raise ValueError(f"link_shares must hold [spff, spbp] shares for each of the {self.L} "
+                             "layers (HSGDPlan.link_shares)")
+        self.link_shares = link_shares
         self.partition = partition
         self.maps = build_maps(weights, partition, comm.rank)  # Xsend/Xrecv, once
         for mp in self.maps:
@@ -297,8 +310,15 @@ class DistributedSparseNet:
     def _post_sends(self, k: int, buf: _Buffers, phase: str, after) -> list:
         """Line 5 of Alg. 2 (tag k): one non-blocking send per destination, after ``after``."""
         mp = self.maps[k - 1]
-        return [self.comm.isend(sbuf, int(n), tag=k, phase=phase, after=after)
+        return [self.comm.isend(sbuf, int(n), tag=k, phase=phase, after=after,
+                                share=self._share(k))
                 for n, sbuf in zip(mp.send_ranks, buf.xsend[k - 1])]
+
+    def _share(self, tag: int):
+        """The timeline share of the inter-node messages of tag ``tag`` (SpFF of layer k: k;
+        SpBP of layer k: L + k)."""
+        return self.link_shares[0][tag - 1] if tag <= self.L else \
+            self.link_shares[1][tag - self.L - 1]
 
     def forward(self, X0: np.ndarray, phase: str = PHASE_SPFF) -> np.ndarray:
         """SpFF (Alg. 2) on a mini-batch: ``X0`` holds x^0_m, shape (len(input_rows), B).
@@ -369,7 +389,8 @@ class DistributedSparseNet:
                     s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
                 after = self._after()
                 sreq = [self.comm.isend(s_remote[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n),
-                                        tag=tag, phase=PHASE_SPBP, after=after)
+                                        tag=tag, phase=PHASE_SPBP, after=after,
+                                        share=self._share(tag))
                         for i, n in enumerate(mp.recv_ranks)]  # lines 5-7 (Ssend = Xrecv rows)
                 with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
                     s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
@@ -479,7 +500,7 @@ class DistributedSparseNet:
                 self.backend.synchronize()
             src = dev_block
         return [self.comm.isend(src[ptr[i]:ptr[i + 1]], int(n), tag=tag, phase=phase,
-                                after=after)
+                                after=after, share=self._share(tag))
                 for i, n in enumerate(ranks)]
 
     def _arrived(self, dev_block, host_block) -> None:

@@ -36,7 +36,7 @@ from partition.partitioners import (
     random_partition,
 )
 from sparse_sgd.radixnet import RadixNetConfig, radixnet, relabel_owners, relabelling
-from substrate.calls import Call, Placement
+from substrate.calls import Call, Placement, exchange_shares
 from substrate.options import option
 
 __all__ = [
@@ -232,6 +232,22 @@ class HSGDPlan:
         pairs = rows.copy()
         pairs[:, 2] *= word_bytes
         return Call(phase, "p2p", world, pairs=pairs, itemsize=itemsize, after=after)
+
+    def link_shares(self, placement: Placement, rank: int) -> list:
+        """``shares[direction][k-1]``: the :attr:`~substrate.calls.Call.share` of ``rank``'s
+        inter-node messages in layer ``k``'s SpFF (``direction`` 0) or SpBP (1) exchange
+        (:func:`substrate.calls.exchange_shares`: they end when the exchange's busiest node
+        link does), ``None`` where it sends none.  Words scale every pair alike, so the shares
+        do not depend on the batch or the value size."""
+        world = placement.world
+        out = []
+        for direction in (0, 1):
+            row = []
+            for k in range(1, self.num_layers + 1):
+                c = self._exchange(world, k, direction, 1, PHASE_SPFF, 1, ())
+                row.append(None if c is None else exchange_shares(c, placement).get(int(rank)))
+            out.append(row)
+        return out
 
     def _forward(self, out: list, world: tuple, batch: int, itemsize: int, phase: str) -> None:
         """Append the SpFF records of one forward pass on ``batch`` input vectors, each after

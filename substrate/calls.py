@@ -65,6 +65,7 @@ __all__ = [
     "calls_of_rank",
     "declare",
     "event_parts",
+    "exchange_shares",
     "messages",
     "price",
     "rank_seconds",
@@ -291,6 +292,12 @@ class Call:
         the :class:`~substrate.comm.Comm` method's ``after=`` holds timeline events instead.
     label : str, optional
         Timeline label (default: the phase).
+    share : float, optional
+        ``p2p``: how many times the full link's time an inter-node message of this record takes
+        on its sender's timeline (:func:`event_parts`).  Default: the node's members of the
+        communicator, which send at the same time over the node's one link.  A record of one
+        rank's messages out of a larger exchange carries the exchange's value
+        (:func:`exchange_shares`).  Timing only: not part of :meth:`key` (the same messages).
     """
 
     phase: str
@@ -304,6 +311,7 @@ class Call:
     op: str | None = None
     after: tuple = ()
     label: str | None = None
+    share: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.phase, str) or not self.phase:
@@ -354,6 +362,12 @@ class Call:
             object.__setattr__(self, "nbytes", int(pairs[:, 2].sum()))
         else:  # barrier
             object.__setattr__(self, "nbytes", 0)
+        if self.share is not None:
+            share = float(self.share)
+            if self.algorithm != "p2p" or not (np.isfinite(share) and share >= 1):
+                raise ValueError(f"call {self.phase!r}: share is for p2p records and must be a "
+                                 f"finite number >= 1, got {self.share!r} ({self.algorithm})")
+            object.__setattr__(self, "share", share)
         object.__setattr__(self, "after", tuple(self.after))
 
     # -- identity --------------------------------------------------------------------------------
@@ -367,6 +381,8 @@ class Call:
             d["blocks"] = list(self.blocks)
         if self.pairs is not None:
             d["pairs"] = self.pairs.tolist()
+        if self.share is not None:
+            d["share"] = self.share
         return d
 
     @classmethod
@@ -375,7 +391,7 @@ class Call:
                    itemsize=d.get("itemsize", 1), root=d.get("root", 0), op=d.get("op"),
                    blocks=tuple(d["blocks"]) if "blocks" in d else None,
                    pairs=np.asarray(d["pairs"], dtype=np.int64).reshape(-1, 3)
-                   if "pairs" in d else None)
+                   if "pairs" in d else None, share=d.get("share"))
 
     def key(self) -> tuple:
         """Everything that defines the communication (not its dependencies or label): equal
@@ -410,7 +426,7 @@ class Call:
         if self.algorithm != "p2p":
             raise ValueError(f"sends_of() is for p2p calls, not {self.algorithm}")
         return Call(self.phase, "p2p", self.group, pairs=self.pairs[self.pairs[:, 0] == rank],
-                    op=self.op, after=self.after, label=self.label)
+                    op=self.op, after=self.after, label=self.label, share=self.share)
 
 
 # -- pricing --------------------------------------------------------------------------------------
@@ -531,6 +547,33 @@ def seconds_of(call: Call, cost: CostModel, placement: Placement, rank: int) -> 
         else 0.0
 
 
+def exchange_shares(call: Call, placement: Placement) -> dict:
+    """``{sender: share}`` of a direct-message exchange (a ``p2p`` record of every sender's
+    messages, as a plan lists one layer's SpFF or SpBP): the ``share`` each sender's inter-node
+    messages carry (:attr:`Call.share`) so that they end when the exchange's busiest node link
+    does.
+
+    With full-duplex links, node ``n``'s link carries ``U_n`` bytes out and ``D_n`` in; the busiest
+    carries ``B = max_n max(U_n, D_n)``, and a rank sending ``s_r`` inter-node bytes gets
+    ``share_r = B / s_r`` (at least 1): its messages then take ``B / β`` in all, the time the
+    exchange needs on its busiest link, which every receiver behind it waits for.  When every
+    node's R senders send alike and receive as much, ``B = R s_r`` and the share is R, the one-NIC
+    rule of :func:`event_parts`.  Senders without inter-node messages are not in the dict.
+    """
+    if call.algorithm != "p2p":
+        raise ValueError(f"exchange_shares() is for p2p records, not {call.algorithm}")
+    nodes = placement.nodes_array
+    src, dst, nb = (call.pairs[:, i] for i in range(3))
+    inter = (nodes[src] != nodes[dst]) & (nb > 0)
+    if not inter.any():
+        return {}
+    src, dst, nb = src[inter], dst[inter], nb[inter].astype(np.float64)
+    busiest = max(np.bincount(nodes[src], weights=nb).max(),
+                  np.bincount(nodes[dst], weights=nb).max())
+    own = np.bincount(src, weights=nb)
+    return {int(r): max(1.0, float(busiest / own[r])) for r in np.flatnonzero(own)}
+
+
 def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) -> list:
     """The timeline transfers of ``call`` on world rank ``rank``: ``[(link, L, W, share, label,
     nbytes)]`` (latency part, bandwidth part at the full link rate, ranks of the node driving
@@ -540,7 +583,9 @@ def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) ->
     time of the algorithm (:func:`substrate.timeline.transfer_parts`); a rank that is not a member
     (a follower waiting for its leaders' phase) sees the same transfer.  Direct messages: one
     transfer per message ``rank`` sends; an inter-node message shares its node's link with the
-    node's other members of the communicator, which send at the same time (one NIC per node).
+    node's other members of the communicator, which send at the same time (one NIC per node),
+    unless the record carries its exchange's :attr:`Call.share` or is the whole exchange (the
+    messages of several senders): then :func:`exchange_shares` decides.
     """
     label = call.label or call.phase
     a = call.algorithm
@@ -554,8 +599,11 @@ def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) ->
             m = np.asarray(call.blocks, dtype=np.int64).reshape(p, p)
             sends = [] if i < 0 else [(call.group[j], int(m[i, j])) for j in range(p)
                                       if j != i and m[i, j]]
-        node = placement.node(rank)
-        share = int(np.count_nonzero(_nodes(call, placement) == node))
+        share = call.share
+        if share is None and a == "p2p" and np.any(call.pairs[:, 0] != rank):
+            share = exchange_shares(call, placement).get(int(rank))   # a whole exchange
+        if share is None:
+            share = int(np.count_nonzero(_nodes(call, placement) == placement.node(rank)))
         out = []
         for dst, nb in sends:
             link = placement.link(rank, dst)

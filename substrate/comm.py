@@ -559,8 +559,11 @@ class Comm:
         return self._done(call, after, None, payload=0, messages=binomial_depth(self.size))
 
     # -- point to point --------------------------------------------------------------------------
-    def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None) -> Request:
-        """Non-blocking send; the bytes are recorded here, on the sender."""
+    def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None,
+              share: float | None = None) -> Request:
+        """Non-blocking send; the bytes are recorded here, on the sender.  ``share``: the
+        exchange's :attr:`substrate.calls.Call.share` when the message is one of an exchange
+        (:func:`substrate.calls.exchange_shares`; default: the one-NIC rule)."""
         self._check(buf, "isend")
         self.stream.drain()
         staged = None
@@ -573,7 +576,8 @@ class Comm:
                 view = staged.pull()
         req = self.mpi.Isend(view, dest=dest, tag=tag)
         dst = self.group[dest]
-        call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),))
+        call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),),
+                          share=share)
         rec = self.recorder
         if dest == self.rank:  # a self-message is a local copy: no link, no wire bytes
             rec.book(call, payload=buf.nbytes)

@@ -65,7 +65,7 @@ def _main(argv) -> None:
     records: list = []
     where: dict = {}
     declare, step, finish = Recorder.declare, SimClock.step, Run.finish
-    open_step: dict = {"declared": {}, "shares": {}, "snap": {}}
+    open_step: dict = {"declared": {}, "shares": {}, "messages": [], "snap": {}}
 
     def probed_declare(self, call, after=None, member=True, **kw):
         ev = declare(self, call, after, member, **kw)
@@ -81,14 +81,18 @@ def _main(argv) -> None:
                 have = open_step["shares"].setdefault(key, [])
                 if share not in have:
                     have.append(share)
+            if call.algorithm == "p2p":
+                open_step["messages"].append([call.phase, kw.get("tag"), call.pairs.tolist(),
+                                              [(link, share) for link, _, _, share, _, _
+                                               in parts]])
         return ev
 
     def probe(clock) -> dict:
         booked = {ph: [e["payload_bytes"], e["modeled_s"], e["calls"]]
                   for ph, e in clock.ledger.since(open_step["snap"]).items()}
         rec = {"declared": open_step["declared"], "booked": booked,
-               "shares": open_step["shares"]}
-        open_step.update(declared={}, shares={}, snap=clock.ledger.snapshot())
+               "shares": open_step["shares"], "messages": open_step["messages"]}
+        open_step.update(declared={}, shares={}, messages=[], snap=clock.ledger.snapshot())
         return rec
 
     def probed_step(self):
@@ -256,12 +260,37 @@ def test_spff_spbp_messages_are_declared_per_peer(tmp_path, n, R, partition):
     _check(ranks, min_steps=3)
     steps = [s for r in ranks for s in r["records"] if not s.get("final")]
     assert all({"spff", "spbp"} <= set(s["declared"]) for s in steps)
-    # the R ranks of a node exchange at once over its one inter-node link: each inter-node
-    # message gets 1/R of it; intra-node messages do not share
+    # a layer's exchange ends when its busiest node link does: every sender's inter-node
+    # messages carry share = busiest / its own inter-node bytes (R, the one-NIC rule, when the
+    # node's senders send alike), counted here from the messages all ranks sent in the step;
+    # intra-node messages do not share
     for ph in ("spff", "spbp"):
-        assert all(s["shares"].get(f"{ph}:inter", [R]) == [R] for s in steps)
         assert all(s["shares"].get(f"{ph}:intra", [1]) == [1] for s in steps)
         assert any(f"{ph}:inter" in s["shares"] for s in steps) == (n > R)
+    node = [rank // R for rank in range(n)]
+    checked = 0
+    for i in range(min(len([s for s in r["records"] if not s.get("final")]) for r in ranks)):
+        exchanges: dict = {}
+        for r in ranks:
+            for ph, tag, pairs, parts in r["records"][i]["messages"]:
+                if ph in ("spff", "spbp"):
+                    exchanges.setdefault((ph, tag), []).append((pairs, parts))
+        for msgs in exchanges.values():
+            up, down, own = {}, {}, {}
+            for pairs, _ in msgs:
+                for src, dst, b in pairs:
+                    if node[src] != node[dst] and b:
+                        up[node[src]] = up.get(node[src], 0) + b
+                        down[node[dst]] = down.get(node[dst], 0) + b
+                        own[src] = own.get(src, 0) + b
+            for pairs, parts in msgs:
+                for (src, _, _), (link, share) in zip(pairs, parts):
+                    if link == "inter":
+                        busiest = max([*up.values(), *down.values()])
+                        assert share == pytest.approx(max(1.0, busiest / own[src])), \
+                            (i, pairs, share, busiest, own[src])
+                        checked += 1
+    assert (checked > 0) == (n > R)
     # the non-blocking messages overlap the local products on some rank and step
     assert any(s["step_s"] < s["no_overlap_s"] * (1 - 1e-9) for s in steps)
     # the held-out evaluation after the last step declares its SpFF messages too
