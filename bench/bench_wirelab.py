@@ -237,9 +237,9 @@ def main(argv=None) -> int:
                     help="with --dilation K: also set the jobs' timer slack to K x 50 us (less "
                          "CPU burnt by waiting ranks, coarser MPI progress; see "
                          "lab.experiments.compare_systems)")
-    ap.add_argument("--dilate-rto", action="store_true",
-                    help="with --dilation K: also set TCP's minimum retransmission timeout to "
-                         "K x 200 ms (the kernel's timer in emulated time; see "
+    ap.add_argument("--real-time-rto", action="store_true",
+                    help="with --dilation K: keep TCP's minimum retransmission timeout at the "
+                         "kernel's 200 ms (default: K x 200 ms, the timer in emulated time; see "
                          "lab.experiments.compare_systems)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the lab's MPI jobs (repeatable), e.g. "
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                                  verbose=a.verbose, progress=lambda s: print(s, flush=True),
                                  dilation=dilation,
                                  dilate_timer_slack=a.dilate_timer_slack,
-                                 dilate_rto=a.dilate_rto)
+                                 dilate_rto=not a.real_time_rto)
     except wl.LabError as exc:
         print(f"bench_wirelab: error: {exc}", file=sys.stderr)
         return 2
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
                        "extra_env": extra_env,
                        "replay": a.replay, "dilation": a.dilation,
                        "dilate_timer_slack": a.dilate_timer_slack,
-                       "dilate_rto": a.dilate_rto,
+                       "dilate_rto": not a.real_time_rto,
                        "workloads": {n: {"args": w["args"] if not callable(w["args"]) else
                                          "replay of a recorded run", "skip": w["skip"]}
                                      for n, w in loads.items()},

@@ -64,7 +64,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                     timeout: float = DEFAULT_TIMEOUT, launch: str = "mpiexec",
                     netmod: str = "ucx", verbose: bool = False, progress=None,
                     dilation=1.0, dilate_timer_slack: bool = False,
-                    dilate_rto: bool = False) -> dict:
+                    dilate_rto: bool = True) -> dict:
     """Predicted vs measured time per step of several spardist commands on shaped links.
 
     For every ``(hosts, ranks_per_host)`` of ``shapes`` and every ``(mbit, latency_us)`` of
@@ -84,9 +84,13 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
     ``--dilation K``, the cost flags describe the emulated cluster (:func:`cost_flags`) and the
     measured steps are divided by K.  Not dilated: the tbf bucket (1 ms of the shaped rate, i.e.
     1/K ms of the emulated link, nearer a link without a bucket; dilated to K ms it let 2 x 2
-    steps at 1 Gbit/s run 5-15 % faster than the rate allows) and the kernel's TCP timers (a
-    minimum retransmission timeout of K x 200 ms made 2 x 2 ddp steps at 100 Mbit/s stall now
-    and then, 0.945 -> 0.860).  ``dilate_timer_slack``: the jobs' timer slack is K x Linux's
+    steps at 1 Gbit/s run 5-15 % faster than the rate allows) and the kernel's TCP timers other
+    than the minimum retransmission timeout.  ``dilate_rto`` (default): that timeout is K x the
+    kernel's 200 ms (``ip route ... rto_min``), the timer in emulated time: the links cannot drop
+    (drops are counted), so every RTO is spurious, and with 200 ms a replayed H-SGD at 8 x 2,
+    K = 64, took 524 of them (0 dilated).  (Session 9 saw 2 x 2 ddp stall with it, under BBR,
+    the machine's default then; with CUBIC, :data:`lab.network.TCP_CONGESTION`, it reads 0.98.)
+    ``dilate_timer_slack``: the jobs' timer slack is K x Linux's
     50 us (:func:`lab.jobs._timer_slack_setter`): waiting ranks burn K times less CPU, but MPI's
     progress loop then notices a message 50 us of emulated time late, which the ping-pong's
     alpha shows (159 us at K = 16, against 1.5-14.7 us without).
@@ -132,6 +136,8 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                 labs.append({"lab_id": lab.id, "hosts": hosts, "ranks_per_host": rph,
                              "link": lab.shaping, "emulated_mbit": mbit, "time_dilation": k,
                              "alpha_s": alpha, "cost_flags": flags,
+                             "tcp": {"congestion": lab.features["tcp_congestion"],
+                                     "rto_min_ms": lab.features["tcp_rto_min_ms"]},
                              "env": {k: v for k, v in lab.mpi_env().items()
                                      if k.startswith(("MPIR_CVAR_", "UCX_", "FI_"))},
                              "nice": nice, "loadavg": os.getloadavg()[0]})

@@ -190,6 +190,9 @@ def test_bad_shape_is_refused_before_anything_is_created():
         lab.Lab(2, 0)
     with pytest.raises(lab.LabError, match="--netmod must be ucx or ofi"):
         lab.Lab(2, 1, netmod="tcp")
+    for bad in (0, -5, float("nan"), 1e9, True, "200"):
+        with pytest.raises(lab.LabError, match="rto_min_ms must be a number of ms in 1 .. 12800"):
+            lab.Lab(2, 1, rto_min_ms=bad)
     assert jobs.Lab is lab.Lab
 
 

@@ -89,7 +89,7 @@ def test_bench_wirelab_dilated_replay_emulates_the_undilated_link(tmp_path):
     """--replay --dilation 4 at 100 Mbit/s: the lab's links run at 25 Mbit/s, the replay sleeps
     4 x its profile and logs time_dilation 4, its cost model is the emulated cluster's (beta
     from 100 Mbit/s, alpha the dilated ping-pong's / 4), the measured step is step_wall_s / 4,
-    and the lab is gone afterwards."""
+    the minimum RTO is 4 x 200 ms, and the lab is gone afterwards."""
     out = tmp_path / "dil"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_wirelab.py"), "--tiny", "--systems", "ddp",
@@ -101,6 +101,8 @@ def test_bench_wirelab_dilated_replay_emulates_the_undilated_link(tmp_path):
     (labinfo,) = res["labs"]
     assert labinfo["link"]["mbit"] == 25.0 and labinfo["emulated_mbit"] == 100.0
     assert labinfo["time_dilation"] == 4.0
+    # TCP's minimum RTO in emulated time (K x 200 ms), CUBIC whatever the machine's default
+    assert labinfo["tcp"] == {"congestion": "cubic", "rto_min_ms": 800.0}
     (run,) = res["runs"]
     assert "error" not in run, run
     pp = json.loads((out / "pingpong_2x1_100mbit" / lab.PINGPONG_JSON).read_text())
