@@ -600,7 +600,8 @@ def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) ->
             sends = [] if i < 0 else [(call.group[j], int(m[i, j])) for j in range(p)
                                       if j != i and m[i, j]]
         share = call.share
-        if share is None and a == "p2p" and np.any(call.pairs[:, 0] != rank):
+        if share is None and a == "p2p" and len(call.pairs) > 1 \
+                and np.any(call.pairs[:, 0] != rank):
             share = exchange_shares(call, placement).get(int(rank))   # a whole exchange
         if share is None:
             share = int(np.count_nonzero(_nodes(call, placement) == placement.node(rank)))
