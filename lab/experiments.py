@@ -17,7 +17,7 @@ from pathlib import Path
 from .analysis import STEPS_JSON, compare_steps, cost_flags, format_run, median_of
 from .jobs import DEFAULT_TIMEOUT, Lab, write_json
 from .netns import LabError
-from .network import parse_link
+from .network import RTO_MIN_MS, parse_link
 
 __all__ = ["DEFAULT_TIMER_SLACK_US", "KERNEL_RTO_MIN_MS", "compare_systems", "run_lab"]
 
@@ -110,6 +110,11 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
         if not k >= 1:
             raise LabError(f"time dilation {k:g} for {hosts}x{rph} at {mbit:g} Mbit/s: must be "
                            ">= 1. Fix: e.g. --dilation 4")
+        if dilate_rto and KERNEL_RTO_MIN_MS * k > RTO_MIN_MS[1]:
+            raise LabError(f"time dilation {k:g} for {hosts}x{rph} at {mbit:g} Mbit/s: TCP's "
+                           f"minimum RTO would be {KERNEL_RTO_MIN_MS * k / 1e3:g} s, above the "
+                           f"kernel's {RTO_MIN_MS[1] / 1e3:g} s. Fix: --dilation <= "
+                           f"{RTO_MIN_MS[1] / KERNEL_RTO_MIN_MS:g}, or --real-time-rto")
         return k
 
     for hosts, rph in shapes:

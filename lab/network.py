@@ -81,6 +81,7 @@ __all__ = [
     "LATENCY_US",
     "MTU",
     "RATE_MBIT",
+    "RTO_MIN_MS",
     "SUBNET",
     "TCPEXT_FIELDS",
     "TCP_CONGESTION",
@@ -118,8 +119,9 @@ HOST_SYSCTLS = ("net.ipv4.tcp_early_retrans=0", "net.ipv4.tcp_slow_start_after_i
 #: time-dilated lab (:func:`lab.experiments.compare_systems`) it stalled flows once per step of a
 #: replayed H-SGD 2 x 2 at K = 16 (the links idled in bursts while data was pending).
 TCP_CONGESTION = "cubic"
-#: Range of ``rto_min_ms`` (the kernel's 200 ms up to 64 x it, a lab dilated 64-fold)
-RTO_MIN_MS = (1.0, 64 * 200.0)
+#: Range of ``rto_min_ms``: up to the kernel's TCP_RTO_MAX (120 s), i.e. K x 200 ms for a lab
+#: dilated up to 600-fold
+RTO_MIN_MS = (1.0, 120_000.0)
 #: tbf bucket, in seconds of the rate: a link idle for longer sends this much at once.  Short:
 #: with 4 ms (the old ``rate / 250``) an H-SADMM iteration's 145 kB all-reduce after 6 ms of
 #: compute took 9 ms on a 100 Mbit/s link instead of the 12.1 ms its size takes at the rate

@@ -157,6 +157,11 @@ def test_compare_refuses_bad_input_before_building_a_lab(tmp_path):
                             out_root=tmp_path)
     with pytest.raises(lab.LabError, match="--hosts must be an integer >= 2"):
         lab.compare_systems({"x": {"args": ["m"]}}, shapes=[(2, 1), (1, 1)], out_root=tmp_path)
+    # a dilation whose RTO floor (K x 200 ms) passes the kernel's 120 s: refused, the fix named
+    with pytest.raises(lab.LabError, match=r"minimum RTO would be 140 s.*--dilation <= 600, or "
+                                           r"--real-time-rto"):
+        lab.compare_systems({"x": {"args": ["m"], "replay": True}}, dilation=700,
+                            out_root=tmp_path)
     assert not list(tmp_path.iterdir())
 
 
@@ -191,7 +196,7 @@ def test_bad_shape_is_refused_before_anything_is_created():
     with pytest.raises(lab.LabError, match="--netmod must be ucx or ofi"):
         lab.Lab(2, 1, netmod="tcp")
     for bad in (0, -5, float("nan"), 1e9, True, "200"):
-        with pytest.raises(lab.LabError, match="rto_min_ms must be a number of ms in 1 .. 12800"):
+        with pytest.raises(lab.LabError, match="rto_min_ms must be a number of ms in 1 .. 120000"):
             lab.Lab(2, 1, rto_min_ms=bad)
     assert jobs.Lab is lab.Lab
 
