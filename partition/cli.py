@@ -57,7 +57,8 @@ class LayersConfig:
     epsilon: float = option(0.01, "allowed imbalance of eq. 2")
     threads: int = option(1, "Mt-KaHyPar threads (0: all cores)")
     tile: bool = option(True, "partition every layer (default: partition one period of a "
-                        "periodic layer sequence and repeat it)")
+                        "periodic layer sequence, exact or up to a relabelling of the hidden "
+                        "neurons, and repeat it)")
     phases: str = option("chained", "chained: phase k's fixed vertices from phase k-1 (§5); "
                          "independent: every layer without fixed vertices, in --workers "
                          "processes, part ids aligned to the previous layer (a deviation)",
@@ -254,7 +255,7 @@ def _layers(args) -> dict:
         print(f"hypergraph partitioning: {wall:.2f} s wall, "
               f"{time.process_time() - t0:.2f} s CPU ({len(weights)} layers, P={cfg.parts}, "
               f"{h.info['engine']} preset {h.info['preset']}, {h.info['phases']} phases, period "
-              f"{h.info['period'] or '-'})")
+              f"{h.info['period'] or '-'}{' relabelled' if h.info.get('relabelled') else ''})")
     if cfg.method in ("random", "both"):
         rnd = random_partition(weights, cfg.parts, seed=args.seed)
         rows.append(("R (random)", partition_metrics(weights, rnd)))

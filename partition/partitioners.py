@@ -27,6 +27,7 @@ from partition.hypergraph import (
     compress_hypergraph,
     connectivity_cutsize,
 )
+from partition.period import LayerPeriod, find_period, layer_period
 from partition.placement import INPUT_PLACEMENTS, place_inputs
 from substrate.results import atomic_write_bytes
 
@@ -225,11 +226,13 @@ class HypergraphConfig:
         ``balanced`` (inside the nets' connectivity sets, balancing entries and layer-1 sends)
         or ``most_pins`` (the rule before issue 29).
     tile : bool
-        When the layer sequence is periodic (:func:`layer_period`: W^{k+p} has the sparsity of
-        W^k for every k, checked exactly), partition one period, then the period's first layer
-        again with its fixed vertices from the period's last layer (the wrap-around phase), and
-        repeat that period's owners over all layers.  A valid partition of every layer; its
-        volumes are measured on the full network like any other partition.
+        When the layer sequence is periodic, exactly (:func:`partition.period.layer_period`:
+        W^{k+p} has the sparsity of W^k for every k) or up to a relabelling of the hidden
+        neurons found from the data (:func:`partition.period.relabelled_period`, e.g. the Graph
+        Challenge files), partition one period, then the period's first layer again with its
+        fixed vertices from the period's last layer (the wrap-around phase), and repeat that
+        period's owners over all layers (through the relabelling).  A valid partition of every
+        layer; its volumes are measured on the full network like any other partition.
     """
 
     epsilon: float = 0.01
@@ -487,28 +490,6 @@ def _rebalance(hg: LayerHypergraph, owner: np.ndarray, parts: int, cap: int) -> 
     return owner
 
 
-def _same_pattern(A: sp.csr_matrix, B: sp.csr_matrix) -> bool:
-    return (A.shape == B.shape and np.array_equal(A.indptr, B.indptr)
-            and np.array_equal(A.indices, B.indices))
-
-
-def layer_period(weights) -> int | None:
-    """Smallest p < L with W^{k+p} of the same sparsity pattern as W^k for every k (exact
-    comparison of the sorted CSR structure), or None when the sequence has no such period."""
-    mats = []
-    for W in weights:
-        A = sp.csr_matrix(W)
-        if not A.has_sorted_indices:
-            A = A.copy()
-            A.sort_indices()
-        mats.append(A)
-    L = len(mats)
-    for p in range(1, L):
-        if all(_same_pattern(mats[k], mats[k - p]) for k in range(p, L)):
-            return p
-    return None
-
-
 def _phase_chain(weights, parts: int, config: HypergraphConfig, first_prev, first_k: int,
                  count: int) -> list:
     """Owners of layers first_k .. first_k + count - 1 partitioned phase by phase (§5)."""
@@ -587,25 +568,45 @@ def _boundary_words(W, owner, prev_owner) -> int:
     return connectivity_cutsize(hg, np.concatenate((owner, hg.fixed[hg.num_rows:])))
 
 
-def _tile_relabelling(W_first, first, wrap, parts: int) -> np.ndarray:
+def _tile_relabelling(W_entry, entry, last, wrap, parts: int) -> np.ndarray:
     """Part relabelling sigma applied once per repeat of the first period.
 
-    Repeat r of the period uses sigma^r(first); the layer between repeats r and r + 1 then
-    costs what W^1 costs with owners sigma(first[0]) and fixed vertices first[-1] (volumes do
-    not change when part ids are permuted).  ``wrap`` is the wrap-around phase (W^1 partitioned
-    with fixed vertices first[-1]); sigma maximises the agreement sigma(first[0]) = wrap (a
-    linear assignment on the P x P overlap).  The identity is kept when it gives the cheaper
+    Repeat r of the period uses sigma^r of the first period's owners; the layer between repeats
+    r and r + 1 then costs what W^{p+1} costs with owners sigma(``entry``) (the owners of layer 1
+    carried to layer p + 1) and fixed vertices ``last`` (the owners of layer p), since volumes
+    do not change when part ids are permuted.  ``wrap`` is the wrap-around phase (W^{p+1}
+    partitioned with fixed vertices ``last``); sigma maximises the agreement sigma(entry) = wrap
+    (a linear assignment on the P x P overlap).  The identity is kept when it gives the cheaper
     boundary (both are evaluated exactly with eq. 1).
     """
     overlap = np.zeros((parts, parts), dtype=np.int64)
-    np.add.at(overlap, (first[0], wrap), 1)
+    np.add.at(overlap, (entry, wrap), 1)
     rows, cols = linear_sum_assignment(-overlap)
     sigma = np.empty(parts, dtype=np.int64)
     sigma[rows] = cols
     identity = np.arange(parts)
-    cost = {name: _boundary_words(W_first, s[first[0]], first[-1])
+    cost = {name: _boundary_words(W_entry, s[entry], last)
             for name, s in (("identity", identity), ("sigma", sigma))}
     return sigma if cost["sigma"] < cost["identity"] else identity
+
+
+def _tiled_owners(weights, parts: int, config: HypergraphConfig, found: LayerPeriod) -> list:
+    """Owners of layers 1 .. L from phases phi_1 .. phi_p repeated over the layers (see
+    :func:`hypergraph_partition`); a relabelled period carries them through its maps."""
+    p, L = found.period, len(weights)
+    first = _phase_chain(weights, parts, config, None, 1, p)
+    wrap = partition_layer(weights[p], first[-1], parts, config, p + 1)
+    base = [None, *first]  # base[k]: layer k's owners before the part relabelling
+    for k in range(p + 1, L + 1):
+        base.append(found.carry(base[k - p], k - p))
+    sigma = _tile_relabelling(weights[p], base[p + 1], first[-1], wrap, parts)
+    owners, step = [], np.arange(parts)
+    for k in range(1, L + 1):
+        r, j = divmod(k - 1, p)
+        if j == 0 and r > 0:
+            step = sigma[step]
+        owners.append(step[base[k]])
+    return owners
 
 
 def hypergraph_partition(weights, parts: int, config: HypergraphConfig = HypergraphConfig()
@@ -617,38 +618,30 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
     phase phi_k (k >= 2) pins the fixed vertex of column j to the part that computed
     x^{k-1}(j) (``config.phases="independent"``: every phase without fixed vertices, in
     parallel, part ids aligned afterwards, :func:`_independent_phases`).  With
-    ``config.tile`` and a periodic layer sequence of period p with 2p < L (:func:`layer_period`),
-    phases phi_1 .. phi_p run once and are repeated: layer k = r p + j gets the owners of layer
-    j with part ids permuted by sigma^r (:func:`_tile_relabelling`, chosen from the wrap-around
-    phase phi_{p+1}: W^1 with fixed vertices from phi_p).  Every layer inside a repeat has
-    exactly the volume it had in phases 1 .. p; only the first layer of each repeat sees other
-    fixed vertices than in phase phi_1.
+    ``config.tile`` and a layer sequence of period p with 2p < L, exact or relabelled
+    (:func:`partition.period.find_period`), phases phi_1 .. phi_p run once and are repeated:
+    layer k = r p + j gets the owners of layer j, carried through the period's maps, with part
+    ids permuted by sigma^r (:func:`_tile_relabelling`, chosen from the wrap-around phase
+    phi_{p+1}: W^{p+1} with fixed vertices from phi_p).  Every layer inside a repeat has
+    exactly the volume it had in phases 1 .. p (the maps are isomorphisms of the layers); only
+    the first layer of each repeat sees other fixed vertices than in phase phi_1.  The time
+    of the period search is part of ``seconds``.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     t0 = time.perf_counter()
     L = len(weights)
     owners = [None] * (L + 1)
-    period = layer_period(weights) if config.tile and parts > 1 else None
-    if period is not None and 2 * period >= L:
-        period = None  # nothing to gain: every layer is partitioned anyway
+    found = find_period(weights) if config.tile and parts > 1 else None
     if parts == 1:
         owners[0] = np.zeros(weights[0].shape[1], dtype=np.int64)
         for k, W in enumerate(weights, start=1):
             owners[k] = np.zeros(W.shape[0], dtype=np.int64)
-    elif period is None:
+    elif found is None:
         phases = _phase_chain if config.phases == "chained" else _independent_phases
         owners[1:] = phases(weights, parts, config, None, 1, L)
     else:
-        first = _phase_chain(weights, parts, config, None, 1, period)
-        wrap = partition_layer(weights[period], first[-1], parts, config, period + 1)
-        sigma = _tile_relabelling(weights[period], first, wrap, parts)
-        step = np.arange(parts)
-        for k in range(1, L + 1):
-            r, j = divmod(k - 1, period)
-            if j == 0 and r > 0:
-                step = sigma[step]
-            owners[k] = step[first[j]]
+        owners[1:] = _tiled_owners(weights, parts, config, found)
     if parts > 1:
         owners[0] = input_owner_from_connectivity(weights[0], owners[1], parts,
                                                   config.input_placement)
@@ -658,7 +651,8 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
                            "epsilon": config.epsilon, "compress": config.compress,
                            "input_placement": config.input_placement,
                            "phases": config.phases,
-                           "period": period or 0})
+                           "period": found.period if found else 0,
+                           "relabelled": bool(found and found.relabelled)})
 
 
 #: registry of partitioners keyed by ``--method``/``--partition`` name

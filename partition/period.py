@@ -1,0 +1,553 @@
+"""Periods of a layer sequence, exact or up to a relabelling of the hidden neurons (issue 29).
+
+H-SGD's partitioner (§5) repeats the partition of one period when the layers repeat
+(:func:`partition.partitioners.hypergraph_partition`, ``tile``).  A network read from files
+repeats only up to a relabelling: the Graph Challenge RadiX-Nets are ``P_k W^k P_{k-1}^T`` with a
+random permutation P_k of every hidden layer, so no two layers have the same sparsity pattern.
+This module finds the period from the data alone.
+
+A *relabelled period* p of W^1 .. W^L is a family of bijections sigma_j (layer j + p -> layer
+j, j = 0 .. L - p) with
+
+    W^{k+p}[a, b] != 0  <=>  W^k[sigma_k(a), sigma_{k-1}(b)] != 0      for k = 1 .. L - p,
+
+an isomorphism of the layered graph of neuron layers 0 .. L - p (chain A) onto that of layers
+p .. L (chain B) that maps layer j to layer j + p.  Layer 0 is the input and layer L the output;
+the chains use only their own layers' edges (layer p's in-edges from W^p are not part of B).
+
+How it is found:
+
+1. **Twins.**  Neurons of one layer with the same in-set (row of W^j) and the same out-set
+   (column of W^{j+1}) are interchangeable in any isomorphism.  Each layer's neurons are grouped
+   into twin classes (64-bit set hashes, then checked exactly), and every W^k becomes its
+   *quotient*: class R of layer k is joined to class C of layer k-1 when one (then every) row of
+   R has the columns of C.  A Kronecker-widened layer ``kron(ones(B, B), M)`` has quotient M.
+2. **Individualisation-refinement** on the two quotient chains (the standard method of graph
+   isomorphism, e.g. McKay & Piperno's nauty): colours start from the level and the class size;
+   colour refinement (Gauss-Seidel sweeps over the levels, forward then backward, a colour
+   becomes a hash of itself and the multisets of its in- and out-neighbours' colours) runs on A
+   and B side by side and stops at the first level whose colour multisets differ (no isomorphism
+   extends the choices made); while a colour holds several vertices, one vertex of A and a
+   vertex of B of that colour get a new common colour and refinement runs again (the B
+   vertices of that colour are tried in turn, at most :data:`TRIALS_PER_PERIOD` failures per
+   candidate period).  A discrete, matching colouring is an isomorphism of the
+   quotient chains, checked edge by edge.
+3. **Expansion**: the members of a class of B map onto the members of its image class in A in
+   index order (twins are interchangeable).
+
+Candidate periods p = 1, 2, ... with 2 p < L are tried in order; the first that yields an
+isomorphism is returned.  The search runs only when the twin quotient holds at most
+:data:`QUOTIENT_FRACTION` of the neurons: on a network without twins (a pruned network, random
+regular layers) the candidates of an individualisation are not interchangeable, a search would
+cost more than partitioning every layer, and such networks do not repeat in practice, so they
+are partitioned layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "QUOTIENT_FRACTION",
+    "TRIALS_PER_PERIOD",
+    "LayerPeriod",
+    "find_period",
+    "layer_period",
+    "relabelled_period",
+    "twin_classes",
+]
+
+#: the relabelled-period search runs when the twin quotient has at most this fraction of the
+#: neurons (a RadiX-Net widened by blocks of 16 has 1/16)
+QUOTIENT_FRACTION = 0.5
+#: failed individualisations (a B vertex tried for an A vertex whose refinement did not
+#: match) after which a candidate period is given up; with symmetric quotients (RadiX-Nets) the
+#: first candidate of every choice succeeds, an asymmetric one needs up to a class's size
+TRIALS_PER_PERIOD = 256
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class LayerPeriod:
+    """A period p of a layer sequence and the maps that carry layer j + p onto layer j.
+
+    ``maps[j][a]`` (j = 0 .. L - p) is the neuron of layer j that neuron a of layer j + p
+    corresponds to; ``maps`` is None for an exact period (W^{k+p} has the sparsity of W^k, every
+    map the identity).
+    """
+
+    period: int
+    maps: tuple | None = None
+
+    @property
+    def relabelled(self) -> bool:
+        return self.maps is not None
+
+    def carry(self, owners_j: np.ndarray, j: int) -> np.ndarray:
+        """Owners of layer j + p given the owners of layer j: neuron a of layer j + p gets the
+        owner of ``maps[j][a]``."""
+        return owners_j if self.maps is None else np.asarray(owners_j)[self.maps[j]]
+
+
+def _sorted_csr(W) -> sp.csr_matrix:
+    A = sp.csr_matrix(W)
+    if not A.has_sorted_indices:
+        A = A.copy()
+        A.sort_indices()
+    return A
+
+
+def _same_pattern(A: sp.csr_matrix, B: sp.csr_matrix) -> bool:
+    return (A.shape == B.shape and np.array_equal(A.indptr, B.indptr)
+            and np.array_equal(A.indices, B.indices))
+
+
+def layer_period(weights) -> int | None:
+    """Smallest p < L with W^{k+p} of the same sparsity pattern as W^k for every k (exact
+    comparison of the sorted CSR structure), or None when the sequence has no such period."""
+    mats = [_sorted_csr(W) for W in weights]
+    L = len(mats)
+    for p in range(1, L):
+        if all(_same_pattern(mats[k], mats[k - p]) for k in range(p, L)):
+            return p
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@numba.njit(cache=True)
+def _mix(x):
+    """splitmix64's finaliser: a bijection of uint64 with good avalanche."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def _set_hashes(indptr, indices, n_cols, table_in, table_out):
+    """Row set hashes sum_c table_in[c] and column set hashes sum_r table_out[r] (wrapping)."""
+    n_rows = indptr.size - 1
+    rows = np.zeros(n_rows, dtype=np.uint64)
+    cols = np.zeros(n_cols, dtype=np.uint64)
+    for r in range(n_rows):
+        h = np.uint64(0)
+        tr = table_out[r]
+        for e in range(indptr[r], indptr[r + 1]):
+            c = indices[e]
+            h += table_in[c]
+            cols[c] += tr
+        rows[r] = h
+    return rows, cols
+
+
+@numba.njit(cache=True)
+def _quotient(indptr, indices, row_cls, n_row_cls, col_cls, col_size):
+    """Quotient of one layer under twin classes, checked exactly.
+
+    Every row must equal the first row of its class, and a class representative must hold all
+    columns of each class it touches; returns (ok, qptr, qidx) with the column classes of every
+    row class, sorted.
+    """
+    n_rows = indptr.size - 1
+    rep = np.full(n_row_cls, -1, dtype=np.int64)
+    for r in range(n_rows):
+        if rep[row_cls[r]] < 0:
+            rep[row_cls[r]] = r
+    empty = np.zeros(1, dtype=np.int64)
+    for r in range(n_rows):
+        a = rep[row_cls[r]]
+        if a == r:
+            continue
+        if indptr[r + 1] - indptr[r] != indptr[a + 1] - indptr[a]:
+            return False, empty, empty
+        off = indptr[a] - indptr[r]
+        for e in range(indptr[r], indptr[r + 1]):
+            if indices[e] != indices[e + off]:
+                return False, empty, empty
+    count = np.zeros(col_size.size, dtype=np.int64)
+    qptr = np.zeros(n_row_cls + 1, dtype=np.int64)
+    buf = np.empty(indices.size, dtype=np.int64)
+    n = 0
+    for R in range(n_row_cls):
+        a = rep[R]
+        start = n
+        for e in range(indptr[a], indptr[a + 1]):
+            c = col_cls[indices[e]]
+            if count[c] == 0:
+                buf[n] = c
+                n += 1
+            count[c] += 1
+        for t in range(start, n):
+            if count[buf[t]] != col_size[buf[t]]:
+                return False, empty, empty
+            count[buf[t]] = 0
+        buf[start:n] = np.sort(buf[start:n])
+        qptr[R + 1] = n
+    return True, qptr, buf[:n].copy()
+
+
+@numba.njit(cache=True)
+def _sweep_level(col, j, lo_a, hi_a, lo_b, hi_b, in_ptr, in_idx, out_ptr, out_idx):
+    """Recolour level j of both chains from the current colours; False when the colour
+    multisets of A and B differ there.  Returns (same multisets, distinct colours on A)."""
+    na = hi_a - lo_a
+    new = np.empty(2 * na, dtype=np.uint64)
+    for side in range(2):
+        lo = lo_a if side == 0 else lo_b
+        for i in range(na):
+            v = lo + i
+            s_in = np.uint64(0)
+            for e in range(in_ptr[v], in_ptr[v + 1]):
+                s_in += _mix(col[in_idx[e]])
+            s_out = np.uint64(0)
+            for e in range(out_ptr[v], out_ptr[v + 1]):
+                s_out += _mix(col[out_idx[e]] ^ np.uint64(0x9E3779B97F4A7C15))
+            new[side * na + i] = _mix(col[v] + _mix(s_in ^ np.uint64(0xBF58476D1CE4E5B9))
+                                      * np.uint64(3) + _mix(s_out))
+    col[lo_a:hi_a] = new[:na]
+    col[lo_b:hi_b] = new[na:]
+    sa = np.sort(new[:na])
+    sb = np.sort(new[na:])
+    distinct = 0
+    for i in range(na):
+        if sa[i] != sb[i]:
+            return False, 0
+        if i == 0 or sa[i] != sa[i - 1]:
+            distinct += 1
+    return True, distinct
+
+
+@numba.njit(cache=True)
+def _refine(col, off_a, off_b, in_ptr, in_idx, out_ptr, out_idx, dirty, distinct):
+    """Colour refinement of both chains to the stable colouring.
+
+    Levels marked ``dirty`` are recoloured in Gauss-Seidel sweeps (forward, then backward); a
+    level whose colour classes split marks its neighbour levels dirty (a level whose partition
+    did not change only renamed its colours, which changes no neighbour's partition).  The
+    stable partition is the same for any order; both chains follow the same order, so equal
+    colours mean the same thing on both.  False as soon as a level's colour multisets differ
+    between A and B.  ``distinct[j]`` is the number of colours of level j.
+    """
+    levels = off_a.size - 1
+    busy = True
+    while busy:
+        busy = False
+        for direction in range(2):
+            for t in range(levels):
+                j = t if direction == 0 else levels - 1 - t
+                if not dirty[j]:
+                    continue
+                dirty[j] = False
+                ok, d = _sweep_level(col, j, off_a[j], off_a[j + 1], off_b[j], off_b[j + 1],
+                                     in_ptr, in_idx, out_ptr, out_idx)
+                if not ok:
+                    return False
+                if d != distinct[j]:
+                    distinct[j] = d
+                    busy = True
+                    if j > 0:
+                        dirty[j - 1] = True
+                    if j + 1 < levels:
+                        dirty[j + 1] = True
+    return True
+
+
+@numba.njit(cache=True)
+def _component_sizes(r, c, n_rows, n_cols):
+    """Sorted keys rows * (n_cols + 1) + columns of the connected components of the bipartite
+    graph with edges (r[e], c[e]) (union-find)."""
+    n = n_rows + n_cols
+    parent = np.arange(n)
+    for e in range(r.size):
+        a = r[e]
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        b = c[e] + n_rows
+        while parent[b] != b:
+            parent[b] = parent[parent[b]]
+            b = parent[b]
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    rows = np.zeros(n, dtype=np.int64)
+    cols = np.zeros(n, dtype=np.int64)
+    for v in range(n):
+        a = v
+        while parent[a] != a:
+            a = parent[a]
+        if v < n_rows:
+            rows[a] += 1
+        else:
+            cols[a] += 1
+    keys = np.empty(n, dtype=np.int64)
+    m = 0
+    for v in range(n):
+        if rows[v] + cols[v] > 0 and parent[v] == v:
+            keys[m] = rows[v] * (n_cols + 1) + cols[v]
+            m += 1
+    return np.sort(keys[:m])
+
+
+@numba.njit(cache=True)
+def _expand(cls_a, cls_b, class_map, n_cls):
+    """Neuron map of one level: the k-th member of class class_map[c] of A for the k-th member
+    of class c of B (counting sort, index order inside a class)."""
+    n = cls_a.size
+    start = np.zeros(n_cls + 1, dtype=np.int64)
+    for i in range(n):
+        start[cls_a[i] + 1] += 1
+    for c in range(n_cls):
+        start[c + 1] += start[c]
+    members = np.empty(n, dtype=np.int64)
+    fill = start[:-1].copy()
+    for i in range(n):
+        members[fill[cls_a[i]]] = i
+        fill[cls_a[i]] += 1
+    out = np.empty(n, dtype=np.int64)
+    nxt = start[:-1].copy()
+    for a in range(n):
+        c = class_map[cls_b[a]]
+        out[a] = members[nxt[c]]
+        nxt[c] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# twin quotient
+
+
+def _tables(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0x5EED)
+    return (rng.integers(1, 2**63 - 1, size=n, dtype=np.int64).view(np.uint64),
+            rng.integers(1, 2**63 - 1, size=n, dtype=np.int64).view(np.uint64))
+
+
+@dataclass
+class _Quotient:
+    """Set hashes of every neuron and the twin classes / quotient layers built from them."""
+
+    mats: list
+    h_in: list    # h_in[j]: in-set hash of layer j's neurons (None for j = 0)
+    h_out: list   # h_out[j]: out-set hash (None for j = L)
+
+    def classes(self, j: int, use_in: bool = True, use_out: bool = True) -> np.ndarray:
+        key = np.zeros(self.mats[j - 1].shape[0] if j else self.mats[0].shape[1], np.uint64)
+        if use_in and self.h_in[j] is not None:
+            key = key + self.h_in[j] * _GOLDEN
+        if use_out and self.h_out[j] is not None:
+            key = key + (self.h_out[j] ^ _M1) * _M2
+        _, cls = np.unique(key, return_inverse=True)
+        return cls.ravel().astype(np.int64)
+
+
+def _hashes(weights) -> _Quotient:
+    mats = [_sorted_csr(W) for W in weights]
+    L = len(mats)
+    t_in, t_out = _tables(max(max(W.shape) for W in mats))
+    h_in, h_out = [None] * (L + 1), [None] * (L + 1)
+    for k, W in enumerate(mats, start=1):
+        h_in[k], h_out[k - 1] = _set_hashes(W.indptr, W.indices, W.shape[1], t_in, t_out)
+    return _Quotient(mats=mats, h_in=h_in, h_out=h_out)
+
+
+def twin_classes(weights) -> list[np.ndarray]:
+    """Twin class of every neuron of layers 0 .. L (same in-set in W^j and out-set in W^{j+1};
+    the 64-bit set hashes are compared, see :func:`relabelled_period` for the exact check)."""
+    q = _hashes(weights)
+    return [q.classes(j) for j in range(len(weights) + 1)]
+
+
+def _layer_quotient(W: sp.csr_matrix, row_cls: np.ndarray, col_cls: np.ndarray):
+    """Edges (row class, column class) of the quotient of W, or None when a class is not a
+    class of twins after all (a 64-bit hash collision)."""
+    n_row, n_col = int(row_cls.max()) + 1, int(col_cls.max()) + 1
+    ok, qptr, qidx = _quotient(W.indptr, W.indices, row_cls, n_row, col_cls,
+                               np.bincount(col_cls, minlength=n_col))
+    if not ok:
+        return None
+    return np.repeat(np.arange(n_row, dtype=np.int64), np.diff(qptr)), qidx
+
+
+def _components(edges, n_rows: int, n_cols: int) -> tuple:
+    """Edge count and the sorted (rows, columns) sizes of the connected components of a
+    quotient layer (as a bipartite graph), a relabelling invariant."""
+    r, c = edges
+    return r.size, _component_sizes(r, c, n_rows, n_cols).tobytes()
+
+
+def _chain(sizes: list, edges: list):
+    """A chain of quotient levels as one graph: level offsets, class sizes and the edges
+    (row class of level t, column class of level t - 1) in global vertex ids."""
+    off = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum([s.size for s in sizes], out=off[1:])
+    counts = [r.size for r, _ in edges]
+    r = np.concatenate([r for r, _ in edges]) + np.repeat(off[1:-1], counts)
+    c = np.concatenate([c for _, c in edges]) + np.repeat(off[:-2], counts)
+    return off, np.concatenate(sizes), r, c
+
+
+def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(src, kind="stable")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
+    return ptr, dst[order].astype(np.int64)
+
+
+def _isomorphism(chain_a, chain_b) -> list | None:
+    """Class maps (B level -> A level) of an isomorphism of two quotient chains, or None."""
+    off_a, size_a, ra, ca = chain_a
+    off_b, size_b, rb, cb = chain_b
+    if not np.array_equal(off_a, off_b) or ra.size != rb.size:
+        return None
+    n = int(off_a[-1])
+    levels = off_a.size - 1
+    src = np.concatenate((ra, rb + n))  # B's vertices follow A's in one graph
+    dst = np.concatenate((ca, cb + n))
+    in_ptr, in_idx = _csr(src, dst, 2 * n)
+    out_ptr, out_idx = _csr(dst, src, 2 * n)
+    level = np.repeat(np.arange(levels), np.diff(off_a))
+    col = np.concatenate((_colour0(level, size_a), _colour0(level, size_b)))
+    args = (off_a, off_a + n, in_ptr, in_idx, out_ptr, out_idx)
+    distinct = np.zeros(levels, dtype=np.int64)
+    if not _refine(col, *args, np.ones(levels, dtype=np.bool_), distinct):
+        return None
+    fresh = np.uint64(1)
+    failed = 0
+    while True:
+        vals, first, counts = np.unique(col[:n], return_index=True, return_counts=True)
+        if counts.max() == 1:
+            break
+        multi = np.flatnonzero(counts > 1)
+        pick = multi[np.lexsort((first[multi], counts[multi]))[0]]  # smallest class, lowest
+        u = int(first[pick])
+        j = int(level[u])
+        dirty = np.zeros(levels, dtype=np.bool_)
+        dirty[max(j - 1, 0):j + 2] = True
+        dirty[j] = False
+        for v in (np.flatnonzero(col[n:] == vals[pick]) + n).tolist():
+            trial, seen = col.copy(), distinct.copy()
+            trial[u] = trial[v] = _mix_py(vals[pick] + fresh * _GOLDEN)
+            seen[j] += 1
+            if _refine(trial, *args, dirty.copy(), seen):
+                col, distinct = trial, seen
+                break
+            failed += 1
+            if failed >= TRIALS_PER_PERIOD:
+                return None
+        else:
+            return None
+        fresh += np.uint64(1)
+    oa, ob = np.argsort(col[:n]), np.argsort(col[n:])
+    if not np.array_equal(col[:n][oa], col[n:][ob]):
+        return None
+    b_to_a = np.empty(n, dtype=np.int64)
+    b_to_a[ob] = oa
+    # the map must carry every edge of B onto an edge of A, and every class onto one as big
+    if not np.array_equal(size_a[b_to_a], size_b):
+        return None
+    if not np.array_equal(np.sort(ra * n + ca), np.sort(b_to_a[rb] * n + b_to_a[cb])):
+        return None
+    return [b_to_a[off_a[j]:off_a[j + 1]] - off_a[j] for j in range(levels)]
+
+
+def _colour0(level: np.ndarray, size: np.ndarray) -> np.ndarray:
+    return _mix_vec(level.astype(np.uint64) * _GOLDEN + size.astype(np.uint64))
+
+
+def _mix_vec(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix_py(x) -> np.uint64:
+    return _mix_vec(np.array([x], dtype=np.uint64))[0]
+
+
+def relabelled_period(weights) -> LayerPeriod | None:
+    """The smallest relabelled period p (2 p < L) and its maps, or None (see the module
+    docstring; ``None`` also when the twin quotient is too large to search)."""
+    L = len(weights)
+    if L < 3:
+        return None
+    with np.errstate(over="ignore"):
+        return _search(_hashes(weights))
+
+
+def _search(q: _Quotient) -> LayerPeriod | None:
+    mats = q.mats
+    L = len(mats)
+    full = [q.classes(j) for j in range(L + 1)]
+    n_cls = [int(c.max()) + 1 for c in full]
+    neurons = [c.size for c in full]
+    if sum(n_cls) > QUOTIENT_FRACTION * sum(neurons):
+        return None
+    quot = [None] * (L + 1)  # quot[k]: quotient of W^k under the full classes
+    for k in range(1, L + 1):
+        quot[k] = _layer_quotient(mats[k - 1], full[k], full[k - 1])
+        if quot[k] is None:  # a hash collision merged non-twins: no search
+            return None
+    # per-layer invariants of the quotient (shape, edges, class sizes) prune the candidates
+    level_sig = [(neurons[j], n_cls[j]) for j in range(L + 1)]
+    layer_sig = [(mats[k - 1].shape, mats[k - 1].nnz) for k in range(1, L + 1)]
+    sizes = [np.bincount(c) for c in full]
+    # the quotient of a layer between two interior levels is the same in every chain: its
+    # connected components (as a bipartite graph) are an invariant; the first and last layers'
+    # depend on the chain's end classes and are left to the isomorphism test
+    shape = [None] + [_components(quot[k], sizes[k].size, sizes[k - 1].size)
+                      for k in range(1, L + 1)]
+    for p in range(1, (L - 1) // 2 + 1):
+        La = L - p
+        if any(layer_sig[k - 1] != layer_sig[k + p - 1] for k in range(1, La + 1)):
+            continue
+        if any(shape[k] != shape[k + p] for k in range(2, La)):
+            continue
+        if any(level_sig[j] != level_sig[j + p] for j in range(1, La)):
+            continue
+        # the chains' own end classes: A's level 0 and B's level p have no in-edges, A's level
+        # L - p and B's level L no out-edges
+        a_ends = (full[0], q.classes(La, use_out=False))
+        b_ends = (q.classes(p, use_in=False), full[L])
+        a_top = _layer_quotient(mats[La - 1], a_ends[1], full[La - 1])
+        b_first = _layer_quotient(mats[p], full[p + 1], b_ends[0])
+        if a_top is None or b_first is None:
+            continue
+        chain_a = _chain([sizes[0], *sizes[1:La], np.bincount(a_ends[1])],
+                         [*quot[1:La], a_top])
+        chain_b = _chain([np.bincount(b_ends[0]), *sizes[p + 1:L + 1]],
+                         [b_first, *quot[p + 2:L + 1]])
+        class_maps = _isomorphism(chain_a, chain_b)
+        if class_maps is None:
+            continue
+        a_levels = [*full[:La], a_ends[1]]
+        b_levels = [b_ends[0], *full[p + 1:L + 1]]
+        maps = tuple(_expand(a_levels[j], b_levels[j], class_maps[j], int(a_levels[j].max()) + 1)
+                     for j in range(La + 1))
+        return LayerPeriod(period=p, maps=maps)
+    return None
+
+
+def find_period(weights, *, relabelled: bool = True) -> LayerPeriod | None:
+    """The exact period (:func:`layer_period`) if there is one, else (``relabelled``) the
+    relabelled period (:func:`relabelled_period`), else None; only periods with 2 p < L, the
+    ones worth repeating, are returned."""
+    L = len(weights)
+    p = layer_period(weights)
+    if p is not None and 2 * p < L:
+        return LayerPeriod(period=p)
+    if relabelled:
+        return relabelled_period(weights)
+    return None

@@ -1,0 +1,146 @@
+"""Periods found from the data (issue 29): a relabelled RadiX-Net, as read from the Graph
+Challenge files, is recognised as periodic and partitioned one period at a time.
+
+The maps are checked against the definition with SciPy (every layer W^{k+p}, relabelled by the
+maps, must have exactly the sparsity of W^k), not against the finder's own bookkeeping.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from partition.metrics import pair_volumes
+from partition.partitioners import HypergraphConfig, hypergraph_partition
+from partition.period import LayerPeriod, find_period, layer_period, relabelled_period
+from sparse_sgd.io import read_challenge_network, write_challenge_network
+from sparse_sgd.plan import PartitionOptions, plan_partition
+from sparse_sgd.radixnet import (
+    RadixNetConfig,
+    challenge_config,
+    graph_challenge_network,
+    mixed_radix_layer,
+    radixnet,
+    random_regular_network,
+)
+
+
+def _assert_isomorphism(weights, found: LayerPeriod) -> None:
+    """W^{k+p}[a, b] != 0 <=> W^k[maps[k][a], maps[k-1][b]] != 0 for k = 1 .. L - p."""
+    p, L = found.period, len(weights)
+    assert len(found.maps) == L - p + 1
+    for j, m in enumerate(found.maps):  # bijections of the right layers
+        size = weights[j + p - 1].shape[0] if j + p else weights[0].shape[1]
+        assert np.array_equal(np.sort(m), np.arange(size)), j
+    for k in range(1, L - p + 1):
+        A = sp.csr_matrix(weights[k - 1])
+        B = sp.coo_matrix(weights[k + p - 1])
+        mapped = sp.csr_matrix((np.ones(B.nnz), (found.maps[k][B.row], found.maps[k - 1][B.col])),
+                               shape=A.shape)
+        assert mapped.nnz == A.nnz and ((mapped != 0) != (A != 0)).nnz == 0, k
+
+
+def test_relabelled_graph_challenge_network_has_its_period_found():
+    """The relabelled N=1024 RadiX-Net (radices 2^6, blocks of 16): no exact period, relabelled
+    period 6, and the maps are a true isomorphism of layers 0..L-6 onto 6..L.  Its last radix
+    (place value 32) has neurons with the same inputs but other outputs, so matching rows by
+    their inputs alone would fail there."""
+    W = graph_challenge_network(1024, 20).weights
+    assert layer_period(W) is None
+    found = relabelled_period(W)
+    assert found is not None and found.period == 6 and found.relabelled
+    _assert_isomorphism(W, found)
+    assert find_period(W).period == 6
+    assert find_period(W, relabelled=False) is None
+
+
+def test_uneven_blocks_and_radices():
+    """Non-square layers of alternating widths (blocks 2, 3, 2, 3, ...) over radices (2, 3):
+    period 2 after relabelling; 3 neurons per twin class where the block is 3."""
+    cfg = RadixNetConfig(radices=(2, 3), num_layers=9, blocks=(2, 3) * 5, weight=1.0,
+                         permute=True, seed=4)
+    W = radixnet(cfg)
+    assert {w.shape for w in W} == {(18, 12), (12, 18)}
+    found = relabelled_period(W)
+    assert found is not None and found.period == 2
+    _assert_isomorphism(W, found)
+
+
+def test_no_period_is_reported_as_none():
+    # one layer of the second repeat is another radix: nothing repeats
+    W = list(graph_challenge_network(1024, 14).weights)
+    other = sp.kron(np.ones((16, 16)), mixed_radix_layer((2,) * 6, 3), format="csr") / 16
+    W[9] = sp.csr_matrix(other)
+    assert relabelled_period(W) is None
+    # no twins: the search is not run (random regular layers have no structure to find)
+    assert relabelled_period(random_regular_network(256, 9, 8, seed=1)) is None
+    # too short to repeat
+    assert relabelled_period(W[:2]) is None
+
+
+def test_a_relabelled_random_network_with_twins_is_found():
+    """Twin classes from a Kronecker widening of random 3-regular layers (no RadiX-Net
+    structure), repeated with period 3 and relabelled: found, and the maps are exact."""
+    rng = np.random.default_rng(3)
+    base = [sp.kron(np.ones((4, 4)), random_regular_network(24, 1, 3, seed=s)[0], format="csr")
+            for s in (1, 2, 3)]
+    perms = [np.arange(96)] + [rng.permutation(96) for _ in range(9)] + [np.arange(96)]
+    W = [sp.csr_matrix(base[(k - 1) % 3][perms[k]][:, perms[k - 1]]) for k in range(1, 11)]
+    found = relabelled_period(W)
+    assert found is not None and found.period == 3
+    _assert_isomorphism(W, found)
+
+
+def _layer_volumes(W, part):
+    return np.array([pair_volumes(W[k - 1], part.owners[k], part.owners[k - 1],
+                                  part.parts).sum() for k in range(1, len(W) + 1)])
+
+
+def test_tiling_through_the_relabelling():
+    """The relabelled network is partitioned one period at a time: every layer balanced, every
+    layer inside a repeat has exactly the volume of its layer in the first period (measured on
+    the full network), and the total is within 3 % of partitioning every layer."""
+    W = graph_challenge_network(1024, 20).weights
+    tiled = hypergraph_partition(W, 8, HypergraphConfig(seed=1))
+    every = hypergraph_partition(W, 8, HypergraphConfig(seed=1, tile=False))
+    assert tiled.info["period"] == 6 and tiled.info["relabelled"] is True
+    assert every.info["period"] == 0 and every.info["relabelled"] is False
+    for k in range(1, 21):
+        assert np.bincount(tiled.owners[k], minlength=8).max() <= 1024 / 8 * 1.01
+    vt = _layer_volumes(W, tiled)
+    for k in range(7, 21):
+        if (k - 1) % 6:
+            assert vt[k - 1] == vt[(k - 1) % 6], k
+    assert vt.sum() <= 1.03 * _layer_volumes(W, every).sum()
+
+
+def test_files_partition_like_the_generated_network(tmp_path):
+    """Read back from the challenge's TSV files (no generator at hand), the network is tiled
+    like the generated one: its volume within 3 % of partitioning every layer of the files,
+    and within 8 % of the generated path (which partitions the unpermuted twin, whose ordered
+    ids KaHyPar's tie-breaking favours: 4-6 % lower at this size, 0.8 % at N=16384, L=120)."""
+    net = challenge_config(1024, 14, seed=2)
+    gen = radixnet(net)
+    write_challenge_network(tmp_path, gen)
+    files = read_challenge_network(tmp_path, 1024, 14)
+    opts = PartitionOptions()
+    from_files = plan_partition(files, 8, "hypergraph", opts)
+    generated = plan_partition(gen, 8, "hypergraph", opts, network=net)
+    assert from_files.info["period"] == 6 and from_files.info["relabelled"]
+    v_files = _layer_volumes(files, from_files).sum()
+    v_gen = _layer_volumes(gen, generated).sum()
+    every = hypergraph_partition(files, 8, HypergraphConfig(tile=False))
+    assert v_files <= 1.03 * _layer_volumes(files, every).sum()
+    assert v_files <= 1.08 * v_gen
+    # the same network without relabelling has its exact period (no maps)
+    plain = radixnet(dataclasses.replace(net, permute=False))
+    assert find_period(plain) == LayerPeriod(period=6)
+
+
+@pytest.mark.parametrize("L", [13, 12])
+def test_only_periods_worth_repeating(L):
+    """2 p < L: with L = 12 the period 6 is not worth tiling (every layer is partitioned)."""
+    W = graph_challenge_network(1024, L).weights
+    found = find_period(W)
+    assert (found.period if found else None) == (6 if L == 13 else None)
