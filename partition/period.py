@@ -47,7 +47,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import scipy.sparse as sp
 
@@ -121,210 +120,14 @@ def layer_period(weights) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# kernels
-
-
-@numba.njit(cache=True)
-def _mix(x):
-    """splitmix64's finaliser: a bijection of uint64 with good avalanche."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-@numba.njit(cache=True)
-def _set_hashes(indptr, indices, n_cols, table_in, table_out):
-    """Row set hashes sum_c table_in[c] and column set hashes sum_r table_out[r] (wrapping)."""
-    n_rows = indptr.size - 1
-    rows = np.zeros(n_rows, dtype=np.uint64)
-    cols = np.zeros(n_cols, dtype=np.uint64)
-    for r in range(n_rows):
-        h = np.uint64(0)
-        tr = table_out[r]
-        for e in range(indptr[r], indptr[r + 1]):
-            c = indices[e]
-            h += table_in[c]
-            cols[c] += tr
-        rows[r] = h
-    return rows, cols
-
-
-@numba.njit(cache=True)
-def _quotient(indptr, indices, row_cls, n_row_cls, col_cls, col_size):
-    """Quotient of one layer under twin classes, checked exactly.
-
-    Every row must equal the first row of its class, and a class representative must hold all
-    columns of each class it touches; returns (ok, qptr, qidx) with the column classes of every
-    row class, sorted.
-    """
-    n_rows = indptr.size - 1
-    rep = np.full(n_row_cls, -1, dtype=np.int64)
-    for r in range(n_rows):
-        if rep[row_cls[r]] < 0:
-            rep[row_cls[r]] = r
-    empty = np.zeros(1, dtype=np.int64)
-    for r in range(n_rows):
-        a = rep[row_cls[r]]
-        if a == r:
-            continue
-        if indptr[r + 1] - indptr[r] != indptr[a + 1] - indptr[a]:
-            return False, empty, empty
-        off = indptr[a] - indptr[r]
-        for e in range(indptr[r], indptr[r + 1]):
-            if indices[e] != indices[e + off]:
-                return False, empty, empty
-    count = np.zeros(col_size.size, dtype=np.int64)
-    qptr = np.zeros(n_row_cls + 1, dtype=np.int64)
-    buf = np.empty(indices.size, dtype=np.int64)
-    n = 0
-    for R in range(n_row_cls):
-        a = rep[R]
-        start = n
-        for e in range(indptr[a], indptr[a + 1]):
-            c = col_cls[indices[e]]
-            if count[c] == 0:
-                buf[n] = c
-                n += 1
-            count[c] += 1
-        for t in range(start, n):
-            if count[buf[t]] != col_size[buf[t]]:
-                return False, empty, empty
-            count[buf[t]] = 0
-        buf[start:n] = np.sort(buf[start:n])
-        qptr[R + 1] = n
-    return True, qptr, buf[:n].copy()
-
-
-@numba.njit(cache=True)
-def _sweep_level(col, j, lo_a, hi_a, lo_b, hi_b, in_ptr, in_idx, out_ptr, out_idx):
-    """Recolour level j of both chains from the current colours; False when the colour
-    multisets of A and B differ there.  Returns (same multisets, distinct colours on A)."""
-    na = hi_a - lo_a
-    new = np.empty(2 * na, dtype=np.uint64)
-    for side in range(2):
-        lo = lo_a if side == 0 else lo_b
-        for i in range(na):
-            v = lo + i
-            s_in = np.uint64(0)
-            for e in range(in_ptr[v], in_ptr[v + 1]):
-                s_in += _mix(col[in_idx[e]])
-            s_out = np.uint64(0)
-            for e in range(out_ptr[v], out_ptr[v + 1]):
-                s_out += _mix(col[out_idx[e]] ^ np.uint64(0x9E3779B97F4A7C15))
-            new[side * na + i] = _mix(col[v] + _mix(s_in ^ np.uint64(0xBF58476D1CE4E5B9))
-                                      * np.uint64(3) + _mix(s_out))
-    col[lo_a:hi_a] = new[:na]
-    col[lo_b:hi_b] = new[na:]
-    sa = np.sort(new[:na])
-    sb = np.sort(new[na:])
-    distinct = 0
-    for i in range(na):
-        if sa[i] != sb[i]:
-            return False, 0
-        if i == 0 or sa[i] != sa[i - 1]:
-            distinct += 1
-    return True, distinct
-
-
-@numba.njit(cache=True)
-def _refine(col, off_a, off_b, in_ptr, in_idx, out_ptr, out_idx, dirty, distinct):
-    """Colour refinement of both chains to the stable colouring.
-
-    Levels marked ``dirty`` are recoloured in Gauss-Seidel sweeps (forward, then backward); a
-    level whose colour classes split marks its neighbour levels dirty (a level whose partition
-    did not change only renamed its colours, which changes no neighbour's partition).  The
-    stable partition is the same for any order; both chains follow the same order, so equal
-    colours mean the same thing on both.  False as soon as a level's colour multisets differ
-    between A and B.  ``distinct[j]`` is the number of colours of level j.
-    """
-    levels = off_a.size - 1
-    busy = True
-    while busy:
-        busy = False
-        for direction in range(2):
-            for t in range(levels):
-                j = t if direction == 0 else levels - 1 - t
-                if not dirty[j]:
-                    continue
-                dirty[j] = False
-                ok, d = _sweep_level(col, j, off_a[j], off_a[j + 1], off_b[j], off_b[j + 1],
-                                     in_ptr, in_idx, out_ptr, out_idx)
-                if not ok:
-                    return False
-                if d != distinct[j]:
-                    distinct[j] = d
-                    busy = True
-                    if j > 0:
-                        dirty[j - 1] = True
-                    if j + 1 < levels:
-                        dirty[j + 1] = True
-    return True
-
-
-@numba.njit(cache=True)
-def _component_sizes(r, c, n_rows, n_cols):
-    """Sorted keys rows * (n_cols + 1) + columns of the connected components of the bipartite
-    graph with edges (r[e], c[e]) (union-find)."""
-    n = n_rows + n_cols
-    parent = np.arange(n)
-    for e in range(r.size):
-        a = r[e]
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        b = c[e] + n_rows
-        while parent[b] != b:
-            parent[b] = parent[parent[b]]
-            b = parent[b]
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-    rows = np.zeros(n, dtype=np.int64)
-    cols = np.zeros(n, dtype=np.int64)
-    for v in range(n):
-        a = v
-        while parent[a] != a:
-            a = parent[a]
-        if v < n_rows:
-            rows[a] += 1
-        else:
-            cols[a] += 1
-    keys = np.empty(n, dtype=np.int64)
-    m = 0
-    for v in range(n):
-        if rows[v] + cols[v] > 0 and parent[v] == v:
-            keys[m] = rows[v] * (n_cols + 1) + cols[v]
-            m += 1
-    return np.sort(keys[:m])
-
-
-@numba.njit(cache=True)
-def _expand(cls_a, cls_b, class_map, n_cls):
-    """Neuron map of one level: the k-th member of class class_map[c] of A for the k-th member
-    of class c of B (counting sort, index order inside a class)."""
-    n = cls_a.size
-    start = np.zeros(n_cls + 1, dtype=np.int64)
-    for i in range(n):
-        start[cls_a[i] + 1] += 1
-    for c in range(n_cls):
-        start[c + 1] += start[c]
-    members = np.empty(n, dtype=np.int64)
-    fill = start[:-1].copy()
-    for i in range(n):
-        members[fill[cls_a[i]]] = i
-        fill[cls_a[i]] += 1
-    out = np.empty(n, dtype=np.int64)
-    nxt = start[:-1].copy()
-    for a in range(n):
-        c = class_map[cls_b[a]]
-        out[a] = members[nxt[c]]
-        nxt[c] += 1
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # twin quotient
+
+
+def _kernels():
+    """:mod:`partition.kernels`, imported on first use (Numba starts only for a search)."""
+    from . import kernels  # noqa: PLC0415 (Numba, only when there are twins)
+
+    return kernels
 
 
 def _tables(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -351,20 +154,19 @@ class _Quotient:
         return cls.ravel().astype(np.int64)
 
 
-def _hashes(weights) -> _Quotient:
-    mats = [_sorted_csr(W) for W in weights]
+def _hashes(mats) -> _Quotient:
     L = len(mats)
     t_in, t_out = _tables(max(max(W.shape) for W in mats))
     h_in, h_out = [None] * (L + 1), [None] * (L + 1)
     for k, W in enumerate(mats, start=1):
-        h_in[k], h_out[k - 1] = _set_hashes(W.indptr, W.indices, W.shape[1], t_in, t_out)
+        h_in[k], h_out[k - 1] = _kernels().set_hashes(W.indptr, W.indices, W.shape[1], t_in, t_out)
     return _Quotient(mats=mats, h_in=h_in, h_out=h_out)
 
 
 def twin_classes(weights) -> list[np.ndarray]:
     """Twin class of every neuron of layers 0 .. L (same in-set in W^j and out-set in W^{j+1};
     the 64-bit set hashes are compared, see :func:`relabelled_period` for the exact check)."""
-    q = _hashes(weights)
+    q = _hashes([_sorted_csr(W) for W in weights])
     return [q.classes(j) for j in range(len(weights) + 1)]
 
 
@@ -372,7 +174,7 @@ def _layer_quotient(W: sp.csr_matrix, row_cls: np.ndarray, col_cls: np.ndarray):
     """Edges (row class, column class) of the quotient of W, or None when a class is not a
     class of twins after all (a 64-bit hash collision)."""
     n_row, n_col = int(row_cls.max()) + 1, int(col_cls.max()) + 1
-    ok, qptr, qidx = _quotient(W.indptr, W.indices, row_cls, n_row, col_cls,
+    ok, qptr, qidx = _kernels().quotient(W.indptr, W.indices, row_cls, n_row, col_cls,
                                np.bincount(col_cls, minlength=n_col))
     if not ok:
         return None
@@ -383,7 +185,7 @@ def _components(edges, n_rows: int, n_cols: int) -> tuple:
     """Edge count and the sorted (rows, columns) sizes of the connected components of a
     quotient layer (as a bipartite graph), a relabelling invariant."""
     r, c = edges
-    return r.size, _component_sizes(r, c, n_rows, n_cols).tobytes()
+    return r.size, _kernels().component_sizes(r, c, n_rows, n_cols).tobytes()
 
 
 def _chain(sizes: list, edges: list):
@@ -420,7 +222,7 @@ def _isomorphism(chain_a, chain_b) -> list | None:
     col = np.concatenate((_colour0(level, size_a), _colour0(level, size_b)))
     args = (off_a, off_a + n, in_ptr, in_idx, out_ptr, out_idx)
     distinct = np.zeros(levels, dtype=np.int64)
-    if not _refine(col, *args, np.ones(levels, dtype=np.bool_), distinct):
+    if not _kernels().refine(col, *args, np.ones(levels, dtype=np.bool_), distinct):
         return None
     fresh = np.uint64(1)
     failed = 0
@@ -439,7 +241,7 @@ def _isomorphism(chain_a, chain_b) -> list | None:
             trial, seen = col.copy(), distinct.copy()
             trial[u] = trial[v] = _mix_py(vals[pick] + fresh * _GOLDEN)
             seen[j] += 1
-            if _refine(trial, *args, dirty.copy(), seen):
+            if _kernels().refine(trial, *args, dirty.copy(), seen):
                 col, distinct = trial, seen
                 break
             failed += 1
@@ -483,8 +285,31 @@ def relabelled_period(weights) -> LayerPeriod | None:
     L = len(weights)
     if L < 3:
         return None
+    mats = [_sorted_csr(W) for W in weights]
+    if not _twins_worth_searching(mats):
+        return None
     with np.errstate(over="ignore"):
-        return _search(_hashes(weights))
+        return _search(_hashes(mats))
+
+
+def _twins_worth_searching(mats) -> bool:
+    """The cheap test first (NumPy only, no compiled kernel): rows of W^k with the same
+    columns bound the twin classes from below, so when layers 1 .. L hold more distinct rows
+    than :data:`QUOTIENT_FRACTION` of their neurons the full twin quotient is too large."""
+    table = _tables(max(W.shape[1] for W in mats))[0]
+    distinct = neurons = 0
+    for W in mats:
+        d = np.diff(W.indptr)
+        vals = table[W.indices]
+        if d.size and d.min() == d.max():
+            h = vals.reshape(d.size, int(d[0])).sum(axis=1, dtype=np.uint64)
+        else:
+            h = np.zeros(d.size, dtype=np.uint64)
+            nz = np.flatnonzero(d)
+            h[nz] = np.add.reduceat(vals, W.indptr[:-1][nz])
+        distinct += np.unique(h).size
+        neurons += d.size
+    return distinct <= QUOTIENT_FRACTION * neurons
 
 
 def _search(q: _Quotient) -> LayerPeriod | None:
@@ -534,7 +359,7 @@ def _search(q: _Quotient) -> LayerPeriod | None:
             continue
         a_levels = [*full[:La], a_ends[1]]
         b_levels = [b_ends[0], *full[p + 1:L + 1]]
-        maps = tuple(_expand(a_levels[j], b_levels[j], class_maps[j], int(a_levels[j].max()) + 1)
+        maps = tuple(_kernels().expand(a_levels[j], b_levels[j], class_maps[j], int(a_levels[j].max()) + 1)
                      for j in range(La + 1))
         return LayerPeriod(period=p, maps=maps)
     return None

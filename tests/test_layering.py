@@ -55,7 +55,7 @@ LAZY_OK = {
 }
 #: project modules that are imported lazily for the same reasons (they import the above)
 LAZY_OK_PROJECT = {"models.kernels", "substrate.backend", "substrate.topology",
-                   "substrate.results", "sparse_sgd.kernels"}
+                   "substrate.results", "sparse_sgd.kernels", "partition.kernels"}
 
 
 def _modules():
