@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["component_sizes", "expand", "quotient", "refine", "set_hashes"]
+__all__ = ["column_hashes", "component_sizes", "expand", "quotient", "refine"]
 
 
 @numba.njit(cache=True)
@@ -23,20 +23,14 @@ def _mix(x):
 
 
 @numba.njit(cache=True)
-def set_hashes(indptr, indices, n_cols, table_in, table_out):
-    """Row set hashes sum_c table_in[c] and column set hashes sum_r table_out[r] (wrapping)."""
-    n_rows = indptr.size - 1
-    rows = np.zeros(n_rows, dtype=np.uint64)
+def column_hashes(indptr, indices, n_cols, table):
+    """Set hash of every column's rows, sum_r table[r] (wrapping), one pass over the CSR."""
     cols = np.zeros(n_cols, dtype=np.uint64)
-    for r in range(n_rows):
-        h = np.uint64(0)
-        tr = table_out[r]
+    for r in range(indptr.size - 1):
+        tr = table[r]
         for e in range(indptr[r], indptr[r + 1]):
-            c = indices[e]
-            h += table_in[c]
-            cols[c] += tr
-        rows[r] = h
-    return rows, cols
+            cols[indices[e]] += tr
+    return cols
 
 
 @numba.njit(cache=True)

@@ -111,7 +111,10 @@ def _same_pattern(A: sp.csr_matrix, B: sp.csr_matrix) -> bool:
 def layer_period(weights) -> int | None:
     """Smallest p < L with W^{k+p} of the same sparsity pattern as W^k for every k (exact
     comparison of the sorted CSR structure), or None when the sequence has no such period."""
-    mats = [_sorted_csr(W) for W in weights]
+    return _exact_period([_sorted_csr(W) for W in weights])
+
+
+def _exact_period(mats: list) -> int | None:
     L = len(mats)
     for p in range(1, L):
         if all(_same_pattern(mats[k], mats[k - p]) for k in range(p, L)):
@@ -154,19 +157,38 @@ class _Quotient:
         return cls.ravel().astype(np.int64)
 
 
-def _hashes(mats) -> _Quotient:
+def _row_hashes(mats: list, table: np.ndarray) -> list:
+    """In-set hash of every row of every layer, sum_c table[c] (wrapping), in NumPy."""
+    out = []
+    for W in mats:
+        d = np.diff(W.indptr)
+        vals = table[W.indices]
+        if d.size and d.min() == d.max():
+            h = vals.reshape(d.size, int(d[0])).sum(axis=1, dtype=np.uint64)
+        else:
+            h = np.zeros(d.size, dtype=np.uint64)
+            nz = np.flatnonzero(d)
+            h[nz] = np.add.reduceat(vals, W.indptr[:-1][nz])
+        out.append(h)
+    return out
+
+
+def _hashes(mats: list, rows: list, t_out: np.ndarray) -> _Quotient:
+    """Add the out-set hashes (columns of every layer, one compiled pass per layer)."""
     L = len(mats)
-    t_in, t_out = _tables(max(max(W.shape) for W in mats))
-    h_in, h_out = [None] * (L + 1), [None] * (L + 1)
+    h_out = [None] * (L + 1)
     for k, W in enumerate(mats, start=1):
-        h_in[k], h_out[k - 1] = _kernels().set_hashes(W.indptr, W.indices, W.shape[1], t_in, t_out)
-    return _Quotient(mats=mats, h_in=h_in, h_out=h_out)
+        h_out[k - 1] = _kernels().column_hashes(W.indptr, W.indices, W.shape[1], t_out)
+    return _Quotient(mats=mats, h_in=[None, *rows], h_out=h_out)
 
 
 def twin_classes(weights) -> list[np.ndarray]:
     """Twin class of every neuron of layers 0 .. L (same in-set in W^j and out-set in W^{j+1};
     the 64-bit set hashes are compared, see :func:`relabelled_period` for the exact check)."""
-    q = _hashes([_sorted_csr(W) for W in weights])
+    mats = [_sorted_csr(W) for W in weights]
+    t_in, t_out = _tables(max(max(W.shape) for W in mats))
+    with np.errstate(over="ignore"):
+        q = _hashes(mats, _row_hashes(mats, t_in), t_out)
     return [q.classes(j) for j in range(len(weights) + 1)]
 
 
@@ -282,34 +304,22 @@ def _mix_py(x) -> np.uint64:
 def relabelled_period(weights) -> LayerPeriod | None:
     """The smallest relabelled period p (2 p < L) and its maps, or None (see the module
     docstring; ``None`` also when the twin quotient is too large to search)."""
-    L = len(weights)
-    if L < 3:
+    return _relabelled_period([_sorted_csr(W) for W in weights])
+
+
+def _relabelled_period(mats: list) -> LayerPeriod | None:
+    if len(mats) < 3:
         return None
-    mats = [_sorted_csr(W) for W in weights]
-    if not _twins_worth_searching(mats):
-        return None
+    t_in, t_out = _tables(max(max(W.shape) for W in mats))
     with np.errstate(over="ignore"):
-        return _search(_hashes(mats))
-
-
-def _twins_worth_searching(mats) -> bool:
-    """The cheap test first (NumPy only, no compiled kernel): rows of W^k with the same
-    columns bound the twin classes from below, so when layers 1 .. L hold more distinct rows
-    than :data:`QUOTIENT_FRACTION` of their neurons the full twin quotient is too large."""
-    table = _tables(max(W.shape[1] for W in mats))[0]
-    distinct = neurons = 0
-    for W in mats:
-        d = np.diff(W.indptr)
-        vals = table[W.indices]
-        if d.size and d.min() == d.max():
-            h = vals.reshape(d.size, int(d[0])).sum(axis=1, dtype=np.uint64)
-        else:
-            h = np.zeros(d.size, dtype=np.uint64)
-            nz = np.flatnonzero(d)
-            h[nz] = np.add.reduceat(vals, W.indptr[:-1][nz])
-        distinct += np.unique(h).size
-        neurons += d.size
-    return distinct <= QUOTIENT_FRACTION * neurons
+        # the cheap test first, in NumPy (no compiler started): rows of W^k with the same
+        # columns bound the twin classes from below, so when layers 1 .. L hold more distinct
+        # rows than QUOTIENT_FRACTION of their neurons the twin quotient is too large
+        rows = _row_hashes(mats, t_in)
+        distinct = sum(np.unique(h).size for h in rows)
+        if distinct > QUOTIENT_FRACTION * sum(h.size for h in rows):
+            return None
+        return _search(_hashes(mats, rows, t_out))
 
 
 def _search(q: _Quotient) -> LayerPeriod | None:
@@ -369,10 +379,10 @@ def find_period(weights, *, relabelled: bool = True) -> LayerPeriod | None:
     """The exact period (:func:`layer_period`) if there is one, else (``relabelled``) the
     relabelled period (:func:`relabelled_period`), else None; only periods with 2 p < L, the
     ones worth repeating, are returned."""
-    L = len(weights)
-    p = layer_period(weights)
-    if p is not None and 2 * p < L:
+    mats = [_sorted_csr(W) for W in weights]
+    p = _exact_period(mats)
+    if p is not None and 2 * p < len(mats):
         return LayerPeriod(period=p)
     if relabelled:
-        return relabelled_period(weights)
+        return _relabelled_period(mats)
     return None
