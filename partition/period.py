@@ -9,9 +9,11 @@ This module finds the period from the data alone.
 A *relabelled period* p of W^1 .. W^L is a family of bijections sigma_j (layer j + p -> layer
 j, j = 0 .. L - p) with
 
-    W^{k+p}[a, b] != 0  <=>  W^k[sigma_k(a), sigma_{k-1}(b)] != 0      for k = 1 .. L - p,
+    (a, b) stored in W^{k+p}  <=>  (sigma_k(a), sigma_{k-1}(b)) stored in W^k   for k = 1 .. L - p,
 
-an isomorphism of the layered graph of neuron layers 0 .. L - p (chain A) onto that of layers
+on the sparsity pattern as stored (duplicates summed; an explicitly stored zero counts as an
+entry, as it does in the partitioner's hypergraph, eq. 12).  It is an isomorphism of the
+layered graph of neuron layers 0 .. L - p (chain A) onto that of layers
 p .. L (chain B) that maps layer j to layer j + p.  Layer 0 is the input and layer L the output;
 the chains use only their own layers' edges (layer p's in-edges from W^p are not part of B).
 
@@ -29,8 +31,8 @@ How it is found:
    and B side by side and stops at the first level whose colour multisets differ (no isomorphism
    extends the choices made); while a colour holds several vertices, one vertex of A and a
    vertex of B of that colour get a new common colour and refinement runs again (the B
-   vertices of that colour are tried in turn, at most :data:`TRIALS_PER_PERIOD` failures per
-   candidate period).  A discrete, matching colouring is an isomorphism of the
+   vertices of that colour are tried in turn, depth first, backtracking out of a branch that
+   finds no isomorphism; at most :data:`TRIALS_PER_PERIOD` failures per candidate period).  A discrete, matching colouring is an isomorphism of the
    quotient chains, checked edge by edge.
 3. **Expansion**: the members of a class of B map onto the members of its image class in A in
    index order (twins are interchangeable).
@@ -63,9 +65,11 @@ __all__ = [
 #: the relabelled-period search runs when the twin quotient has at most this fraction of the
 #: neurons (a RadiX-Net widened by blocks of 16 has 1/16)
 QUOTIENT_FRACTION = 0.5
-#: failed individualisations (a B vertex tried for an A vertex whose refinement did not
-#: match) after which a candidate period is given up; with symmetric quotients (RadiX-Nets) the
-#: first candidate of every choice succeeds, an asymmetric one needs up to a class's size
+#: failed individualisations (a B vertex tried for an A vertex whose refinement did not match,
+#: or whose branch found no isomorphism) after which a candidate period is given up, counted
+#: over the whole search of that period; with symmetric quotients (RadiX-Nets) the first
+#: candidate of every choice succeeds, an asymmetric one needs up to a class's size per choice,
+#: and a quotient of many components refinement cannot tell apart may need more than the budget
 TRIALS_PER_PERIOD = 256
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -96,10 +100,11 @@ class LayerPeriod:
 
 
 def _sorted_csr(W) -> sp.csr_matrix:
+    """CSR with sorted indices and no duplicate entries (a copy only when needed)."""
     A = sp.csr_matrix(W)
-    if not A.has_sorted_indices:
+    if not A.has_canonical_format:
         A = A.copy()
-        A.sort_indices()
+        A.sum_duplicates()
     return A
 
 
@@ -246,12 +251,29 @@ def _isomorphism(chain_a, chain_b) -> list | None:
     distinct = np.zeros(levels, dtype=np.int64)
     if not _kernels().refine(col, *args, np.ones(levels, dtype=np.bool_), distinct):
         return None
-    fresh = np.uint64(1)
-    failed = 0
-    while True:
+    failed = [0]
+
+    def leaf(col):
+        oa, ob = np.argsort(col[:n]), np.argsort(col[n:])
+        if not np.array_equal(col[:n][oa], col[n:][ob]):
+            return None
+        b_to_a = np.empty(n, dtype=np.int64)
+        b_to_a[ob] = oa
+        # the map must carry every class onto one as big and every edge of B onto an edge of A
+        if not np.array_equal(size_a[b_to_a], size_b):
+            return None
+        if not np.array_equal(np.sort(ra * n + ca), np.sort(b_to_a[rb] * n + b_to_a[cb])):
+            return None
+        return [b_to_a[off_a[j]:off_a[j + 1]] - off_a[j] for j in range(levels)]
+
+    def descend(col, distinct, depth):
+        """Individualise one vertex of the smallest non-singleton colour of A against each B
+        vertex of that colour in turn, refine, go deeper; backtrack when a branch fails."""
         vals, first, counts = np.unique(col[:n], return_index=True, return_counts=True)
         if counts.max() == 1:
-            break
+            return leaf(col)
+        if depth >= _MAX_DEPTH:
+            raise _GiveUp
         multi = np.flatnonzero(counts > 1)
         pick = multi[np.lexsort((first[multi], counts[multi]))[0]]  # smallest class, lowest
         u = int(first[pick])
@@ -259,30 +281,32 @@ def _isomorphism(chain_a, chain_b) -> list | None:
         dirty = np.zeros(levels, dtype=np.bool_)
         dirty[max(j - 1, 0):j + 2] = True
         dirty[j] = False
+        mark = _mix_py(vals[pick] + np.uint64(depth + 1) * _GOLDEN)
         for v in (np.flatnonzero(col[n:] == vals[pick]) + n).tolist():
             trial, seen = col.copy(), distinct.copy()
-            trial[u] = trial[v] = _mix_py(vals[pick] + fresh * _GOLDEN)
+            trial[u] = trial[v] = mark
             seen[j] += 1
             if _kernels().refine(trial, *args, dirty.copy(), seen):
-                col, distinct = trial, seen
-                break
-            failed += 1
-            if failed >= TRIALS_PER_PERIOD:
-                return None
-        else:
-            return None
-        fresh += np.uint64(1)
-    oa, ob = np.argsort(col[:n]), np.argsort(col[n:])
-    if not np.array_equal(col[:n][oa], col[n:][ob]):
+                found = descend(trial, seen, depth + 1)
+                if found is not None:
+                    return found
+            failed[0] += 1
+            if failed[0] >= TRIALS_PER_PERIOD:
+                raise _GiveUp
         return None
-    b_to_a = np.empty(n, dtype=np.int64)
-    b_to_a[ob] = oa
-    # the map must carry every edge of B onto an edge of A, and every class onto one as big
-    if not np.array_equal(size_a[b_to_a], size_b):
+
+    try:
+        return descend(col, distinct, 0)
+    except _GiveUp:
         return None
-    if not np.array_equal(np.sort(ra * n + ca), np.sort(b_to_a[rb] * n + b_to_a[cb])):
-        return None
-    return [b_to_a[off_a[j]:off_a[j + 1]] - off_a[j] for j in range(levels)]
+
+
+class _GiveUp(Exception):
+    """The search's budget (:data:`TRIALS_PER_PERIOD`, :data:`_MAX_DEPTH`) is spent."""
+
+
+#: individualisations on one branch before a candidate period is given up (Python recursion)
+_MAX_DEPTH = 500
 
 
 def _colour0(level: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -308,7 +332,7 @@ def relabelled_period(weights) -> LayerPeriod | None:
 
 
 def _relabelled_period(mats: list) -> LayerPeriod | None:
-    if len(mats) < 3:
+    if len(mats) < 3 or any(0 in W.shape for W in mats):
         return None
     t_in, t_out = _tables(max(max(W.shape) for W in mats))
     with np.errstate(over="ignore"):

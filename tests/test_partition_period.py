@@ -144,3 +144,102 @@ def test_only_periods_worth_repeating(L):
     W = graph_challenge_network(1024, L).weights
     found = find_period(W)
     assert (found.period if found else None) == (6 if L == 13 else None)
+
+
+def _relabelled(base: list, L: int, seed: int, widen: int = 2) -> list:
+    """W^k = P_k kron(ones, base[(k-1) % p]) P_{k-1}^T with a random P_k for every level
+    (inputs and outputs too)."""
+    rng = np.random.default_rng(seed)
+    mats = [sp.csr_matrix(sp.kron(np.ones((widen, widen)), base[(k - 1) % len(base)]))
+            for k in range(1, L + 1)]
+    for m in mats:
+        m.eliminate_zeros()  # kron with a dense block goes through BSR and stores zeros
+    widths = [mats[0].shape[1]] + [m.shape[0] for m in mats]
+    perms = [rng.permutation(w) for w in widths]
+    return [sp.csr_matrix(mats[k - 1][perms[k]][:, perms[k - 1]]) for k in range(1, L + 1)]
+
+
+def _rook_and_shrikhande():
+    """Two strongly regular graphs with the same parameters (16, 6, 2, 2), not isomorphic:
+    colour refinement cannot tell them (or their vertices) apart."""
+    cells = [(a, b) for a in range(4) for b in range(4)]
+    rook = np.array([[int(u != v and (u[0] == v[0] or u[1] == v[1])) for v in cells]
+                     for u in cells])
+    steps = {(0, 1), (0, 3), (1, 0), (3, 0), (1, 1), (3, 3)}
+    shrikhande = np.array([[int(((v[0] - u[0]) % 4, (v[1] - u[1]) % 4) in steps) for v in cells]
+                           for u in cells])
+    return rook + np.eye(16, dtype=int), shrikhande + np.eye(16, dtype=int)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_backtracking_finds_a_period_refinement_cannot_see(seed):
+    """Layers block_diag(rook, Shrikhande) repeated with period 1: refinement sees every vertex
+    alike, a first individualisation may pick the wrong block, and only backtracking out of it
+    finds the map (without it, half of these seeds were missed at L = 3, found by review)."""
+    rook, shrikhande = _rook_and_shrikhande()
+    W = _relabelled([sp.block_diag([rook, shrikhande], format="csr")], 3, seed)
+    found = relabelled_period(W)
+    assert found is not None and found.period == 1
+    _assert_isomorphism(W, found)
+
+
+def test_a_candidate_rejected_by_the_isomorphism_search(monkeypatch):
+    """Rook and Shrikhande layers have every per-layer invariant in common, so the candidate
+    period reaches the isomorphism search, which must reject it."""
+    import partition.period as period_mod
+
+    rook, shrikhande = _rook_and_shrikhande()
+    W = _relabelled([rook, rook, shrikhande], 7, seed=1)  # R R S R R S R: p = 3 is real
+    calls = []
+    real = period_mod._isomorphism
+    monkeypatch.setattr(period_mod, "_isomorphism", lambda a, b: calls.append(1) or real(a, b))
+    found = relabelled_period(W)
+    assert found is not None and found.period == 3
+    _assert_isomorphism(W, found)
+    assert len(calls) >= 2  # p = 1 and p = 2 reached the search and were refused there
+
+
+def test_chain_ends_use_their_own_twins():
+    """A's last level and B's first have in- or out-edges only inside their chain: neurons
+    there with the same inputs but other outputs are twins of the chain, not of the network.
+    Using the network's classes there loses this period (found by review)."""
+    W = _relabelled([np.kron(np.ones((2, 2)), [[1, 0], [1, 0]])], 3, seed=0, widen=1)
+    found = relabelled_period(W)
+    assert found is not None and found.period == 1
+    _assert_isomorphism(W, found)
+
+
+def test_hash_collisions_are_caught(monkeypatch):
+    """With degenerate hash tables (every neuron hashes alike) twin classes merge non-twins;
+    the exact checks must refuse them or the maps must still be true."""
+    import partition.period as period_mod
+
+    ones = lambda n: (np.ones(n, dtype=np.uint64), np.ones(n, dtype=np.uint64))  # noqa: E731
+    monkeypatch.setattr(period_mod, "_tables", ones)
+    W = graph_challenge_network(1024, 14).weights
+    found = relabelled_period(W)
+    if found is not None:
+        _assert_isomorphism(W, found)
+    rng = np.random.default_rng(5)
+    base = [sp.csr_matrix((rng.random((6, 6)) < 0.4).astype(float)) for _ in range(2)]
+    W = _relabelled(base, 7, seed=3)
+    found = relabelled_period(W)
+    if found is not None:
+        _assert_isomorphism(W, found)
+
+
+def test_stored_pattern_degenerate_shapes_and_duplicates():
+    """Duplicate entries are summed before the search (a CSR storing each entry twice still
+    has its period); a zero-width layer has none and does not crash."""
+    W = graph_challenge_network(1024, 14).weights
+    doubled = []
+    for w in W:  # every entry stored twice, side by side (not canonical)
+        w = sp.csr_matrix(w)
+        d = np.diff(w.indptr)
+        doubled.append(sp.csr_matrix((np.repeat(w.data, 2), np.repeat(w.indices, 2),
+                                      np.concatenate(([0], np.cumsum(2 * d)))), shape=w.shape))
+        assert not doubled[-1].has_canonical_format
+    found = relabelled_period(doubled)
+    assert found is not None and found.period == 6
+    empty = [sp.csr_matrix((0, 4)), sp.csr_matrix((4, 0)), sp.csr_matrix((0, 4))]
+    assert find_period(empty) is None
