@@ -229,6 +229,21 @@ def _read_metrics(out: Path) -> list[dict]:
     return lines
 
 
+def _job_steps(lines: list, steps_max: dict | None) -> tuple[dict, str] | None:
+    """The run's per-step simulated lengths over all ranks (``summary.json`` ``steps_max``)
+    and the line key that counts steps from 1 (``index``, else ``step``), when the counter's
+    last value is the number of entries (one entry per step of the lines)."""
+    if not steps_max or not lines:
+        return None
+    n = len(steps_max.get("step_s", []))
+    for key in ("index", "step"):
+        vals = [line.get(key) for line in lines]
+        if all(isinstance(v, int) and 0 < v <= n for v in vals) and vals[-1] == n and \
+                vals == sorted(set(vals)):
+            return steps_max, key
+    return None
+
+
 def compare_steps(out, *, skip: int = 1) -> dict:
     """Predicted vs measured time per step from a run's ``metrics.jsonl``.
 
@@ -237,6 +252,9 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     ``sim_s`` with a step counter (``step`` / ``iteration`` / ``k``), from which the predicted
     time per step is the difference to the previous line over the steps between them; likewise
     ``step_no_overlap_s`` or cumulative ``no_overlap_s`` for the additive clock, when present.
+    When ``summary.json`` holds the run's per-step simulated lengths reduced over the ranks
+    (``steps_max``, :meth:`runner.run.Run.finish`), the predicted step is the slowest rank's,
+    the job's step (the metrics lines carry rank 0's, kept as ``predicted_s_rank0``).
     The first ``skip`` lines (warm-up) are left out of the medians.  A line's
     ``time_dilation`` K (a dilated replay, :mod:`runner.replay`) divides its measured time:
     the measured step of the emulated cluster.
@@ -244,6 +262,9 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     Returns ``{"rows": [...], "median_ratio": predicted / measured, ...}``.
     """
     lines = _read_metrics(out)
+    summary = Path(out) / "summary.json"
+    sm = json.loads(summary.read_text()) if summary.exists() else {}
+    job = _job_steps(lines, sm.get("steps_max"))
     rows = []
     prev = None
     for line in lines:
@@ -264,6 +285,13 @@ def compare_steps(out, *, skip: int = 1) -> dict:
                 row[name] = float(line[per_step])
             elif cum in line and dk:
                 row[name] = (line[cum] - (prev or {}).get(cum, 0.0)) / dk
+        if job is not None:  # the job's step: its slowest rank's (Run._steps_max)
+            series, at = job
+            first, last = (prev[at] if prev is not None else 0), line[at]
+            for name, part in (("predicted_s", "step_s"), ("no_overlap_s", "no_overlap_s")):
+                if name in row:
+                    row[name + "_rank0"] = row[name]
+                    row[name] = float(statistics.fmean(series[part][first:last]))
         if "predicted_s" not in row:
             raise LabError(f"{Path(out) / 'metrics.jsonl'}: line {k} has neither step_sim_s nor "
                            "a cumulative sim_s with a step counter")
@@ -278,15 +306,14 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     def med(xs):
         return float(statistics.median(xs))
     res = {"out": str(out), "skip": skip, "rows": rows, "steps_compared": len(used),
+           "predicted_from": "the slowest rank, step by step" if job is not None else "rank 0",
            "median_measured_s": med([r["measured_s"] for r in used]),
            "median_predicted_s": med([r["predicted_s"] for r in used]),
            "median_ratio": med([r["ratio"] for r in used])}
     if all("no_overlap_s" in r for r in used):
         res["median_no_overlap_s"] = med([r["no_overlap_s"] for r in used])
         res["median_no_overlap_ratio"] = med([r["no_overlap_s"] / r["measured_s"] for r in used])
-    summary = Path(out) / "summary.json"
-    if summary.exists():
-        sm = json.loads(summary.read_text())
+    if sm:
         res["cost_model"] = sm.get("cost_model")
         res["timeline"] = sm.get("timeline")
     wire = Path(out) / WIRE_JSON

@@ -196,6 +196,23 @@ class Run:
         line.update(record)
         self.writer.log(line)
 
+    def _steps_max(self) -> dict | None:
+        """Every step's simulated length, the slowest rank's (an element-wise MAX over the
+        ranks, 16 bytes a step: unbooked run bookkeeping like the rest of :meth:`finish`).
+
+        Each rank's timeline starts its steps with every rank together, so a step of the job,
+        whose collectives wait for the slowest member, is the longest of the ranks' steps:
+        ``timing.sim_s`` is that run-level reading, and this is it step by step (what the wire
+        lab compares with the measured steps).  None when the ranks closed different numbers
+        of steps."""
+        hist = np.asarray(self.clock.step_history, dtype=np.float64).reshape(-1, 2)
+        counts = self.world.mpi.allgather(len(hist))
+        if len(set(counts)) != 1 or not counts[0]:
+            return None
+        out = np.empty_like(hist)
+        self.world.mpi.Allreduce(hist, out, op=MPI.MAX)
+        return {"step_s": out[:, 0].tolist(), "no_overlap_s": out[:, 1].tolist()}
+
     def finish(self, metrics: dict | None = None, predicted: dict | None = None,
                extra: dict | None = None) -> dict:
         """Reduce the ledger and timers over all ranks and publish ``summary.json`` (collective).
@@ -210,6 +227,7 @@ class Run:
         # travel (the busiest sends its own to rank 0): this run-level bookkeeping is unbooked
         # traffic, so it is kept O(1) in the world size (a few KB; see the wire lab).
         sims = self.world.mpi.allgather(float(self.clock.sim_s))
+        steps_max = self._steps_max()
         hosts = self.world.mpi.gather(platform.node(), root=0)
         busiest = int(np.argmax(sims))
         desc = self.clock.describe(events=self.rank in (0, busiest))
@@ -265,6 +283,7 @@ class Run:
             "traffic": {"measured": measured, "predicted": predicted or {}},
             "metrics": metrics or {},
             "timing": timing,
+            "steps_max": steps_max,
             "timeline": timeline,
             "calls": ({"per_rank": [g[1] for g in gathered],
                        "placement": self.topo.placement.describe()}

@@ -150,6 +150,9 @@ class SimClock:
         self._nested_ms: list = []     # their measurements, with a deferred source
         self.last_event = None
         self.last_step: StepTiming | None = None
+        #: every closed step's simulated length and its no-overlap length (seconds, this rank):
+        #: the run reduces them over the ranks (the job's step is its slowest rank's)
+        self.step_history: list[tuple[float, float]] = []
         self._t0 = self._step_t0 = time.perf_counter()
         self.step_wall_s = 0.0
         self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
@@ -316,10 +319,12 @@ class SimClock:
             self.last_step = StepTiming(step_s=compute + comm, compute_s=compute, offload_s=0.0,
                                         comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
                                         no_overlap_s=compute + comm)
+            self.step_history.append((self.last_step.step_s, self.last_step.no_overlap_s))
             return self.last_step
         sim_start = self.sim_s - (self.timeline.schedule().step_s
                                   if self.timeline.open_events else 0.0)
         self.last_step = self.timeline.step()
+        self.step_history.append((self.last_step.step_s, self.last_step.no_overlap_s))
         if self.trace_steps is not False:
             self._trace(self.timeline.steps - 1, sim_start)
         return self.last_step

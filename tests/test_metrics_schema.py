@@ -189,6 +189,14 @@ def test_every_trainer_writes_the_schema(runs, name):
         assert [x[key] for x in lines] == sorted(x[key] for x in lines), key
     assert all(x["step_sim_s"] <= x["step_no_overlap_s"] * (1 + 1e-9) + 1e-12 for x in lines)
     assert all(x["step_wall_s"] > 0 for x in lines)
+    # the job's step by step: the slowest rank's simulated step (Run._steps_max), at least
+    # rank 0's that the lines carry
+    job = summary["steps_max"]
+    assert job is not None and len(job["step_s"]) == len(job["no_overlap_s"]) > 0
+    if len(job["step_s"]) == idx[-1]:
+        for x in lines:
+            if x["interval_units"] == 1:
+                assert job["step_s"][x["index"] - 1] >= x["step_sim_s"] * (1 - 1e-12), x
     if unit == "iteration":
         assert [x["iteration"] for x in lines] == [k - 1 for k in idx]   # the paper's k
     else:

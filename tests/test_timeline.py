@@ -1144,3 +1144,26 @@ def test_summary_holds_the_busiest_ranks_events_sent_to_rank0_alone(tmp_path):
     from tests.mpi_helpers import run_mpi
     res = run_mpi("finish_checks.py", 3, tmp_path / "run", timeout=120)
     assert "finish checks ok" in res.stdout, res.stdout + res.stderr
+
+
+def test_compare_steps_predicts_the_slowest_ranks_step(tmp_path):
+    """With the run's per-step lengths reduced over the ranks in summary.json (steps_max), the
+    predicted step is the slowest rank's (a job's collectives wait for it), not rank 0's that the
+    lines carry; lines over several steps take their mean; counters that do not line up with
+    the entries fall back to rank 0's."""
+    _write_metrics(tmp_path / "a", [
+        {"index": 1, "step": 1, "step_sim_s": 0.5, "step_no_overlap_s": 0.6, "step_wall_s": 1.0},
+        {"index": 3, "step": 3, "step_sim_s": 0.5, "step_no_overlap_s": 0.6, "step_wall_s": 0.8}])
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"steps_max": {"step_s": [0.9, 0.7, 0.9], "no_overlap_s": [1.0, 0.8, 1.0]}}))
+    r = wl.compare_steps(tmp_path / "a", skip=0)
+    assert [row["predicted_s"] for row in r["rows"]] == [approx(0.9), approx(0.8)]
+    assert [row["predicted_s_rank0"] for row in r["rows"]] == [0.5, 0.5]
+    assert [row["no_overlap_s"] for row in r["rows"]] == [approx(1.0), approx(0.9)]
+    assert r["predicted_from"].startswith("the slowest rank")
+    assert r["median_ratio"] == approx((0.9 / 1.0 + 0.8 / 0.8) / 2)
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"steps_max": {"step_s": [0.9, 0.7], "no_overlap_s": [1.0, 0.8]}}))  # 2 entries, 3 steps
+    r = wl.compare_steps(tmp_path / "a", skip=0)
+    assert [row["predicted_s"] for row in r["rows"]] == [0.5, 0.5]
+    assert r["predicted_from"] == "rank 0"
