@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["LayerHypergraph", "build_layer_hypergraph", "connectivity_cutsize"]
+__all__ = ["LayerHypergraph", "build_layer_hypergraph", "connectivity_cutsize", "set_hash"]
 
 #: net cost of the model: one word in SpFF plus one word in SpBP (§5)
 NET_COST = 2
@@ -131,15 +131,19 @@ def connectivity_cutsize(hg: LayerHypergraph, part: np.ndarray) -> int:
     return int(np.sum(hg.net_cost * (lam - 1)))
 
 
-def _set_hash(indptr: np.ndarray, indices: np.ndarray, n_items: int, seed: int) -> np.ndarray:
-    """64-bit hash of each CSR row's index set (sum of random words, wrapping)."""
+def set_hash(indptr: np.ndarray, indices: np.ndarray, n_items: int, seed: int) -> np.ndarray:
+    """64-bit hash of each CSR row's index set (sum of random words, wrapping): equal sets hash
+    alike, different ones collide with probability ~2^-64."""
     rnd = np.random.default_rng(seed).integers(1, 2**63 - 1, size=n_items, dtype=np.int64)
     vals = rnd.view(np.uint64)[indices]
     counts = np.diff(indptr)
-    out = np.zeros(indptr.size - 1, dtype=np.uint64)
-    rows = np.flatnonzero(counts)
-    if rows.size:  # reduceat over the non-empty rows (wrapping uint64 sums)
-        out[rows] = np.add.reduceat(vals, indptr[:-1][rows])
+    if counts.size and counts[0] > 0 and np.all(counts == counts[0]):  # regular rows
+        out = vals.reshape(counts.size, int(counts[0])).sum(axis=1, dtype=np.uint64)
+    else:
+        out = np.zeros(indptr.size - 1, dtype=np.uint64)
+        rows = np.flatnonzero(counts)
+        if rows.size:  # reduceat over the non-empty rows (wrapping uint64 sums)
+            out[rows] = np.add.reduceat(vals, indptr[:-1][rows])
     return out + counts.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -165,7 +169,7 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
     n_rows, n_cols = A.shape
     nnz_row = np.diff(A.indptr).astype(np.int64)
     # group identical rows, then cut each group into chunks
-    h = _set_hash(A.indptr, A.indices, n_cols, seed=12345)
+    h = set_hash(A.indptr, A.indices, n_cols, seed=12345)
     _, group = np.unique(h, return_inverse=True)
     order = np.argsort(group, kind="stable")
     g_sorted = group[order]
@@ -204,7 +208,7 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
     else:
         fixed = np.full(n_v, -1, dtype=np.int64)
     # merge identical nets
-    hn = _set_hash(ptr, idx, n_v + parts, seed=54321)
+    hn = set_hash(ptr, idx, n_v + parts, seed=54321)
     _, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
     keep = np.sort(first_net)
     mult_of = dict(zip(first_net.tolist(), mult.tolist()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["column_hashes", "component_sizes", "expand", "quotient", "refine"]
+__all__ = ["column_hashes", "component_sizes", "expand", "mix_all", "quotient", "refine"]
 
 
 @numba.njit(cache=True)
@@ -20,6 +20,15 @@ def _mix(x):
     x = x ^ (x >> np.uint64(27))
     x = x * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def mix_all(x):
+    """:func:`_mix` of every element (the search's colours start from these)."""
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = _mix(x[i])
+    return out
 
 
 @numba.njit(cache=True)

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from partition.hypergraph import set_hash
+
 __all__ = [
     "QUOTIENT_FRACTION",
     "TRIALS_PER_PERIOD",
@@ -59,7 +61,6 @@ __all__ = [
     "find_period",
     "layer_period",
     "relabelled_period",
-    "twin_classes",
 ]
 
 #: the relabelled-period search runs when the twin quotient has at most this fraction of the
@@ -138,10 +139,14 @@ def _kernels():
     return kernels
 
 
-def _tables(n: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0x5EED)
-    return (rng.integers(1, 2**63 - 1, size=n, dtype=np.int64).view(np.uint64),
-            rng.integers(1, 2**63 - 1, size=n, dtype=np.int64).view(np.uint64))
+#: seed of the random words of the set hashes (fixed: the same network, the same classes)
+_SEED = 0x5EED
+
+
+def _out_table(n: int) -> np.ndarray:
+    """Random words of the out-set hashes (one per row of a layer)."""
+    return np.random.default_rng(_SEED + 1).integers(1, 2**63 - 1, size=n,
+                                                     dtype=np.int64).view(np.uint64)
 
 
 @dataclass
@@ -162,20 +167,9 @@ class _Quotient:
         return cls.ravel().astype(np.int64)
 
 
-def _row_hashes(mats: list, table: np.ndarray) -> list:
-    """In-set hash of every row of every layer, sum_c table[c] (wrapping), in NumPy."""
-    out = []
-    for W in mats:
-        d = np.diff(W.indptr)
-        vals = table[W.indices]
-        if d.size and d.min() == d.max():
-            h = vals.reshape(d.size, int(d[0])).sum(axis=1, dtype=np.uint64)
-        else:
-            h = np.zeros(d.size, dtype=np.uint64)
-            nz = np.flatnonzero(d)
-            h[nz] = np.add.reduceat(vals, W.indptr[:-1][nz])
-        out.append(h)
-    return out
+def _row_hashes(mats: list) -> list:
+    """In-set hash of every row of every layer (:func:`partition.hypergraph.set_hash`)."""
+    return [set_hash(W.indptr, W.indices, W.shape[1], seed=_SEED) for W in mats]
 
 
 def _hashes(mats: list, rows: list, t_out: np.ndarray) -> _Quotient:
@@ -185,16 +179,6 @@ def _hashes(mats: list, rows: list, t_out: np.ndarray) -> _Quotient:
     for k, W in enumerate(mats, start=1):
         h_out[k - 1] = _kernels().column_hashes(W.indptr, W.indices, W.shape[1], t_out)
     return _Quotient(mats=mats, h_in=[None, *rows], h_out=h_out)
-
-
-def twin_classes(weights) -> list[np.ndarray]:
-    """Twin class of every neuron of layers 0 .. L (same in-set in W^j and out-set in W^{j+1};
-    the 64-bit set hashes are compared, see :func:`relabelled_period` for the exact check)."""
-    mats = [_sorted_csr(W) for W in weights]
-    t_in, t_out = _tables(max(max(W.shape) for W in mats))
-    with np.errstate(over="ignore"):
-        q = _hashes(mats, _row_hashes(mats, t_in), t_out)
-    return [q.classes(j) for j in range(len(weights) + 1)]
 
 
 def _layer_quotient(W: sp.csr_matrix, row_cls: np.ndarray, col_cls: np.ndarray):
@@ -281,7 +265,7 @@ def _isomorphism(chain_a, chain_b) -> list | None:
         dirty = np.zeros(levels, dtype=np.bool_)
         dirty[max(j - 1, 0):j + 2] = True
         dirty[j] = False
-        mark = _mix_py(vals[pick] + np.uint64(depth + 1) * _GOLDEN)
+        mark = _kernels().mix_all(np.array([vals[pick] + np.uint64(depth + 1) * _GOLDEN]))[0]
         for v in (np.flatnonzero(col[n:] == vals[pick]) + n).tolist():
             trial, seen = col.copy(), distinct.copy()
             trial[u] = trial[v] = mark
@@ -310,19 +294,7 @@ _MAX_DEPTH = 500
 
 
 def _colour0(level: np.ndarray, size: np.ndarray) -> np.ndarray:
-    return _mix_vec(level.astype(np.uint64) * _GOLDEN + size.astype(np.uint64))
-
-
-def _mix_vec(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def _mix_py(x) -> np.uint64:
-    return _mix_vec(np.array([x], dtype=np.uint64))[0]
+    return _kernels().mix_all(level.astype(np.uint64) * _GOLDEN + size.astype(np.uint64))
 
 
 def relabelled_period(weights) -> LayerPeriod | None:
@@ -334,16 +306,15 @@ def relabelled_period(weights) -> LayerPeriod | None:
 def _relabelled_period(mats: list) -> LayerPeriod | None:
     if len(mats) < 3 or any(0 in W.shape for W in mats):
         return None
-    t_in, t_out = _tables(max(max(W.shape) for W in mats))
     with np.errstate(over="ignore"):
         # the cheap test first, in NumPy (no compiler started): rows of W^k with the same
         # columns bound the twin classes from below, so when layers 1 .. L hold more distinct
         # rows than QUOTIENT_FRACTION of their neurons the twin quotient is too large
-        rows = _row_hashes(mats, t_in)
+        rows = _row_hashes(mats)
         distinct = sum(np.unique(h).size for h in rows)
         if distinct > QUOTIENT_FRACTION * sum(h.size for h in rows):
             return None
-        return _search(_hashes(mats, rows, t_out))
+        return _search(_hashes(mats, rows, _out_table(max(W.shape[0] for W in mats))))
 
 
 def _search(q: _Quotient) -> LayerPeriod | None:

@@ -214,8 +214,11 @@ def test_hash_collisions_are_caught(monkeypatch):
     the exact checks must refuse them or the maps must still be true."""
     import partition.period as period_mod
 
-    ones = lambda n: (np.ones(n, dtype=np.uint64), np.ones(n, dtype=np.uint64))  # noqa: E731
-    monkeypatch.setattr(period_mod, "_tables", ones)
+    def degree_only(indptr, indices, n_items, seed):  # every row's hash is its degree
+        return np.diff(indptr).astype(np.uint64)
+
+    monkeypatch.setattr(period_mod, "set_hash", degree_only)
+    monkeypatch.setattr(period_mod, "_out_table", lambda n: np.ones(n, dtype=np.uint64))
     W = graph_challenge_network(1024, 14).weights
     found = relabelled_period(W)
     if found is not None:
