@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     if "random16k" in args.only:
         bench_random(16384, args.layers16k, [
             ("default: KaHyPar fast, chained phases", HypergraphConfig(), 1),
+            ("KaHyPar fast, independent phases, all cores",
+             HypergraphConfig(phases="independent", workers=0), 1),
         ], 1)
     if "files" in args.only:
         bench_files((1024, 16384), args.repeat, args.cache)

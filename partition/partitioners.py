@@ -56,14 +56,19 @@ ENGINES = ("mtkahypar", "kahypar")
 MTKAHYPAR_PRESETS = ("default", "quality", "highest_quality", "deterministic",
                      "deterministic_quality")
 #: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`.
-#: ``fast`` (issue 29): no community detection, one greedy-global initial partitioning run per
-#: bisection, no coarsening inside a bisection below 800 vertices, bisection FM stopped after 10
-#: moves without gain, no k-way FM after the bisections (it changed no partition measured and
-#: took minutes on a 16384-row random layer): 0.1x the CPU time of ``fast_communities`` per
-#: random 32-regular layer at km1 +0.4 %, 0.55x and +3 % on the relabelled Graph Challenge
-#: layers of N = 16384; ``fast_communities``: the ``fast`` before issue 29 (Louvain
-#: communities, one run of the pool of initial partitioners, k-way FM); ``km1``: 20 runs;
-#: ``km1_flows``: 20 runs and flow-based refinement
+#: ``fast`` (issue 29): single-level: no coarsening, no community detection; recursive
+#: bisection of the whole hypergraph, each bisection one greedy-global growing run refined by
+#: 2-way FM stopped after 10 moves without gain; no k-way FM after the bisections (it changed no
+#: partition measured and took minutes on a 16384-row random layer).  Session 12 measured the
+#: multilevel form it replaced (coarsening to 160 k vertices, then inside every bisection to 400)
+#: as slower and worse on every input tried: a 16384-row random 32-regular layer with fixed
+#: vertices 0.58 vs 2.84 s CPU at km1 278,177 vs 291,596 (a random partition: 324,108); four
+#: 16384-row banded layers 1.29 vs 4.00 s at 665 vs 782 words (``fast_communities`` 38.2 s,
+#: 475 words); eight relabelled Graph Challenge layers 262.6 vs 267.0 words.  Heavy-edge
+#: matching on layers without clusters merges unrelated rows, and without k-way refinement the
+#: coarse partition is never repaired; ``fast_communities``: the ``fast`` before issue 29
+#: (Louvain communities, multilevel, one run of the pool of initial partitioners, k-way FM);
+#: ``km1``: 20 runs; ``km1_flows``: 20 runs and flow-based refinement
 KAHYPAR_PRESETS = ("fast", "fast_communities", "km1", "km1_flows")
 PRESETS = MTKAHYPAR_PRESETS + KAHYPAR_PRESETS
 #: how the phases of the multi-phase model follow each other (``HypergraphConfig.phases``)
@@ -371,11 +376,15 @@ _KAHYPAR_COMMON = {
     "i-r-fm-stop": "simple", "i-r-fm-stop-i": "50",
     "r-runs": "-1", "r-fm-stop": "adaptive_opt", "r-fm-stop-alpha": "1", "r-fm-stop-i": "350",
 }
+#: KaHyPar coarsens until c-t * k vertices remain: this c-t leaves every hypergraph uncoarsened
+_NO_COARSENING = 2**30
 _KAHYPAR_PRESETS = {
     "fast": {**_KAHYPAR_COMMON, "r-type": "do_nothing", "i-runs": "1",
              "p-detect-communities": "false", "p-detect-communities-in-ip": "false",
              "c-rating-use-communities": "false", "i-c-rating-use-communities": "false",
-             "i-algo": "greedy_global", "i-c-t": "400", "i-r-fm-stop-i": "10"},
+             # single level: contraction limit c-t * k above any vertex count, flat bisections
+             "c-t": str(_NO_COARSENING), "i-technique": "flat",
+             "i-algo": "greedy_global", "i-r-fm-stop-i": "10"},
     "fast_communities": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1", "i-runs": "1"},
     "km1": {**_KAHYPAR_COMMON, "r-type": "kway_fm_km1"},
     "km1_flows": {**_KAHYPAR_COMMON, "r-type": "kway_fm_hyperflow_cutter_km1",
