@@ -255,7 +255,11 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     When ``summary.json`` holds the run's per-step simulated lengths reduced over the ranks
     (``steps_max``, :meth:`runner.run.Run.finish`), the predicted step is the slowest rank's,
     the job's step (the metrics lines carry rank 0's, kept as ``predicted_s_rank0``).
-    The first ``skip`` lines (warm-up) are left out of the medians.  A line's
+    When it holds a job simulation (``metrics.job_simulation``, a replay:
+    :func:`runner.replay.simulate_job`), that is the prediction: every rank's program run
+    together, step after step, so ranks may drift out of lock step as a real job does; the
+    timeline's step is kept as ``predicted_s_timeline`` (medians ``median_timeline_s`` and
+    ``median_timeline_ratio``).  The first ``skip`` lines (warm-up) are left out of the medians.  A line's
     ``time_dilation`` K (a dilated replay, :mod:`runner.replay`) divides its measured time:
     the measured step of the emulated cluster.
 
@@ -265,6 +269,8 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     summary = Path(out) / "summary.json"
     sm = json.loads(summary.read_text()) if summary.exists() else {}
     job = _job_steps(lines, sm.get("steps_max"))
+    sim = (sm.get("metrics") or {}).get("job_simulation")
+    sim = _job_steps(lines, sim) if sim else None
     rows = []
     prev = None
     for line in lines:
@@ -292,6 +298,12 @@ def compare_steps(out, *, skip: int = 1) -> dict:
                 if name in row:
                     row[name + "_rank0"] = row[name]
                     row[name] = float(statistics.fmean(series[part][first:last]))
+        if sim is not None:  # all ranks' programs simulated together (runner.replay)
+            series, at = sim
+            first, last = (prev[at] if prev is not None else 0), line[at]
+            if "predicted_s" in row:
+                row["predicted_s_timeline"] = row["predicted_s"]
+            row["predicted_s"] = float(statistics.fmean(series["step_s"][first:last]))
         if "predicted_s" not in row:
             raise LabError(f"{Path(out) / 'metrics.jsonl'}: line {k} has neither step_sim_s nor "
                            "a cumulative sim_s with a step counter")
@@ -306,10 +318,16 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     def med(xs):
         return float(statistics.median(xs))
     res = {"out": str(out), "skip": skip, "rows": rows, "steps_compared": len(used),
-           "predicted_from": "the slowest rank, step by step" if job is not None else "rank 0",
+           "predicted_from": ("the job simulation (every rank's program together)"
+                              if sim is not None else "the slowest rank's timeline, step by "
+                              "step" if job is not None else "rank 0's timeline"),
            "median_measured_s": med([r["measured_s"] for r in used]),
            "median_predicted_s": med([r["predicted_s"] for r in used]),
            "median_ratio": med([r["ratio"] for r in used])}
+    if all("predicted_s_timeline" in r for r in used):
+        res["median_timeline_s"] = med([r["predicted_s_timeline"] for r in used])
+        res["median_timeline_ratio"] = med([r["predicted_s_timeline"] / r["measured_s"]
+                                            for r in used])
     if all("no_overlap_s" in r for r in used):
         res["median_no_overlap_s"] = med([r["no_overlap_s"] for r in used])
         res["median_no_overlap_ratio"] = med([r["no_overlap_s"] / r["measured_s"] for r in used])
@@ -373,8 +391,11 @@ def format_run(r: dict) -> str:
             f"#{r['repeat']}: ")
     if "error" in r:
         return head + f"error: {r['error']}"
+    tl = r.get("timeline_ratio")
     return head + (f"predicted {r['predicted_s']:.4f} s/step, measured {r['measured_s']:.4f}, "
-                   f"ratio {r['ratio']:.3f} ({r['steps_compared']} steps; load "
+                   f"ratio {r['ratio']:.3f}"
+                   + ("" if tl is None else f" (one rank's timeline: {tl:.3f})")
+                   + f" ({r['steps_compared']} steps; load "
                    f"{r['load_before']:.1f} -> {r['load_after']:.1f})")
 
 
@@ -383,9 +404,10 @@ def format_comparison(res: dict) -> str:
     def f(x, p=4):
         return "-" if x is None else f"{x:.{p}f}"
     lines = [("| system | hosts x ranks | link | dilation | alpha inter / intra (us) | "
-              "predicted s/step | measured s/step | predicted / measured | no-overlap s/step | "
-              "no-overlap / measured | runs | load |"),
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "predicted s/step | measured s/step | predicted / measured | timeline / measured "
+              "| no-overlap s/step | no-overlap / measured | runs | load |"),
+             ("| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| --- |")]
     for r in res["rows"]:
         a = r["alpha_s"] or {}
         alpha = " / ".join(f"{a[k] * 1e6:.1f}" if k in a else "-" for k in ("inter", "intra"))
@@ -393,7 +415,8 @@ def format_comparison(res: dict) -> str:
         lines.append(f"| {r['system']} | {r['hosts']} x {r['ranks_per_host']} | "
                      f"{r['mbit']:g} Mbit/s | {r.get('time_dilation') or 1:g} | {alpha} | "
                      f"{f(r['predicted_s'])} | "
-                     f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | {f(r['no_overlap_s'])} | "
+                     f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | "
+                     f"{f(r.get('timeline_ratio'), 3)} | {f(r['no_overlap_s'])} | "
                      f"{f(r['no_overlap_ratio'], 3)} | {r['runs']} | {load} |")
         for e in r["errors"]:
             lines.append(f"|   error: {e} |")

@@ -171,6 +171,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                                 measured_s=st["median_measured_s"], ratio=st["median_ratio"],
                                 no_overlap_s=st.get("median_no_overlap_s"),
                                 no_overlap_ratio=st.get("median_no_overlap_ratio"),
+                                timeline_ratio=st.get("median_timeline_ratio"),
                                 payload_vs_booked=wire["ratios"]["payload_vs_booked"],
                                 cost_model=st.get("cost_model"))
                         run["load_after"] = os.getloadavg()[0]
@@ -191,6 +192,6 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                     "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
                     **{k: median_of([r.get(k) for r in ok]) for k in (
                         "predicted_s", "measured_s", "ratio", "no_overlap_s", "no_overlap_ratio",
-                        "load_before",
+                        "timeline_ratio", "load_before",
                         "load_after")}})
     return {"labs": labs, "runs": runs, "rows": rows}

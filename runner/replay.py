@@ -43,12 +43,15 @@ import time
 import numpy as np
 
 from substrate.calls import Call, exchange_shares, wire_bytes
+from substrate.jobsim import JobSim, job_steps
+from substrate.profile import ProfileSource
 
 from .errors import main_guard
 from .options import add_common_args
 from .run import start_run
 
-__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "step_bytes"]
+__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "simulate_job",
+           "step_bytes"]
 
 
 def _dtype(itemsize: int, op: str | None):
@@ -185,6 +188,22 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
     return steps
 
 
+def simulate_job(doc: dict, placement, cost) -> dict:
+    """Every rank's program of the profile ``doc`` simulated together
+    (:class:`substrate.jobsim.JobSim`) on ``placement`` with ``cost``'s links, each rank's
+    blocks charged as its replay charges them: ``{"step_s": [...], "seconds": ...}``, the
+    lengths of rank 0's steps (the lab measures rank 0's)."""
+    programs = doc["programs"]
+    n = len(programs)
+    t0 = time.perf_counter()
+    sim = JobSim(programs, placement.node_of, cost,
+                 [ProfileSource(doc, r, n).cost for r in range(n)])
+    steps = job_steps(sim.run())
+    return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
+            "protocol, max-min fair node links", "bytes": dict(sim.moved),
+            "seconds": time.perf_counter() - t0}
+
+
 def step_bytes(programs, placement) -> list[dict]:
     """World ``{"intra", "inter"}`` bytes of every step of the programs, priced from their
     records on ``placement`` (a collective's record counted once, on its first member; a
@@ -263,6 +282,11 @@ def main(argv=None) -> int:
                         help="time dilation: sleep K x each compute block's profile time, for a "
                              "lab whose links are shaped to 1/K of the emulated rate (default 1; "
                              "see the module docstring)")
+    parser.add_argument("--job-simulation", choices=("on", "off"), default="on",
+                        help="rank 0 also simulates every rank's program together on the cost "
+                             "model's network (substrate.jobsim) and writes each step's length "
+                             "to summary.json metrics.job_simulation, the prediction the wire "
+                             "lab compares with (default on)")
     args = parser.parse_args(argv)
     if not args.dilation >= 1:
         raise ValueError(f"--dilation {args.dilation:g}: must be >= 1 (1: real time; K: the "
@@ -289,10 +313,12 @@ def main(argv=None) -> int:
                    world_bytes=step_bytes(programs, run.topo.placement) if run.rank == 0
                    else None, dilation=args.dilation)
     prov = doc.get("provenance", {})
-    summary = run.finish(metrics={"replay_of": str(args.compute_profile),
-                                  "recorded_by": {k: prov.get(k) for k in
-                                                  ("system", "method", "model", "world")},
-                                  "steps": steps, "time_dilation": args.dilation})
+    metrics = {"replay_of": str(args.compute_profile),
+               "recorded_by": {k: prov.get(k) for k in ("system", "method", "model", "world")},
+               "steps": steps, "time_dilation": args.dilation}
+    if run.rank == 0 and args.job_simulation == "on":
+        metrics["job_simulation"] = simulate_job(doc, run.topo.placement, run.cost)
+    summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]
         print(f"replay of {args.compute_profile}: {steps} steps, inter-node bytes "

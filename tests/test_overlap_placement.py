@@ -220,6 +220,12 @@ def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra,
     assert rep["timing"]["no_overlap_s"] == pytest.approx(costed["timing"]["no_overlap_s"],
                                                           rel=1e-12)
     assert rep["metrics"]["steps"] == 4
+    # the job simulation of the same programs: a step per step, the ledger's bytes moved
+    job = rep["metrics"]["job_simulation"]
+    assert len(job["step_s"]) == 4 and min(job["step_s"]) > 0
+    t = rep["traffic"]["measured"]
+    assert job["bytes"] == {"intra": pytest.approx(t["intra_node_bytes"]),
+                            "inter": pytest.approx(t["inter_node_bytes"])}
 
 
 def test_replay_on_another_placement_moves_the_bytes_to_its_links(tmp_path):

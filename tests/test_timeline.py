@@ -1166,4 +1166,22 @@ def test_compare_steps_predicts_the_slowest_ranks_step(tmp_path):
         {"steps_max": {"step_s": [0.9, 0.7], "no_overlap_s": [1.0, 0.8]}}))  # 2 entries, 3 steps
     r = wl.compare_steps(tmp_path / "a", skip=0)
     assert [row["predicted_s"] for row in r["rows"]] == [0.5, 0.5]
-    assert r["predicted_from"] == "rank 0"
+    assert r["predicted_from"] == "rank 0's timeline"
+
+
+def test_compare_steps_predicts_with_the_job_simulation_when_the_replay_ran_it(tmp_path):
+    """A replay's summary.json holds the job simulation's steps (metrics.job_simulation): they
+    are the prediction, step by step (lines over several steps take their mean); the timeline's
+    job step is kept beside it."""
+    _write_metrics(tmp_path / "a", [
+        {"index": 1, "step": 1, "step_sim_s": 0.5, "step_wall_s": 1.0},
+        {"index": 3, "step": 3, "step_sim_s": 0.5, "step_wall_s": 0.5}])
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"steps_max": {"step_s": [0.9, 0.7, 0.9], "no_overlap_s": [1.0, 0.8, 1.0]},
+         "metrics": {"job_simulation": {"step_s": [1.1, 0.3, 0.5]}}}))
+    r = wl.compare_steps(tmp_path / "a", skip=0)
+    assert [row["predicted_s"] for row in r["rows"]] == [approx(1.1), approx(0.4)]
+    assert [row["predicted_s_timeline"] for row in r["rows"]] == [approx(0.9), approx(0.8)]
+    assert r["predicted_from"].startswith("the job simulation")
+    assert r["median_ratio"] == approx((1.1 / 1.0 + 0.4 / 0.5) / 2)
+    assert r["median_timeline_ratio"] == approx((0.9 / 1.0 + 0.8 / 0.5) / 2)

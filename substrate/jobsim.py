@@ -1,0 +1,435 @@
+"""Job simulation: the recorded programs of every rank run together, step after step, on a
+simulated network (issue 24).
+
+The event timeline (:mod:`substrate.timeline`) schedules one rank's step with every rank
+starting it at the same time, and a collective ends for all its members together.  A real job
+drifts.  In a ring all-gather across two nodes the ranks whose left neighbour shares their node
+receive their last block one hop earlier than the others; with an eager protocol their last
+sends are still on the wire when they return, so they start the next step's compute while the
+link still carries the current step's blocks.  The ranks settle into a pipelined steady state
+in which a link stays busy through part of the compute.  Measured on the wire lab: Top-K 2 x 2
+at 100 Mbit/s ran 0.80x the timeline's step and SSFusion 2 x 2 at 1 Gbit/s 0.86x, while cells
+whose steps start in lock step (ddp, H-SADMM) agree within 2-4 %.
+
+This module is SimGrid SMPI's offline mode for spardist's programs (:mod:`substrate.program`):
+every rank walks its program as :mod:`runner.replay` executes it, in simulated time:
+
+* **compute**: each block waits what the profile charges the replay (a layer block its
+  ``(label, k)`` cost when it begins; a clock block the rest of its cost after its layers and
+  nested blocks, when it ends), one block after the other on the rank's thread;
+* **calls**: every collective is the exact algorithm's point-to-point schedule
+  (:mod:`substrate.collectives`: ring all-reduce and all-gather, binomial broadcast,
+  dissemination barrier; the chunk cut of :func:`~substrate.costmodel.ring_chunk_counts`),
+  each step a send and a receive the rank waits for (``Sendrecv``); calls issued without
+  waiting run on the rank's communication stream, in issue order, while the rank computes; a
+  blocking call, a send or a barrier first waits for the stream to drain (``Comm``'s rule);
+* **messages**: an eager message (every message up to ``eager_limit`` bytes) leaves when it is
+  posted and its send completes at once; a larger one (rendezvous) leaves when the receive is
+  posted as well, one more latency later, and its send completes when it has arrived.  A
+  message waits its link's latency α, then moves its bytes; messages between one pair of ranks
+  move one after the other (one connection);
+* **network**: every node has an uplink and a downlink of the inter-node bandwidth; the
+  messages moving at one time share them max-min fairly (progressive filling), each at the
+  rate of its most loaded link.  Messages inside a node move at the intra-node bandwidth each,
+  unshared (the lab's loopback; a shared-memory copy).
+
+The result is every rank's simulated time at each step boundary (``"S"`` entries):
+:func:`job_steps` gives the steps of the job, whose length the lab compares with the measured
+one (:func:`lab.analysis.job_prediction`).  Nothing is fitted: the inputs are the programs,
+the profile, the placement and the cost model's α and β.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .costmodel import CostModel, binomial_children, ring_chunk_counts
+
+__all__ = ["JobSim", "job_steps"]
+
+#: a flow whose remaining bytes fall below this is done (floating-point slack)
+_EPS_BYTES = 1e-6
+
+
+@dataclass(eq=False)
+class _Req:
+    """A request (a send, a receive, a call on the stream): done at ``t``."""
+
+    done: bool = False
+    t: float = math.nan
+    waiters: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Msg:
+    src: int
+    dst: int
+    nbytes: float
+    send: _Req
+    recv: _Req | None = None
+    arrived: bool = False
+    eager: bool = True
+    rem: float = 0.0
+    rate: float = 0.0
+    links: tuple = ()
+
+
+@dataclass(eq=False)
+class _Proc:
+    """A generator of one rank's thread (main or a stream call) and what it waits for."""
+
+    gen: object
+    rank: int
+    waiting: int = 0
+
+
+class JobSim:
+    """Simulate ``programs`` (one per world rank) together.
+
+    Parameters
+    ----------
+    programs : list of list
+        Every rank's program (:mod:`substrate.program`), as a compute profile stores them.
+    node_of : sequence of int
+        Node of every world rank (any placement).
+    cost : CostModel
+        α and β of the intra- and inter-node links.
+    charge : list of callables
+        ``charge[r](label, k)``: the seconds rank r's profile charges event ``(label, k)``
+        (``None`` when it lacks it: the replay measures that block, ~0 s; charged 0 here).
+    eager_limit : float
+        Messages of at most this many bytes use the eager protocol (default: all of them, what
+        the lab's MPICH over UCX's TCP transport does for every size the programs send).
+    """
+
+    def __init__(self, programs, node_of, cost: CostModel, charge, *,
+                 eager_limit: float = math.inf) -> None:
+        if len(programs) != len(node_of) or len(charge) != len(programs):
+            raise ValueError(f"JobSim: {len(programs)} programs, {len(node_of)} node entries "
+                             f"and {len(charge)} profiles: give one of each per rank")
+        self.programs = programs
+        self.node_of = [int(n) for n in node_of]
+        self.cost = cost
+        self.charge = charge
+        self.eager_limit = float(eager_limit)
+        self.now = 0.0
+        self.steps: list[list[float]] = [[] for _ in programs]
+        self._ready: deque = deque()
+        self._timers: list = []
+        self._seq = 0
+        self._flows: list[_Msg] = []
+        self._rates_stale = False
+        self._pair_busy: dict = {}          # (src, dst) -> a message moving on that connection
+        self._pair_queue: dict = {}         # (src, dst) -> messages waiting for it
+        self._sends: dict = {}              # match key -> unmatched messages
+        self._recvs: dict = {}              # match key -> unmatched receives
+        self._alive = 0
+        #: bytes moved inside nodes and between them (the ledger's wire bytes, a check)
+        self.moved = {"intra": 0.0, "inter": 0.0}
+
+    # -- requests and processes ------------------------------------------------------------------
+    def _complete(self, req: _Req) -> None:
+        req.done, req.t = True, self.now
+        for proc in req.waiters:
+            proc.waiting -= 1
+            if proc.waiting == 0:
+                self._ready.append(proc)
+        req.waiters = []
+
+    def _spawn(self, gen, rank: int) -> None:
+        self._alive += 1
+        self._ready.append(_Proc(gen, rank))
+
+    def _at(self, t: float, fn) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (t, self._seq, fn))
+
+    def _step(self, proc: _Proc) -> None:
+        """Run ``proc`` until it waits."""
+        while True:
+            try:
+                what, arg = next(proc.gen)
+            except StopIteration:
+                self._alive -= 1
+                return
+            if what == "sleep":
+                if arg > 0:
+                    self._at(self.now + arg, lambda p=proc: self._ready.append(p))
+                    return
+                continue
+            pending = [q for q in arg if not q.done]
+            if not pending:
+                continue
+            proc.waiting = len(pending)
+            for q in pending:
+                q.waiters.append(proc)
+            return
+
+    # -- messages --------------------------------------------------------------------------------
+    def _send(self, src: int, dst: int, key, nbytes: float) -> _Req:
+        req = _Req()
+        if src == dst:                  # a local copy
+            self._complete(req)
+            m = _Msg(src, dst, nbytes, req, arrived=True)
+            self._match_send(key, m)
+            return req
+        m = _Msg(src, dst, float(nbytes), req, eager=nbytes <= self.eager_limit)
+        if m.eager:
+            self._complete(req)
+            self._launch(m, self.now)
+        self._match_send(key, m)
+        return req
+
+    def _match_send(self, key, m: _Msg) -> None:
+        waiting = self._recvs.get(key)
+        if waiting:
+            self._matched(m, waiting.popleft())
+        else:
+            self._sends.setdefault(key, deque()).append(m)
+
+    def _recv(self, src: int, dst: int, key) -> _Req:
+        req = _Req()
+        waiting = self._sends.get(key)
+        if waiting:
+            self._matched(waiting.popleft(), req)
+        else:
+            self._recvs.setdefault(key, deque()).append(req)
+        return req
+
+    def _matched(self, m: _Msg, recv: _Req) -> None:
+        m.recv = recv
+        if m.arrived:
+            self._complete(recv)
+        elif not m.eager:               # rendezvous: the data leaves once both are posted,
+            self._launch(m, self.now + self._alpha(m))   # after the handshake
+
+    def _alpha(self, m: _Msg) -> float:
+        same = self.node_of[m.src] == self.node_of[m.dst]
+        return self.cost.intra_lat if same else self.cost.inter_lat
+
+    def _launch(self, m: _Msg, t: float) -> None:
+        """The message leaves at ``t``: one latency later it moves, after the pair's earlier
+        messages (one connection)."""
+        self._at(t + self._alpha(m), lambda: self._queue(m))
+
+    def _queue(self, m: _Msg) -> None:
+        pair = (m.src, m.dst)
+        if pair in self._pair_busy:
+            self._pair_queue.setdefault(pair, deque()).append(m)
+            return
+        self._move(m)
+
+    def _move(self, m: _Msg) -> None:
+        self._pair_busy[(m.src, m.dst)] = m
+        a, b = self.node_of[m.src], self.node_of[m.dst]
+        m.links = (("intra", m.src, m.dst),) if a == b else (("up", a), ("down", b))
+        self.moved["intra" if a == b else "inter"] += m.nbytes
+        m.rem = m.nbytes
+        if m.rem <= _EPS_BYTES:
+            self._arrive(m)
+            return
+        self._flows.append(m)
+        self._rates_stale = True
+
+    def _arrive(self, m: _Msg) -> None:
+        m.arrived = True
+        pair = (m.src, m.dst)
+        del self._pair_busy[pair]
+        if not m.eager:
+            self._complete(m.send)
+        if m.recv is not None:
+            self._complete(m.recv)
+        queue = self._pair_queue.get(pair)
+        if queue:
+            self._move(queue.popleft())
+
+    def _capacity(self, link) -> float:
+        return self.cost.intra_bw if link[0] == "intra" else self.cost.inter_bw
+
+    def _set_rates(self) -> None:
+        """Max-min fair rates (progressive filling over the links)."""
+        cap: dict = {}
+        users: dict = {}
+        for m in self._flows:
+            for link in m.links:
+                cap.setdefault(link, self._capacity(link))
+                users.setdefault(link, []).append(m)
+        fixed: set = set()
+        while len(fixed) < len(self._flows):
+            best, share = None, math.inf
+            for link, flows in users.items():
+                n = sum(1 for f in flows if id(f) not in fixed)
+                if n and cap[link] / n < share:
+                    best, share = link, cap[link] / n
+            for f in users[best]:
+                if id(f) in fixed:
+                    continue
+                f.rate = share
+                fixed.add(id(f))
+                for link in f.links:
+                    cap[link] -= share
+        self._rates_stale = False
+
+    # -- the simulation --------------------------------------------------------------------------
+    def run(self) -> list[list[float]]:
+        """Simulate every program to its end; returns each rank's times at its step
+        boundaries."""
+        for r in range(len(self.programs)):
+            self._spawn(self._rank(r), r)
+        while True:
+            while self._ready:
+                self._step(self._ready.popleft())
+            if self._rates_stale:
+                self._set_rates()
+            first = min(self._flows, key=lambda m: m.rem / m.rate, default=None)
+            dt_flow = first.rem / first.rate if first is not None else math.inf
+            t_timer = self._timers[0][0] if self._timers else math.inf
+            if dt_flow == math.inf and t_timer == math.inf:
+                break
+            # the next event: the first flow to finish (ended exactly, whatever the rounding
+            # of now + dt) or the next timer
+            dt = dt_flow if self.now + dt_flow <= t_timer else max(0.0, t_timer - self.now)
+            for m in self._flows:
+                m.rem -= m.rate * dt
+            if dt == dt_flow:
+                first.rem = 0.0
+            self.now = max(self.now + dt, self.now) if dt == dt_flow else max(t_timer, self.now)
+            done = [m for m in self._flows if m.rem <= _EPS_BYTES + 1e-9 * m.nbytes]
+            if done:
+                self._flows = [m for m in self._flows if m not in done]
+                self._rates_stale = True
+                for m in done:
+                    self._arrive(m)
+            while self._timers and self._timers[0][0] <= self.now:
+                heapq.heappop(self._timers)[2]()
+        if self._alive:
+            stuck = sorted({p.rank for p in self._waiting_procs()})
+            raise RuntimeError(f"JobSim: ranks {stuck} wait for messages nobody sends (the "
+                               "programs do not match: record them again from one run)")
+        return self.steps
+
+    def _waiting_procs(self):
+        seen = []
+        for queue in self._recvs.values():
+            for req in queue:
+                seen.extend(req.waiters)
+        return seen
+
+    # -- what a rank does ------------------------------------------------------------------------
+    def _rank(self, r: int):
+        """Rank ``r``'s thread: its program as :func:`runner.replay.replay` executes it."""
+        charge = self.charge[r]
+        occurrences: dict = {}
+        blocks: list = []                   # open blocks: [kind, cost, inner]
+        handles: dict = {}
+        stream = None                       # the last call on the communication stream
+        for i, e in enumerate(self.programs[r]):
+            kind = e[0]
+            if kind == "B":
+                key = e[3]
+                k = occurrences.get(key, 0)
+                occurrences[key] = k + 1
+                c = charge(key, k) or 0.0
+                blocks.append([e[1], c, 0.0])
+                if e[1] == "layer":
+                    for b in blocks[:-1]:   # the clock blocks around leave it out
+                        b[2] += c
+                    yield "sleep", c
+            elif kind == "E":
+                what, c, inner = blocks.pop()
+                if what == "clock":
+                    for b in blocks:        # a nested block's whole cost
+                        b[2] += c
+                    yield "sleep", max(0.0, c - inner)
+            elif kind == "C":
+                d, _after, member, wait, tag = e[1:]
+                if not member:              # the leaders' call seen from a follower
+                    continue
+                a = d["algorithm"]
+                if not wait and a in ("allreduce", "bcast", "allgather") \
+                        and len(set(d.get("blocks") or [0])) == 1:
+                    h = _Req()
+                    self._spawn(self._on_stream(r, d, stream, h), r)
+                    stream = handles[i] = h
+                    continue
+                if stream is not None and not stream.done:
+                    yield "wait", [stream]  # a blocking call drains the stream first
+                if a == "p2p":
+                    (src, dst, nbytes), = d["pairs"]
+                    handles[i] = self._send(src, dst, ("p2p", tuple(d["group"]), tag, src, dst),
+                                            nbytes)
+                    continue
+                yield from self._collective(r, d)
+            elif kind == "W":
+                h = handles.get(e[1])
+                if h is not None:
+                    yield "wait", [h]
+            elif kind == "R":
+                source, _nbytes, tag, group = e[1:]
+                handles[i] = self._recv(source, r, ("p2p", tuple(group), tag, source, r))
+            elif kind == "A":
+                yield "wait", [handles[j] for j in e[1] if j in handles]
+            elif kind == "S":
+                self.steps[r].append(self.now)
+                occurrences = {}
+
+    def _on_stream(self, r: int, d: dict, before: _Req | None, h: _Req):
+        if before is not None and not before.done:
+            yield "wait", [before]
+        yield from self._collective(r, d)
+        self._complete(h)
+
+    def _sendrecv(self, r: int, key, right: int, nbytes: float, left: int):
+        s = self._send(r, right, (key, r, right), nbytes)
+        q = self._recv(left, r, (key, left, r))
+        yield "wait", [s, q]
+
+    def _collective(self, r: int, d: dict):
+        """The exact algorithm's messages (:mod:`substrate.collectives`) on rank ``r``."""
+        group = [int(x) for x in d["group"]]
+        p, i = len(group), group.index(r)
+        if p == 1:
+            return
+        a = d["algorithm"]
+        key = ("coll", tuple(group))
+        right, left = group[(i + 1) % p], group[(i - 1) % p]
+        if a == "allreduce":
+            size = int(d["itemsize"])
+            chunk = ring_chunk_counts(int(d["nbytes"]) // size, p) * size
+            for s in range(p - 1):          # reduce-scatter, then all-gather
+                yield from self._sendrecv(r, key, right, chunk[(i - s) % p], left)
+            for s in range(p - 1):
+                yield from self._sendrecv(r, key, right, chunk[(i + 1 - s) % p], left)
+        elif a == "allgather":
+            blocks = d.get("blocks") or [int(d["nbytes"]) // p] * p
+            for s in range(p - 1):
+                yield from self._sendrecv(r, key, right, blocks[(i - s) % p], left)
+        elif a == "bcast":
+            root = int(d.get("root") or 0)
+            rel = (i - root) % p
+            if rel:
+                parent = group[(rel - (rel & -rel) + root) % p]
+                yield "wait", [self._recv(parent, r, (key, parent, r))]
+            sends = [self._send(r, group[(k + root) % p], (key, r, group[(k + root) % p]),
+                                int(d["nbytes"]))
+                     for k in reversed(binomial_children(rel, p))]
+            yield "wait", sends
+        elif a == "barrier":
+            dist = 1
+            while dist < p:
+                yield from self._sendrecv(r, key, group[(i + dist) % p], 0,
+                                          group[(i - dist) % p])
+                dist <<= 1
+        else:
+            raise ValueError(f"JobSim: a {a} call ({d.get('phase')}) cannot be simulated: a "
+                             "member's record holds its own sends only")
+
+
+def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:
+    """Lengths of the steps of ``rank`` (the lab measures rank 0's) from :meth:`JobSim.run`'s
+    step boundaries."""
+    t = boundaries[rank]
+    return [b - a for a, b in zip([0.0, *t[:-1]], t)]
