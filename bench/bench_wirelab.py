@@ -54,6 +54,11 @@ K x 50 us).  The measured step is divided by K
 and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags`).
 ``--dilation Cxranks`` takes K = C x the shape's ranks (one rule for a whole table).
 
+With ``--replay`` the prediction is the job simulation the replay writes
+(:mod:`substrate.jobsim`: every rank's program run together on the cost model's network, so
+ranks may drift out of lock step as the real job does); the one-rank timeline's ratio is
+printed beside it ("one rank's timeline", the table's "timeline / measured" column).
+
 Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the
 ranks' own, not the other jobs' on this box.  ``--tiny`` runs a seconds-long version (the test).

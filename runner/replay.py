@@ -37,6 +37,7 @@ holds its own row only).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -188,7 +189,7 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
     return steps
 
 
-def simulate_job(doc: dict, placement, cost) -> dict:
+def simulate_job(doc: dict, placement, cost, eager_limit: float = math.inf) -> dict:
     """Every rank's program of the profile ``doc`` simulated together
     (:class:`substrate.jobsim.JobSim`) on ``placement`` with ``cost``'s links, each rank's
     blocks charged as its replay charges them: ``{"step_s": [...], "seconds": ...}``, the
@@ -197,10 +198,12 @@ def simulate_job(doc: dict, placement, cost) -> dict:
     n = len(programs)
     t0 = time.perf_counter()
     sim = JobSim(programs, placement.node_of, cost,
-                 [ProfileSource(doc, r, n).cost for r in range(n)])
+                 [ProfileSource(doc, r, n).cost for r in range(n)], eager_limit=eager_limit)
     steps = job_steps(sim.run())
     return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
-            "protocol, max-min fair node links", "bytes": dict(sim.moved),
+            "protocol up to eager_limit, max-min fair node links",
+            "eager_limit": None if math.isinf(eager_limit) else eager_limit,
+            "bytes": dict(sim.moved),
             "seconds": time.perf_counter() - t0}
 
 
@@ -287,7 +290,15 @@ def main(argv=None) -> int:
                              "model's network (substrate.jobsim) and writes each step's length "
                              "to summary.json metrics.job_simulation, the prediction the wire "
                              "lab compares with (default on)")
+    parser.add_argument("--eager-limit", type=float, default=math.inf, metavar="BYTES",
+                        help="the job simulation sends messages above BYTES by rendezvous "
+                             "(the data leaves once the receive is posted; default: every "
+                             "message eager, which the wire lab's MPICH over UCX's TCP measured "
+                             "like, see substrate.jobsim)")
     args = parser.parse_args(argv)
+    if not args.eager_limit >= 0:
+        raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes (default: "
+                         "every message eager). Fix: e.g. --eager-limit 262144")
     if not args.dilation >= 1:
         raise ValueError(f"--dilation {args.dilation:g}: must be >= 1 (1: real time; K: the "
                          "run slowed K-fold). Fix: e.g. --dilation 4")
@@ -317,7 +328,8 @@ def main(argv=None) -> int:
                "recorded_by": {k: prov.get(k) for k in ("system", "method", "model", "world")},
                "steps": steps, "time_dilation": args.dilation}
     if run.rank == 0 and args.job_simulation == "on":
-        metrics["job_simulation"] = simulate_job(doc, run.topo.placement, run.cost)
+        metrics["job_simulation"] = simulate_job(doc, run.topo.placement, run.cost,
+                                                 eager_limit=args.eager_limit)
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

@@ -334,15 +334,19 @@ def test_replay_sleeps_sum_to_the_profile(monkeypatch):
     assert 16 * sum(blocks) <= now[0] <= 16 * sum(blocks) + 9e-5 + 1e-12
 
 
-def test_replay_refuses_a_dilation_below_one(tmp_path):
+@pytest.mark.parametrize("flag,value,message", [
+    ("--dilation", "0.5", "--dilation 0.5: must be >= 1"),
+    ("--eager-limit", "-1", "--eager-limit -1: must be >= 0 bytes"),
+])
+def test_replay_refuses_a_bad_dilation_or_eager_limit(tmp_path, capsys, flag, value, message):
     from runner import replay as rp
 
     prof = tmp_path / "p.json"
     prof.write_text("{}")
     with pytest.raises(SystemExit) as exc:
-        rp.main(["--compute-profile", str(prof), "--dilation", "0.5", "--out",
-                 str(tmp_path / "o")])
+        rp.main(["--compute-profile", str(prof), flag, value, "--out", str(tmp_path / "o")])
     assert exc.value.code != 0
+    assert message in capsys.readouterr().err
 
 
 def test_lab_jobs_inherit_the_timer_slack():
