@@ -35,8 +35,8 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
 
 The result is every rank's simulated time at each step boundary (``"S"`` entries):
 :func:`job_steps` gives the steps of the job, whose length the lab compares with the measured
-one (:func:`lab.analysis.job_prediction`).  Nothing is fitted: the inputs are the programs,
-the profile, the placement and the cost model's α and β.
+one (the replay writes them to ``summary.json``: ``runner.replay.simulate_job``).  Nothing is
+fitted: the inputs are the programs, the profile, the placement and the cost model's α and β.
 """
 
 from __future__ import annotations
