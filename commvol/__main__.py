@@ -1,7 +1,7 @@
 """``python -m commvol {predict,partition-table,scale,report,gantt,plot-scaling,plot-tta,rerun,
-trace}``: the sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`,
-:mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.plots`, :mod:`commvol.rerun` and
-:mod:`commvol.trace`."""
+trace,simulate}``: the sub-commands of :mod:`commvol.predict`, :mod:`commvol.partition_table`,
+:mod:`commvol.scale`, :mod:`commvol.report`, :mod:`commvol.plots`, :mod:`commvol.rerun`,
+:mod:`commvol.trace` and :mod:`commvol.simulate`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 from runner.errors import main_guard
 
-from . import partition_table, plots, predict, report, rerun, scale, trace
+from . import partition_table, plots, predict, report, rerun, scale, simulate, trace
 
 __all__ = ["build_parser", "main"]
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "partition table, strong scaling, run reports "
                                             "and timeline plots")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for mod in (predict, partition_table, scale, report, plots, rerun, trace):
+    for mod in (predict, partition_table, scale, report, plots, rerun, trace, simulate):
         mod.add_parser(sub)
     return p
 

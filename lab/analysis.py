@@ -256,7 +256,7 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     (``steps_max``, :meth:`runner.run.Run.finish`), the predicted step is the slowest rank's,
     the job's step (the metrics lines carry rank 0's, kept as ``predicted_s_rank0``).
     When it holds a job simulation (``metrics.job_simulation``, a replay:
-    :func:`runner.replay.simulate_job`), that is the prediction: every rank's program run
+    :func:`substrate.jobsim.simulate_profile`), that is the prediction: every rank's program run
     together, step after step, so ranks may drift out of lock step as a real job does; the
     timeline's step is kept as ``predicted_s_timeline`` (medians ``median_timeline_s`` and
     ``median_timeline_ratio``).  The first ``skip`` lines (warm-up) are left out of the medians.  A line's

@@ -44,15 +44,13 @@ import time
 import numpy as np
 
 from substrate.calls import Call, exchange_shares, wire_bytes
-from substrate.jobsim import JobSim, job_steps
-from substrate.profile import ProfileSource
+from substrate.jobsim import simulate_profile
 
 from .errors import main_guard
 from .options import add_common_args
 from .run import start_run
 
-__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "simulate_job",
-           "step_bytes"]
+__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "step_bytes"]
 
 
 def _dtype(itemsize: int, op: str | None):
@@ -189,24 +187,6 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
     return steps
 
 
-def simulate_job(doc: dict, placement, cost, eager_limit: float = math.inf) -> dict:
-    """Every rank's program of the profile ``doc`` simulated together
-    (:class:`substrate.jobsim.JobSim`) on ``placement`` with ``cost``'s links, each rank's
-    blocks charged as its replay charges them: ``{"step_s": [...], "seconds": ...}``, the
-    lengths of rank 0's steps (the lab measures rank 0's)."""
-    programs = doc["programs"]
-    n = len(programs)
-    t0 = time.perf_counter()
-    sim = JobSim(programs, placement.node_of, cost,
-                 [ProfileSource(doc, r, n).cost for r in range(n)], eager_limit=eager_limit)
-    steps = job_steps(sim.run())
-    return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
-            "protocol up to eager_limit, max-min fair node links",
-            "eager_limit": None if math.isinf(eager_limit) else eager_limit,
-            "bytes": dict(sim.moved),
-            "seconds": time.perf_counter() - t0}
-
-
 def step_bytes(programs, placement) -> list[dict]:
     """World ``{"intra", "inter"}`` bytes of every step of the programs, priced from their
     records on ``placement`` (a collective's record counted once, on its first member; a
@@ -328,8 +308,8 @@ def main(argv=None) -> int:
                "recorded_by": {k: prov.get(k) for k in ("system", "method", "model", "world")},
                "steps": steps, "time_dilation": args.dilation}
     if run.rank == 0 and args.job_simulation == "on":
-        metrics["job_simulation"] = simulate_job(doc, run.topo.placement, run.cost,
-                                                 eager_limit=args.eager_limit)
+        metrics["job_simulation"] = simulate_profile(doc, run.topo.placement.node_of,
+                                                     run.cost, eager_limit=args.eager_limit)
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

@@ -35,7 +35,7 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
 
 The result is every rank's simulated time at each step boundary (``"S"`` entries):
 :func:`job_steps` gives the steps of the job, whose length the lab compares with the measured
-one (the replay writes them to ``summary.json``: ``runner.replay.simulate_job``).  Nothing is
+one (:func:`simulate_profile`; the replay writes them to ``summary.json``).  Nothing is
 fitted: the inputs are the programs, the profile, the placement and the cost model's α and β.
 """
 
@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .costmodel import CostModel, binomial_children, ring_chunk_counts
+from .profile import ProfileSource
 
-__all__ = ["JobSim", "job_steps"]
+__all__ = ["JobSim", "job_steps", "simulate_profile"]
 
 #: a flow whose remaining bytes fall below this is done (floating-point slack)
 _EPS_BYTES = 1e-6
@@ -445,3 +447,29 @@ def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:
     step boundaries."""
     t = boundaries[rank]
     return [b - a for a, b in zip([0.0, *t[:-1]], t)]
+
+
+def simulate_profile(doc: dict, node_of, cost: CostModel, *,
+                     eager_limit: float = math.inf) -> dict:
+    """Every rank's program of the compute profile ``doc`` (:func:`substrate.profile.
+    load_profile`) simulated together on the placement ``node_of`` with ``cost``'s links, each
+    rank's blocks charged as its replay charges them (:class:`~substrate.profile.
+    ProfileSource`).  Returns ``{"step_s": [...], "bytes": {"intra", "inter"}, ...}``: the
+    lengths of rank 0's steps (what a run's metrics lines measure) and the bytes moved."""
+    programs = doc.get("programs")
+    if programs is None:
+        raise ValueError(f"compute profile {doc.get('path', '')}: holds no programs (recorded "
+                         "by an older spardist or with --clock additive); record it again with "
+                         "--compute-profile-out")
+    n = len(programs)
+    if len(node_of) != n:
+        raise ValueError(f"compute profile {doc.get('path', '')}: recorded on {n} ranks, the "
+                         f"placement has {len(node_of)}; give a placement of {n} ranks")
+    t0 = time.perf_counter()
+    sim = JobSim(programs, node_of, cost, [ProfileSource(doc, r, n).cost for r in range(n)],
+                 eager_limit=eager_limit)
+    steps = job_steps(sim.run())
+    return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
+            "protocol up to eager_limit, max-min fair node links",
+            "eager_limit": None if math.isinf(eager_limit) else eager_limit,
+            "bytes": dict(sim.moved), "seconds": time.perf_counter() - t0}

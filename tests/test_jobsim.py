@@ -2,7 +2,9 @@
 network.  Times are checked against the cost model's closed forms (lock-step cases) and against
 hand-derived schedules (drift, sharing, protocols); bytes against the ledger's wire bytes."""
 
+import json
 import math
+import re
 
 import pytest
 
@@ -171,3 +173,62 @@ def test_programs_that_do_not_match_are_refused():
     a2a = ["C", _call("alltoallv", g, 8), None, True, True, None]
     with pytest.raises(ValueError, match="alltoallv call"):
         JobSim([[a2a], [a2a]], [0, 1], _cost(), [_charge({})] * 2).run()
+
+
+# -- python -m commvol simulate: a recorded job on another network, no MPI ----------------------
+def _profile(path, c=0.25, steps=5):
+    """A profile of the 2 x 2 ring all-gather job of the drift test (T = 1 s at 1000 B/s)."""
+    from substrate.profile import write_profile
+
+    prog = [*_block("c"), ["C", _call("allgather", range(4), 4000, blocks=[1000] * 4), None,
+                           True, True, None], ["S"]] * steps
+    write_profile(path, [{"c": [{"min_s": c, "median_s": c, "count": steps}]}] * 4,
+                  {"system": "test"}, programs=[prog] * 4)
+    return path
+
+
+def test_commvol_simulate_prints_the_steps_on_any_placement(tmp_path, capsys):
+    """Node-major, the ring drifts to max(3T, c + 2T) = 3 s after the lock-step first step;
+    round-robin, every hop crosses nodes and both ranks of a node send over its uplink at every
+    ring step (2T a step): c + 6T, in lock step, with twice the inter-node bytes."""
+    from commvol.__main__ import main
+
+    prof = _profile(tmp_path / "p.json")
+    gbps = BETA * 8 / 1e9
+    common = ["simulate", "--compute-profile", str(prof), "--inter-bw", str(gbps),
+              "--inter-lat", "0", "--intra-lat", "0", "--intra-bw", "1e6"]
+    assert main([*common, "--node-map", "block:2", "--json", str(tmp_path / "a.json")]) == 0
+    out = capsys.readouterr().out
+    assert "steps (ms): 3250.000, 3000.000" in out and "mean step after 1 warm-up: 3000.000" in out
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["step_s"] == pytest.approx([3.25, 3, 3, 3, 3]) and a["bytes"]["inter"] == 6000 * 5
+    assert main([*common, "--node-map", "round-robin:2", "--skip", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "mean step after 0 warm-up: 6250.000" in out and "inter-node 60000" in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--node-map", "block:3"], "block:R needs R ranks per node"),
+    (["--node-map", "block:2", "--skip", "5"], "hold 5 steps; pass --skip 4 or fewer"),
+    (["--node-map", "block:2", "--inter-bw", "0"], "inter_bw must be > 0"),
+    (["--node-map", "block:2", "--eager-limit", "-2"], "--eager-limit -2: must be >= 0"),
+    (["--node-map", "block:2", "--json", "EXISTS"], "already exists; choose a new file"),
+])
+def test_commvol_simulate_refuses_bad_input(tmp_path, extra, message):
+    from commvol.__main__ import main
+
+    prof = _profile(tmp_path / "p.json")
+    (tmp_path / "EXISTS").write_text("keep")
+    extra = [str(tmp_path / x) if x == "EXISTS" else x for x in extra]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["simulate", "--compute-profile", str(prof), *extra])
+    assert (tmp_path / "EXISTS").read_text() == "keep"
+
+
+def test_commvol_simulate_refuses_a_profile_without_programs(tmp_path):
+    from commvol.__main__ import main
+    from substrate.profile import write_profile
+
+    write_profile(tmp_path / "old.json", [{"c": [{"min_s": 0.1, "count": 1}]}], {})
+    with pytest.raises(ValueError, match="holds no programs"):
+        main(["simulate", "--compute-profile", str(tmp_path / "old.json"), "--node-map", "0"])

@@ -375,8 +375,8 @@ def test_job_simulation_of_hsadmm_and_hsgd_moves_the_ledgers_bytes(tmp_path, nam
     receives, wait-alls) programs, recorded on 2 nodes x 2 ranks and simulated together
     (substrate.jobsim, in this process): every step completes and the bytes moved inside and
     between the nodes are the run's measured ledger."""
-    from runner.replay import simulate_job
     from substrate.costmodel import CostModel
+    from substrate.jobsim import simulate_profile
     from substrate.profile import load_profile
 
     prof = tmp_path / "prof.json"
@@ -384,7 +384,7 @@ def test_job_simulation_of_hsadmm_and_hsgd_moves_the_ledgers_bytes(tmp_path, nam
     run_mpi(None, 4, *rest, "--ranks-per-node", 2, "--progress-every", 0, "--out",
             tmp_path / "run", "--compute-profile-out", prof, module=module, timeout=240)
     real = read_summary(tmp_path / "run")
-    job = simulate_job(load_profile(prof), Placement((0, 0, 1, 1)), CostModel())
+    job = simulate_profile(load_profile(prof), (0, 0, 1, 1), CostModel())
     t = real["traffic"]["measured"]
     assert job["bytes"] == {"intra": pytest.approx(t["intra_node_bytes"]),
                             "inter": pytest.approx(t["inter_node_bytes"])}
