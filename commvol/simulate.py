@@ -3,10 +3,11 @@ a recorded job's steps would take on another network or placement, without runni
 
 A run that recorded ``--compute-profile-out FILE`` holds every rank's program (what it computed
 and communicated, in order).  ``simulate`` runs those programs together in simulated time
-(:mod:`substrate.jobsim`: the exact collectives' messages, eager protocol, node links shared
-max-min fairly, compute charged from the profile), on the placement and links given here, and
-prints every step's length and the mean after the warm-up steps.  It starts no MPI: a laptop
-answers "and on 8 nodes at 100 Gbit/s?" for a job recorded anywhere.  The wire lab checks the
+(:mod:`substrate.jobsim`: the exact collectives' messages, eager protocol, node links as
+first-in-first-out queues or shared max-min fairly, compute charged from the profile), on the
+placement and links given here, and prints every step's length and the mean after the warm-up
+steps.  It starts no MPI: a laptop answers "and on 8 nodes at 100 Gbit/s?" for a job recorded
+anywhere.  The wire lab checks the
 same simulation against replays on shaped links (docs/BENCHMARKS.md, session 12).
 """
 
@@ -25,7 +26,7 @@ from substrate.costmodel import (
     DEFAULT_INTRA_LAT_US,
     CostModel,
 )
-from substrate.jobsim import simulate_profile
+from substrate.jobsim import LINK_SHARING, simulate_profile
 from substrate.profile import load_profile
 from substrate.results import atomic_write_bytes
 
@@ -33,7 +34,7 @@ __all__ = ["add_parser", "run", "simulate"]
 
 
 def simulate(profile, node_map: str, cost: CostModel, *, eager_limit: float = math.inf,
-             skip: int = 1) -> dict:
+             skip: int = 1, link_sharing: str = "fifo") -> dict:
     """The job simulation of ``profile`` (a path or a loaded profile) on ``node_map``
     (``--node-map`` syntax: ``block:R``, ``round-robin:R`` or a node per rank)."""
     doc = profile if isinstance(profile, dict) else load_profile(profile)
@@ -45,7 +46,8 @@ def simulate(profile, node_map: str, cost: CostModel, *, eager_limit: float = ma
     placement = Placement.parse(node_map, len(programs))
     if skip < 0:
         raise ValueError(f"--skip {skip}: must be >= 0 warm-up steps")
-    res = simulate_profile(doc, placement.node_of, cost, eager_limit=eager_limit)
+    res = simulate_profile(doc, placement.node_of, cost, eager_limit=eager_limit,
+                           link_sharing=link_sharing)
     steps = res["step_s"]
     if len(steps) <= skip:
         raise ValueError(f"--skip {skip}: the profile's programs hold {len(steps)} steps; pass "
@@ -74,6 +76,11 @@ def add_parser(sub) -> None:
                    help="inter-node latency in microseconds (default %(default)s)")
     p.add_argument("--eager-limit", type=float, default=math.inf, metavar="BYTES",
                    help="messages above BYTES go by rendezvous (default: all eager)")
+    p.add_argument("--link-sharing", choices=LINK_SHARING, default="fifo",
+                   help="fifo: every node link a first-in-first-out queue, a node sending one "
+                        "message at a time (TCP through one NIC queue, the wire lab); fair: "
+                        "max-min fair shares per message (per-flow fair queueing, fq_codel, "
+                        "RDMA NICs arbitrating queue pairs) (default %(default)s)")
     p.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the mean "
                    "(default 1)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the result here "
@@ -89,11 +96,11 @@ def run(args) -> None:
         raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes")
     cost = CostModel.from_cli(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat)
     res = simulate(args.compute_profile, args.node_map, cost, eager_limit=args.eager_limit,
-                   skip=args.skip)
+                   skip=args.skip, link_sharing=args.link_sharing)
     steps = ", ".join(f"{s * 1e3:.3f}" for s in res["step_s"])
     print(f"job simulation of {res['profile']} on {args.node_map} (inter {args.inter_bw:g} "
-          f"Gbit/s, {args.inter_lat:g} us; intra {args.intra_bw:g} Gbit/s, {args.intra_lat:g} "
-          f"us)")
+          f"Gbit/s, {args.inter_lat:g} us, {args.link_sharing} links; intra {args.intra_bw:g} "
+          f"Gbit/s, {args.intra_lat:g} us)")
     print(f"  steps (ms): {steps}")
     print(f"  mean step after {args.skip} warm-up: {res['mean_step_s'] * 1e3:.3f} ms; bytes "
           f"moved: inter-node {res['bytes']['inter']:.0f}, intra-node "

@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 from substrate.calls import Call, exchange_shares, wire_bytes
-from substrate.jobsim import simulate_profile
+from substrate.jobsim import LINK_SHARING, simulate_profile
 
 from .errors import main_guard
 from .options import add_common_args
@@ -275,6 +275,10 @@ def main(argv=None) -> int:
                              "(the data leaves once the receive is posted; default: every "
                              "message eager, which the wire lab's MPICH over UCX's TCP measured "
                              "like, see substrate.jobsim)")
+    parser.add_argument("--link-sharing", choices=LINK_SHARING, default="fifo",
+                        help="how the job simulation's messages share a node link: fifo (one "
+                             "message at a time in arrival order, TCP through one NIC queue: "
+                             "the wire lab) or fair (max-min fair shares) (default %(default)s)")
     args = parser.parse_args(argv)
     if not args.eager_limit >= 0:
         raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes (default: "
@@ -309,7 +313,8 @@ def main(argv=None) -> int:
                "steps": steps, "time_dilation": args.dilation}
     if run.rank == 0 and args.job_simulation == "on":
         metrics["job_simulation"] = simulate_profile(doc, run.topo.placement.node_of,
-                                                     run.cost, eager_limit=args.eager_limit)
+                                                     run.cost, eager_limit=args.eager_limit,
+                                                     link_sharing=args.link_sharing)
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

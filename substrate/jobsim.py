@@ -26,12 +26,25 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
 * **messages**: an eager message (every message up to ``eager_limit`` bytes) leaves when it is
   posted and its send completes at once; a larger one (rendezvous) leaves when the receive is
   posted as well, one more latency later, and its send completes when it has arrived.  A
-  message waits its link's latency α, then moves its bytes; messages between one pair of ranks
-  move one after the other (one connection);
-* **network**: every node has an uplink and a downlink of the inter-node bandwidth; the
-  messages moving at one time share them max-min fairly (progressive filling), each at the
-  rate of its most loaded link.  Messages inside a node move at the intra-node bandwidth each,
-  unshared (the lab's loopback; a shared-memory copy).
+  message waits its link's latency α, then moves its bytes;
+* **network**: every node has an uplink and a downlink of the inter-node bandwidth.  By
+  default (``link_sharing="fifo"``) each is a first-in-first-out queue: a node's uplink sends
+  one message at a time, whole, in the order its ranks' messages reached it, into the
+  destination's downlink, which forwards what reaches it in arrival order (a byte that
+  arrives while W bytes wait leaves W / β later).  Nothing pushes back: the queues are deep
+  and a sender is never slowed by the receiver's downlink.  This is TCP on the wire lab (and
+  on a Linux host whose NIC queue is one FIFO): no loss ever shrinks a window, and TCP small
+  queues let up to ``tcp_limit_output_bytes`` of each socket into the queue at once (64 KiB
+  on the lab, half of an H-SGD message; 4 MiB by default), so a message enters the host's
+  queue in one or a few pieces.  Re-predicted offline, H-SGD's stored wire-lab runs (12-15
+  flows per host, the cells max-min sharing missed) move from 0.878 / 0.922 / 0.858 of the
+  measured step at 4 x 2 / 8 x 2 / 16 x 1, 1 Gbit/s, to 0.900 / 0.965 / 0.958, the other
+  systems' cells by at most 0.02 (docs/BENCHMARKS.md, session 13).  With
+  ``link_sharing="fair"`` the messages moving at one time share the links max-min fairly
+  (progressive filling), each at the rate of its most loaded link, and messages between one
+  pair of ranks move one after the other (one connection): per-flow fair queueing, as
+  ``fq_codel`` or a NIC arbitrating between queue pairs gives.  Messages inside a node move at
+  the intra-node bandwidth each, unshared (the lab's loopback; a shared-memory copy).
 
 The result is every rank's simulated time at each step boundary (``"S"`` entries):
 :func:`job_steps` gives the steps of the job, whose length the lab compares with the measured
@@ -50,7 +63,10 @@ from dataclasses import dataclass, field
 from .costmodel import CostModel, binomial_children, ring_chunk_counts
 from .profile import ProfileSource
 
-__all__ = ["JobSim", "job_steps", "simulate_profile"]
+__all__ = ["LINK_SHARING", "JobSim", "job_steps", "simulate_profile"]
+
+#: how the messages crossing one node link share it (:class:`JobSim`'s ``link_sharing``)
+LINK_SHARING = ("fifo", "fair")
 
 #: a flow whose remaining bytes fall below this is done (floating-point slack)
 _EPS_BYTES = 1e-6
@@ -109,13 +125,21 @@ class JobSim:
         blocks are 838,864 bytes, measured what the all-eager simulation predicts (0.976-0.983
         of it at 2 x 2 to 16 x 1) and not the rendezvous one (1.155 at 2 x 2): the default
         follows the measurement.
+    link_sharing : {"fifo", "fair"}
+        How messages share a node's uplink and downlink: first in, first out (default; TCP
+        through one deep FIFO queue per port, the wire lab) or max-min fair (per-flow fair
+        queueing).  See the module's docstring.
     """
 
     def __init__(self, programs, node_of, cost: CostModel, charge, *,
-                 eager_limit: float = math.inf) -> None:
+                 eager_limit: float = math.inf, link_sharing: str = "fifo") -> None:
         if len(programs) != len(node_of) or len(charge) != len(programs):
             raise ValueError(f"JobSim: {len(programs)} programs, {len(node_of)} node entries "
                              f"and {len(charge)} profiles: give one of each per rank")
+        if link_sharing not in LINK_SHARING:
+            raise ValueError(f"JobSim: link_sharing {link_sharing!r} is not one of "
+                             f"{', '.join(LINK_SHARING)}")
+        self.link_sharing = link_sharing
         self.programs = programs
         self.node_of = [int(n) for n in node_of]
         self.cost = cost
@@ -130,6 +154,8 @@ class JobSim:
         self._rates_stale = False
         self._pair_busy: dict = {}          # (src, dst) -> a message moving on that connection
         self._pair_queue: dict = {}         # (src, dst) -> messages waiting for it
+        self._uplink: dict = {}             # node -> messages in its uplink's FIFO (head moves)
+        self._downlink: dict = {}           # node -> [W bytes waiting, input rate, at time]
         self._sends: dict = {}              # match key -> unmatched messages
         self._recvs: dict = {}              # match key -> unmatched receives
         self._alive = 0
@@ -223,33 +249,76 @@ class JobSim:
 
     def _queue(self, m: _Msg) -> None:
         pair = (m.src, m.dst)
+        if self.link_sharing == "fifo" and self.node_of[m.src] != self.node_of[m.dst]:
+            self._move(m)               # the uplink's FIFO keeps a connection's order
+            return
         if pair in self._pair_busy:
             self._pair_queue.setdefault(pair, deque()).append(m)
             return
         self._move(m)
 
     def _move(self, m: _Msg) -> None:
-        self._pair_busy[(m.src, m.dst)] = m
         a, b = self.node_of[m.src], self.node_of[m.dst]
+        fifo = self.link_sharing == "fifo" and a != b
+        if not fifo:
+            self._pair_busy[(m.src, m.dst)] = m
         m.links = (("intra", m.src, m.dst),) if a == b else (("up", a), ("down", b))
         self.moved["intra" if a == b else "inter"] += m.nbytes
         m.rem = m.nbytes
         if m.rem <= _EPS_BYTES:
             self._arrive(m)
             return
+        if fifo:
+            queue = self._uplink.setdefault(a, deque())
+            queue.append(m)
+            if len(queue) == 1:
+                self._uplink_send(a)
+            return
         self._flows.append(m)
         self._rates_stale = True
+
+    # -- FIFO links ------------------------------------------------------------------------------
+    def _downlink_input(self, node: int, rate: float) -> None:
+        """Node ``node``'s downlink queue brought up to now, then its input changed by
+        ``rate``: W bytes wait, growing at input - β while it exceeds β or W > 0."""
+        d = self._downlink.setdefault(node, [0.0, 0.0, self.now])
+        d[0] = max(0.0, d[0] + (d[1] - self.cost.inter_bw) * (self.now - d[2]))
+        d[1] += rate
+        d[2] = self.now
+
+    def _uplink_send(self, node: int) -> None:
+        """The head of ``node``'s uplink moves at β into its destination's downlink."""
+        m = self._uplink[node][0]
+        dst = self.node_of[m.dst]
+        self._downlink_input(dst, self.cost.inter_bw)
+        self._at(self.now + m.nbytes / self.cost.inter_bw,
+                 lambda: self._uplink_sent(node, m, dst))
+
+    def _uplink_sent(self, node: int, m: _Msg, dst: int) -> None:
+        """``m``'s last byte reaches ``dst``'s downlink behind the W bytes waiting there: it
+        arrives W / β later."""
+        self._downlink_input(dst, -self.cost.inter_bw)
+        wait = self._downlink[dst][0] / self.cost.inter_bw
+        if wait > 0:
+            self._at(self.now + wait, lambda: self._arrive(m))
+        else:
+            self._arrive(m)
+        queue = self._uplink[node]
+        queue.popleft()
+        if queue:
+            self._uplink_send(node)
 
     def _arrive(self, m: _Msg) -> None:
         m.arrived = True
         pair = (m.src, m.dst)
-        del self._pair_busy[pair]
+        if self._pair_busy.get(pair) is m:
+            del self._pair_busy[pair]
         if not m.eager:
             self._complete(m.send)
         if m.recv is not None:
             self._complete(m.recv)
         queue = self._pair_queue.get(pair)
-        if queue:
+        if queue and pair not in self._pair_busy:
             self._move(queue.popleft())
 
     def _capacity(self, link) -> float:
@@ -450,7 +519,7 @@ def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:
 
 
 def simulate_profile(doc: dict, node_of, cost: CostModel, *,
-                     eager_limit: float = math.inf) -> dict:
+                     eager_limit: float = math.inf, link_sharing: str = "fifo") -> dict:
     """Every rank's program of the compute profile ``doc`` (:func:`substrate.profile.
     load_profile`) simulated together on the placement ``node_of`` with ``cost``'s links, each
     rank's blocks charged as its replay charges them (:class:`~substrate.profile.
@@ -467,9 +536,10 @@ def simulate_profile(doc: dict, node_of, cost: CostModel, *,
                          f"placement has {len(node_of)}; give a placement of {n} ranks")
     t0 = time.perf_counter()
     sim = JobSim(programs, node_of, cost, [ProfileSource(doc, r, n).cost for r in range(n)],
-                 eager_limit=eager_limit)
+                 eager_limit=eager_limit, link_sharing=link_sharing)
     steps = job_steps(sim.run())
     return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
-            "protocol up to eager_limit, max-min fair node links",
+            f"protocol up to eager_limit, {link_sharing} node links",
             "eager_limit": None if math.isinf(eager_limit) else eager_limit,
+            "link_sharing": link_sharing,
             "bytes": dict(sim.moved), "seconds": time.perf_counter() - t0}

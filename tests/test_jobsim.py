@@ -93,22 +93,141 @@ def _p2p(src, dst, nbytes, group, tag=7):
 
 
 def test_messages_share_node_links_max_min():
-    """Ranks 0 and 1 (nodes 0, 1) send 1000 bytes each to rank 2 (node 2) and rank 0 also 1000
-    bytes to rank 1: node 2's downlink and node 0's uplink carry two messages each, every
-    message gets half the bandwidth and arrives after α + 2 s."""
+    """``link_sharing="fair"``: ranks 0 and 1 (nodes 0, 1) send 1000 bytes each to rank 2
+    (node 2) and rank 0 also 1000 bytes to rank 1: node 2's downlink and node 0's uplink carry
+    two messages each, every message gets half the bandwidth and arrives after α + 2 s."""
     g = (0, 1, 2)
     p0 = [_p2p(0, 2, 1000, g), _p2p(0, 1, 1000, g), ["A", [0, 1]], ["S"]]
     p1 = [_p2p(1, 2, 1000, g), ["R", 0, 1000, 7, list(g)], ["A", [0, 1]], ["S"]]
     p2 = [["R", 0, 1000, 7, list(g)], ["R", 1, 1000, 7, list(g)], ["A", [0, 1]], ["S"]]
-    sim = JobSim([p0, p1, p2], [0, 1, 2], _cost(0.05), [_charge({})] * 3)
+    sim = JobSim([p0, p1, p2], [0, 1, 2], _cost(0.05), [_charge({})] * 3, link_sharing="fair")
     b = sim.run()
     assert b[0] == pytest.approx([0.0])                      # eager sends complete at once
     assert b[1] == pytest.approx([2.05]) and b[2] == pytest.approx([2.05])
     # one connection per pair: two messages 0 -> 2 move one after the other
     p0 = [_p2p(0, 2, 1000, g), _p2p(0, 2, 1000, g), ["A", [0, 1]], ["S"]]
     p2 = [["R", 0, 1000, 7, list(g)], ["R", 0, 1000, 7, list(g)], ["A", [0, 1]], ["S"]]
-    sim = JobSim([p0, [["S"]], p2], [0, 1, 2], _cost(0.05), [_charge({})] * 3)
+    sim = JobSim([p0, [["S"]], p2], [0, 1, 2], _cost(0.05), [_charge({})] * 3,
+                 link_sharing="fair")
     assert sim.run()[2] == pytest.approx([2.05])
+
+
+def test_fifo_uplink_sends_one_message_at_a_time_in_arrival_order():
+    """Ranks 0 and 1 share node 0 and post 1000 and 3000 bytes to ranks 2 and 3 (node 1) at
+    once, rank 0 first.  A FIFO uplink sends rank 0's message whole first: rank 2 has it at
+    α + 1 s, rank 3 at α + 4 s.  Max-min fair: both move at β/2 until 2 s, so α + 2 s and
+    α + 4 s."""
+    g = (0, 1, 2, 3)
+    progs = [[_p2p(0, 2, 1000, g), ["A", [0]], ["S"]], [_p2p(1, 3, 3000, g), ["A", [0]], ["S"]],
+             [["R", 0, 1000, 7, list(g)], ["A", [0]], ["S"]],
+             [["R", 1, 3000, 7, list(g)], ["A", [0]], ["S"]]]
+    for sharing, want2 in (("fifo", 1.05), ("fair", 2.05)):
+        b = JobSim(progs, [0, 0, 1, 1], _cost(0.05), [_charge({})] * 4,
+                   link_sharing=sharing).run()
+        assert (b[2], b[3]) == (pytest.approx([want2]), pytest.approx([4.05])), sharing
+
+
+def test_fifo_downlink_delivers_behind_the_bytes_waiting_there():
+    """Node 0 sends a (2000 bytes to node 2), then b (2000 bytes to node 3); node 1 sends c
+    (1000 bytes to node 2).  FIFO: a and c both reach node 2's downlink at β for 1 s, so 1000
+    bytes wait there when c's last byte arrives (c: 1 + 1 = 2 s); a's last byte arrives at 2 s
+    behind the same 1000 bytes (3 s); b moves 2-4 s on idle links (4 s).  Max-min fair: a, b
+    and c all move at β/2; c ends at 2 s, then a and b share node 0's uplink: both at 4 s."""
+    g = (0, 1, 2, 3)
+    progs = [[_p2p(0, 2, 2000, g), _p2p(0, 3, 2000, g), ["A", [0, 1]], ["S"]],
+             [_p2p(1, 2, 1000, g), ["A", [0]], ["S"]],
+             [["R", 0, 2000, 7, list(g)], ["A", [0]], ["R", 1, 1000, 7, list(g)], ["A", [2]],
+              ["S"]],
+             [["R", 0, 2000, 7, list(g)], ["A", [0]], ["S"]]]
+    progs_c_first = [progs[0], progs[1], [progs[2][2], progs[2][3], progs[2][0], ["A", [2]],
+                                          ["S"]], progs[3]]
+    for sharing, a, b in (("fifo", 3.0, 4.0), ("fair", 4.0, 4.0)):
+        sim = JobSim(progs, [0, 1, 2, 3], _cost(), [_charge({})] * 4, link_sharing=sharing)
+        t = sim.run()
+        assert (t[2], t[3]) == (pytest.approx([a]), pytest.approx([b])), sharing
+        t = JobSim(progs_c_first, [0, 1, 2, 3], _cost(), [_charge({})] * 4,
+                   link_sharing=sharing).run()
+        assert t[2] == pytest.approx([a]), sharing       # c (2 s) is in before a either way
+        assert sim.moved == {"intra": 0.0, "inter": 5000.0}
+    with pytest.raises(ValueError, match="link_sharing 'wfq' is not one of fifo, fair"):
+        JobSim(progs, [0, 1, 2, 3], _cost(), [_charge({})] * 4, link_sharing="wfq")
+
+
+class _PacketFifo(JobSim):
+    """An independent reference for ``link_sharing="fifo"``: the same programs, but every
+    inter-node message cut into packets that cross a node's uplink one at a time in arrival
+    order and then queue, packet by packet, at the destination's downlink (store and forward;
+    no workload formula)."""
+
+    PACKET = 10.0                               # bytes: 0.01 s at β
+
+    def _move(self, m):
+        a, b = self.node_of[m.src], self.node_of[m.dst]
+        self.moved["intra" if a == b else "inter"] += m.nbytes
+        if a == b or m.nbytes <= 0:
+            self._pair_busy[(m.src, m.dst)] = m
+            self._at(self.now + m.nbytes / self.cost.intra_bw, lambda: self._arrive(m))
+            return
+        n = max(1, math.ceil(m.nbytes / self.PACKET))
+        m.left = n
+        for _ in range(n):
+            self._hop(("up", a), m.nbytes / n, lambda m=m, b=b: self._hop(
+                ("down", b), m.nbytes / n, lambda m=m: self._delivered(m)))
+
+    def _hop(self, port, size, then):
+        """A packet joins ``port``'s queue; ``then`` runs when it has crossed."""
+        q = self.__dict__.setdefault("ports", {}).setdefault(port, [])
+        q.append((size, then))
+        if len(q) == 1:
+            self._serve(port)
+
+    def _serve(self, port):
+        size, then = self.ports[port][0]
+
+        def done():
+            self.ports[port].pop(0)
+            then()
+            if self.ports[port]:
+                self._serve(port)
+        self._at(self.now + size / self.cost.inter_bw, done)
+
+    def _delivered(self, m):
+        m.left -= 1
+        if m.left == 0:
+            self._arrive(m)
+
+
+def test_fifo_links_follow_a_packet_level_simulation():
+    """Uneven all-to-all exchanges (3 + 3 + 1 ranks on 3 nodes, odd sizes, staggered compute):
+    the fluid FIFO links finish every rank's steps where a packet-by-packet store-and-forward
+    simulation of the same queues does, within the packets' own granularity (one packet time
+    per hop and message), and max-min sharing does not."""
+    rng = __import__("random").Random(5)
+    node_of = [0, 0, 0, 1, 1, 1, 2]
+    n = len(node_of)
+    g = list(range(n))
+    progs = []
+    sizes = {(s, d, k): rng.randrange(200, 3001) for s in g for d in g for k in range(3)}
+    for r in g:
+        prog = []
+        for k in range(3):
+            peers = [d for d in g if d != r]
+            rng.shuffle(peers)
+            prog += [*_block(f"c{r}")]
+            first = len(prog)
+            prog += [["R", s, sizes[s, r, k], k, g] for s in g if s != r]
+            prog += [_p2p(r, d, sizes[r, d, k], g, tag=k) for d in peers]
+            prog += [["A", list(range(first, len(prog)))], ["S"]]
+        progs.append(prog)
+    charges = [_charge({f"c{r}": 0.1 * r}) for r in g]
+    fifo = JobSim(progs, node_of, _cost(0.02), charges).run()
+    packets = _PacketFifo(progs, node_of, _cost(0.02), charges).run()
+    fair = JobSim(progs, node_of, _cost(0.02), charges, link_sharing="fair").run()
+    hop = _PacketFifo.PACKET / BETA
+    for r in g:
+        assert fifo[r] == pytest.approx(packets[r], abs=2 * n * hop), r
+    worst = max(abs(x - y) for r in g for x, y in zip(fair[r], packets[r]))
+    assert worst > 10 * n * hop
 
 
 def test_rendezvous_waits_for_the_receive():
@@ -188,9 +307,14 @@ def _profile(path, c=0.25, steps=5):
 
 
 def test_commvol_simulate_prints_the_steps_on_any_placement(tmp_path, capsys):
-    """Node-major, the ring drifts to max(3T, c + 2T) = 3 s after the lock-step first step;
-    round-robin, every hop crosses nodes and both ranks of a node send over its uplink at every
-    ring step (2T a step): c + 6T, in lock step, with twice the inter-node bytes."""
+    """Node-major, the ring drifts to max(3T, c + 2T) = 3 s after the lock-step first step.
+    Round-robin (ranks 0, 2 on node 0; 1, 3 on node 1), every hop crosses nodes, with twice the
+    inter-node bytes.  Max-min fair, both ranks of a node share its uplink at every ring step
+    (2T a step): c + 6T, in lock step.  FIFO, a node's uplink sends rank 0's (rank 1's) block
+    first, 0.25-1.25 s, then rank 2's (3's); the second ring step's blocks of ranks 1 and 2
+    (posted at 1.25 s) wait behind them and move 2.25-3.25 s, ranks 3's and 0's (posted at
+    2.25 s) 3.25-4.25 s; the third step's of ranks 2 and 3 (posted at 3.25 s) move 4.25-5.25
+    s: rank 0 ends its first step after c + 5T, ranks 1 and 2 after c + 6T."""
     from commvol.__main__ import main
 
     prof = _profile(tmp_path / "p.json")
@@ -202,9 +326,16 @@ def test_commvol_simulate_prints_the_steps_on_any_placement(tmp_path, capsys):
     assert "steps (ms): 3250.000, 3000.000" in out and "mean step after 1 warm-up: 3000.000" in out
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["step_s"] == pytest.approx([3.25, 3, 3, 3, 3]) and a["bytes"]["inter"] == 6000 * 5
-    assert main([*common, "--node-map", "round-robin:2", "--skip", "0"]) == 0
+    assert main([*common, "--node-map", "round-robin:2", "--skip", "0", "--link-sharing",
+                 "fair"]) == 0
     out = capsys.readouterr().out
     assert "mean step after 0 warm-up: 6250.000" in out and "inter-node 60000" in out
+    assert "fair links" in out
+    assert main([*common, "--node-map", "round-robin:2", "--json", str(tmp_path / "b.json")]) == 0
+    assert "fifo links" in capsys.readouterr().out
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["step_s"][0] == pytest.approx(5.25) and b["link_sharing"] == "fifo"
+    assert b["bytes"]["inter"] == 60000
 
 
 @pytest.mark.parametrize("extra,message", [
