@@ -34,7 +34,7 @@ __all__ = ["add_parser", "run", "simulate"]
 
 
 def simulate(profile, node_map: str, cost: CostModel, *, eager_limit: float = math.inf,
-             skip: int = 1, link_sharing: str = "fifo") -> dict:
+             skip: int = 1, link_sharing: str = "fifo", ack_overhead: float = 0.0) -> dict:
     """The job simulation of ``profile`` (a path or a loaded profile) on ``node_map``
     (``--node-map`` syntax: ``block:R``, ``round-robin:R`` or a node per rank)."""
     doc = profile if isinstance(profile, dict) else load_profile(profile)
@@ -46,8 +46,11 @@ def simulate(profile, node_map: str, cost: CostModel, *, eager_limit: float = ma
     placement = Placement.parse(node_map, len(programs))
     if skip < 0:
         raise ValueError(f"--skip {skip}: must be >= 0 warm-up steps")
+    if not 0 <= ack_overhead < 1:
+        raise ValueError(f"--ack-overhead {ack_overhead:g}: must be in [0, 1) bytes per byte "
+                         "(TCP with delayed ACKs: 0.0218; RDMA: 0)")
     res = simulate_profile(doc, placement.node_of, cost, eager_limit=eager_limit,
-                           link_sharing=link_sharing)
+                           link_sharing=link_sharing, ack_overhead=ack_overhead)
     steps = res["step_s"]
     if len(steps) <= skip:
         raise ValueError(f"--skip {skip}: the profile's programs hold {len(steps)} steps; pass "
@@ -81,6 +84,10 @@ def add_parser(sub) -> None:
                         "message at a time (TCP through one NIC queue, the wire lab); fair: "
                         "max-min fair shares per message (per-flow fair queueing, fq_codel, "
                         "RDMA NICs arbitrating queue pairs) (default %(default)s)")
+    p.add_argument("--ack-overhead", type=float, default=0.0, metavar="FRACTION",
+                   help="bytes a receiving node sends back per inter-node byte, the "
+                        "transport's acknowledgements (TCP with delayed ACKs: 0.0218; default "
+                        "0, RDMA)")
     p.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the mean "
                    "(default 1)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the result here "
@@ -96,7 +103,8 @@ def run(args) -> None:
         raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes")
     cost = CostModel.from_cli(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat)
     res = simulate(args.compute_profile, args.node_map, cost, eager_limit=args.eager_limit,
-                   skip=args.skip, link_sharing=args.link_sharing)
+                   skip=args.skip, link_sharing=args.link_sharing,
+                   ack_overhead=args.ack_overhead)
     steps = ", ".join(f"{s * 1e3:.3f}" for s in res["step_s"])
     print(f"job simulation of {res['profile']} on {args.node_map} (inter {args.inter_bw:g} "
           f"Gbit/s, {args.inter_lat:g} us, {args.link_sharing} links; intra {args.intra_bw:g} "

@@ -43,6 +43,7 @@ from .analysis import (
     format_table,
     link_payload_gbps,
     per_step_from_pair,
+    tcp_ack_overhead,
 )
 from .cli import main
 from .experiments import compare_systems, run_lab
@@ -95,4 +96,5 @@ __all__ = [
     "per_step_from_pair",
     "run_lab",
     "stale_labs",
+    "tcp_ack_overhead",
 ]

@@ -14,7 +14,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .analysis import STEPS_JSON, compare_steps, cost_flags, format_run, median_of
+from .analysis import (
+    STEPS_JSON,
+    compare_steps,
+    cost_flags,
+    format_run,
+    median_of,
+    tcp_ack_overhead,
+)
 from .jobs import DEFAULT_TIMEOUT, Lab, write_json
 from .netns import LabError
 from .network import RTO_MIN_MS, parse_link
@@ -141,6 +148,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                 labs.append({"lab_id": lab.id, "hosts": hosts, "ranks_per_host": rph,
                              "link": lab.shaping, "emulated_mbit": mbit, "time_dilation": k,
                              "alpha_s": alpha, "cost_flags": flags,
+                             "ack_overhead": tcp_ack_overhead(),
                              "tcp": {"congestion": lab.features["tcp_congestion"],
                                      "rto_min_ms": lab.features["tcp_rto_min_ms"]},
                              "env": {k: v for k, v in lab.mpi_env().items()
@@ -151,6 +159,8 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                         args = w["args"](hosts, rph) if callable(w["args"]) else w["args"]
                         if k != 1:
                             args = [*args, "--dilation", f"{k:g}"]
+                        if w.get("replay"):     # the job simulation's links carry TCP's ACKs
+                            args = [*args, "--ack-overhead", f"{tcp_ack_overhead():.6g}"]
                         out = out_root / f"{name}_{tag}_r{rep}"
                         run = {"system": name, "hosts": hosts, "ranks_per_host": rph,
                                "mbit": mbit, "repeat": rep, "out": str(out),

@@ -279,7 +279,14 @@ def main(argv=None) -> int:
                         help="how the job simulation's messages share a node link: fifo (one "
                              "message at a time in arrival order, TCP through one NIC queue: "
                              "the wire lab) or fair (max-min fair shares) (default %(default)s)")
+    parser.add_argument("--ack-overhead", type=float, default=0.0, metavar="FRACTION",
+                        help="the job simulation's receiving node sends FRACTION x each "
+                             "inter-node message's bytes back (the transport's ACKs: TCP with "
+                             "delayed ACKs 0.0218, which the wire lab passes; default 0, RDMA)")
     args = parser.parse_args(argv)
+    if not 0 <= args.ack_overhead < 1:
+        raise ValueError(f"--ack-overhead {args.ack_overhead:g}: must be in [0, 1) bytes per "
+                         "byte. Fix: 0.0218 for TCP with delayed ACKs, 0 for RDMA")
     if not args.eager_limit >= 0:
         raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes (default: "
                          "every message eager). Fix: e.g. --eager-limit 262144")
@@ -314,7 +321,8 @@ def main(argv=None) -> int:
     if run.rank == 0 and args.job_simulation == "on":
         metrics["job_simulation"] = simulate_profile(doc, run.topo.placement.node_of,
                                                      run.cost, eager_limit=args.eager_limit,
-                                                     link_sharing=args.link_sharing)
+                                                     link_sharing=args.link_sharing,
+                                                     ack_overhead=args.ack_overhead)
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

@@ -153,6 +153,42 @@ def test_fifo_downlink_delivers_behind_the_bytes_waiting_there():
         JobSim(progs, [0, 1, 2, 3], _cost(), [_charge({})] * 4, link_sharing="wfq")
 
 
+@pytest.mark.parametrize("sharing", ["fifo", "fair"])
+def test_acknowledgements_slow_a_link_only_where_its_reverse_carries_data(sharing):
+    """``ack_overhead`` h: a message's arrival sends h x its bytes back.  Ranks 0 and 1 (two
+    nodes) swap 1000 bytes twice: the first swap ends at 1 s, then each uplink carries the
+    other direction's ACKs (100 bytes, 0.1 s) before the second swap's data: 2.1 s, not 2 s.
+    Rank 0 sending rank 1 two messages one way is not slowed (its ACKs use the idle reverse)."""
+    g = (0, 1)
+
+    def swap(r, tag):
+        return [["R", 1 - r, 1000, tag, list(g)], _p2p(r, 1 - r, 1000, g, tag=tag)]
+
+    progs = [[*swap(r, 1), ["A", [0, 1]], *swap(r, 2), ["A", [3, 4]], ["S"]] for r in g]
+    for h, want in ((0.0, 2.0), (0.1, 2.1)):
+        sim = JobSim(progs, [0, 1], _cost(), [_charge({})] * 2, link_sharing=sharing,
+                     ack_overhead=h)
+        assert job_steps(sim.run()) == pytest.approx([want]), h
+        assert sim.moved == {"intra": 0.0, "inter": 4000.0}      # payload only: the ledger's
+        assert sim.ack_bytes == pytest.approx(h * 4000)
+    one_way = [[_p2p(0, 1, 1000, g), _p2p(0, 1, 1000, g, tag=8), ["A", [0, 1]], ["S"]],
+               [["R", 0, 1000, 7, list(g)], ["R", 0, 1000, 8, list(g)], ["A", [0, 1]], ["S"]]]
+    sim = JobSim(one_way, [0, 1], _cost(), [_charge({})] * 2, link_sharing=sharing,
+                 ack_overhead=0.1)
+    assert sim.run()[1] == pytest.approx([2.0])
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"ack_overhead .* must be in \[0, 1\)"):
+            JobSim(progs, [0, 1], _cost(), [_charge({})] * 2, ack_overhead=bad)
+
+
+def test_the_labs_ack_overhead_is_tcps_delayed_ack_frames():
+    """One 66-byte ACK frame (Ethernet 14, IP 20, TCP with timestamps 32) per two 1514-byte
+    data frames."""
+    from lab.analysis import tcp_ack_overhead
+
+    assert tcp_ack_overhead() == pytest.approx(66 / 3028)
+
+
 class _PacketFifo(JobSim):
     """An independent reference for ``link_sharing="fifo"``: the same programs, but every
     inter-node message cut into packets that cross a node's uplink one at a time in arrival
@@ -343,6 +379,7 @@ def test_commvol_simulate_prints_the_steps_on_any_placement(tmp_path, capsys):
     (["--node-map", "block:2", "--skip", "5"], "hold 5 steps; pass --skip 4 or fewer"),
     (["--node-map", "block:2", "--inter-bw", "0"], "inter_bw must be > 0"),
     (["--node-map", "block:2", "--eager-limit", "-2"], "--eager-limit -2: must be >= 0"),
+    (["--node-map", "block:2", "--ack-overhead", "-1"], "--ack-overhead -1: must be in [0, 1)"),
     (["--node-map", "block:2", "--json", "EXISTS"], "already exists; choose a new file"),
 ])
 def test_commvol_simulate_refuses_bad_input(tmp_path, extra, message):

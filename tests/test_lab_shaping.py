@@ -110,8 +110,13 @@ def test_bench_wirelab_dilated_replay_emulates_the_undilated_link(tmp_path):
     (run,) = res["runs"]
     assert "error" not in run, run
     pp = json.loads((out / "pingpong_2x1_100mbit" / lab.PINGPONG_JSON).read_text())
-    cm = json.loads((Path(run["out"]) / "summary.json").read_text())["cost_model"]
+    summary = json.loads((Path(run["out"]) / "summary.json").read_text())
+    cm = summary["cost_model"]
     assert cm["inter_gbps"] == pytest.approx(100e-3 * 1448 / 1514, rel=1e-6)
+    # the job simulation's links: FIFO queues carrying TCP's delayed ACKs (66 B per 2 frames)
+    js = summary["metrics"]["job_simulation"]
+    assert js["link_sharing"] == "fifo" and labinfo["ack_overhead"] == pytest.approx(66 / 3028)
+    assert js["ack_overhead"] == pytest.approx(66 / 3028, rel=1e-5) and js["ack_bytes"] > 0
     assert cm["inter_lat_us"] == pytest.approx(pp["links"]["inter"]["alpha_s"] * 1e6 / 4,
                                                rel=1e-5)
     lines = [json.loads(x) for x in (Path(run["out"]) / "metrics.jsonl").read_text().split("\n")

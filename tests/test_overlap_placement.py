@@ -338,6 +338,7 @@ def test_replay_sleeps_sum_to_the_profile(monkeypatch):
     ("--dilation", "0.5", "--dilation 0.5: must be >= 1"),
     ("--eager-limit", "-1", "--eager-limit -1: must be >= 0 bytes"),
     ("--link-sharing", "wfq", "--link-sharing: invalid choice: 'wfq' (choose from"),
+    ("--ack-overhead", "1.5", "--ack-overhead 1.5: must be in [0, 1) bytes per byte"),
 ])
 def test_replay_refuses_a_bad_dilation_or_eager_limit(tmp_path, capsys, flag, value, message):
     from runner import replay as rp
