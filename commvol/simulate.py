@@ -8,7 +8,7 @@ first-in-first-out queues or shared max-min fairly, compute charged from the pro
 placement and links given here, and prints every step's length and the mean after the warm-up
 steps.  It starts no MPI: a laptop answers "and on 8 nodes at 100 Gbit/s?" for a job recorded
 anywhere.  The wire lab checks the
-same simulation against replays on shaped links (docs/BENCHMARKS.md, session 12).
+same simulation against replays on shaped links (docs/BENCHMARKS.md, sessions 12-13).
 """
 
 from __future__ import annotations

@@ -36,10 +36,11 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
   on a Linux host whose NIC queue is one FIFO): no loss ever shrinks a window, and TCP small
   queues let up to ``tcp_limit_output_bytes`` of each socket into the queue at once (64 KiB
   on the lab, half of an H-SGD message; 4 MiB by default), so a message enters the host's
-  queue in one or a few pieces.  Re-predicted offline, H-SGD's stored wire-lab runs (12-15
-  flows per host, the cells max-min sharing missed) move from 0.878 / 0.922 / 0.858 of the
-  measured step at 4 x 2 / 8 x 2 / 16 x 1, 1 Gbit/s, to 0.900 / 0.965 / 0.958, the other
-  systems' cells by at most 0.02 (docs/BENCHMARKS.md, session 13).  With
+  queue in one or a few pieces.  On the wire lab (with the ACKs below) H-SGD's
+  exchanges, 12-15 flows per host, read 0.904 / 0.944 / 0.956 of the measured step at 4 x 2 /
+  8 x 2 / 16 x 1, 1 Gbit/s, where max-min fair links read 0.878 / 0.922 / 0.858: FIFO links
+  reproduce the slowest incoming message of each exchange landing on a different rank each
+  time (docs/BENCHMARKS.md, session 13).  With
   ``link_sharing="fair"`` the messages moving at one time share the links max-min fairly
   (progressive filling), each at the rate of its most loaded link, and messages between one
   pair of ranks move one after the other (one connection): per-flow fair queueing, as
@@ -49,7 +50,8 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
   its receiver's node sends ``ack_overhead`` x its bytes back over the reverse links, queued
   like a message: TCP's ACK frames, 2.2 % of the payload with delayed ACKs, which slow every
   link whose reverse direction carries data too.  With it the wire lab's ddp cells (rings: both
-  directions of every link busy) move from 0.964-0.980 of the measured step to 0.988-0.999.
+  directions of every link busy) read 0.989-1.000 of the measured step, against 0.958-0.980
+  without.
 
 The result is every rank's simulated time at each step boundary (``"S"`` entries):
 :func:`job_steps` gives the steps of the job, whose length the lab compares with the measured
@@ -572,7 +574,8 @@ def simulate_profile(doc: dict, node_of, cost: CostModel, *,
                  ack_overhead=ack_overhead)
     steps = job_steps(sim.run())
     return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
-            f"protocol up to eager_limit, {link_sharing} node links",
+            f"protocol up to eager_limit, {link_sharing} node links, acknowledgements "
+            f"{ack_overhead:g} of the bytes",
             "eager_limit": None if math.isinf(eager_limit) else eager_limit,
             "link_sharing": link_sharing, "ack_overhead": ack_overhead,
             "ack_bytes": sim.ack_bytes,
