@@ -145,7 +145,7 @@ class JobSim:
         acknowledgement per message, negligible).  TCP with delayed ACKs sends one 66-byte frame
         (Ethernet, IP, TCP with timestamps) per two 1514-byte data frames: 66 / 3028 = 0.0218
         (:func:`lab.analysis.tcp_ack_overhead`); the wire lab's counters show it (a 2 x 2 ddp
-        replay: 18,366 pure ACKs for 37,383 full segments from one host, 0.0214).  Where both
+        replay: one host's 55,749 frames for 37,383 full segments, about 18,366 ACKs, 0.0214).  Where both
         directions of a link carry data (rings, all-to-alls) it slows every transfer by that
         fraction.
     """
