@@ -1,11 +1,11 @@
 """``python -m runner.probe``: topology report and ledger self-check.
 
 Runs every wrapped call on known sizes and data, checks the numbers each rank receives, and
-compares the ledger (reduced over ranks) with the closed-form volumes of
-:mod:`substrate.costmodel` computed from the topology alone.  Prints one JSON object (rank 0) with
-``"ledger_matches_model": true`` when every phase's intra/inter bytes, messages and calls agree.
-The closed forms assume a node-major layout (ranks of a node are consecutive), which virtual nodes
-always have; on a real allocation with another placement the comparison is reported as skipped.
+compares the ledger (reduced over ranks) with the volumes of the calls' records priced on the
+topology's placement alone (:func:`substrate.calls.wire_bytes`: each algorithm's schedule, each
+message on its link).  Prints one JSON object (rank 0) with ``"ledger_matches_model": true``
+when every phase's intra/inter bytes, messages and calls agree: the topology was detected as the
+ledger sees it and every collective sent what its schedule says, on any placement.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 
 import numpy as np
 
-from substrate import costmodel as cm
+from substrate.calls import Call, Placement, messages, wire_bytes
 from substrate.comm import bucketed_allreduce
+from substrate.costmodel import INTER, INTRA
 
 from .errors import main_guard
 from .options import add_common_args
@@ -93,55 +94,45 @@ def _exercise(run) -> dict[str, bool]:
     return ok
 
 
-def _predicted(M: int, P: int) -> dict[str, dict]:
-    """Closed-form per-phase totals for the probe's calls on ``M`` nodes × ``P`` ranks."""
-    p = M * P
+def _records(placement: Placement) -> list[Call]:
+    """The records of the calls :func:`_exercise` makes on ``placement`` (a rank that is not a
+    node leader does not take part in the leaders' calls)."""
+    p, M = placement.size, placement.num_nodes
     f32, f64 = 4, 8
     n = K * p
-    world_inter_links = M if M > 1 else 0
+    world, leaders = placement.world, placement.leaders
+    out = [Call("probe_intra_allreduce", "allreduce", placement.members(m), n * f32, f32,
+                op="sum") for m in range(M)]
+    out += [Call("probe_world_allreduce_max", "allreduce", world, n * f32, f32, op="max"),
+            Call("probe_world_allreduce_uneven", "allreduce", world, (n + 1) * f32, f32,
+                 op="sum")]
+    out += [Call("probe_inter_allreduce_avg", "allreduce", leaders, n * f64, f64, op="avg"),
+            Call("probe_inter_mask_or", "allreduce", leaders, n, 1, op="bor"),
+            Call("probe_inter_bucketed", "allreduce", leaders, 200 * K * f32, f32, op="sum")]
+    out += [Call("probe_world_bcast", "bcast", world, n * f32, f32),
+            Call("probe_world_allgather", "allgather", world, blocks=(K * 4,) * p, itemsize=4),
+            Call("probe_world_allgatherv", "allgather", world,
+                 blocks=tuple(int(c) * f32 for c in (np.arange(p) + 1) * K), itemsize=f32)]
+    to = (np.arange(p) + 1) * K // 4 * f32          # rank i sends (j+1) K/4 floats to every j
+    out.append(Call("probe_world_alltoallv", "alltoallv", world,
+                    blocks=tuple(int(v) for v in np.tile(to, p)), itemsize=f32))
+    out += [Call("probe_p2p_ring", "p2p", world, pairs=[(r, (r + 1) % p, n * f32)
+                                                        for r in range(p)]),
+            Call("probe_barrier", "barrier", world)]
+    return out
 
-    def entry(bytes_by_link, messages, calls=1):
-        return {"intra_bytes": int(bytes_by_link[cm.INTRA]),
-                "inter_bytes": int(bytes_by_link[cm.INTER]), "messages": int(messages),
-                "calls": calls}
 
-    def ring_msgs(q):
-        return 2 * (q - 1) * q
-
+def _predicted(placement: Placement) -> dict[str, dict]:
+    """Per-phase totals of the probe's records (their schedules' messages on ``placement``)."""
     out = {}
-    intra = cm.ring_allreduce_wire_bytes(n * f32, P, 0, f32)
-    out["probe_intra_allreduce"] = entry({k: M * v for k, v in intra.items()}, M * ring_msgs(P))
-    out["probe_world_allreduce_max"] = entry(
-        cm.ring_allreduce_wire_bytes(n * f32, p, world_inter_links, f32), ring_msgs(p))
-    out["probe_world_allreduce_uneven"] = entry(
-        cm.ring_allreduce_wire_bytes((n + 1) * f32, p, world_inter_links, f32), ring_msgs(p))
-    out["probe_inter_allreduce_avg"] = entry(cm.ring_allreduce_wire_bytes(n * f64, M, M, f64),
-                                             ring_msgs(M))
-    out["probe_inter_mask_or"] = entry(cm.ring_allreduce_wire_bytes(n, M, M, 1), ring_msgs(M))
-    out["probe_inter_bucketed"] = entry(cm.ring_allreduce_wire_bytes(200 * K * f32, M, M, f32),
-                                        ring_msgs(M))
-    out["probe_world_bcast"] = entry(cm.bcast_wire_bytes(n * f32, M, P), p - 1)
-    out["probe_world_allgather"] = entry(
-        cm.ring_allgather_wire_bytes(K * 4, p, world_inter_links), (p - 1) * p)
-    # all-gatherv: link i carries N - b_{i+1}; the node-crossing links are i = mP - 1
-    b = (np.arange(p) + 1) * K * f32
-    total = (p - 1) * int(b.sum())
-    cross = sum(int(b.sum() - b[(m * P) % p]) for m in range(1, M + 1)) if M > 1 else 0
-    out["probe_world_allgatherv"] = entry({cm.INTRA: total - cross, cm.INTER: cross},
-                                          (p - 1) * p)
-    # all-to-allv: rank i sends (j+1) K/4 floats to every j != i
-    node = np.arange(p) // P
-    to = (np.arange(p) + 1) * K // 4 * f32
-    inter = sum(int(to[j]) for i in range(p) for j in range(p) if node[i] != node[j])
-    allb = sum(int(to[j]) for i in range(p) for j in range(p) if i != j)
-    out["probe_world_alltoallv"] = entry({cm.INTRA: allb - inter, cm.INTER: inter},
-                                         p * (p - 1))
-    out["probe_p2p_ring"] = entry({cm.INTRA: (p - world_inter_links) * n * f32 if p > 1 else 0,
-                                   cm.INTER: world_inter_links * n * f32}, p if p > 1 else 0)
-    out["probe_barrier"] = entry({cm.INTRA: 0, cm.INTER: 0}, p * cm.binomial_depth(p))
-    if M == 1:  # one node: the leaders' communicator has one rank and moves nothing
-        for k in ("probe_inter_allreduce_avg", "probe_inter_mask_or", "probe_inter_bucketed"):
-            out[k] = entry({cm.INTRA: 0, cm.INTER: 0}, 0)
+    for c in _records(placement):
+        b = wire_bytes(c, placement)
+        e = out.setdefault(c.phase, {"intra_bytes": 0, "inter_bytes": 0, "messages": 0,
+                                     "calls": 0})
+        e["intra_bytes"] += b[INTRA]
+        e["inter_bytes"] += b[INTER]
+        e["messages"] += messages(c)
+        e["calls"] = 1
     return out
 
 
@@ -151,23 +142,20 @@ def probe(run) -> dict:
     verdicts = run.world.mpi.allgather(ok)
     numerics = {k: all(v.get(k, True) for v in verdicts) for k in verdicts[0]}
     measured = run.ledger.totals(run.world)
-    node_major = bool(np.array_equal(topo.node_of,
-                                     np.arange(topo.size) // topo.ranks_per_node))
-    predicted = _predicted(topo.num_nodes, topo.ranks_per_node)
+    predicted = _predicted(topo.placement)
     mismatches = []
-    if node_major:
-        for phase, pred in predicted.items():
-            got = measured["by_phase"].get(phase, {})
-            for field, want in pred.items():
-                have = got.get(field, 0)
-                if have != want:
-                    mismatches.append({"phase": phase, "field": field, "measured": have,
-                                       "predicted": want})
+    for phase, pred in predicted.items():
+        got = measured["by_phase"].get(phase, {})
+        for field, want in pred.items():
+            have = got.get(field, 0)
+            if have != want:
+                mismatches.append({"phase": phase, "field": field, "measured": have,
+                                   "predicted": want})
     return {
         "topology": topo.describe(),
         "collectives_correct": all(numerics.values()),
         "numerics": numerics,
-        "ledger_matches_model": (not mismatches) if node_major else None,
+        "ledger_matches_model": not mismatches,
         "mismatches": mismatches,
         "traffic": {"inter_node_bytes": measured["inter_node_bytes"],
                     "intra_node_bytes": measured["intra_node_bytes"],

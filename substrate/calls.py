@@ -43,14 +43,8 @@ from functools import cached_property
 
 import numpy as np
 
-from .costmodel import (
-    INTER,
-    INTRA,
-    CostModel,
-    bcast_split,
-    binomial_depth,
-    ring_allreduce_split,
-)
+from . import schedule
+from .costmodel import INTER, INTRA, CostModel
 from .timeline import transfer_parts
 
 __all__ = [
@@ -441,55 +435,20 @@ def slowest_link(call: Call, placement: Placement) -> str:
 
 
 def wire_bytes(call: Call, placement: Placement) -> dict:
-    """``{"intra": bytes, "inter": bytes}`` the call puts on the wire (all members together)."""
+    """``{"intra": bytes, "inter": bytes}`` the call puts on the wire (all members together):
+    the messages of its algorithm's schedule (:func:`substrate.schedule.of_call`), each on the
+    link between its two members' nodes."""
+    src, dst, nb, _ = schedule.of_call(call).table()
+    if not nb.size:
+        return {INTRA: 0, INTER: 0}
     nodes = _nodes(call, placement)
-    p = call.size
-    a = call.algorithm
-    if a == "allreduce":
-        return ring_allreduce_split(call.nbytes // call.itemsize, call.itemsize, nodes)
-    if a == "bcast":
-        return bcast_split(call.nbytes, nodes, call.root)
-    if a == "allgather":
-        if p <= 1:
-            return {INTRA: 0, INTER: 0}
-        b = np.asarray(call.blocks, dtype=np.int64)
-        per_link = b.sum() - np.roll(b, -1)           # link i -> i+1 carries N - b_{i+1}
-        cross = nodes != np.roll(nodes, -1)
-        inter = int(per_link[cross].sum())
-        return {INTRA: int(per_link.sum()) - inter, INTER: inter}
-    if a == "alltoallv":
-        m = np.asarray(call.blocks, dtype=np.int64).reshape(p, p).copy()
-        np.fill_diagonal(m, 0)
-        cross = nodes[:, None] != nodes[None, :]
-        inter = int(m[cross].sum())
-        return {INTRA: int(m.sum()) - inter, INTER: inter}
-    if a == "p2p":
-        pr = call.pairs
-        real = pr[:, 0] != pr[:, 1]
-        cross = placement.nodes_array[pr[:, 0]] != placement.nodes_array[pr[:, 1]]
-        inter = int(pr[real & cross, 2].sum())
-        return {INTRA: int(pr[real, 2].sum()) - inter, INTER: inter}
-    return {INTRA: 0, INTER: 0}
+    inter = int(nb[nodes[src] != nodes[dst]].sum())
+    return {INTRA: int(nb.sum()) - inter, INTER: inter}
 
 
 def messages(call: Call) -> int:
-    """Messages of the call, summed over its members (the ledger's count)."""
-    p = call.size
-    a = call.algorithm
-    if p <= 1 and a != "p2p":
-        return 0
-    if a == "allreduce":
-        return p * 2 * (p - 1)
-    if a == "allgather":
-        return p * (p - 1)
-    if a == "bcast":
-        return p - 1
-    if a == "barrier":
-        return p * binomial_depth(p)
-    if a == "alltoallv":
-        m = np.asarray(call.blocks, dtype=np.int64).reshape(p, p)
-        return int(np.count_nonzero(m) - np.count_nonzero(np.diag(m)))
-    return int(np.count_nonzero(call.pairs[:, 0] != call.pairs[:, 1]))
+    """Messages of the call, summed over its members (the ledger's count): its schedule's."""
+    return int(schedule.of_call(call).table()[3].sum())
 
 
 def _collective_seconds(call: Call, cost: CostModel, link: str) -> float:

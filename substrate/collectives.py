@@ -22,39 +22,28 @@ collectives in one of two **modes** (``--collectives``, env ``SPARDIST_COLLECTIV
     ``summary.json`` (:func:`describe`): an unknown library or a missing pin is reported as
     ``"booked, not verified"``, never as measured.
 
-The algorithms (rank ``i`` of ``p``; ``c_j`` the ``numpy.array_split`` chunk sizes):
-
-==================  ===========================================================  ================
-collective          algorithm                                                    rank i sends
-==================  ===========================================================  ================
-allreduce           ring reduce-scatter then ring all-gather (to ``i+1``)        ``2n - c_{i+1} - c_{i+2}``
-allgather(v)        ring (to ``i+1``), block ``i-s`` at step ``s``               ``N - b_{i+1}``
-bcast               binomial tree from the root, farthest child first            ``n`` per child
-alltoallv           scattered pairwise (``i+k``), empty blocks not sent          ``sendcounts[j]``
-barrier             dissemination (``i + 2^k``), zero-byte messages              0 bytes
-==================  ===========================================================  ================
+The algorithms are written once, as message schedules (:mod:`substrate.schedule`: ring
+all-reduce and all-gather(v), binomial broadcast, scattered pairwise all-to-all, dissemination
+barrier); the functions here execute a schedule's rounds on MPI point-to-point
+(:func:`run_rounds`), and the job simulation (:mod:`substrate.jobsim`) simulates the same rounds.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import os
 import re
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from .costmodel import binomial_children, ring_chunk_counts
+from . import schedule
 from .pinning import WIRE_VERIFIED, pinning_env
 
 __all__ = [
     "DEFAULT_MODE",
     "MODES",
     "UFUNCS",
-    "RingSchedule",
     "binomial_bcast",
     "check_mode",
     "default_mode",
@@ -65,7 +54,7 @@ __all__ = [
     "ring_allgatherv",
     "ring_allreduce",
     "ring_allreduce_staged",
-    "ring_schedule",
+    "run_rounds",
 ]
 
 MODES = ("exact", "native")
@@ -92,9 +81,10 @@ def default_mode() -> str:
 
 
 # -- exact algorithms on point-to-point ------------------------------------------------------------
-# Each takes an mpi4py communicator reserved for them (a Dup of the run's), host or (CUDA-aware)
-# device buffers, and returns ``sent``: a list of ``(dest, nbytes)`` pairs, one per message this
-# rank handed to MPI (zero-byte messages included, so message counts are exact too).
+# Each runs the rounds of its :mod:`substrate.schedule` on an mpi4py communicator reserved for
+# them (a Dup of the run's), host or (CUDA-aware) device buffers, and returns ``sent``: a list
+# of ``(dest, nbytes)`` pairs, one per message this rank handed to MPI (zero-byte messages
+# included, so message counts are exact too).
 
 def _sync_for(xp):
     if xp is np:
@@ -102,18 +92,10 @@ def _sync_for(xp):
     return lambda: xp.cuda.get_current_stream().synchronize()
 
 
-def _sendrecv(mpi: MPI.Intracomm, sbuf, dest: int, rbuf, source: int, poll) -> None:
-    """``Sendrecv``; with ``poll`` (seconds), a non-blocking pair tested every ``poll`` seconds
-    instead (the communication thread: it sleeps between tests, so it does not take a core
-    from the computation it overlaps, and MPI progresses at every test)."""
-    if poll is None:
-        mpi.Sendrecv(sbuf, dest, _TAG, rbuf, source, _TAG)
-        return
-    _wait([mpi.Irecv(rbuf, source, _TAG), mpi.Isend(sbuf, dest, _TAG)], poll)
-
-
 def _wait(reqs, poll) -> None:
-    """``Waitall``, or testing every ``poll`` seconds (see :func:`_sendrecv`)."""
+    """``Waitall``; with ``poll`` (seconds), testing every ``poll`` seconds instead (the
+    communication thread: it sleeps between tests, so it does not take a core from the
+    computation it overlaps, and MPI progresses at every test)."""
     if poll is None:
         MPI.Request.Waitall(reqs)
         return
@@ -121,169 +103,116 @@ def _wait(reqs, poll) -> None:
         time.sleep(poll)
 
 
-@dataclass(frozen=True)
-class RingSchedule:
-    """What one ring all-reduce of ``count`` elements does on ring rank ``i`` of ``p``, as
-    plain ints, worked out once per ``(count, p, i, itemsize)`` (:func:`ring_schedule`).
-
-    ``offs[j]:offs[j + 1]`` are the elements of chunk ``j`` (the
-    :func:`~substrate.costmodel.ring_chunk_counts` cut); ``scatter`` lists the
-    reduce-scatter steps ``(send chunk, receive chunk)``, ``gather`` the all-gather steps;
-    ``width`` is the largest chunk (elements); ``sent`` the ``(peer, bytes)`` of every message
-    sent, in order (the booking)."""
-
-    p: int
-    right: int
-    left: int
-    offs: tuple
-    scatter: tuple
-    gather: tuple
-    width: int
-    sent: tuple
-
-
-@functools.lru_cache(maxsize=1024)
-def ring_schedule(count: int, p: int, i: int, itemsize: int) -> RingSchedule:
-    """The :class:`RingSchedule` of ring rank ``i`` of ``p`` for ``count`` elements of
-    ``itemsize`` bytes (cached: a run all-reduces a few buffer sizes over and over)."""
-    counts = ring_chunk_counts(count, p).tolist()
-    offs = (0, *itertools.accumulate(counts))
-    scatter = tuple(((i - s) % p, (i - s - 1) % p) for s in range(p - 1))
-    gather = tuple(((i + 1 - s) % p, (i - s) % p) for s in range(p - 1))
-    right = (i + 1) % p
-    sent = tuple((right, counts[si] * itemsize) for si, _ in scatter + gather)
-    return RingSchedule(p, right, (i - 1) % p, offs, scatter, gather, max(counts), sent)
-
-
-def _ring(mpi: MPI.Intracomm, buf, recv, reduce, poll) -> list[tuple[int, int]]:
-    """The ring all-reduce schedule on the 1-D ``buf`` (``p > 1``): reduce-scatter step ``s``
-    sends chunk ``(i-s) % p`` to ``i+1``, receives chunk ``(i-s-1) % p`` from ``i-1`` into
-    ``recv`` and hands it to ``reduce(lo, hi, received)`` (which must leave the sum in
-    ``buf[lo:hi]``); all-gather step ``s`` sends chunk ``(i+1-s) % p``, receives ``(i-s) % p``
-    in place.  Returns ``(peer, bytes)`` of every message sent."""
-    r = ring_schedule(buf.size, mpi.Get_size(), mpi.Get_rank(), buf.itemsize)
-    offs, right, left = r.offs, r.right, r.left
-    chunk = [buf[offs[j]:offs[j + 1]] for j in range(r.p)]
-    for si, ri in r.scatter:
-        lo, hi = offs[ri], offs[ri + 1]
-        got = recv[:hi - lo]
-        _sendrecv(mpi, chunk[si], right, got, left, poll)
-        reduce(lo, hi, got)
-    for si, ri in r.gather:
-        _sendrecv(mpi, chunk[si], right, chunk[ri], left, poll)
-    return list(r.sent)
+def run_rounds(mpi: MPI.Intracomm, rounds, send, recv, poll=None, tmp=None,
+               reduce=None) -> list[tuple[int, int]]:
+    """Execute a member's rounds (:class:`substrate.schedule.Round`): ``send`` is the 1-D
+    buffer the sends read, ``recv`` the one receives land in (the same array for in-place
+    collectives).  A reducing round receives into ``tmp`` and hands each range to
+    ``reduce(lo, hi, received)``.  One send and one receive: ``Sendrecv`` (or, with ``poll``,
+    the non-blocking pair); else every receive and send posted, then waited for.  Returns the
+    ``(dest, bytes)`` of every message sent."""
+    isz = send.itemsize
+    out = []
+    for r in rounds:
+        sends, recvs = r.sends, r.recvs
+        got = None
+        if r.reduce:
+            (src, lo, hi), = recvs
+            got = tmp[:hi - lo]
+            rviews = ((src, got),)
+        else:
+            rviews = tuple((src, recv[lo:hi]) for src, lo, hi in recvs)
+        if len(sends) == 1 and len(rviews) == 1 and poll is None:
+            (dst, slo, shi), = sends
+            (src, rbuf), = rviews
+            mpi.Sendrecv(send[slo:shi], dst, _TAG, rbuf, src, _TAG)
+        else:
+            reqs = [mpi.Irecv(rbuf, src, _TAG) for src, rbuf in rviews]
+            reqs += [mpi.Isend(send[lo:hi], dst, _TAG) for dst, lo, hi in sends]
+            _wait(reqs, poll)
+        if got is not None:
+            reduce(recvs[0][1], recvs[0][2], got)
+        out.extend((dst, (hi - lo) * isz) for dst, lo, hi in sends)
+    return out
 
 
 def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[tuple[int, int]]:
-    """In-place ring all-reduce (reduce-scatter + all-gather) of the 1-D contiguous ``buf``.
-
-    Reduce-scatter step ``s`` (``0..p-2``): send chunk ``(i-s) % p`` to ``i+1``, receive chunk
-    ``(i-s-1) % p`` from ``i-1`` and reduce it in; rank ``i`` then owns the reduced chunk
-    ``(i+1) % p``.  All-gather step ``s``: send chunk ``(i+1-s) % p``, receive ``(i-s) % p``.
-    Every rank ends with bitwise-identical data (each chunk is reduced once, then copied).
-    """
+    """In-place ring all-reduce (:func:`substrate.schedule.allreduce`) of the 1-D contiguous
+    ``buf``: every rank ends with bitwise-identical data (each chunk is reduced once, then
+    copied)."""
     p = mpi.Get_size()
     if p == 1:
         return []
+    sched = schedule.allreduce(buf.size, p)
     ufunc = getattr(xp, UFUNCS[op])
     sync = _sync_for(xp)
-    tmp = xp.empty(ring_schedule(buf.size, p, mpi.Get_rank(), buf.itemsize).width,
-                   dtype=buf.dtype)
+    tmp = xp.empty(sched.width, dtype=buf.dtype)
 
     def reduce(lo, hi, got):
         ufunc(buf[lo:hi], got, out=buf[lo:hi])
         sync()
 
-    return _ring(mpi, buf, tmp, reduce, poll)
+    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), buf, buf, poll, tmp, reduce)
 
 
 def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
                           poll=None) -> list[tuple[int, int]]:
-    """:func:`ring_allreduce`'s schedule, message for message, for a device buffer staged
+    """:func:`ring_allreduce`'s rounds, message for message, for a device buffer staged
     through host memory with the reduction on the device.
 
-    ``host`` is the buffer's pinned host mirror (1-D; its own chunk ``i`` filled by the
-    caller), ``recv`` a pinned block of at least the largest chunk.  At reduce-scatter step
-    ``s`` the received chunk goes to ``reduce_chunk(lo, hi, recv[:hi-lo])``, which adds it
-    into the device buffer and refreshes ``host[lo:hi]`` with the sum (what the next step
-    sends); the all-gather runs on the host mirror, which the caller copies back."""
-    if mpi.Get_size() == 1:
-        return []
-    return _ring(mpi, host, recv, reduce_chunk, poll)
-
-
-def ring_allgatherv(mpi: MPI.Intracomm, out, counts, displs, poll=None) -> list[tuple[int, int]]:
-    """Ring all-gather(v) into ``out`` (rank ``i``'s own block already in place at
-    ``displs[i]``): step ``s`` sends block ``(i-s) % p`` to ``i+1`` and receives block
-    ``(i-s-1) % p`` from ``i-1``."""
-    p, i = mpi.Get_size(), mpi.Get_rank()
+    ``host`` is the buffer's pinned host mirror (1-D; its own chunk filled by the caller),
+    ``recv`` a pinned block of at least the largest chunk.  A reduce-scatter round hands the
+    received chunk to ``reduce_chunk(lo, hi, recv[:hi-lo])``, which adds it into the device
+    buffer and refreshes ``host[lo:hi]`` with the sum (what the next round sends); the
+    all-gather runs on the host mirror, which the caller copies back."""
+    p = mpi.Get_size()
     if p == 1:
         return []
-    right, left = (i + 1) % p, (i - 1) % p
-    blocks = [out[displs[j]:displs[j] + counts[j]] for j in range(p)]
-    sent = []
-    for s in range(p - 1):
-        si, ri = (i - s) % p, (i - s - 1) % p
-        _sendrecv(mpi, blocks[si], right, blocks[ri], left, poll)
-        sent.append((right, int(counts[si]) * out.itemsize))
-    return sent
+    sched = schedule.allreduce(host.size, p)
+    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), host, host, poll, recv, reduce_chunk)
+
+
+def ring_allgatherv(mpi: MPI.Intracomm, out, counts, poll=None) -> list[tuple[int, int]]:
+    """Ring all-gather(v) (:func:`substrate.schedule.allgatherv`) into ``out``: rank ``i``'s
+    own block of ``counts[i]`` elements already in place, the blocks in rank order."""
+    if mpi.Get_size() == 1:
+        return []
+    sched = schedule.allgatherv(tuple(int(c) for c in counts))
+    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), out, out, poll)
 
 
 def binomial_bcast(mpi: MPI.Intracomm, buf, root: int, poll=None) -> list[tuple[int, int]]:
-    """Binomial-tree broadcast of ``buf`` from ``root``: relative rank ``r > 0`` receives from
-    ``r - lowbit(r)``, then sends to its children (:func:`~substrate.costmodel.binomial_children`),
-    farthest first so the larger subtrees start early."""
-    p, i = mpi.Get_size(), mpi.Get_rank()
+    """Binomial-tree broadcast (:func:`substrate.schedule.bcast`) of ``buf`` from ``root``."""
+    p = mpi.Get_size()
     if p == 1:
         return []
-    rel = (i - root) % p
-    if rel:
-        parent = (rel - (rel & -rel) + root) % p
-        _wait([mpi.Irecv(buf, parent, _TAG)], poll)
-    kids = [(k + root) % p for k in reversed(binomial_children(rel, p))]
-    reqs = [mpi.Isend(buf, k, _TAG) for k in kids]
-    _wait(reqs, poll)
-    return [(k, buf.nbytes) for k in kids]
+    sched = schedule.bcast(buf.size, p, root)
+    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), buf, buf, poll)
 
 
 def pairwise_alltoallv(mpi: MPI.Intracomm, sendbuf, sendcounts, sdispls, out, recvcounts,
                        rdispls, xp=np) -> list[tuple[int, int]]:
-    """Personalized all-to-all: block ``j`` of ``sendbuf`` goes to rank ``j`` (non-empty blocks
-    only; the own block is a local copy), posted in the pairwise order ``i+1, i+2, ...``."""
+    """Personalized all-to-all (:func:`substrate.schedule.alltoallv`): block ``j`` of
+    ``sendbuf`` goes to rank ``j`` (non-empty blocks only; the own block is a local copy)."""
     p, i = mpi.Get_size(), mpi.Get_rank()
     out[rdispls[i]:rdispls[i] + recvcounts[i]] = sendbuf[sdispls[i]:sdispls[i] + sendcounts[i]]
     if p == 1:
         return []
     _sync_for(xp)()
-    reqs, sent = [], []
-    for k in range(1, p):
-        src = (i - k) % p
-        if recvcounts[src]:
-            reqs.append(mpi.Irecv(out[rdispls[src]:rdispls[src] + recvcounts[src]], src, _TAG))
-    for k in range(1, p):
-        dst = (i + k) % p
-        if sendcounts[dst]:
-            reqs.append(mpi.Isend(sendbuf[sdispls[dst]:sdispls[dst] + sendcounts[dst]], dst,
-                                  _TAG))
-            sent.append((dst, int(sendcounts[dst]) * sendbuf.itemsize))
-    MPI.Request.Waitall(reqs)
-    return sent
-
-
-_EMPTY = np.empty(0, dtype=np.uint8)
+    # this rank's row (what it sends) and column (what it receives) of the element matrix
+    matrix = np.zeros((p, p), dtype=np.int64)
+    matrix[i] = sendcounts
+    matrix[:, i] = recvcounts
+    return run_rounds(mpi, schedule.alltoallv(matrix).rounds(i), sendbuf, out)
 
 
 def dissemination_barrier(mpi: MPI.Intracomm) -> list[tuple[int, int]]:
-    """Dissemination barrier: in round ``k`` send a zero-byte message to ``i + 2^k`` and wait for
-    one from ``i - 2^k`` (``ceil(log2 p)`` rounds)."""
-    p, i = mpi.Get_size(), mpi.Get_rank()
-    sent, d = [], 1
-    while d < p:
-        dst, src = (i + d) % p, (i - d) % p
-        mpi.Sendrecv(_EMPTY, dst, _TAG, _EMPTY, src, _TAG)
-        sent.append((dst, 0))
-        d <<= 1
-    return sent
+    """Dissemination barrier (:func:`substrate.schedule.barrier`): zero-byte messages."""
+    return run_rounds(mpi, schedule.barrier(mpi.Get_size()).rounds(mpi.Get_rank()), _EMPTY,
+                      _EMPTY)
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 # -- native mode: what a run can verify ------------------------------------------------------------

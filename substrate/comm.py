@@ -6,41 +6,27 @@ into the run's :class:`~substrate.ledger.Ledger` under the named algorithm of
 :mod:`substrate.costmodel`.  In the default ``exact`` mode the collectives are
 :mod:`substrate.collectives`' own point-to-point implementations of exactly these algorithms and
 the ledger records the bytes they handed to MPI; in ``native`` mode the MPI library's collective
-runs (pinned where spardist knows how) and the ledger books the algorithm's bytes:
-
-============  ============================  ==============================================
-call          algorithm (accounting)        bytes this rank sends per call
-============  ============================  ==============================================
-allreduce     ring RS + AG                  ``2n - c_{(i+1)%p} - c_{(i+2)%p}``
-allgather(v)  ring                          ``N - b_{(i+1)%p}``
-bcast         binomial tree                 ``n`` per child
-isend         direct                        ``n`` (recorded by the sender)
-alltoallv     pairwise direct               ``sendcounts[j]`` to each ``j != i``
-barrier       dissemination                 0 bytes, ``ceil(log2 p)`` messages
-============  ============================  ==============================================
+runs (pinned where spardist knows how) and the ledger books the messages of the algorithm's
+schedule (:mod:`substrate.schedule`: ring all-reduce and all-gather(v), binomial broadcast,
+pairwise all-to-all, dissemination barrier; a send books its bytes on the sender).
 
 The link class of every byte follows from the two endpoints' nodes (``Topology.node_of``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as coll
+from . import schedule
 from .backend import Backend, Staged, array_module, get_backend
 from .buckets import BucketPlan, bucket_groups
 from .calls import Call, Placement
-from .costmodel import (
-    INTER,
-    INTRA,
-    binomial_children,
-    binomial_depth,
-    ring_allgatherv_sent,
-    ring_allreduce_sent,
-)
+from .costmodel import INTER, INTRA
 from .recorder import Handle, Recorder
 from .stream import CommStream
 
@@ -57,6 +43,14 @@ __all__ = [
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 #: distinct collective records a communicator keeps for reuse (:meth:`Comm._call`)
 MAX_CALLS = 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def _scheduled(call: Call, member: int) -> list:
+    """``(dest, bytes)`` of the messages member ``member`` sends in ``call``'s algorithm
+    (:func:`substrate.schedule.of_call`): what a native collective is booked as (the library
+    runs the algorithm, pinned; the ledger books its messages)."""
+    return schedule.of_call(call).sent(member)
 
 
 class Request(Handle):
@@ -140,7 +134,6 @@ class Comm:
         self.link = "none" if p == 1 else (
             INTRA if not self.ring_links.any() else
             INTER if self.ring_links.all() else "mixed")
-        self._bcast_cache: dict[int, tuple[int, int]] = {}
         self._bucket_plans: dict = {}
         self._calls: dict = {}
 
@@ -181,29 +174,21 @@ class Comm:
             self._coll_mpi = self.mpi.Dup()
         return self._coll_mpi
 
-    def _book(self, call: Call, *, payload: int, sent=None,
-              per_rank: tuple[int, str] | None = None, messages: int = 0, links=()) -> None:
-        """Book ``call``: the ``(dest, nbytes)`` messages an exact collective handed to MPI, or
-        ``per_rank = (bytes, link)`` of the algorithm's accounting (native mode)."""
-        if sent is not None:
-            intra = inter = 0
-            links = set()
-            links_to = self.links_to
-            for dest, nb in sent:
-                link = links_to[dest]
-                if link == INTRA:
-                    intra += nb
-                else:
-                    inter += nb
-                if nb:
-                    links.add(link)
-            messages = len(sent)
-        elif per_rank is not None:
-            nb, link = per_rank
-            intra, inter = (nb, 0) if link == INTRA else (0, nb)
-        else:
-            intra = inter = 0
-        self.recorder.book(call, payload=payload, intra=intra, inter=inter, messages=messages,
+    def _book(self, call: Call, *, payload: int, sent=()) -> None:
+        """Book ``call``: the ``(dest, nbytes)`` messages this rank handed to MPI (an exact
+        collective's), or that the pinned algorithm sends (a native one's)."""
+        intra = inter = 0
+        links = set()
+        links_to = self.links_to
+        for dest, nb in sent:
+            link = links_to[dest]
+            if link == INTRA:
+                intra += nb
+            else:
+                inter += nb
+            if nb:
+                links.add(link)
+        self.recorder.book(call, payload=payload, intra=intra, inter=inter, messages=len(sent),
                            links=links)
 
     def _done(self, call: Call, after, result, **book) -> Handle:
@@ -285,13 +270,8 @@ class Comm:
         def finish(sent):
             if staged is not None:
                 staged.push()
-            if self.exact:
-                self._book(call, payload=buf.nbytes, sent=sent)
-            else:
-                self._book(call, payload=buf.nbytes,
-                           per_rank=(ring_allreduce_sent(buf.size, buf.itemsize, p, self.rank),
-                                     self.out_link),
-                           messages=2 * (p - 1), links=(self.out_link,) if p > 1 else ())
+            self._book(call, payload=buf.nbytes,
+                       sent=sent if self.exact else _scheduled(call, self.rank))
             if op == "avg" and p > 1:
                 buf[...] /= p
 
@@ -308,7 +288,7 @@ class Comm:
         if staged.host is None:
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, be.xp, poll)
         i = cmpi.Get_rank()
-        ring = coll.ring_schedule(staged.arr.size, cmpi.Get_size(), i, staged.arr.itemsize)
+        ring = schedule.allreduce(staged.arr.size, cmpi.Get_size())
         width = ring.width
         if not be.reduce_on_device(width * staged.arr.itemsize):
             return coll.ring_allreduce(cmpi, staged.pull().reshape(-1), op, np, poll)
@@ -362,27 +342,9 @@ class Comm:
         def finish(sent):
             if staged is not None:
                 staged.push()
-            if self.exact:
-                self._book(call, payload=n, sent=sent)
-                return
-            intra_kids, inter_kids = self._bcast_children(root)
-            self.recorder.book(call, payload=n, intra=intra_kids * n, inter=inter_kids * n,
-                               messages=intra_kids + inter_kids,
-                               links=tuple(x for x, k in ((INTRA, intra_kids),
-                                                          (INTER, inter_kids)) if k))
+            self._book(call, payload=n, sent=sent if self.exact else _scheduled(call, self.rank))
 
         return self._issue(call, after, buf, run, finish, wait)
-
-    def _bcast_children(self, root: int) -> tuple[int, int]:
-        """This rank's children in the binomial tree from ``root``: (intra, inter) counts."""
-        kids = self._bcast_cache.get(root)
-        if kids is None:
-            p = self.size
-            rel = (self.rank - root) % p
-            ch = [(k + root) % p for k in binomial_children(rel, p)]
-            inter = sum(self.link_to(k) == INTER for k in ch)
-            kids = self._bcast_cache[root] = (len(ch) - inter, inter)
-        return kids
 
     def allgather(self, buf, *, phase: str, after=None, wait: bool = True) -> Handle:
         """Gather equal-size ``buf`` from every rank: ``.result`` has shape
@@ -405,7 +367,7 @@ class Comm:
             def run(poll):
                 with side():
                     sent = coll.ring_allgatherv(cmpi, staged.pull(lo, lo + buf.size), counts,
-                                                displs, poll)
+                                                poll)
                     staged.land()
                     return sent
 
@@ -429,10 +391,7 @@ class Comm:
                 if rstage is not None:
                     sstage.push()
                     rstage.push()
-                self._book(call, payload=buf.nbytes,
-                           per_rank=(ring_allgatherv_sent(call.blocks, self.rank),
-                                     self.out_link),
-                           messages=p - 1, links=(self.out_link,) if p > 1 else ())
+                self._book(call, payload=buf.nbytes, sent=_scheduled(call, self.rank))
 
         return self._issue(call, after, out, run, finish, wait)
 
@@ -443,16 +402,14 @@ class Comm:
         lo = int(displs[self.rank])
         with self.backend.side():
             sent = coll.ring_allgatherv(self._cmpi(), staged.pull(lo, lo + int(counts[self.rank])),
-                                        counts, displs)
+                                        counts)
         staged.push()
         return sent
 
     def _gathered(self, call: Call, after, result, payload: int) -> Handle:
-        """Book a native all-gather(v) with the ring's accounting."""
-        p = self.size
+        """Book a native all-gather(v) with the ring's messages."""
         return self._done(call, after, result, payload=payload,
-                          per_rank=(ring_allgatherv_sent(call.blocks, self.rank), self.out_link),
-                          messages=p - 1, links=(self.out_link,) if p > 1 else ())
+                          sent=_scheduled(call, self.rank))
 
     def allgatherv(self, buf, counts: Sequence[int] | None = None, *, phase: str,
                    after=None) -> Handle:
@@ -556,7 +513,7 @@ class Comm:
             sent = coll.dissemination_barrier(self._cmpi())
             return self._done(call, after, None, payload=0, sent=sent)
         self.mpi.Barrier()
-        return self._done(call, after, None, payload=0, messages=binomial_depth(self.size))
+        return self._done(call, after, None, payload=0, sent=_scheduled(call, self.rank))
 
     # -- point to point --------------------------------------------------------------------------
     def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None,

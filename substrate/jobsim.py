@@ -17,10 +17,9 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
 * **compute**: each block waits what the profile charges the replay (a layer block its
   ``(label, k)`` cost when it begins; a clock block the rest of its cost after its layers and
   nested blocks, when it ends), one block after the other on the rank's thread;
-* **calls**: every collective is the exact algorithm's point-to-point schedule
-  (:mod:`substrate.collectives`: ring all-reduce and all-gather, binomial broadcast,
-  dissemination barrier; the chunk cut of :func:`~substrate.costmodel.ring_chunk_counts`),
-  each step a send and a receive the rank waits for (``Sendrecv``); calls issued without
+* **calls**: every collective is its algorithm's schedule (:mod:`substrate.schedule`, the
+  rounds the exact collectives execute: ring all-reduce and all-gather, binomial broadcast,
+  dissemination barrier), each round sends and receives the rank waits for; calls issued without
   waiting run on the rank's communication stream, in issue order, while the rank computes; a
   blocking call, a send or a barrier first waits for the stream to drain (``Comm``'s rule);
 * **messages**: an eager message (every message up to ``eager_limit`` bytes) leaves when it is
@@ -67,7 +66,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .costmodel import CostModel, binomial_children, ring_chunk_counts
+from . import schedule
+from .calls import Call
+from .costmodel import CostModel
 from .profile import ProfileSource
 
 __all__ = ["LINK_SHARING", "JobSim", "job_steps", "simulate_profile"]
@@ -185,6 +186,7 @@ class JobSim:
         self._sends: dict = {}              # match key -> unmatched messages
         self._recvs: dict = {}              # match key -> unmatched receives
         self._alive = 0
+        self._schedules: dict = {}          # id(call dict) -> (schedule, group)
         #: bytes moved inside nodes and between them (the ledger's wire bytes, a check)
         self.moved = {"intra": 0.0, "inter": 0.0}
 
@@ -498,50 +500,31 @@ class JobSim:
         yield from self._collective(r, d)
         self._complete(h)
 
-    def _sendrecv(self, r: int, key, right: int, nbytes: float, left: int):
-        s = self._send(r, right, (key, r, right), nbytes)
-        q = self._recv(left, r, (key, left, r))
-        yield "wait", [s, q]
-
     def _collective(self, r: int, d: dict):
-        """The exact algorithm's messages (:mod:`substrate.collectives`) on rank ``r``."""
-        group = [int(x) for x in d["group"]]
-        p, i = len(group), group.index(r)
-        if p == 1:
-            return
+        """Rank ``r``'s rounds of the call's schedule (:func:`substrate.schedule.of_call`, the
+        rounds :mod:`substrate.collectives` executes): per round its sends leave (eager) and
+        its receives are posted, and it waits for all of them."""
         a = d["algorithm"]
-        key = ("coll", tuple(group))
-        right, left = group[(i + 1) % p], group[(i - 1) % p]
-        if a == "allreduce":
-            size = int(d["itemsize"])
-            chunk = ring_chunk_counts(int(d["nbytes"]) // size, p) * size
-            for s in range(p - 1):          # reduce-scatter, then all-gather
-                yield from self._sendrecv(r, key, right, chunk[(i - s) % p], left)
-            for s in range(p - 1):
-                yield from self._sendrecv(r, key, right, chunk[(i + 1 - s) % p], left)
-        elif a == "allgather":
-            blocks = d.get("blocks") or [int(d["nbytes"]) // p] * p
-            for s in range(p - 1):
-                yield from self._sendrecv(r, key, right, blocks[(i - s) % p], left)
-        elif a == "bcast":
-            root = int(d.get("root") or 0)
-            rel = (i - root) % p
-            if rel:
-                parent = group[(rel - (rel & -rel) + root) % p]
-                yield "wait", [self._recv(parent, r, (key, parent, r))]
-            sends = [self._send(r, group[(k + root) % p], (key, r, group[(k + root) % p]),
-                                int(d["nbytes"]))
-                     for k in reversed(binomial_children(rel, p))]
-            yield "wait", sends
-        elif a == "barrier":
-            dist = 1
-            while dist < p:
-                yield from self._sendrecv(r, key, group[(i + dist) % p], 0,
-                                          group[(i - dist) % p])
-                dist <<= 1
-        else:
+        if a == "alltoallv":
             raise ValueError(f"JobSim: a {a} call ({d.get('phase')}) cannot be simulated: a "
                              "member's record holds its own sends only")
+        sched, group = self._schedule(d)
+        i = group.index(r)
+        key = ("coll", tuple(group))
+        for rnd in sched.rounds(i):
+            reqs = [self._send(r, group[q], (key, r, group[q]), hi - lo)
+                    for q, lo, hi in rnd.sends]
+            reqs += [self._recv(group[q], r, (key, group[q], r)) for q, _, _ in rnd.recvs]
+            yield "wait", reqs
+
+    def _schedule(self, d: dict):
+        """The schedule of a recorded call (a program's dict; cached by its identity: the
+        programs hold each call's dict for the whole simulation)."""
+        hit = self._schedules.get(id(d))
+        if hit is None:
+            call = Call.from_dict(d)
+            hit = self._schedules[id(d)] = (schedule.of_call(call), list(call.group))
+        return hit
 
 
 def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:

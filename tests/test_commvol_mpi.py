@@ -224,7 +224,7 @@ def uneven_runs(request, tmp_path_factory):
 def test_uneven_layout_really_has_uneven_rings(uneven_runs):
     """The digits CNN's parameter count (one DDP bucket, the ADMM rings) is not a multiple of
     3 or 6, so the rings' chunks differ: a ``2 (p-1) n // p`` per-link formula is off."""
-    from substrate import costmodel as cm
+    from volume import collectives as cm
 
     root, M, P = uneven_runs
     T = resolve_model("cnn").layout.total

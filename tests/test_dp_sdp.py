@@ -28,8 +28,8 @@ from dataparallel.sdp import (
     worker_memory,
 )
 from models import build_model
-from substrate import costmodel as cm
 from substrate.options import flag_of
+from volume import collectives as cm
 from volume.dataparallel import world_ring_bytes
 from volume.sdp import (
     assemble_bytes,

@@ -33,9 +33,9 @@ from dataparallel.ssfusion import (
     plan_ssfusion,
     select_dense,
 )
-from substrate import costmodel as cm
 from substrate.calls import Placement
 from substrate.costmodel import CostModel
+from volume import collectives as cm
 from volume import ssfusion as cv
 from volume.dataparallel import topk_k, world_ring_bytes
 

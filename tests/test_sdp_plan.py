@@ -21,8 +21,9 @@ import pytest
 from commvol.predict import predict
 from dataparallel.sdp import ASSEMBLE, BCAST, GATED, SDPOptions, SDPPlan
 from models import build_model, cnn, resnet
-from substrate import costmodel as cm
 from substrate.calls import Placement, Ready, bytes_by_phase
+from substrate.costmodel import CostModel
+from volume import collectives as cm
 from volume import sdp as vsdp
 from volume.sdp import block_sdp_bytes, neuron_sdp_bytes
 
@@ -213,7 +214,7 @@ def test_prediction_is_the_closed_form(model, kw, M, P):
         assert pred.steady.messages == {GATED: 60 + 6 * 4}
         assert pred.evaluation.messages == {ASSEMBLE: 4}
         # every rank's modeled time is its own calls': the world ring and its 2 windows
-        cost = cm.CostModel()
+        cost = CostModel()
         per_window = sum(np.array([len(a) for a in np.array_split(np.arange(w), n)]) * per
                          for w, per, _ in layers)
         link = [cm.INTRA if node_of[c] == node_of[(c + 1) % n] else cm.INTER for c in range(n)]

@@ -17,9 +17,9 @@ import pytest
 from commvol.predict import resolve_model
 from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
 from dataparallel.ssfusion import SSFusionOptions, plan_ssfusion
-from substrate import costmodel as cm
 from substrate.calls import Call, Placement, Ready, Work, bytes_by_phase, messages
 from substrate.costmodel import CostModel
+from volume import collectives as cm
 from volume import ssfusion as cv
 from volume.dataparallel import world_allgather_bytes, world_ring_bytes
 

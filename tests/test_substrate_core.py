@@ -20,18 +20,25 @@ from substrate import (
     Topology,
     TopologyError,
     atomic_write_json,
+    schedule,
 )
-from substrate import costmodel as cm
 from substrate.buckets import BucketPlan
 from substrate.ledger import merge_phase_dicts
+from volume import collectives as cm
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ring_sent(count: int, itemsize: int, p: int, i: int) -> int:
+    """Bytes ring member ``i`` sends in one all-reduce of ``count`` elements (its schedule's
+    messages: what the ledger books)."""
+    return sum(b for _, b in schedule.sent(schedule.allreduce(count, p), i, itemsize))
 
 
 # -- cost model ------------------------------------------------------------------------------
 @given(count=st.integers(0, 10_000), p=st.integers(1, 64), itemsize=st.sampled_from([1, 4, 8]))
 def test_ring_allreduce_per_rank_bytes_sum_to_2_p_minus_1_n(count, p, itemsize):
-    sent = [cm.ring_allreduce_sent(count, itemsize, p, i) for i in range(p)]
+    sent = [_ring_sent(count, itemsize, p, i) for i in range(p)]
     assert sum(sent) == 2 * (p - 1) * count * itemsize
     assert all(s >= 0 for s in sent)
 
@@ -40,7 +47,7 @@ def test_ring_allreduce_per_rank_bytes_sum_to_2_p_minus_1_n(count, p, itemsize):
 def test_ring_allreduce_divisible_every_link_carries_2_p_minus_1_over_p(p, k):
     count = p * k
     for i in range(p):
-        assert cm.ring_allreduce_sent(count, 4, p, i) == 2 * (p - 1) * k * 4
+        assert _ring_sent(count, 4, p, i) == 2 * (p - 1) * k * 4
 
 
 def test_ring_allreduce_closed_form_hierarchical_and_node_major():
@@ -55,14 +62,14 @@ def test_ring_allreduce_closed_form_hierarchical_and_node_major():
 @given(blocks=st.lists(st.integers(0, 1000), min_size=1, max_size=20))
 def test_ring_allgatherv_bytes_total(blocks):
     p = len(blocks)
-    assert sum(cm.ring_allgatherv_sent(blocks, i) for i in range(p)) == (p - 1) * sum(blocks)
+    assert sum(sum(b for _, b in schedule.allgatherv(tuple(blocks)).sent(i)) for i in range(p)) == (p - 1) * sum(blocks)
 
 
 @pytest.mark.parametrize("p", range(1, 40))
 def test_binomial_tree_spans_every_rank_once_with_log_depth(p):
     parent = {}
     for r in range(p):
-        for c in cm.binomial_children(r, p):
+        for c in schedule.binomial_children(r, p):
             assert c not in parent and 0 < c < p
             parent[c] = r
     assert sorted(parent) == list(range(1, p))
@@ -71,16 +78,16 @@ def test_binomial_tree_spans_every_rank_once_with_log_depth(p):
     # subtree first; the last rank is reached after ceil(log2 p) rounds
     have = {0: 0}
     for r in range(p):  # parents precede children in rank order
-        for k, c in enumerate(sorted(cm.binomial_children(r, p), reverse=True)):
+        for k, c in enumerate(sorted(schedule.binomial_children(r, p), reverse=True)):
             have[c] = have[r] + k + 1
-    assert max(have.values()) == cm.binomial_depth(p)
+    assert max(have.values()) == schedule.binomial_depth(p)
 
 
 @pytest.mark.parametrize("M,P", [(1, 4), (2, 2), (4, 1), (3, 4), (5, 8)])
 def test_bcast_closed_form_counts_node_crossing_tree_edges(M, P):
     p = M * P
     node = np.arange(p) // P
-    inter = sum(node[r] != node[c] for r in range(p) for c in cm.binomial_children(r, p))
+    inter = sum(node[r] != node[c] for r in range(p) for c in schedule.binomial_children(r, p))
     assert cm.bcast_wire_bytes(10, M, P) == {"intra": (p - 1 - inter) * 10, "inter": inter * 10}
 
 
@@ -293,7 +300,7 @@ def test_ring_allreduce_closed_forms_uneven_counts(M, P, r, itemsize):
         sent = {"intra": 0, "inter": 0}
         for i in range(p):
             link = "inter" if nodes[i] != nodes[(i + 1) % p] else "intra"
-            sent[link] += cm.ring_allreduce_sent(count, itemsize, p, i)
+            sent[link] += _ring_sent(count, itemsize, p, i)
         assert sent == want
 
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 
-from substrate import costmodel as cm
-
+from . import collectives as cm
 from .hsadmm import add_bytes
 
 __all__ = [

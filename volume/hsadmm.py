@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from substrate import costmodel as cm
+from . import collectives as cm
 
 __all__ = [
     "RESIDUALS_PER_LAYER",

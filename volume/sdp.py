@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from substrate import costmodel as cm
+from . import collectives as cm
 
 __all__ = [
     "ASSEMBLE",

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from substrate import costmodel as cm
-
+from . import collectives as cm
 from .dataparallel import topk_k, world_allgather_bytes, world_ring_bytes
 from .hsadmm import add_bytes
 

@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from substrate import Topology, bucketed_allreduce, collective_check
-from substrate import costmodel as cm
+from volume import collectives as cm
 
 
 def topo_2x2(R):
