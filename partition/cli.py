@@ -88,6 +88,14 @@ _MM_LINE = re.compile(r"^Line (\d+): (.*)$", re.DOTALL)
 MAX_LAYER_NEURONS = 1 << 24
 #: the fewest bytes one value line of a Matrix Market file takes ("1 1\n", "1\n")
 _MM_MIN_LINE = {"coordinate": 4, "array": 2}
+#: the fewest bytes :func:`scipy.io.mmread` holds per value: row and column (int64) and the
+#: weight (float64) of an entry, the weight of a dense value
+_MM_VALUE_BYTES = {"coordinate": 24, "array": 8}
+#: how many times its stored size a member of a zip archive may hold: deflate's limit (1032:1)
+#: for a compressed member, the stored bytes themselves for an uncompressed one
+_ZIP_RATIO = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: 1032}
+#: what ``shape.npy`` and ``format.npy`` of :func:`scipy.sparse.save_npz` hold at most
+_NPZ_SMALL_BYTES = 1 << 10
 
 
 def read_layer(path) -> sp.csr_matrix:
@@ -99,7 +107,8 @@ def read_layer(path) -> sp.csr_matrix:
         One line naming the file (and the line of a Matrix Market file where the reader says
         which) and :data:`LAYER_FORMATS`: missing, a directory, another format, truncated or
         garbage, no sparse matrix inside, complex or non-finite weights; a Matrix Market size
-        line no layer can have (:func:`_check_mm_header`), before anything is allocated.
+        line or ``.npz`` arrays no layer can have (:func:`_check_mm_header`,
+        :func:`_check_npz_header`), before anything is allocated.
     """
     path = Path(path)
     if path.is_dir():
@@ -108,9 +117,13 @@ def read_layer(path) -> sp.csr_matrix:
         raise ValueError(f"{path}: layer file not found")
     if path.suffix not in (".npz", ".mtx", ".mm"):
         raise ValueError(f"{path}: unknown layer format {path.suffix!r}; give {LAYER_FORMATS}")
-    header = None if path.suffix == ".npz" else _check_mm_header(path)
+    header = _check_npz_header(path) if path.suffix == ".npz" else _check_mm_header(path)
     try:
         W = _load_npz(path) if path.suffix == ".npz" else scipy.io.mmread(path)
+    except MemoryError as exc:   # what no declared size gave away: one line all the same
+        raise ValueError(f"{path}: reading the layer needs more memory than this process may "
+                         f"have ({exc}); partition on a machine with more memory, or give "
+                         f"{LAYER_FORMATS}") from None
     except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError,
             zipfile.BadZipFile, zlib.error) as exc:
         if header is not None and "truncated" in str(exc).lower():
@@ -176,6 +189,9 @@ def _check_mm_header(path: Path) -> tuple[int, int, str] | None:
                          "entries) or write the layer again (scipy.io.mmwrite(path, W))")
     if values * _MM_MIN_LINE[fmt] > rest:
         raise ValueError(_mm_truncated(path, line, values, fmt))
+    what = "entries" if fmt == "coordinate" else "values"
+    _check_memory(path, values * _MM_VALUE_BYTES[fmt], f"{values} {what} of a {rows} x {cols} "
+                  f"layer (size line, line {line})")
     return line, values, fmt
 
 
@@ -191,6 +207,104 @@ def _mm_truncated(path: Path, size_line: int, declared: int, fmt: str) -> str:
     return (f"{path}:{last}: the file ends after {found} of the {declared} {what} its size "
             f"line (line {size_line}) declares: it is truncated; write the layer again "
             "(scipy.io.mmwrite(path, W))")
+
+
+def _gib(nbytes: int) -> str:
+    """``nbytes`` in GiB (TiB from 1024 GiB), for messages."""
+    gib = nbytes / (1 << 30)
+    return f"{gib:.3g} GiB" if gib < 1024 else f"{gib / 1024:.3g} TiB"
+
+
+def _machine_memory() -> int | None:
+    """The machine's physical memory in bytes, or ``None`` where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(path: Path, nbytes: int, what: str) -> None:
+    """Refuse a layer file whose declared contents (``what``) need ``nbytes`` bytes to read,
+    more than the machine has, before anything is allocated."""
+    have = _machine_memory()
+    if have is not None and nbytes > have:
+        raise ValueError(f"{path}: it declares {what}: reading them takes at least "
+                         f"{_gib(nbytes)}, more than this machine's {_gib(have)} of memory; "
+                         f"correct or write the layer again, or partition on a machine with "
+                         f"more memory")
+
+
+def _npz_members(path: Path) -> dict | None:
+    """``{name: (shape, dtype, declared bytes, stored bytes, compression)}`` of the ``.npy``
+    members of an ``.npz``, read from the zip directory and the array headers alone; ``None``
+    when the file is not a readable zip of ``.npy`` arrays (:func:`_load_npz` then says what is
+    wrong)."""
+    fmt = np.lib.format
+    readers = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0,
+               (3, 0): fmt.read_array_header_2_0}    # 3.0: 2.0 with UTF-8 field names
+    members = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with z.open(info) as f:
+                    version = fmt.read_magic(f)
+                    if version not in readers:
+                        return None
+                    shape, _, dtype = readers[version](f)
+                n = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                members[info.filename[:-4]] = (shape, dtype, n, info.compress_size,
+                                               info.compress_type)
+    except (OSError, EOFError, ValueError, TypeError, zipfile.BadZipFile, zlib.error,
+            NotImplementedError, RuntimeError):
+        return None
+    return members
+
+
+def _check_npz_header(path: Path) -> None:
+    """Refuse an ``.npz`` whose arrays no network layer can have, before
+    :func:`scipy.sparse.load_npz` allocates what their headers declare: an array larger than its
+    stored bytes can hold (truncated or forged), more than :data:`MAX_LAYER_NEURONS` rows or
+    columns, more weights than the matrix has, or more bytes than the machine's memory.  A file
+    that is not a readable zip of arrays is left to :func:`_load_npz`."""
+    members = _npz_members(path)
+    if members is None:
+        return
+    again = "write the layer again (scipy.sparse.save_npz(path, W))"
+    for name, (shape, dtype, n, stored, method) in members.items():
+        if method not in _ZIP_RATIO:
+            raise ValueError(f"{path}: its array {name!r} is compressed with zip method "
+                             f"{method}, which numpy.savez never writes; {again}")
+        if n > stored * _ZIP_RATIO[method]:
+            raise ValueError(f"{path}: its array {name!r} declares shape {tuple(shape)} of "
+                             f"{dtype} ({n} bytes), more than the {stored} bytes stored for it "
+                             f"can hold: the file is truncated or forged; {again}")
+    small = [k for k in ("format", "shape") if k in members]
+    if any(members[k][2] > _NPZ_SMALL_BYTES for k in small):
+        big = next(k for k in small if members[k][2] > _NPZ_SMALL_BYTES)
+        raise ValueError(f"{path}: its {big!r} array declares {members[big][2]} bytes, not the "
+                         f"few that scipy.sparse.save_npz writes; {again}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            shape = [int(v) for v in z["shape"]] if "shape" in members else None
+            kind = str(z["format"][()]) if "format" in members else None
+    except (OSError, EOFError, ValueError, TypeError, KeyError, zipfile.BadZipFile, zlib.error):
+        return
+    if shape is None or len(shape) != 2:
+        return                                   # load_npz says what is wrong
+    rows, cols = shape
+    if max(rows, cols) > MAX_LAYER_NEURONS:
+        raise ValueError(f"{path}: its 'shape' declares a {rows} x {cols} layer, more than the "
+                         f"{MAX_LAYER_NEURONS} neurons a side a layer may have: {again}")
+    data = members.get("data")
+    if data is not None and kind != "dia":       # dia stores its diagonals padded
+        weights = int(np.prod(data[0], dtype=object))
+        if weights > rows * cols:
+            raise ValueError(f"{path}: its 'data' declares {weights} weights, more than the "
+                             f"{rows} x {cols} layer has: {again}")
+    total = sum(m[2] for m in members.values())
+    _check_memory(path, total, f"arrays of {total} bytes for a {rows} x {cols} layer")
 
 
 def _load_npz(path: Path):
