@@ -36,8 +36,9 @@ class RunCheckpoints:
     rank 0's metrics lines up to the checkpoint (a resumed run neither loses nor repeats a
     line), a fingerprint of everything that must not change, and the schedule that follows from
     the total.
-    Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept), written after every
-    ``every``-th unit and at the end.
+    Files: ``OUT/checkpoints/ckpt-r{rank}-s{done:08d}.npz`` (newest two kept; in
+    ``OUT/checkpoints.pending`` while an ``--overwrite`` run is not published), written after
+    every ``every``-th unit and at the end.
 
     Parameters
     ----------
@@ -53,7 +54,9 @@ class RunCheckpoints:
     given : str, optional
         How the user set the total where it was not ``flag`` with the total itself, for
         messages: another option (``"--epochs 1"``, of which the total follows) or ``flag``
-        with another value (a strategy that runs more steps than ``--steps`` asks).
+        with another value (a strategy that runs more steps than ``--steps`` asks).  It is kept
+        in the checkpoint, so a resume refused for its total names the option the run was
+        started with (``pass --epochs 2 or more``), whichever option the resume passes.
     may_change : tuple of str
         The options besides ``flag``, ``--checkpoint-every`` and ``--progress-every`` that a
         resume may change (``("--epochs",)``), for messages.
@@ -85,7 +88,9 @@ class RunCheckpoints:
         self.schedule_why = schedule_why
         #: the total of the run (set by :meth:`save` / :meth:`resume`; kept in the checkpoint)
         self.total: int | None = None
-        self.ckpt = Checkpointer(Path(run.out) / CHECKPOINTS, rank=run.rank)
+        # with --overwrite apart from the replaced run's until this run is published
+        where = getattr(run, "checkpoints", None) or Path(run.out) / CHECKPOINTS
+        self.ckpt = Checkpointer(where, rank=run.rank)
 
     def due(self, done: int, last: bool) -> bool:
         """Whether to save after ``done`` units (``last``: the loop is over)."""
@@ -104,17 +109,30 @@ class RunCheckpoints:
         given = self.given.split()[0] if self.given else self.flag
         return "" if given == self.flag else f" (instead of {given})"
 
-    def _larger(self) -> str:
-        """The options that ask for more units: ``--epochs (or --steps)``, or ``--steps``."""
-        given = self.given.split()[0] if self.given else self.flag
-        return self.flag if given == self.flag else f"{given} (or {self.flag})"
+    def _larger(self, started: str | None = None) -> str:
+        """The options that ask for more units: ``--epochs (or --steps)``, or ``--steps``
+        (``started``: how the checkpointed run set its total, see :meth:`_started_with`)."""
+        options = [g.split()[0] for g in (started, self.given) if g]
+        other = next((o for o in options if o != self.flag), None)
+        return self.flag if other is None else f"{other} (or {self.flag})"
+
+    def _started_with(self, saved: dict | None) -> str | None:
+        """How the checkpointed run set its total where that was not ``flag`` with the total
+        itself (``--epochs 2``, or ``--steps 4`` of a strategy that runs 6): what a resume
+        passes to get that total again.  ``None`` otherwise, and for a checkpoint that does
+        not say (written before the checkpoint kept it)."""
+        if not saved or saved.get("given") is None or saved.get("total") is None:
+            return None
+        given = str(saved["given"])
+        return None if given == f"{self.flag} {saved['total']}" else given
 
     def save(self, done: int, state: dict) -> None:
         """Write this rank's checkpoint after ``done`` units (every rank calls it)."""
         run = self.run
         full = {**state,
                 "run/fingerprint": json.dumps(self.fingerprint),
-                "run/schedule": json.dumps({"total": self.total, "values": self.schedule}),
+                "run/schedule": json.dumps({"total": self.total, "values": self.schedule,
+                                            "given": self.given}),
                 "run/ledger": json.dumps(run.ledger.local()),
                 "run/clock": json.dumps(run.clock.state()),
                 "run/calls": json.dumps(run.recorder.log.state()),
@@ -182,16 +200,20 @@ class RunCheckpoints:
                 + f"; resume with the same options (only "
                   f"{', '.join((self.flag, *self.may_change))}, --checkpoint-every and "
                   "--progress-every may change) or start afresh with --overwrite")
+        saved_schedule = json.loads(str(state.pop("run/schedule", "null")))
+        started = self._started_with(saved_schedule)
         if step > total:
+            again = (f"{started} or more (the {saved_schedule['total']} {self.unit}s it was "
+                     "started with)" if started is not None
+                     else f"{self.flag} {step} or more{self._instead()}")
             raise ValueError(f"--resume: {self.asked(total)} is smaller than the {step} "
                              f"{self.unit}s already done (checkpoints in {ck.dir}): pass "
-                             f"{self.flag} {step} or more{self._instead()} to continue, or "
-                             "start afresh with --overwrite")
+                             f"{again} to continue, or start afresh with --overwrite")
         if step == total and run.previous == "finished":
             raise ValueError(f"--resume: the run in {run.out} already finished its {total} "
-                             f"{self.unit}s ({SUMMARY}): pass a larger {self._larger()} to "
-                             "train further, or start afresh with --overwrite")
-        self._check_schedule(json.loads(str(state.pop("run/schedule", "null"))), total, step)
+                             f"{self.unit}s ({SUMMARY}): pass a larger {self._larger(started)} "
+                             "to train further, or start afresh with --overwrite")
+        self._check_schedule(saved_schedule, total, step)
         self.total = total
         _restore_ledger(run.ledger, json.loads(str(state.pop("run/ledger"))))
         run.clock.load_state(json.loads(str(state.pop("run/clock"))))
@@ -212,8 +234,11 @@ class RunCheckpoints:
         if not diff:
             return
         changes = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in diff)
-        keep = saved.get("total")
-        if keep is not None and keep > step:
+        keep, started = saved.get("total"), self._started_with(saved)
+        if keep is not None and keep > step and started is not None:
+            again = (f"resume with {started} (the total it was written with: {keep} "
+                     f"{self.unit}s)")
+        elif keep is not None and keep > step:
             again = (f"resume with {self.flag} {keep}{self._instead()} (the total it was "
                      "written with)")
         else:

@@ -5,29 +5,28 @@ Results are never lost: an ``--out`` that holds a finished run (``summary.json``
 checkpoints of an interrupted one is refused unless ``--overwrite`` (start afresh) or
 ``--resume`` (continue it) is given, and so is an ``--out`` that is a file or not writable;
 rank 0 decides and every rank stops with the same message before any work.  ``--overwrite``
-deletes nothing at the start: the earlier run's checkpoints are set aside
-(``OUT/checkpoints.replaced``) and removed only once the new run is published; a run that fails
-puts them back (:mod:`substrate.results`).
+touches nothing of the earlier run at the start: the new run writes its checkpoints to
+``OUT/checkpoints.pending``, which replace the earlier run's only once the new run is published;
+a run that fails or is killed leaves the earlier one byte for byte as it was, and ``--resume``
+continues it (:mod:`substrate.results`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from substrate.results import (
     CHECKPOINTS,
-    REPLACED,
+    PENDING,
     SUMMARY,
     Checkpointer,
-    put_back_checkpoints,
+    recover_checkpoints,
     recover_publish,
-    replacing_run_published,
-    set_aside_checkpoints,
+    start_pending_checkpoints,
 )
 from substrate.topology import Topology
 
@@ -119,15 +118,10 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
     finished = (out / SUMMARY).is_file()
     if finished:
         recover_publish(out)
+    for note in recover_checkpoints(out):    # what a killed --overwrite run left
+        print(f"spardist: note: {note}", file=sys.stderr, flush=True)
     checkpoints = Checkpointer.files(out / CHECKPOINTS)
-    if (out / REPLACED).exists() and replacing_run_published(out):
-        shutil.rmtree(out / REPLACED, ignore_errors=True)   # what its finish did not get to
-    if (out / REPLACED).exists():
-        problem = _replaced_leftover(out, checkpoints, resume=resume)
-        if problem:
-            return "new", problem
-        checkpoints = Checkpointer.files(out / CHECKPOINTS)
-    if overwrite:   # the earlier checkpoints are set aside once every check has passed
+    if overwrite:   # this run's checkpoints go apart once every check has passed
         return "new", None
     if resume:
         return ("finished" if finished else "interrupted"), None
@@ -140,28 +134,6 @@ def _inspect_out(out: Path, *, resume: bool, overwrite: bool) -> tuple[str, str 
                        f"({out / CHECKPOINTS}): pass --resume to continue it, --overwrite to "
                        "discard them and start afresh, or choose another --out")
     return "new", None
-
-
-def _replaced_leftover(out: Path, checkpoints: list[Path], *, resume: bool) -> str | None:
-    """``OUT/checkpoints.replaced`` left by an ``--overwrite`` run that was killed before it
-    could finish or put them back: why the run cannot start, or ``None``.
-
-    Killed before its first checkpoint, it left nothing to continue: the earlier run's
-    checkpoints are put back.  Otherwise ``--resume`` continues the killed run (which removes
-    them when it finishes), and any other run is refused, so that neither set is lost.
-    """
-    aside = out / REPLACED
-    if not checkpoints:
-        put_back_checkpoints(out, aside)
-        print(f"spardist: note: put back the checkpoints in {out / CHECKPOINTS} that an "
-              "--overwrite run which did not finish had set aside", file=sys.stderr, flush=True)
-        return None
-    if resume:
-        return None
-    return (f"--out {out} holds the checkpoints of an --overwrite run that did not finish "
-            f"({out / CHECKPOINTS}) and, set aside, those of the run it was replacing ({aside}): "
-            f"pass --resume to continue the unfinished run, or remove {out / CHECKPOINTS} and "
-            f"rename {aside} to {out / CHECKPOINTS} to go back to the earlier run")
 
 
 def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
@@ -182,16 +154,17 @@ def _inspect_file_out(flag: str, path: Path, *, overwrite: bool,
 
 def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
                  profile_out: str | None = None,
-                 trace: str | None = None) -> tuple[str, Path | None]:
+                 trace: str | None = None) -> tuple[str, Path, Path | None]:
     """Collective: rank 0 inspects ``out`` (and ``--compute-profile-out``, ``--trace``), every
     rank gets the verdict and raises the same error (bookkeeping: not booked in the ledger).
 
-    Returns ``(previous, replaced)``: what ``out`` held (see :class:`runner.run.Run`) and, on
-    rank 0, the set-aside checkpoints of the run this one replaces (``OUT/checkpoints.replaced``:
-    moved there now with ``--overwrite``, before any rank can write a checkpoint; left there by
-    a killed ``--overwrite`` run that ``--resume`` continues), else ``None``.
+    Returns ``(previous, checkpoints, pending)``: what ``out`` held (see
+    :class:`runner.run.Run`), the folder every rank writes its checkpoints to, and on rank 0
+    that folder when it is ``OUT/checkpoints.pending`` (else ``None``): an ``--overwrite`` run
+    in an ``out`` that holds a run writes its checkpoints apart, created now, before any rank
+    can write one, and they replace the earlier run's only once it is published.
     """
-    verdict = replaced = None
+    verdict = pending = None
     if topo.rank == 0:
         verdict = _inspect_out(out, resume=resume, overwrite=overwrite)
         for flag, path, example in (("--compute-profile-out", profile_out, "profile.json"),
@@ -199,17 +172,16 @@ def _prepare_out(out: Path, topo: Topology, *, resume: bool, overwrite: bool,
             if verdict[1] is None and path is not None:
                 verdict = (verdict[0], _inspect_file_out(flag, Path(path), overwrite=overwrite,
                                                          example=example))
-        if verdict[1] is None and overwrite:
+        if verdict[1] is None and overwrite and ((out / SUMMARY).exists() or
+                                                 (out / CHECKPOINTS).exists()):
             try:
-                replaced = set_aside_checkpoints(out)
+                pending = start_pending_checkpoints(out)
             except OSError as exc:
-                why = (f"--overwrite: cannot set the earlier run's checkpoints aside "
-                       f"({out / CHECKPOINTS} -> {out / REPLACED}: {exc.strerror or exc}); "
-                       "move or remove them and run again")
+                why = (f"--overwrite: cannot create {out / PENDING} for this run's checkpoints "
+                       f"({exc.strerror or exc}): make {out} writable, or choose another --out")
                 verdict = (verdict[0], why)
-        elif verdict[1] is None and resume and (out / REPLACED).is_dir():
-            replaced = out / REPLACED
-    previous, error = topo.world.mpi.bcast(verdict, root=0)
+        verdict = (*verdict, PENDING if pending is not None else CHECKPOINTS)
+    previous, error, where = topo.world.mpi.bcast(verdict, root=0)
     if error:
         raise ValueError(error)
-    return previous, replaced
+    return previous, out / where, pending

@@ -79,9 +79,9 @@ class CommonConfig:
         None, "results directory (default: results/<system>_<method>); a directory holding a "
         "finished run is refused unless --overwrite is given", type=Path, group=RUN)
     overwrite: bool = option(
-        False, "replace the run in --out when this run finishes: until then its summary and "
-        "metrics stay and its checkpoints wait in OUT/checkpoints.replaced; a run that fails "
-        "leaves it as it was", group=RUN)
+        False, "replace the run in --out when this run finishes: until then its summary, "
+        "metrics and checkpoints stay as they are (this run's checkpoints wait in "
+        "OUT/checkpoints.pending); a run that fails leaves it as it was", group=RUN)
     seed: int = option(0, "run seed (shared randomness)", group=RUN)
     device: str = option("cpu", "array backend: NumPy (cpu) or CuPy (gpu)",
                          choices=("cpu", "gpu"), group=RUN)

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -30,9 +31,9 @@ from substrate.clock import SimClock, make_source
 from substrate.profile import ProfileRecorder, write_profile
 from substrate.program import Program
 from substrate.results import (
+    CHECKPOINTS,
     RunWriter,
     atomic_write_bytes,
-    put_back_checkpoints,
     to_jsonable,
 )
 from substrate.threads import cap_threads
@@ -120,7 +121,8 @@ class Run:
 
     def __init__(self, *, system: str, method: str, common: CommonConfig, config,
                  topo: Topology, backend: Backend, writer: RunWriter,
-                 previous: str = "new", unit: str = "step") -> None:
+                 previous: str = "new", unit: str = "step",
+                 checkpoints: Path | None = None) -> None:
         if unit not in UNITS:
             raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
         self.system, self.method = system, method
@@ -168,6 +170,10 @@ class Run:
                 self.program
         self.writer = writer
         self.out = writer.out
+        #: the folder of this run's checkpoints: ``OUT/checkpoints``, or with ``--overwrite``
+        #: of a run ``OUT/checkpoints.pending`` until this run is published
+        self.checkpoints = Path(checkpoints) if checkpoints is not None else \
+            self.out / CHECKPOINTS
         self.previous = previous
         self._t0 = time.time()
         self.finished = False
@@ -457,9 +463,9 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
                               node_map=common.node_map, cost=cost,
                               collectives=common.collectives)
     out = Path(common.out) if common.out else _default_out(system, method, topo, resume)
-    previous, replaced = _prepare_out(out, topo, resume=resume, overwrite=common.overwrite,
-                                      profile_out=common.compute_profile_out,
-                                      trace=common.trace)
+    previous, checkpoints, pending = _prepare_out(
+        out, topo, resume=resume, overwrite=common.overwrite,
+        profile_out=common.compute_profile_out, trace=common.trace)
     try:
         # however the ranks were launched, each caps its own compute threads (plain
         # mpiexec/srun set nothing: its BLAS pools would take every core and the cpu clock
@@ -467,15 +473,15 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
         threads = cap_threads(topo.real_node_ranks)
         backend = get_backend(common.device, topo.gpu_index)
         topo.bind_backend(backend)
-        # from here the writer puts the replaced run's checkpoints back if the run fails
-        writer = RunWriter(out, enabled=topo.rank == 0, replaced=replaced,
-                           put_back=common.overwrite)
+        # from here the writer removes this run's pending checkpoints if the run fails
+        writer = RunWriter(out, enabled=topo.rank == 0, pending=pending)
     except BaseException:
-        if replaced is not None and common.overwrite:
-            put_back_checkpoints(out, replaced)
+        if pending is not None:
+            shutil.rmtree(pending, ignore_errors=True)
         raise
     run = Run(system=system, method=method, common=common, config=config, topo=topo,
-              unit=unit, backend=backend, writer=writer, previous=previous)
+              unit=unit, backend=backend, writer=writer, previous=previous,
+              checkpoints=checkpoints)
     run.threads = threads
     blas = threads["blas_threads"] or 1
     if topo.rank == 0 and blas > 1 and common.compute_source in ("auto", "cpu") and \

@@ -25,11 +25,14 @@ file and the directories it created; a ``.part`` file or temporary file left by 
 removed when the next run starts in the directory.
 
 **Replacing a run** (``--overwrite``).  The earlier run's ``summary.json`` and
-``metrics.jsonl`` are replaced by the publish above; its checkpoints are moved aside to
-``OUT/checkpoints.replaced`` before the new run starts (:func:`set_aside_checkpoints`), so the
-new run's checkpoints never mix with them.  The writer removes that folder once the new run is
-published, and a run that fails (:meth:`RunWriter.abandon`) drops its own checkpoints and puts
-the earlier ones back: until the new run finishes, the earlier one stays whole.
+``metrics.jsonl`` are replaced by the publish above.  Its checkpoints stay where they are until
+then: the new run writes its own to ``OUT/checkpoints.pending``
+(:func:`start_pending_checkpoints`), which take the place of ``OUT/checkpoints`` only once the
+new run is published (:func:`publish_checkpoints`, renames only).  A run that fails
+(:meth:`RunWriter.abandon`) removes its pending checkpoints, and what a killed one leaves is
+removed when the next run starts in the directory (:func:`recover_checkpoints`, which also
+completes a swap cut short after the publish): until the new run finishes, the earlier one
+stays byte for byte as it was, and ``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "CHECKPOINTS",
     "METRICS",
     "METRICS_PART",
+    "PENDING",
     "REPLACED",
     "SUMMARY",
     "CheckpointError",
@@ -61,10 +65,10 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "file_mode",
-    "put_back_checkpoints",
+    "publish_checkpoints",
+    "recover_checkpoints",
     "recover_publish",
-    "replacing_run_published",
-    "set_aside_checkpoints",
+    "start_pending_checkpoints",
     "to_jsonable",
 ]
 
@@ -73,9 +77,14 @@ SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 METRICS_PART = ".metrics.jsonl.part"
 CHECKPOINTS = "checkpoints"
-#: the checkpoints of the run an ``--overwrite`` run replaces, kept until it is published
+#: the checkpoints of an ``--overwrite`` run, until it is published (then ``CHECKPOINTS``)
+PENDING = "checkpoints.pending"
+#: the checkpoints of the run a published ``--overwrite`` run replaces, while they are removed
 REPLACED = "checkpoints.replaced"
-#: in ``REPLACED``: the SHA-256 of the ``summary.json`` published when it was set aside
+#: in ``PENDING``: the SHA-256 of the ``summary.json`` published when the run started
+_PENDING_MARK = ".replaces-summary.sha256"
+#: in ``REPLACED``, left by spardists that moved the earlier checkpoints aside at the start of an
+#: ``--overwrite`` run: the SHA-256 of the ``summary.json`` published then
 _REPLACED_MARK = ".published-summary.sha256"
 #: temporary files of :func:`atomic_write_bytes` (``.NAME.RANDOM.tmp``)
 _TMP_PATTERN = re.compile(r"^\..+\.tmp$")
@@ -173,42 +182,96 @@ def recover_publish(out_dir) -> bool:
     return True
 
 
-def set_aside_checkpoints(out_dir) -> Path | None:
-    """Move ``OUT/checkpoints`` (the run an ``--overwrite`` run replaces) to
-    ``OUT/checkpoints.replaced``; returns the new path, or ``None`` when there is no such folder.
+def start_pending_checkpoints(out_dir) -> Path:
+    """Create ``OUT/checkpoints.pending``, where an ``--overwrite`` run writes its checkpoints
+    until it is published (the earlier run's stay in ``OUT/checkpoints``); returns its path.
 
-    Hand the path to the new run's :class:`RunWriter` (``replaced``): it removes the folder when
-    the run is published and puts it back when the run fails.
+    It holds a mark of the ``summary.json`` published now, so that :func:`recover_checkpoints`
+    tells a run killed before its publish from one killed after it.  Hand the path to the
+    run's :class:`RunWriter` (``pending``).
     """
     out = Path(out_dir)
-    ckpt, aside = out / CHECKPOINTS, out / REPLACED
-    if not ckpt.is_dir():
-        return None
-    if aside.exists():
-        raise FileExistsError(f"{aside} already exists: the checkpoints of a replaced run are "
-                              "still set aside there")
-    os.replace(ckpt, aside)
+    pending = out / PENDING
+    pending.mkdir(parents=True)     # a leftover is removed first (recover_checkpoints)
+    (pending / _PENDING_MARK).write_text(_sha256(out / SUMMARY) or "none")
     _fsync_dir(out)
-    # which summary was published when they were set aside (see replacing_run_published)
-    (aside / _REPLACED_MARK).write_text(_sha256(out / SUMMARY) or "none")
-    return aside
+    return pending
 
 
-def replacing_run_published(out_dir) -> bool:
-    """Whether the run that set ``OUT/checkpoints.replaced`` aside was published after all
-    (killed between publishing and removing them): ``summary.json`` is no longer the one that
-    was published when they were set aside."""
-    out = Path(out_dir)
+def _published_since(mark: Path, out: Path) -> bool:
+    """Whether ``summary.json`` is no longer the one ``mark`` recorded (a run published since);
+    ``False`` without a mark (killed before it was written: nothing was published)."""
     try:
-        was = (out / REPLACED / _REPLACED_MARK).read_text().strip()
-    except OSError:          # killed right after setting them aside: nothing was published
+        was = mark.read_text().strip()
+    except OSError:
         return False
     return was != (_sha256(out / SUMMARY) or "none")
 
 
+def publish_checkpoints(out_dir) -> None:
+    """Make the pending checkpoints of a published ``--overwrite`` run the checkpoints of
+    ``OUT``: ``checkpoints`` -> ``checkpoints.replaced``, ``checkpoints.pending`` ->
+    ``checkpoints``, then the replaced ones are removed (and ``checkpoints`` too when the run
+    wrote none).  Renames first, removals last: :func:`recover_checkpoints` completes it after a
+    crash at any point."""
+    out = Path(out_dir)
+    pending, ckpt, replaced = out / PENDING, out / CHECKPOINTS, out / REPLACED
+    if pending.is_dir():
+        if ckpt.exists():
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.replace(ckpt, replaced)
+        os.replace(pending, ckpt)
+        _fsync_dir(out)
+    shutil.rmtree(replaced, ignore_errors=True)
+    (ckpt / _PENDING_MARK).unlink(missing_ok=True)
+    if ckpt.is_dir() and not any(ckpt.iterdir()):
+        ckpt.rmdir()
+
+
+def recover_checkpoints(out_dir) -> list[str]:
+    """Put the checkpoints of ``OUT`` in order after a killed run (rank 0, when a run starts);
+    returns notes of what was done.
+
+    * ``checkpoints.pending`` of an ``--overwrite`` run killed before its publish: removed,
+      ``OUT`` is the earlier run as it was (``--resume`` continues it);
+    * of one killed during or after its publish: :func:`publish_checkpoints` is completed;
+    * ``checkpoints.replaced`` left by a spardist that moved the earlier checkpoints aside at
+      the start of an ``--overwrite`` run: put back when that run did not publish (its own
+      checkpoints removed), removed when it did.
+    """
+    out = Path(out_dir)
+    pending, ckpt, replaced = out / PENDING, out / CHECKPOINTS, out / REPLACED
+    notes = []
+    if (replaced / _REPLACED_MARK).is_file():
+        if _published_since(replaced / _REPLACED_MARK, out):
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            put_back_checkpoints(out, replaced)
+            notes.append(f"put back the checkpoints in {ckpt} that an --overwrite run which did "
+                         "not finish had set aside (its own removed)")
+    if pending.is_dir():
+        if _published_since(pending / _PENDING_MARK, out) or replaced.is_dir():
+            publish_checkpoints(out)
+            notes.append(f"the checkpoints of the --overwrite run published in {out} now are "
+                         f"{ckpt} (its finish was cut short)")
+        else:
+            shutil.rmtree(pending, ignore_errors=True)
+            notes.append(f"removed {pending}: the checkpoints of an --overwrite run that did not "
+                         f"finish; the run it was replacing is as it was")
+    elif replaced.is_dir() and not ckpt.exists():     # an older spardist's put-back, cut short
+        os.replace(replaced, ckpt)
+        notes.append(f"put back the checkpoints in {ckpt} that an --overwrite run which did "
+                     "not finish had set aside")
+    elif replaced.is_dir() or (ckpt / _PENDING_MARK).exists():
+        publish_checkpoints(out)    # published and swapped; what its removals did not get to
+    return notes
+
+
 def put_back_checkpoints(out_dir, aside) -> None:
-    """Undo :func:`set_aside_checkpoints`: drop the failed run's ``checkpoints`` and move the
-    earlier run's back (best effort on the failure path: a warning names what is left where)."""
+    """Move the earlier run's checkpoints set aside in ``aside`` (``checkpoints.replaced`` of an
+    older spardist) back over the failed run's ``checkpoints``, which are removed (best effort:
+    a warning names what is left where)."""
     out, aside = Path(out_dir), Path(aside)
     ckpt = out / CHECKPOINTS
     failed = out / f".{CHECKPOINTS}.failed.{os.getpid()}"
@@ -232,24 +295,22 @@ class RunWriter:
     The lines logged so far are kept in :attr:`records` (checkpoints store them, so a resumed
     run neither loses nor repeats a line).
 
-    ``replaced`` is the folder of the checkpoints of the run this one replaces
-    (:func:`set_aside_checkpoints`): removed once this run is published (:meth:`finish`), and
-    moved back over this run's checkpoints when it is abandoned if ``put_back`` (``False``
-    where this run did not set them aside itself: a resumed run of an ``--overwrite`` run that
-    was killed removes them when it finishes, and leaves them if it fails too).
+    ``pending`` is the folder of this run's checkpoints when it replaces a run with
+    ``--overwrite`` (:func:`start_pending_checkpoints`): once this run is published
+    (:meth:`finish`) they become ``OUT/checkpoints`` and the replaced run's are removed
+    (:func:`publish_checkpoints`); when it is abandoned the folder is removed, and the replaced
+    run's checkpoints are as they were.
     """
 
     #: writers whose run has neither finished nor been abandoned (see :meth:`abandon_open`);
     #: held strongly, so a run dropped before it failed is still cleaned up
     _open: ClassVar[set[RunWriter]] = set()
 
-    def __init__(self, out_dir, enabled: bool = True, *, replaced: Path | None = None,
-                 put_back: bool = True) -> None:
+    def __init__(self, out_dir, enabled: bool = True, *, pending: Path | None = None) -> None:
         self.out = Path(out_dir)
         self.enabled = enabled
         self.records: list[str] = []
-        self._replaced = Path(replaced) if replaced is not None and enabled else None
-        self._put_back = put_back
+        self._pending = Path(pending) if pending is not None and enabled else None
         self._part = self.out / METRICS_PART
         self._fh = None
         self._created: list[Path] = []
@@ -296,24 +357,24 @@ class RunWriter:
         os.replace(self._part, self.out / METRICS)
         _fsync_dir(self.out)
         RunWriter._open.discard(self)
-        if self._replaced is not None:     # the run it replaces is gone now, checkpoints too
-            shutil.rmtree(self._replaced, ignore_errors=True)
-            self._replaced = None
+        if self._pending is not None:      # the run it replaces is gone now, checkpoints too
+            publish_checkpoints(self.out)
+            self._pending = None
         return published
 
     def abandon(self) -> None:
-        """Drop the in-progress metrics (a failed run) and the directories this writer created
-        if they are empty, and put back the checkpoints of the run it was replacing (see the
-        class docstring); earlier results stay as they were."""
+        """Drop the in-progress metrics (a failed run), its pending checkpoints (see the class
+        docstring) and the directories this writer created if they are empty; earlier results
+        stay as they were."""
         RunWriter._open.discard(self)
         if self._fh is None:
             return
         self._fh.close()
         self._fh = None
         self._part.unlink(missing_ok=True)
-        if self._replaced is not None and self._put_back:
-            put_back_checkpoints(self.out, self._replaced)
-        self._replaced = None
+        if self._pending is not None:
+            shutil.rmtree(self._pending, ignore_errors=True)
+        self._pending = None
         for d in self._created:
             try:
                 d.rmdir()

@@ -4,11 +4,13 @@ and killed runs, refusal to overwrite, damaged checkpoints, progress and failure
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import stat
 import struct
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,19 +124,28 @@ def test_overwrite_replaces_the_run_and_its_checkpoints_when_it_finishes(tmp_pat
     _finished_run(tmp_path)
     ck = tmp_path / "checkpoints"
     Checkpointer(ck).save({"x": np.zeros(2)}, 3)
-    earlier = _snapshot(ck)
+    earlier = _snapshot(tmp_path)
     run = _start(tmp_path, overwrite=True)
-    # nothing is deleted at the start: the earlier checkpoints wait aside, apart from the new
-    # run's (whose pruning would otherwise keep the earlier, higher steps over its own)
-    assert _snapshot(tmp_path / results.REPLACED).items() >= earlier.items()
-    assert not ck.exists()
-    Checkpointer(ck).save({"x": np.ones(2)}, 1)
+    # nothing of the earlier run is touched at the start: the new run's checkpoints go apart
+    # (where pruning cannot keep the earlier, higher steps over its own)
+    assert run.checkpoints == tmp_path / results.PENDING
+    Checkpointer(run.checkpoints).save({"x": np.ones(2)}, 1)
+    assert _snapshot(tmp_path).items() >= earlier.items()
     run.log(0, it="second")
     run.finish(metrics={"final_loss": 2.0})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["it"] == "second"
+    assert not (tmp_path / results.PENDING).exists()
     assert not (tmp_path / results.REPLACED).exists()
-    assert [p.name for p in Checkpointer.files(ck)] == ["ckpt-r0-s00000001.npz"]
+    assert [p.name for p in ck.iterdir()] == ["ckpt-r0-s00000001.npz"]
+    # a run that writes no checkpoint replaces the earlier ones all the same
+    run = _start(tmp_path, overwrite=True)
+    run.finish()
+    assert not ck.exists() and not (tmp_path / results.PENDING).exists()
+    # into a folder with no run to keep, an --overwrite run writes its checkpoints in place
+    assert _start(tmp_path / "fresh", overwrite=True).checkpoints == \
+        tmp_path / "fresh" / "checkpoints"
+    RunWriter.abandon_open()
 
 
 def _snapshot(folder) -> dict:
@@ -150,47 +161,155 @@ def test_failed_overwrite_run_leaves_the_earlier_run_whole(tmp_path, capsys):
 
     @main_guard
     def main(argv):
-        _start(tmp_path, overwrite=True)
-        Checkpointer(tmp_path / "checkpoints").save({"x": np.ones(2)}, 1)
+        run = _start(tmp_path, overwrite=True)
+        Checkpointer(run.checkpoints).save({"x": np.ones(2)}, 1)
         raise ValueError("boom")
 
     with pytest.raises(SystemExit):
         main([])
     capsys.readouterr()
     assert _snapshot(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl",
+                                                          "summary.json"]
 
 
-def test_checkpoints_set_aside_by_a_killed_overwrite_run(tmp_path, capsys):
-    """A killed ``--overwrite`` run cannot put the earlier checkpoints back: the next start does
-    when the killed run left none of its own, refuses to pick one set over the other when it
-    did, and removes them when the killed run had published after all."""
+def _killed(run) -> None:
+    """End ``run`` as a killed process does: nothing cleaned up."""
+    RunWriter._open.discard(run.writer)
+    if run.writer._fh is not None:
+        run.writer._fh.close()
+
+
+def test_killed_overwrite_run_leaves_the_earlier_run_to_resume(tmp_path, capsys):
+    """A killed ``--overwrite`` run cannot clean up: the earlier run's files are byte for byte
+    as they were all the same, the next start removes what the killed run left, and
+    ``--resume`` continues the earlier run."""
+    run, ck = _checkpoints(tmp_path)
+    run.log(1, it=1)
+    ck.save(2, {"w": np.full(3, 2.0)})
+    run.finish()
+    before = _snapshot(tmp_path)
+    run = start_run(_args(tmp_path, overwrite=True), system="t", method="m")
+    RunCheckpoints(run, every=1, fingerprint={"lr": 0.1}, unit="step", flag="--steps").save(
+        1, {"w": np.full(3, -1.0)})
+    _killed(run)
+    assert _snapshot(tmp_path).items() >= before.items()
+    capsys.readouterr()
+    run, ck = _checkpoints(tmp_path, resume=True)
+    assert (f"spardist: note: removed {tmp_path / results.PENDING}: the checkpoints of an "
+            "--overwrite run that did not finish") in capsys.readouterr().err
+    now = _snapshot(tmp_path)
+    assert now.pop(results.METRICS_PART) == b"" and now == before     # the resumed run's lines
+    step, state = ck.resume(4)
+    assert step == 2 and np.array_equal(state["w"], np.full(3, 2.0))
+    assert [json.loads(r)["it"] for r in run.writer.records] == [1]
+    run.writer.abandon()
+
+
+@pytest.mark.parametrize("cut", ["before the swap", "between the renames", "before removing"])
+def test_overwrite_run_killed_in_its_finish_is_completed_by_the_next_start(tmp_path, capsys,
+                                                                           monkeypatch, cut):
+    """Killed after publishing its summary, an ``--overwrite`` run is the run of the folder:
+    the next start makes its checkpoints the folder's, wherever the swap was cut."""
     _finished_run(tmp_path)
-    ck = tmp_path / "checkpoints"
+    Checkpointer(tmp_path / "checkpoints").save({"x": np.zeros(2)}, 3)
+    run = _start(tmp_path, overwrite=True)
+    Checkpointer(run.checkpoints).save({"x": np.ones(2)}, 1)
+    new = _snapshot(run.checkpoints)
+    real_replace, real_rmtree = os.replace, results.shutil.rmtree
+
+    def replace(src, dst):
+        if (cut == "before the swap" and Path(dst).name == results.REPLACED or
+                cut == "between the renames" and Path(src).name == results.PENDING):
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    def rmtree(path, *args, **kwargs):
+        if cut == "before removing" and Path(path).name == results.REPLACED:
+            raise OSError("killed")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(results.shutil, "rmtree", rmtree)
+    with pytest.raises(OSError, match="killed"):
+        run.finish(metrics={"final_loss": 2.0})
+    monkeypatch.undo()
+    _killed(run)
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="already holds a finished run"):
+        _start(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["final_loss"] == 2.0
+    assert _snapshot(tmp_path / "checkpoints") == {k: v for k, v in new.items()
+                                                   if k.startswith("ckpt-")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl",
+                                                          "summary.json"]
+
+
+def test_checkpoints_set_aside_by_an_older_spardist_are_put_back(tmp_path, capsys):
+    """An older spardist moved the earlier run's checkpoints aside to
+    ``OUT/checkpoints.replaced`` at the start of an ``--overwrite`` run: killed, that run is
+    dropped and the earlier checkpoints are put back; published, they are removed."""
+    _finished_run(tmp_path)
+    ck, aside = tmp_path / "checkpoints", tmp_path / results.REPLACED
     Checkpointer(ck).save({"x": np.zeros(2)}, 3)
     earlier = _snapshot(ck)
-    results.set_aside_checkpoints(tmp_path)              # ... and killed before a checkpoint
+
+    def set_aside():
+        os.replace(ck, aside)
+        (aside / results._REPLACED_MARK).write_text(results._sha256(tmp_path / "summary.json"))
+
+    set_aside()
+    Checkpointer(ck).save({"x": np.ones(2)}, 1)           # ... killed after one of its own
     with pytest.raises(ValueError, match="already holds a finished run"):
         _start(tmp_path)
     assert _snapshot(ck) == earlier and "put back the checkpoints" in capsys.readouterr().err
-    results.set_aside_checkpoints(tmp_path)              # ... killed after one of its own
-    Checkpointer(ck).save({"x": np.ones(2)}, 1)
-    for kw in ({}, {"overwrite": True}):
-        with pytest.raises(ValueError) as exc:
-            _start(tmp_path, **kw)
-        msg = str(exc.value)
-        assert "an --overwrite run that did not finish" in msg and "pass --resume" in msg
-        assert str(tmp_path / results.REPLACED) in msg
-    assert _snapshot(tmp_path / results.REPLACED).items() >= earlier.items()
-    run = start_run(_args(tmp_path, resume=True), system="t", method="m")
-    run.finish()                                          # the resumed run replaces it
-    assert not (tmp_path / results.REPLACED).exists()
-    assert [p.name for p in Checkpointer.files(ck)] == ["ckpt-r0-s00000001.npz"]
-    results.set_aside_checkpoints(tmp_path)              # ... killed after publishing
+    assert not aside.exists()
+    os.replace(ck, aside)                                # ... its put-back cut short
+    with pytest.raises(ValueError, match="already holds a finished run"):
+        _start(tmp_path)
+    assert _snapshot(ck) == earlier and "put back the checkpoints" in capsys.readouterr().err
+    set_aside()                                          # ... killed after publishing
     _finished_run(tmp_path / "other")
     (tmp_path / "summary.json").write_bytes((tmp_path / "other" / "summary.json").read_bytes())
     with pytest.raises(ValueError, match="already holds a finished run"):
         _start(tmp_path)
-    assert not (tmp_path / results.REPLACED).exists() and not ck.exists()
+    assert not aside.exists() and not ck.exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["fails", "killed"])
+def test_failed_overwrite_job_leaves_the_earlier_checkpoints_byte_for_byte(tmp_path, how):
+    """2 ranks: an ``--overwrite`` run that fails after its first checkpoint on rank 1 alone
+    (rank 0, waiting in a collective, is aborted without its clean-up) or is killed on every
+    rank leaves every file of the earlier run with the hash it had; ``--resume`` then continues
+    the earlier run from its last checkpoint."""
+    out = tmp_path / "run"
+    toy = ["--out", out, "--checkpoint-every", "1", "--progress-every", "0"]
+    run_mpi("overwrite_checks.py", 2, *toy, "--steps", "2")
+    earlier = _hashes(out)
+    assert sum(k.startswith("checkpoints/") for k in earlier) == 4
+    res = run_mpi("overwrite_checks.py", 2, *toy, "--steps", "4", "--overwrite",
+                  "--fail-after", "1", "--how", how, expect_fail=True)
+    if how == "fails":
+        want = "spardist: error on rank 1: ValueError: made to fail after the checkpoint of step 1"
+        assert error_lines(res.stderr) == [want], res.stderr
+    after = _hashes(out)
+    assert {k: after.get(k) for k in earlier} == earlier
+    assert any(k.startswith(f"{results.PENDING}/ckpt-") for k in after)   # it got that far
+    res = run_mpi("overwrite_checks.py", 2, *toy, "--steps", "4", "--resume")
+    assert "RESUMED FROM 2" in res.stdout, res.stdout + res.stderr
+    assert f"removed {out / results.PENDING}" in res.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["index"] for x in lines] == [1, 2, 3, 4]
+    assert [x["loss"] for x in lines] == [3.0, 9.0, 18.0, 30.0]   # 3 * (1, 1+2, ..., 1+..+4)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl",
+                                                     "summary.json"]
+
+
+def _hashes(folder) -> dict:
+    """The SHA-256 of every file under ``folder``."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def test_interrupted_run_is_refused_without_resume(tmp_path):
@@ -323,6 +442,46 @@ def test_resume_messages_name_the_option_that_set_the_total(tmp_path):
     with pytest.raises(ValueError, match=r"already finished its 4 steps \(summary.json\): pass "
                                          r"a larger --epochs \(or --steps\) to train further"):
         by_epochs().resume(4)
+
+
+def test_resume_messages_name_the_option_the_run_was_started_with(tmp_path):
+    """A run started with ``--epochs`` is continued by that option: a resume refused for its
+    total names ``--epochs`` and the total the run was started with (kept in the checkpoint),
+    whichever option the resume passes."""
+    def started(run, given, total, schedule):
+        ck = RunCheckpoints(run, every=2, fingerprint={"lr": 0.1}, unit="step", flag="--steps",
+                            given=given, may_change=("--epochs",), schedule=schedule,
+                            schedule_why="the schedule decays over the steps")
+        ck.total = total
+        return ck
+
+    run, _ = _checkpoints(tmp_path)
+    started(run, "--epochs 2", 8, {"total_steps": 8}).save(6, {"w": np.zeros(3)})
+    run.writer.abandon()
+    run, _ = _checkpoints(tmp_path, resume=True)
+    for given, total in (("--epochs 1", 4), ("--steps 5", 5)):
+        with pytest.raises(ValueError) as exc:
+            started(run, given, total, {"total_steps": total}).resume(total)
+        assert (f"--resume: {given}{' (4 steps)' if total == 4 else ''} is smaller than the 6 "
+                "steps already done") in str(exc.value)
+        assert ("pass --epochs 2 or more (the 8 steps it was started with) to continue, or "
+                "start afresh with --overwrite") in str(exc.value)
+        assert "--steps 6" not in str(exc.value)
+    with pytest.raises(ValueError) as exc:
+        started(run, "--epochs 3", 12, {"total_steps": 12}).resume(12)
+    assert ("--resume: --epochs 3 (12 steps) would change the schedule" in str(exc.value))
+    assert "resume with --epochs 2 (the total it was written with: 8 steps)" in str(exc.value)
+    step, _ = started(run, "--epochs 2", 8, {"total_steps": 8}).resume(8)
+    assert step == 6
+    run.writer.abandon()
+    # finished: train further with a larger --epochs, even where the resume passes --steps
+    run, _ = _checkpoints(tmp_path / "finished")
+    started(run, "--epochs 2", 8, None).save(8, {"w": np.zeros(3)})
+    run.finish()
+    run, _ = _checkpoints(tmp_path / "finished", resume=True)
+    with pytest.raises(ValueError, match=r"already finished its 8 steps \(summary.json\): pass "
+                                         r"a larger --epochs \(or --steps\) to train further"):
+        started(run, "--steps 8", 8, None).resume(8)
 
 
 # -- progress -------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 run equals an uninterrupted one bit for bit (see ``tests/mpi/resume_checks.py``)."""
 
 import pytest
-from mpi_helpers import run_mpi
+from mpi_helpers import assert_one_error_from_every_rank, run_mpi
 
 from substrate.testing import busy_loops
 
@@ -44,3 +44,22 @@ def test_resume_reuses_the_timing_derived_plan_under_load(tmp_path):
     for i in range(10):
         assert f"OK plan repeat {i}" in res.stdout, res.stdout + res.stderr
     assert "PLANS " in res.stdout
+
+
+def test_resume_of_a_run_started_with_epochs_names_epochs(tmp_path):
+    """A data-parallel run started with ``--epochs`` (2 ranks, 23 steps an epoch): a resume
+    refused for its total names ``--epochs`` and the total the run was started with, not the
+    ``--steps`` that counts its units, whichever option the resume passes."""
+    out = tmp_path / "run"
+    base = ["train", "--model", "mlp", "--arch", "hidden=16", "--progress-every", "0",
+            "--checkpoint-every", "2", "--out", str(out)]
+    run_mpi(None, 2, *base, "--epochs", "0.2", module="dataparallel", timeout=300)
+    for fewer, asked in ((["--epochs", "0.1"], "--epochs 0.1 (3 steps)"),
+                         (["--steps", "4"], "--steps 4")):
+        res = run_mpi(None, 2, *base, *fewer, "--resume", module="dataparallel", timeout=300,
+                      expect_fail=True)
+        assert_one_error_from_every_rank(
+            res.stderr, f"--resume: {asked} is smaller than the 5 steps already done", 2)
+        assert_one_error_from_every_rank(
+            res.stderr, "pass --epochs 0.2 or more (the 5 steps it was started with) to "
+                        "continue, or start afresh with --overwrite", 2)
