@@ -88,7 +88,7 @@ class DDPPlan:
                 prev = (len(out) - 1,) if out else ()
                 out.append(Call("grad_allreduce", "allreduce", placement.world, (b - a) * n, n,
                                 op="avg", after=(Ready(a, b), *prev),
-                                label=f"grad_allreduce[{k}]"))
+                                label=f"grad_allreduce[{k}]", wait=False))
             return out
         nodes = [placement.members(m) for m in range(placement.num_nodes)]
         last = [None] * len(nodes)            # each node's previous bcast
@@ -99,20 +99,25 @@ class DDPPlan:
                 intra.append(len(out))
                 out.append(Call("intra_allreduce", "allreduce", members, (b - a) * n, n,
                                 op="sum", after=(Ready(a, b), *prev),
-                                label=f"intra_allreduce[{k}]"))
+                                label=f"intra_allreduce[{k}]", wait=False))
             inter = len(out)
             out.append(Call("inter_allreduce", "allreduce", placement.leaders, (b - a) * n, n,
-                            op="sum", after=tuple(intra), label=f"inter_allreduce[{k}]"))
+                            op="sum", after=tuple(intra), label=f"inter_allreduce[{k}]",
+                            wait=False))
             for m, members in enumerate(nodes):
                 last[m] = len(out)
                 out.append(Call("intra_bcast", "bcast", members, (b - a) * n, n,
-                                after=(inter,), label=f"intra_bcast[{k}]"))
+                                after=(inter,), label=f"intra_bcast[{k}]", wait=False))
         return out
 
 
 @register
 class DDP(Strategy):
-    """Average every gradient bucket over all ranks: ``g <- (1/p) Σ_j g_j``."""
+    """Average every gradient bucket over all ranks: ``g <- (1/p) Σ_j g_j``.
+
+    Runs :meth:`DDPPlan.calls` from the step's program: each record works in place on its
+    bucket of the flat gradient; hierarchically, the leader's broadcast brings the node the
+    sum, which is divided by the world size."""
 
     name = "ddp"
     Options = DDPOptions
@@ -122,71 +127,21 @@ class DDP(Strategy):
         self.itemsize = ctx.model.grads.flat.dtype.itemsize
         self.plan = DDPPlan.for_layout(self.layout, options, self.itemsize)
         self.buckets = self.plan.buckets
-        # the bucket of every tensor, and how many of its tensors the backward has still to
-        # write (buckets are whole tensors, contiguous in backward order)
-        ends = [b for _, b in self.buckets]
-        offsets = self.layout.offsets
-        self._bucket_of = {n: next(k for k, e in enumerate(ends) if offsets[n] < e)
-                           for n in self.layout.names}
-        self._tensors = [sum(1 for n in self.layout.names if self._bucket_of[n] == k)
-                         for k in range(len(self.buckets))]
-        self._left = list(self._tensors)
-        self._grads = ctx.model.grads.flat
-        self._issued: list = []          # handles of this step's calls, in issue order
-        self._prev = None                # the last call on the communication stream
+        self._records = self.plan.calls(self.topo.placement)
+        g = ctx.model.grads.flat
+        self._bucket = {f"{phase}[{k}]": g[a:b] for k, (a, b) in enumerate(self.buckets)
+                        for phase in ("grad_allreduce", "intra_allreduce", "inter_allreduce",
+                                      "intra_bcast")}
 
-    def on_ready(self, name: str) -> None:
-        """The backward wrote ``name``'s gradient: when that completes a bucket, hand the
-        bucket to the communication stream at once (it is reduced while the backward goes on,
-        PyTorch DDP's overlap); :meth:`sync` waits for every bucket."""
-        k = self._bucket_of.get(name)
-        if k is None or not self.run.recorder.overlap:
-            return           # --overlap off: every bucket blocks, after the backward
-        self._left[k] -= 1
-        if self._left[k] == 0:
-            self._issue(k, self.run.clock.now())
+    def records(self, state) -> list[Call]:
+        return self._records
 
-    def _issue(self, k: int, ready) -> None:
-        """Issue bucket ``k`` without waiting: its call(s) after ``ready`` (the backward event
-        that wrote it) and the previous call on the stream."""
-        a, b = self.buckets[k]
-        g, topo = self._grads, self.topo
-        if self.options.allreduce == "ring":
-            self._prev = topo.world.allreduce(g[a:b], "avg", phase="grad_allreduce",
-                                              after=[ready, self._prev], wait=False)
-            self._issued.append(self._prev)
-            return
-        h = topo.intra.allreduce(g[a:b], "sum", phase="intra_allreduce",
-                                 after=[ready, self._prev], wait=False)
-        h2 = topo.leaders.allreduce(g[a:b], "sum", phase="inter_allreduce", after=h,
-                                    wait=False)
-        self._prev = topo.intra.bcast(g[a:b], 0, phase="intra_bcast", after=h2, wait=False)
-        self._issued += [h, h2, self._prev]
+    def buffer(self, call: Call):
+        return self._bucket[call.label]
 
-    def sync(self, state, buffers):
-        """Every bucket, as :meth:`DDPPlan.calls` lists them.  Buckets the backward completed
-        were issued then (:meth:`on_ready`); the rest (a backward run without the ready hook)
-        are issued here, each after the backward event that wrote it; then wait for all.  The
-        stream runs the same exact algorithm in the same order as a blocking call: the result
-        is bitwise the blocking run's."""
-        clock = self.run.clock
-        for k, (a, b) in enumerate(self.buckets):
-            if self._left[k] > 0:                # not issued during the backward
-                self._left[k] = 0
-                self._issue(k, clock.ready(a, b))
-        for h in self._issued:
-            h.wait()
-        self._issued, self._prev = [], None
-        self._left = list(self._tensors)
-        g = buffers.flat
-        if self.options.allreduce == "hierarchical":
-            g /= self.topo.size
-        return g
-
-    def step_calls(self) -> list[Call]:
-        return self.plan.calls(self.topo.placement)
+    def received(self, call: Call, result) -> None:
+        if call.phase == "intra_bcast":          # the node's sum of the bucket: average it
+            result /= self.topo.size
 
     def report(self) -> dict:
         return {"payload_ratio": 1.0, "buckets": len(self.buckets)}
-
-

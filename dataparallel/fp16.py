@@ -57,16 +57,19 @@ class FP16Plan:
         first after the whole backward, each after the previous."""
         out: list[Call] = []
         total = self.buckets[-1][1] if self.buckets else 0
-        for a, b in self.buckets:
+        for k, (a, b) in enumerate(self.buckets):
             after = (len(out) - 1,) if out else (Ready(0, total),)
             out.append(Call("fp16_allreduce", "allreduce", placement.world,
-                            (b - a) * FP16_ITEMSIZE, FP16_ITEMSIZE, op="sum", after=after))
+                            (b - a) * FP16_ITEMSIZE, FP16_ITEMSIZE, op="sum", after=after,
+                            label=f"fp16_allreduce[{k}]"))
         return out
 
 
 @register
 class FP16(Strategy):
-    """Average every gradient bucket in half precision (see the module docstring)."""
+    """Average every gradient bucket in half precision (see the module docstring): the codec
+    of each :meth:`FP16Plan.calls` record rounds its bucket to fp16 and divides it by ``p``
+    (encode) and casts the sum back into the bucket (decode)."""
 
     name = "fp16"
     Options = FP16Options
@@ -76,19 +79,23 @@ class FP16(Strategy):
         g = ctx.model.grads.flat
         self.plan = FP16Plan.for_layout(self.layout, options, g.dtype.itemsize)
         self.buckets = self.plan.buckets
-        self._half = [self.xp.empty(b - a, dtype=np.float16) for a, b in self.buckets]
+        self._records = self.plan.calls(self.topo.placement)
+        half = [self.xp.empty(b - a, dtype=np.float16) for a, b in self.buckets]
+        self._codec = {c.label: (g[a:b], h) for c, (a, b), h in
+                       zip(self._records, self.buckets, half)}
 
-    def sync(self, state, buffers):
-        g, world, p = buffers.flat, self.topo.world, self.topo.size
-        for (a, b), h in zip(self.buckets, self._half):
-            h[...] = g[a:b]                      # round to fp16
-            h /= np.float16(p)                   # divide in fp16, as the hook does
-            world.allreduce(h, "sum", phase="fp16_allreduce")
-            g[a:b] = h
-        return g
+    def records(self, state) -> list[Call]:
+        return self._records
 
-    def step_calls(self) -> list[Call]:
-        return self.plan.calls(self.topo.placement)
+    def buffer(self, call: Call):
+        g, h = self._codec[call.label]
+        h[...] = g                               # round to fp16
+        h /= np.float16(self.topo.size)          # divide in fp16, as the hook does
+        return h
+
+    def received(self, call: Call, result) -> None:
+        g, h = self._codec[call.label]
+        g[...] = h
 
     def report(self) -> dict:
         return {"payload_ratio": FP16_ITEMSIZE / self.ctx.model.grads.flat.dtype.itemsize,

@@ -1,12 +1,15 @@
-"""The gradient-sync strategy interface and registry (DESIGN.md convention 4).
+"""The gradient-sync strategy interface and registry.
 
 Every data-parallel method is a :class:`Strategy`: built once from a :class:`SyncContext` and
-its own frozen options dataclass (plan once: buckets, masks, index sets, sub-communicators), then
-called every step as ``sync(state, buffers) -> synced`` where ``buffers`` is the model's flat
-gradient (:class:`models.FlatTensors`, backward order) holding this rank's local gradient and
-``synced`` is the gradient the optimizer applies (usually ``buffers.flat`` overwritten in place).
-The trainer has no per-method branches: it looks the class up in :data:`STRATEGIES` by the
-``--method`` name.
+its own frozen options dataclass (plan once: buckets, masks, index sets, sub-communicators).
+Each step the trainer asks it for its plan's records of the step (:meth:`Strategy.records`:
+calls and compute items with their dependencies), lays them into the step's program with the
+model's forward and backward and the optimizer (:func:`dataparallel.program.step_program`) and
+runs that program (:class:`substrate.executor.Executor`).  The strategy is the program's
+:class:`~substrate.executor.Bindings`: the array each call works on (its encoding, e.g. a
+packed row or fp16 values), the compute of each of its items, and what it does with a result
+(its decoding).  It never issues a call itself.  The trainer has no per-method branches: it
+looks the class up in :data:`STRATEGIES` by the ``--method`` name.
 
 Adding a method::
 
@@ -14,8 +17,10 @@ Adding a method::
     class MyStrategy(Strategy):
         name = "mine"
         Options = MyOptions          # frozen dataclass; fields become CLI flags
-        def sync(self, state, buffers): ...
-        def step_calls(self): ...    # the plan's call records of the last sync
+        def records(self, state): ...          # the plan's records of the coming step
+        def buffer(self, call): ...            # what each call sends (encode)
+        def received(self, call, result): ...  # what a result becomes (decode)
+        def compute(self, label): ...          # the plan's compute items
         def state_dict(self): ...    # state carried from step to step, for checkpoints
         def load_state_dict(self, state): ...
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from substrate.calls import bytes_by_phase
+from substrate.executor import Bindings
 from substrate.options import add_dataclass_args, flag_of, from_args
 
 __all__ = [
@@ -105,7 +111,7 @@ class NoOptions:
     """A strategy without options of its own."""
 
 
-class Strategy:
+class Strategy(Bindings):
     """Base class of gradient-sync strategies; see the module docstring."""
 
     name: ClassVar[str] = ""
@@ -122,11 +128,22 @@ class Strategy:
 
     def on_ready(self, name: str) -> None:
         """Called during backward as soon as tensor ``name``'s gradient is written (backward
-        order), for strategies that start work per tensor.  Default: nothing."""
+        order), before the program goes on, for work that is not the program's (profiling
+        timings).  Default: nothing."""
+
+    records = None
+    """``records(state) -> list``: the plan's records (calls and compute items) of the step
+    about to run; the same list object for the same kind of step (the trainer keeps each
+    list's program)."""
 
     def sync(self, state: StepState, buffers):
-        """Turn this rank's local gradient ``buffers`` into the synchronized gradient."""
+        """Turn this rank's local gradient ``buffers`` into the synchronized gradient (a
+        strategy that does not run from a program yet)."""
         raise NotImplementedError
+
+    def flops(self, label: str) -> float | None:
+        """FLOPs of compute item ``label`` for the ``flops`` compute source (default: none)."""
+        return None
 
     def total_steps(self, base_steps: int) -> int:
         """Optimizer steps of the run given the trainer's budget ``base_steps`` (e.g. more

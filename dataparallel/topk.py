@@ -91,7 +91,7 @@ class TopKPlan:
         p, T, K = placement.size, self.total, self.K
         return [Work("topk_select", nbytes=SELECT_PASSES * 4 * T, after=(Ready(0, T),)),
                 Call("topk_allgather", "allgather", placement.world, blocks=(8 * K,) * p,
-                     itemsize=4, after=(0,)),
+                     itemsize=4, after=(0,), label="topk_allgather"),
                 Work("topk_decode", nbytes=p * 8 * K + 4 * T, after=(1,))]
 
 
@@ -120,33 +120,36 @@ class TopK(Strategy):
         self._idx = xp.empty(self.K, dtype=np.int64)
         self._row = SparseRow(0, self.K)             # [values as int32 bits | indices]
         self._send = self._row.empty(xp)
+        self._gathered = None
+        self._records = self.plan.calls(self.topo.placement)
 
-    def sync(self, state, buffers):
-        """Select, all-gather, scatter.  On the timeline the selection is a compute event after
-        the whole backward and the all-gather starts when it ends (DGC selects over every
-        tensor before its one all-gather)."""
-        g = buffers.flat
-        clock = self.run.clock
-        with clock.compute("topk_select", deps=clock.ready(0, g.size)):
-            self._select(g)
-        gathered = self.topo.world.allgather(self._send, phase="topk_allgather",
-                                             after=clock.last_event).result
-        row = self._row
-        g[...] = scatter_mean(row.values(gathered), row.indices(gathered), g.size,
+    def records(self, state) -> list:
+        return self._records
+
+    def compute(self, label: str):
+        return {"topk_select": self._select, "topk_decode": self._decode}[label]
+
+    def buffer(self, call):
+        return self._send
+
+    def received(self, call, result) -> None:
+        self._gathered = result
+
+    def _decode(self) -> None:
+        """Scatter the ``p K`` gathered entries into the gradient, averaged over the ranks."""
+        g, row = self.ctx.model.grads.flat, self._row
+        g[...] = scatter_mean(row.values(self._gathered), row.indices(self._gathered), g.size,
                               self.topo.size)
-        return g
+        self._gathered = None
 
-    def _select(self, g) -> None:
+    def _select(self) -> None:
         """Error feedback ``a = e + g`` and per-tensor Top-K of ``a`` into the send buffer
         ``[values | indices]`` (:class:`dataparallel.codec.SparseRow`); ``e = a - sparse(a)``."""
-        acc = self._ef.accumulate(g)
+        acc = self._ef.accumulate(self.ctx.model.grads.flat)
         idx = self._idx
         topk_select(acc, self.offsets, self.ks, idx)
         self._row.put(self._send, 0, acc[idx], idx)
         self._ef.sent(idx)
-
-    def step_calls(self) -> list:
-        return self.plan.calls(self.topo.placement)
 
     def report(self) -> dict:
         return {"payload_ratio": 2 * self.K / self.layout.total, "k_total": self.K}

@@ -45,9 +45,11 @@ from models.train import evaluate
 from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
 from runner.run import start_run
+from substrate.executor import Executor, Pass
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
 from .pactrain.init_file import INIT_FORMAT, check_init_file, load_init
+from .program import StepBindings, step_program, unit_tensors
 from .strategy import (
     STRATEGIES,
     StepState,
@@ -212,6 +214,11 @@ class _Steps(LoopBody):
         self.loss, self.done = float("nan"), 0
         self.time_to_target = None
         self._epoch, self._batches = None, None
+        self.units = model.compute_units()
+        self.unit_tensors = unit_tensors(model)
+        self.executor = Executor(run)
+        self._programs: dict = {}
+
 
     def _batch(self, step: int):
         """The step's mini-batch: epoch ``step // steps per epoch``'s stream, entered where a
@@ -225,6 +232,8 @@ class _Steps(LoopBody):
         return epoch, next(self._batches)
 
     def unit(self, due):
+        if self.strategy.records is not None:
+            return self._run_program(due)
         run, strategy, opt = self.run, self.strategy, self.opt
         epoch, (x, y) = self._batch(due.index)
         with run.clock.compute("forward+backward"):
@@ -239,6 +248,36 @@ class _Steps(LoopBody):
         self.loss, self.done = float(loss), due.index + 1
         self.losses.append(self.loss)
         return strategy.step_calls()
+
+    def _run_program(self, due):
+        """The step as a program: the strategy's records of it laid between the model's
+        backward and the optimizer (:func:`dataparallel.program.step_program`), run by the
+        executor with the strategy bound to its calls and compute items."""
+        run, strategy = self.run, self.strategy
+        epoch, (x, y) = self._batch(due.index)
+        state = StepState(step=due.index, epoch=epoch, loss=float("nan"), logged=due.log)
+        records = strategy.records(state)
+        key = (id(records), run.recorder.overlap)
+        program = self._programs.get(key)
+        if program is None or program[0] is not records:
+            program = (records, step_program(self.units, records, run.topo.placement, run.rank,
+                                             overlap=run.recorder.overlap))
+            self._programs = {key: program}
+        loss = []
+
+        def forward_backward(ready) -> None:
+            loss.append(float(self.model.loss_and_grad(x, y, ready=ready)[0]))
+
+        bind = StepBindings(strategy, Pass(forward_backward, self.unit_tensors), self.opt.step,
+                            self.opt.flops())
+        self.executor.run_step(program[1], bind)
+        state.loss = loss[0]
+        strategy.after_step(state)
+        if due.eval:
+            strategy.before_eval()
+        self.loss, self.done = state.loss, due.index + 1
+        self.losses.append(self.loss)
+        return records
 
     def evaluate(self) -> Evaluation:
         if self.run.rank != 0:
@@ -268,6 +307,7 @@ class _Steps(LoopBody):
         _load_trainer_state(self.run, self.model, self.opt, self.strategy, state)
         self.losses = state["train/losses"].tolist()
         self.time_to_target = json.loads(str(state["train/time_to_target"]))
+
 
 
 def train(args) -> dict:
@@ -327,6 +367,7 @@ def train(args) -> dict:
     # per-layer compute events (timeline clock): gradients become ready in backward order
     model.recorder = run.clock.layers
     loop.run(body)
+    body.executor.verify()           # the last step, closed by the loop
     step = loop.done
     metrics = {"final_test_accuracy": loop.final_accuracy, "steps": step,
                "budget_steps": budget, "epochs": step / steps_per_epoch,
@@ -334,6 +375,8 @@ def train(args) -> dict:
                **strategy.report()}
     if cfg.resume:
         metrics["resumed_from_step"] = loop.start
+    if run.recorder.program is not None:   # every step's recording held to its program
+        metrics["program_steps_verified"] = body.executor.steps_verified
     if getattr(eval_model, "lm", False) and run.rank == 0:
         # a language model: held-out loss over every position, perplexity, bits per byte
         # on rank 0, which writes the summary (its eval_params are the assembled model)

@@ -241,14 +241,17 @@ class Ready:
 @dataclass(frozen=True)
 class Work:
     """A compute item of a plan beside the model's layers (a selection, a packing, a decode),
-    listed among its calls so that a paper-scale timeline (:func:`declare`) lays it where the
-    system runs it.  Every rank does it; it costs what the declaring code's ``work(item)``
-    says (e.g. a roofline of ``flops`` and ``nbytes``).  Not priced as communication."""
+    listed among its calls so that a rank's program (:class:`substrate.program.Placer`) runs it
+    where the system runs it: a block on ``stream`` (``"compute"``, or ``"offload"``: a CPU
+    worker beside it) after what ``after`` names.  Every rank does it; executed it runs the
+    system's compute callback of its ``label``, simulated it costs a roofline of ``flops`` and
+    ``nbytes``.  Not priced as communication."""
 
     label: str
     flops: float = 0.0
     nbytes: float = 0.0
     after: tuple = ()
+    stream: str = "compute"
 
     def involves(self, rank: int) -> bool:
         return True
@@ -286,6 +289,10 @@ class Call:
         the :class:`~substrate.comm.Comm` method's ``after=`` holds timeline events instead.
     label : str, optional
         Timeline label (default: the phase).
+    wait : bool
+        How the system issues it: blocking (default), or handed to the communication stream
+        (``False``: it runs while the rank computes, until its handle is waited for; only when
+        the run overlaps, ``--overlap on``).  Not part of :meth:`key`.
     share : float, optional
         ``p2p``: how many times the full link's time an inter-node message of this record takes
         on its sender's timeline (:func:`event_parts`).  Default: the node's members of the
@@ -306,6 +313,7 @@ class Call:
     after: tuple = ()
     label: str | None = None
     share: float | None = None
+    wait: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.phase, str) or not self.phase:

@@ -53,7 +53,7 @@ class Handle:
         if self._wait is not None:
             w, self._wait = self._wait, None
             if self.program is not None and self.entry is not None:
-                self.program.waited(self.entry)
+                self.program.wait(self.entry)
             w()
         return self.result
 

@@ -15,10 +15,12 @@ import numpy as np
 from mpi4py import MPI
 
 from dataparallel import STRATEGIES, StepState, SyncContext
+from dataparallel.program import sync_step
 from dataparallel.train import DPConfig
 from models import SGD, SGDConfig, build_model
 from runner.run import start_run
 from substrate import collective_check
+from substrate.calls import bytes_by_phase
 
 R = 2
 
@@ -76,8 +78,9 @@ def check_ddp(allreduce):
         g = _local_grad(model, rank, step)
         model.grads.flat[...] = g
         ref = np.mean(MPI.COMM_WORLD.allgather(g), axis=0)
-        out = strat.sync(StepState(step, 0, 0.0), model.grads)
-        preds.append(strat.step_bytes())
+        calls = sync_step(strat, StepState(step, 0, 0.0))
+        out = model.grads.flat
+        preds.append(bytes_by_phase(calls, run.topo.placement))
         if not np.allclose(out, ref, rtol=1e-5, atol=1e-6):
             ok, msgs = False, msgs + [f"step {step}: max err {np.abs(out - ref).max()}"]
     if len(strat.buckets) < 2:
@@ -111,8 +114,9 @@ def check_topk():
             residuals[r] = acc - sent
             total += sent
         model.grads.flat[...] = g
-        out = strat.sync(StepState(step, 0, 0.0), model.grads)
-        preds.append(strat.step_bytes())
+        calls = sync_step(strat, StepState(step, 0, 0.0))
+        out = model.grads.flat
+        preds.append(bytes_by_phase(calls, run.topo.placement))
         if not np.allclose(out, total / size, rtol=1e-5, atol=1e-6):
             ok, msgs = False, msgs + [f"step {step}: max err {np.abs(out - total / size).max()}"]
         if not np.allclose(strat.residual, residuals[rank], atol=1e-6):

@@ -37,12 +37,14 @@ from mpi4py import MPI
 import dataparallel.fp16  # noqa: F401  (registers --method fp16 before the parser is built)
 from dataparallel.fp16 import FP16
 from dataparallel.pactrain import TERNARY_STREAM, PacTrain
+from dataparallel.program import sync_step
 from dataparallel.strategy import StepState, SyncContext
 from dataparallel.train import DPConfig, build_parser
 from dataparallel.train import main as train_main
 from models import SGD, SGDConfig, build_model, iterate_batches, load_digits, shard
 from runner.run import start_run
 from substrate import collective_check
+from substrate.calls import bytes_by_phase
 from volume.dataparallel import world_ring_bytes
 from volume.pactrain import dense_allreduce_bytes
 
@@ -109,7 +111,13 @@ def _sync(run, model, st, step):
     g = _local_grad(run.rank, step, model.layout.total)
     model.grads.flat[...] = g
     everyone = _gather(run, g).astype(np.float64)
-    out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
+    state = StepState(step=step, epoch=0, loss=0.0)
+    if st.records is not None:                    # a strategy run from its step's program
+        calls = sync_step(st, state)
+        out = model.grads.flat.copy()
+        run.recorder.account(calls)
+        return out, everyone
+    out = st.sync(state, model.grads).copy()
     calls = st.step_calls()
     run.recorder.account(calls)
     collective_check(run.world, calls == st.step_calls(), "step_calls() changed when asked again")
@@ -274,9 +282,10 @@ def fp16():
         model.grads.flat[...] = g
         everyone = _gather(run, g)
         snap = run.ledger.snapshot()
-        out = st.sync(StepState(step=step, epoch=0, loss=0.0), model.grads).copy()
+        calls = sync_step(st, StepState(step=step, epoch=0, loss=0.0))
+        out = model.grads.flat.copy()
         sent = run.ledger.since(snap)
-        run.recorder.account(st.step_calls())      # the sync ran exactly the plan's calls
+        run.recorder.account(calls)                # the step ran exactly the plan's calls
         q = (everyone.astype(np.float16) / np.float16(p)).astype(np.float64)   # fp16(g_j) / p
         exact = q.sum(axis=0)
         bound = (p - 1) * u16 * (1 + u16) ** p * np.abs(q).sum(axis=0) + 2.0 ** -24 * p
@@ -291,7 +300,7 @@ def fp16():
         mine = np.array([sent["fp16_allreduce"]["intra_bytes"],
                          sent["fp16_allreduce"]["inter_bytes"]], dtype=np.int64)
         world = _gather(run, mine).sum(axis=0)
-        closed = st.step_bytes()["fp16_allreduce"]
+        closed = bytes_by_phase(calls, run.topo.placement)["fp16_allreduce"]
         ring = [world_ring_bytes(n, 2, 2, 3) for n in sizes]
         ok = (world.tolist() == [closed["intra"], closed["inter"]]
               and closed["intra"] == sum(r["intra"] for r in ring)

@@ -1,0 +1,134 @@
+"""One data-parallel optimizer step as a rank's program (:mod:`substrate.program`).
+
+The trainer's step is the same for every strategy: the model's forward and backward (one block
+of the units' layer entries, :meth:`models.Model.compute_units`), the strategy plan's records
+of the step (its calls and compute items, :meth:`Strategy.records`) each where its
+dependencies put it, then the optimizer after every call.  With ``overlap`` (``--overlap on``) a
+record goes out at the first unit boundary of the backward where what it waits for is there (a
+gradient bucket as soon as the backward wrote it: :class:`~substrate.calls.Ready`), in the
+plan's order; without, every record follows the backward, blocking.  The same function gives
+the program the run executes (:class:`substrate.executor.Executor`) and the one ``commvol``
+simulates at any scale from a shape-only model.
+"""
+
+from __future__ import annotations
+
+from substrate.calls import Ready
+from substrate.executor import Bindings, Executor, Pass
+from substrate.program import Builder, Placer
+
+__all__ = ["FORWARD_BACKWARD", "OPTIMIZER", "StepBindings", "step_program", "sync_step",
+           "unit_tensors"]
+
+#: labels of the trainer's own blocks
+FORWARD_BACKWARD = "forward+backward"
+OPTIMIZER = "optimizer"
+
+
+def step_program(units, records, placement, rank: int, *, overlap: bool = True) -> list:
+    """The entries of one optimizer step of world rank ``rank``.
+
+    Parameters
+    ----------
+    units : sequence
+        The model's compute units in forward order, each with ``name``, ``lo``, ``hi`` (its
+        slice of the flat gradient).
+    records : sequence
+        The strategy plan's records of the step (:class:`~substrate.calls.Call`,
+        :class:`~substrate.calls.Work`), ``after`` naming earlier records and
+        :class:`~substrate.calls.Ready` ranges.
+    placement : substrate.calls.Placement
+    rank : int
+    overlap : bool
+        ``--overlap``: calls the plan issues without waiting go out during the backward.
+    """
+    b = Builder()
+    done: dict[str, int] = {}             # unit -> entry of its backward
+    spans = [(u.name, int(u.lo), int(u.hi)) for u in units if int(u.hi) > int(u.lo)]
+
+    def resolve(token):
+        if not isinstance(token, Ready):
+            raise ValueError(f"a data-parallel record waits for {token!r}: only records and "
+                             "Ready(lo, hi) ranges of the gradient")
+        over = [n for n, lo, hi in spans if lo < token.hi and hi > token.lo]
+        if sum(min(hi, token.hi) - max(lo, token.lo) for n, lo, hi in spans
+               if n in over) < token.hi - token.lo:
+            raise ValueError(f"Ready({token.lo}, {token.hi}) is not covered by the model's "
+                             "units: the plan was built for another model")
+        if any(n not in done for n in over):
+            return None
+        return max(done[n] for n in over)
+
+    place = Placer(b, records, placement, rank, overlap=overlap, resolve=resolve)
+    b.begin(FORWARD_BACKWARD)
+    for u in units:
+        b.layer("forward", u.name)
+    b.layer("forward", "loss")
+    for u in reversed(units):
+        done[u.name] = b.layer("backward", u.name)
+        if overlap:
+            place.emit_ready()
+    b.end()
+    place.emit_rest()
+    place.wait_all()
+    b.block(OPTIMIZER, deps=place.calls())
+    b.step()
+    return b.entries
+
+
+class StepBindings(Bindings):
+    """A step's bindings: the trainer's blocks (the model's pass, the optimizer and its FLOPs)
+    and everything else the strategy's (its buffers, codecs and compute items)."""
+
+    def __init__(self, strategy, model_pass: Pass, optimizer=None, optimizer_flops=None) -> None:
+        self.strategy = strategy
+        self.model_pass = model_pass
+        self.optimizer = optimizer
+        self.optimizer_flops = optimizer_flops
+
+    def compute(self, label: str):
+        if label == FORWARD_BACKWARD:
+            return self.model_pass
+        if label == OPTIMIZER:
+            return self.optimizer
+        return self.strategy.compute(label)
+
+    def flops(self, label: str):
+        if label == OPTIMIZER:
+            return self.optimizer_flops
+        return self.strategy.flops(label)
+
+    def buffer(self, call):
+        return self.strategy.buffer(call)
+
+    def received(self, call, result) -> None:
+        self.strategy.received(call, result)
+
+    def on_ready(self, name: str) -> None:
+        self.strategy.on_ready(name)
+
+
+def unit_tensors(model) -> list:
+    """``(unit name, its tensors' names)`` of the model's units (what a :class:`Pass`
+    counts)."""
+    layout = model.layout
+    return [(u.name, tuple(n for n in layout.names if u.lo <= layout.offsets[n] < u.hi))
+            for u in model.compute_units()]
+
+
+def sync_step(strategy, state, executor: Executor | None = None) -> list:
+    """One step of ``strategy``'s program on the gradients already in its model's buffers (a
+    check, a benchmark): its records where the step's program puts them, around a pass that
+    only reports every gradient ready.  Returns the step's records."""
+    run, model = strategy.run, strategy.ctx.model
+    records = strategy.records(state)
+    program = step_program(model.compute_units(), records, run.topo.placement, run.rank,
+                           overlap=run.recorder.overlap)
+
+    def notify(ready) -> None:
+        for name in model.layout.names:
+            ready(name)
+
+    bind = StepBindings(strategy, Pass(notify, unit_tensors(model)))
+    (executor or Executor(run)).run_step(program, bind)
+    return records
