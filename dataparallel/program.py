@@ -130,5 +130,5 @@ def sync_step(strategy, state, executor: Executor | None = None) -> list:
             ready(name)
 
     bind = StepBindings(strategy, Pass(notify, unit_tensors(model)))
-    (executor or Executor(run)).run_step(program, bind)
+    (executor or Executor(run, strategy.communicators())).run_step(program, bind)
     return records

@@ -145,6 +145,12 @@ class Strategy(Bindings):
         """FLOPs of compute item ``label`` for the ``flops`` compute source (default: none)."""
         return None
 
+    def communicators(self) -> dict:
+        """``{group: Comm}`` of the communicators the strategy's records use beyond the
+        topology's world, node and leaders communicators (built once, collectively; e.g. SDP's
+        holder sets).  Default: none."""
+        return {}
+
     def total_steps(self, base_steps: int) -> int:
         """Optimizer steps of the run given the trainer's budget ``base_steps`` (e.g. more
         steps for FLOP-matched schedules).  Default: ``base_steps``."""

@@ -216,7 +216,7 @@ class _Steps(LoopBody):
         self._epoch, self._batches = None, None
         self.units = model.compute_units()
         self.unit_tensors = unit_tensors(model)
-        self.executor = Executor(run)
+        self.executor = Executor(run, strategy.communicators())
         self._programs: dict = {}
 
 

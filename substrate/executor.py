@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .calls import Call
-from .program import normalize, rebase
+from .program import Builder, Placer, normalize, rebase
 
 __all__ = ["Bindings", "Executor", "Pass", "ZeroBindings"]
 
@@ -168,6 +168,17 @@ class Executor:
         self._ran = self._ran[len(done):]
 
     # -- a step ----------------------------------------------------------------------------------
+    def run_records(self, records, bind: Bindings, placement, *, overlap: bool = False) -> list:
+        """Run a plan's records outside a step (a set-up, an evaluation): their program on this
+        rank (:class:`substrate.program.Placer`, calls blocking unless ``overlap``), executed
+        at once.  Returns the program's entries."""
+        b = Builder()
+        place = Placer(b, records, placement, self.rank, overlap=overlap)
+        place.emit_rest()
+        place.wait_all()
+        self.run_step(b.entries, bind)
+        return b.entries
+
     def run_step(self, entries, bind: Bindings, start: int = 0) -> int:
         """Execute ``entries`` from ``start`` through the next ``S`` (or the end); returns the
         index after it."""
