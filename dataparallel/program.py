@@ -101,6 +101,9 @@ class StepBindings(Bindings):
     def buffer(self, call):
         return self.strategy.buffer(call)
 
+    def receive_buffer(self, source: int, nbytes: int, tag: int):
+        return self.strategy.receive_buffer(source, nbytes, tag)
+
     def received(self, call, result) -> None:
         self.strategy.received(call, result)
 

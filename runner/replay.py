@@ -29,9 +29,10 @@ core, or a bridge forwarding K links at once, then see each emulated host with a
 own.  The run's ``step_wall_s`` stays real (dilated) seconds; the metrics lines and the summary
 carry ``time_dilation`` and the lab divides by it (:func:`lab.analysis.compare_steps`).
 
-Receives and the results of reductions are not meaningful (the buffers hold zeros); sizes,
-order and timing are.  A program that used a pairwise all-to-all is refused (a member's record
-holds its own row only).
+The programs run through the one executor (:class:`substrate.executor.Executor`) that runs a
+training step; receives and the results of reductions are not meaningful (the buffers hold
+zeros), sizes, order and timing are.  A program that used a pairwise all-to-all is refused (a
+member's record holds its own row only).
 """
 
 from __future__ import annotations
@@ -41,23 +42,15 @@ import math
 import sys
 import time
 
-import numpy as np
-
-from substrate.calls import Call, exchange_shares, wire_bytes
+from substrate.calls import Call, wire_bytes
+from substrate.executor import Executor, ZeroBindings
 from substrate.jobsim import LINK_SHARING, simulate_profile
 
 from .errors import main_guard
 from .options import add_common_args
 from .run import start_run
 
-__all__ = ["Sleeper", "communicators", "execute", "main", "replay", "step_bytes"]
-
-
-def _dtype(itemsize: int, op: str | None):
-    """A buffer type of ``itemsize`` bytes for which the op is defined."""
-    if op == "bor" or itemsize == 1:
-        return np.dtype(f"u{itemsize}")
-    return np.dtype(f"f{itemsize}")
+__all__ = ["Sleeper", "communicators", "main", "replay", "step_bytes"]
 
 
 def _groups(programs) -> list[tuple]:
@@ -113,77 +106,72 @@ class Sleeper:
         self.debt = time.perf_counter() - t0 - want
 
 
+class _Replay(ZeroBindings):
+    """The replay's bindings: zeros of every call's sizes, and compute slept for what the
+    profile charges it (as the job simulation charges it: a layer block its ``(label, k)``
+    cost when it begins, a clock block the rest of its cost after its layers and nested
+    blocks, when it ends)."""
+
+    def __init__(self, source, sleep) -> None:
+        self.source, self.sleep = source, sleep
+        self.k: dict = {}
+        self.open: list = []                 # open clock blocks: [cost, inner]
+
+    def _cost(self, key) -> float:
+        k = self.k.get(key, 0)
+        self.k[key] = k + 1
+        return self.source.cost(key, k) or 0.0
+
+    def compute(self, label: str):
+        return None
+
+    def block_begin(self, label: str, key: str, kind: str) -> None:
+        c = self._cost(key)
+        if kind == "layer":
+            for b in self.open:
+                b[1] += c
+            if self.sleep is not None:
+                self.sleep(c)
+        else:
+            self.open.append([c, 0.0])
+
+    def block_end(self, label: str, key: str, kind: str) -> None:
+        if kind == "layer":
+            return
+        c, inner = self.open.pop()
+        for b in self.open:
+            b[1] += c
+        if self.sleep is not None:
+            self.sleep(max(0.0, c - inner))
+
+    def new_step(self) -> None:
+        self.k = {}
+
+
 def replay(run, program: list, comms: dict, sleep: bool = True,
            world_bytes: list | None = None, dilation: float = 1.0) -> int:
-    """Run one rank's ``program``; returns the steps closed.  ``world_bytes``: the world's
-    bytes per step (:func:`step_bytes`), for the metrics lines; ``dilation``: compute sleeps
-    that many times its profile time (``--dilation``, module docstring)."""
+    """Run one rank's ``program`` with the executor (:class:`substrate.executor.Executor`):
+    calls on zeros of their recorded sizes, compute slept (:class:`_Replay`); returns the
+    steps closed.  ``world_bytes``: the world's bytes per step (:func:`step_bytes`), for the
+    metrics lines; ``dilation``: compute sleeps that many times its profile time
+    (``--dilation``, module docstring)."""
     world_bytes = world_bytes or []
-    clock, rec = run.clock, run.recorder
-    world = run.topo.world
-    events: dict = {}                      # entry -> timeline event (this step)
-    handles: dict = {}                     # entry -> handle / request
-    blocks: list = []                      # open blocks: (entry, kind, context manager)
-    steps = 0
-    nap = Sleeper(dilation)
-
-    def ev(i):
-        return None if i is None else events.get(i)
-
-    for i, e in enumerate(program):
-        t = e[0]
-        if t == "B":
-            kind, label, key, deps, stream, after = e[1:]
-            if kind == "clock":
-                cm = clock.compute(label, deps=[ev(d) for d in deps], stream=stream,
-                                   after=ev(after), key=key)
-            else:
-                phase, _, name = label.partition(":")
-                cm = clock.layers.layer(phase, name)
-            m = cm.__enter__()
-            if kind == "layer":
-                events[i] = clock.layers.open
-                if sleep and m is not None and m.seconds > 0:
-                    nap(m.seconds)
-            blocks.append((i, kind, cm))
-        elif t == "E":
-            j, kind, cm = blocks.pop()
-            cm.__exit__(None, None, None)
-            if kind == "layer":
-                events[j] = clock.layers.last
-            else:
-                own = events[j] = clock.last_event
-                # the block's own rest (its layers slept their part when they began)
-                if sleep and own is not None and own is not clock.layers.last:
-                    nap(own.seconds)
-        elif t == "C":
-            d, after, member, wait, tag = e[1:]
-            call = Call.from_dict(d)
-            deps = None if after is None else [ev(a) for a in after]
-            if not member:
-                events[i] = rec.declare(call, deps, member=False)
-                continue
-            h = execute(comms, call, deps, wait, tag)
-            handles[i] = h
-            events[i] = h.event
-        elif t == "W":
-            handles[e[1]].wait()
-        elif t == "R":
-            source, nbytes, tag, group = e[1:]
-            comm = comms[tuple(group)]
-            handles[i] = comm.irecv(np.zeros(nbytes, dtype=np.uint8),
-                                    comm.group.index(source), tag=tag, phase="replay")
-        elif t == "A":
-            world.waitall([handles[j] for j in e[1]])
-        elif t == "S":
-            timing = clock.step()
-            steps += 1
-            events = {}
-            b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
-            run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=timing.step_s,
-                    step_no_overlap_s=timing.no_overlap_s, sim_s=clock.sim_s,
-                    inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),
-                    time_dilation=dilation)
+    clock = run.clock
+    ex = Executor(run, comms, close_steps=True)
+    bind = _Replay(clock.source, Sleeper(dilation) if sleep else None)
+    steps, pos = 0, 0
+    while pos < len(program):
+        pos = ex.run_step(program, bind, pos)
+        if program[pos - 1][0] != "S":
+            break
+        bind.new_step()
+        timing = clock.last_step
+        steps += 1
+        b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
+        run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=timing.step_s,
+                step_no_overlap_s=timing.no_overlap_s, sim_s=clock.sim_s,
+                inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),
+                time_dilation=dilation)
     return steps
 
 
@@ -209,48 +197,6 @@ def step_bytes(programs, placement) -> list[dict]:
             out[k]["intra"] += w["intra"]
             out[k]["inter"] += w["inter"]
     return out
-
-
-def execute(comms, call: Call, after=None, wait: bool = True, tag=None):
-    """Execute a record on zeros of its sizes through its group's communicator (``comms``:
-    :func:`communicators`); returns the call's handle.  Any plan's records can be run this way
-    (a replay; a system that is only a plan)."""
-    comm = comms[call.group]
-    a = call.algorithm
-    if a == "p2p":
-        me = comm.group[comm.rank]
-        rows = call.pairs.tolist()
-        if len(rows) == 1 and rows[0][0] == me:    # one message this rank sends (a replay)
-            return comm.isend(np.zeros(rows[0][2], dtype=np.uint8),
-                              comm.group.index(rows[0][1]), tag=tag or 0, phase=call.phase,
-                              after=after, share=call.share)
-        # an exchange of a plan: receive what comes here, send this rank's rows, wait for all
-        reqs = [comm.irecv(np.zeros(nb, dtype=np.uint8), comm.group.index(src), tag=tag or 0,
-                           phase=call.phase) for src, dst, nb in rows if dst == me != src]
-        share = call.share if call.share is not None else \
-            exchange_shares(call, comm.placement).get(me)
-        sends = [comm.isend(np.zeros(nb, dtype=np.uint8), comm.group.index(dst), tag=tag or 0,
-                            phase=call.phase, after=after, share=share)
-                 for src, dst, nb in rows if src == me != dst]
-        comm.waitall(reqs + sends)
-        return sends[-1] if sends else reqs[-1] if reqs else None
-    dt = _dtype(call.itemsize, call.op)
-    if a == "allreduce":
-        return comm.allreduce(np.zeros(call.nbytes // dt.itemsize, dtype=dt), call.op,
-                              phase=call.phase, after=after, wait=wait)
-    if a == "bcast":
-        return comm.bcast(np.zeros(call.nbytes // dt.itemsize, dtype=dt), call.root,
-                          phase=call.phase, after=after, wait=wait)
-    if a == "allgather":
-        counts = [b // dt.itemsize for b in call.blocks]
-        mine = np.zeros(counts[comm.rank], dtype=dt)
-        if len(set(counts)) == 1:
-            return comm.allgather(mine, phase=call.phase, after=after, wait=wait)
-        return comm.allgatherv(mine, counts, phase=call.phase, after=after)
-    if a == "barrier":
-        return comm.barrier(phase=call.phase, after=after)
-    raise ValueError(f"replay: a {a} call ({call.phase}) cannot be replayed: a member's record "
-                     "holds its own sends only")
 
 
 @main_guard

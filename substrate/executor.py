@@ -69,6 +69,14 @@ class Bindings:
     def on_ready(self, name: str) -> None:
         """The backward wrote tensor ``name``'s gradient (before the program goes on)."""
 
+    def block_begin(self, label: str, key: str, kind: str) -> None:
+        """Block ``label`` (profile key ``key``, ``kind`` ``"clock"`` or ``"layer"``) begins,
+        inside its timing (a replay sleeps a layer's profile time here)."""
+
+    def block_end(self, label: str, key: str, kind: str) -> None:
+        """Block ``label`` ends, still inside its timing (a replay sleeps a clock block's own
+        rest here)."""
+
 
 def _dtype(itemsize: int, op: str | None):
     """A buffer type of ``itemsize`` bytes for which the op is defined."""
@@ -248,12 +256,14 @@ class Executor:
         with self.clock.compute(label, deps=[self._ev(d) for d in deps], stream=stream,
                                 after=self._ev(after), key=key, flops=self.bind.flops(label)):
             self.pos = i + 1
+            self.bind.block_begin(label, key, "clock")
             if isinstance(fn, Pass):
                 self._run_pass(fn, j)
             else:
                 if fn is not None:
                     fn()
                 self._run_to(j)
+            self.bind.block_end(label, key, "clock")
         self.events[i] = self.clock.last_event
         self.pos = j + 1
 
@@ -268,8 +278,10 @@ class Executor:
         fn = self.bind.compute(label)
         with self.clock.layers.layer(phase, name):
             self.events[i] = self.clock.layers.open
+            self.bind.block_begin(label, self.entries[i][3], "layer")
             if fn is not None:
                 fn()
+            self.bind.block_end(label, self.entries[i][3], "layer")
         self.events[i] = self.clock.layers.last
         self.pos = self.ends[i] + 1
 

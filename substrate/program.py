@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .calls import Call
+from .calls import Call, exchange_shares
 
 __all__ = ["Builder", "Placer", "Program", "normalize", "rebase", "steps"]
 
@@ -205,13 +205,19 @@ class Placer:
         self.overlap = bool(overlap)
         self.resolve = resolve
         self.entry: dict[int, int] = {}          # record index -> entry index
+        self._sends: dict[int, list] = {}        # exchange record -> its send entries
         self.pending: list[int] = []             # entries of calls on the stream, not waited
         self.next = 0
+        self.placement = placement
         leaders = placement.leaders
         self._mine = []
         for r in self.records:
             if not isinstance(r, Call):
                 self._mine.append("work")
+            elif r.algorithm == "p2p":
+                pr = r.pairs
+                self._mine.append("exchange" if np.any((pr[:, 0] == self.rank)
+                                                       | (pr[:, 1] == self.rank)) else None)
             elif r.involves(self.rank):
                 self._mine.append("member")
             elif r.group == leaders and r.algorithm not in ("p2p", "alltoallv"):
@@ -228,6 +234,9 @@ class Placer:
         out = []
         for t in r.after:
             if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
+                if int(t) in self._sends:      # an exchange: waited for in program order
+                    out += [e for e in self._sends[int(t)] if e not in out]
+                    continue
                 e = self.entry.get(int(t))     # None: another node's call, not waited for here
             else:
                 if self.resolve is None:
@@ -279,12 +288,32 @@ class Placer:
             self.entry[k] = b.block(r.label, deps=deps, stream=getattr(r, "stream", "compute"))
         elif kind == "wait":
             self.entry[k] = b.call(r, deps if self.overlap else None, member=False)
+        elif kind == "exchange":
+            self.entry[k] = self._exchange(k, r, deps)
         elif self.overlap and not r.wait:          # on the stream, after what it names
             self.entry[k] = b.call(r, deps, wait=False)
             self.pending.append(self.entry[k])
         else:                                      # blocking: after everything before
             self.entry[k] = b.call(r, None)
         self.next = k + 1
+
+    def _exchange(self, k: int, r, deps: list[int]) -> int:
+        """This rank's part of a direct-message exchange (a ``p2p`` record of every sender's
+        messages): a receive posted for every message it gets, a send for every message it
+        sends (one record each, carrying the exchange's share of its node's link,
+        :func:`substrate.calls.exchange_shares`), then a wait for all of them.  Returns the
+        wait's entry (what later records depend on)."""
+        me, b = self.rank, self.b
+        rows = r.pairs.tolist()
+        share = r.share if r.share is not None else exchange_shares(r, self.placement).get(me)
+        posted = [b.receive(src, nb, 0, r.group) for src, dst, nb in rows if dst == me != src]
+        posted += [b.call(Call(r.phase, "p2p", r.group, pairs=((me, dst, nb),), share=share,
+                               label=r.label), deps if self.overlap else None, wait=False,
+                          tag=0)
+                   for src, dst, nb in rows if src == me != dst]
+        b.waitall(posted)
+        self._sends[k] = [e for e in posted if b.entries[e][0] == "C"]
+        return len(b.entries) - 1
 
     def wait_all(self) -> None:
         """Wait for every call still on the stream, in issue order."""
@@ -293,8 +322,14 @@ class Placer:
         self.pending = []
 
     def calls(self) -> list[int]:
-        """Entry indices of every call emitted (member or wait), in order."""
-        return [e for k, e in sorted(self.entry.items()) if self._mine[k] in ("member", "wait")]
+        """Entry indices of every call emitted (member or wait; an exchange's sends), in
+        order."""
+        out = []
+        for k, e in sorted(self.entry.items()):
+            if self._mine[k] in ("member", "wait"):
+                out.append(e)
+            out += self._sends.get(k, [])
+        return out
 
 
 def steps(entries) -> list[list]:

@@ -1,15 +1,18 @@
-"""Adding a system needs only a plan with ``calls()`` (issue 23): a made-up system, defined
-here, is executed and booked (measured == predicted under MPI, on any placement), timed (its
-records are events of the timeline), predicted (``IterCost.from_calls``) and scaled (the
-paper-scale timeline), with no other code of its own."""
+"""Adding a system is one plan: a made-up system, defined here as a plan with ``calls()`` and the
+bindings of a data-parallel strategy (which arrays its calls work on), trains through the same
+trainer, program generator and executor as every real system, is booked (measured ==
+predicted under MPI, on any placement), runs exactly its generated program, and is predicted
+(``IterCost.from_calls``) and scaled, with no other code of its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
 
+from dataparallel.strategy import Strategy
 from substrate.calls import Call, Placement, Ready, price, wire_bytes
 from substrate.costmodel import CostModel
 
@@ -35,14 +38,40 @@ class ToyPlan:
         return out
 
 
+class ToyStrategy(Strategy):
+    """The made-up system as a data-parallel method: its plan, and the arrays its calls work
+    on (the first gradients for the all-reduce and the broadcast; the leaders' ring sends and
+    receives zeros).  Nothing else."""
+
+    name = "toy"
+
+    def __init__(self, ctx, options) -> None:
+        super().__init__(ctx, options)
+        self._records = ToyPlan(1001).calls(self.topo.placement)
+
+    def records(self, state) -> list:
+        return self._records
+
+    def buffer(self, call):
+        if call.algorithm == "p2p":
+            return np.zeros(int(call.pairs[0, 2]), dtype=np.uint8)
+        return self.ctx.model.grads.flat[:1001]
+
+    def receive_buffer(self, source, nbytes, tag):
+        return np.zeros(nbytes, dtype=np.uint8)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,node_map", [(4, "block:2"), (4, "round-robin:2"),
                                         (6, "0,1,2,0,1,2"), (3, "block:3")])
 def test_a_plan_alone_is_executed_booked_and_accounted(tmp_path, n, node_map):
     out = tmp_path / "toy"
-    run_mpi("toy_checks.py", n, "--out", out, "--node-map", node_map, timeout=120)
+    run_mpi("toy_checks.py", n, "train", "--method", "toy", "--steps", 3, "--out", out,
+            "--node-map", node_map, "--compute-profile-out", tmp_path / "toy.json",
+            timeout=120)
     s = read_summary(out)
     assert_measured_equals_predicted(s)
+    assert s["metrics"]["program_steps_verified"] == 3
     pl = Placement.parse(node_map, n)
     want = price(ToyPlan(1001).calls(pl), pl)
     got = s["traffic"]["measured"]["by_phase"]
