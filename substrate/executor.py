@@ -390,5 +390,10 @@ class Executor:
             return comm.allgatherv(buf.reshape(-1), counts, phase=call.phase, after=after)
         if a == "barrier":
             return comm.barrier(phase=call.phase, after=after)
+        if a == "alltoallv":              # a plan's record: the whole byte matrix
+            m = np.asarray(call.blocks, dtype=np.int64).reshape(call.size, call.size)
+            i = comm.rank
+            return comm.alltoallv(buf, m[i] // buf.itemsize, m[:, i] // buf.itemsize,
+                                  phase=call.phase, after=after)
         raise ValueError(f"call {call.phase!r}: a {a} call cannot run from a program (a "
                          "member's record holds its own sends only)")
