@@ -186,7 +186,8 @@ class JobSim:
         self._sends: dict = {}              # match key -> unmatched messages
         self._recvs: dict = {}              # match key -> unmatched receives
         self._alive = 0
-        self._schedules: dict = {}          # id(call dict) -> (schedule, group)
+        self._schedules: dict = {}          # id(call) -> its schedule
+        self._calls: dict = {}              # id(call dict) -> its Call
         #: bytes moved inside nodes and between them (the ledger's wire bytes, a check)
         self.moved = {"intra": 0.0, "inter": 0.0}
 
@@ -437,50 +438,82 @@ class JobSim:
         return seen
 
     # -- what a rank does ------------------------------------------------------------------------
+    def _call(self, c) -> Call:
+        """The record of a program's call entry (a recorded program holds its dict; cached by
+        its identity, which the programs keep for the whole simulation)."""
+        if isinstance(c, Call):
+            return c
+        hit = self._calls.get(id(c))
+        if hit is None:
+            hit = self._calls[id(c)] = Call.from_dict(c)
+        return hit
+
     def _rank(self, r: int):
-        """Rank ``r``'s thread: its program as :func:`runner.replay.replay` executes it."""
+        """Rank ``r``'s thread: its program as the executor (:class:`substrate.executor.
+        Executor`) runs it: compute-stream blocks one after the other, each after its
+        dependencies; an offload-stream block on the rank's CPU worker, in order, after its
+        dependencies, while the thread goes on; calls issued without waiting on the
+        communication stream, in order."""
         charge = self.charge[r]
         occurrences: dict = {}
         blocks: list = []                   # open blocks: [kind, cost, inner]
-        handles: dict = {}
+        handles: dict = {}                  # entry -> request (calls, blocks, receives)
         stream = None                       # the last call on the communication stream
-        for i, e in enumerate(self.programs[r]):
+        offload = None                      # the last block on the offload stream
+        prog = self.programs[r]
+        skip_to = -1
+        for i, e in enumerate(prog):
+            if i <= skip_to:
+                continue
             kind = e[0]
             if kind == "B":
                 key = e[3]
                 k = occurrences.get(key, 0)
                 occurrences[key] = k + 1
                 c = charge(key, k) or 0.0
-                blocks.append([e[1], c, 0.0])
+                deps = [handles[d] for d in e[4] if d in handles]
+                if e[5] == "offload":       # the CPU worker: the block, whole, beside the thread
+                    h = _Req()
+                    self._spawn(self._offloaded(c, [offload, *deps], h), r)
+                    offload = handles[i] = h
+                    skip_to = self._end(r, i)
+                    continue
+                pending = [q for q in deps if not q.done]
+                if pending:
+                    yield "wait", pending
+                handles[i] = _Req()
+                blocks.append([e[1], c, 0.0, i])
                 if e[1] == "layer":
                     for b in blocks[:-1]:   # the clock blocks around leave it out
                         b[2] += c
                     yield "sleep", c
             elif kind == "E":
-                what, c, inner = blocks.pop()
+                what, c, inner, j = blocks.pop()
                 if what == "clock":
                     for b in blocks:        # a nested block's whole cost
                         b[2] += c
                     yield "sleep", max(0.0, c - inner)
+                self._complete(handles[j])
             elif kind == "C":
-                d, _after, member, wait, tag = e[1:]
+                call, _after, member, wait, tag = e[1:]
                 if not member:              # the leaders' call seen from a follower
                     continue
-                a = d["algorithm"]
+                call = self._call(call)
+                a = call.algorithm
                 if not wait and a in ("allreduce", "bcast", "allgather") \
-                        and len(set(d.get("blocks") or [0])) == 1:
+                        and len(set(call.blocks or [0])) == 1:
                     h = _Req()
-                    self._spawn(self._on_stream(r, d, stream, h), r)
+                    self._spawn(self._on_stream(r, call, stream, h), r)
                     stream = handles[i] = h
                     continue
                 if stream is not None and not stream.done:
                     yield "wait", [stream]  # a blocking call drains the stream first
                 if a == "p2p":
-                    (src, dst, nbytes), = d["pairs"]
-                    handles[i] = self._send(src, dst, ("p2p", tuple(d["group"]), tag, src, dst),
+                    (src, dst, nbytes), = call.pairs.tolist()
+                    handles[i] = self._send(src, dst, ("p2p", call.group, tag, src, dst),
                                             nbytes)
                     continue
-                yield from self._collective(r, d)
+                yield from self._collective(r, call)
             elif kind == "W":
                 h = handles.get(e[1])
                 if h is not None:
@@ -493,37 +526,57 @@ class JobSim:
             elif kind == "S":
                 self.steps[r].append(self.now)
                 occurrences = {}
+                handles = {}
 
-    def _on_stream(self, r: int, d: dict, before: _Req | None, h: _Req):
-        if before is not None and not before.done:
-            yield "wait", [before]
-        yield from self._collective(r, d)
+    def _end(self, r: int, i: int) -> int:
+        """Index of the ``E`` that closes block ``i`` of rank ``r``'s program."""
+        depth, prog = 0, self.programs[r]
+        for j in range(i, len(prog)):
+            if prog[j][0] == "B":
+                depth += 1
+            elif prog[j][0] == "E":
+                depth -= 1
+                if not depth:
+                    return j
+        raise ValueError(f"JobSim: rank {r}'s block {i} never ends")
+
+    def _offloaded(self, cost: float, before: list, h: _Req):
+        """An offload-stream block: after the worker's previous block and its dependencies,
+        ``cost`` seconds on the worker."""
+        pending = [q for q in before if q is not None and not q.done]
+        if pending:
+            yield "wait", pending
+        yield "sleep", cost
         self._complete(h)
 
-    def _collective(self, r: int, d: dict):
+    def _on_stream(self, r: int, call: Call, before: _Req | None, h: _Req):
+        if before is not None and not before.done:
+            yield "wait", [before]
+        yield from self._collective(r, call)
+        self._complete(h)
+
+    def _collective(self, r: int, call: Call):
         """Rank ``r``'s rounds of the call's schedule (:func:`substrate.schedule.of_call`, the
         rounds :mod:`substrate.collectives` executes): per round its sends leave (eager) and
         its receives are posted, and it waits for all of them."""
-        a = d["algorithm"]
-        if a == "alltoallv":
-            raise ValueError(f"JobSim: a {a} call ({d.get('phase')}) cannot be simulated: a "
-                             "member's record holds its own sends only")
-        sched, group = self._schedule(d)
+        if call.algorithm == "alltoallv":
+            raise ValueError(f"JobSim: an alltoallv call ({call.phase}) cannot be simulated: "
+                             "a member's record holds its own sends only")
+        sched = self._schedule(call)
+        group = call.group
         i = group.index(r)
-        key = ("coll", tuple(group))
+        key = ("coll", group)
         for rnd in sched.rounds(i):
             reqs = [self._send(r, group[q], (key, r, group[q]), hi - lo)
                     for q, lo, hi in rnd.sends]
             reqs += [self._recv(group[q], r, (key, group[q], r)) for q, _, _ in rnd.recvs]
             yield "wait", reqs
 
-    def _schedule(self, d: dict):
-        """The schedule of a recorded call (a program's dict; cached by its identity: the
-        programs hold each call's dict for the whole simulation)."""
-        hit = self._schedules.get(id(d))
+    def _schedule(self, call: Call):
+        """The schedule of a call (cached by the record's identity)."""
+        hit = self._schedules.get(id(call))
         if hit is None:
-            call = Call.from_dict(d)
-            hit = self._schedules[id(d)] = (schedule.of_call(call), list(call.group))
+            hit = self._schedules[id(call)] = schedule.of_call(call)
         return hit
 
 

@@ -325,7 +325,7 @@ def test_programs_that_do_not_match_are_refused():
         JobSim([[["S"]], p1], [0, 1], _cost(), [_charge({})] * 2).run()
     with pytest.raises(ValueError, match="one of each per rank"):
         JobSim([[["S"]]], [0, 1], _cost(), [_charge({})])
-    a2a = ["C", _call("alltoallv", g, 8), None, True, True, None]
+    a2a = ["C", {**_call("alltoallv", g, 8), "blocks": [0, 8, 0, 0]}, None, True, True, None]
     with pytest.raises(ValueError, match="alltoallv call"):
         JobSim([[a2a], [a2a]], [0, 1], _cost(), [_charge({})] * 2).run()
 
