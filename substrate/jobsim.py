@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from . import schedule
 from .calls import Call
+from .cluster import Cluster
 from .costmodel import CostModel
 from .profile import ProfileSource
 
@@ -151,25 +152,45 @@ class JobSim:
         fraction.
     """
 
-    def __init__(self, programs, node_of, cost: CostModel, charge, *,
+    def __init__(self, programs, node_of, cost: CostModel | Cluster, charge, *,
                  eager_limit: float = math.inf, link_sharing: str = "fifo",
-                 ack_overhead: float = 0.0) -> None:
+                 ack_overhead: float | None = None) -> None:
         if len(programs) != len(node_of) or len(charge) != len(programs):
             raise ValueError(f"JobSim: {len(programs)} programs, {len(node_of)} node entries "
                              f"and {len(charge)} profiles: give one of each per rank")
         if link_sharing not in LINK_SHARING:
             raise ValueError(f"JobSim: link_sharing {link_sharing!r} is not one of "
                              f"{', '.join(LINK_SHARING)}")
+        cluster = cost if isinstance(cost, Cluster) else Cluster.two_tier(cost)
+        if ack_overhead is None:
+            ack_overhead = cluster.library.ack_overhead
         if not 0 <= ack_overhead < 1:
             raise ValueError(f"JobSim: ack_overhead {ack_overhead!r} must be in [0, 1) bytes "
                              "per byte (TCP with delayed ACKs: 0.0218; RDMA: 0)")
+        if link_sharing == "fifo" and any(t.oversubscription > 1 for t in cluster.tiers):
+            raise ValueError(f"JobSim: {cluster.path or cluster.name} has oversubscribed switch "
+                             "tiers, which the FIFO links do not model: simulate it with "
+                             "link_sharing='fair' (--link-sharing fair)")
+        self.cluster = cluster
+        self._call_s = cluster.library.call_us * 1e-6
+        self._shared_fabric = cluster.node.fabric == "pcie"
         self.link_sharing = link_sharing
         self.ack_overhead = float(ack_overhead)
         #: bytes the acknowledgements moved (not in :attr:`moved`: the ledger books payload)
         self.ack_bytes = 0.0
         self.programs = programs
         self.node_of = [int(n) for n in node_of]
-        self.cost = cost
+        self.cost = cluster.cost_model()
+        # each rank's NIC: (node, nic), its node's ranks spread evenly over the node's NICs
+        local, size = {}, {}
+        for n in self.node_of:
+            size[n] = size.get(n, 0) + 1
+        self.port_of = []
+        for n in self.node_of:
+            k = local.get(n, 0)
+            local[n] = k + 1
+            self.port_of.append((n, cluster.nic_of(k, size[n])))
+        self._latency: dict = {}            # (node, node) -> seconds
         self.charge = charge
         self.eager_limit = float(eager_limit)
         self.now = 0.0
@@ -268,8 +289,13 @@ class JobSim:
             self._launch(m, self.now + self._alpha(m))   # after the handshake
 
     def _alpha(self, m: _Msg) -> float:
-        same = self.node_of[m.src] == self.node_of[m.dst]
-        return self.cost.intra_lat if same else self.cost.inter_lat
+        a, b = self.node_of[m.src], self.node_of[m.dst]
+        if a == b:
+            return self.cost.intra_lat
+        t = self._latency.get((a, b))
+        if t is None:
+            t = self._latency[(a, b)] = self.cluster.inter_latency(a, b)
+        return t
 
     def _launch(self, m: _Msg, t: float) -> None:
         """The message leaves at ``t``: one latency later it moves, after the pair's earlier
@@ -288,10 +314,14 @@ class JobSim:
 
     def _move(self, m: _Msg) -> None:
         a, b = self.node_of[m.src], self.node_of[m.dst]
-        fifo = self.link_sharing == "fifo" and a != b
+        fifo = self.link_sharing == "fifo" and (a != b or self._shared_fabric)
         if not (fifo or m.ack):
             self._pair_busy[(m.src, m.dst)] = m
-        m.links = (("intra", m.src, m.dst),) if a == b else (("up", a), ("down", b))
+        if a == b:
+            m.links = (("pcie", a),) if self._shared_fabric else (("intra", m.src, m.dst),)
+        else:
+            up, down = self.port_of[m.src], self.port_of[m.dst]
+            m.links = (("up", up), *self._tier_links(a, b), ("down", down))
         if not m.ack:
             self.moved["intra" if a == b else "inter"] += m.nbytes
         m.rem = m.nbytes
@@ -299,32 +329,59 @@ class JobSim:
             self._arrive(m)
             return
         if fifo:
-            queue = self._uplink.setdefault(a, deque())
+            port = m.links[0]
+            queue = self._uplink.setdefault(port, deque())
             queue.append(m)
             if len(queue) == 1:
-                self._uplink_send(a)
+                self._uplink_send(port)
             return
         self._flows.append(m)
         self._rates_stale = True
 
+    def _tier_links(self, a: int, b: int) -> tuple:
+        """The switch tiers' links a message from node ``a`` to node ``b`` crosses: up from
+        ``a``'s switch and down into ``b``'s at every tier it climbs."""
+        tiers = self.cluster.tiers
+        out_up, out_down = [], []
+        for k in self.cluster.switches_between(a, b):
+            n = tiers[k].nodes
+            out_up.append(("tier", k, a // n, "up"))
+            out_down.append(("tier", k, b // n, "down"))
+        return (*out_up, *reversed(out_down))
+
     # -- FIFO links ------------------------------------------------------------------------------
-    def _downlink_input(self, node: int, rate: float) -> None:
-        """Node ``node``'s downlink queue brought up to now, then its input changed by
+    def _downlink_input(self, port, rate: float) -> None:
+        """NIC ``port``'s downlink queue brought up to now, then its input changed by
         ``rate``: W bytes wait, growing at input - β while it exceeds β or W > 0."""
-        d = self._downlink.setdefault(node, [0.0, 0.0, self.now])
+        d = self._downlink.setdefault(port, [0.0, 0.0, self.now])
         d[0] = max(0.0, d[0] + (d[1] - self.cost.inter_bw) * (self.now - d[2]))
         d[1] += rate
         d[2] = self.now
 
-    def _uplink_send(self, node: int) -> None:
-        """The head of ``node``'s uplink moves at β into its destination's downlink."""
-        m = self._uplink[node][0]
-        dst = self.node_of[m.dst]
+    def _uplink_send(self, link) -> None:
+        """The head of an uplink moves: a NIC's at β into its destination NIC's downlink; a
+        node's shared fabric (PCIe) at its rate, straight to the destination."""
+        m = self._uplink[link][0]
+        if link[0] == "pcie":
+            self._at(self.now + m.nbytes / self.cost.intra_bw,
+                     lambda: self._fabric_sent(link, m))
+            return
+        dst = m.links[-1][1]
         self._downlink_input(dst, self.cost.inter_bw)
         self._at(self.now + m.nbytes / self.cost.inter_bw,
-                 lambda: self._uplink_sent(node, m, dst))
+                 lambda: self._uplink_sent(link, m, dst))
 
-    def _uplink_sent(self, node: int, m: _Msg, dst: int) -> None:
+    def _fabric_sent(self, link, m: _Msg) -> None:
+        self._arrive(m)
+        self._next_on(link)
+
+    def _next_on(self, link) -> None:
+        queue = self._uplink[link]
+        queue.popleft()
+        if queue:
+            self._uplink_send(link)
+
+    def _uplink_sent(self, link, m: _Msg, dst) -> None:
         """``m``'s last byte reaches ``dst``'s downlink behind the W bytes waiting there: it
         arrives W / β later."""
         self._downlink_input(dst, -self.cost.inter_bw)
@@ -333,10 +390,7 @@ class JobSim:
             self._at(self.now + wait, lambda: self._arrive(m))
         else:
             self._arrive(m)
-        queue = self._uplink[node]
-        queue.popleft()
-        if queue:
-            self._uplink_send(node)
+        self._next_on(link)
 
     def _arrive(self, m: _Msg) -> None:
         m.arrived = True
@@ -358,7 +412,12 @@ class JobSim:
             self._move(queue.popleft())
 
     def _capacity(self, link) -> float:
-        return self.cost.intra_bw if link[0] == "intra" else self.cost.inter_bw
+        if link[0] in ("intra", "pcie"):
+            return self.cost.intra_bw
+        if link[0] == "tier":           # a switch's uplink (or downlink) of its tier
+            t = self.cluster.tiers[link[1]]          # what its nodes' NICs can send, narrowed
+            return t.nodes * self.cluster.node.nics * self.cost.inter_bw / t.oversubscription
+        return self.cost.inter_bw
 
     def _set_rates(self) -> None:
         """Max-min fair rates (progressive filling: the link with the least share per message
@@ -510,6 +569,8 @@ class JobSim:
                     yield "wait", [stream]  # a blocking call drains the stream first
                 if a == "p2p":
                     (src, dst, nbytes), = call.pairs.tolist()
+                    if self._call_s:            # the library's software overhead of a call
+                        yield "sleep", self._call_s
                     handles[i] = self._send(src, dst, ("p2p", call.group, tag, src, dst),
                                             nbytes)
                     continue
@@ -565,6 +626,8 @@ class JobSim:
         sched = self._schedule(call)
         group = call.group
         i = group.index(r)
+        if self._call_s and call.size > 1:     # the library's software overhead of a call
+            yield "sleep", self._call_s
         key = ("coll", group)
         for rnd in sched.rounds(i):
             reqs = [self._send(r, group[q], (key, r, group[q]), hi - lo)
@@ -587,9 +650,9 @@ def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:
     return [b - a for a, b in zip([0.0, *t[:-1]], t)]
 
 
-def simulate_profile(doc: dict, node_of, cost: CostModel, *,
+def simulate_profile(doc: dict, node_of, cost: CostModel | Cluster, *,
                      eager_limit: float = math.inf, link_sharing: str = "fifo",
-                     ack_overhead: float = 0.0) -> dict:
+                     ack_overhead: float | None = None) -> dict:
     """Every rank's program of the compute profile ``doc`` (:func:`substrate.profile.
     load_profile`) simulated together on the placement ``node_of`` with ``cost``'s links, each
     rank's blocks charged as its replay charges them (:class:`~substrate.profile.
@@ -611,8 +674,9 @@ def simulate_profile(doc: dict, node_of, cost: CostModel, *,
     steps = job_steps(sim.run())
     return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
             f"protocol up to eager_limit, {link_sharing} node links, acknowledgements "
-            f"{ack_overhead:g} of the bytes",
+            f"{sim.ack_overhead:g} of the bytes",
             "eager_limit": None if math.isinf(eager_limit) else eager_limit,
-            "link_sharing": link_sharing, "ack_overhead": ack_overhead,
+            "link_sharing": link_sharing, "ack_overhead": sim.ack_overhead,
+            "cluster": sim.cluster.describe(),
             "ack_bytes": sim.ack_bytes,
             "bytes": dict(sim.moved), "seconds": time.perf_counter() - t0}
