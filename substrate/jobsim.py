@@ -335,6 +335,9 @@ class JobSim:
             if len(queue) == 1:
                 self._uplink_send(port)
             return
+        if m.links[0][0] == "intra":    # a link of its own, one message at a time: full rate
+            self._at(self.now + m.nbytes / self.cost.intra_bw, lambda: self._arrive(m))
+            return
         self._flows.append(m)
         self._rates_stale = True
 
