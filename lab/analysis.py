@@ -20,6 +20,8 @@ import shlex
 import statistics
 from pathlib import Path
 
+from substrate.cluster import TCP_ACK_OVERHEAD
+
 from .netns import LabError
 from .network import ETH_HDR, IP_HDR, MTU, TCP_HDR, TCPEXT_FIELDS
 
@@ -188,12 +190,10 @@ def link_payload_gbps(mbit: float) -> float:
 
 def tcp_ack_overhead() -> float:
     """Link time TCP's acknowledgements take on the reverse direction, per unit of payload time
-    (:class:`substrate.jobsim.JobSim`'s ``ack_overhead``): Linux acknowledges every second full
-    segment (delayed ACK), each a frame of 14 (Ethernet) + 20 (IP) + 32 (TCP with timestamps) =
-    66 bytes against two data frames of 1514, so 66 / 3028 = 0.0218.  The lab's counters agree:
-    one host of a 2 x 2 ddp replay at 1 Gbit/s sent 55,749 frames for 54.13 MB of payload
-    (37,383 full segments): about 18,366 ACKs, 0.0214 of the payload's link time."""
-    return (ETH_HDR + IP_HDR + TCP_HDR) / (2 * (MTU + ETH_HDR))
+    (:class:`substrate.jobsim.JobSim`'s ``ack_overhead``): one 66-byte frame per two full
+    segments, :data:`substrate.cluster.TCP_ACK_OVERHEAD` (0.0218; the lab's counters show
+    0.0214)."""
+    return TCP_ACK_OVERHEAD
 
 
 def cost_flags(link, pingpong: dict | None, dilation: float = 1.0) -> list[str]:

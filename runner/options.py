@@ -43,6 +43,12 @@ def add_cost_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 COST_FIELDS = ("intra_bw", "inter_bw", "intra_lat", "inter_lat")
 
 
+def cost_from_args(args: argparse.Namespace) -> CostModel:
+    """The cost model of the cost-model flags alone (:func:`add_cost_args`: a command that
+    models without running), checked as every command checks them."""
+    return CommonConfig(**{k: getattr(args, k) for k in COST_FIELDS}).cost_model()
+
+
 def add_training_args(parser: argparse.ArgumentParser, unit: str,
                       progress_every: int) -> argparse.ArgumentParser:
     """Add ``--checkpoint-every``, ``--resume`` and ``--progress-every`` (long MPI trainers).

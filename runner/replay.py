@@ -38,13 +38,13 @@ member's record holds its own row only).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
 from substrate.calls import Call, wire_bytes
 from substrate.executor import Executor, ZeroBindings
-from substrate.jobsim import LINK_SHARING, simulate_profile
+from substrate.jobsim import JobSimOptions, simulate_profile
+from substrate.options import add_dataclass_args, from_args
 
 from .errors import main_guard
 from .options import add_common_args
@@ -216,26 +216,9 @@ def main(argv=None) -> int:
                              "model's network (substrate.jobsim) and writes each step's length "
                              "to summary.json metrics.job_simulation, the prediction the wire "
                              "lab compares with (default on)")
-    parser.add_argument("--eager-limit", type=float, default=math.inf, metavar="BYTES",
-                        help="the job simulation sends messages above BYTES by rendezvous "
-                             "(the data leaves once the receive is posted; default: every "
-                             "message eager, which the wire lab's MPICH over UCX's TCP measured "
-                             "like, see substrate.jobsim)")
-    parser.add_argument("--link-sharing", choices=LINK_SHARING, default="fifo",
-                        help="how the job simulation's messages share a node link: fifo (one "
-                             "message at a time in arrival order, TCP through one NIC queue: "
-                             "the wire lab) or fair (max-min fair shares) (default %(default)s)")
-    parser.add_argument("--ack-overhead", type=float, default=0.0, metavar="FRACTION",
-                        help="the job simulation's receiving node sends FRACTION x each "
-                             "inter-node message's bytes back (the transport's ACKs: TCP with "
-                             "delayed ACKs 0.0218, which the wire lab passes; default 0, RDMA)")
+    add_dataclass_args(parser, JobSimOptions)
     args = parser.parse_args(argv)
-    if not 0 <= args.ack_overhead < 1:
-        raise ValueError(f"--ack-overhead {args.ack_overhead:g}: must be in [0, 1) bytes per "
-                         "byte. Fix: 0.0218 for TCP with delayed ACKs, 0 for RDMA")
-    if not args.eager_limit >= 0:
-        raise ValueError(f"--eager-limit {args.eager_limit:g}: must be >= 0 bytes (default: "
-                         "every message eager). Fix: e.g. --eager-limit 262144")
+    jobsim = from_args(JobSimOptions, args)
     if not args.dilation >= 1:
         raise ValueError(f"--dilation {args.dilation:g}: must be >= 1 (1: real time; K: the "
                          "run slowed K-fold). Fix: e.g. --dilation 4")
@@ -266,9 +249,8 @@ def main(argv=None) -> int:
                "steps": steps, "time_dilation": args.dilation}
     if run.rank == 0 and args.job_simulation == "on":
         metrics["job_simulation"] = simulate_profile(doc, run.topo.placement.node_of,
-                                                     run.cost, eager_limit=args.eager_limit,
-                                                     link_sharing=args.link_sharing,
-                                                     ack_overhead=args.ack_overhead)
+                                                     jobsim.network(run.cost),
+                                                     **jobsim.kwargs())
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

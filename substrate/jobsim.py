@@ -70,12 +70,58 @@ from . import schedule
 from .calls import Call
 from .cluster import Cluster
 from .costmodel import CostModel
+from .options import option
 from .profile import ProfileSource
 
-__all__ = ["LINK_SHARING", "JobSim", "job_steps", "simulate_profile"]
+__all__ = ["LINK_SHARING", "JobSim", "JobSimOptions", "job_steps", "simulate_profile"]
 
 #: how the messages crossing one node link share it (:class:`JobSim`'s ``link_sharing``)
 LINK_SHARING = ("fifo", "fair")
+JOBSIM = "job simulation (the network the steps are simulated on)"
+
+
+@dataclass(frozen=True)
+class JobSimOptions:
+    """The job simulation's flags, declared once for every command that simulates."""
+
+    cluster: str | None = option(
+        None, "a cluster file (TOML, see substrate/cluster.py) or the name of a shipped one: "
+        "devices, the node's fabric, NICs, switch tiers, the library's per-call overhead and "
+        "transport (default: the two-tier cluster of --intra-bw, --inter-bw, --intra-lat, "
+        "--inter-lat)", metavar="FILE|NAME", group=JOBSIM)
+    link_sharing: str = option(
+        "fifo", "fifo: every NIC link a first-in-first-out queue, a NIC sending one message at "
+        "a time (TCP through one NIC queue: the wire lab); fair: max-min fair shares per "
+        "message (per-flow fair queueing, RDMA NICs arbitrating queue pairs; needed for "
+        "oversubscribed switch tiers)", choices=LINK_SHARING, group=JOBSIM)
+    eager_limit: float = option(
+        math.inf, "messages above BYTES go by rendezvous: the data leaves once the receive is "
+        "posted (default: every message eager, which the wire lab's MPICH over UCX's TCP "
+        "measured like)", metavar="BYTES", group=JOBSIM)
+    ack_overhead: float | None = option(
+        None, "bytes a receiving node sends back per inter-node byte, the transport's "
+        "acknowledgements (default: the cluster's transport: tcp 0.0218, rdma 0)",
+        metavar="FRACTION", group=JOBSIM)
+
+    def __post_init__(self) -> None:
+        if self.link_sharing not in LINK_SHARING:
+            raise ValueError(f"--link-sharing {self.link_sharing!r}: use one of "
+                             f"{', '.join(LINK_SHARING)}")
+        if not self.eager_limit >= 0:
+            raise ValueError(f"--eager-limit {self.eager_limit:g}: must be >= 0 bytes (default: "
+                             "every message eager). Fix: e.g. --eager-limit 262144")
+        if self.ack_overhead is not None and not 0 <= self.ack_overhead < 1:
+            raise ValueError(f"--ack-overhead {self.ack_overhead:g}: must be in [0, 1) bytes per "
+                             "byte. Fix: 0.0218 for TCP with delayed ACKs, 0 for RDMA")
+
+    def network(self, cost: CostModel) -> Cluster:
+        """The cluster to simulate on: ``--cluster``'s, else the cost model's two tiers."""
+        return Cluster.load(self.cluster) if self.cluster else Cluster.two_tier(cost)
+
+    def kwargs(self) -> dict:
+        """:class:`JobSim`'s keyword arguments."""
+        return {"eager_limit": self.eager_limit, "link_sharing": self.link_sharing,
+                "ack_overhead": self.ack_overhead}
 
 #: a flow whose remaining bytes fall below this is done (floating-point slack)
 _EPS_BYTES = 1e-6

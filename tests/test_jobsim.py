@@ -377,7 +377,7 @@ def test_commvol_simulate_prints_the_steps_on_any_placement(tmp_path, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--node-map", "block:3"], "block:R needs R ranks per node"),
     (["--node-map", "block:2", "--skip", "5"], "hold 5 steps; pass --skip 4 or fewer"),
-    (["--node-map", "block:2", "--inter-bw", "0"], "inter_bw must be > 0"),
+    (["--node-map", "block:2", "--inter-bw", "0"], "--inter-bw must be > 0"),
     (["--node-map", "block:2", "--eager-limit", "-2"], "--eager-limit -2: must be >= 0"),
     (["--node-map", "block:2", "--ack-overhead", "-1"], "--ack-overhead -1: must be in [0, 1)"),
     (["--node-map", "block:2", "--json", "EXISTS"], "already exists; choose a new file"),
