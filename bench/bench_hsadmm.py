@@ -72,7 +72,7 @@ def _run(model: str, sparsity: str, iters: int, reps: int, ranks_per_node: int |
     # mask sync in isolation (the in-loop wall time also waits for the slower node)
     masks = [m.copy() for m in solver.m_global]
     snap = run.ledger.snapshot()
-    sync = [_median_time(lambda: solver._sync_masks(masks), run.world.mpi, 1)
+    sync = [_median_time(lambda: solver.sync_masks(masks), run.world.mpi, 1)
             for _ in range(reps)]
     mean["mask_sync"], mean["mask_sync_median"] = min(sync), statistics.median(sync)
     sync_modeled = sum(e["modeled_s"] for e in run.ledger.since(snap).values()) / reps

@@ -21,6 +21,11 @@ One outer iteration (:meth:`HSADMM.iterate`):
 5. ``u`` update (eq. 12), per-layer residuals at both levels, the stopping rule and residual
    balancing of ``rho1``/``rho2`` per layer (§3.4); mask freezing (§4.5).
 
+The solver issues no call itself: an iteration is the program generated from its plan's records
+(:mod:`hsadmm.plan`), run by the one executor (:class:`substrate.executor.Executor`); the solver
+binds only what it alone knows, the compute of each block, the array each call works on and the
+mask codec (pack before the leaders' OR, unpack after the node's broadcast).
+
 Flat ADMM ("PruneX (AR)", §5.1.4) differs only in topology: it replaces steps 2–4 by a dense SUM
 all-reduce of ``theta + u`` over all ranks, ``z = Pi_S(rho1 Σ(theta + u) / (lambda + N rho1))``
 (every rank computes the same ``z`` and so the same masks: no mask synchronization), with no
@@ -50,9 +55,21 @@ import numpy as np
 
 from models import SGD, ProximalHook, SGDConfig, iterate_batches
 from substrate.backend import array_module
+from substrate.executor import Bindings, Executor, Pass
 
 from .penalty import balance_penalty, eps_dual, eps_primal, increase_penalty, penalty_groups
-from .plan import FlatADMMPlan, HSADMMPlan
+from .plan import (
+    EXPAND_DUALS,
+    LOCAL_SGD,
+    MASK_UPDATE,
+    PENALTIES,
+    SHRINK,
+    Z_UPDATE,
+    FlatADMMPlan,
+    HSADMMPlan,
+    bucket_label,
+    iteration_programs,
+)
 from .projection import keep_count, structured_mask
 from .shrink import MaskCodec, ShrinkPlan, pruned_names
 
@@ -73,9 +90,13 @@ class ADMMState:
         self.rho2 = np.full(groups, float(rho2))
 
 
-class _Base:
+class _Base(Bindings):
     """Shared plumbing: local SGD (eq. 8), projection (eq. 10), residual reduction, penalties,
-    global masks and their freezing (§4.5)."""
+    global masks and their freezing (§4.5), and the iteration's program: generated from the
+    plan's records (:func:`hsadmm.plan.iteration_programs`) and run by the executor
+    (:class:`substrate.executor.Executor`) with the solver bound to it
+    (:class:`substrate.executor.Bindings`: the arrays its calls work on, the compute of its
+    blocks, the mask codec)."""
 
     phase_names: tuple[str, ...] = ()
 
@@ -125,6 +146,15 @@ class _Base:
         self._m_host = [np.ones(shapes[i], dtype=bool) for i in self.pruned]
         self.frozen = False
         self.stable_iters = 0
+        # the iteration's program and what its blocks and calls are bound to
+        self.units = model.compute_units()
+        self.executor = Executor(run)
+        self._programs: dict = {}
+        self._parts_run = 0
+        self._parts: list[int] = []      # program parts run in all after each iteration
+        self._k, self._loss, self._drift = -1, float("nan"), 0.0
+        self._res = self._out = None
+        self._compute = {LOCAL_SGD: Pass(self._local_epochs, ()), PENALTIES: self._penalties}
 
     @contextmanager
     def timed(self, phase: str):
@@ -168,6 +198,60 @@ class _Base:
             self.opt.step()
             losses.append(float(loss))
         return float(np.mean(losses))
+
+    def _local_epochs(self, ready=None) -> None:
+        """The ``local_sgd`` block: eq. 8's local steps (the model records their layers), then
+        ``θ + u``, what the first all-reduce sums."""
+        with self.timed("local_sgd"):
+            self._loss = self.local_sgd()
+        self.xp.add(self.state.theta, self.state.u, out=self._buf)
+
+    # -- the iteration's program -----------------------------------------------------------------
+    def iteration_records(self, plan, mask_synced: bool) -> list:
+        """The records of an iteration with ``plan`` on this run's placement (calls and compute
+        items: :meth:`HSADMMPlan.records`, :meth:`FlatADMMPlan.records`)."""
+        raise NotImplementedError
+
+    def _program(self, plan, mask_synced: bool) -> list[list]:
+        """The parts of the iteration's program on this rank with ``plan``
+        (:func:`hsadmm.plan.iteration_programs`; kept for the plans in use)."""
+        key = (plan, bool(mask_synced))
+        parts = self._programs.get(key)
+        if parts is None:
+            if len(self._programs) >= 8:
+                self._programs.clear()
+            parts = self._programs[key] = iteration_programs(
+                self.iteration_records(plan, mask_synced), self.units, self.local_steps,
+                self.topo.placement, self.topo.rank, overlap=self.run.recorder.overlap)
+        return parts
+
+    def _run(self, part: list) -> None:
+        """Run one part of the iteration's program with this solver bound to it."""
+        self.executor.run_step(part, self)
+        self._parts_run += 1
+
+    def iterations_verified(self) -> int:
+        """Iterations whose every program part the executor has held equal to what the run
+        recorded of it (:meth:`substrate.executor.Executor.verify`; only while the run records
+        its program, ``--compute-profile-out``); raises ``ValueError`` at a difference."""
+        self.executor.verify()
+        done = self.executor.steps_verified
+        return sum(1 for n in self._parts if n <= done)
+
+    def compute(self, label: str):
+        """The compute of the program's block ``label`` (the local epochs: a :class:`Pass`)."""
+        fn = self._compute.get(label)
+        if fn is None:
+            raise ValueError(f"{type(self).__name__}: an iteration has no compute block "
+                             f"{label!r}; blocks are {sorted(self._compute)}")
+        return fn
+
+    def _penalties(self) -> None:
+        """The ``penalties`` block: residual norms, stopping rule and residual balancing from
+        the reduced sums (§3.4), then the freezing rule (§4.5)."""
+        with self.timed("duals_residuals"):
+            self._out = self.penalties_and_stop(self._res, self.M, self.P)
+            self._maybe_freeze(self._k)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -405,6 +489,10 @@ class HSADMM(_Base):
         self.plan_builds = 1
         self._z_old = xp.empty_like(s.theta)
         self._zi_old = xp.empty_like(s.theta)
+        self._rho = None
+        self._local_masks = self._packed = self._masks_in = None
+        self._compute.update({Z_UPDATE: self._z_update, MASK_UPDATE: self._mask_update,
+                              SHRINK: self._shrink, EXPAND_DUALS: self._expand_duals})
 
     def _make_plan(self) -> ShrinkPlan:
         """The shrink plan of the current global masks (:meth:`ShrinkPlan.for_layout`)."""
@@ -430,121 +518,151 @@ class HSADMM(_Base):
     def iterate(self, k: int) -> dict:
         """One outer iteration; returns the metrics of this iteration (identical on all ranks).
 
-        Wall seconds per phase accumulate in ``phase_s``: ``local_sgd`` (eq. 8),
-        ``intra_allreduce``, ``z_update`` (eq. 9), ``projection`` (eq. 10 or the frozen mask),
-        ``mask_sync`` (pack, OR all-reduce, broadcast, unpack, plan rebuild; eq. 14),
-        ``shrink`` (eq. 15), ``inter_allreduce`` (bucketed average and broadcast of the compact
-        ``z``, eq. 11), ``expand`` (zero-fill recovery, §4.4.3) and ``duals_residuals``
-        (eqs. 12-13, residuals, penalties).
+        The iteration is its plan's program (:meth:`HSADMMPlan.records`, laid out by
+        :func:`hsadmm.plan.iteration_programs`), run by the executor with this solver bound to
+        its blocks and calls.  PruneX runs Algorithm 1's phases in sequence (§4.2), each call
+        after the compute that writes its buffer, each compute that reads a result after its
+        call: ``local_sgd`` (eq. 8, then ``theta + u``) -> ``intra_allreduce`` (SUM) ->
+        ``z_update`` (eq. 9, the projection of eq. 10 or the frozen mask, ``c = z_i + v``) ->
+        ``mask_sync`` (leaders' OR of the packed masks) -> ``mask_bcast`` -> ``mask_update``
+        (the global masks, the shrink plan rebuilt when they changed) -> ``shrink`` (eq. 15,
+        leaders) -> ``inter_allreduce`` per compact bucket, each after the previous one (the
+        leaders' blocking loop) -> ``bcast_z`` (one broadcast of the whole compact buffer) ->
+        ``expand_duals`` (zero-fill recovery, eqs. 12-13, residual sums) -> ``residuals`` ->
+        ``penalties``.  The mask update can change the compact buckets, so the program runs in
+        two parts: up to the mask update, then the rest generated from the plan it left.  A
+        follower waits for the leaders' calls on its timeline (its ``bcast`` cannot start
+        earlier) without executing or booking them.  The code reduces whole vectors, phase
+        after phase, so the data flow allows no pipelining of intra- and inter-node phases
+        across layers or buckets: the step's critical path is its no-overlap sum.
 
-        The calls are :meth:`iteration_calls`' records, executed in their order (PruneX runs
-        Algorithm 1's phases in sequence, §4.2): each call after the compute that writes its
-        buffer, each compute that reads a result after its call: local SGD ->
-        ``intra_allreduce`` (SUM of ``theta + u``) -> z update and projection (with ``c = z_i +
-        v``) -> ``mask_sync`` (leaders' OR) -> ``mask_bcast`` -> mask update and shrink ->
-        ``inter_allreduce`` per compact bucket, each after the previous one (the leaders'
-        blocking loop) -> ``bcast_z`` (one broadcast of the whole compact buffer) -> expand,
-        duals and residual sums -> ``residuals`` -> penalties.  The leaders' phases go through
-        ``topo.leaders`` on every rank: a follower waits for them on its timeline (its
-        ``bcast`` cannot start earlier) without executing or booking them.  The code reduces
-        whole vectors, phase after phase, so the data flow allows no pipelining of intra- and
-        inter-node phases across layers or buckets: the step's critical path is its no-overlap
-        sum.
+        Wall seconds of the compute accumulate in ``phase_s``: ``local_sgd`` (eq. 8),
+        ``z_update`` (eq. 9), ``projection`` (eq. 10 or the frozen mask), ``mask_sync`` (the
+        mask update and plan rebuild, eq. 14), ``shrink`` (eq. 15), ``expand`` (zero-fill
+        recovery, §4.4.3) and ``duals_residuals`` (eqs. 12-13, residuals, penalties).
         """
-        run, s, xp, topo = self.run, self.state, self.xp, self.topo
-        clock, timed = run.clock, self.timed
-        cfg = self.cfg
-        rho1, rho2 = self.rho_flat(s.rho1), self.rho_flat(s.rho2)
-        # Phase 1: local computation
-        with clock.compute("local_sgd"):
-            with timed("local_sgd"):
-                loss = self.local_sgd()
-            buf = self._buf
-            xp.add(s.theta, s.u, out=buf)
-        # Phase 2: intra-node consensus (eq. 9)
-        with timed("intra_allreduce"):
-            h = topo.intra.allreduce(buf, "sum", phase="intra_allreduce",
-                                     after=clock.last_event)
-        with clock.compute("z_update", deps=h):
-            with timed("z_update"):
-                gamma = cfg.weight_decay / self.M + self.P * rho1 + rho2
-                z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
-                self._zi_old[...] = s.z_i
-                self._z_old[...] = s.z
-            # Phase 3: projection or frozen mask
-            with timed("projection"):
-                if self.frozen:  # Algorithm 1 line 13
-                    s.z_i[...] = z_tilde
-                    self._apply_frozen_masks(s.z_i)
-                    local_masks = None
-                else:
-                    local_masks = self.project_into(z_tilde, s.z_i)
-            xp.add(s.z_i, s.v, out=buf)  # c = z_i + v (the masks do not change it)
-        # Phase 4: mask OR-sync (leaders), broadcast of the global mask to followers
-        drift = 0.0
-        mask_synced = not self.frozen
-        if mask_synced:
-            with timed("mask_sync"):
-                drift = self._sync_masks(local_masks)
-        plan = self.plan
-        with clock.compute("shrink"), timed("shrink"):
-            if topo.is_leader:
-                plan.shrink(self._views(buf))
-        with timed("inter_allreduce"):
-            h = clock.last_event
-            for a, b in plan.buckets:  # the leaders' loop; followers wait for it
-                h = topo.leaders.allreduce(plan.buffer[a:b], "avg", phase="inter_allreduce",
-                                           after=h)
-            h = topo.intra.bcast(plan.buffer, 0, phase="bcast_z", after=h)
-        with clock.compute("expand_duals", deps=h):
-            with timed("expand"):
-                plan.expand(plan.buffer, self._views(s.z))
-            with timed("duals_residuals"):
-                s.v += s.z_i
-                s.v -= s.z  # eq. 13
-                # Phase 5: dual update (eq. 12)
-                s.u += s.theta
-                s.u -= s.z_i
-                lead = 1.0 if topo.is_leader else 0.0  # node-level rows: one rank per node
-                res = self.residual_rows([
-                    (s.theta, s.z_i, 1.0), (s.z_i, self._zi_old, 1.0), (s.z_i, s.z, lead),
-                    (s.z, self._z_old, lead), (s.theta, None, 1.0), (s.u, None, 1.0),
-                    (s.z_i, None, 1.0), (s.v, None, lead), (s.z, None, lead)])
-        with timed("duals_residuals"):
-            h = topo.world.allreduce(res, "sum", phase="residuals", after=clock.last_event)
-        with clock.compute("penalties", deps=h), timed("duals_residuals"):
-            out = self.penalties_and_stop(res, self.M, self.P)
-            self._maybe_freeze(k)
-        out.update(loss=loss, mask_drift=drift, mask_synced=mask_synced, frozen=self.frozen,
-                   compact_elems=plan.compact_size, dense_elems=plan.dense_size,
-                   compact_buckets=[b - a for a, b in plan.buckets])
+        s = self.state
+        self._k, self._drift = k, 0.0
+        self._rho = (self.rho_flat(s.rho1), self.rho_flat(s.rho2))
+        synced = not self.frozen
+        self._run(self._program(self.iteration_plan(), synced)[0])
+        self._run(self._program(self.iteration_plan(), synced)[-1])   # the plan it left
+        self._parts.append(self._parts_run)
+        plan, out = self.plan, self._out
+        out.update(loss=self._loss, mask_drift=self._drift, mask_synced=synced,
+                   frozen=self.frozen, compact_elems=plan.compact_size,
+                   dense_elems=plan.dense_size, compact_buckets=[b - a for a, b in plan.buckets])
         return out
 
-    def _sync_masks(self, local_masks) -> float:
-        """Leaders OR-reduce the packed masks (eq. 14) and broadcast them in their node; the
-        shrink plan is rebuilt when the global mask changed.  Returns the mask drift.
+    # -- the blocks' compute ---------------------------------------------------------------------
+    def _z_update(self) -> None:
+        """The ``z_update`` block: ``z~_i`` of eq. 9 (``gamma = lambda/M + P rho1 + rho2``) from
+        the node's SUM of ``theta + u``, ``z_i = Pi_S(z~_i)`` (eq. 10; after the freeze
+        ``z~_i ⊙ m``, Algorithm 1 line 13) and ``c = z_i + v`` (the masks do not change it)."""
+        s, xp, buf = self.state, self.xp, self._buf
+        rho1, rho2 = self._rho
+        with self.timed("z_update"):
+            gamma = self.cfg.weight_decay / self.M + self.P * rho1 + rho2
+            z_tilde = (rho1 * buf + rho2 * (s.z - s.v)) / gamma
+            self._zi_old[...] = s.z_i
+            self._z_old[...] = s.z
+        with self.timed("projection"):
+            if self.frozen:  # Algorithm 1 line 13
+                s.z_i[...] = z_tilde
+                self._apply_frozen_masks(s.z_i)
+                self._local_masks = None
+            else:
+                self._local_masks = self.project_into(z_tilde, s.z_i)
+        self._packed = None
+        xp.add(s.z_i, s.v, out=buf)
 
-        Timeline: the OR all-reduce (a follower waits for it) after the projection, the
-        broadcast after it, the mask update after the broadcast."""
-        topo, clock = self.topo, self.run.clock
-        packed = (self.codec.pack(self.host_masks(local_masks)) if topo.is_leader
-                  else np.empty(self.codec.nbytes, dtype=np.uint8))
-        h = topo.leaders.allreduce(packed, "bor", phase="mask_sync", after=clock.last_event)
-        h = topo.intra.bcast(packed, 0, phase="mask_bcast", after=h)
-        with clock.compute("mask_update", deps=h):
-            drift = self._update_masks(self.codec.unpack(packed))
-            if drift:
+    def _mask_update(self) -> None:
+        """The ``mask_update`` block: adopt the global masks (eq. 14) and their drift; the
+        shrink plan is rebuilt when they changed."""
+        with self.timed("mask_sync"):
+            self._drift = self._update_masks(self._masks_in)
+            if self._drift:
                 self.plan = self._make_plan()
                 self.plan_builds += 1
-        return drift
 
+    def _shrink(self) -> None:
+        """The ``shrink`` block: the leaders compact ``c`` to the ``[K_out, K_in]`` slices of
+        the shrink plan's buffer (eq. 15)."""
+        with self.timed("shrink"):
+            if self.topo.is_leader:
+                self.plan.shrink(self._views(self._buf))
+
+    def _expand_duals(self) -> None:
+        """The ``expand_duals`` block: ``z`` recovered from the compact average with zeros
+        (§4.4.3), the duals ``v`` (eq. 13) and ``u`` (eq. 12), and the residual sums (node-level
+        rows from one rank per node)."""
+        s, plan = self.state, self.plan
+        with self.timed("expand"):
+            plan.expand(plan.buffer, self._views(s.z))
+        with self.timed("duals_residuals"):
+            s.v += s.z_i
+            s.v -= s.z  # eq. 13
+            s.u += s.theta
+            s.u -= s.z_i  # eq. 12
+            lead = 1.0 if self.topo.is_leader else 0.0  # node-level rows: one rank per node
+            self._res = self.residual_rows([
+                (s.theta, s.z_i, 1.0), (s.z_i, self._zi_old, 1.0), (s.z_i, s.z, lead),
+                (s.z, self._z_old, lead), (s.theta, None, 1.0), (s.u, None, 1.0),
+                (s.z_i, None, 1.0), (s.v, None, lead), (s.z, None, lead)])
+
+    # -- the calls' buffers and the mask codec ---------------------------------------------------
+    def buffer(self, call):
+        """The array ``call`` works on: ``theta + u`` (intra-node SUM), the packed local masks
+        (the leaders' OR: the codec's encode, eq. 14) and the global ones (their broadcast),
+        a bucket of the compact buffer (inter-node average, eq. 15) and the whole of it (the
+        broadcast of ``z``), the residual sums."""
+        phase = call.phase
+        if phase == "intra_allreduce":
+            return self._buf
+        if phase == "mask_sync":
+            self._packed = self.codec.pack(self.host_masks(self._local_masks))
+            return self._packed
+        if phase == "mask_bcast":
+            if self._packed is None:               # a follower receives the global masks
+                self._packed = np.empty(self.codec.nbytes, dtype=np.uint8)
+            return self._packed
+        if phase == "inter_allreduce":
+            labels = [bucket_label(j) for j in range(len(self.plan.buckets))]
+            a, b = self.plan.buckets[labels.index(call.label)]
+            return self.plan.buffer[a:b]
+        if phase == "bcast_z":
+            return self.plan.buffer
+        if phase == "residuals":
+            return self._res
+        return super().buffer(call)
+
+    def received(self, call, result) -> None:
+        """The global masks broadcast in the node, unpacked (the codec's decode)."""
+        if call.phase == "mask_bcast":
+            self._masks_in = self.codec.unpack(result)
+
+    def sync_masks(self, local_masks) -> float:
+        """The mask synchronization alone, as the iteration runs it (eq. 14: the leaders' OR of
+        the packed ``local_masks``, the broadcast in every node, the mask update;
+        :meth:`HSADMMPlan.mask_records`), outside an iteration (a benchmark).  Returns the mask
+        drift."""
+        self._local_masks, self._packed = local_masks, None
+        placement = self.topo.placement
+        self.executor.run_records(self.iteration_plan().mask_records(placement), self,
+                                  placement)
+        return self._drift
+
+    # -- the plan --------------------------------------------------------------------------------
     def iteration_plan(self) -> HSADMMPlan:
         """The communication plan of an iteration with the current shrink plan (the one the
         last :meth:`iterate` used after its mask synchronization)."""
         return HSADMMPlan.from_shrink(self.plan, len(self.group_names))
 
+    def iteration_records(self, plan: HSADMMPlan, mask_synced: bool) -> list:
+        return plan.records(self.topo.placement, mask_synced=mask_synced)
+
     def iteration_calls(self, mask_synced: bool) -> list:
-        """The records of the iteration just run (:meth:`HSADMMPlan.calls` on this run's
+        """The calls of the iteration just run (:meth:`HSADMMPlan.calls` on this run's
         placement): what :meth:`iterate` executed, call for call."""
         return self.iteration_plan().calls(self.topo.placement, mask_synced=mask_synced)
 
@@ -553,62 +671,72 @@ class FlatADMM(_Base):
     """Flat consensus ADMM ("PruneX (AR)"): every rank against the global ``z`` over the world
     communicator, dense, no hierarchy and no shrinkage.  ``z_i`` mirrors ``z`` (the proximal
     anchor of eq. 8 is the global variable).  Masks, their drift and freezing are H-SADMM's
-    (§4.5): every rank projects the same ``z~``, so the masks agree without synchronization."""
+    (§4.5): every rank projects the same ``z~``, so the masks agree without synchronization.
+    The stopping rule sees one node of all ``N`` ranks (``M = 1``, ``P = N``)."""
 
     def __init__(self, run, cfg, model, train_shard, keep_overrides=None):
         super().__init__(run, cfg, model, train_shard, keep_overrides)
         self._z_old = self.xp.empty_like(self.state.theta)
+        self.M, self.P = 1, self.topo.world.size
+        self._rho = None
+        self._compute[Z_UPDATE] = self._z_update
 
     def iterate(self, k: int) -> dict:
-        """One iteration: :meth:`iteration_calls`' records in their order.  Timeline: local
-        SGD -> ``world_allreduce`` -> z update, projection, duals and residual sums ->
-        ``residuals`` -> penalties, each after the previous (the data flow is a chain: nothing
-        overlaps)."""
-        run, s, xp, w = self.run, self.state, self.xp, self.topo.world
-        clock, cfg, timed = run.clock, self.cfg, self.timed
-        rho1 = self.rho_flat(s.rho1)
-        with clock.compute("local_sgd"):
-            with timed("local_sgd"):
-                loss = self.local_sgd()
-            buf = self._buf
-            xp.add(s.theta, s.u, out=buf)
-        with timed("world_allreduce"):
-            h = w.allreduce(buf, "sum", phase="world_allreduce", after=clock.last_event)
-        drift = 0.0
-        with clock.compute("z_update", deps=h):
-            with timed("z_update"):
-                z_tilde = rho1 * buf / (cfg.weight_decay + w.size * rho1)
-                self._z_old[...] = s.z
-            with timed("projection"):
-                if self.frozen:
-                    s.z[...] = z_tilde
-                    self._apply_frozen_masks(s.z)
-                else:
-                    drift = self._update_masks(self.project_into(z_tilde, s.z))
-            with timed("duals_residuals"):
-                s.z_i[...] = s.z
-                s.u += s.theta
-                s.u -= s.z
-                res = self.residual_rows([
-                    (s.theta, s.z, 1.0), (s.z, self._z_old, 1.0), (None, None, 1.0),
-                    (None, None, 1.0), (s.theta, None, 1.0), (s.u, None, 1.0),
-                    (s.z, None, 1.0), (None, None, 1.0), (None, None, 1.0)])
-        with timed("duals_residuals"):
-            h = w.allreduce(res, "sum", phase="residuals", after=clock.last_event)
-        with clock.compute("penalties", deps=h), timed("duals_residuals"):
-            out = self.penalties_and_stop(res, 1, w.size)
-            self._maybe_freeze(k)
-        out.update(loss=loss, mask_drift=drift, mask_synced=False, frozen=self.frozen,
-                   compact_elems=self.layout.total, dense_elems=self.layout.total,
-                   compact_buckets=[])
+        """One iteration: the program of :meth:`FlatADMMPlan.records` (one part), run by the
+        executor.  Timeline: ``local_sgd`` -> ``world_allreduce`` -> ``z_update`` (z,
+        projection, duals and residual sums) -> ``residuals`` -> ``penalties``, each after the
+        previous (the data flow is a chain: nothing overlaps)."""
+        self._k, self._drift = k, 0.0
+        self._rho = self.rho_flat(self.state.rho1)
+        for part in self._program(self.iteration_plan(), False):
+            self._run(part)
+        self._parts.append(self._parts_run)
+        out = self._out
+        out.update(loss=self._loss, mask_drift=self._drift, mask_synced=False,
+                   frozen=self.frozen, compact_elems=self.layout.total,
+                   dense_elems=self.layout.total, compact_buckets=[])
         return out
+
+    def _z_update(self) -> None:
+        """The ``z_update`` block: ``z = Pi_S(rho1 Σ(theta + u) / (lambda + N rho1))`` (after
+        the freeze ``z~ ⊙ m``) and its masks' drift, ``z_i = z``, the dual ``u`` (eq. 12) and
+        the residual sums."""
+        s, cfg, rho1 = self.state, self.cfg, self._rho
+        with self.timed("z_update"):
+            z_tilde = rho1 * self._buf / (cfg.weight_decay + self.topo.world.size * rho1)
+            self._z_old[...] = s.z
+        with self.timed("projection"):
+            if self.frozen:
+                s.z[...] = z_tilde
+                self._apply_frozen_masks(s.z)
+            else:
+                self._drift = self._update_masks(self.project_into(z_tilde, s.z))
+        with self.timed("duals_residuals"):
+            s.z_i[...] = s.z
+            s.u += s.theta
+            s.u -= s.z
+            self._res = self.residual_rows([
+                (s.theta, s.z, 1.0), (s.z, self._z_old, 1.0), (None, None, 1.0),
+                (None, None, 1.0), (s.theta, None, 1.0), (s.u, None, 1.0),
+                (s.z, None, 1.0), (None, None, 1.0), (None, None, 1.0)])
+
+    def buffer(self, call):
+        """The array ``call`` works on: ``theta + u`` (the world SUM), the residual sums."""
+        if call.phase == "world_allreduce":
+            return self._buf
+        if call.phase == "residuals":
+            return self._res
+        return super().buffer(call)
 
     def iteration_plan(self) -> FlatADMMPlan:
         return FlatADMMPlan(self.layout.total, len(self.group_names),
                             self.state.theta.dtype.itemsize)
 
+    def iteration_records(self, plan: FlatADMMPlan, mask_synced: bool = False) -> list:
+        return plan.records(self.topo.placement)
+
     def iteration_calls(self, mask_synced: bool = False) -> list:
-        """The records of one iteration (:meth:`FlatADMMPlan.calls` on this run's placement);
+        """The calls of one iteration (:meth:`FlatADMMPlan.calls` on this run's placement);
         masks never travel (``mask_synced`` is ignored)."""
         return self.iteration_plan().calls(self.topo.placement)
 

@@ -38,7 +38,8 @@ A finished run is continued only with a larger ``--iters``; a smaller one is ref
 
 Metrics and evaluation: the iterations run in :class:`runner.loop.RunLoop`; every iteration
 writes a ``metrics.jsonl`` line (the schema of ``runner/metrics.schema.json``, then the solver's
-values: ``iteration`` k from 0, loss, mask drift and sync, compact and dense elements, residuals,
+values: ``iteration`` k from 0, loss, mask drift and sync, compact elements and the sizes of
+the compact buckets (which the iteration's inter-node calls averaged), dense elements, residuals,
 rho).  Rank 0 evaluates the consensus model ``z`` after every ``--eval-every`` iterations
 (default 1; 0: after the last only) and after the last; the evaluation's wall time is
 ``eval_wall_s``, outside ``step_wall_s`` (the other ranks wait for it in the next iteration's
@@ -162,8 +163,8 @@ class _Iterations(LoopBody):
         self.k, self.loss = -1, float("nan")
 
     def unit(self, due):
-        # one timeline step per ADMM iteration (each call declares its own event, after the
-        # compute that writes its buffer: see HSADMM.iterate)
+        # one timeline step per ADMM iteration: the iteration's program (HSADMM.iterate), its
+        # step closed by the loop
         self.k = due.index
         self.out = self.solver.iterate(self.k)
         self.loss = self.out["loss"]
@@ -186,8 +187,9 @@ class _Iterations(LoopBody):
         return {"iteration": self.k, "loss": self.loss,
                 "mask_sync_bytes": interval.phase_bytes.get("mask_sync", {"inter": 0})["inter"],
                 **{key: out[key] for key in (
-                    "mask_drift", "mask_synced", "frozen", "compact_elems", "dense_elems",
-                    "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2", "converged")}}
+                    "mask_drift", "mask_synced", "frozen", "compact_elems", "compact_buckets",
+                    "dense_elems", "r_intra", "s_intra", "r_inter", "s_inter", "rho1", "rho2",
+                    "converged")}}
 
     def progress(self) -> dict:
         return {"loss": self.loss}
@@ -238,6 +240,7 @@ def train(args) -> dict:
                              "iterations (summary.json): there is nothing to continue; start "
                              "afresh with --overwrite")
     loop.run(body)
+    verified = solver.iterations_verified()     # the last iteration, closed by the loop
     done = loop.done
     z = solver.state.z
     pruned = getattr(solver, "pruned", [])
@@ -259,6 +262,8 @@ def train(args) -> dict:
                "dense_conv_params": export.dense_conv_params}
     if config["resume"]:
         metrics["resumed_from_iteration"] = loop.start
+    if run.recorder.program is not None:   # every iteration's recording held to its program
+        metrics["program_steps_verified"] = verified
     manifest = {"file": "compact_model.npz",
                 **{k: v for k, v in export.manifest.items() if k != "format"}}
     summary = run.finish(metrics=metrics, predicted=loop.predicted.block(),

@@ -138,7 +138,8 @@ class Executor:
     def __init__(self, run, comms: dict | None = None, close_steps: bool = False) -> None:
         self.clock, self.rec, topo = run.clock, run.recorder, run.topo
         self.rank = run.rank
-        self.comms = {c.group: c for c in (topo.world, topo.intra, topo.inter) if c is not None}
+        # the world's communicator wins a group it shares (one rank per node: the leaders')
+        self.comms = {c.group: c for c in (topo.inter, topo.intra, topo.world) if c is not None}
         self.comms.update(comms or {})
         self.close_steps = close_steps
         self._ends_cache: dict = {}

@@ -1,6 +1,8 @@
 """H-SADMM under MPI (2 virtual nodes x 2 ranks): serial reference, freezing, traffic, errors,
-compact export, checkpoint/resume."""
+compact export, checkpoint/resume; every iteration's recorded program is the one generated from
+its plan (2 x 2, 1 x 3, 2 x 3, round-robin)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,6 +14,14 @@ from mpi_helpers import (
     run_mpi,
 )
 
+from hsadmm.config import HSADMMConfig
+from hsadmm.penalty import penalty_groups
+from hsadmm.plan import FlatADMMPlan, HSADMMPlan, iteration_program
+from hsadmm.shrink import MaskCodec, pruned_names
+from models import build_model
+from substrate.calls import Placement
+from substrate.program import normalize, steps
+
 pytestmark = pytest.mark.mpi
 
 
@@ -21,10 +31,12 @@ def test_solver_check(check):
     assert f"OK {check}" in run_mpi("hsadmm_checks.py", 4, check, timeout=180).stdout
 
 
-#: (ranks, ranks per node or node map): 2 x 2, 2 x 3, 1 x 3, 1 x 6, 4 x 2 node-major, 2 x 2
-#: round-robin (a hostfile cycled over hosts) and nodes holding ranks (0, 3), (1, 2), (4, 5)
-LAYOUTS = [(4, 2), (6, 3), (3, 3), (6, 6), (8, 2), (4, "round-robin:2"), (6, "0,1,1,0,2,2")]
-LAYOUT_IDS = ["2x2", "2x3", "1x3", "1x6", "4x2", "round-robin-2x2", "map-0,1,1,0,2,2"]
+#: (ranks, ranks per node or node map): 2 x 2, 1 x 6, 4 x 2 node-major and nodes holding ranks
+#: (0, 3), (1, 2), (4, 5).  On 2 x 3, 1 x 3 and round-robin the recorded-program runs below
+#: (both trainers) hold the calls that ran to the records and the records' bytes to the ledger,
+#: and tests/test_hsadmm_plan.py the records' bytes to the closed forms
+LAYOUTS = [(4, 2), (6, 6), (8, 2), (6, "0,1,1,0,2,2")]
+LAYOUT_IDS = ["2x2", "1x6", "4x2", "map-0,1,1,0,2,2"]
 
 
 @pytest.mark.parametrize("n,R", LAYOUTS, ids=LAYOUT_IDS)
@@ -35,18 +47,6 @@ def test_every_iteration_runs_its_plan_and_books_the_closed_form(n, R):
     wrong plan is refused (tests/mpi/hsadmm_checks.py ``accounting``)."""
     assert "OK accounting" in run_mpi("hsadmm_checks.py", n, "accounting", R,
                                       timeout=300).stdout
-
-
-def test_four_nodes_of_two_measured_equals_predicted(tmp_path):
-    """4 virtual nodes x 2: both trainers' summaries (predicted: the records the run
-    accounted) equal the ledger per phase and link class (2 x 3, 1 x 3 and 1 x 6 run in
-    tests/test_commvol_mpi.py)."""
-    run_mpi("uneven_checks.py", 8, tmp_path, 2, "hsadmm", "flat-admm", timeout=300)
-    for name in ("hsadmm", "flat-admm"):
-        s = read_summary(tmp_path / name)
-        assert s["topology"]["nodes"] == 4
-        assert_measured_equals_predicted(s)
-        assert s["traffic"]["measured"]["inter_node_bytes"] > 0
 
 
 def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
@@ -72,11 +72,63 @@ def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
     assert (out / "compact_model.npz").is_file()
 
 
-def test_flat_admm_traffic_matches_closed_form(tmp_path):
-    out = tmp_path / "flat"
-    run_mpi(None, 4, "train", "--method", "flat-admm", "--iters", 2, "--ranks-per-node", 2,
-            "--out", out, module="hsadmm", timeout=240)
-    assert_measured_equals_predicted(read_summary(out))
+#: placements of the recorded-program runs: ranks and ``--node-map`` (2 x 2, one node of 3,
+#: 2 x 3, round-robin)
+PROGRAM_PLACEMENTS = {"2x2": (4, "block:2"), "1x3": (3, "block:3"), "2x3": (6, "block:3"),
+                      "round-robin": (4, "round-robin:2")}
+
+
+@pytest.fixture(scope="module", params=sorted(PROGRAM_PLACEMENTS))
+def program_runs(request, tmp_path_factory):
+    n, node_map = PROGRAM_PLACEMENTS[request.param]
+    out = tmp_path_factory.mktemp(f"hsadmm-programs-{request.param}")
+    assert "OK programs" in run_mpi("hsadmm_checks.py", n, "programs", out, node_map,
+                                    timeout=240).stdout
+    return out, n, node_map
+
+
+def _iteration_records(method, summary, line, layout, placement):
+    """An iteration's records rebuilt from the run's configuration and its metrics line (the
+    masks decide the compact buckets: the line's ``compact_buckets``)."""
+    fields = {f.name for f in dataclasses.fields(HSADMMConfig)}
+    cfg = HSADMMConfig(**{k: v for k, v in summary["config"].items() if k in fields})
+    L = len(penalty_groups(layout, cfg.rho_scope)[0])
+    if method == "flat-admm":
+        return FlatADMMPlan(layout.total, L).records(placement), cfg
+    mask_bytes = MaskCodec([layout.shape(n) for n in pruned_names(layout)]).nbytes
+    plan = HSADMMPlan(layout.total, tuple(line["compact_buckets"]), mask_bytes, L)
+    return plan.records(placement, mask_synced=line["mask_synced"]), cfg
+
+
+@pytest.mark.parametrize("method", ["hsadmm", "flat-admm"])
+def test_recorded_program_is_the_plans(program_runs, method):
+    """A run that records its program (``--compute-profile-out``) verified every iteration
+    against the program it ran, booked its records' bytes, and its recording is the program
+    generated from the plan alone (:func:`hsadmm.plan.iteration_program`), rank by rank and
+    iteration by iteration: masks synchronized, then frozen, several compact buckets."""
+    out, n, node_map = program_runs
+    summary = read_summary(out / method)
+    lines = [json.loads(x) for x in (out / method / "metrics.jsonl").read_text().splitlines()]
+    assert summary["metrics"]["program_steps_verified"] == len(lines) == 2
+    assert_measured_equals_predicted(summary)
+    if method == "hsadmm":
+        assert [x["mask_synced"] for x in lines] == [True, False]
+        assert all(len(x["compact_buckets"]) > 1 for x in lines)
+    doc = json.loads((out / f"{method}.json").read_text())
+    placement = Placement.parse(node_map, n)
+    model = build_model("cnn", (1, 8, 8), 10)
+    for k, line in enumerate(lines):
+        records, cfg = _iteration_records(method, summary, line, model.layout, placement)
+        for r in range(n):
+            step = steps(normalize(doc["programs"][r]))[k]
+            want = normalize(iteration_program(records, model.compute_units(), cfg.local_steps,
+                                               placement, r, overlap=True))
+            if step != want:
+                i = next((i for i, (a, b) in enumerate(zip(step, want)) if a != b),
+                         min(len(step), len(want)))
+                pytest.fail(f"{method} on {node_map}: rank {r} iteration {k} entry {i}: "
+                            f"recorded {step[i] if i < len(step) else None}, generated "
+                            f"{want[i] if i < len(want) else None}")
 
 
 def _train(out, *args, expect_fail=False, n=4):

@@ -21,13 +21,14 @@ from traffic_reference import simulated_bcast, simulated_ring
 from commvol.predict import predict
 from hsadmm.config import PAPER_DEFAULTS, HSADMMConfig
 from hsadmm.penalty import increase_penalty, penalty_groups
-from hsadmm.plan import FlatADMMPlan, HSADMMPlan
+from hsadmm.plan import FlatADMMPlan, HSADMMPlan, iteration_program, iteration_programs
 from hsadmm.projection import keep_count, parse_sparsity, structured_mask
 from hsadmm.shrink import ShrinkPlan, kept_indices
 from hsadmm.train import TrainConfig, build_parser, solver_config
 from models import ModelSpec, ParamSpec, build_model
 from substrate.calls import Placement, bytes_by_phase, calls_of_rank
 from substrate.options import option_flags
+from substrate.program import rebase
 from volume.hsadmm import (
     RESIDUALS_PER_LAYER,
     eq15_compact_elems,
@@ -211,6 +212,58 @@ def test_records_follow_algorithm_1_on_any_placement(placement, synced):
     assert [k for k, _ in steps][-2:] == ["bcast_z", "residuals"]
     for r in range(placement.size):  # every rank waits for the whole chain before residuals
         assert calls_of_rank(calls, r)[-1] == len(calls) - 1
+
+
+#: the solver's compute blocks in the order Algorithm 1 runs them (masks synchronized or not)
+BLOCKS = {True: ["local_sgd", "z_update", "mask_update", "shrink", "expand_duals", "penalties"],
+          False: ["local_sgd", "z_update", "shrink", "expand_duals", "penalties"]}
+
+
+@pytest.mark.parametrize("placement", [Placement.node_major(2, 3), Placement.node_major(1, 3),
+                                       Placement.round_robin(2, 2)],
+                         ids=lambda p: p.describe())
+@pytest.mark.parametrize("synced", [True, False])
+def test_iteration_program_runs_algorithm_1_in_two_parts(placement, synced):
+    """A rank's program of one H-SADMM iteration: the local epochs (2 steps of the model's
+    units), then Algorithm 1's calls as the rank takes part in them, the leaders' calls as
+    waits on a follower (after the compute before them), the solver's blocks between them after
+    the calls whose results they read; cut before the shrink (the mask update can rebuild the
+    shrink plan), the second part after everything before it, ending the step.  Flat ADMM's is
+    one part."""
+    cfg = HSADMMConfig(keep=0.5, bucket_mib=0.0005)
+    shrink = ShrinkPlan.from_keep_rates(ODD.layout, cfg)
+    L = _groups(ODD.layout, cfg)
+    records = HSADMMPlan.from_shrink(shrink, L).records(placement, mask_synced=synced)
+    units = build_model("cnn", (1, 8, 8), 10).compute_units()
+    buckets = [b - a for a, b in shrink.buckets]
+    for r in range(placement.size):
+        head, tail = iteration_programs(records, units, 2, placement, r, overlap=True)
+        whole = head + rebase(tail, -len(head))
+        assert whole == iteration_program(records, units, 2, placement, r, overlap=True)
+        layers = [e[2] for e in head if e[:2] == ["B", "layer"]]
+        assert layers == 2 * ([f"forward:{u.name}" for u in units] + ["forward:loss"]
+                              + [f"backward:{u.name}" for u in reversed(units)])
+        assert [e[2] for e in whole if e[:2] == ["B", "clock"]] == BLOCKS[synced]
+        assert tail[0][:3] == ["B", "clock", "shrink"] and tail[0][4] == []
+        assert "S" not in [e[0] for e in head] and tail[-1] == ["S"]
+        calls = [(e[1].phase, e[1].group) for e in whole if e[0] == "C" and e[3]]
+        assert calls == _algorithm1(r, placement, buckets, synced)
+        waits = [(i, e[1].phase, e[2]) for i, e in enumerate(whole) if e[0] == "C" and not e[3]]
+        if r in placement.leaders:
+            assert waits == []
+            continue
+        block = {e[2]: i for i, e in enumerate(whole) if e[:2] == ["B", "clock"]}
+        sync = [("mask_sync", [block["z_update"]])] if synced else []
+        assert [(ph, a) for _, ph, a in waits][:len(sync) + 1] == [
+            *sync, ("inter_allreduce", [block["shrink"]])]
+        inter = [(i, a) for i, ph, a in waits if ph == "inter_allreduce"]
+        assert len(inter) == len(buckets)
+        assert all(a == [i0] for (i0, _), (_, a) in itertools.pairwise(inter))
+    flat = FlatADMMPlan(ODD.layout.total, L).records(placement)
+    (whole,) = iteration_programs(flat, units, 1, placement, 0, overlap=True)
+    assert [e[2] if e[0] == "B" else e[1].phase for e in whole
+            if e[:2] == ["B", "clock"] or e[0] == "C"] == [
+        "local_sgd", "world_allreduce", "z_update", "residuals", "penalties"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "resnet"])

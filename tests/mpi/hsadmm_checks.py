@@ -12,6 +12,12 @@ every iteration's executed calls against the plan's records (:meth:`Recorder.acc
 raises on the first difference), the records' bytes against the ledger summed over the ranks and
 against :mod:`volume.hsadmm`'s closed forms, for H-SADMM (masks synced, then frozen; several
 compact buckets) and flat ADMM; and a plan that is not what ran is refused.
+
+``programs OUT NODE_MAP`` trains H-SADMM and flat ADMM briefly on the placement ``NODE_MAP``
+(masks synchronized, then frozen; several compact buckets) with ``--compute-profile-out
+OUT/METHOD.json``: the executor holds every iteration's recording equal to the program it ran
+(:meth:`substrate.executor.Executor.verify`), and ``tests/test_hsadmm_mpi.py`` regenerates the
+programs from the plans alone.
 """
 
 import dataclasses
@@ -27,6 +33,7 @@ from mpi4py import MPI
 from hsadmm.config import HSADMMConfig
 from hsadmm.penalty import penalty_groups
 from hsadmm.solver import HSADMM, FlatADMM
+from hsadmm.train import main as train_main
 from models import build_model, iterate_batches, load_digits, shard
 from runner.run import start_run
 from substrate import Checkpointer, collective_check
@@ -310,9 +317,17 @@ def accounting(layout="2"):
     collective_check(run.world, not failures, f"rank {run.rank}: {failures}")
 
 
+def programs(out, node_map):
+    for method in ("hsadmm", "flat-admm"):
+        train_main(["train", "--method", method, "--iters", "2", "--local-steps", "1",
+                    "--freeze-iter", "1", "--bucket-mib", "0.02", "--eval-every", "0",
+                    "--node-map", node_map, "--out", str(Path(out) / method),
+                    "--compute-profile-out", str(Path(out) / f"{method}.json")])
+
+
 CHECKS = {"one_iteration": one_iteration, "one_iteration_theta_decay": one_iteration_theta_decay,
           "freezing": freezing, "checkpoint": checkpoint, "flat_freezing": flat_freezing,
-          "accounting": accounting}
+          "accounting": accounting, "programs": programs}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]](*sys.argv[2:])
