@@ -1,13 +1,14 @@
-"""A system's step at any scale, simulated as a job: every rank's program generated from the
-plan (no MPI run) and run together on the simulated network (:class:`substrate.jobsim.JobSim`).
+"""A system's job at any scale, simulated: every rank's program generated from the plan (no MPI
+run) and run together on a cluster (:class:`substrate.jobsim.JobSim`).
 
-The programs are the ones a run executes (:func:`dataparallel.program.step_program`: the model's
-units, the strategy plan's records at their ready points, the optimizer), generated from a
-shape-only model spec for ``M`` nodes x ``P`` ranks; each block costs what the compute model
-says (:class:`commvol.timeline_scale.ComputeModel`: a unit's forward and backward FLOPs at the
-device's rate, a plan's compute item and the optimizer on the roofline), the calls move their
-schedules' messages on the network.  ``python -m commvol simulate`` runs a recorded job the
-same way; this runs a job nobody recorded.
+The programs are the ones a run executes: for a data-parallel system one optimizer step
+(:func:`dataparallel.program.step_program`: the model's units, the strategy plan's records at
+their ready points, the optimizer); for H-SADMM and flat ADMM one outer iteration
+(:func:`hsadmm.plan.iteration_program`: the local epochs, then the plan's calls and compute
+items).  They are generated from a shape-only model spec for ``M`` nodes x ``P`` ranks, each
+block costs what the device model says (:class:`commvol.workload.DeviceModel`), and the calls
+move their schedules' messages on the cluster's links.  ``python -m commvol simulate`` runs a
+recorded job the same way; this runs a job nobody recorded.
 """
 
 from __future__ import annotations
@@ -15,52 +16,128 @@ from __future__ import annotations
 import time
 
 from dataparallel.program import FORWARD_BACKWARD, OPTIMIZER, step_program
+from hsadmm.plan import LOCAL_SGD, iteration_program
 from substrate.calls import Work
-from substrate.costmodel import CostModel
-from substrate.jobsim import JobSim, job_steps
+from substrate.cluster import Cluster
+from substrate.jobsim import JobSim, JobSimOptions
+from substrate.program import rebase
 
 from .systems import get_system
-from .timeline_scale import ComputeModel, _step_records
+from .workload import DeviceModel
 
-__all__ = ["dp_job_step", "dp_programs"]
-
-
-def dp_programs(system: str, spec, M: int, P: int, options, cost: CostModel,
-                compute: ComputeModel, batch: float, overlap: bool = True):
-    """Every rank's program of one optimizer step of ``system`` on ``M x P`` ranks
-    (node-major), and the charge of its blocks: ``(programs, node_of, charge)``."""
-    if get_system(system).loop != "dp":
-        raise ValueError(f"--system {system} is not data-parallel")
-    it = _step_records(system, spec, M, P, options, cost)
-    pl = it.placement
-    programs = [step_program(compute.units, it.calls, pl, r, overlap=overlap)
-                for r in range(pl.size)]
-    seconds = {FORWARD_BACKWARD: 0.0, OPTIMIZER: compute.optimizer_s(spec.layout.total),
-               "forward:loss": 0.0}
-    rate = compute.rate_tflops * 1e12
-    for u in compute.units:
-        seconds[f"forward:{u.name}"] = batch * u.forward_flops / rate
-        seconds[f"backward:{u.name}"] = batch * u.backward_flops / rate
-    for w in it.calls:
-        if isinstance(w, Work):
-            seconds[w.label] = compute.work_s(w.flops, w.nbytes)
-
-    def charge(key, k):
-        return seconds.get(key, 0.0)
-
-    return programs, pl.node_of, charge
+__all__ = ["Job", "job_step"]
 
 
-def dp_job_step(system: str, spec, M: int, P: int, options, cost: CostModel,
-                compute: ComputeModel, batch: float, *, overlap: bool = True,
-                link_sharing: str = "fifo") -> dict:
-    """One optimizer step of the job: ``{"step_s", "bytes", "seconds"}`` (the slowest rank's
-    step, the bytes the simulation moved per link class, the simulator's own wall time)."""
-    t0 = time.perf_counter()
-    programs, node_of, charge = dp_programs(system, spec, M, P, options, cost, compute,
-                                            batch, overlap)
-    sim = JobSim(programs, node_of, cost, [charge] * len(programs),
-                 link_sharing=link_sharing)
-    ends = sim.run()
-    step = max(job_steps(ends, r)[0] for r in range(len(programs)))
-    return {"step_s": step, "bytes": dict(sim.moved), "seconds": time.perf_counter() - t0}
+class Job:
+    """One kind of step of ``system`` on ``M x P`` ranks (node-major): its programs and the
+    cost of every block.
+
+    Parameters
+    ----------
+    system : str
+        A registered system (:func:`commvol.systems.get_system`).
+    spec : models.ModelSpec
+    M, P : int
+        Nodes and ranks per node.
+    options
+        The system's options (``system.split(...)``).
+    units : sequence of :class:`commvol.workload.Unit`
+        The model's units in forward order (:func:`commvol.workload.units_for_spec`).
+    device : DeviceModel
+    batch : float
+        Samples per step of a rank (an ADMM local step).
+    local_steps : int
+        ADMM: SGD steps of the local epochs (the last of ``last_batch`` samples).
+    steps : int
+        Steps simulated one after the other (the last one is the steady step).
+    """
+
+    def __init__(self, system: str, spec, M: int, P: int, options, units, device: DeviceModel,
+                 batch: float, *, local_steps: int = 1, last_batch: float | None = None,
+                 steps: int = 2, overlap: bool = True, assumptions=None) -> None:
+        sm = get_system(system)
+        self.system, self.loop = system, sm.loop
+        if self.loop not in ("dp", "admm"):
+            raise ValueError(f"--system {system}: its programs at scale are not generated yet "
+                             "(data-parallel systems and ADMM are)")
+        pred = sm.predict(spec, M, P, options) if sm.Assumptions is None else \
+            sm.predict(spec, M, P, options, None, assumptions)
+        it = pred.steady
+        self.placement = pl = it.placement
+        self.records = it.calls
+        self.units, self.device = list(units), device
+        self.batch = float(batch)
+        self.local_steps = int(local_steps)
+        self.last_batch = self.batch if last_batch is None else float(last_batch)
+        self.params = spec.layout.total
+        if self.loop == "dp":
+            one = [step_program(self.units, it.calls, pl, r, overlap=overlap)
+                   for r in range(pl.size)]
+        else:
+            one = [iteration_program(it.calls, self.units, self.local_steps, pl, r,
+                                     overlap=overlap) for r in range(pl.size)]
+        self.programs = [[e for s in range(steps) for e in rebase(p, -s * len(p))]
+                         for p in one]
+        self.steps = steps
+        self._seconds = self._block_seconds()
+
+    def _block_seconds(self) -> dict:
+        """``{label: seconds}`` of every block kind (a layer's forward/backward at the full
+        batch, the plan's compute items, the optimizer)."""
+        dev = self.device
+        out = {FORWARD_BACKWARD: 0.0, "forward:loss": 0.0,
+               OPTIMIZER: dev.optimizer(self.params)}
+        for w in self.records:
+            if isinstance(w, Work):
+                out[w.label] = dev.work(w)
+        return out
+
+    def _layer(self, key: str, k: int) -> float | None:
+        """A layer block's seconds: its ``k``-th occurrence in the step (an ADMM local step
+        each pass; the last local step on ``last_batch`` samples)."""
+        phase, _, name = key.partition(":")
+        u = self._unit.get(name)
+        if u is None or phase not in ("forward", "backward"):
+            return None
+        batch = self.last_batch if self.loop == "admm" and k == self.local_steps - 1 \
+            else self.batch
+        return self.device.forward(u, batch) if phase == "forward" else \
+            self.device.backward(u, batch)
+
+    def charge(self, key, k) -> float:
+        """The seconds the job simulation charges block ``(key, k)``."""
+        if not hasattr(self, "_unit"):
+            self._unit = {u.name: u for u in self.units}
+        t = self._layer(key, k)
+        if t is not None:
+            return t
+        if key == LOCAL_SGD:   # the local epochs' own rest: an optimizer update a local step
+            layers = sum(self.device.forward(u, b) + self.device.backward(u, b)
+                         for u in self.units for b in self._local_batches())
+            return layers + self.local_steps * self.device.optimizer(self.params)
+        return self._seconds.get(key, 0.0)
+
+    def _local_batches(self) -> list:
+        return [self.batch] * (self.local_steps - 1) + [self.last_batch]
+
+    def run(self, cluster: Cluster, options: JobSimOptions | None = None) -> dict:
+        """Simulate the steps on ``cluster``: ``{"step_s", "steps_s", "bytes", "seconds"}``
+        (the steady step: the last one, the slowest rank's; every step; bytes moved per link
+        class in all; the simulator's own wall time)."""
+        t0 = time.perf_counter()
+        options = options or JobSimOptions()
+        sim = JobSim(self.programs, self.placement.node_of, cluster,
+                     [self.charge] * len(self.programs), **options.kwargs())
+        ends = sim.run()
+        steps = [max(e[s] - (e[s - 1] if s else 0.0) for e in ends) for s in range(self.steps)]
+        return {"step_s": steps[-1], "steps_s": steps,
+                "bytes": {k: v / self.steps for k, v in sim.moved.items()},
+                "seconds": time.perf_counter() - t0}
+
+
+def job_step(system: str, spec, M: int, P: int, options, units, device: DeviceModel,
+             cluster: Cluster, batch: float, **kw) -> dict:
+    """The steady step of :class:`Job` on ``cluster`` (see :meth:`Job.run`)."""
+    jobsim = kw.pop("jobsim", None)
+    return Job(system, spec, M, P, options, units, device, batch, **kw).run(cluster, jobsim)
+

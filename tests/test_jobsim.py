@@ -405,26 +405,28 @@ def test_commvol_simulate_refuses_a_profile_without_programs(tmp_path):
 # -- a job nobody recorded: programs generated from the plan ------------------------------------
 def test_resnet152_ddp_at_64_ranks_is_simulated_from_its_plan():
     """Every rank's program of one ResNet-152 DDP step (25 MiB buckets) on 16 x 4 ranks,
-    generated from the plan without any MPI run, simulated together: the network moves the
-    closed form's bytes, and the step lies between its compute and the compute plus every
-    bucket's ring time (nothing overlapped)."""
-    from commvol.job import dp_job_step
+    generated from the plan without any MPI run, simulated together on PruneX's cluster: the
+    network moves the closed form's bytes, and the step lies between its compute and the
+    compute plus every bucket's ring time (nothing overlapped)."""
+    from commvol.job import Job
     from commvol.specs import resolve_model
     from commvol.systems import get_system
-    from commvol.timeline_scale import ComputeModel, units_for_spec
+    from commvol.workload import DeviceModel, units_for_spec
     from dataparallel.ddp import DDPOptions, DDPPlan
+    from substrate.cluster import Cluster
     from volume.dataparallel import ddp_step_bytes
 
     spec = resolve_model("resnet152")
     units, _ = units_for_spec(spec, "resnet152")
-    compute = ComputeModel(tuple(units), 15.7, 900.0)
-    cost = CostModel()
+    cluster = Cluster.load("prunex-puhti")
+    device = DeviceModel(cluster.device)
     options, _ = get_system("ddp").split({"bucket_mib": 25.0})
-    got = dp_job_step("ddp", spec, 16, 4, options, cost, compute, 32)
+    got = Job("ddp", spec, 16, 4, options, units, device, 32).run(cluster)
     sizes = DDPPlan.for_layout(spec.layout, DDPOptions(bucket_mib=25.0), 4).bucket_sizes
     want = ddp_step_bytes(M=16, P=4, bucket_sizes=sizes)["grad_allreduce"]
     assert got["bytes"] == pytest.approx(want)
-    flops = sum(u.forward_flops + u.backward_flops for u in units)
-    busy = 32 * flops / 15.7e12 + compute.optimizer_s(spec.layout.total)
+    busy = sum(device.forward(u, 32) + device.backward(u, 32) for u in units) + \
+        device.optimizer(spec.layout.total)
+    cost = cluster.cost_model()
     rings = sum(cost.ring_allreduce_time(4 * n, 64, INTER) for n in sizes)
     assert busy < got["step_s"] < busy + rings
