@@ -44,17 +44,14 @@ class Job:
     units : sequence of :class:`commvol.workload.Unit`
         The model's units in forward order (:func:`commvol.workload.units_for_spec`).
     device : DeviceModel
-    batch : float
-        Samples per step of a rank (an ADMM local step).
-    local_steps : int
-        ADMM: SGD steps of the local epochs (the last of ``last_batch`` samples).
+    batch : float or sequence of float
+        Samples of a rank's step; ADMM: of each SGD step of the local epochs, in order.
     steps : int
         Steps simulated one after the other (the last one is the steady step).
     """
 
     def __init__(self, system: str, spec, M: int, P: int, options, units, device: DeviceModel,
-                 batch: float, *, local_steps: int = 1, last_batch: float | None = None,
-                 steps: int = 2, overlap: bool = True, assumptions=None) -> None:
+                 batch, *, steps: int = 2, overlap: bool = True, assumptions=None) -> None:
         sm = get_system(system)
         self.system, self.loop = system, sm.loop
         if self.loop not in ("dp", "admm"):
@@ -66,15 +63,17 @@ class Job:
         self.placement = pl = it.placement
         self.records = it.calls
         self.units, self.device = list(units), device
-        self.batch = float(batch)
-        self.local_steps = int(local_steps)
-        self.last_batch = self.batch if last_batch is None else float(last_batch)
+        self.batches = [float(b) for b in (batch if hasattr(batch, "__len__") else [batch])]
+        if not self.batches or min(self.batches) <= 0:
+            raise ValueError(f"a step needs a batch of > 0 samples, got {batch!r}")
+        if self.loop == "dp" and len(self.batches) != 1:
+            raise ValueError("a data-parallel step has one batch")
         self.params = spec.layout.total
         if self.loop == "dp":
             one = [step_program(self.units, it.calls, pl, r, overlap=overlap)
                    for r in range(pl.size)]
         else:
-            one = [iteration_program(it.calls, self.units, self.local_steps, pl, r,
+            one = [iteration_program(it.calls, self.units, len(self.batches), pl, r,
                                      overlap=overlap) for r in range(pl.size)]
         self.programs = [[e for s in range(steps) for e in rebase(p, -s * len(p))]
                          for p in one]
@@ -93,14 +92,13 @@ class Job:
         return out
 
     def _layer(self, key: str, k: int) -> float | None:
-        """A layer block's seconds: its ``k``-th occurrence in the step (an ADMM local step
-        each pass; the last local step on ``last_batch`` samples)."""
+        """A layer block's seconds: its ``k``-th occurrence in the step (one a local step of
+        an ADMM iteration, on that step's batch)."""
         phase, _, name = key.partition(":")
         u = self._unit.get(name)
         if u is None or phase not in ("forward", "backward"):
             return None
-        batch = self.last_batch if self.loop == "admm" and k == self.local_steps - 1 \
-            else self.batch
+        batch = self.batches[k % len(self.batches)]
         return self.device.forward(u, batch) if phase == "forward" else \
             self.device.backward(u, batch)
 
@@ -113,12 +111,9 @@ class Job:
             return t
         if key == LOCAL_SGD:   # the local epochs' own rest: an optimizer update a local step
             layers = sum(self.device.forward(u, b) + self.device.backward(u, b)
-                         for u in self.units for b in self._local_batches())
-            return layers + self.local_steps * self.device.optimizer(self.params)
+                         for u in self.units for b in self.batches)
+            return layers + len(self.batches) * self.device.optimizer(self.params)
         return self._seconds.get(key, 0.0)
-
-    def _local_batches(self) -> list:
-        return [self.batch] * (self.local_steps - 1) + [self.last_batch]
 
     def run(self, cluster: Cluster, options: JobSimOptions | None = None) -> dict:
         """Simulate the steps on ``cluster``: ``{"step_s", "steps_s", "bytes", "seconds"}``

@@ -604,12 +604,12 @@ def plot_residuals(runs, path, top: int = 5) -> Plot:
 def plot_scaling(doc: dict, path) -> Plot:
     """PruneX Fig. 9: speedup and parallel efficiency from ``python -m commvol scale --out``.
 
-    Lines are modeled (solid: the event timeline; dashed: its no-overlap sum); stars are the
-    paper's measured points (``doc["paper"]``, e.g. PruneX Fig. 9), drawn only where the model's
-    baseline GPU count is the paper's.  One legend for the systems (colours), one for what is
-    modeled and what is measured (styles).
+    Lines are modeled (solid: the job simulation; dashed: the α–β bound, nothing overlapped);
+    stars are the paper's measured points (``doc["paper"]``, e.g. PruneX Fig. 9), drawn only
+    where the model's baseline GPU count is the paper's.  One legend for the systems (colours),
+    one for what is modeled and what is measured (styles).
 
-    ``data``: ``{"systems": {name: {"gpus", "speedup", "efficiency", "no_overlap_speedup"?}},
+    ``data``: ``{"systems": {name: {"gpus", "speedup", "efficiency", "bound_speedup"?}},
     "paper": {name: (gpus, speedup)}, "base_gpus": g0}``.
     """
     from matplotlib.lines import Line2D  # noqa: PLC0415
@@ -628,15 +628,16 @@ def plot_scaling(doc: dict, path) -> Plot:
         g = [r["gpus"] for r in rows]
         d = data["systems"][name] = {"gpus": g, "speedup": [r["speedup"] for r in rows],
                                      "efficiency": [100 * r["efficiency"] for r in rows]}
-        a.plot(g, d["speedup"], "o-", color=c, label=f"{name}: modeled, timeline")
-        b.plot(g, d["efficiency"], "o-", color=c, label=f"{name}: modeled, timeline")
-        if all("no_overlap_speedup" in r for r in rows):
+        a.plot(g, d["speedup"], "o-", color=c, label=f"{name}: modeled, job simulation")
+        b.plot(g, d["efficiency"], "o-", color=c, label=f"{name}: modeled, job simulation")
+        if all("bound_time_s" in r for r in rows):
             dashed = True
-            d["no_overlap_speedup"] = [r["no_overlap_speedup"] for r in rows]
-            a.plot(g, d["no_overlap_speedup"], "--", color=c, alpha=0.6,
-                   label=f"{name}: modeled, no overlap")
-            b.plot(g, [100 * r["no_overlap_efficiency"] for r in rows], "--", color=c,
-                   alpha=0.6, label=f"{name}: modeled, no overlap")
+            base = rows[0]["bound_time_s"]
+            d["bound_speedup"] = [base / r["bound_time_s"] for r in rows]
+            a.plot(g, d["bound_speedup"], "--", color=c, alpha=0.6,
+                   label=f"{name}: modeled, alpha-beta bound")
+            b.plot(g, [100 * s_ * g[0] / x for s_, x in zip(d["bound_speedup"], g)], "--",
+                   color=c, alpha=0.6, label=f"{name}: modeled, alpha-beta bound")
         if name in paper.get("speedup", {}) and p0 == g0 and p1 is not None:
             s = paper["speedup"][name]
             data["paper"][name] = (p1, s)
@@ -647,18 +648,18 @@ def plot_scaling(doc: dict, path) -> Plot:
         sys_handles.append(Line2D([], [], color=c, lw=6, label=name))
     if gpus:
         a.plot(gpus, [x / g0 for x in gpus], "k:", label="ideal (linear)")
-    style = [Line2D([], [], color="gray", marker="o", label="modeled: event timeline")]
+    style = [Line2D([], [], color="gray", marker="o", label="modeled: job simulation")]
     if dashed:
-        style.append(Line2D([], [], color="gray", ls="--", label="modeled: no-overlap sum"))
+        style.append(Line2D([], [], color="gray", ls="--",
+                            label="modeled: alpha-beta bound (nothing overlapped)"))
     if data["paper"]:
         style.append(Line2D([], [], color="gray", marker="*", ls="", markersize=12,
                             markeredgecolor="black", label=f"measured: {source}"))
     style.append(Line2D([], [], color="black", ls=":", label="ideal (linear)"))
     if gpus:
         b.axhline(100, color="black", ls=":")
-    rate = (f"compute at {doc['device_tflops']:g} TFLOP/s" if doc.get("device_tflops")
-            else f"compute {doc['compute_source']}" if doc.get("compute_source") else "")
-    model = "lines: modeled here (alpha-beta links" + (f", {rate})" if rate else ")")
+    where = (doc.get("cluster") or {}).get("name")
+    model = "lines: modeled here (job simulation" + (f" on {where})" if where else ")")
     what = (f"{model}; ★: measured, {source}" if data["paper"] else model)
     a.set(title=f"(a) speedup over {g0} GPUs, {doc.get('model', '')}", xlabel="GPUs",
           ylabel=f"speedup over {g0} GPUs")

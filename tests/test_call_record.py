@@ -83,7 +83,6 @@ def test_a_plan_alone_is_executed_booked_and_accounted(tmp_path, n, node_map):
 
 def test_a_plan_alone_is_predicted_and_scaled(monkeypatch):
     from commvol.systems import core
-    from commvol.timeline_scale import ComputeModel, Unit, dp_step
     from models.layers import Linear, Sequential
     from models.modelspec import spec_from_layers
     from substrate.options import option
@@ -104,10 +103,15 @@ def test_a_plan_alone_is_predicted_and_scaled(monkeypatch):
     assert pred.steady.phases == {c.phase: wire_bytes(c, pl) for c in
                                   ToyPlan(32).calls(pl) if c.phase != "toy_bcast"} | {
         "toy_bcast": {"intra": 2 * 4 * 32, "inter": 0}}
-    cost = CostModel(inter_bw=1e6, inter_lat=1e-4)
-    compute = ComputeModel((Unit("fc", 0, 32, 1e6, 2e6),), 1.0, 1.0)
-    t = dp_step("toy", spec, 2, 2, ToyOptions(), cost, compute, 10, keep_events=True)
-    labels = [e.label for e in t.events]
-    assert "toy_allreduce" in labels and "toy_bcast" in labels
-    assert any(x.startswith("toy_ring->") for x in labels)
-    assert t.comm_s > 0 and t.step_s >= t.compute_s
+    from commvol.job import Job
+    from commvol.workload import DeviceModel, Unit
+    from substrate.cluster import Cluster, Device
+
+    job = Job("toy", spec, 2, 2, ToyOptions(), [Unit("fc", 0, 32, 1e6, 2e6)],
+              DeviceModel(Device(peak_tflops=1.0, memory_gbs=1.0)), 10)
+    r = job.run(Cluster.two_tier(CostModel(inter_bw=1e6, inter_lat=1e-4)))
+    phases = {e[1].phase for p in job.programs for e in p if e[0] == "C"}
+    assert phases == {"toy_allreduce", "toy_bcast", "toy_ring"}
+    assert r["bytes"]["inter"] == price(ToyPlan(32).calls(pl), pl).inter
+    compute = 10 * 3e6 / 1e12
+    assert r["step_s"] > compute

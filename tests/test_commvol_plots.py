@@ -240,11 +240,11 @@ def test_plot_scaling_refuses_bad_files(tmp_path):
 @needs_mpl
 def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
     out = tmp_path / "scale.json"
-    # small buckets: DDP's all-reduces overlap the backward, so the timeline and the
-    # no-overlap lines differ and swapping them is seen
+    # small buckets: DDP's all-reduces overlap the backward, so the job simulation's and the
+    # bound's lines differ and swapping them is seen
     assert main(["scale", "--system", "ddp", "topk", "--model", "cnn", "--gpus", "8", "16",
-                 "64", "--gpus-per-node", "4", "--device-tflops", "0.05", "--bucket-mib",
-                 "0.01", "--out", str(out)]) == 0
+                 "64", "--gpus-per-node", "4", "--compute-s-per-sample", "0.0005",
+                 "--bucket-mib", "0.01", "--out", str(out)]) == 0
     png = tmp_path / "scaling.png"
     assert main(["plot-scaling", str(out), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == PNG
@@ -256,22 +256,22 @@ def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
     a, b = plot.fig.axes
     lines = {ln.get_label(): ln for ln in a.get_lines()}
     for name, rows in doc["systems"].items():
-        solid = lines[f"{name}: modeled, timeline"]
+        solid = lines[f"{name}: modeled, job simulation"]
         assert list(solid.get_xdata()) == [r["gpus"] for r in rows]
         assert list(solid.get_ydata()) == [r["speedup"] for r in rows]
-        dashed = lines[f"{name}: modeled, no overlap"]
-        assert list(dashed.get_ydata()) == [r["no_overlap_speedup"] for r in rows]
+        dashed = lines[f"{name}: modeled, alpha-beta bound"]
+        assert list(dashed.get_ydata()) == pytest.approx(
+            [rows[0]["bound_time_s"] / r["bound_time_s"] for r in rows])
         star = lines[f"{name}: measured, PruneX Fig. 9 (8 -> 64 GPUs)"]
         assert (list(star.get_xdata()), list(star.get_ydata())) == \
             ([64], [doc["paper"]["speedup"][name]])
     ddp = doc["systems"]["ddp"]
-    assert [r["speedup"] for r in ddp] != pytest.approx([r["no_overlap_speedup"] for r in ddp])
+    assert [r["speedup"] for r in ddp] != pytest.approx(
+        [ddp[0]["bound_time_s"] / r["bound_time_s"] for r in ddp])
     eff = {ln.get_label(): ln for ln in b.get_lines()}
     for name, rows in doc["systems"].items():
-        assert list(eff[f"{name}: modeled, timeline"].get_ydata()) == \
+        assert list(eff[f"{name}: modeled, job simulation"].get_ydata()) == \
             pytest.approx([100 * r["efficiency"] for r in rows])
-        assert list(eff[f"{name}: modeled, no overlap"].get_ydata()) == \
-            pytest.approx([100 * r["no_overlap_efficiency"] for r in rows])
     assert list(eff["ddp: measured, PruneX Fig. 9 (8 -> 64 GPUs)"].get_ydata()) == \
         pytest.approx([100 * 5.81 * 8 / 64])
     # every line says whether it is modeled or measured; the legends say which style is which
@@ -281,7 +281,7 @@ def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
         shown = [t.get_text() for lg in ax.findobj(lambda o: type(o).__name__ == "Legend")
                  for t in lg.get_texts()]
         assert len(shown) == len(set(shown))
-        assert {"modeled: event timeline", "measured: PruneX Fig. 9 (8 -> 64 GPUs)"} <= \
+        assert {"modeled: job simulation", "measured: PruneX Fig. 9 (8 -> 64 GPUs)"} <= \
             set(shown)
     title = " ".join(t.get_text() for t in plot.fig.texts)   # the suptitle
     assert "modeled" in title and "measured, PruneX Fig. 9" in title

@@ -78,7 +78,7 @@ class IterCost:
                    payload: int = 0, dense: int = 0) -> IterCost:
         """Price the records of one iteration (:func:`substrate.calls.price`): every number of
         a prediction comes from the plan's records by the one generic rule; ``calls`` are kept
-        for the paper-scale timeline (:mod:`commvol.timeline_scale`)."""
+        for the job simulation at paper scale (:mod:`commvol.job`)."""
         calls = tuple(calls)
         pr = price([c for c in calls if isinstance(c, Call)], placement, cost)
         return cls(pr.phases, pr.messages, pr.seconds, int(payload), int(dense), pr.rank_s,
@@ -331,7 +331,7 @@ class SystemModel:
     baseline : str or None
         System ``predict`` compares against (dense DDP for the data-parallel family).
     loop : {"dp", "admm", "hsgd"}
-        What one iteration is on the paper-scale timeline (:mod:`commvol.timeline_scale`): a
+        What one iteration is in a job at paper scale (:mod:`commvol.job`): a
         data-parallel optimizer step (records wait for :class:`substrate.calls.Ready` tokens),
         an ADMM iteration (records wait for ``"local"``, the local epochs), or H-SGD's own.
     """
