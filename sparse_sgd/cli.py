@@ -22,6 +22,11 @@ Run distributed as ``./run_mpi.sh -n 4 sparse_sgd train ...``
 * ``generate``: a challenge network, its inputs and truth categories in the challenge's folder
   layout (:mod:`sparse_sgd.io`).
 
+``train`` and ``infer`` issue no call themselves: each interval (the set-up, a step, the
+evaluation, inference) is a program generated from the plan's records
+(:mod:`sparse_sgd.program`) and run by the one executor (:class:`substrate.executor.Executor`),
+bound to the net's buffers and compute and to the trainer's batches and reductions.
+
 Every command takes the common options (``--out``, ``--seed``, ``--overwrite``, ``--device``,
 the cost model) and writes ``OUT/summary.json`` atomically; a finished run is not replaced
 without ``--overwrite``.
@@ -63,17 +68,26 @@ from sparse_sgd.io import (
 from sparse_sgd.plan import (
     METHODS,
     NUM_CLASSES,
-    PHASE_CATEGORIES,
-    PHASE_EVAL,
-    PHASE_EVAL_SCORES,
-    PHASE_LOSS,
-    PHASE_PARTITION,
-    PHASE_SYNC,
     HSGDOptions,
     HSGDPlan,
     PartitionOptions,
+    batches,
+    partition_broadcast,
     partition_bytes,
     plan_partition,
+)
+from sparse_sgd.program import (
+    BATCH,
+    CLASS_SCORES,
+    EVAL_BATCH,
+    EVAL_SCORES,
+    INFER_BATCH,
+    INFER_CATEGORIES,
+    NET_SETUP,
+    eval_program,
+    infer_program,
+    setup_program,
+    step_program,
 )
 from sparse_sgd.radixnet import (
     CHALLENGE_BIAS,
@@ -84,6 +98,7 @@ from sparse_sgd.radixnet import (
 )
 from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
 from sparse_sgd.table1 import format_table1, table1_rows
+from substrate.executor import Bindings, Executor
 from substrate.ledger import Predicted
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
@@ -295,38 +310,69 @@ def load_network(cfg: NetworkConfig, seed: int):
     return radixnet(network), CHALLENGE_BIAS[cfg.neurons], network
 
 
+class _SetUp(Bindings):
+    """The set-up's bindings: the partition rank 0 broadcasts (every layer's owners, then the
+    partitioning time, float64: :func:`~sparse_sgd.plan.partition_bytes`), read back on
+    every rank, and the net's set-up once every rank has it (``build(partition)``)."""
+
+    def __init__(self, part, flat, sizes, parts: int, method: str, build) -> None:
+        self.part, self.flat, self.sizes, self.build = part, flat, sizes, build
+        self.parts, self.method = parts, method
+
+    def buffer(self, call):
+        return self.flat
+
+    def received(self, call, result) -> None:
+        flat = self.flat
+        owners = np.split(flat[:-1].astype(np.int64), np.cumsum(self.sizes)[:-1])
+        self.part = Partition(owners=tuple(owners), parts=self.parts, method=self.method,
+                              seconds=float(flat[-1]))
+
+    def compute(self, label: str):
+        if label != NET_SETUP:
+            return super().compute(label)
+        return lambda: self.build(self.part)
+
+
 def distribute_partition(run, weights, method: str, *, partition_file=None, seed=0,
                          options: PartitionOptions | None = None,
-                         network: RadixNetConfig | None = None) -> tuple[Partition, int]:
-    """:func:`~sparse_sgd.plan.plan_partition` on rank 0 (or read ``partition_file`` on every
-    rank) and broadcast the owners.
+                         network: RadixNetConfig | None = None, saved: Partition | None = None,
+                         executor: Executor | None = None, build=None) -> tuple[Partition, int]:
+    """The set-up: :func:`~sparse_sgd.plan.plan_partition` on rank 0 and the owners broadcast
+    (or ``partition_file`` read on every rank, or a checkpoint's partition, ``saved``), then
+    with ``build`` the net's set-up, ``build(partition)``: the set-up's program
+    (:func:`sparse_sgd.program.setup_program`) run by ``executor`` (a new one if omitted).
 
-    Returns the partition and the number of bytes broadcast (0 when read from a file).
+    Returns the partition and the number of bytes broadcast (0 when read from a file or a
+    checkpoint).
     """
-    if partition_file and Path(partition_file).is_dir():
+    part, flat = saved, None
+    sizes = [weights[0].shape[1]] + [W.shape[0] for W in weights]
+    if part is None and partition_file and Path(partition_file).is_dir():
         part = load_hmetis(weights, partition_file, run.size)
-        return part, 0
-    if partition_file:
+    elif part is None and partition_file:
         part = Partition.load(partition_file)
         if part.parts != run.size:
             raise ValueError(f"{partition_file} has {part.parts} parts; run with -n {part.parts} "
                              "or partition again for this rank count")
         part.check_network(weights)
-        return part, 0
-    sizes = [weights[0].shape[1]] + [W.shape[0] for W in weights]
-    flat = np.empty(sum(sizes) + 1, dtype=np.float64)
-    if run.rank == 0:
-        with partitioner_errors():
-            part = plan_partition(weights, run.size, method, options or PartitionOptions(),
-                                  seed=seed, network=network)
-        flat[:-1] = np.concatenate(part.owners)
-        flat[-1] = part.seconds
-    run.world.bcast(flat, root=0, phase=PHASE_PARTITION)  # after rank 0 partitioned
-    owners = np.split(flat[:-1].astype(np.int64), np.cumsum(sizes)[:-1])
-    part = Partition(owners=tuple(owners), parts=run.size, method=method,
-                     seconds=float(flat[-1]))
-    assert flat.nbytes == partition_bytes(weights)
-    return part, flat.nbytes
+    elif part is None:
+        flat = np.empty(sum(sizes) + 1, dtype=np.float64)
+        if run.rank == 0:
+            with partitioner_errors():
+                mine = plan_partition(weights, run.size, method, options or PartitionOptions(),
+                                      seed=seed, network=network)
+            flat[:-1] = np.concatenate(mine.owners)
+            flat[-1] = mine.seconds
+        assert flat.nbytes == partition_bytes(weights)
+    records = [] if flat is None else \
+        [(partition_broadcast(run.topo.placement, partition_bytes(weights)), None)]
+    if records or build is not None:
+        bind = _SetUp(part, flat, sizes, run.size, method, build)
+        program = setup_program(records, run.topo.placement, run.rank, net=build is not None)
+        (executor if executor is not None else Executor(run)).run_step(program, bind)
+        part = bind.part
+    return part, 0 if flat is None else flat.nbytes
 
 
 def _require_cpu(args) -> None:
@@ -393,36 +439,100 @@ def _setup_calls(run, plan: HSGDPlan, part_bytes: int) -> list:
     return plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
 
 
-def _evaluate(run, net, ds, cfg, dtype, in_rows, out_class, class_size, labels) -> float:
-    """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
-    ``eval``) and one all-reduce of the class scores (``eval_scores``): the records of
-    :meth:`HSGDPlan.calls` ``(phase="eval")``.  On a GPU each batch is staged once, the scores
-    stay on the device and the accuracy is the one host read (``out_class``, ``class_size``
-    and ``labels`` are on the net's device)."""
-    xp = net.xp
-    n = ds.features.shape[0]
-    scores = xp.zeros((NUM_CLASSES, max(n, 1)))
-    for s in range(0, n, cfg.batch_size):
-        with run.clock.compute("eval_batch"):
-            X0, = _staged(net, np.ascontiguousarray(
-                ds.features[s:s + cfg.batch_size][:, in_rows].T, dtype=dtype))
-        net.forward(X0, phase=PHASE_EVAL)  # its sends declare their events (phase eval)
-        with run.clock.compute("eval_scores"):
-            scores[:, s:s + X0.shape[1]] = net.class_scores(out_class, NUM_CLASSES)
-    if n:
-        run.world.allreduce(scores, "sum", phase=PHASE_EVAL_SCORES)
-    pred = xp.argmax(scores[:, :n] / class_size[:, None], axis=0)
-    return _host_floats(net, xp.mean(pred == labels))[0] if n else float("nan")
+class _Around(Bindings):
+    """The bindings of an interval around the net's passes: the trainer's own blocks
+    (``blocks``) and the buffer of its collective (:meth:`reduced`); the net's blocks and
+    messages are the net's (:class:`~sparse_sgd.distributed.DistributedSparseNet`)."""
+
+    def __init__(self, net: DistributedSparseNet, blocks: dict) -> None:
+        self.net, self.blocks = net, blocks
+
+    def compute(self, label: str):
+        fn = self.blocks.get(label)
+        return fn if fn is not None else self.net.compute(label)
+
+    def flops(self, label: str):
+        return None if label in self.blocks else self.net.flops(label)
+
+    def buffer(self, call):
+        return self.net.buffer(call) if call.algorithm == "p2p" else self.reduced(call)
+
+    def receive_buffer(self, source: int, nbytes: int, tag: int):
+        return self.net.receive_buffer(source, nbytes, tag)
+
+    def reduced(self, call):
+        """The array the interval's collective works on."""
+        return super().buffer(call)
+
+
+class _Evaluation(_Around):
+    """The held-out evaluation's bindings: each batch of ``--batch-size`` test images staged
+    and fed to the net (``eval_batch``), its class scores (``eval_scores``) and their
+    all-reduce.  On a GPU each batch is staged once and the scores stay on the device
+    (``out_class`` is on the net's device)."""
+
+    def __init__(self, net, ds, batch: int, dtype, in_rows, out_class) -> None:
+        super().__init__(net, {EVAL_BATCH: self._batch, EVAL_SCORES: self._scores})
+        self.ds, self.batch, self.dtype, self.in_rows, self.out_class = (ds, batch, dtype,
+                                                                         in_rows, out_class)
+        self.scores = net.xp.zeros((NUM_CLASSES, max(ds.features.shape[0], 1)))
+        self.s = 0                      # the first image of the batch
+
+    def _batch(self) -> None:
+        s = self.s
+        X0, = _staged(self.net, np.ascontiguousarray(
+            self.ds.features[s:s + self.batch][:, self.in_rows].T, dtype=self.dtype))
+        self.net.feed(X0)
+
+    def _scores(self) -> None:
+        B = self.net.X[0].shape[1]
+        self.scores[:, self.s:self.s + B] = self.net.class_scores(self.out_class, NUM_CLASSES)
+        self.s += B
+
+    def reduced(self, call):
+        return self.scores
+
+
+class _Step(_Around):
+    """A training step's bindings: the mini-batch ``idx`` staged and fed to the net with its
+    targets (``batch``), the class scores of x^L before the update next to this rank's share
+    of the loss (``class_scores``) and their all-reduce, ``[J_m, scores]`` (on a GPU on the
+    device)."""
+
+    def __init__(self, body: _Steps) -> None:
+        super().__init__(body.net, {BATCH: self._batch, CLASS_SCORES: self._scores})
+        self.body = body
+        self.idx = self.labels = None
+
+    def _batch(self) -> None:
+        b, idx = self.body, self.idx
+        X0, Y, self.labels = _staged(
+            b.net, np.ascontiguousarray(b.ds.features[idx][:, b.in_rows].T, dtype=b.dtype),
+            np.ascontiguousarray(b.targets[idx][:, b.out_rows].T, dtype=b.dtype),
+            b.ds.labels[idx])
+        b.net.feed(X0)
+        b.net.target(Y, b.cfg.lr)
+
+    def _scores(self) -> None:
+        b = self.body
+        b.red[0] = b.net.loss
+        b.red[1:] = b.net.class_scores(b.out_class, NUM_CLASSES).ravel()   # pre-update
+
+    def reduced(self, call):
+        return self.body.red
 
 
 class _Steps(LoopBody):
-    """One SpFF + SpBP step of ``sparse_sgd train`` for :class:`runner.loop.RunLoop`; the
-    evaluation is the held-out accuracy (:func:`_evaluate`, with its records)."""
+    """One SpFF + SpBP step of ``sparse_sgd train`` for :class:`runner.loop.RunLoop`: the
+    step's program (:func:`sparse_sgd.program.step_program`, generated from the plan's
+    records) run by the executor; the evaluation is the held-out accuracy (its program,
+    :func:`sparse_sgd.program.eval_program`)."""
 
     def __init__(self, run, cfg: TrainConfig, plan: HSGDPlan, net: DistributedSparseNet,
                  partition: tuple[Partition, int], ds, test, targets, batch_rng,
-                 dtype) -> None:
+                 dtype, executor: Executor) -> None:
         self.run, self.cfg, self.plan, self.net = run, cfg, plan, net
+        self.executor = executor
         self.partition = partition      # (the partition, its broadcast bytes): checkpointed
         self.ds, self.test, self.targets, self.batch_rng, self.dtype = (ds, test, targets,
                                                                         batch_rng, dtype)
@@ -435,44 +545,53 @@ class _Steps(LoopBody):
             np.bincount(np.arange(cfg.neurons) % NUM_CLASSES, minlength=NUM_CLASSES),
             test.labels)
         self.red = net.xp.zeros(1 + NUM_CLASSES * cfg.batch_size, dtype=np.float64)
-        # the plan's records of one step (held against the calls each step runs)
-        self.step_calls = plan.calls(run.topo.placement, cfg.batch_size, dtype.itemsize)
+        placement, rank = run.topo.placement, run.rank
+        overlap, first = run.recorder.overlap, net.receives_first
+        # the plan's records of one step and of the evaluation (held against the calls each
+        # runs) and the programs generated from them
+        step = plan.tagged_calls(placement, cfg.batch_size, dtype.itemsize)
+        self.step_calls = [c for c, _ in step]
+        self.step_program = step_program(step, plan.num_layers, placement, rank,
+                                         overlap=overlap, receives_first=first)
+        n = test.features.shape[0]
+        evaluation = plan.tagged_calls(placement, cfg.batch_size, dtype.itemsize,
+                                       phase="eval", samples=n)
+        self.eval_calls = [c for c, _ in evaluation]
+        self.eval_program = eval_program(evaluation, plan.num_layers,
+                                         len(batches(n, cfg.batch_size)), placement, rank,
+                                         overlap=overlap, receives_first=first)
+        self.step_bind = _Step(self)
         #: every step's loss and mini-batch accuracy (the summary's trajectory)
         self.losses: list[float] = []
         self.accs: list[float] = []
         self._line_from = 0     # the first step of the next metrics line
 
     def unit(self, due):
-        run, cfg, net, red = self.run, self.cfg, self.net, self.red
-        idx = self.batch_rng.choice(self.ds.features.shape[0], size=cfg.batch_size,
-                                    replace=False)
-        with run.clock.compute("batch"):
-            X0, Y, labels = _staged(
-                net, np.ascontiguousarray(self.ds.features[idx][:, self.in_rows].T,
-                                          dtype=self.dtype),
-                np.ascontiguousarray(self.targets[idx][:, self.out_rows].T, dtype=self.dtype),
-                self.ds.labels[idx])
-        # SpFF + SpBP declare their own compute and message events (DistributedSparseNet);
-        # on a GPU the loss stays on the device
-        red[0] = net.step(X0, Y, cfg.lr)
-        with run.clock.compute("class_scores"):
-            red[1:] = net.class_scores(self.out_class, NUM_CLASSES).ravel()  # pre-update
-        run.world.allreduce(red, "sum", phase=PHASE_LOSS)
+        cfg, net, red, bind = self.cfg, self.net, self.red, self.step_bind
+        bind.idx = self.batch_rng.choice(self.ds.features.shape[0], size=cfg.batch_size,
+                                         replace=False)
+        self.executor.run_step(self.step_program, bind)
         xp = net.xp
         pred = xp.argmax(red[1:].reshape(NUM_CLASSES, cfg.batch_size)
                          / self.class_size[:, None], axis=0)
-        loss, acc = _host_floats(net, red[0], xp.mean(pred == labels))  # one host read
+        loss, acc = _host_floats(net, red[0], xp.mean(pred == bind.labels))  # one host read
         self.losses.append(loss)
         self.accs.append(acc)
         return self.step_calls
 
     def evaluate(self) -> Evaluation:
-        cfg, test = self.cfg, self.test
-        acc = _evaluate(self.run, self.net, test, cfg, self.dtype, self.in_rows,
-                        self.out_class, self.class_size, self.test_labels)
-        return Evaluation(acc, records=self.plan.calls(
-            self.run.topo.placement, cfg.batch_size, self.dtype.itemsize, phase="eval",
-            samples=test.features.shape[0]))
+        """Held-out accuracy: SpFF of the test images in batches of ``--batch-size`` (phase
+        ``eval``) and one all-reduce of the class scores (``eval_scores``); on a GPU the
+        accuracy is the one host read."""
+        net, test = self.net, self.test
+        n = test.features.shape[0]
+        bind = _Evaluation(net, test, self.cfg.batch_size, self.dtype, self.in_rows,
+                           self.out_class)
+        self.executor.run_step(self.eval_program, bind)
+        xp = net.xp
+        pred = xp.argmax(bind.scores[:, :n] / self.class_size[:, None], axis=0)
+        acc = _host_floats(net, xp.mean(pred == self.test_labels))[0] if n else float("nan")
+        return Evaluation(acc, records=self.eval_calls)
 
     def line(self, interval) -> dict:
         lo, self._line_from = self._line_from, len(self.losses)
@@ -522,26 +641,35 @@ def _train(args) -> dict:
                    eval_every=cfg.eval_every, log_every=cfg.log_every, log_phase=1,
                    resume=cfg.resume)
     state = loop.resume()
-    if state is not None:
-        part, part_bytes = _saved_partition(state)
-        part.check_network(weights)
-        plan = HSGDPlan.from_partition(weights, part)
-    else:
-        part, part_bytes = distribute_partition(run, weights, cfg.partition,
-                                                partition_file=cfg.partition_file,
-                                                seed=args.seed, options=cfg, network=network)
-        plan = HSGDPlan.from_partition(weights, part)
+    executor = Executor(run)
+    built = {}
+
+    def build(part: Partition) -> None:
+        """The net's set-up: the plan, the maps and every layer's row block."""
+        built["plan"] = plan = HSGDPlan.from_partition(weights, part)
+        built["net"] = DistributedSparseNet(weights, part, run, plan=plan,
+                                            activation=cfg.activation, dtype=dtype,
+                                            executor=executor)
+
+    saved, part_bytes = _saved_partition(state) if state is not None else (None, 0)
+    if saved is not None:
+        saved.check_network(weights)
+    part, sent = distribute_partition(run, weights, cfg.partition,
+                                      partition_file=cfg.partition_file, seed=args.seed,
+                                      options=cfg, network=network, saved=saved,
+                                      executor=executor, build=build)
+    plan, net = built["plan"], built["net"]
+    if state is None:
+        part_bytes = sent
         loop.account(_setup_calls(run, plan, part_bytes))
-    with run.clock.compute():
-        net = DistributedSparseNet(weights, part, run.world, activation=cfg.activation,
-                                   dtype=dtype, clock=run.clock,
-                                   link_shares=plan.link_shares(run.topo.placement, run.rank))
     batch_rng = np.random.default_rng([args.seed, 2])  # same mini-batches on every rank
     body = _Steps(run, cfg, plan, net, (part, part_bytes), ds, test,
-                  class_targets(ds.labels, cfg.neurons, NUM_CLASSES), batch_rng, dtype)
+                  class_targets(ds.labels, cfg.neurons, NUM_CLASSES), batch_rng, dtype,
+                  executor)
     if state is not None:
         body.load_state_dict(state)
     loop.run(body)
+    executor.verify()               # the last interval, closed by the loop
     train_s = loop.units_wall_s
     losses, accs = body.losses, body.accs
     nnz = sum(W.nnz for W in weights)
@@ -561,6 +689,8 @@ def _train(args) -> dict:
               "edges_per_second": 3 * nnz * cfg.batch_size * cfg.steps / max(train_s, 1e-12)}
     if cfg.resume:
         result["resumed_from_step"] = loop.start
+    if run.recorder.program is not None:   # every interval's recording held to its program
+        result["program_steps_verified"] = executor.steps_verified
     out = run.finish(metrics=result, predicted=loop.predicted.block())
     if run.rank == 0:
         print(f"test accuracy {loop.final_accuracy:.3f} on {test.features.shape[0]} held-out "
@@ -588,6 +718,52 @@ def _print_traffic(summary: dict) -> None:
           f"   {'EQUAL' if same else 'DIFFERENT'}")
 
 
+class _Inference(_Around):
+    """Inference's bindings: the start of the clock at the barrier, each batch of inputs
+    staged and fed to the net (``infer_batch``), its categories (``infer_categories``: the
+    inputs with a non-zero output, and a metrics line with the batch's wall time) and their
+    max all-reduce, the elapsed time last (the slowest rank's).  On a GPU the categories stay
+    on the device until the one host read after the reduction."""
+
+    def __init__(self, run, net, Y0, batch: int, dtype) -> None:
+        super().__init__(net, {INFER_BATCH: self._batch, INFER_CATEGORIES: self._categories})
+        self.run, self.Y0, self.batch, self.dtype = run, Y0, batch, dtype
+        self.nonzero = net.xp.zeros(Y0.shape[0] + 1, dtype=np.float64)
+        self.s = 0                      # the first input of the batch
+        self.t0 = self.t_batch = None
+
+    def received(self, call, result) -> None:
+        if call.algorithm == "barrier":  # every rank starts the clock together
+            self.t0 = self.t_batch = time.perf_counter()
+
+    def _batch(self) -> None:
+        s, net = self.s, self.net
+        block = self.Y0[s:s + self.batch][:, net.input_rows]
+        block = block.toarray() if sp.issparse(block) else block
+        X0, = _staged(net, np.ascontiguousarray(block.T, dtype=self.dtype))
+        net.feed(X0)
+
+    def _categories(self) -> None:
+        net, s = self.net, self.s
+        B = net.X[0].shape[1]
+        self.nonzero[s:s + B] = net.xp.any(net.x != 0, axis=0)
+        if net.gpu:
+            net.backend.synchronize()   # the batch's wall time includes its device work
+        # a line per batch: its wall time and the inference's so far (the traffic of the whole
+        # inference is accounted once, after the last batch)
+        now = time.perf_counter()
+        self.run.log(s // self.batch + 1, interval_units=1, step_wall_s=now - self.t_batch,
+                     elapsed_s=now - self.t0)
+        self.t_batch = now
+        self.s += B
+
+    def reduced(self, call):
+        if call.algorithm == "barrier":
+            return None
+        self.nonzero[-1] = time.perf_counter() - self.t0  # any over ranks, slowest rank
+        return self.nonzero
+
+
 def _infer(args) -> dict:
     cfg = from_args(InferConfig, args)
     run = start_run(args, system="sparse_sgd", method=f"hspff_{cfg.partition}", config=cfg,
@@ -603,42 +779,24 @@ def _infer(args) -> dict:
         if cfg.num_inputs:
             Y0 = Y0[:cfg.num_inputs]
     n_in = Y0.shape[0]
+    executor = Executor(run)
     part, part_bytes = distribute_partition(run, weights, cfg.partition,
                                             partition_file=cfg.partition_file, seed=args.seed,
-                                            options=cfg, network=network)
+                                            options=cfg, network=network, executor=executor)
     plan = HSGDPlan.from_partition(weights, part)
     predicted = Predicted()
     predicted.add(run.recorder.account(_setup_calls(run, plan, part_bytes)))
-    net = DistributedSparseNet(weights, part, run.world, dtype=dtype, clock=run.clock,
-                               link_shares=plan.link_shares(run.topo.placement, run.rank))
-    in_rows = net.input_rows
-    # categories, then the elapsed time; on a GPU on the device (each batch staged once, its
-    # categories found there, one host read after the reduction)
-    nonzero = net.xp.zeros(n_in + 1, dtype=np.float64)
-    run.world.barrier(phase=PHASE_SYNC)
-    t0 = t_batch = time.perf_counter()
-    for s in range(0, n_in, cfg.batch_size):
-        with run.clock.compute("infer_batch"):
-            block = Y0[s:s + cfg.batch_size][:, in_rows]
-            block = block.toarray() if sp.issparse(block) else block
-            X0, = _staged(net, np.ascontiguousarray(block.T, dtype=dtype))
-        XL = net.infer_challenge(X0, bias, CHALLENGE_YMAX)  # its blocks and sends: events
-        with run.clock.compute("infer_categories"):
-            nonzero[s:s + X0.shape[1]] = net.xp.any(XL != 0, axis=0)
-        if net.gpu:
-            net.backend.synchronize()   # the batch's wall time includes its device work
-        # a line per batch: its wall time and the inference's so far (the traffic of the whole
-        # inference is accounted once, after the last batch)
-        now = time.perf_counter()
-        run.log(s // cfg.batch_size + 1, interval_units=1, step_wall_s=now - t_batch,
-                elapsed_s=now - t0)
-        t_batch = now
-    nonzero[-1] = time.perf_counter() - t0
-    run.world.allreduce(nonzero, "max", phase=PHASE_CATEGORIES)  # any over ranks, slowest rank
-    nonzero = net.backend.asnumpy(nonzero) if net.gpu else nonzero
-    predicted.add(run.recorder.account(plan.calls(run.topo.placement, cfg.batch_size,
-                                                  dtype.itemsize, phase="infer",
-                                                  samples=n_in)))
+    net = DistributedSparseNet(weights, part, run, plan=plan, dtype=dtype, executor=executor)
+    net.set_challenge(bias, CHALLENGE_YMAX)
+    records = plan.tagged_calls(run.topo.placement, cfg.batch_size, dtype.itemsize,
+                                phase="infer", samples=n_in)
+    program = infer_program(records, plan.num_layers, len(batches(n_in, cfg.batch_size)),
+                            run.topo.placement, run.rank, overlap=run.recorder.overlap,
+                            receives_first=net.receives_first)
+    bind = _Inference(run, net, Y0, cfg.batch_size, dtype)
+    executor.run_step(program, bind)
+    nonzero = net.backend.asnumpy(bind.nonzero) if net.gpu else bind.nonzero
+    predicted.add(run.recorder.account([c for c, _ in records]))
     elapsed = float(nonzero[-1])
     categories = np.flatnonzero(nonzero[:-1])
     nnz = sum(W.nnz for W in weights)
@@ -653,6 +811,9 @@ def _infer(args) -> dict:
         ref = challenge_inference_serial(weights, bias, CHALLENGE_YMAX, Y0)
         ref_cats = np.flatnonzero(np.diff(ref.indptr) > 0)
         result["serial_reference_match"] = bool(np.array_equal(ref_cats, categories))
+    executor.verify()
+    if run.recorder.program is not None:   # every interval's recording held to its program
+        result["program_steps_verified"] = executor.steps_verified
     if cfg.write_categories and run.rank == 0:
         write_categories(cfg.write_categories, categories)
     out = run.finish(metrics=result, predicted=predicted.block())

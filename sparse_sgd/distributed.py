@@ -3,37 +3,36 @@
 Processor m stores, for every layer k, the row block W^k_m (split by :mod:`partition.maps` into
 the columns it owns and the columns it receives), the bias entries b^k_m and its entries x^k_m.
 Mini-batches are columns of X (§5.1), stored row-major ``(neurons, batch)`` so every message is a
-contiguous block of rows.  All messages go through :class:`substrate.Comm` under the ledger
-phases ``"spff"`` and ``"spbp"``.
+contiguous block of rows.
 
-Timeline (``clock=``, a :class:`substrate.clock.SimClock`): every block of Algs. 2-3 is a
-compute event with its FLOP count; every message is declared by the send itself
-(:meth:`substrate.comm.Comm.isend` with ``after=`` the compute event that produced its buffer:
-one point-to-point event per message on the link to its peer, intra- or inter-node), so the
-non-blocking messages overlap the local work the paper overlaps them with.  Per SpFF layer
-``k``: ``spff_pack`` (line 4) -> one ``spff`` message per destination; ``spff_local`` (line 6,
-``W_local x^{k-1}``) runs meanwhile; ``spff_remote`` (lines 8-10: remote product and activation)
-waits for the local product and for the layer's messages.  Per SpBP layer ``k``:
-``spbp_remote`` (the sent part of line 4) -> one ``spbp`` message per destination;
-``spbp_local`` (the local part) and ``spbp_update`` (lines 8-9) run meanwhile; ``spbp_delta``
-(lines 10-13) waits for the messages.  Receives are not declared: a rank's timeline holds only
-its own events, and the rows it *receives* for layer ``k`` leave their senders at the same point
-of the same schedule, so their arrival is stood in for by the completion of the messages this
-rank sends for the layer (the senders book the bytes).  A node's ranks exchange a layer at the
-same time over the node's one inter-node link, and every receiver waits for the busiest link of
-the layer: each inter-node send carries the share of :meth:`sparse_sgd.plan.HSGDPlan.link_shares`
-(:func:`substrate.calls.exchange_shares`: busiest link bytes / the rank's own inter-node bytes, R
-for a node whose R ranks send alike), so that this rank's sends end when the exchange does on
-its busiest link (the one-NIC rule alone, R, left the random-partition 8 x 2 and 16 x 1 wire-lab
-runs 4-7 % short).  The next
-layer's compute depends on its inputs only (the send buffers are per layer, so no send blocks
-the next layer).  What the sends carry is :meth:`sparse_sgd.plan.HSGDPlan.calls`'s records,
-message by message (the run accounts them).
+The net issues no call itself: every pass is a program generated from the plan's records
+(:mod:`sparse_sgd.program`: per layer the receives, the sends, the local and remote products as
+compute blocks and the waits of Algs. 2-3) and run by the one executor
+(:class:`substrate.executor.Executor`).  The net is what the program is bound to
+(:class:`substrate.executor.Bindings`): the maps' buffers each message is sent from
+(:meth:`buffer`) and received into (:meth:`receive_buffer`), the SpMM/SDDMM compute of each
+block (:meth:`compute`) and its FLOP count (:meth:`flops`).  A trainer runs the net's blocks
+inside its own programs (a step, the evaluation, inference: :mod:`sparse_sgd.cli`) after
+:meth:`feed` and :meth:`target`; :meth:`forward`, :meth:`backward` and
+:meth:`infer_challenge` run one pass alone.
+
+Timeline: every block of Algs. 2-3 is a compute event with its FLOP count; every message is
+declared by its send after the block that filled its buffer (one point-to-point event per
+message on the link to its peer), so the non-blocking messages overlap the local work the
+paper overlaps them with.  Receives are not declared: the rows a rank *receives* for layer
+``k`` leave their senders at the same point of the same schedule, so their arrival is stood in
+for by the completion of the messages this rank sends for the layer (the senders book the
+bytes).  A node's ranks exchange a layer at the same time over the node's one inter-node link,
+and every receiver waits for the busiest link of the layer: each send carries the exchange's
+share (:func:`substrate.calls.exchange_shares`: busiest link bytes / the rank's own inter-node
+bytes, R for a node whose R ranks send alike), so that this rank's sends end when the exchange
+does on its busiest link.  The next layer's compute depends on its inputs only (the send
+buffers are per layer, so no send blocks the next layer).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 import scipy.sparse as sp
@@ -48,7 +47,21 @@ from sparse_sgd.kernels import (
     spmm_add,
     spmm_add_challenge,
 )
-from sparse_sgd.plan import PHASE_SPBP, PHASE_SPFF
+from sparse_sgd.plan import PHASE_EVAL, PHASE_SPBP, PHASE_SPFF, HSGDPlan
+from sparse_sgd.program import (
+    BACKWARD,
+    DELTA,
+    INFER,
+    LOCAL,
+    OUTPUT,
+    PACK,
+    REMOTE,
+    UPDATE,
+    block_label,
+    layer_of,
+    pass_program,
+)
+from substrate.executor import Bindings, Executor
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
 
@@ -110,63 +123,58 @@ class _DeviceBuffers:
             self.srecv_h = [host((int(d.send_ptr[-1]), B), dtype) for d in layers]
 
 
-class DistributedSparseNet:
+class DistributedSparseNet(Bindings):
     """One processor's part of a sparse DNN trained with SpFF + SpBP.
 
     Parameters
     ----------
     weights : list of scipy.sparse matrices
-        The full W^1 .. W^L (every rank builds its plan from the full sparsity; values of the
+        The full W^1 .. W^L (every rank builds its maps from the full sparsity; values of the
         rows it owns are copied).
     partition : Partition
-        Row partition with ``parts == comm.size``.
-    comm : substrate.Comm
-        Communicator of the processors (world).
+        Row partition with ``parts`` = the run's world size.
+    run : runner.run.Run
+        The run (its world communicator, clock, recorder and placement).
+    plan : HSGDPlan, optional
+        The partition's plan (built from ``partition`` if omitted): the records the net's
+        own passes are generated from.
     biases : list of np.ndarray, optional
         Full b^1 .. b^L (zeros if omitted).
     activation : str
         ``"sigmoid"`` (paper, §6.1) or ``"relu"``.
     dtype : numpy dtype
         Floating type of weights and activations.
-    clock : substrate.clock.SimClock, optional
-        Declare compute blocks as timeline events and send every message after the block
-        that packed it (see the module docstring); without it the net does no timing of its
-        own (its sends are then blocking calls in program order on the run's timeline).
     device : {"cpu", "gpu"}, optional
         Where the rows live; default: the communicator's backend (``--device``).  On a GPU
         the row blocks are CuPy CSR matrices (cuSPARSE SpMM), the SDDMM update and the
         activations CuPy array operations, and every layer's messages leave from one packed
-        device block: the same plan, maps, messages (sizes, tags, order, ``after=``) and
-        ledger as on the CPU, results equal within float round-off.  :meth:`forward` and
-        :meth:`backward` accept host or device inputs; :attr:`X` is on the device, and
-        :meth:`backward` returns the loss as a 0-d device array (read it when needed).
-    link_shares : list, optional
-        ``[spff, spbp]``, each per layer: the :attr:`substrate.calls.Call.share` of this rank's
-        inter-node messages (:meth:`sparse_sgd.plan.HSGDPlan.link_shares`: every exchange ends
-        on the timeline when its busiest node link does); default: the one-NIC rule.
+        device block: the same plan, maps, messages (sizes, tags, order) and ledger as on the
+        CPU, results equal within float round-off.  :meth:`forward` and :meth:`backward`
+        accept host or device inputs; :attr:`X` is on the device, and :meth:`backward`
+        returns the loss as a 0-d device array (read it when needed).
+    executor : substrate.executor.Executor, optional
+        The run's executor (a new one if omitted).
     """
 
-    def __init__(self, weights, partition: Partition, comm, *, biases=None,
-                 activation: str = "sigmoid", dtype=np.float64, clock=None,
-                 device: str | None = None, link_shares=None) -> None:
+    def __init__(self, weights, partition: Partition, run, *, plan: HSGDPlan | None = None,
+                 biases=None, activation: str = "sigmoid", dtype=np.float64,
+                 device: str | None = None, executor: Executor | None = None) -> None:
+        comm = run.world
         if partition.parts != comm.size:
             raise ValueError(f"partition has {partition.parts} parts but the communicator has "
                              f"{comm.size} ranks; partition for {comm.size} processors")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        self.comm = comm
+        self.run = run
         self.rank = comm.rank
+        self.placement = run.topo.placement
         self.dtype = np.dtype(dtype)
         self.f = ACTIVATIONS[activation]
         self.act_flops = ACT_FLOPS[activation]
         self.L = len(weights)
-        if link_shares is None:
-            link_shares = [[None] * self.L, [None] * self.L]
-        if len(link_shares) != 2 or any(len(row) != self.L for row in link_shares):
-            raise ValueError(f"link_shares must hold [spff, spbp] shares for each of the {self.L} "
-                             "layers (HSGDPlan.link_shares)")
-        self.link_shares = link_shares
         self.partition = partition
+        self.plan = plan if plan is not None else HSGDPlan.from_partition(weights, partition)
+        self.executor = executor if executor is not None else Executor(run)
         self.maps = build_maps(weights, partition, comm.rank)  # Xsend/Xrecv, once
         for mp in self.maps:
             for M in (mp.W_local, mp.W_remote):
@@ -178,10 +186,27 @@ class DistributedSparseNet:
         else:
             self.b = [np.asarray(b, dtype=self.dtype)[mp.rows].copy()
                       for b, mp in zip(biases, self.maps)]
+        # position of each peer in a layer's maps: SpFF receives from recv_ranks and sends to
+        # send_ranks; SpBP the other way round
+        self._recv_at = [{int(n): i for i, n in enumerate(mp.recv_ranks)} for mp in self.maps]
+        self._send_at = [{int(n): i for i, n in enumerate(mp.send_ranks)} for mp in self.maps]
+        self._sent_rows = [sum(int(ix.size) for ix in mp.send_index) for mp in self.maps]
         self._buffers: dict[int, _Buffers] = {}
+        self._programs: dict = {}
+        #: x^0 .. x^k of the pass (x^k_m, k = 0..L after a forward) and delta^k (SpBP)
         self.X: list = []
         self.delta: list = []
-        self.clock = clock
+        #: this rank's share of the last SpBP's loss J
+        self.loss = None
+        self._x = None             # x^{k-1} of an inference pass
+        self._z = None             # layer k's product between its local and remote blocks
+        self._s = None             # SpBP: the local part of s^{k-1}
+        self._s_remote = None      # SpBP: the part sent
+        self._Y = None
+        self.lr = None
+        self._challenge = (self.dtype.type(0), self.dtype.type(0))
+        self._B = None
+        self._buf = None
         backend = comm.backend
         if device is None:
             device = "gpu" if backend.is_gpu else "cpu"
@@ -192,34 +217,20 @@ class DistributedSparseNet:
         self.gpu = device == "gpu"
         self.backend = backend
         self.xp = backend.xp if self.gpu else np
+        self._staged = False
         if self.gpu:
             self._dev = [_DeviceLayer(mp, b, self.xp) for mp, b in zip(self.maps, self.b)]
             self._staged = not backend.cuda_aware
             self._fences: dict = {}
             self.b = [d.b for d in self._dev]
-
-    # -- timeline --------------------------------------------------------------------------------
-    @contextmanager
-    def _compute(self, label: str, flops: float, deps=()):
-        """A compute block of ``flops`` FLOPs after ``deps`` on the clock (nothing without
-        one); :meth:`_last` is its event afterwards."""
-        if self.clock is None:
-            yield
-            return
-        with self.clock.compute(label, flops=float(flops), deps=deps):
-            yield
-
-    def _last(self):
-        """The event of the last compute block (``None`` off the timeline)."""
-        clock = self.clock
-        return clock.last_event if clock is not None and clock.timeline is not None else None
-
-    def _after(self):
-        """``after=`` of a send posted right after the compute block that filled its buffer:
-        that block's event (it overlaps what the rank computes next); ``None`` without a clock
-        (a blocking call in program order)."""
-        ev = self._last()
-        return None if ev is None else [ev]
+        #: a layer's receives are posted before its pack (Alg. 2), except on a GPU with a
+        #: CUDA-aware MPI: after its sends, whose host wait covers the kernels that read the
+        #: device block they land in
+        self.receives_first = not (self.gpu and not self._staged)
+        #: GPU: the exchange whose packed block has not gone to MPI yet (its first send takes
+        #: it there: one copy and one host wait per layer and direction)
+        self._unsent = None
+        self._blocks = self._block_table()
 
     # -- data layout ---------------------------------------------------------------------------
     @property
@@ -231,6 +242,11 @@ class DistributedSparseNet:
     def output_rows(self) -> np.ndarray:
         """Global indices of x^L_m."""
         return self.maps[-1].rows
+
+    @property
+    def x(self):
+        """x^L_m of the last inference pass (:meth:`infer_challenge`; x^k_m while it runs)."""
+        return self._x
 
     def rows_of_layer(self, k: int) -> np.ndarray:
         """Global indices of x^k_m (k = 0..L)."""
@@ -292,176 +308,329 @@ class DistributedSparseNet:
         cupyx.scatter_add(scores, xp.asarray(out_class), XL.astype(scores.dtype))
         return scores
 
-    # -- Alg. 2 --------------------------------------------------------------------------------
-    def _post_recvs(self, k: int, buf: _Buffers, phase: str) -> list:
-        """The receives of line 8 of Alg. 2 for layer ``k`` (tag k), posted first."""
-        mp = self.maps[k - 1]
-        recv = buf.xrecv[k - 1]
-        return [self.comm.irecv(recv[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n), tag=k,
-                                phase=phase)
-                for i, n in enumerate(mp.recv_ranks)]
+    # -- a pass's inputs ---------------------------------------------------------------------------
+    def feed(self, X0) -> None:
+        """``X0``, x^0_m of a batch, shape (len(input_rows), B): the input of the next pass (on
+        a GPU staged to the device)."""
+        if self.gpu:
+            X0 = self._device_input(X0, self.input_rows.size, "X0")
+        else:
+            X0 = np.ascontiguousarray(X0, dtype=self.dtype)
+            if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
+                raise ValueError(f"X0 must have shape ({self.input_rows.size}, batch) on rank "
+                                 f"{self.rank}, got {X0.shape}")
+        self._B = X0.shape[1]
+        self._buf = self._bufs(self._B)
+        self.X = [X0]
+        self._x = X0
 
-    def _pack(self, k: int, x_prev: np.ndarray, buf: _Buffers) -> None:
-        """Line 4 of Alg. 2: update every x̄ with the entries of x^{k-1}_m its receiver uses."""
-        mp = self.maps[k - 1]
-        for ix, sbuf in zip(mp.send_index, buf.xsend[k - 1]):
-            np.take(x_prev, ix, axis=0, out=sbuf)
+    def target(self, Y, lr: float) -> None:
+        """``Y``, the targets of x^L_m for the fed batch, shape (len(output_rows), B), and the
+        learning rate of the next SpBP."""
+        shape = (self.output_rows.size, self._B)
+        if self.gpu:
+            Y = self._device_input(Y, shape[0], "Y")
+        else:
+            Y = np.asarray(Y, dtype=self.dtype)
+        if Y.shape != shape:
+            raise ValueError(f"Y must have shape {shape} on rank {self.rank}, got {Y.shape}")
+        self._Y, self.lr = Y, lr
 
-    def _post_sends(self, k: int, buf: _Buffers, phase: str, after) -> list:
-        """Line 5 of Alg. 2 (tag k): one non-blocking send per destination, after ``after``."""
-        mp = self.maps[k - 1]
-        return [self.comm.isend(sbuf, int(n), tag=k, phase=phase, after=after,
-                                share=self._share(k))
-                for n, sbuf in zip(mp.send_ranks, buf.xsend[k - 1])]
+    def set_challenge(self, bias: float, ymax: float) -> None:
+        """The Graph Challenge bias and activation cap of inference (§6.3)."""
+        self._challenge = (self.dtype.type(bias), self.dtype.type(ymax))
 
-    def _share(self, tag: int):
-        """The timeline share of the inter-node messages of tag ``tag`` (SpFF of layer k: k;
-        SpBP of layer k: L + k)."""
-        return self.link_shares[0][tag - 1] if tag <= self.L else \
-            self.link_shares[1][tag - self.L - 1]
-
-    def forward(self, X0: np.ndarray, phase: str = PHASE_SPFF) -> np.ndarray:
+    # -- one pass alone ----------------------------------------------------------------------------
+    def forward(self, X0) -> np.ndarray:
         """SpFF (Alg. 2) on a mini-batch: ``X0`` holds x^0_m, shape (len(input_rows), B).
 
-        Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP.  ``phase`` names the
-        messages in the ledger (``"eval"`` for a held-out evaluation).
-        """
-        if self.gpu:
-            return self._forward_gpu(X0, phase)
-        X0 = np.ascontiguousarray(X0, dtype=self.dtype)
-        if X0.ndim != 2 or X0.shape[0] != self.input_rows.size:
-            raise ValueError(f"X0 must have shape ({self.input_rows.size}, batch) on rank "
-                             f"{self.rank}, got {X0.shape}")
-        B = X0.shape[1]
-        buf = self._bufs(B)
-        self.X = [X0]
-        for k, mp in enumerate(self.maps, start=1):
-            x_prev = self.X[-1]
-            rreq = self._post_recvs(k, buf, phase)
-            with self._compute(f"{phase}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-                self._pack(k, x_prev, buf)
-            sreq = self._post_sends(k, buf, phase, self._after())
-            rows = mp.rows.size
-            with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
-                z = mp.W_local @ x_prev  # line 6: local product overlaps the messages
-                z += self.b[k - 1][:, None]
-            local = self._last()
-            self.comm.waitall(rreq)  # line 8
-            with self._compute(f"{phase}_remote[{k}]",
-                               (2 * mp.W_remote.nnz + self.act_flops * rows) * B,
-                               deps=[local, *sreq]):
-                if mp.recv_ptr[-1]:
-                    z += mp.W_remote @ buf.xrecv[k - 1]  # line 9
-                self.X.append(self.f.apply(np.ascontiguousarray(z, dtype=self.dtype)))  # l. 10
-            self.comm.waitall(sreq)
+        Returns x^L_m; keeps x^k_m and the received x̂^{k-1} for SpBP."""
+        self.feed(X0)
+        self._run(PHASE_SPFF)
         return self.X[-1]
 
-    # -- Alg. 3 --------------------------------------------------------------------------------
-    def backward(self, Y: np.ndarray, lr: float) -> float:
+    def backward(self, Y, lr: float):
         """SpBP (Alg. 3) with the weight update, after :meth:`forward`.
 
         ``Y`` holds the targets of x^L_m, shape (len(output_rows), B).  Loss J = 1/(2B) sum of
         squared errors; returns this rank's share of it (sum over ranks = J).
         """
-        if self.gpu:
-            return self._backward_gpu(Y, lr)
-        XL = self.X[-1]
-        Y = np.asarray(Y, dtype=self.dtype)
-        if Y.shape != XL.shape:
-            raise ValueError(f"Y must have shape {XL.shape} on rank {self.rank}, got {Y.shape}")
-        B = XL.shape[1]
-        buf = self._bufs(B)
-        with self._compute("spbp_output", (4 + self.act_flops) * XL.size):
-            loss = float(0.5 * np.sum((XL - Y) ** 2) / B)
-            delta = np.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))  # line 2, eq. 6
-        self.delta = [None] * (self.L + 1)
-        self.delta[self.L] = delta
-        for k in range(self.L, 0, -1):
-            mp = self.maps[k - 1]
-            x_prev = self.X[k - 1]
-            xrecv = buf.xrecv[k - 1]
-            tag = self.L + k
-            exchange = k > 1  # s^1 would only give delta^0: nothing to send
-            if exchange:
-                rreq = [self.comm.irecv(rb, int(n), tag=tag, phase=PHASE_SPBP)
-                        for n, rb in zip(mp.send_ranks, buf.srecv[k - 1])]
-                with self._compute(f"spbp_remote[{k}]", 2 * mp.W_remote.nnz * B):
-                    s_remote = np.ascontiguousarray(mp.W_remote.T @ delta)  # line 4, sent part
-                after = self._after()
-                sreq = [self.comm.isend(s_remote[mp.recv_ptr[i]:mp.recv_ptr[i + 1]], int(n),
-                                        tag=tag, phase=PHASE_SPBP, after=after,
-                                        share=self._share(tag))
-                        for i, n in enumerate(mp.recv_ranks)]  # lines 5-7 (Ssend = Xrecv rows)
-                with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
-                    s = np.asarray(mp.W_local.T @ delta)  # line 4, local part
-            # lines 8-9: outer-product update on the sparsity, overlapped with the messages
-            with self._compute(f"spbp_update[{k}]",
-                               2 * (mp.W_local.nnz + mp.W_remote.nnz) * B + 2 * delta.size):
-                sddmm_update(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, delta,
-                             x_prev, lr)
-                if mp.recv_ptr[-1]:
-                    sddmm_update(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
-                                 delta, xrecv, lr)
-                self.b[k - 1] -= lr * delta.sum(axis=1)
-            if exchange:
-                self.comm.waitall(rreq)  # lines 10-12
-                received = sum(ix.size for ix in mp.send_index) * B
-                with self._compute(f"spbp_delta[{k}]",
-                                   received + (1 + self.act_flops) * x_prev.size,
-                                   deps=[self._last(), *sreq]):
-                    for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
-                        s[ix] += rb
-                    delta = np.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
-                self.delta[k - 1] = delta
-                self.comm.waitall(sreq)
-        return loss
+        self.target(Y, lr)
+        self._run(BACKWARD)
+        return self.loss
 
-    def step(self, X0: np.ndarray, Y: np.ndarray, lr: float) -> float:
+    def step(self, X0, Y, lr: float):
         """One SGD iteration (SpFF then SpBP); returns this rank's share of the loss."""
         self.forward(X0)
         return self.backward(Y, lr)
 
-    # -- H-SpFF inference (§6.3) -----------------------------------------------------------------
-    def infer_challenge(self, X0: np.ndarray, bias: float, ymax: float) -> np.ndarray:
-        """H-SpFF with Graph Challenge semantics: x^k = min(max(W^k x^{k-1} + b, 0), ymax).
+    def infer_challenge(self, X0, bias: float, ymax: float):
+        """H-SpFF with Graph Challenge semantics (§6.3): x^k = min(max(W^k x^{k-1} + b, 0),
+        ymax), the bias added only where W^k x^{k-1} != 0; local and remote products use the
+        fused Numba kernels.  ``X0`` is x^0_m for a batch, shape (len(input_rows), B)."""
+        self.feed(X0)
+        self.set_challenge(bias, ymax)
+        self._run(INFER)
+        return self._x
 
-        The bias is added only where W^k x^{k-1} != 0; local and remote products use the fused
-        Numba kernels.  ``X0`` is x^0_m for a batch, shape (len(input_rows), B).
-        """
-        if self.gpu:
-            return self._infer_gpu(X0, bias, ymax)
-        X0 = np.ascontiguousarray(X0, dtype=self.dtype)
-        B = X0.shape[1]
-        buf = self._bufs(B)
-        x_prev = X0
+    def _run(self, prefix: str) -> None:
+        """Run one pass (:func:`sparse_sgd.program.pass_program`) on the fed batch: SpFF with
+        the blocks' ``prefix`` (``spff``, ``infer``) or SpBP (``spbp``)."""
+        B, overlap = self._B, self.run.recorder.overlap
+        key = (prefix, B, overlap)
+        program = self._programs.get(key)
+        if program is None:
+            interval, samples = ("infer", B) if prefix == INFER else ("step", 0)
+            records = self.plan.tagged_calls(self.placement, B, self.dtype.itemsize, interval,
+                                             samples=samples)
+            program = self._programs[key] = pass_program(
+                records, self.L, self.placement, self.rank, prefix, overlap=overlap,
+                receives_first=self.receives_first)
+        self.executor.run_step(program, self)
+
+    # -- what the programs are bound to --------------------------------------------------------------
+    def compute(self, label: str):
+        """The compute of block ``label`` (one of :mod:`sparse_sgd.program`'s layer blocks)."""
+        try:
+            return self._blocks[label][0]
+        except KeyError:
+            return super().compute(label)
+
+    def flops(self, label: str) -> float | None:
+        entry = self._blocks.get(label)
+        return None if entry is None else float(entry[1]())
+
+    def buffer(self, call):
+        """The rows a message carries (its label names the layer k, its destination the
+        block): SpFF x^{k-1} rows packed for the receiver; SpBP the receiver's rows of
+        ``W^k_remote^T delta^k``."""
+        if call.algorithm != "p2p":
+            return super().buffer(call)
+        k, dst = layer_of(call), int(call.pairs[0, 1])
+        mp, buf = self.maps[k - 1], self._buf
+        if call.phase == PHASE_SPBP:                 # lines 5-7 of Alg. 3: Ssend = Xrecv rows
+            i, ptr = self._recv_at[k - 1][dst], mp.recv_ptr
+            if not self.gpu:
+                return self._s_remote[ptr[i]:ptr[i + 1]]
+            src = self._to_mpi((1, k), self._s_remote,
+                               buf.ssend_h[k - 1] if self._staged else None)
+            return src[ptr[i]:ptr[i + 1]]
+        i = self._send_at[k - 1][dst]                # line 5 of Alg. 2
+        if not self.gpu:
+            return buf.xsend[k - 1][i]
+        ptr = self._dev[k - 1].send_ptr
+        src = self._to_mpi((0, k), buf.xsend[k - 1], buf.xsend_h[k - 1] if self._staged else None)
+        return src[ptr[i]:ptr[i + 1]]
+
+    def receive_buffer(self, source: int, nbytes: int, tag: int):
+        """Where a message lands (``tag`` k: SpFF of layer k, line 8 of Alg. 2, the rows of
+        x̂^{k-1} from ``source``; ``L + k``: SpBP of layer k, lines 10-12 of Alg. 3, the
+        partial sums of the rows this rank sent it)."""
+        backward = tag > self.L
+        k = tag - self.L if backward else tag
+        mp, buf = self.maps[k - 1], self._buf
+        if backward:
+            i = self._send_at[k - 1][int(source)]
+            if not self.gpu:
+                return buf.srecv[k - 1][i]
+            ptr = self._dev[k - 1].send_ptr
+            dst = self._landing(buf.srecv[k - 1], buf.srecv_h[k - 1] if self._staged else None)
+        else:
+            i, ptr = self._recv_at[k - 1][int(source)], mp.recv_ptr
+            if not self.gpu:
+                return buf.xrecv[k - 1][ptr[i]:ptr[i + 1]]
+            dst = self._landing(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
+        return dst[ptr[i]:ptr[i + 1]]
+
+    def _block_table(self) -> dict:
+        """``{label: (compute, FLOPs)}`` of every block of the net's passes."""
+        act = self.act_flops
+        B = lambda: self._B  # noqa: E731
+        table = {}
         for k, mp in enumerate(self.maps, start=1):
-            rows = mp.rows.size
-            rreq = self._post_recvs(k, buf, PHASE_SPFF)
-            with self._compute(f"infer_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-                self._pack(k, x_prev, buf)
-            sreq = self._post_sends(k, buf, PHASE_SPFF, self._after())
-            with self._compute(f"infer_local[{k}]", 2 * mp.W_local.nnz * B):
-                z = np.zeros((rows, B), dtype=self.dtype)
-                spmm_add(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, x_prev, z)
-            local = self._last()
-            self.comm.waitall(rreq)
-            with self._compute(f"infer_remote[{k}]", (2 * mp.W_remote.nnz + 3 * rows) * B,
-                               deps=[local, *sreq]):
-                spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
-                                   buf.xrecv[k - 1], z, self.dtype.type(bias),
-                                   self.dtype.type(ymax))
-            self.comm.waitall(sreq)
-            x_prev = z
-        return x_prev
+            rows, nl, nr = mp.rows.size, mp.W_local.nnz, mp.W_remote.nnz
+            sent = self._sent_rows[k - 1]
+            for prefix in (PHASE_SPFF, PHASE_EVAL, INFER):
+                table[block_label(prefix, PACK, k)] = (
+                    partial(self._pack, k, prefix == INFER), lambda s=sent: s * B())
+            for prefix in (PHASE_SPFF, PHASE_EVAL):
+                table[block_label(prefix, LOCAL, k)] = (
+                    partial(self._local, k), lambda n=nl, r=rows: (2 * n + r) * B())
+                table[block_label(prefix, REMOTE, k)] = (
+                    partial(self._remote, k), lambda n=nr, r=rows: (2 * n + act * r) * B())
+            table[block_label(INFER, LOCAL, k)] = (partial(self._challenge_local, k),
+                                                   lambda n=nl: 2 * n * B())
+            table[block_label(INFER, REMOTE, k)] = (partial(self._challenge_remote, k),
+                                                    lambda n=nr, r=rows: (2 * n + 3 * r) * B())
+            table[block_label(BACKWARD, REMOTE, k)] = (partial(self._sent_part, k),
+                                                       lambda n=nr: 2 * n * B())
+            table[block_label(BACKWARD, LOCAL, k)] = (partial(self._local_part, k),
+                                                      lambda n=nl: 2 * n * B())
+            table[block_label(BACKWARD, UPDATE, k)] = (
+                partial(self._update, k),
+                lambda n=nl + nr, k=k: 2 * n * B() + 2 * self.delta[k].size)
+            table[block_label(BACKWARD, DELTA, k)] = (
+                partial(self._delta, k),
+                lambda s=sent, k=k: s * B() + (1 + act) * self.X[k - 1].size)
+        table[block_label(BACKWARD, OUTPUT)] = (self._output,
+                                                lambda: (4 + act) * self.X[-1].size)
+        return table
 
-    # -- the GPU path --------------------------------------------------------------------------
-    # The same calls as the CPU path in the same order (receives posted first, sends after
-    # the block that packed them, waits where Alg. 2/3 wait), so the plan's records, the
-    # ledger and the timeline are the CPU run's.  A layer's outgoing rows are gathered into
-    # one device block; with a host-only MPI that block is copied to pinned memory once
-    # (one host wait per layer and direction: the data MPI must read) and the messages are
-    # its row ranges; received rows are copied up once per layer, the compute stream waiting
-    # for the copy without a host wait.
+    # -- Alg. 2: the blocks of a layer's SpFF -------------------------------------------------------
+    def _pack(self, k: int, challenge: bool) -> None:
+        """Line 4: update every x̄ with the entries of x^{k-1}_m its receiver uses (on a GPU
+        gathered into one device block)."""
+        mp, buf = self.maps[k - 1], self._buf
+        x_prev = self._x if challenge else self.X[-1]
+        if not self.gpu:
+            for ix, sbuf in zip(mp.send_index, buf.xsend[k - 1]):
+                np.take(x_prev, ix, axis=0, out=sbuf)
+            return
+        d = self._dev[k - 1]
+        if d.send_all.size:
+            self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
+        self._unsent = (0, k)
+
+    def _local(self, k: int) -> None:
+        """Line 6: the local product W^k_local x^{k-1} + b^k, while the messages travel."""
+        x_prev = self.X[-1]
+        if self.gpu:
+            d = self._dev[k - 1]
+            z = d.Wl @ x_prev
+            z += d.b[:, None]
+        else:
+            z = self.maps[k - 1].W_local @ x_prev
+            z += self.b[k - 1][:, None]
+        self._z = z
+
+    def _remote(self, k: int) -> None:
+        """Lines 9-10: the remote product W^k_remote x̂^{k-1} and the activation: x^k_m."""
+        mp, buf, z = self.maps[k - 1], self._buf, self._z
+        W = mp.W_remote
+        if self.gpu:
+            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
+            W = self._dev[k - 1].Wr
+        if mp.recv_ptr[-1]:
+            z += W @ buf.xrecv[k - 1]
+        self.X.append(self.f.apply(self.xp.ascontiguousarray(z, dtype=self.dtype)))
+        self._z = None
+
+    def _challenge_local(self, k: int) -> None:
+        """Line 6 with Graph Challenge semantics: the local product alone."""
+        mp = self.maps[k - 1]
+        if self.gpu:
+            self._z = self._dev[k - 1].Wl @ self._x
+            return
+        z = np.zeros((mp.rows.size, self._B), dtype=self.dtype)
+        spmm_add(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, self._x, z)
+        self._z = z
+
+    def _challenge_remote(self, k: int) -> None:
+        """Lines 9-10 with Graph Challenge semantics: the remote product, the bias where the
+        product is non-zero, the cap (the fused kernel on the CPU)."""
+        mp, buf, z = self.maps[k - 1], self._buf, self._z
+        bias, ymax = self._challenge
+        if self.gpu:
+            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
+            if mp.recv_ptr[-1]:
+                z += self._dev[k - 1].Wr @ buf.xrecv[k - 1]
+            challenge_finish_device(z, bias, ymax)
+        else:
+            spmm_add_challenge(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data,
+                               buf.xrecv[k - 1], z, bias, ymax)
+        self._x, self._z = z, None
+
+    # -- Alg. 3: the blocks of a layer's SpBP -------------------------------------------------------
+    def _output(self) -> None:
+        """Line 2 (eq. 6): delta^L of the squared error, and this rank's share of the loss (on a
+        GPU it stays on the device)."""
+        xp, XL, Y = self.xp, self.X[-1], self._Y
+        B = XL.shape[1]
+        if self.gpu:
+            self.loss = 0.5 * xp.sum((XL - Y) ** 2) / B
+        else:
+            self.loss = float(0.5 * np.sum((XL - Y) ** 2) / B)
+        self.delta = [None] * (self.L + 1)
+        self.delta[self.L] = xp.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))
+
+    def _sent_part(self, k: int) -> None:
+        """Line 4, the part sent: W^k_remote^T delta^k, a block of rows per owner."""
+        W = self._dev[k - 1].Wr if self.gpu else self.maps[k - 1].W_remote
+        self._s_remote = self.xp.ascontiguousarray(W.T @ self.delta[k])
+        self._unsent = (1, k)
+
+    def _local_part(self, k: int) -> None:
+        """Line 4, the local part: W^k_local^T delta^k."""
+        if self.gpu:
+            self._s = self._dev[k - 1].Wl.T @ self.delta[k]
+        else:
+            self._s = np.asarray(self.maps[k - 1].W_local.T @ self.delta[k])
+
+    def _update(self, k: int) -> None:
+        """Lines 8-9: the outer-product update on the sparsity (SDDMM) and the bias, while the
+        messages travel."""
+        mp, delta, x_prev, lr = self.maps[k - 1], self.delta[k], self.X[k - 1], self.lr
+        xrecv = self._buf.xrecv[k - 1]
+        if self.gpu:
+            d = self._dev[k - 1]
+            sddmm_update_device(d.rows_l, d.cols_l, d.Wl.data, delta, x_prev, lr)
+            if mp.recv_ptr[-1]:
+                sddmm_update_device(d.rows_r, d.cols_r, d.Wr.data, delta, xrecv, lr)
+            d.b -= lr * delta.sum(axis=1)
+            return
+        sddmm_update(mp.W_local.indptr, mp.W_local.indices, mp.W_local.data, delta, x_prev, lr)
+        if mp.recv_ptr[-1]:
+            sddmm_update(mp.W_remote.indptr, mp.W_remote.indices, mp.W_remote.data, delta,
+                         xrecv, lr)
+        self.b[k - 1] -= lr * delta.sum(axis=1)
+
+    def _delta(self, k: int) -> None:
+        """Lines 10-13: the received partial sums added to the local part, delta^{k-1}."""
+        mp, buf, s, x_prev = self.maps[k - 1], self._buf, self._s, self.X[k - 1]
+        if self.gpu:
+            d = self._dev[k - 1]
+            self._arrived(buf.srecv[k - 1], buf.srecv_h[k - 1] if self._staged else None)
+            for i, ix in enumerate(d.send_index):   # per source: the CPU's order
+                s[ix] += buf.srecv[k - 1][d.send_ptr[i]:d.send_ptr[i + 1]]
+        else:
+            for ix, rb in zip(mp.send_index, buf.srecv[k - 1]):
+                s[ix] += rb
+        self.delta[k - 1] = self.xp.ascontiguousarray(s * self.f.derivative(x_prev))
+        self._s = self._s_remote = None
+
+    # -- the GPU path ------------------------------------------------------------------------------
+    # The same programs as the CPU path (receives, sends and waits where Algs. 2-3 have them), so
+    # the plan's records, the ledger and the timeline are the CPU run's.  A layer's outgoing rows
+    # are gathered into one device block; with a host-only MPI that block is copied to pinned
+    # memory once (one host wait per layer and direction: the data MPI must read) and the
+    # messages are its row ranges; received rows are copied up once per layer, the compute
+    # stream waiting for the copy without a host wait.
+
+    def _to_mpi(self, exchange: tuple, dev_block, host_block):
+        """The block an exchange's messages leave from, handed to MPI with one host wait at
+        its first message (host-only MPI: one copy to pinned memory; CUDA-aware: the device
+        memory once its kernels completed)."""
+        if self._unsent == exchange:
+            self._unsent = None
+            if self._staged:
+                if dev_block.size:
+                    self.backend.to_host(dev_block, host_block,
+                                         after=self.xp.cuda.get_current_stream().record())
+            elif dev_block.size:
+                self.backend.synchronize()
+        return host_block if self._staged else dev_block
+
+    def _landing(self, dev_block, host_block):
+        """The block a layer's receives land in: the pinned host block (host-only MPI, once
+        the copy up of its previous contents has run) or the device block (CUDA-aware: the
+        receives are posted after the layer's sends, whose host wait covers the kernels that
+        read the block before)."""
+        if not self._staged:
+            return dev_block
+        fence = self._fences.pop(id(host_block), None)
+        if fence is not None and not self.backend._fence_done(fence):
+            self.backend._fence_wait(fence)
+        return host_block
 
     def _device_input(self, A, rows: int, what: str):
         xp = self.xp
@@ -471,162 +640,8 @@ class DistributedSparseNet:
                              f"got {A.shape}")
         return A
 
-    def _post_recvs_gpu(self, tag: int, phase: str, into_dev, into_host, ptr, ranks) -> list:
-        """Receives (``tag``) into the row blocks ``ptr`` of the pinned host block (host-only
-        MPI: once the copy up of its previous contents has run) or of the device block
-        (CUDA-aware: posted after the layer's sends, whose host wait covers the kernels that
-        read the block before)."""
-        if self._staged:
-            fence = self._fences.pop(id(into_host), None)
-            if fence is not None and not self.backend._fence_done(fence):
-                self.backend._fence_wait(fence)
-            dst = into_host
-        else:
-            dst = into_dev
-        return [self.comm.irecv(dst[ptr[i]:ptr[i + 1]], int(n), tag=tag, phase=phase)
-                for i, n in enumerate(ranks)]
-
-    def _send_gpu(self, dev_block, host_block, ptr, ranks, tag: int, phase: str, after):
-        """The packed block to MPI with one host wait (host-only MPI: one copy to pinned
-        memory; CUDA-aware: the device memory once its kernels completed), then one send per
-        destination of its row range ``ptr[i]:ptr[i+1]``."""
-        if self._staged:
-            if dev_block.size:
-                self.backend.to_host(dev_block, host_block,
-                                     after=self.xp.cuda.get_current_stream().record())
-            src = host_block
-        else:
-            if dev_block.size:
-                self.backend.synchronize()
-            src = dev_block
-        return [self.comm.isend(src[ptr[i]:ptr[i + 1]], int(n), tag=tag, phase=phase,
-                                after=after, share=self._share(tag))
-                for i, n in enumerate(ranks)]
-
     def _arrived(self, dev_block, host_block) -> None:
         """The received rows on the device (host-only MPI: one copy up, no host wait; the
         copy fences the host block's next receive)."""
         if self._staged and dev_block.size:
             self._fences[id(host_block)] = self.backend.to_device(host_block, dev_block)
-
-    def _recvs_ff(self, k: int, phase: str, buf, mp: LayerMaps, before: bool) -> list:
-        """SpFF receives of layer ``k``: before the pack on a host-only MPI (as Alg. 2),
-        after the sends with a CUDA-aware one (:meth:`_post_recvs_gpu`)."""
-        if before != self._staged:
-            return []
-        return self._post_recvs_gpu(k, phase, buf.xrecv[k - 1],
-                                    buf.xrecv_h[k - 1] if self._staged else None,
-                                    mp.recv_ptr, mp.recv_ranks)
-
-    def _spff_exchange_gpu(self, k, mp, d, x_prev, buf, phase: str, label: str, B: int):
-        """Layer ``k``'s SpFF exchange on the device (training and inference alike): the
-        receives posted (before the pack where the plan says so), the rows the peers need
-        gathered into one device block (compute ``{label}_pack[k]``) and sent, the remaining
-        receives posted.  Returns ``(receive requests, send requests)``."""
-        rreq = self._recvs_ff(k, phase, buf, mp, before=True)
-        with self._compute(f"{label}_pack[{k}]", sum(ix.size for ix in mp.send_index) * B):
-            if d.send_all.size:
-                self.xp.take(x_prev, d.send_all, axis=0, out=buf.xsend[k - 1])
-        sreq = self._send_gpu(buf.xsend[k - 1], buf.xsend_h[k - 1] if self._staged else None,
-                              d.send_ptr, mp.send_ranks, k, phase, self._after())
-        return rreq or self._recvs_ff(k, phase, buf, mp, before=False), sreq
-
-    def _forward_gpu(self, X0, phase: str):
-        X0 = self._device_input(X0, self.input_rows.size, "X0")
-        B = X0.shape[1]
-        buf = self._bufs(B)
-        self.X = [X0]
-        for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
-            x_prev = self.X[-1]
-            rreq, sreq = self._spff_exchange_gpu(k, mp, d, x_prev, buf, phase, phase, B)
-            rows = mp.rows.size
-            with self._compute(f"{phase}_local[{k}]", (2 * mp.W_local.nnz + rows) * B):
-                z = d.Wl @ x_prev  # line 6: local product overlaps the messages
-                z += d.b[:, None]
-            local = self._last()
-            self.comm.waitall(rreq)  # line 8
-            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
-            with self._compute(f"{phase}_remote[{k}]",
-                               (2 * mp.W_remote.nnz + self.act_flops * rows) * B,
-                               deps=[local, *sreq]):
-                if mp.recv_ptr[-1]:
-                    z += d.Wr @ buf.xrecv[k - 1]  # line 9
-                self.X.append(self.f.apply(self.xp.ascontiguousarray(z, dtype=self.dtype)))
-            self.comm.waitall(sreq)
-        return self.X[-1]
-
-    def _backward_gpu(self, Y, lr: float):
-        xp = self.xp
-        XL = self.X[-1]
-        Y = self._device_input(Y, XL.shape[0], "Y")
-        if Y.shape != XL.shape:
-            raise ValueError(f"Y must have shape {XL.shape} on rank {self.rank}, got {Y.shape}")
-        B = XL.shape[1]
-        buf = self._bufs(B)
-        with self._compute("spbp_output", (4 + self.act_flops) * XL.size):
-            loss = 0.5 * xp.sum((XL - Y) ** 2) / B            # stays on the device
-            delta = xp.ascontiguousarray((XL - Y) / B * self.f.derivative(XL))
-        self.delta = [None] * (self.L + 1)
-        self.delta[self.L] = delta
-        for k in range(self.L, 0, -1):
-            mp, d = self.maps[k - 1], self._dev[k - 1]
-            x_prev = self.X[k - 1]
-            tag = self.L + k
-            exchange = k > 1
-            if exchange:
-                post = lambda tag=tag, k=k, d=d, mp=mp: self._post_recvs_gpu(  # noqa: E731
-                    tag, PHASE_SPBP, buf.srecv[k - 1],
-                    buf.srecv_h[k - 1] if self._staged else None, d.send_ptr, mp.send_ranks)
-                rreq = post() if self._staged else None
-                with self._compute(f"spbp_remote[{k}]", 2 * mp.W_remote.nnz * B):
-                    s_remote = xp.ascontiguousarray(d.Wr.T @ delta)  # line 4, sent part
-                sreq = self._send_gpu(s_remote, buf.ssend_h[k - 1] if self._staged else None,
-                                      mp.recv_ptr, mp.recv_ranks, tag, PHASE_SPBP,
-                                      self._after())
-                if rreq is None:
-                    rreq = post()
-                with self._compute(f"spbp_local[{k}]", 2 * mp.W_local.nnz * B):
-                    s = d.Wl.T @ delta  # line 4, local part
-            with self._compute(f"spbp_update[{k}]",
-                               2 * (mp.W_local.nnz + mp.W_remote.nnz) * B + 2 * delta.size):
-                sddmm_update_device(d.rows_l, d.cols_l, d.Wl.data, delta, x_prev, lr)
-                if mp.recv_ptr[-1]:
-                    sddmm_update_device(d.rows_r, d.cols_r, d.Wr.data, delta, buf.xrecv[k - 1],
-                                        lr)
-                d.b -= lr * delta.sum(axis=1)
-            if exchange:
-                self.comm.waitall(rreq)  # lines 10-12
-                self._arrived(buf.srecv[k - 1], buf.srecv_h[k - 1] if self._staged else None)
-                received = sum(ix.size for ix in mp.send_index) * B
-                with self._compute(f"spbp_delta[{k}]",
-                                   received + (1 + self.act_flops) * x_prev.size,
-                                   deps=[self._last(), *sreq]):
-                    for i, ix in enumerate(d.send_index):   # per source: the CPU's order
-                        s[ix] += buf.srecv[k - 1][d.send_ptr[i]:d.send_ptr[i + 1]]
-                    delta = xp.ascontiguousarray(s * self.f.derivative(x_prev))  # line 13
-                self.delta[k - 1] = delta
-                self.comm.waitall(sreq)
-        return loss
-
-    def _infer_gpu(self, X0, bias: float, ymax: float):
-        X0 = self._device_input(X0, self.input_rows.size, "X0")
-        B = X0.shape[1]
-        buf = self._bufs(B)
-        x_prev = X0
-        for k, (mp, d) in enumerate(zip(self.maps, self._dev), start=1):
-            rows = mp.rows.size
-            rreq, sreq = self._spff_exchange_gpu(k, mp, d, x_prev, buf, PHASE_SPFF, "infer",
-                                                 B)
-            with self._compute(f"infer_local[{k}]", 2 * mp.W_local.nnz * B):
-                z = d.Wl @ x_prev
-            local = self._last()
-            self.comm.waitall(rreq)
-            self._arrived(buf.xrecv[k - 1], buf.xrecv_h[k - 1] if self._staged else None)
-            with self._compute(f"infer_remote[{k}]", (2 * mp.W_remote.nnz + 3 * rows) * B,
-                               deps=[local, *sreq]):
-                if mp.recv_ptr[-1]:
-                    z += d.Wr @ buf.xrecv[k - 1]
-                challenge_finish_device(z, self.dtype.type(bias), self.dtype.type(ymax))
-            self.comm.waitall(sreq)
-            x_prev = z
-        return x_prev

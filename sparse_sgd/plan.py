@@ -9,7 +9,9 @@ holds the partition and its :class:`partition.PartitionMetrics` (``pair_words[k-
 records (:class:`substrate.calls.Call`) of one interval of a run on any placement
 (:meth:`HSGDPlan.calls`): a training step (per layer the SpFF exchange, per layer k >= 2 the SpBP
 exchange, the loss all-reduce), the set-up (the partition broadcast), the held-out evaluation and
-an inference pass.  The run holds what it executes against these records message by message
+an inference pass.  Every rank's program of an interval is generated from these records
+(:meth:`HSGDPlan.tagged_calls`, each exchange with its message tag: :mod:`sparse_sgd.program`)
+and run by the one executor; the run holds what it executed against them message by message
 (:meth:`substrate.recorder.Recorder.account`), ``commvol predict`` prices them, and they are
 tested against a brute-force count written from eqs. 8-9.
 
@@ -36,7 +38,7 @@ from partition.partitioners import (
     random_partition,
 )
 from sparse_sgd.radixnet import RadixNetConfig, radixnet, relabel_owners, relabelling
-from substrate.calls import Call, Placement, exchange_shares
+from substrate.calls import Call, Placement
 from substrate.options import option
 
 __all__ = [
@@ -54,6 +56,8 @@ __all__ = [
     "HSGDOptions",
     "HSGDPlan",
     "PartitionOptions",
+    "batches",
+    "partition_broadcast",
     "partition_bytes",
     "plan_partition",
 ]
@@ -233,29 +237,14 @@ class HSGDPlan:
         pairs[:, 2] *= word_bytes
         return Call(phase, "p2p", world, pairs=pairs, itemsize=itemsize, after=after)
 
-    def link_shares(self, placement: Placement, rank: int) -> list:
-        """``shares[direction][k-1]``: the :attr:`~substrate.calls.Call.share` of ``rank``'s
-        inter-node messages in layer ``k``'s SpFF (``direction`` 0) or SpBP (1) exchange
-        (:func:`substrate.calls.exchange_shares`: they end when the exchange's busiest node
-        link does), ``None`` where it sends none.  Words scale every pair alike, so the shares
-        do not depend on the batch or the value size."""
-        world = placement.world
-        out = []
-        for direction in (0, 1):
-            row = []
-            for k in range(1, self.num_layers + 1):
-                c = self._exchange(world, k, direction, 1, PHASE_SPFF, 1, ())
-                row.append(None if c is None else exchange_shares(c, placement).get(int(rank)))
-            out.append(row)
-        return out
-
     def _forward(self, out: list, world: tuple, batch: int, itemsize: int, phase: str) -> None:
         """Append the SpFF records of one forward pass on ``batch`` input vectors, each after
-        the previous record of ``out`` (layer k's sends wait for layer k-1's products)."""
+        the previous record of ``out`` (layer k's sends wait for layer k-1's products), with
+        their tags k."""
         for k in range(1, self.num_layers + 1):
             c = self._exchange(world, k, 0, batch * itemsize, phase, itemsize, _prev(out))
             if c is not None:
-                out.append(c)
+                out.append((c, k))
 
     def calls(self, placement: Placement, batch: int, itemsize: int, phase: str = "step", *,
               samples: int = 0) -> list[Call]:
@@ -285,6 +274,15 @@ class HSGDPlan:
         Layers nobody sends in have no record.  Each record's ``after`` names the previous one
         (every exchange and collective of H-SGD waits for the compute the previous one fed).
         """
+        return [c for c, _ in self.tagged_calls(placement, batch, itemsize, phase,
+                                                samples=samples)]
+
+    def tagged_calls(self, placement: Placement, batch: int, itemsize: int,
+                     phase: str = "step", *, samples: int = 0) -> list[tuple[Call, int | None]]:
+        """:meth:`calls`' records, each with the message tag of its exchange: ``k`` for the
+        SpFF exchange of layer k (Alg. 2), ``L + k`` for the SpBP exchange of layer k (Alg. 3),
+        ``None`` for a collective.  The tag names the layer whose maps a rank's program
+        (:mod:`sparse_sgd.program`) sends from and receives into."""
         if not isinstance(placement, Placement):
             raise TypeError(f"calls() needs a substrate.calls.Placement, got "
                              f"{type(placement).__name__}")
@@ -301,31 +299,39 @@ class HSGDPlan:
             raise ValueError(f"samples must be an integer >= 0, got {samples!r}")
         batch, itemsize, samples = int(batch), int(itemsize), int(samples)
         world = placement.world
-        out: list[Call] = []
+        L = self.num_layers
+        out: list[tuple[Call, int | None]] = []
         if phase == "setup":
-            out.append(Call(PHASE_PARTITION, "bcast", world, self.partition_bytes, 8, root=0))
+            out.append((partition_broadcast(placement, self.partition_bytes), None))
         elif phase == "step":
             self._forward(out, world, batch, itemsize, PHASE_SPFF)
-            for k in range(self.num_layers, 1, -1):  # s^1 would only give delta^0: not sent
+            for k in range(L, 1, -1):  # s^1 would only give delta^0: not sent
                 c = self._exchange(world, k, 1, batch * itemsize, PHASE_SPBP, itemsize,
                                    _prev(out))
                 if c is not None:
-                    out.append(c)
-            out.append(Call(PHASE_LOSS, "allreduce", world, 8 * (1 + NUM_CLASSES * batch), 8,
-                            op="sum", after=_prev(out)))
+                    out.append((c, L + k))
+            out.append((Call(PHASE_LOSS, "allreduce", world, 8 * (1 + NUM_CLASSES * batch), 8,
+                             op="sum", after=_prev(out)), None))
         elif phase == "eval":
-            for b in _batches(samples, batch):
+            for b in batches(samples, batch):
                 self._forward(out, world, b, itemsize, PHASE_EVAL)
             if samples:
-                out.append(Call(PHASE_EVAL_SCORES, "allreduce", world,
-                                8 * NUM_CLASSES * samples, 8, op="sum", after=_prev(out)))
+                out.append((Call(PHASE_EVAL_SCORES, "allreduce", world,
+                                 8 * NUM_CLASSES * samples, 8, op="sum", after=_prev(out)),
+                            None))
         else:  # infer
-            out.append(Call(PHASE_SYNC, "barrier", world))
-            for b in _batches(samples, batch):
+            out.append((Call(PHASE_SYNC, "barrier", world), None))
+            for b in batches(samples, batch):
                 self._forward(out, world, b, itemsize, PHASE_SPFF)
-            out.append(Call(PHASE_CATEGORIES, "allreduce", world, 8 * (samples + 1), 8,
-                            op="max", after=_prev(out)))
+            out.append((Call(PHASE_CATEGORIES, "allreduce", world, 8 * (samples + 1), 8,
+                             op="max", after=_prev(out)), None))
         return out
+
+
+def partition_broadcast(placement: Placement, nbytes: int) -> Call:
+    """The set-up's record: rank 0 broadcasts the partition, ``nbytes`` of float64
+    (:func:`partition_bytes`), before any rank has a plan."""
+    return Call(PHASE_PARTITION, "bcast", placement.world, int(nbytes), 8, root=0)
 
 
 def _prev(out: list) -> tuple:
@@ -333,6 +339,6 @@ def _prev(out: list) -> tuple:
     return (len(out) - 1,) if out else ()
 
 
-def _batches(samples: int, batch: int) -> list[int]:
+def batches(samples: int, batch: int) -> list[int]:
     """Sizes of the batches of ``samples`` inputs taken ``batch`` at a time (last one short)."""
     return [min(batch, samples - s) for s in range(0, samples, batch)]

@@ -16,6 +16,7 @@ import pytest
 
 from partition.partitioners import random_partition
 from sparse_sgd.plan import HSGDPlan
+from sparse_sgd.program import step_program
 from sparse_sgd.radixnet import random_regular_network
 from substrate.calls import Call, Placement, event_parts, exchange_shares
 from substrate.costmodel import CostModel
@@ -86,22 +87,29 @@ def test_share_is_timing_not_identity():
 
 
 @pytest.mark.parametrize("node_of", [(0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 2, 0, 1, 2, 0, 1)])
-def test_hsgd_plan_shares_end_every_layer_on_its_busiest_link(node_of):
-    """The shares a run's messages carry (HSGDPlan.link_shares) put every sender's inter-node
-    messages of a layer at the layer's busiest link, counted by hand from the plan's pairs, for
-    block and round-robin placements of a random partition (uneven loads)."""
+def test_hsgd_program_shares_end_every_layer_on_its_busiest_link(node_of):
+    """The shares a run's messages carry (the sends of every rank's step program, generated
+    from the plan: sparse_sgd.program) put every sender's inter-node messages of a layer at the
+    layer's busiest link, counted by hand from the plan's pairs, for block and round-robin
+    placements of a random partition (uneven loads)."""
     weights = random_regular_network(256, 3, 8, seed=3)
     plan = HSGDPlan.from_partition(weights, random_partition(weights, 8, seed=1))
     placement = Placement(node_of)
-    records = [c for c in plan.calls(placement, 4, 4) if c.algorithm == "p2p"]
+    records = plan.tagged_calls(placement, 4, 4)
     layers = [("spff", k) for k in range(1, 4)] + [("spbp", k) for k in range(3, 1, -1)]
-    assert [c.phase for c in records] == [ph for ph, _ in layers]
+    exchanges = [(c, t) for c, t in records if c.algorithm == "p2p"]
+    assert [c.phase for c, _ in exchanges] == [ph for ph, _ in layers]
+    sends = {}                                     # (rank, tag) -> the shares of its sends
+    for r in range(8):
+        for e in step_program(records, plan.num_layers, placement, r):
+            if e[0] == "C" and e[1].algorithm == "p2p":
+                sends.setdefault((r, e[5]), set()).add(e[1].share)
     uneven = False
-    for (ph, k), call in zip(layers, records):
+    for call, tag in exchanges:
         pairs = call.pairs.tolist()
         busiest, own = _by_hand(pairs, node_of)
         for r, b in own.items():
-            share = plan.link_shares(placement, r)[ph == "spbp"][k - 1]
+            share, = sends[r, tag]                 # every message of the layer alike
             assert share == pytest.approx(max(1.0, busiest / b))
             uneven |= not np.isclose(share, sum(n == node_of[r] for n in node_of))
     assert uneven                                  # the one-NIC rule would have been wrong

@@ -162,7 +162,7 @@ def _sparse(out: Path, every: int, *extra) -> None:
 def check_sparse(root: Path, *device) -> None:
     a, b = root / "sparse-a", root / "sparse-b"
     _sparse(a, 3, *device)
-    with crash_in(DistributedSparseNet, "step", 5):
+    with crash_in(DistributedSparseNet, "target", 5):   # in the 5th step
         _sparse(b, 4, *device)
     _sparse(b, 3, "--resume", *device)
     _same_run(a, b, 7, "sparse_sgd")

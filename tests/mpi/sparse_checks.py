@@ -95,7 +95,7 @@ def check_train(method, R, out):
     batches = []
     for act in ("sigmoid", "relu"):
         ser = SerialSparseNet(weights, biases, activation=act)
-        dist = DistributedSparseNet(weights, part, run.world, biases=biases, activation=act)
+        dist = DistributedSparseNet(weights, part, run, plan=plan, biases=biases, activation=act)
         for it, B in enumerate((6, 3)):
             batches.append(B)
             X0 = (rng.random((1024, B)) < 0.4).astype(np.float64)
@@ -152,7 +152,7 @@ def check_infer(method, R, out):
     metrics = partition_metrics(net.weights, part)
     books = Books(run)
     books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
-    dist = DistributedSparseNet(net.weights, part, run.world, dtype=np.float64)
+    dist = DistributedSparseNet(net.weights, part, run, plan=plan, dtype=np.float64)
     ref = challenge_inference_serial(net.weights, net.bias, CHALLENGE_YMAX, Y0).toarray()
     problems, batches = [], []
     nonzero = np.zeros(Y0.shape[0])

@@ -55,9 +55,9 @@ def check_train(method, R, out):
     L = len(weights)
     for act in ("sigmoid", "relu"):
         ser = SerialSparseNet(weights, biases, activation=act)
-        cpu = DistributedSparseNet(weights, part, run.world, biases=biases, activation=act,
+        cpu = DistributedSparseNet(weights, part, run, plan=plan, biases=biases, activation=act,
                                    device="cpu")
-        gpu = DistributedSparseNet(weights, part, run.world, biases=biases, activation=act)
+        gpu = DistributedSparseNet(weights, part, run, plan=plan, biases=biases, activation=act)
         if not gpu.gpu or cpu.gpu:
             problems.append("device selection: the GPU run's net is not on the GPU")
         for it, B in enumerate((6, 3)):
@@ -122,8 +122,8 @@ def check_infer(method, R, out):
     metrics = partition_metrics(net.weights, part)
     books = Books(run)
     books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
-    cpu = DistributedSparseNet(net.weights, part, run.world, dtype=np.float64, device="cpu")
-    gpu = DistributedSparseNet(net.weights, part, run.world, dtype=np.float64)
+    cpu = DistributedSparseNet(net.weights, part, run, plan=plan, dtype=np.float64, device="cpu")
+    gpu = DistributedSparseNet(net.weights, part, run, plan=plan, dtype=np.float64)
     ref = challenge_inference_serial(net.weights, net.bias, CHALLENGE_YMAX, Y0).toarray()
     problems, batches = [], []
     nonzero = np.zeros(Y0.shape[0])
