@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runner.errors import main_guard
+from runner.errors import offline_guard
 
 from . import partition_table, plots, predict, report, rerun, scale, simulate, trace
 
@@ -34,4 +34,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_guard(main)())
+    sys.exit(offline_guard(main)())

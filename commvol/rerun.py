@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from runner import launch
-from runner.run import git_commit
+from runner.launch import git_commit
 
 __all__ = ["add_parser", "rerun_command", "run"]
 

@@ -12,8 +12,6 @@ import sys
 import time
 import traceback
 
-from mpi4py import MPI
-
 from substrate.results import RunWriter
 
 # -- failures ----------------------------------------------------------------------------------
@@ -58,6 +56,8 @@ def _fail(exc: BaseException, errors_comm) -> None:
     waiting in a collective), the rank prints its own message after :data:`ERROR_FALLBACK_S`
     and aborts the job.
     """
+    from mpi4py import MPI  # noqa: PLC0415 (an offline command's error path starts no MPI)
+
     text = f"{type(exc).__name__}: {exc}"
     detail = "" if isinstance(exc, ValueError) else traceback.format_exc()
     world = MPI.COMM_WORLD
@@ -112,6 +112,26 @@ def _argparse_on_rank0_only(rank: int):
         argparse.ArgumentParser._print_message = original
 
 
+def offline_guard(main):
+    """Wrap the ``main(argv)`` of a command that runs no MPI job (``commvol``): an exception is
+    one ``spardist: error: ...`` line (with the traceback for errors other than ``ValueError``)
+    and a non-zero exit status, without initialising MPI."""
+
+    @functools.wraps(main)
+    def wrapped(argv=None):
+        try:
+            return main(argv)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            if not isinstance(exc, ValueError):
+                traceback.print_exc()
+            print(f"spardist: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    return wrapped
+
+
 def main_guard(main):
     """Wrap a CLI ``main(argv)`` so an exception on any rank ends the whole job cleanly.
 
@@ -124,6 +144,8 @@ def main_guard(main):
 
     @functools.wraps(main)
     def wrapped(argv=None):
+        from mpi4py import MPI  # noqa: PLC0415 (imported by the ranks of a job, not offline)
+
         world = MPI.COMM_WORLD
         errors_comm = world.Dup() if world.Get_size() > 1 else None
         try:

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_JOB",
     "descendants",
     "find_mpiexec",
+    "git_commit",
     "kill_tree",
     "launch_command",
     "main",
@@ -334,3 +335,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def git_commit(where: Path | None = None) -> str:
+    """The commit of the checkout spardist runs from (``+dirty`` with local changes), or
+    ``"not a checkout"``."""
+    where = where or Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=False)
+        if head.returncode:
+            return "not a checkout"
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10, check=False).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "not a checkout"

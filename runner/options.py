@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from substrate import collectives as coll
 from substrate import costmodel as cm
+from substrate import pinning as coll
 from substrate.clock import SOURCES
 from substrate.costmodel import CostModel
 from substrate.options import add_dataclass_args, check_range, option

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -42,6 +41,7 @@ from substrate.topology import Topology
 from substrate.trace import parse_steps, trace_document
 
 from .guards import _prepare_out, check_world_size
+from .launch import git_commit
 from .options import CommonConfig
 
 
@@ -66,23 +66,6 @@ def versions() -> dict:
 
 #: version of the ``summary.json`` layout (the ``record`` block and everything beside it)
 SUMMARY_SCHEMA = 2
-
-
-def git_commit(where: Path | None = None) -> str:
-    """The commit of the checkout spardist runs from (``+dirty`` with local changes), or
-    ``"not a checkout"``."""
-    where = where or Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=False)
-        if head.returncode:
-            return "not a checkout"
-        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=10, check=False).stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "not a checkout"
 
 
 def run_record(argv, started: float, hosts: list[str]) -> dict:

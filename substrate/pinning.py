@@ -6,7 +6,30 @@ Pure data (imports no MPI): the launcher (:mod:`runner.launch`) sets these befor
 
 from __future__ import annotations
 
-__all__ = ["MPICH_PINNING", "OPENMPI_PINNING", "WIRE_VERIFIED", "pinning_env"]
+import os
+
+__all__ = ["DEFAULT_MODE", "MODES", "MPICH_PINNING", "OPENMPI_PINNING", "WIRE_VERIFIED",
+           "check_mode", "default_mode", "pinning_env"]
+
+#: how collectives run (``--collectives``, env ``SPARDIST_COLLECTIVES``): spardist's own
+#: point-to-point algorithms, or the MPI library's pinned to them (:mod:`substrate.collectives`)
+MODES = ("exact", "native")
+DEFAULT_MODE = "exact"
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is a known collectives mode, else raise naming the fix."""
+    if mode not in MODES:
+        raise ValueError(f"unknown collectives mode {mode!r}: use --collectives exact (own "
+                         f"point-to-point algorithms, the default) or --collectives native "
+                         f"(the MPI library's, pinned where known); SPARDIST_COLLECTIVES sets "
+                         f"the default")
+    return mode
+
+
+def default_mode() -> str:
+    """``SPARDIST_COLLECTIVES`` if set, else ``exact``."""
+    return check_mode(os.environ.get("SPARDIST_COLLECTIVES", DEFAULT_MODE) or DEFAULT_MODE)
 
 #: MPICH (4.x/5.x) control variables that make its collectives the booked algorithms.  Without
 #: ``DEVICE_COLLECTIVES=none`` the ch4 device runs its own node-aware compositions and the

@@ -190,3 +190,17 @@ def test_volume_imports_only_numpy_and_substrate():
             assert top in {"__future__", "math", "numpy", "substrate", "volume", "collections",
                            "dataclasses", "typing", "itertools", "functools"}, \
                 f"{path.name}:{line} imports {mod}"
+
+
+def test_offline_commands_start_no_mpi():
+    """``commvol`` predicts, scales, simulates and reports without initialising MPI: its
+    modules import no ``mpi4py.MPI`` (a fresh interpreter, so nothing else loaded it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, commvol.__main__, commvol.predict, commvol.scale, commvol.simulate, "
+            "commvol.job, commvol.report, runner.options; "
+            "print('mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.strip()
+    assert out == "False"
