@@ -669,7 +669,8 @@ def declare(timeline, calls: Sequence, placement: Placement, rank: int,
     ``after`` indices become the events of those records (a direct-message record's event is a
     join of its messages); other tokens are turned into events by ``resolve(token)`` (e.g.
     :class:`Ready` -> the backward event of those gradients).  A :class:`Work` item is a compute
-    event of ``work(item)`` seconds on the compute stream.
+    event of ``work(item)`` seconds on its stream (the compute stream, or the offload
+    worker's).
     """
     cost = timeline.cost
     if cost is None:
@@ -697,12 +698,14 @@ def declare(timeline, calls: Sequence, placement: Placement, rank: int,
             # right after it (as a strategy places it with clock.compute(after=...)): a fusion
             # buffer is sparsified while the rest of the backward goes on, not after all of it
             place = None
-            if len(deps) == 1 and ready and ready[0] is deps[0]:
+            stream = getattr(c, "stream", "compute")
+            if stream == "compute" and len(deps) == 1 and ready and ready[0] is deps[0]:
                 e = ready[0]
                 if e is not None and e.kind == "compute" and e.resource == "compute" and \
                         e.order == (e.index,):
                     place = e
-            events[i] = timeline.compute(c.label, float(work(c)), deps=deps, after=place)
+            events[i] = timeline.compute(c.label, float(work(c)), deps=deps, after=place,
+                                         stream=stream)
         else:
             events[i] = declare_one(timeline, c, placement, rank, deps)
     return events

@@ -47,7 +47,7 @@ from .ledger import Ledger
 from .profile import ProfileSource
 from .timeline import StepTiming, Timeline
 
-__all__ = ["SOURCES", "SimClock", "make_source"]
+__all__ = ["SOURCES", "PendingSeconds", "SimClock", "make_source"]
 
 #: Names :func:`make_source` accepts (the ``--compute-source`` choices).
 SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops",
@@ -99,6 +99,31 @@ def _call_site(frame) -> str:
     name = getattr(code, "co_qualname", code.co_name)
     module = frame.f_globals.get("__name__", code.co_filename)
     return f"compute@{module}:{name}+{frame.f_lineno - code.co_firstlineno}"
+
+
+class PendingSeconds:
+    """The seconds of work done elsewhere (a worker thread), known once the work is collected:
+    what :meth:`SimClock.offload`'s ``submit`` returns.  :meth:`set` is called by whoever
+    collects the work, on the clock's thread; :meth:`then` callbacks run then (now, if
+    known)."""
+
+    __slots__ = ("_callbacks", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds = None
+        self._callbacks: list = []
+
+    def then(self, callback) -> None:
+        if self.seconds is not None:
+            callback(self.seconds)
+        else:
+            self._callbacks.append(callback)
+
+    def set(self, seconds: float) -> None:
+        self.seconds = max(0.0, float(seconds))
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self.seconds)
 
 
 class SimClock:
@@ -220,6 +245,38 @@ class SimClock:
                 self._nested_s += m.seconds
         if self.program is not None:
             self.program.end(self.last_event if self.timeline is not None else None)
+
+    def offload(self, label: str, submit=None, *, flops: float | None = None, deps=(),
+                after=None, key: str | None = None):
+        """A block on the ``offload`` stream: work a worker thread does beside the compute
+        stream (SSFusion-O's CPU worker).  ``submit()`` hands it to the worker and returns its
+        :class:`PendingSeconds` (the worker's own reading of a compute source for the event
+        ``key``, delivered when the work is collected); this thread goes on at once.  Without
+        ``submit`` (a replay) the block costs what the run's source charges ``key``.  In
+        timeline mode the block is an event on the offload stream after ``deps`` with those
+        seconds (its handle is :attr:`last_event`); in additive mode nothing is added (the
+        additive clock sums the compute stream).  Returns the event."""
+        if key is None:
+            key = label
+        if self.program is not None:
+            self.program.begin("clock", label, key, deps, "offload", after)
+        tl = self.timeline
+        ev = None if tl is None else tl.compute(label, 0.0, deps=deps, stream="offload",
+                                                after=after)
+        if submit is not None:
+            pending = submit()
+        else:
+            with self.source.measure(flops, None, key) as pending:
+                pass
+        if ev is not None and pending is not None:
+            if hasattr(pending, "then"):          # a worker's, or a deferred source's
+                pending.then(lambda seconds: tl.set_seconds(ev, seconds))
+            else:
+                tl.set_seconds(ev, pending.seconds)
+            self.last_event = ev
+        if self.program is not None:
+            self.program.end(ev)
+        return ev
 
     def _deferred_end(self, m, start: tuple[int, int], nested: bool, label: str, deps,
                       stream: str, after) -> None:

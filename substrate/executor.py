@@ -254,6 +254,17 @@ class Executor:
         _, _, label, key, deps, stream, after = self.entries[i]
         j = self.ends[i]
         fn = self.bind.compute(label)
+        if stream == "offload":
+            # a worker beside this thread runs it: ``fn`` hands it over and returns its pending
+            # time (:meth:`substrate.clock.SimClock.offload`); nothing is nested in it
+            if j != i + 1:
+                raise ValueError(f"program entry {i}: an offload block ({label!r}) holds "
+                                 "entries")
+            self.events[i] = self.clock.offload(
+                label, fn, flops=self.bind.flops(label), deps=[self._ev(d) for d in deps],
+                after=self._ev(after), key=key)
+            self.pos = j + 1
+            return
         with self.clock.compute(label, deps=[self._ev(d) for d in deps], stream=stream,
                                 after=self._ev(after), key=key, flops=self.bind.flops(label)):
             self.pos = i + 1

@@ -153,8 +153,6 @@ def test_ddp_hierarchical_and_topk_chains(tiny):
                                         rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="the plan lists its calls blocking until the strategy "
-                   "runs from its program")
 def test_ssfusion_buffers_chain_on_one_channel(tiny):
     """SSFusion per-tensor on two fusion buffers (fc2's 16 weights, then fc1's 32), k = 1 each:
     each buffer's sparsification runs on the compute stream right after the backward wrote its

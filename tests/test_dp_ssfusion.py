@@ -2,7 +2,8 @@
 Cupcake's FindOptFusion), eq. 2 selection, density-aware counts, interleave split (§IV-D),
 offload plan (§IV-C), closed forms, flags; MPI: serial reference of the synchronized gradient,
 residuals and DGC momentum correction, tensor-missing rate, measured == predicted bytes on 4
-ranks / 2 virtual nodes.  The plan against the paper's second source: tests/test_ssfusion_plan.py."""
+ranks / 2 virtual nodes, SSFusion-O's recorded steps == the plan's programs.  The plan against
+the paper's second source: tests/test_ssfusion_plan.py."""
 
 import itertools
 import math
@@ -403,6 +404,14 @@ def test_documented_options():
 def test_mpi_reference_sum_residuals_and_missing_rate(tmp_path):
     assert "OK reference" in run_mpi("dp_ssfusion_checks.py", 4, "reference", tmp_path,
                                      timeout=300).stdout
+
+
+@pytest.mark.mpi
+def test_mpi_offload_steps_run_their_programs(tmp_path):
+    """SSFusion-O from the step's program: what the run records of every step is the program
+    generated from the plan's records, the worker's items on the offload stream."""
+    assert "OK offload_program" in run_mpi("dp_ssfusion_checks.py", 4, "offload_program",
+                                           tmp_path, timeout=300).stdout
 
 
 @pytest.mark.mpi

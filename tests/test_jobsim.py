@@ -294,6 +294,24 @@ def test_stream_calls_overlap_compute_and_blocking_calls_drain_the_stream():
     assert job_steps(sim.run()) == pytest.approx([5.0])      # 1 + 2 (drain) + 2
 
 
+def test_offload_blocks_run_on_the_worker_beside_the_thread():
+    """A block on the offload stream costs the rank's thread nothing: it runs on the worker
+    (one block after the other), and a block that names it waits for it."""
+    def off(label, deps):
+        return [["B", "clock", label, label, deps, "offload", None], ["E"]]
+
+    wait = [["B", "clock", "wait", "wait", [2, 4], "compute", None], ["E"]]
+    prog = [*_block("bwd"), *off("w1", [0]), *off("w2", [0]), *_block("more"), *wait,
+            *_block("opt"), ["S"]]
+    charges = {"bwd": 1.0, "w1": 2.0, "w2": 1.5, "more": 1.0, "wait": 0.0, "opt": 0.5}
+    # the worker: 1 + 2 + 1.5 = 4.5; the thread waits for it after "more" (2), then opt
+    assert job_steps(JobSim([prog], [0], _cost(), [_charge(charges)]).run()) == \
+        pytest.approx([5.0])
+    charges["more"] = 4.0               # the worker is done before the thread needs it
+    assert job_steps(JobSim([prog], [0], _cost(), [_charge(charges)]).run()) == \
+        pytest.approx([5.5])
+
+
 def test_moved_bytes_are_the_ledgers_wire_bytes():
     """Uneven chunks, all-gather(v) blocks, a broadcast and a barrier on 2 nodes x 3 ranks (and
     a round-robin placement): the simulation moves exactly the bytes the ledger books."""

@@ -6,9 +6,12 @@ the records' order and dependencies against §IV-D, and the selection against re
 here from §IV-B: eq. 2's selection and density-aware counts.
 
 Several models (the digits CNN and ResNet, the CIFAR ResNet-18 spec, an odd synthetic layout),
-odd topologies (3 ranks per node, one node, one rank per node) and every fusion mode.
+odd topologies (3 ranks per node, one node, one rank per node) and every fusion mode.  The
+records are the program the run executes: SSFusion-O's worker items on the offload stream where
+the backward writes their tensors, the phase names the second source's.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,7 +19,10 @@ import pytest
 
 from commvol.predict import resolve_model
 from commvol.systems.ssfusion import SSFusionAssumptions, predict_ssfusion
+from dataparallel.program import step_program
 from dataparallel.ssfusion import SSFusionOptions, plan_ssfusion
+from dataparallel.ssfusion import plan as ssf_plan
+from models import build_model
 from substrate.calls import Call, Placement, Ready, Work, bytes_by_phase, messages
 from substrate.costmodel import CostModel
 from volume import collectives as cm
@@ -375,3 +381,94 @@ def test_bad_plan_inputs():
     with pytest.raises(ValueError, match="do not cut 4 tensors"):
         cv.mode_step_bytes(M=1, P=3, sizes=sizes, buffer_tensor_counts=[3], density=0.1,
                            fusion="per-tensor")
+
+
+def test_phase_names_are_the_second_sources():
+    """The plan names its phases and profile layout itself; volume.ssfusion, the independent
+    closed forms, names them on its own: the two agree."""
+    assert ssf_plan.PHASES == (cv.WARMUP, cv.PROFILE, cv.SELECT, cv.DENSE, cv.SPARSE)
+    assert ssf_plan.PROFILE_FIELDS == cv.PROFILE_FIELDS
+    assert all(ssf_plan.profile_length(L) == cv.profile_length(L) for L in (1, 8, 62))
+
+
+def _offload_plan(sizes):
+    """Selective on two count buffers of the digits CNN: fc1.bias dense in Buffer_AR (split 3),
+    fc2.weight (before the split), fc1.weight (after it) and conv2.weight offloaded."""
+    o = SSFusionOptions(fusion_policy="count", buffers=2, offload=True)
+    plan = plan_ssfusion(sizes, 4, cm.INTER, o, COST, profile=_profile(sizes), dense=[2],
+                         split=[3, 0])
+    return (dataclasses.replace(plan, offload=(False,) * len(sizes)),
+            dataclasses.replace(plan, offload=tuple(l in (1, 3, 5) for l in range(len(sizes)))))
+
+
+def test_offloaded_segments_are_worker_items_the_gather_waits_for():
+    """SSFusion-O (§IV-C) in the records: every offloaded segment is a compute item on the
+    offload stream after the backward wrote its tensor, listed where that happens (before the
+    buffer's split work when it lies before the split); the buffer's collection
+    (ssf_offload_wait[i], no work of its own) waits for exactly those items and the
+    all-gather waits for the collection; the compute stream's parts leave the offloaded
+    segments' operations to the worker items."""
+    model = build_model("cnn", (1, 8, 8), 10)
+    names = list(model.layout.names)
+    sizes = [int(model.layout.sizes[n]) for n in names]
+    off = np.concatenate(([0], np.cumsum(sizes)))
+    bare, plan = _offload_plan(sizes)
+    pl = Placement.node_major(2, 2)
+    items = plan.calls(pl, momentum=True)
+    label = {getattr(c, "label", None) or c.phase: k for k, c in enumerate(items)}
+    for l in (1, 3, 5):
+        w = items[label[f"ssf_offload[{l}]"]]
+        seg_k = plan.k[l]
+        assert isinstance(w, Work) and w.stream == "offload"
+        assert w.after == (Ready(int(off[l]), int(off[l + 1])),)
+        assert w.flops == plan.segment_flops(sizes[l], seg_k, True) > 0
+    assert label["ssf_offload[1]"] < label["ssf_sparsify_ar[0]"] < label["ssf_dense_allreduce[0]"] \
+        < label["ssf_offload[3]"] < label["ssf_sparsify[0]"] < label["ssf_offload_wait[0]"] \
+        < label["ssf_sparse_allgather[0]"]
+    for i, offloaded in ((0, (1, 3)), (1, (5,))):
+        wait = items[label[f"ssf_offload_wait[{i}]"]]
+        assert wait.stream == "compute" and wait.flops == 0
+        assert wait.after == tuple(label[f"ssf_offload[{l}]"] for l in offloaded)
+        gather = items[label[f"ssf_sparse_allgather[{i}]"]]
+        assert label[f"ssf_offload_wait[{i}]"] in gather.after
+        assert not any(label[f"ssf_offload[{l}]"] in gather.after for l in offloaded)
+    # the work moves to the worker: the same element operations in all
+    def ops(records):
+        return sum(w.flops for w in records if isinstance(w, Work)
+                   and w.label.startswith(("ssf_sparsify", "ssf_offload")))
+    assert ops(items) == pytest.approx(ops(bare.calls(pl, momentum=True)), rel=1e-12)
+    assert not any(isinstance(w, Work) and w.stream == "offload"
+                   for w in bare.calls(pl, momentum=True))
+    # the traffic does not change
+    assert bytes_by_phase(items, pl) == bytes_by_phase(bare.calls(pl, momentum=True), pl)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_program_hands_offloaded_segments_over_during_the_backward(overlap):
+    """In the step's program (:func:`dataparallel.program.step_program`) each worker item is an
+    offload-stream block right after the backward of the unit that writes its tensor (the
+    backward goes on while the worker sparsifies), and the collection waits for those blocks;
+    without overlap every record follows the backward."""
+    model = build_model("cnn", (1, 8, 8), 10)
+    sizes = [int(model.layout.sizes[n]) for n in model.layout.names]
+    _, plan = _offload_plan(sizes)
+    pl = Placement.node_major(2, 2)
+    units = model.compute_units()
+    entries = step_program(units, plan.calls(pl, momentum=True), pl, 1, overlap=overlap)
+    layer = {e[2]: i for i, e in enumerate(entries) if e[0] == "B" and e[1] == "layer"}
+    unit_of = {l: next(u.name for u in units if u.lo <= int(np.sum(sizes[:l])) < u.hi)
+               for l in (1, 3, 5)}
+    blocks = {e[2]: (i, e) for i, e in enumerate(entries) if e[0] == "B" and e[1] == "clock"}
+    last = max(layer.values())
+    for l, unit in unit_of.items():
+        i, e = blocks[f"ssf_offload[{l}]"]
+        assert e[5] == "offload" and e[4] == [layer[f"backward:{unit}"]]
+        if overlap:   # right after that unit's backward, before the next unit's
+            assert layer[f"backward:{unit}"] < i < min(
+                [j for j in layer.values() if j > layer[f"backward:{unit}"]] + [len(entries)])
+        else:
+            assert i > last
+    for i, offloaded in ((0, (1, 3)), (1, (5,))):
+        _, e = blocks[f"ssf_offload_wait[{i}]"]
+        assert e[5] == "compute"
+        assert e[4] == [blocks[f"ssf_offload[{l}]"][0] for l in offloaded]

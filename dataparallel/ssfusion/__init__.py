@@ -6,9 +6,11 @@ cost model, :class:`SSFusionOptions` and — when the plan depends on timings �
 profile ``(T_b, T_sp, T_cpu)``.  Its records of one step (:meth:`SSFusionPlan.calls`: the
 warm-up all-reduces, the decision's profile all-reduce and plan broadcast, per fusion buffer the
 all-reduce of ``Buffer_AR`` and the all-gather of ``Buffer_AG`` with their dependencies, and the
-sparsification and decoding as compute items) are what the strategy executes, call for call
-(:class:`SSFusion`; the trainer holds the run to them), and what ``commvol`` prices and lays on
-the paper-scale timeline from the same function on an assumed profile.
+sparsification, SSFusion-O's worker and the decoding as compute items) are the step's program
+(:func:`dataparallel.program.step_program`), which the run executes with :class:`SSFusion`
+bound to its calls and compute items, and what ``commvol`` prices and lays on the paper-scale
+timeline from the same function on an assumed profile.  The plan names the ledger phases
+(:data:`~dataparallel.ssfusion.plan.PHASES`).
 
 Fusion buffers (§IV-B Step 1, ``--fusion-policy``):
 
@@ -39,8 +41,9 @@ The ``--profile-steps`` dense warm-up steps all-reduce the gradient in the ``--b
     all-gathers the whole buffer (SSFusion "naive").  *Offloading* (SSFusion-O, §IV-C,
     ``--offload``): the sparsification of tensors whose CPU time fits under the rest of their
     buffer's backward (:func:`plan_offload`; ``--offload-deadline backward``: under the rest
-    of the whole backward) runs on one CPU worker thread, submitted from
-    :meth:`SSFusion.on_ready`.
+    of the whole backward) runs on one CPU worker thread: the plan lists it on the
+    ``offload`` stream where the backward writes the tensor (``ssf_offload[l]``) and the
+    buffer's collection (``ssf_offload_wait[i]``) before its all-gather.
 ``per-tensor``
     every tensor sparsified at density ``d`` (``k_l = ⌈d n_l⌉``), each buffer all-gathered.
 ``multi-tensor``
@@ -63,13 +66,16 @@ Rooms: :mod:`.options` (the flags), :mod:`.selection` (the planning rules of §I
 feedback: :mod:`dataparallel.codec`; sparsifiers: :mod:`dataparallel.sparsify`.  Closed forms
 and the second source: :mod:`volume.ssfusion`.
 
-Simulation notes: with ``--overlap on`` the run is the paper's pipeline (Fig. 10): the ready
-hook (:meth:`SSFusion.on_ready`, called between two units of the backward) prepares each part
-of a buffer once the backward wrote it and hands its collective to the communication stream,
-so the collectives overlap the rest of the backward for real; :meth:`SSFusion.sync` waits and
-decodes.  On the timeline clock every call and compute part is declared where it ran, after
-what the plan's records name.  ``--overlap off``: everything runs in ``sync`` after the
-backward, each call blocking.  The tensor-missing count (a diagnostic, not part of the modeled
+Simulation notes: with ``--overlap on`` the run is the paper's pipeline (Fig. 10): the step's
+program places each part of a buffer at the first unit boundary of the backward where the
+backward has written it, and its collective right after on the communication stream, so the
+collectives overlap the rest of the backward for real; the waits and the decoding follow the
+backward.  On the timeline clock every call and compute item is declared where it ran, after
+what the plan's records name; SSFusion-O's worker items on the offload stream, timed by the
+worker's own reading of the compute source.  ``--overlap off``: every record follows the
+backward, each call blocking (the worker's items too: nothing overlaps the backward).  The
+warm-up's timing of the backward per tensor is measurement, not program
+(:meth:`SSFusion.on_ready`).  The tensor-missing count (a diagnostic, not part of the modeled
 system) runs only on steps that write a metrics line, so an ordinary step does no diagnostic
 work and ``step_wall_s`` is the whole step.  The ``flops`` source counts the sparsification's
 element operations (:meth:`SSFusionPlan.segment_flops`), with no kernel-launch cost per tensor.

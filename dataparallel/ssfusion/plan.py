@@ -12,7 +12,6 @@ from functools import cached_property
 import numpy as np
 
 from substrate.calls import Call, Placement, Ready, Work
-from volume.ssfusion import DENSE, PROFILE, SELECT, SPARSE, WARMUP
 
 from ..codec import INDEX_BYTES, VALUE_BYTES, SparseRow
 from ..sparsify import selection_flops
@@ -29,8 +28,14 @@ from .selection import (
 )
 
 __all__ = [
+    "DENSE",
+    "PHASES",
+    "PROFILE",
     "PROFILE_FIELDS",
+    "SELECT",
+    "SPARSE",
     "STEP_KINDS",
+    "WARMUP",
     "WORK_BYTES_PER_FLOP",
     "FusionBuffer",
     "SSFusionPlan",
@@ -38,6 +43,17 @@ __all__ = [
     "plan_ssfusion",
     "profile_length",
 ]
+
+#: Ledger phases of SSFusion's calls (:meth:`SSFusionPlan.calls`): the warm-up all-reduces, the
+#: decision's profile MAX all-reduce and plan broadcast, ``Buffer_AR``'s all-reduce and
+#: ``Buffer_AG``'s all-gather.  :mod:`volume.ssfusion`, the closed forms the plan is tested
+#: against, names them on its own (the tests hold the two equal).
+WARMUP = "ssf_warmup_allreduce"
+PROFILE = "ssf_profile_allreduce"
+SELECT = "ssf_select_bcast"
+DENSE = "ssf_dense_allreduce"
+SPARSE = "ssf_sparse_allgather"
+PHASES = (WARMUP, PROFILE, SELECT, DENSE, SPARSE)
 
 #: Timings per tensor the warm-up profiles and max-reduces: backward, sparsification (device),
 #: sparsification on the CPU worker; the profile vector ends with the two backward spans (without
@@ -236,32 +252,40 @@ class SSFusionPlan:
     # -- the records of one step ------------------------------------------------------------------
     def calls(self, placement: Placement, kind: str = "sparse", decided: bool = False, *,
               momentum: bool = False, profiling: bool | None = None) -> list:
-        """The records of one step on ``placement``, as :class:`SSFusion` executes them.
+        """The records of one step on ``placement``: the program :class:`SSFusion` runs
+        (:func:`dataparallel.program.step_program` places each record at the first unit
+        boundary of the backward where what it names is there, in this order).
 
         ``kind="warmup"`` (the ``--profile-steps`` dense steps): when the plan is profiled
         (``profiling``, default :attr:`profiled`), the profiling of the whole gradient
         (compute, after the backward); with DGC momentum
         correction (``momentum``) the update ``u = μ u + g`` of the whole gradient; then per
-        warm-up buffer a ring all-reduce (avg) of its float32 values over all ranks, after the
-        backward wrote the buffer, those compute items and the previous buffer's all-reduce.
-        ``decided``: the last warm-up step of a profiled plan adds the MAX all-reduce of the
-        ``3L + 2`` float64 timings (after the profiling and the last all-reduce) and the
-        binomial broadcast of the ``4L`` int64 plan from rank 0.
+        warm-up buffer ``j`` a ring all-reduce (avg) of its float32 values over all ranks
+        (``ssf_warmup_allreduce[j]``), after the backward wrote the buffer, those compute items
+        and the previous buffer's all-reduce, on the communication stream.  ``decided``: the
+        last warm-up step of a profiled plan adds the MAX all-reduce of the ``3L + 2`` float64
+        timings (after the profiling and the last all-reduce) and the binomial broadcast of the
+        ``4L`` int64 plan from rank 0, both blocking (rank 0 plans between them).
 
         ``kind="sparse"``: per fusion buffer ``i`` (§IV-D, Fig. 10: one communication channel,
         buffer after buffer), ``ssf_sparsify_ar[i]`` (compute: momentum, sparsification and
         packing of the tensors before the split ``l'_i``, once the backward wrote them), the
-        ring all-reduce of ``Buffer_AR`` (avg, float32; after that and the previous buffer's
-        last call), ``ssf_sparsify[i]`` (compute: the tensors after the split) and the ring
-        all-gather of ``Buffer_AG`` (``4 n_AGd + 8 K`` bytes a rank, int32 words; after both
-        parts and the all-reduce: ``T2 = max(T_AR, Σ_{j>l'} T_b + T_sp) + T_AG``).  Calls with
-        nothing to send are not made.  The decoding of the received buffers
-        (``ssf_unpack_dense[i]``, ``ssf_unpack_sparse[i]``: compute after their call) closes the
-        list.  The offloaded segments' sparsification (SSFusion-O) runs on the CPU worker,
-        beside the compute stream, and is not listed.
+        ring all-reduce of ``Buffer_AR`` (``ssf_dense_allreduce[i]``, avg, float32; after that
+        and the previous buffer's last call), ``ssf_sparsify[i]`` (compute: the tensors after
+        the split) and the ring all-gather of ``Buffer_AG`` (``ssf_sparse_allgather[i]``,
+        ``4 n_AGd + 8 K`` bytes a rank, int32 words; after both parts and the all-reduce:
+        ``T2 = max(T_AR, Σ_{j>l'} T_b + T_sp) + T_AG``), both calls on the communication
+        stream.  Calls with nothing to send are not made.  SSFusion-O (§IV-C): each offloaded
+        segment ``l`` is sparsified on the CPU worker, ``ssf_offload[l]`` (compute on the
+        ``offload`` stream, listed where the backward writes the tensor, so it is handed over
+        at once), and the compute stream collects the buffer's segments,
+        ``ssf_offload_wait[i]`` (no work of its own: the wait), before the all-gather, which
+        waits for it.  The decoding of the received buffers (``ssf_unpack_dense[i]``,
+        ``ssf_unpack_sparse[i]``: compute after their call) closes the list.
 
         Compute items (:class:`~substrate.calls.Work`) carry their element operations
-        (:meth:`part_flops`) and :data:`WORK_BYTES_PER_FLOP` bytes per operation.
+        (:meth:`part_flops`, :meth:`segment_flops` for the worker's) and
+        :data:`WORK_BYTES_PER_FLOP` bytes per operation.
         """
         if kind not in STEP_KINDS:
             raise ValueError(f"step kind {kind!r} unknown; use one of {STEP_KINDS}")
@@ -272,9 +296,9 @@ class SSFusionPlan:
             out.append(item)
             return len(out) - 1
 
-        def work(label: str, flops: float, after: tuple) -> int:
+        def work(label: str, flops: float, after: tuple, stream: str = "compute") -> int:
             return add(Work(label, flops=float(flops), nbytes=WORK_BYTES_PER_FLOP * float(flops),
-                            after=after))
+                            after=after, stream=stream))
 
         def chain(*items) -> tuple:
             return tuple(i for i in items if i is not None)
@@ -288,10 +312,11 @@ class SSFusionPlan:
             if momentum:
                 before.append(work("ssf_momentum", 2.0 * self.total, (whole,)))
             prev = None
-            for t0, t1 in self.warmup_buffers:
+            for j, (t0, t1) in enumerate(self.warmup_buffers):
                 a, b = off[t0], off[t1]
                 prev = add(Call(WARMUP, "allreduce", world, VALUE_BYTES * (b - a), VALUE_BYTES,
-                                op="avg", after=(Ready(a, b), *before, *chain(prev))))
+                                op="avg", after=(Ready(a, b), *before, *chain(prev)),
+                                label=f"{WARMUP}[{j}]", wait=False))
             if decided and profiling:
                 prof = add(Call(PROFILE, "allreduce", world, 8 * profile_length(self.L), 8,
                                 op="max", after=(*before[:1], *chain(prev))))
@@ -299,27 +324,38 @@ class SSFusionPlan:
                          after=(prof,)))
             return out
 
+        def offload(buf: FusionBuffer, head: bool) -> list[int]:
+            """The worker's items of ``buf``'s offloaded segments before / after its split."""
+            return [work(f"ssf_offload[{s.sid}]", self.segment_flops(s.b - s.a, s.k, momentum),
+                         (Ready(s.a, s.b),), stream="offload")
+                    for s in buf.segments if s.offload and buf.head(s) == head]
+
         unpack: list = []
         prev = None                      # the last call on the communication channel
         for buf in self.layout:
             i = buf.index
             head = tail = None
+            offloaded = offload(buf, True)
             if buf.c > buf.a:
                 head = work(f"ssf_sparsify_ar[{i}]", self.part_flops(buf, True, momentum),
                             (Ready(buf.a, buf.c),))
             if buf.n_ar:
                 prev = add(Call(DENSE, "allreduce", world, VALUE_BYTES * buf.n_ar, VALUE_BYTES,
-                                op="avg", after=(Ready(buf.a, buf.c), *chain(head, prev))))
+                                op="avg", after=(Ready(buf.a, buf.c), *chain(head, prev)),
+                                label=f"{DENSE}[{i}]", wait=False))
                 unpack.append(Work(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar),
                                    nbytes=WORK_BYTES_PER_FLOP * float(buf.n_ar), after=(prev,)))
+            offloaded += offload(buf, False)
             if buf.b > buf.c:
                 tail = work(f"ssf_sparsify[{i}]", self.part_flops(buf, False, momentum),
                             (Ready(buf.c, buf.b),))
+            collect = work(f"ssf_offload_wait[{i}]", 0.0, tuple(offloaded)) if offloaded \
+                else None
             row = buf.row
             if row.words:
                 prev = add(Call(SPARSE, "allgather", world, blocks=(row.nbytes,) * p,
-                                itemsize=INDEX_BYTES,
-                                after=(Ready(buf.a, buf.b), *chain(head, tail, prev))))
+                                itemsize=INDEX_BYTES, label=f"{SPARSE}[{i}]", wait=False,
+                                after=(Ready(buf.a, buf.b), *chain(head, tail, collect, prev))))
                 flops = float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a)
                 unpack.append(Work(f"ssf_unpack_sparse[{i}]", flops=flops,
                                    nbytes=WORK_BYTES_PER_FLOP * flops, after=(prev,)))

@@ -1,20 +1,24 @@
 """SSFusion's warm-up profiling and decision (§IV-B online profiling) and SSFusion-O's CPU
 worker (§IV-C), as mixins of :class:`~dataparallel.ssfusion.SSFusion`.
 
-Profiling: ``T_b^l``, the gap between tensor ``l``'s gradient and the previous tensor's (the
-first tensor gets 0 as the trainer has no backward-start hook), from the per-layer compute events
-of the run's compute source (``on_ready`` wall-clock timestamps without per-layer events);
+Profiling (measurement, not program: the ``on_ready`` hook and the ``ssf_profile`` compute
+item): ``T_b^l``, the gap between tensor ``l``'s gradient and the previous tensor's (the first
+tensor gets 0 as the trainer has no backward-start hook), from the per-layer compute events of
+the run's compute source (``on_ready`` wall-clock timestamps without per-layer events);
 ``T_sp^l`` by timing the sparsifier on tensor ``l`` itself after the backward, with the run's
 compute source; so a loaded host or a replayed ``--compute-profile`` plans the same buffers.
 ``T_cpu^l`` (with ``--offload``, on every second warm-up step) by running it on the worker thread
 from ``on_ready``, and the backward spans of the offload guard, stay wall-clock: they measure
 contention between threads.  Communication times from the run's α–β model.  The timings are
 max-reduced over all ranks, rank 0 plans and broadcasts the plan, so every rank uses the same
-plan (:meth:`WarmupProfiler._decide`; the records: :meth:`SSFusionPlan.calls`, ``decided``).
+plan (the records: :meth:`SSFusionPlan.calls`, ``decided``; rank 0's planning:
+:meth:`WarmupProfiler._decide`).
 
-Offload: the sparsification of the plan's offloaded tensors is submitted to one worker thread
-from ``on_ready`` during the backward; the step collects it before the buffer's all-gather and
-declares it on the timeline's ``offload`` stream.
+Offload: the plan lists the sparsification of each offloaded tensor as a compute item on the
+``offload`` stream where the backward writes the tensor (``ssf_offload[l]``); its compute hands
+it to one worker thread (:meth:`OffloadWorker._submit`), and the buffer's ``ssf_offload_wait[i]``
+collects it before the all-gather.  The item's time is the worker's own reading of the run's
+compute source (:meth:`substrate.clock.SimClock.offload`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import time
 
 import numpy as np
 
+from substrate.clock import PendingSeconds
 from substrate.compute import resolve_pending
-from volume.ssfusion import PROFILE, SELECT
 
 from ..codec import ErrorFeedback
 from ..sparsify import selection_flops
@@ -53,16 +57,16 @@ class WarmupProfiler:
         self._prof_futures: list = []
 
     def on_ready(self, name: str) -> None:
-        """Profile timestamps during warm-up; afterwards submit offloaded sparsifications."""
-        l = self.index_of[name]
-        if self.plan is None or self._step < self.warmup:
-            self._t_ready[l] = time.perf_counter()
-            self._ready_count += 1
-            if self._executor is not None and self.plan is None and self._step % 2 == 1:
-                self._prof_futures.append(self._executor.submit(
-                    self._profile_job, l, self._step, self._t_ready[l]))
+        """Warm-up only: the time the backward wrote tensor ``name`` and, on every second
+        warm-up step with ``--offload``, its sparsification timed on the worker (``T_cpu``)."""
+        if not (self.plan is None or self._step < self.warmup):
             return
-        self._submit(l)
+        l = self.index_of[name]
+        self._t_ready[l] = time.perf_counter()
+        self._ready_count += 1
+        if self._executor is not None and self.plan is None and self._step % 2 == 1:
+            self._prof_futures.append(self._executor.submit(
+                self._profile_job, l, self._step, self._t_ready[l]))
 
     def _profile_job(self, l: int, step: int, t_submit: float):
         """Worker thread, warm-up with ``--offload``: time tensor ``l``'s sparsification on the
@@ -156,7 +160,9 @@ class WarmupProfiler:
         counts["T_sp"] += 1
 
     def _profile_vector(self) -> np.ndarray:
-        """The averaged profile, ``3L + 2`` float64 (:func:`volume.ssfusion.profile_length`)."""
+        """The averaged profile, ``3L + 2`` float64 (:func:`~dataparallel.ssfusion.
+        profile_length`): what the decision's MAX all-reduce sends."""
+        resolve_pending(self.run.clock.source)     # the last warm-up step's T_sp
         sums, n = self._sums, self._counts_prof
 
         def mean(f, fallback):
@@ -169,11 +175,11 @@ class WarmupProfiler:
             [mean("T_b", np.zeros(self.L)), t_sp, mean("T_cpu", t_sp), spans]),
             dtype=np.float64)
 
-    def _decide(self, last) -> None:
-        """Max-reduce the profiled timings, plan on rank 0 (:func:`plan_ssfusion`), broadcast
-        the plan (§IV-B online profiling: buffers and selection are recorded once and fixed).
-        The all-reduce waits for the profiling and ``last`` (the last warm-up all-reduce); rank
-        0 plans between the two calls (host work, not timed).
+    def _decide(self, prof) -> np.ndarray:
+        """Plan on the timings max-reduced over the ranks, ``prof`` (:func:`plan_ssfusion`) on
+        rank 0, between the profile's all-reduce and the plan's broadcast (§IV-B online
+        profiling: buffers and selection are recorded once and fixed; host work, not timed).
+        Returns the broadcast form of the plan (zeros on the other ranks).
 
         Offload guard (not in the paper, whose backward runs on the GPU): the offload set of
         :func:`plan_offload` is kept only when the main-thread sparsification time it saves,
@@ -182,14 +188,10 @@ class WarmupProfiler:
         competes with the backward and offloading is switched off.
         """
         o, L = self.options, self.L
-        resolve_pending(self.run.clock.source)     # the last warm-up step's T_sp
-        prof = self._profile_vector()
-        world = self.topo.world
-        h = world.allreduce(prof, "max", phase=PROFILE, after=[self._profile_event, last])
-        self._profile = prof[:3 * L].reshape(len(PROFILE_FIELDS), L)
+        self._profile = np.array(prof[:3 * L]).reshape(len(PROFILE_FIELDS), L)
         T_b, T_sp, T_cpu = self._profile
         code = np.zeros_like(self._template.encode())
-        if world.rank == 0:
+        if self.topo.world.rank == 0:
             plan = plan_ssfusion(*self._plan_args, profile=(T_b, T_sp, T_cpu))
             if o.offload:
                 off = np.array(plan.offload)
@@ -202,8 +204,7 @@ class WarmupProfiler:
                 if not keep:
                     plan = dataclasses.replace(plan, offload=(False,) * L)
             code[:] = plan.encode()
-        world.bcast(code, 0, phase=SELECT, after=h)
-        self._install(self._template.decode(code))
+        return code
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _profiling_state(self) -> dict:
@@ -223,7 +224,8 @@ class WarmupProfiler:
 
 class OffloadWorker:
     """SSFusion-O (§IV-C): the plan's offloaded segments sparsified on one CPU worker thread
-    during the backward (a mixin of :class:`~dataparallel.ssfusion.SSFusion`)."""
+    during the backward (a mixin of :class:`~dataparallel.ssfusion.SSFusion`: the bindings of
+    the plan's ``ssf_offload[l]`` and ``ssf_offload_wait[i]`` items)."""
 
     def _init_offload(self, executor, source) -> None:
         self._executor = executor
@@ -247,25 +249,27 @@ class OffloadWorker:
         self._host_vel = ({s.sid: np.array(host(self.velocity[s.a:s.b]), dtype=np.float32)
                            for s in segs} if self.mu else {})
 
-    def _submit(self, l: int) -> None:
-        """``on_ready`` of tensor ``l`` in a sparse step: hand its sparsification to the worker
-        when the plan offloads it."""
-        if self._executor is not None and self.plan.offload[l]:
-            buf, seg = self._seg_of[l]
-            self._futures[l] = self._executor.submit(self._offload_job, buf, seg, self._step)
+    def _submit(self, l: int, label: str) -> PendingSeconds:
+        """``ssf_offload[l]`` (a compute item on the ``offload`` stream): hand tensor ``l``'s
+        sparsification to the worker; returns its pending measurement, which
+        :meth:`_collect_offloaded` delivers."""
+        buf, seg = self._seg_of[l]
+        pending = PendingSeconds()
+        self._futures[l] = (self._executor.submit(self._offload_job, buf, seg, self._step,
+                                                  self.flops(label), label), pending)
+        return pending
 
-    def _offload_job(self, buf, seg, step: int):
+    def _offload_job(self, buf, seg, step: int, flops: float, label: str):
         """Worker thread: sparsify one tensor on the CPU (on a GPU run: copy to the host, select
         with NumPy, keep its residual on the host; the main thread copies the result back).
 
         Returns ``(wall seconds, simulated seconds, host result or None)``: the simulated
-        seconds are the run's compute source's reading taken on this thread (thread CPU time of
-        the worker, or the plan's count :meth:`SSFusionPlan.segment_flops`; on a GPU run the
+        seconds are the run's compute source's reading of event ``label`` taken on this thread
+        (thread CPU time of the worker, the plan's count ``flops``
+        (:meth:`SSFusionPlan.segment_flops`) or a compute profile's; on a GPU run the
         worker's thread CPU time, as CUDA events would not see host work)."""
         t = time.perf_counter()
-        src = self._worker_source
-        flops = self.plan.segment_flops(seg.b - seg.a, seg.k, bool(self.mu))
-        with src.measure(flops, None, f"ssf_offload:{seg.sid}") as m:
+        with self._worker_source.measure(flops, None, label) as m:
             if not self.run.backend.is_gpu:
                 self._select(buf, seg, step)
                 host_out = None
@@ -287,26 +291,22 @@ class OffloadWorker:
                 host_out = (values, idx)
         return time.perf_counter() - t, m.seconds, host_out
 
-    def _collect_offloaded(self, buf) -> list:
-        """Wait for the worker's segments of ``buf``, copy GPU-run results into the send buffer,
-        and declare each as an event on the timeline's ``offload`` stream after its gradients'
-        ready event (SSFusion-O, §IV-C: the worker runs during the backward)."""
-        clock, xp = self.run.clock, self.xp
-        tl = clock.timeline
-        events = []
+    def _collect_offloaded(self, i: int) -> None:
+        """``ssf_offload_wait[i]``: wait for the worker's segments of buffer ``i``, copy GPU-run
+        results into its send buffer and deliver each segment's time to its ``ssf_offload[l]``
+        item (SSFusion-O, §IV-C: the worker ran during the backward)."""
+        buf, xp = self._bufs[i], self.xp
         for seg in buf.segments:
-            fut = self._futures.pop(seg.sid, None)
-            if fut is None:
+            job = self._futures.pop(seg.sid, None)
+            if job is None:
                 continue
+            fut, pending = job
             dt, sim, host = fut.result()
             self._stats["worker_s"] += dt
             if host is not None:
                 buf.row.put(buf.send, seg.slot, xp.asarray(host[0]), xp.asarray(host[1]),
                             base=seg.a, k=seg.k)
-            if tl is not None:
-                events.append(tl.compute(f"ssf_offload[{self.names[seg.sid]}]", sim,
-                                         deps=clock.ready(seg.a, seg.b), stream="offload"))
-        return events
+            pending.set(sim)
 
     def _offload_state(self) -> dict:
         state = {f"host_res/{sid}": r.copy() for sid, r in self._host_res.items()}

@@ -1,11 +1,15 @@
-"""The SSFusion strategy: executes :class:`~dataparallel.ssfusion.SSFusionPlan` step by step
-(warm-up all-reduces, then per fusion buffer the all-reduce of ``Buffer_AR`` and the all-gather of
-``Buffer_AG``), every call through :class:`substrate.comm.Comm` with the dependencies the plan's
-records name, so the run's timeline is the paper's pipeline (Fig. 10) and
-:meth:`SSFusion.step_calls` hands the trainer exactly the records it executed.
+"""The SSFusion strategy: runs :class:`~dataparallel.ssfusion.SSFusionPlan`'s records step by
+step from the step's program (:meth:`SSFusion.records`: the warm-up all-reduces, the decision,
+then per fusion buffer the all-reduce of ``Buffer_AR`` and the all-gather of ``Buffer_AG``, the
+sparsification, SSFusion-O's worker and the decoding as compute items) and binds what only it
+knows: the arrays each call sends and what it does with the results (:meth:`SSFusion.buffer`,
+:meth:`SSFusion.received`), the compute of each item (:meth:`SSFusion.compute`).  The program
+places each record at the first unit boundary of the backward where what it waits for is there
+(:func:`dataparallel.program.step_program`), so with ``--overlap on`` a run is the paper's
+pipeline (Fig. 10); the strategy issues no call itself.
 
-The warm-up profiling, the decision and SSFusion-O's CPU worker are in
-:mod:`dataparallel.ssfusion.profiling`."""
+The warm-up profiling (measurement, not program: :meth:`SSFusion.on_ready`), the decision and
+SSFusion-O's CPU worker are in :mod:`dataparallel.ssfusion.profiling`."""
 
 from __future__ import annotations
 
@@ -14,20 +18,31 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from substrate.calls import bytes_by_phase
+from substrate.calls import Work, bytes_by_phase
 from substrate.compute import CpuTimeSource
 from substrate.costmodel import INTER, INTRA
-from volume.ssfusion import DENSE, SPARSE, WARMUP
 
 from ..codec import ErrorFeedback, scatter_mean
 from ..ddp import DDPOptions, DDPPlan
 from ..sparsify import select
 from ..strategy import Strategy, register
 from .options import SSFusionOptions, needs_profile
-from .plan import PROFILE_FIELDS, FusionBuffer, Segment, SSFusionPlan, plan_ssfusion
+from .plan import (
+    DENSE,
+    PROFILE,
+    PROFILE_FIELDS,
+    SELECT,
+    SPARSE,
+    WARMUP,
+    FusionBuffer,
+    Segment,
+    SSFusionPlan,
+    plan_ssfusion,
+)
 from .profiling import OffloadWorker, WarmupProfiler
 from .selection import per_tensor_counts
 
@@ -46,6 +61,11 @@ class _Buffer:
 
     def __getattr__(self, name):          # a, b, c, ar, agd, segments, n_ar, n_agd, K, row
         return getattr(self.spec, name)
+
+
+def _index(label: str) -> int:
+    """``i`` of a record labelled ``name[i]``."""
+    return int(label[label.index("[") + 1:-1])
 
 
 @register
@@ -102,15 +122,20 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         self._bufs: list[_Buffer] = []
         self._seg_of: dict = {}
         self._k_full = per_tensor_counts(self.sizes, options.density)
-        self._step = 0  # the step whose backward runs (for on_ready)
-        # the step in flight: calls issued (kind, buffer, handle) to wait and decode in sync,
-        # the last call on the stream, each buffer's stage (1: Buffer_AR sent, 2: all sent)
-        # and head event, the warm-up buffers sent
-        self._issued: list = []
-        self._prev = None
-        self._stage: dict = {}
-        self._head_ev: dict = {}
-        self._warm_sent = 0
+        # the step whose program runs (set by records(); after_step moves it on) and its kind
+        self._step = 0
+        self._kind = None
+        # the records of the current kind of step and their bindings: the array of each call,
+        # each compute item and its callable by label (cleared when a plan is installed)
+        self._records: dict = {}
+        self._work: dict[str, tuple] = {}
+        self._call_buffer: dict = {}
+        # what the step's calls brought back: the gathered rows of each buffer until its
+        # decoding, every (indices, values) of the step for the tensor-missing diagnostic, the
+        # decision's profile and plan code
+        self._gathered: dict[int, object] = {}
+        self._gathered_idx: list = []
+        self._code = None
         self._init_profiling()
         # SSFusion-O: the worker's events are timed on its thread by the run's compute source;
         # a GPU run's worker does host work that CUDA events cannot see: its thread CPU time
@@ -118,9 +143,6 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                            else None,
                            CpuTimeSource("thread") if self.run.backend.is_gpu
                            else self.run.clock.source)
-        # step bookkeeping and statistics
-        self._last: tuple = ("none", False, False)
-        self._records: dict = {}
         self._stats = {"sparse_steps": 0, "sparsify_s": 0.0, "worker_s": 0.0,
                        "profile_s": 0.0, "missing": 0.0, "missing_global": 0.0,
                        "missing_steps": 0}
@@ -133,18 +155,175 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
         """Execute the plan: allocate the fixed send buffers of its fusion buffers (plan once,
         run many)."""
         xp = self.xp
+        if any(plan.offload) and self._executor is None:
+            raise ValueError("the plan offloads tensors to the CPU worker (SSFusion-O) but the "
+                             "strategy has none: build it with --offload")
         self.plan = plan
         self.buffers = plan.buffers
         self._bufs = [_Buffer(spec, xp.empty(spec.n_ar, dtype=np.float32), spec.row.empty(xp))
                       for spec in plan.layout]
         self._seg_of = {s.sid: (buf, s) for buf in self._bufs for s in buf.segments}
-        self._buffer_of = {l: i for i, buf in enumerate(self._bufs) for l in range(buf.t0, buf.t1)}
+        self._records = {}
         self._install_offload()
 
     def _counts(self) -> tuple[list[int], list[int], list[int]]:
         """Per buffer: all-reduced elements, all-gathered dense elements, sparse count."""
         return ([b.n_ar for b in self._bufs], [b.n_agd for b in self._bufs],
                 [b.K for b in self._bufs])
+
+    # -- the program ------------------------------------------------------------------------------
+    def records(self, state) -> list:
+        """The plan's records of step ``state.step`` (:meth:`SSFusionPlan.calls`): a warm-up
+        step (profiling the timings when the plan needs them; the last one decides the plan),
+        or a sparse step of the installed plan.  The same list for every step of one kind."""
+        step = int(state.step)
+        self._step = step
+        self._ready_count = 0
+        if self.plan is None or step < self.warmup:
+            profiling = self.plan is None
+            key = ("warmup", profiling and step == self.warmup - 1, profiling)
+        else:
+            key = ("sparse", False, False)
+        self._kind = key[0]
+        if key not in self._records:
+            plan = self.plan if self.plan is not None else self._template
+            records = plan.calls(self.topo.placement, key[0], key[1], momentum=bool(self.mu),
+                                 profiling=key[2])
+            self._records = {key: records}
+            self._bind(records)
+        return self._records[key]
+
+    def _bind(self, records) -> None:
+        """The arrays of ``records``' calls that send what is there already (a warm-up
+        buffer's slice of the gradient, a fusion buffer's ``Buffer_AR`` and ``Buffer_AG``), and
+        the compute items by label."""
+        g = self.ctx.model.grads.flat
+        off = self.offsets
+        arrays = {}
+        for c in records:
+            if isinstance(c, Work):
+                continue
+            if c.phase == WARMUP:
+                t0, t1 = self._template.warmup_buffers[_index(c.label)]
+                arrays[c.label] = g[off[t0]:off[t1]]
+            elif c.phase == DENSE:
+                arrays[c.label] = self._bufs[_index(c.label)].ar_buf
+            elif c.phase == SPARSE:
+                arrays[c.label] = self._bufs[_index(c.label)].send
+        self._call_buffer = arrays
+        self._work = {w.label: (w, self._item(w.label)) for w in records if isinstance(w, Work)}
+
+    def _item(self, label: str):
+        """The callable of compute item ``label`` (``name[i]``: of fusion buffer or tensor
+        ``i``)."""
+        name = label.partition("[")[0]
+        if name == "ssf_profile":
+            return self._run_profile
+        if name == "ssf_momentum":
+            return self._run_momentum
+        i = _index(label)
+        return {"ssf_sparsify_ar": partial(self._prepare_part, i, True),
+                "ssf_sparsify": partial(self._prepare_part, i, False),
+                "ssf_offload": partial(self._submit, i, label),
+                "ssf_offload_wait": partial(self._collect_offloaded, i),
+                "ssf_unpack_dense": partial(self._unpack_dense, i),
+                "ssf_unpack_sparse": partial(self._unpack_sparse, i)}[name]
+
+    def buffer(self, call):
+        """What ``call`` sends: its slice of the gradient (warm-up), ``Buffer_AR`` or
+        ``Buffer_AG`` (prepared by the compute items before it), the averaged profile (the
+        decision's MAX all-reduce) or the plan rank 0 decided (its broadcast)."""
+        if call.phase == PROFILE:
+            return self._profile_vector()
+        if call.phase == SELECT:
+            return self._code
+        return self._call_buffer[call.label]
+
+    def received(self, call, result) -> None:
+        """A buffer's gathered rows wait for its decoding; the profile max-reduced over the
+        ranks is planned on rank 0 (:meth:`_decide`), the broadcast plan installed.  The
+        all-reduces average in place."""
+        if call.phase == SPARSE:
+            self._gathered[_index(call.label)] = result
+        elif call.phase == PROFILE:
+            self._code = self._decide(result)
+        elif call.phase == SELECT:
+            self._install(self._template.decode(result))
+            self._code = None
+
+    def compute(self, label: str):
+        """The compute item ``label`` of the step's records (an ``offload``-stream item hands
+        its work to the worker and returns its pending time)."""
+        return self._work[label][1]
+
+    def flops(self, label: str) -> float | None:
+        """The compute item's element operations (the plan's counts)."""
+        w = self._work.get(label)
+        return None if w is None else w[0].flops
+
+    def after_step(self, state) -> None:
+        """The tensor-missing rate (:meth:`_count_missing`, a diagnostic that is not part of the
+        modeled system) of a sparse step that writes a metrics line (``state.logged``), so
+        ordinary steps carry no diagnostic work and every step's ``step_wall_s`` is the whole
+        step; the report's rates are means over those steps."""
+        if self._kind == "sparse":
+            self._stats["sparse_steps"] += 1
+            if state.logged:
+                self._count_missing(self._gathered_idx)
+        self._gathered_idx = []
+        self._step = int(state.step) + 1
+
+    # -- compute items ----------------------------------------------------------------------------
+    def _run_profile(self) -> None:
+        """``ssf_profile``: one warm-up step's timings (:meth:`_profile_step`)."""
+        t = time.perf_counter()
+        self._profile_step(self._step, self.ctx.model.grads.flat)
+        self._stats["profile_s"] += time.perf_counter() - t
+
+    def _run_momentum(self) -> None:
+        """``ssf_momentum``: the warm-up's momentum ``u = μ u + g``, sent as the gradient."""
+        g = self.ctx.model.grads.flat
+        self.velocity *= self.mu
+        self.velocity += g
+        g[...] = self.velocity
+
+    def _prepare_part(self, i: int, head: bool) -> None:
+        """``ssf_sparsify_ar[i]`` (``head``) / ``ssf_sparsify[i]``: :meth:`_prepare`.  On a GPU
+        its host time is the time to queue it (no device wait here: the staging copy waits for
+        the compute stream's event, and the compute block's CUDA timing has the device's
+        time); on the CPU the work itself."""
+        t = time.perf_counter()
+        self._prepare(self._bufs[i], self._step, head)
+        self._stats["sparsify_s"] += time.perf_counter() - t
+
+    def _unpack_dense(self, i: int) -> None:
+        """``ssf_unpack_dense[i]``: the averaged ``Buffer_AR`` back into the gradient."""
+        g, buf = self.ctx.model.grads.flat, self._bufs[i]
+        o = 0
+        for ra, rb in buf.ar:
+            g[ra:rb] = buf.ar_buf[o:o + rb - ra]
+            o += rb - ra
+
+    def _unpack_sparse(self, i: int) -> None:
+        """``ssf_unpack_sparse[i]``: average the gathered dense tensors and scatter-add the
+        gathered sparse entries of buffer ``i`` into the gradient (element operations: the
+        ``p`` dense blocks summed, the ``p K`` entries scatter-added, the buffer's dense and
+        sparse ranges written back)."""
+        g, buf, p = self.ctx.model.grads.flat, self._bufs[i], self.topo.size
+        rows = self._gathered.pop(i)
+        row = buf.row
+        if buf.n_agd:
+            dense = row.dense_mean(rows, p)
+            o = 0
+            for ra, rb in buf.agd:
+                g[ra:rb] = dense[o:o + rb - ra]
+                o += rb - ra
+        if buf.K:
+            values, idx = row.values(rows), row.indices(rows)
+            summed = scatter_mean(values, idx, buf.b - buf.a, p, base=buf.a)
+            for seg in buf.segments:
+                g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
+            self._gathered_idx.append((idx, values))   # read by the diagnostic on logged steps
 
     # -- sparsification ---------------------------------------------------------------------------
     def _rng(self, step: int, sid: int) -> tuple:
@@ -176,10 +355,10 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
             self.velocity[a:b][idx] = 0
 
     def _prepare(self, buf: _Buffer, step: int, head: bool) -> None:
-        """Main thread, the part of one buffer before its split (``head``: momentum ``u = μ u +
-        g`` of the ``Buffer_AR`` tensors, copied into ``ar_buf``) or after it (the later dense
-        tensors, copied into the front of ``send``), and the sparsification of the part's
-        segments not handed to the worker."""
+        """The part of one buffer before its split (``head``: momentum ``u = μ u + g`` of the
+        ``Buffer_AR`` tensors, copied into ``ar_buf``) or after it (the later dense tensors,
+        copied into the front of ``send``), and the sparsification of the part's segments the
+        plan does not hand to the worker."""
         g = self.ctx.model.grads.flat
         dense = buf.ar if head else buf.agd
         if self.velocity is not None:
@@ -189,7 +368,7 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
                 u[ra:rb] += g[ra:rb]
                 g[ra:rb] = u[ra:rb]
         for seg in buf.segments:
-            if buf.spec.head(seg) == head and not (seg.offload and seg.sid in self._futures):
+            if buf.spec.head(seg) == head and not seg.offload:
                 self._select(buf, seg, step)
         o = 0
         for ra, rb in dense:
@@ -198,233 +377,6 @@ class SSFusion(WarmupProfiler, OffloadWorker, Strategy):
             else:
                 buf.row.put_dense(buf.send, o, g[ra:rb])
             o += rb - ra
-
-    def _part_flops(self, buf: _Buffer, head: bool) -> float:
-        """Element operations of :meth:`_prepare` (the plan's count,
-        :meth:`SSFusionPlan.part_flops`, for the segments this step runs on the main thread)."""
-        plan, mom = self.plan, bool(self.mu)
-        return (sum(plan.dense_flops(rb - ra, mom) for ra, rb in (buf.ar if head else buf.agd))
-                + sum(plan.segment_flops(s.b - s.a, s.k, mom) for s in buf.segments
-                      if buf.spec.head(s) == head
-                      and not (s.offload and s.sid in self._futures)))
-
-    # -- one step ---------------------------------------------------------------------------------
-    def on_ready(self, name: str) -> None:
-        """The backward wrote ``name``'s gradient (called between units, right after the unit
-        that wrote it).  Warm-up profiling and SSFusion-O's submissions as before
-        (:meth:`WarmupProfiler.on_ready`); then, with ``--overlap on``, the paper's pipeline
-        (§IV-D, Fig. 10) for real: when the tensors before a buffer's split are written, their
-        part is prepared here (momentum, sparsification, packing of ``Buffer_AR``: compute
-        between units, so it delays the rest of the backward as a kernel on the compute stream
-        would) and ``Buffer_AR``'s all-reduce goes to the communication stream; when the whole
-        buffer is written, the rest is prepared, the worker's segments collected and the
-        all-gather of ``Buffer_AG`` issued.  In a warm-up step with nothing to compute after the
-        backward (no profiling, no momentum correction) each warm-up buffer's all-reduce is
-        issued as soon as the backward wrote it.  :meth:`sync` waits and decodes."""
-        super().on_ready(name)
-        if not self.run.recorder.overlap:
-            return                  # --overlap off: every call blocks in sync, after it
-        l = self.index_of[name]
-        if self.plan is None or self._step < self.warmup:
-            if self.plan is not None and not self.mu:
-                wb = self._template.warmup_buffers
-                while self._warm_sent < len(wb) and l + 1 >= wb[self._warm_sent][1]:
-                    self._send_warmup(self._warm_sent, self.ctx.model.grads.flat, [])
-            return
-        i = self._buffer_of[l]
-        buf = self._bufs[i]
-        if buf.c > buf.a and int(self.offsets[l + 1]) == buf.c:
-            self._send_head(i, self._step)
-        if l + 1 == buf.t1:
-            self._send_tail(i, self._step)
-
-    def _send_head(self, i: int, step: int) -> None:
-        """Buffer ``i``'s part before its split: prepare it, then all-reduce ``Buffer_AR``
-        after it, its gradients and the previous call on the stream."""
-        clock, buf = self.run.clock, self._bufs[i]
-        head = self._prepare_part(buf, step, True, f"ssf_sparsify_ar[{i}]")
-        self._head_ev[i] = head
-        if buf.n_ar:
-            self._prev = self.topo.world.allreduce(
-                buf.ar_buf, "avg", phase=DENSE, after=[clock.ready(buf.a, buf.c), head,
-                                                        self._prev], wait=False)
-            self._issued.append(("ar", i, self._prev))
-        self._stage[i] = 1
-
-    def _send_tail(self, i: int, step: int) -> None:
-        """The rest of buffer ``i``: prepare the part after the split, collect the worker's
-        segments (the host waits for them: the compute stream does too,
-        ``ssf_offload_wait[i]``), then all-gather ``Buffer_AG`` after both parts, the worker's
-        events and the previous call (``T2 = max(T_AR, Σ T_b + T_sp) + T_AG``)."""
-        clock, buf = self.run.clock, self._bufs[i]
-        if self._stage.get(i, 0) == 0 and buf.c > buf.a:
-            self._send_head(i, step)
-        tail = None
-        if buf.b > buf.c:
-            tail = self._prepare_part(buf, step, False, f"ssf_sparsify[{i}]")
-        offloaded = self._collect_offloaded(buf)
-        if offloaded:
-            with clock.compute(f"ssf_offload_wait[{i}]", deps=offloaded):
-                pass
-        if buf.send.size:
-            self._prev = self.topo.world.allgather(
-                buf.send, phase=SPARSE, after=[clock.ready(buf.a, buf.b), self._head_ev.get(i),
-                                               tail, *offloaded, self._prev], wait=False)
-            self._issued.append(("ag", i, self._prev))
-        self._stage[i] = 2
-
-    def sync(self, state, buffers):
-        """One sparse step, buffer by buffer in backward order, as :meth:`SSFusionPlan.calls`
-        lists it.  With ``--overlap on`` the backward has already prepared every buffer and
-        issued its calls (:meth:`on_ready`); what it did not (every buffer with ``--overlap
-        off``, where each call blocks) is done here, after the backward, in the same order: the
-        part before the split (momentum, sparsification, packing of ``Buffer_AR``), the
-        all-reduce of ``Buffer_AR``, the part after the split, the worker's offloaded segments
-        (:meth:`_collect_offloaded`), the all-gather of ``Buffer_AG``.  Then every call is waited
-        for in issue order and its buffer decoded into the gradient (``ssf_unpack_dense[i]``,
-        ``ssf_unpack_sparse[i]``: compute after their call).
-
-        The tensor-missing rate (:meth:`_count_missing`, a diagnostic that is not part of the
-        modeled system) is counted only on steps that write a metrics line
-        (``state.logged``), so ordinary steps carry no diagnostic work and every step's
-        ``step_wall_s`` is the whole step; the report's rates are means over those steps."""
-        g = buffers.flat
-        step = int(state.step)
-        if self.plan is None or step < self.warmup:
-            return self._warmup_sync(step, g)
-        clock = self.run.clock
-        p = self.topo.size
-        for i in range(len(self._bufs)):
-            if self._stage.get(i, 0) < 2:            # not sent during the backward
-                self._send_tail(i, step)
-        gathered_idx = []
-        for kind, i, h in self._issued:
-            buf = self._bufs[i]
-            h.wait()
-            if kind == "ar":
-                with clock.compute(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar), deps=h):
-                    o = 0
-                    for ra, rb in buf.ar:
-                        g[ra:rb] = buf.ar_buf[o:o + rb - ra]
-                        o += rb - ra
-                continue
-            # element operations: the p dense blocks summed, the p K entries scatter-added,
-            # the buffer's dense and sparse ranges written back
-            with clock.compute(f"ssf_unpack_sparse[{i}]",
-                               flops=float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a),
-                               deps=h):
-                self._unpack_gathered(buf, h.result, g, p, gathered_idx)
-        self._end_step()
-        if state.logged:
-            self._count_missing(gathered_idx)
-        self._stats["sparse_steps"] += 1
-        self._last = ("sparse", False, False)
-        return g
-
-    def _end_step(self) -> None:
-        """Forget the step's calls (all waited for)."""
-        self._issued, self._prev, self._warm_sent = [], None, 0
-        self._stage, self._head_ev = {}, {}
-
-    def _prepare_part(self, buf: _Buffer, step: int, head: bool, label: str):
-        """:meth:`_prepare` as a compute event after the backward event that completes the
-        part: run from the ready hook it is declared right there, between two units (the
-        paper's pipeline, Fig. 10); run from :meth:`sync` it follows the backward, as it ran.
-        Returns the event."""
-        clock = self.run.clock
-        lo, hi = (buf.a, buf.c) if head else (buf.c, buf.b)
-        with clock.compute(label, flops=self._part_flops(buf, head), deps=clock.ready(lo, hi)):
-            # host time of the preparation: on a GPU the time to queue it (no device wait
-            # here: the staging copy waits for the compute stream's event, and the compute
-            # event's CUDA timing has the device's time); on the CPU the work itself
-            t = time.perf_counter()
-            self._prepare(buf, step, head)
-            self._stats["sparsify_s"] += time.perf_counter() - t
-        return clock.last_event if clock.timeline is not None else None
-
-    def _unpack_gathered(self, buf: _Buffer, rows, g, p: int, gathered_idx: list) -> None:
-        """Average the gathered dense tensors and scatter-add the gathered sparse entries of
-        one buffer into ``g``."""
-        row = buf.row
-        if buf.n_agd:
-            dense = row.dense_mean(rows, p)
-            o = 0
-            for ra, rb in buf.agd:
-                g[ra:rb] = dense[o:o + rb - ra]
-                o += rb - ra
-        if buf.K:
-            values, idx = row.values(rows), row.indices(rows)
-            summed = scatter_mean(values, idx, buf.b - buf.a, p, base=buf.a)
-            for seg in buf.segments:
-                g[seg.a:seg.b] = summed[seg.a - buf.a:seg.b - buf.a]
-            gathered_idx.append((idx, values))   # read by the diagnostic on logged steps
-
-    def _warmup_sync(self, step: int, g):
-        """Dense all-reduce of every warm-up buffer (with momentum correction, of ``u = μ u +
-        g``); a plan that needs timings also profiles (T_b, T_sp, T_cpu) and, after the last
-        warm-up step, is decided (:meth:`_decide`), as :meth:`SSFusionPlan.calls` lists it
-        (``kind="warmup"``).
-
-        On the timeline the profiling and the momentum update are compute events after the
-        backward (they read the whole gradient); each warm-up buffer's all-reduce waits for
-        its gradients, those events and the previous buffer's all-reduce."""
-        clock = self.run.clock
-        template = self._template
-        profiling = self.plan is None
-        before = []
-        self._profile_event = None
-        if profiling:
-            with clock.compute("ssf_profile", flops=template.profile_flops()):
-                t = time.perf_counter()
-                self._profile_step(step, g)
-                self._stats["profile_s"] += time.perf_counter() - t
-            self._profile_event = clock.last_event if clock.timeline is not None else None
-            before.append(self._profile_event)
-        if self.velocity is not None:
-            with clock.compute("ssf_momentum", flops=2.0 * g.size):
-                self.velocity *= self.mu
-                self.velocity += g
-                g[...] = self.velocity
-            before.append(clock.last_event if clock.timeline is not None else None)
-        while self._warm_sent < len(template.warmup_buffers):   # not sent during the backward
-            self._send_warmup(self._warm_sent, g, before)
-        for _, _, h in self._issued:
-            h.wait()
-        last = self._prev
-        self._end_step()
-        decided = profiling and step == self.warmup - 1
-        if decided:
-            self._decide(last)
-        self._last = ("warmup", decided, profiling)
-        self._ready_count = 0
-        return g
-
-    def _send_warmup(self, j: int, g, before: list) -> None:
-        """Warm-up buffer ``j``'s average all-reduce after its gradients, ``before`` (the
-        step's profiling and momentum events) and the previous call on the stream."""
-        t0, t1 = self._template.warmup_buffers[j]
-        a, b = int(self.offsets[t0]), int(self.offsets[t1])
-        self._prev = self.topo.world.allreduce(
-            g[a:b], "avg", phase=WARMUP, after=[self.run.clock.ready(a, b), *before, self._prev],
-            wait=False)
-        self._issued.append(("warmup", j, self._prev))
-        self._warm_sent = j + 1
-
-    def after_step(self, state) -> None:
-        self._step = int(state.step) + 1
-
-    def step_calls(self) -> list:
-        """The plan's records of the last :meth:`sync` (:meth:`SSFusionPlan.calls` on this
-        run's placement)."""
-        kind, decided, profiling = self._last
-        if kind == "none":
-            return []
-        plan = self.plan if self.plan is not None else self._template
-        key = (id(plan), kind, decided, profiling)
-        if key not in self._records:
-            self._records = {key: plan.calls(self.topo.placement, kind, decided,
-                                             momentum=bool(self.mu), profiling=profiling)}
-        return self._records[key]
 
     # -- diagnostics (not part of the simulated system) -------------------------------------------
     def _count_missing(self, gathered_idx) -> None:

@@ -4,7 +4,8 @@
 ``offload_momentum``: SSFusion-O with DGC momentum correction (issue 25).  A CPU and a GPU
 strategy on 4 ranks (2 virtual nodes) get the same gradients; after the dense warm-up (where
 the velocity builds up) both install the same plan, which hands every second sparse tensor to
-the CPU worker (``on_ready`` during a backward, as the trainer calls it).  Every sparse step's
+the CPU worker (the plan's ``ssf_offload[l]`` items, during the backward of the step's program
+as the trainer runs it).  Every sparse step's
 synchronized gradient, velocity and residual must equal the CPU run's: bitwise for the
 synchronized gradient (the same selections, the same ring order), within float32 rounding for
 the state.  Before the fix the GPU worker's host velocity started at zero at the plan's
@@ -20,6 +21,7 @@ import cupy as cp
 import numpy as np
 
 from dataparallel import StepState, SyncContext
+from dataparallel.program import sync_step
 from dataparallel.ssfusion import SSFusion, SSFusionOptions
 from dataparallel.train import DPConfig
 from models import SGD, SGDConfig, build_model, load_digits
@@ -85,9 +87,7 @@ def offload_momentum():
             if step == warm:
                 strat._install(plan)
             state = StepState(step=step, epoch=0, loss=0.0)
-            for name in strat.names:             # the backward's ready hooks, in order
-                strat.on_ready(name)
-            strat.sync(state, model.grads)
+            sync_step(strat, state)              # the backward's ready hooks, in order
             strat.after_step(state)
             host = r.backend.asnumpy
             out[device] = (host(model.grads.flat).copy(), *_state(strat, host))

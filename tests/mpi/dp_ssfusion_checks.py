@@ -10,8 +10,12 @@ g``, ``a = e + u``; DGC Alg. 1), exact top-``k`` per sparse tensor (per buffer f
 by a full sort, dense tensors summed as they are (``u`` with momentum correction), the sum
 divided by ``p``; the new residual is ``a`` with the sent entries zeroed, the new velocity ``u``
 with them zeroed (momentum factor masking).  It also recomputes the tensor-missing rate
-(Table I), holds every step's calls to the plan's records (``Recorder.account``) and checks that
-the ledger's ``ssf_*`` phases equal the sum of the records' bytes (``step_bytes()``).
+(Table I), holds every step's calls to the plan's records the step ran from
+(:func:`dataparallel.program.sync_step`, ``Recorder.account``) and checks that the ledger's
+``ssf_*`` phases equal the sum of the records' bytes.
+
+``offload_program``: SSFusion-O's recorded steps are the plan's programs (see
+:func:`offload_program`).
 
 ``traffic CONFIGS``: ``dataparallel.train`` (``M`` nodes of 2 ranks, ``M`` from the world size)
 for selective (with and without interleaving,
@@ -28,22 +32,25 @@ import numpy as np
 from mpi4py import MPI
 
 from dataparallel import StepState, SyncContext
+from dataparallel.program import StepBindings, step_program, sync_step, unit_tensors
 from dataparallel.ssfusion import SSFusion, SSFusionOptions
 from dataparallel.train import DPConfig, build_parser, train
 from models import SGD, SGDConfig, build_model, load_digits
 from runner.run import start_run
 from substrate import collective_check
-from substrate.calls import Call
+from substrate.calls import Call, bytes_by_phase
+from substrate.executor import Executor, Pass
 from volume import ssfusion as cv
 
 R = 2
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/ssfusion_checks")
 
 
-def _setup(tag, momentum=0.0, **opts):
+def _setup(tag, momentum=0.0, record=None, **opts):
     cfg = DPConfig(method="ssfusion", seed=3)
     args = Namespace(out=str(OUT / tag), seed=cfg.seed, device="cpu", ranks_per_node=R,
-                     intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0)
+                     intra_bw=2400.0, inter_bw=100.0, intra_lat=2.0, inter_lat=5.0,
+                     compute_profile_out=record)
     run = start_run(args, system="dataparallel", method="ssfusion-test", config=cfg)
     data = load_digits()
     model = build_model("cnn", data.train.input_shape, 10, seed=cfg.seed)
@@ -123,11 +130,12 @@ def _check_mode(tag, plan=None, momentum=0.0, **opts):
                         blocks=(a.nbytes,) * run.size, itemsize=a.itemsize) for a in (g, e, u)]
         if plan is not None and step == warm:
             strat._install(plan)
-        strat.sync(StepState(step=step, epoch=0, loss=0.0), model.grads)
-        strat.after_step(StepState(step=step, epoch=0, loss=0.0))
+        state = StepState(step=step, epoch=0, loss=0.0)
+        records = sync_step(strat, state)
+        strat.after_step(state)
         # the run holds itself to the plan's records (raises on the first difference)
-        run.recorder.account([*gathers, *strat.step_calls()])
-        for ph, b in strat.step_bytes().items():
+        run.recorder.account([*gathers, *records])
+        for ph, b in bytes_by_phase(records, run.topo.placement).items():
             acc = bytes_pred.setdefault(ph, {"intra": 0, "inter": 0})
             acc["intra"] += b["intra"]
             acc["inter"] += b["inter"]
@@ -170,13 +178,13 @@ def _check_mode(tag, plan=None, momentum=0.0, **opts):
         if not np.isclose(rep[key], want_rate):
             ok = False
             msgs.append(f"{key} {rep[key]} != reference {want_rate}")
-    # the ledger's ssf_* phases equal the sum of step_bytes() (over all ranks)
+    # the ledger's ssf_* phases equal the sum of the records' bytes (over all ranks)
     meas = run.ledger.totals(run.world)["by_phase"]
     meas = {ph: {"intra": v["intra_bytes"], "inter": v["inter_bytes"]} for ph, v in meas.items()
             if ph.startswith("ssf_")}
     if meas != bytes_pred:
         ok = False
-        msgs.append(f"ledger {meas} != step_bytes {bytes_pred}")
+        msgs.append(f"ledger {meas} != the records' bytes {bytes_pred}")
     collective_check(run.world, ok, f"{tag} on rank {run.rank}: " + "; ".join(msgs[-4:]))
     return rep
 
@@ -212,6 +220,54 @@ def reference():
     ok &= set(reps["multi-tensor"]["missing_by_tensor"]) >= {"fc2.weight", "conv1.weight"}
     rates = {m: r.get("tensor_missing_rate") for m, r in reps.items()}
     collective_check(MPI.COMM_WORLD, ok, f"missing rates {rates}, hand-made plan {hand}")
+
+
+def offload_program():
+    """SSFusion-O's steps as the run records them (the clock's and the communicators' own
+    hooks, with the model's per-layer events) are the programs generated from the plan's
+    records (:meth:`substrate.executor.Executor.verify`): after a profiled warm-up, a plan
+    that hands fc2.weight (before fusion buffer 0's split), fc1.weight (after it) and
+    conv2.weight to the CPU worker; each worker item is an event on the offload stream of the
+    worker's own time, which the buffer's collection waits for."""
+    run, model, strat = _setup("offload-program", momentum=0.9, record=str(OUT / "prog.json"),
+                               fusion="selective", fusion_policy="count", buffers=2,
+                               profile_steps=2, offload=True)
+    names = list(model.layout.names)
+    offload = tuple(n in ("fc2.weight", "fc1.weight", "conv2.weight") for n in names)
+    k = list(strat._template.k)
+    k[names.index("fc1.bias")] = -1
+    plan = dataclasses.replace(strat._template, k=tuple(k), split=(3, 0), offload=offload)
+    data = load_digits()
+    x, y = data.train.x[:16], data.train.y[:16]
+    model.recorder = run.clock.layers
+    executor = Executor(run)
+    units, tensors = model.compute_units(), unit_tensors(model)
+    steps, problems = strat.warmup + 3, []
+    for step in range(steps):
+        if step == strat.warmup:
+            strat._install(plan)
+        state = StepState(step=step, epoch=0, loss=0.0)
+        records = strat.records(state)
+        program = step_program(units, records, run.topo.placement, run.rank)
+        bind = StepBindings(strat, Pass(lambda ready: model.loss_and_grad(x, y, ready=ready),
+                                        tensors))
+        executor.run_step(program, bind)
+        if step >= strat.warmup:
+            events = run.clock.timeline.open_events
+            work = {e.label: e for e in events if e.resource == "offload"}
+            if sorted(work) != sorted(f"ssf_offload[{names.index(n)}]" for n in
+                                      ("fc2.weight", "fc1.weight", "conv2.weight")):
+                problems.append(f"step {step}: offload events {sorted(work)}")
+            wait = [e for e in events if e.label.startswith("ssf_offload_wait")]
+            if not all(w.seconds > 0 for w in work.values()) or len(wait) != 2 or \
+                    not set(wait[0].deps) >= {work["ssf_offload[1]"], work["ssf_offload[3]"]}:
+                problems.append(f"step {step}: the worker's events or their collection")
+        run.clock.step()
+        strat.after_step(state)
+    executor.verify()
+    if executor.steps_verified != steps:
+        problems.append(f"{executor.steps_verified} of {steps} steps verified")
+    collective_check(run.world, not problems, f"rank {run.rank}: " + "; ".join(problems))
 
 
 TRAFFIC_CONFIGS = {"selective": [], "naive": ["--no-interleave"], "offload": ["--offload"],
@@ -262,7 +318,7 @@ def _buffer_sizes(buffer_tensors):
     return [sum(model.layout.sizes[n] for n in names) for names in buffer_tensors]
 
 
-CHECKS = {"reference": reference, "traffic": traffic}
+CHECKS = {"reference": reference, "traffic": traffic, "offload_program": offload_program}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

@@ -16,7 +16,10 @@ from dataparallel import train
 from dataparallel.train import main
 
 METHODS = {"ddp": [], "ddp-hierarchical": ["--method", "ddp", "--allreduce", "hierarchical"],
-           "fp16": [], "topk": []}
+           "fp16": [], "topk": [],
+           # a warm-up step and a sparse step of a plan its options fix
+           "ssfusion": ["--method", "ssfusion", "--fusion", "per-tensor", "--fusion-policy",
+                        "count", "--buffers", "3", "--profile-steps", "1"]}
 
 
 def _mutated(step_program):
