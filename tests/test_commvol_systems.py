@@ -135,7 +135,7 @@ def test_model_specs_match_the_trainers_models():
 
 
 def test_spec_arch_builds_the_spec_models():
-    from commvol.scale import SPEC_ARCH
+    from commvol.specs import SPEC_ARCH
     from models.specs import spec_from_layers
     from models.zoo import resnet_layers
 

@@ -275,5 +275,5 @@ def test_report_plots(fake_runs, tmp_path, capsys):
     a, _ = plots["scaling.png"].fig.axes
     got = {ln.get_label(): ln for ln in a.get_lines()}
     for name, rows in doc["systems"].items():
-        assert list(got[f"{name}: modeled, timeline"].get_ydata()) == [r["speedup"]
+        assert list(got[f"{name}: modeled, job simulation"].get_ydata()) == [r["speedup"]
                                                                         for r in rows]
