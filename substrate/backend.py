@@ -62,6 +62,8 @@ __all__ = [
 
 #: smallest pool block (bytes); blocks are powers of two from here
 MIN_BLOCK = 4096
+#: the host path's :meth:`Backend.side` (a ``nullcontext`` is reusable and reentrant)
+_NO_CONTEXT = nullcontext()
 
 
 def _import_cupy() -> ModuleType | None:
@@ -268,7 +270,7 @@ class Staged:
         self.backend, self.arr, self.send, self.recv = backend, arr, send, recv
         self.lease = self.host = self.ready = self._fence = None
         self._pulled = self._landed = self._staged = False
-        if backend.is_gpu and array_module(arr) is not np:
+        if backend.name == "gpu" and array_module(arr) is not np:
             self.ready = backend.xp.cuda.get_current_stream().record()
             if not backend.cuda_aware:
                 self._staged = True
@@ -421,8 +423,8 @@ class Backend:
 
     def side(self):
         """Context: this device and the side stream current (work of the communication path)."""
-        if not self.is_gpu:
-            return nullcontext()
+        if self.name != "gpu":
+            return _NO_CONTEXT
         return _Both(self.device(), self.side_stream)
 
     def wait_event(self, event) -> None:

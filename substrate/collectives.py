@@ -38,12 +38,14 @@ import numpy as np
 from mpi4py import MPI
 
 from . import schedule
-from .pinning import WIRE_VERIFIED, pinning_env
+from .pinning import DEFAULT_MODE, MODES, WIRE_VERIFIED, check_mode, default_mode, pinning_env
 
 __all__ = [
     "DEFAULT_MODE",
     "MODES",
     "UFUNCS",
+    "BoundRing",
+    "RingAllreduce",
     "binomial_bcast",
     "check_mode",
     "default_mode",
@@ -54,30 +56,14 @@ __all__ = [
     "ring_allgatherv",
     "ring_allreduce",
     "ring_allreduce_staged",
+    "ring_plan",
     "run_rounds",
 ]
 
-MODES = ("exact", "native")
-DEFAULT_MODE = "exact"
 _TAG = 7171  # every exact collective runs on a private Dup(): the tag never meets user messages
 
 #: Reduction ufuncs by op name (``"avg"`` is a sum followed by a division in the caller).
 UFUNCS = {"sum": "add", "avg": "add", "max": "maximum", "min": "minimum", "bor": "bitwise_or"}
-
-
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is a known collectives mode, else raise naming the fix."""
-    if mode not in MODES:
-        raise ValueError(f"unknown collectives mode {mode!r}: use --collectives exact (own "
-                         f"point-to-point algorithms, the default) or --collectives native "
-                         f"(the MPI library's, pinned where known); SPARDIST_COLLECTIVES sets "
-                         f"the default")
-    return mode
-
-
-def default_mode() -> str:
-    """``SPARDIST_COLLECTIVES`` if set, else ``exact``."""
-    return check_mode(os.environ.get("SPARDIST_COLLECTIVES", DEFAULT_MODE) or DEFAULT_MODE)
 
 
 # -- exact algorithms on point-to-point ------------------------------------------------------------
@@ -126,14 +112,132 @@ def run_rounds(mpi: MPI.Intracomm, rounds, send, recv, poll=None, tmp=None,
             (dst, slo, shi), = sends
             (src, rbuf), = rviews
             mpi.Sendrecv(send[slo:shi], dst, _TAG, rbuf, src, _TAG)
+            out.append((dst, (shi - slo) * isz))
         else:
             reqs = [mpi.Irecv(rbuf, src, _TAG) for src, rbuf in rviews]
             reqs += [mpi.Isend(send[lo:hi], dst, _TAG) for dst, lo, hi in sends]
             _wait(reqs, poll)
+            for dst, lo, hi in sends:
+                out.append((dst, (hi - lo) * isz))
         if got is not None:
             reduce(recvs[0][1], recvs[0][2], got)
-        out.extend((dst, (hi - lo) * isz) for dst, lo, hi in sends)
     return out
+
+
+class RingAllreduce:
+    """Member ``i``'s part of the ring all-reduce of ``count`` elements over ``p`` members
+    (:func:`substrate.schedule.allreduce`), worked out once (:func:`ring_plan`): its rounds,
+    the same rounds as flat ``(dst, slo, shi, src, rlo, rhi, reduce)`` steps (one send and one
+    receive each), the largest chunk and the ``(dest, elements)`` of every message.
+
+    :func:`ring_allreduce` executes the steps on any NumPy buffer of ``count`` elements; a
+    :class:`BoundRing` (:meth:`bind`) executes them on one buffer, its chunk views made once.
+
+    Parameters
+    ----------
+    sched : Schedule
+        The ring all-reduce's schedule (:func:`substrate.schedule.allreduce`).
+    i : int
+        The member.
+    """
+
+    __slots__ = ("_sent", "rounds", "sent_elements", "steps", "width")
+
+    def __init__(self, sched, i: int) -> None:
+        self.rounds = schedule.rounds_of(sched, i)
+        steps = []
+        for r in self.rounds:
+            (dst, slo, shi), = r.sends
+            (src, rlo, rhi), = r.recvs
+            steps.append((dst, slo, shi, src, rlo, rhi, r.reduce))
+        self.steps = tuple(steps)
+        self.width = sched.width
+        self.sent_elements = tuple((dst, shi - slo) for dst, slo, shi, *_ in self.steps)
+        self._sent: dict = {}
+
+    def sent(self, itemsize: int) -> tuple:
+        """``(dest, bytes)`` of every message the steps send (elements of ``itemsize`` bytes),
+        in order: what :func:`run_rounds` returns for these rounds."""
+        out = self._sent.get(itemsize)
+        if out is None:
+            out = self._sent[itemsize] = tuple((d, n * itemsize) for d, n in self.sent_elements)
+        return out
+
+    def bind(self, mpi: MPI.Intracomm, buf: np.ndarray, op: str) -> BoundRing:
+        """The steps on NumPy ``buf`` over ``mpi`` with ``op`` (see :class:`BoundRing`)."""
+        return BoundRing(self, mpi, buf, op)
+
+
+def ring_plan(count: int, p: int, i: int) -> RingAllreduce:
+    """Member ``i``'s :class:`RingAllreduce` of ``count`` elements over ``p``, worked out once
+    per schedule (:func:`substrate.schedule.memo`: a run reduces the same few sizes step after
+    step)."""
+    sched = schedule.allreduce(count, p)
+    return schedule.memo(sched, ("ring", i), lambda: RingAllreduce(sched, i))
+
+
+class BoundRing:
+    """A ring all-reduce bound to one contiguous NumPy buffer: every step's receive and send
+    made once, as a pair of persistent requests on its chunks (``Recv_init`` / ``Send_init``,
+    receive first, as :func:`run_rounds` posts them), so that a buffer reduced again (a run's
+    small all-reduces reuse their buffers step after step) costs one ``Startall``, one
+    ``Waitall`` per step and one ufunc per reducing step.  The messages, their order and the
+    reductions are :func:`ring_allreduce`'s (each chunk reduced once, ``op(own, received)``).
+    :meth:`free` releases the requests (an unbound buffer).
+
+    Parameters
+    ----------
+    plan : RingAllreduce
+        The member's ring (:func:`ring_plan`) for the buffer's element count.
+    mpi : mpi4py.MPI.Intracomm
+        The communicator the exact collectives run on.
+    buf : numpy.ndarray
+        The contiguous buffer, reduced in place by every :meth:`run`.
+    op : str
+        The reduction (a key of :data:`UFUNCS`).
+    """
+
+    __slots__ = ("buf", "ops", "requests", "sent", "startall", "ufunc", "waitall")
+
+    def __init__(self, plan: RingAllreduce, mpi: MPI.Intracomm, buf: np.ndarray,
+                 op: str) -> None:
+        flat = buf.reshape(-1)
+        tmp = np.empty(plan.width, dtype=buf.dtype)
+        ops, requests = [], []
+        for dst, slo, shi, src, rlo, rhi, red in plan.steps:
+            rview = tmp[:rhi - rlo] if red else flat[rlo:rhi]
+            pair = [mpi.Recv_init(rview, src, _TAG), mpi.Send_init(flat[slo:shi], dst, _TAG)]
+            requests.extend(pair)
+            ops.append((pair, flat[rlo:rhi] if red else None, rview))
+        self.buf = buf
+        self.ops = tuple(ops)
+        self.requests = requests
+        self.ufunc = getattr(np, UFUNCS[op])
+        self.startall, self.waitall = _startall, _waitall
+        self.sent = plan.sent(buf.itemsize)
+
+    def run(self) -> tuple:
+        """Reduce the buffer in place (blocking); returns the ``(dest, bytes)`` sent."""
+        startall, waitall, ufunc = self.startall, self.waitall, self.ufunc
+        for pair, acc, rview in self.ops:
+            startall(pair)
+            waitall(pair)
+            if acc is not None:
+                ufunc(acc, rview, out=acc)
+        return self.sent
+
+    def free(self) -> None:
+        """Release the persistent requests (not in use: every run has waited for them)."""
+        for r in self.requests:
+            r.Free()
+        self.requests = []
+        self.ops = ()
+
+
+#: how a :class:`BoundRing` starts and completes its requests (the tests' transport replaces
+#: them, as it replaces :func:`_wait`)
+_startall = MPI.Prequest.Startall
+_waitall = MPI.Request.Waitall
 
 
 def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[tuple[int, int]]:
@@ -143,16 +247,29 @@ def ring_allreduce(mpi: MPI.Intracomm, buf, op: str, xp=np, poll=None) -> list[t
     p = mpi.Get_size()
     if p == 1:
         return []
-    sched = schedule.allreduce(buf.size, p)
+    plan = ring_plan(buf.size, p, mpi.Get_rank())
     ufunc = getattr(xp, UFUNCS[op])
+    if xp is np and poll is None:
+        # blocking, on the host: the plan's steps, one Sendrecv each
+        tmp = np.empty(plan.width, dtype=buf.dtype)
+        sendrecv = mpi.Sendrecv
+        for dst, slo, shi, src, rlo, rhi, red in plan.steps:
+            if red:
+                got = tmp[:rhi - rlo]
+                sendrecv(buf[slo:shi], dst, _TAG, got, src, _TAG)
+                acc = buf[rlo:rhi]
+                ufunc(acc, got, out=acc)
+            else:
+                sendrecv(buf[slo:shi], dst, _TAG, buf[rlo:rhi], src, _TAG)
+        return list(plan.sent(buf.itemsize))
     sync = _sync_for(xp)
-    tmp = xp.empty(sched.width, dtype=buf.dtype)
+    tmp = xp.empty(plan.width, dtype=buf.dtype)
 
     def reduce(lo, hi, got):
         ufunc(buf[lo:hi], got, out=buf[lo:hi])
         sync()
 
-    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), buf, buf, poll, tmp, reduce)
+    return run_rounds(mpi, plan.rounds, buf, buf, poll, tmp, reduce)
 
 
 def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
@@ -168,8 +285,8 @@ def ring_allreduce_staged(mpi: MPI.Intracomm, host, recv, reduce_chunk,
     p = mpi.Get_size()
     if p == 1:
         return []
-    sched = schedule.allreduce(host.size, p)
-    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), host, host, poll, recv, reduce_chunk)
+    plan = ring_plan(host.size, p, mpi.Get_rank())
+    return run_rounds(mpi, plan.rounds, host, host, poll, recv, reduce_chunk)
 
 
 def ring_allgatherv(mpi: MPI.Intracomm, out, counts, poll=None) -> list[tuple[int, int]]:
@@ -178,7 +295,7 @@ def ring_allgatherv(mpi: MPI.Intracomm, out, counts, poll=None) -> list[tuple[in
     if mpi.Get_size() == 1:
         return []
     sched = schedule.allgatherv(tuple(int(c) for c in counts))
-    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), out, out, poll)
+    return run_rounds(mpi, schedule.rounds_of(sched, mpi.Get_rank()), out, out, poll)
 
 
 def binomial_bcast(mpi: MPI.Intracomm, buf, root: int, poll=None) -> list[tuple[int, int]]:
@@ -187,7 +304,7 @@ def binomial_bcast(mpi: MPI.Intracomm, buf, root: int, poll=None) -> list[tuple[
     if p == 1:
         return []
     sched = schedule.bcast(buf.size, p, root)
-    return run_rounds(mpi, sched.rounds(mpi.Get_rank()), buf, buf, poll)
+    return run_rounds(mpi, schedule.rounds_of(sched, mpi.Get_rank()), buf, buf, poll)
 
 
 def pairwise_alltoallv(mpi: MPI.Intracomm, sendbuf, sendcounts, sdispls, out, recvcounts,
@@ -208,8 +325,8 @@ def pairwise_alltoallv(mpi: MPI.Intracomm, sendbuf, sendcounts, sdispls, out, re
 
 def dissemination_barrier(mpi: MPI.Intracomm) -> list[tuple[int, int]]:
     """Dissemination barrier (:func:`substrate.schedule.barrier`): zero-byte messages."""
-    return run_rounds(mpi, schedule.barrier(mpi.Get_size()).rounds(mpi.Get_rank()), _EMPTY,
-                      _EMPTY)
+    return run_rounds(mpi, schedule.rounds_of(schedule.barrier(mpi.Get_size()), mpi.Get_rank()),
+                      _EMPTY, _EMPTY)
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)

@@ -16,6 +16,7 @@ The link class of every byte follows from the two endpoints' nodes (``Topology.n
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,12 @@ __all__ = [
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 #: distinct collective records a communicator keeps for reuse (:meth:`Comm._call`)
 MAX_CALLS = 1024
+#: buffers a communicator keeps bound for blocking exact all-reduces (:class:`_Bound`) ...
+MAX_BOUND = 64
+#: ... each of at most this many bytes (larger calls gain nothing from it)
+BIND_MAX_BYTES = 64 << 10
+#: buffers reduced once a communicator remembers (weakly), to bind them when they come back
+MAX_SEEN = 256
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,6 +84,21 @@ class Request(Handle):
         if self.staged is not None:
             self.staged.push()
             self.staged = None
+
+
+class _Bound:
+    """A blocking exact all-reduce of one NumPy buffer with one phase and op, worked out once
+    (:meth:`Comm.allreduce`'s common case: a run reduces the same small buffers step after
+    step): its record, its ring steps bound to the buffer's chunks
+    (:class:`substrate.collectives.BoundRing`) and its booking, made from the messages those
+    steps send by the rule every other call is booked by (:meth:`Comm._split`)."""
+
+    __slots__ = ("booking", "buf", "call", "divide", "dtype", "ring")
+
+    def __init__(self, buf: np.ndarray, call: Call, ring: coll.BoundRing, booking,
+                 divide: int) -> None:
+        self.buf, self.dtype, self.call, self.ring = buf, buf.dtype, call, ring
+        self.booking, self.divide = booking, divide
 
 
 class Comm:
@@ -136,6 +158,8 @@ class Comm:
             INTER if self.ring_links.all() else "mixed")
         self._bucket_plans: dict = {}
         self._calls: dict = {}
+        self._bound: dict = {}
+        self._seen: dict = {}
 
     @property
     def ledger(self):
@@ -174,9 +198,9 @@ class Comm:
             self._coll_mpi = self.mpi.Dup()
         return self._coll_mpi
 
-    def _book(self, call: Call, *, payload: int, sent=()) -> None:
-        """Book ``call``: the ``(dest, nbytes)`` messages this rank handed to MPI (an exact
-        collective's), or that the pinned algorithm sends (a native one's)."""
+    def _split(self, sent) -> dict:
+        """``intra``, ``inter``, ``messages`` and ``links`` of ``(dest, nbytes)`` messages:
+        how they are booked (a zero-byte message counts, on no link)."""
         intra = inter = 0
         links = set()
         links_to = self.links_to
@@ -188,8 +212,12 @@ class Comm:
                 inter += nb
             if nb:
                 links.add(link)
-        self.recorder.book(call, payload=payload, intra=intra, inter=inter, messages=len(sent),
-                           links=links)
+        return {"intra": intra, "inter": inter, "messages": len(sent), "links": links}
+
+    def _book(self, call: Call, *, payload: int, sent=()) -> None:
+        """Book ``call``: the ``(dest, nbytes)`` messages this rank handed to MPI (an exact
+        collective's), or that the pinned algorithm sends (a native one's)."""
+        self.recorder.book(call, payload=payload, **self._split(sent))
 
     def _done(self, call: Call, after, result, **book) -> Handle:
         """Book a call that has run, declare it, return its handle (a blocking call)."""
@@ -240,6 +268,19 @@ class Comm:
         ``wait=False`` issues it to the communication stream (:meth:`_issue`): leave ``buf``
         alone until :meth:`Handle.wait` returns.
         """
+        key = (id(buf), phase, op)
+        bound = self._bound.get(key)
+        if bound is None or bound.buf is not buf or buf.dtype is not bound.dtype:
+            bound = self._bind(key, buf, op, phase)
+        if bound is not None and (wait or not self.recorder.overlap
+                                  or not self.stream.enabled):
+            # the common case (blocking, exact, a small NumPy buffer): what the general path
+            # below does, every step worked out once for this buffer
+            self.stream.drain()
+            bound.ring.run()
+            if bound.divide:
+                buf[...] /= bound.divide
+            return self.recorder.complete(bound.booking, after, buf)
         if op not in _OPS:
             raise ValueError(f"unknown all-reduce op {op!r}; use one of {sorted(_OPS)}")
         self._check(buf, "allreduce")
@@ -276,6 +317,44 @@ class Comm:
                 buf[...] /= p
 
         return self._issue(call, after, buf, run, finish, wait)
+
+    def _bind(self, key: tuple, buf, op: str, phase: str) -> _Bound | None:
+        """The :class:`_Bound` all-reduce of ``buf`` under ``key`` (kept for the next call), or
+        ``None`` where the general path runs: native mode or one member, anything but a valid
+        contiguous NumPy array, more than :data:`BIND_MAX_BYTES`, or a buffer not reduced
+        before with this phase and op (one reduced once, a new array or view every call, is
+        not worth binding)."""
+        if not (self.exact and type(buf) is np.ndarray and buf.flags.c_contiguous
+                and buf.nbytes <= BIND_MAX_BYTES and op in _OPS):
+            return None
+        kind = buf.dtype.kind
+        if (op == "bor" and kind not in "ub") or (op == "avg" and kind != "f") \
+                or kind not in "biuf":
+            return None                     # the general path says why (or runs it)
+        seen = self._seen.pop(key, None)
+        if seen is None or seen() is not buf:
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
+            self._seen[key] = weakref.ref(buf)
+            return None
+        call = self._call(phase, "allreduce", nbytes=buf.nbytes, itemsize=buf.itemsize, op=op)
+        cmpi = self._cmpi()                 # created here: a Dup is collective, in call order
+        ring = coll.ring_plan(buf.size, self.size, self.rank).bind(cmpi, buf, op)
+        booking = self.recorder.booking(call, payload=buf.nbytes, **self._split(ring.sent))
+        bound = _Bound(buf, call, ring, booking, self.size if op == "avg" else 0)
+        old = self._bound.pop(key, None)
+        if old is not None:
+            old.ring.free()
+        if len(self._bound) >= MAX_BOUND:
+            self._unbind()
+        self._bound[key] = bound
+        return bound
+
+    def _unbind(self) -> None:
+        """Forget every bound buffer (and free its requests)."""
+        bound, self._bound = self._bound, {}
+        for b in bound.values():
+            b.ring.free()
 
     def _exact_allreduce(self, cmpi, staged: Staged, op: str, poll) -> list:
         """Ring all-reduce of a staged buffer: NumPy in place; device memory with a CUDA-aware

@@ -60,19 +60,27 @@ class Ledger:
     def record(self, phase: str, *, payload: int, intra: int = 0, inter: int = 0,
                messages: int = 0, modeled_s: float = 0.0, links=(), calls: int = 1) -> None:
         """Add one call's accounting to ``phase``."""
-        if not isinstance(phase, str) or not phase:
-            raise ValueError("every communication call needs a non-empty phase label, "
-                             "e.g. phase='inter_allreduce'")
+        self.add(phase, int(payload), int(intra), int(inter), int(messages), float(modeled_s),
+                 links, int(calls))
+
+    def add(self, phase: str, payload: int, intra: int, inter: int, messages: int,
+            modeled_s: float, links=(), calls: int = 1) -> None:
+        """:meth:`record` for values already checked: Python ``int`` counts and a ``float``
+        time (a communicator's booking of a call, :class:`substrate.recorder.Booking`)."""
         e = self.entries.get(phase)
         if e is None:
+            if not isinstance(phase, str) or not phase:
+                raise ValueError("every communication call needs a non-empty phase label, "
+                                 "e.g. phase='inter_allreduce'")
             e = self.entries[phase] = PhaseEntry()
         e.calls += calls
-        e.payload_bytes += int(payload)
-        e.intra_bytes += int(intra)
-        e.inter_bytes += int(inter)
-        e.messages += int(messages)
-        e.modeled_s += float(modeled_s)
-        e.links.update(links)
+        e.payload_bytes += payload
+        e.intra_bytes += intra
+        e.inter_bytes += inter
+        e.messages += messages
+        e.modeled_s += modeled_s
+        if links:
+            e.links.update(links)
 
     # -- local views ----------------------------------------------------------------------------
     @property

@@ -58,8 +58,10 @@ __all__ = [
     "binomial_children",
     "binomial_depth",
     "binomial_parent",
+    "memo",
     "of_call",
     "ring_chunk_counts",
+    "rounds_of",
     "sent",
 ]
 
@@ -394,6 +396,28 @@ class _Scaled(Schedule):
     def table(self) -> tuple:
         src, dst, elems, msgs = self.inner.table()
         return src, dst, elems * self.itemsize, msgs
+
+
+def memo(schedule: Schedule, key, make):
+    """``make()``, worked out once per schedule and ``key`` and kept on the schedule itself
+    (so that clearing a schedule cache, :func:`allreduce` ``.cache_clear()``, drops it too).
+    For the cached schedules (:func:`allreduce`, :func:`allgatherv`, :func:`bcast`,
+    :func:`barrier`), which the executing side asks about call after call."""
+    store = schedule.__dict__.get("_memo")
+    if store is None:
+        store = schedule.__dict__["_memo"] = {}
+    hit = store.get(key)
+    if hit is None:
+        hit = store[key] = make()
+    return hit
+
+
+def rounds_of(schedule: Schedule, i: int) -> tuple:
+    """``schedule.rounds(i)``, worked out once per schedule and member (:func:`memo`): the
+    executing side (:mod:`substrate.collectives`) asks for its own member's rounds of the same
+    few cached schedules call after call.  The rounds are immutable.  An all-to-all's or direct
+    messages' schedule, new for every call, is not worth it: call its :meth:`Schedule.rounds`."""
+    return memo(schedule, ("rounds", i), lambda: schedule.rounds(i))
 
 
 def sent(schedule: Schedule, i: int, itemsize: int = 1) -> list:

@@ -95,11 +95,18 @@ def test_schedule_bytes_equal_the_closed_forms(M, P):
 
 # -- execution on a transport of queues (the exact collectives' code, without MPI) --------------
 class _Req:
-    def __init__(self, wait) -> None:
+    def __init__(self, wait, start=None) -> None:
         self._wait = wait
+        self._start = start
 
     def Wait(self) -> None:
         self._wait()
+
+    def Start(self) -> None:            # a persistent request (Send_init, Recv_init)
+        self._start()
+
+    def Free(self) -> None:
+        self._start = self._wait = None
 
 
 class _Transport:
@@ -135,12 +142,20 @@ class _Transport:
                 self.Isend(sbuf, dest, stag)
                 self.Irecv(rbuf, source, rtag).Wait()
 
+            def Send_init(self, buf, dest, tag):
+                return _Req(lambda: None, lambda: self.Isend(buf, dest, tag))
+
+            def Recv_init(self, buf, source, tag):
+                return _Req(lambda: self.Irecv(buf, source, tag).Wait(), lambda: None)
+
         return _Comm()
 
 
 def _run(p: int, fn, monkeypatch) -> list:
     """``fn(comm, i)`` on p threads over a queue transport; returns each member's result."""
     monkeypatch.setattr(coll, "_wait", lambda reqs, poll: [r.Wait() for r in reqs])
+    monkeypatch.setattr(coll, "_startall", lambda reqs: [r.Start() for r in reqs])
+    monkeypatch.setattr(coll, "_waitall", lambda reqs: [r.Wait() for r in reqs])
     t = _Transport(p)
     out: list = [None] * p
     errors: list = []
@@ -260,3 +275,126 @@ def test_a_mutated_schedule_fails_execution_and_simulation(monkeypatch):
         assert not _simulated_ok(2, 2, 17)
     finally:
         schedule.allreduce.cache_clear()
+
+
+# -- the communicator's bound all-reduce: the general path's messages, results and books -------
+def _comms(p: int, transport):
+    """One :class:`substrate.comm.Comm` per member over ``transport`` (exact mode), each with
+    its own recorder, on two nodes where ``p > 2``."""
+    from substrate.comm import Comm
+    from substrate.recorder import Recorder
+
+    pl = Placement(tuple(i * 2 // p for i in range(p)))
+    out = []
+    for i in range(p):
+        c = transport.comm(i)
+        c.Dup = lambda c=c: c
+        out.append(Comm(c, pl, np.arange(p), Recorder(pl, i), collectives="exact"))
+    return out
+
+
+def _workload(comm, i: int, p: int) -> list:
+    """Blocking all-reduces of every op on buffers reduced again and again (with new data),
+    under two phases, and on new buffers every time."""
+    rng = np.random.default_rng(i)
+    kept = {("sum", np.float32, 16), ("max", np.float32, 5), ("avg", np.float64, 7),
+            ("min", np.int64, 1), ("bor", np.uint8, 9), ("sum", np.int32, 3 * p + 1),
+            ("sum", np.float64, 0)}
+    kept = {k: np.zeros(k[2], dtype=k[1]) for k in sorted(kept, key=str)}
+    got = []
+    for step in range(4):
+        for (op, dt, n), buf in kept.items():
+            buf[...] = (rng.standard_normal(n) * 100 if np.dtype(dt).kind == "f"
+                        else rng.integers(0, 100, n))
+            for phase in ("a", "b"):
+                h = comm.allreduce(buf, op, phase=f"{phase}_{op}")
+                assert h.result is buf and h.call.nbytes == buf.nbytes
+                got.append(buf.copy())
+        fresh = rng.standard_normal((2, 3)).astype(np.float32)
+        comm.allreduce(fresh, phase="fresh")
+        got.append(fresh)
+    return got
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_bound_allreduce_is_the_general_path(p, monkeypatch):
+    """A blocking all-reduce of a small NumPy buffer runs bound (its steps, views and booking
+    worked out once per buffer): the same messages (the transport checks every size), bitwise
+    the same results and the same ledger, to the modeled second, and call log as the general
+    path, which runs when binding is off."""
+    from substrate import comm as comm_mod
+
+    def run(bind: bool):
+        monkeypatch.setattr(comm_mod, "BIND_MAX_BYTES", 64 << 10 if bind else -1)
+        comms = _comms(p, _Transport(p))
+        res = _run(p, lambda c, i: _workload(comms[i], i, p), monkeypatch)
+        books = [(c.recorder.ledger.local(), c.recorder.log.describe()) for c in comms]
+        return res, books, [len(c._bound) for c in comms]
+
+    (bound, books_b, kept_b), (general, books_g, kept_g) = run(True), run(False)
+    assert all(k > 0 for k in kept_b) and kept_g == [0] * p
+    assert all(len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                        for x, y in zip(a, b)) for a, b in zip(bound, general))
+    assert books_b == books_g
+    # and the ring's answer: every member holds the same bits
+    assert all(np.array_equal(x, y) for res in bound[1:] for x, y in zip(res, bound[0]))
+
+
+def test_bound_allreduce_follows_its_buffer(monkeypatch):
+    """A buffer is bound when it comes back (the same object, phase and op), by identity and
+    dtype: new buffers every call (even at a reused address) are never bound, a dtype changed
+    in place is bound again, and at most MAX_BOUND buffers are kept (their requests freed)."""
+    from substrate import comm as comm_mod
+
+    monkeypatch.setattr(comm_mod, "MAX_BOUND", 4)
+    comms = _comms(2, _Transport(2))
+    freed = []
+    real_free = coll.BoundRing.free
+    monkeypatch.setattr(coll.BoundRing, "free",
+                        lambda self: (freed.append(len(self.requests)), real_free(self)))
+
+    def work(c, i):
+        out = []
+        for k in range(10):                     # new buffers, freed between calls
+            x = np.full(6, float(i + k), dtype=np.float64)
+            c.allreduce(x, phase="x")
+            out.append(x[0])
+        assert not c._bound
+        kept = [np.full(3, float(i + k)) for k in range(6)]
+        for _ in range(3):
+            for k, z in enumerate(kept):
+                z[...] = i + k
+                c.allreduce(z, phase="z")
+                out.append(z[0])
+        assert len(c._bound) <= 4
+        y = np.arange(4, dtype=np.int32) + i
+        for _ in range(2):
+            c.allreduce(y, phase="y")
+        out.append(y.copy())
+        y.dtype = np.float32                    # the same memory, another dtype: bound again
+        for _ in range(3):
+            y[...] = i + 0.5
+            c.allreduce(y, phase="y")
+            out.append(y.copy())
+        assert c._bound[(id(y), "y", "sum")].dtype == np.float32
+        return out
+
+    a, b = _run(2, lambda c, i: work(comms[i], i), monkeypatch)
+    assert a[:10] == b[:10] == [1.0 + 2 * k for k in range(10)]
+    assert a[10:28] == [1.0 + 2 * k for k in range(6)] * 3
+    assert np.array_equal(a[28], [2, 6, 10, 14]) and a[28].dtype == np.int32
+    assert all(y.dtype == np.float32 and np.array_equal(y, np.full(4, 2.0)) for y in a[29:])
+    assert freed and all(n == 4 for n in freed)     # p = 2: two steps, two requests each
+
+
+def test_member_rounds_are_worked_out_once():
+    """``rounds_of`` is the schedule's rounds, the same object call after call, until the
+    schedule cache is cleared."""
+    s = schedule.allreduce(11, 3)
+    assert schedule.rounds_of(s, 1) is schedule.rounds_of(s, 1) and \
+        schedule.rounds_of(s, 1) == s.rounds(1)
+    plan = coll.ring_plan(11, 3, 1)
+    assert plan is coll.ring_plan(11, 3, 1) and plan.rounds == s.rounds(1)
+    assert list(plan.sent(4)) == schedule.sent(s, 1, 4)
+    schedule.allreduce.cache_clear()
+    assert coll.ring_plan(11, 3, 1) is not plan

@@ -381,3 +381,97 @@ def test_call_log_check_names_the_first_difference(ran, planned, message):
         log.add(make(*c))
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         log.check([make(*c) for c in planned], 0)
+
+
+def _records(n: int, seed: int = 0) -> list:
+    """``n`` (record, member) pairs: collective records that come back (the same objects) and
+    direct messages (new records)."""
+    from substrate.calls import Call
+
+    rng = np.random.default_rng(seed)
+    kept = [Call("a", "allreduce", (0, 1), nbytes=8, itemsize=4, op="sum"),
+            Call("b", "bcast", (0, 1, 2), nbytes=24, root=1),
+            Call("c", "allgather", (0, 1), blocks=(4, 4))]
+    out = []
+    for k in range(n):
+        if k % 5 == 4:
+            out.append((Call("p", "p2p", (0, 1), pairs=((0, 1, int(rng.integers(1, 9))),)),
+                        True))
+        else:
+            out.append((kept[int(rng.integers(3))], bool(k % 7)))
+    return out
+
+
+def test_chained_call_log_resumes_and_detects_any_difference():
+    """The recorder's call log: its state taken after any number of records (inside a block or
+    at its end) continues to the digest of the uninterrupted log, through JSON; a changed,
+    missing or extra record changes the digest; the checks against a plan are the CallLog's."""
+    from substrate.calls import Call
+    from substrate.recorder import ChainedLog
+
+    recs = _records(3 * ChainedLog.BLOCK + 5)
+
+    def log_of(records, start=None):
+        log = ChainedLog()
+        if start is not None:
+            log.load_state(json.loads(json.dumps(start)))
+        for c, m in records:
+            log.add(c, m)
+        return log
+
+    whole = log_of(recs)
+    assert whole.count == len(recs) and whole.describe()["count"] == len(recs)
+    for k in (0, 1, ChainedLog.BLOCK - 1, ChainedLog.BLOCK, 2 * ChainedLog.BLOCK + 3, len(recs)):
+        first = log_of(recs[:k])
+        assert first.state()["count"] == k and len(first.state()["tail"]) < ChainedLog.BLOCK
+        resumed = log_of(recs[k:], first.state())
+        assert (resumed.count, resumed.digest) == (whole.count, whole.digest)
+        assert resumed.state() == whole.state()
+    other = Call("a", "allreduce", (0, 1), nbytes=8, itemsize=4, op="max")
+    changed = list(recs)
+    changed[7] = (other, changed[7][1])
+    member = list(recs)
+    member[8] = (member[8][0], not member[8][1])
+    digests = {log_of(r).digest for r in (recs, changed, member, recs[:-1], recs + recs[:1],
+                                          recs[1:], recs[:10] + recs[11:])}
+    assert len(digests) == 7
+    # an older checkpoint (count and digest only) still loads and goes on deterministically
+    old = {"count": 4, "sha256": whole.digest}
+    assert log_of(recs[:3], old).digest == log_of(recs[:3], old).digest
+    assert log_of(recs[:3], old).count == 7
+    # the plan check is the CallLog's
+    log = log_of([(recs[0][0], True)])
+    with pytest.raises(ValueError, match="0 calls ran, 1 planned"):
+        log_of([]).check([recs[0][0]], 0)
+    log.check([recs[0][0]], 0)
+
+
+def test_recorder_bookings_equal_its_bookings_made_every_call():
+    """A booking worked out once and booked again is the booking made every call, to the
+    modeled second, also after the recorder's cost model or placement is replaced."""
+    from substrate.calls import Call, Placement
+    from substrate.recorder import Recorder
+
+    pl = Placement.node_major(2, 2)
+    calls = [Call("a", "allreduce", pl.world, nbytes=4000, itemsize=4, op="sum"),
+             Call("b", "bcast", (0, 2), nbytes=64, root=1),
+             Call("c", "allgather", (1, 3), blocks=(8, 8))]
+    every, once = Recorder(pl, 2), Recorder(pl, 2)
+    books = [once.booking(c, payload=c.nbytes, intra=5, inter=7, messages=3, links={"inter"})
+             for c in calls]
+    for rnd in range(3):
+        if rnd == 2:
+            for r in (every, once):
+                r.cost = CostModel(inter_lat=1e-3)
+                r.placement = Placement.node_major(1, 4)
+        for c, b in zip(calls, books):
+            every.book(c, payload=c.nbytes, intra=5, inter=7, messages=3, links=("inter",))
+            once.book_fixed(b)
+    assert every.ledger.local() == once.ledger.local()
+    a = Ledger()
+    a.record("x", payload=3, intra=np.int64(2), messages=1, modeled_s=0.5, links=("intra",))
+    b = Ledger()
+    b.add("x", 3, 2, 0, 1, 0.5, ("intra",))
+    assert a.local() == b.local()
+    with pytest.raises(ValueError, match="non-empty phase"):
+        b.add("", 1, 0, 0, 0, 0.0)
