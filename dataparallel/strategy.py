@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from substrate.calls import bytes_by_phase
-from substrate.executor import Bindings
+from substrate.executor import Bindings, Executor
 from substrate.options import add_dataclass_args, flag_of, from_args
 
 __all__ = [
@@ -93,17 +93,21 @@ class SyncContext:
 
 @dataclass
 class StepState:
-    """Per-step state handed to :meth:`Strategy.sync`.
+    """Per-step state handed to :meth:`Strategy.records` (or :meth:`Strategy.sync`).
 
     ``logged``: the step writes a metrics line (:class:`runner.loop.Due`); per-step
     diagnostics that are not part of the modeled system (SSFusion's tensor-missing rate) run
-    only then.  Callers outside the trainer get every step diagnosed.
+    only then.  Callers outside the trainer get every step diagnosed.  ``evaluated``: rank 0
+    evaluates :meth:`Strategy.eval_params` after the step (a strategy that assembles the model
+    for it does so in the step's program, e.g. SDP); callers outside the trainer say so
+    themselves.
     """
 
     step: int
     epoch: int
     loss: float
     logged: bool = True
+    evaluated: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,32 @@ class Strategy(Bindings):
         order), before the program goes on, for work that is not the program's (profiling
         timings).  Default: nothing."""
 
+    #: whether a rank outside a call on the node leaders' group waits for it (a hierarchical
+    #: scheme's leaders' phase, e.g. DDP's two-level all-reduce); ``False`` where such a group
+    #: is only a coincidence of the plan's (SDP's holder sets)
+    leader_waits: ClassVar[bool] = True
+
     records = None
     """``records(state) -> list``: the plan's records (calls and compute items) of the step
     about to run; the same list object for the same kind of step (the trainer keeps each
     list's program)."""
+
+    @property
+    def executor(self) -> Executor:
+        """The one executor of this strategy's programs, built on first use on the run and
+        :meth:`communicators`: the trainer runs every step's program on it, the strategy the
+        records it runs outside a step (:meth:`setup_records`), so a run that records its
+        program holds every one of them to what ran (:meth:`Executor.verify`)."""
+        ex = self.__dict__.get("_records_executor")     # (not _executor: SSFusion's CPU pool)
+        if ex is None:
+            ex = self.__dict__["_records_executor"] = Executor(self.run, self.communicators())
+        return ex
+
+    def setup_records(self) -> list:
+        """The plan's records the strategy ran on :attr:`executor` while it was built (a set-up
+        before the first step, e.g. PacTrain's GraSP all-reduces when it prunes at once); the
+        trainer accounts them before the first step, with its metrics line.  Default: none."""
+        return []
 
     def sync(self, state: StepState, buffers):
         """Turn this rank's local gradient ``buffers`` into the synchronized gradient (a

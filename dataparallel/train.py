@@ -45,7 +45,7 @@ from models.train import evaluate
 from runner.loop import Evaluation, LoopBody, RunLoop
 from runner.options import add_common_args, add_training_args
 from runner.run import start_run
-from substrate.executor import Executor, Pass
+from substrate.executor import Pass
 from substrate.options import add_dataclass_args, check_range, from_args, option
 
 from .pactrain.init_file import INIT_FORMAT, check_init_file, load_init
@@ -216,7 +216,7 @@ class _Steps(LoopBody):
         self._epoch, self._batches = None, None
         self.units = model.compute_units()
         self.unit_tensors = unit_tensors(model)
-        self.executor = Executor(run, strategy.communicators())
+        self.executor = strategy.executor
         self._programs: dict = {}
 
 
@@ -238,7 +238,8 @@ class _Steps(LoopBody):
         epoch, (x, y) = self._batch(due.index)
         with run.clock.compute("forward+backward"):
             loss, _ = self.model.loss_and_grad(x, y, ready=strategy.on_ready)
-        state = StepState(step=due.index, epoch=epoch, loss=float(loss), logged=due.log)
+        state = StepState(step=due.index, epoch=epoch, loss=float(loss), logged=due.log,
+                          evaluated=due.eval)
         strategy.sync(state, self.model.grads)
         with run.clock.compute("optimizer", flops=opt.flops(), deps=run.clock.comm_events()):
             opt.step()
@@ -255,13 +256,15 @@ class _Steps(LoopBody):
         executor with the strategy bound to its calls and compute items."""
         run, strategy = self.run, self.strategy
         epoch, (x, y) = self._batch(due.index)
-        state = StepState(step=due.index, epoch=epoch, loss=float("nan"), logged=due.log)
+        state = StepState(step=due.index, epoch=epoch, loss=float("nan"), logged=due.log,
+                          evaluated=due.eval)
         records = strategy.records(state)
         key = (id(records), run.recorder.overlap)
         program = self._programs.get(key)
         if program is None or program[0] is not records:
             program = (records, step_program(self.units, records, run.topo.placement, run.rank,
-                                             overlap=run.recorder.overlap))
+                                             overlap=run.recorder.overlap,
+                                             leader_waits=strategy.leader_waits))
             self._programs = {key: program}
         loss = []
 
@@ -364,6 +367,9 @@ def train(args) -> dict:
     state = loop.resume()
     if state is not None:
         body.load_state_dict(state)
+    # what the strategy ran while it was built (PacTrain's GraSP when it prunes at once): in
+    # the first metrics line, as the calls ran before the first step
+    loop.account(strategy.setup_records())
     # per-layer compute events (timeline clock): gradients become ready in backward order
     model.recorder = run.clock.layers
     loop.run(body)

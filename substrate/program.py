@@ -187,7 +187,9 @@ class Placer:
     items, with their ``after`` tokens) into one rank's program, in the plan's order.
 
     A rank's program holds the calls it takes part in, and the node leaders' calls as waits
-    (``member`` false: a follower sees the leaders' communicator and waits for what it runs);
+    (``member`` false: a follower sees the leaders' communicator and waits for what it runs;
+    ``leader_waits`` false: a group that happens to be the leaders' is not a phase of a
+    hierarchical scheme, e.g. one of SDP's holder sets, and a rank outside it does not wait);
     other nodes' calls are not in it, and a dependency on them is dropped.  A call goes out on
     the communication stream, after what it names, when the record says so (:attr:`Call.wait`
     false) and the run overlaps (``overlap``); else it blocks, after everything before it (its
@@ -198,7 +200,7 @@ class Placer:
     """
 
     def __init__(self, builder: Builder, records, placement, rank: int, *, overlap: bool,
-                 resolve=None) -> None:
+                 resolve=None, leader_waits: bool = True) -> None:
         self.b = builder
         self.records = list(records)
         self.rank = int(rank)
@@ -209,7 +211,7 @@ class Placer:
         self.pending: list[int] = []             # entries of calls on the stream, not waited
         self.next = 0
         self.placement = placement
-        leaders = placement.leaders
+        leaders = placement.leaders if leader_waits else None
         self._mine = []
         for r in self.records:
             if not isinstance(r, Call):
@@ -255,9 +257,18 @@ class Placer:
                 and not isinstance(t, bool) and int(t) in self.entry]
         return [e for e in deps if e in self.pending]
 
+    @staticmethod
+    def _names_token(r) -> bool:
+        """Whether ``r`` waits for a token of the caller's (e.g. a part of the gradient), not
+        only for records."""
+        return any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in r.after)
+
     def emit_ready(self, during_pass: bool = True) -> None:
-        """Emit records in order while their dependencies are there (a compute item that waits
-        for a call on the stream is left for after the pass: it needs a wait)."""
+        """Emit records in order while their dependencies are there.  A compute item that waits
+        for a call on the stream needs a wait: it is left for after the pass, unless it also
+        waits for a token of the caller's (a part of the gradient), where the host waits for
+        the call once that token is there (a codec that needs a call's result when the next
+        bucket is ready)."""
         while not self.done:
             k = self.next
             r, kind = self.records[k], self._mine[k]
@@ -265,7 +276,8 @@ class Placer:
                 self.next += 1
                 continue
             deps = self._deps(r)
-            if deps is None or (during_pass and kind == "work" and self._stream_deps(r)):
+            if deps is None or (during_pass and kind == "work" and self._stream_deps(r)
+                                and not self._names_token(r)):
                 return
             self._emit(k, r, kind, deps)
 

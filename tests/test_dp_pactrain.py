@@ -311,8 +311,11 @@ def test_short_run_bytes_match_closed_form(tmp_path):
 @pytest.mark.mpi
 def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
     s = _train(tmp_path, "t", "--method", "pactrain", "--steps", 8, "--warmup-steps", 1,
-               "--stable-window", 2, "--ternary", "--prune-score", "grasp")
+               "--stable-window", 2, "--ternary", "--prune-score", "grasp",
+               "--compute-profile-out", tmp_path / "prof.json")
     _assert_measured_equals_predicted(s)
+    # every step ran its generated program, GraSP after step 0's update included
+    assert s["metrics"]["program_steps_verified"] == 8
     phases = s["traffic"]["measured"]["by_phase"]
     assert set(phases) == {"dense_allreduce", "grasp_allreduce", "ternary_scale",
                            "ternary_allgather"}
@@ -320,6 +323,24 @@ def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
     m = s["metrics"]
     assert (m["prune_step"], m["mask_stable_step"]) == (1, 3)
     assert m["payload_ratio"] < 0.05 and m["wire_ratio"] < 0.1
+
+
+@pytest.mark.mpi
+def test_grasp_at_once_is_a_set_up_accounted_before_the_first_step(tmp_path):
+    """``--warmup-steps 0``: GraSP's two all-reduces run as the strategy's set-up records
+    (before the first step, on its executor), held to what ran and accounted in the first
+    metrics line; the recorded program of the set-up and of every step is the generated one."""
+    s = _train(tmp_path, "g", "--method", "pactrain", "--steps", 3, "--warmup-steps", 0,
+               "--stable-window", 1, "--ternary", "--prune-score", "grasp", "--eval-every", 1,
+               "--compute-profile-out", tmp_path / "prof.json")
+    _assert_measured_equals_predicted(s)
+    assert s["traffic"]["measured"]["by_phase"]["grasp_allreduce"]["calls"] == 2
+    assert s["metrics"]["program_steps_verified"] == 3 + 1
+    lines = [json.loads(x) for x in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    T = build_model("cnn", load_digits().train.input_shape, 10).layout.total
+    grasp = grasp_score_bytes(M=2, P=2, total=T)
+    dense = dense_allreduce_bytes(M=2, P=2, bucket_sizes=[T])
+    assert lines[0]["inter_node_bytes"] == grasp["inter"] + dense["inter"]
 
 
 @pytest.mark.mpi

@@ -304,10 +304,13 @@ def test_training_keeps_holders_identical_and_assembles_eval_model(mode, coverag
 def test_cli_measured_bytes_equal_closed_form(tmp_path, args):
     out = tmp_path / "sdp"
     run_mpi(None, 4, "train", "--method", "sdp", "--ranks-per-node", 2, "--eval-every", 2,
-            "--out", out, *args, module="dataparallel", timeout=300)
+            "--out", out, *args, "--compute-profile-out", tmp_path / "prof.json",
+            module="dataparallel", timeout=300)
     s = read_summary(out)
     assert_measured_equals_predicted(s)
     m = s["metrics"]
+    # every step ran its generated program (the assembly and B_b's broadcasts in it)
+    assert m["program_steps_verified"] == m["steps"]
     assert m["memory_ratio_max"] < 1 and m["degree_min"] >= 1
     assert m["spectral_gap"] == pytest.approx(m["spectral_gap_closed_form"])
     phases = set(s["traffic"]["measured"]["by_phase"])

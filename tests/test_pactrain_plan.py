@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from commvol.predict import predict
 from dataparallel.pactrain import PacTrainOptions, PacTrainPlan, prune_mask
+from dataparallel.program import FORWARD_BACKWARD, OPTIMIZER, UPDATED, step_program
 from models import ModelSpec, ParamLayout, ParamSpec
 from substrate.buckets import bucket_groups
-from substrate.calls import Placement, Ready, bytes_by_phase
+from substrate.calls import Call, Placement, Ready, Work, bytes_by_phase
 from volume.pactrain import (
     bucketed_step_bytes,
     grasp_score_bytes,
@@ -192,6 +194,122 @@ def test_records_run_in_the_strategys_order_after_their_gradients(w, scope, tern
         assert all(ops[ph] == "avg" for ph in ops if ph.endswith("allreduce"))
     with pytest.raises(ValueError, match="modes for"):
         plan.calls(where, ("dense",) * (U + 1))
+
+
+def _units_of(layout):
+    """Compute units of one tensor each, in forward order (what a step program walks)."""
+    return [SimpleNamespace(name=n, lo=layout.offsets[n], hi=layout.offsets[n] + layout.sizes[n])
+            for n in reversed(layout.names)]
+
+
+@pytest.mark.parametrize("scope,ternary,wait", [
+    ("bucket", False, "bucket"), ("bucket", True, "bucket"), ("bucket", True, "backward"),
+    ("global", True, "bucket"), ("global", False, "bucket")])
+@pytest.mark.parametrize("gse", [False, True])
+def test_run_records_are_the_calls_with_the_codecs_compute(scope, ternary, wait, gse):
+    """The records a run's step program is generated from: the calls of :meth:`calls`, the
+    same in the same order, and the codec's compute items where the strategy computes them:
+    eq. 2 before a dense bucket's all-reduce (once pruned), a unit's packing before its first
+    call, a ternary unit's encoding between its scales and its codes (at the next unit's
+    gradients with ``--ternary-wait bucket``, after the backward otherwise), every unpacking
+    after the calls; GraSP's set-up after the update."""
+    opts = PacTrainOptions(prune_ratio=0.5, warmup_steps=2, stable_window=1, mask_scope=scope,
+                           bucket_mib=BUCKETS_MIB[1], ternary=ternary, ternary_wait=wait)
+    plan = PacTrainPlan.build(LAYOUT, 2, 3, opts, kept_index=run_index(LAYOUT, 0.5, 5))
+    where = Placement.node_major(2, 3)
+    U = plan.num_units
+    mixed = tuple("dense" if u % 2 else plan.packed_mode for u in range(U))
+    for modes in (("dense",) * U, (plan.packed_mode,) * U, mixed):
+        recs = plan.records(where, modes, gse=gse, ternary_wait=wait)
+        calls = [r for r in recs if isinstance(r, Call)]
+        want = plan.calls(where, modes)
+        assert [c.key() for c in calls] == [c.key() for c in want]
+        assert [(c.label, c.wait) for c in calls] == [(c.label, c.wait) for c in want]
+        assert all(not c.wait for c in calls)               # the stream, during the backward
+        work = {r.label: i for i, r in enumerate(recs) if isinstance(r, Work)}
+        label = {r.label: i for i, r in enumerate(recs) if isinstance(r, Call)}
+        first_unpack = min((i for lb, i in work.items() if "unpack" in lb), default=len(recs))
+        assert all(isinstance(r, Work) for r in recs[first_unpack:])
+        assert max(label.values()) < first_unpack
+        for u, mode in enumerate(modes):
+            if mode == "dense":
+                for bi in plan.unit_buckets[u]:
+                    i = label[f"dense_allreduce[{bi}]"]
+                    assert (f"pactrain_gse[{bi}]" in work) == gse
+                    if gse:
+                        assert work[f"pactrain_gse[{bi}]"] in recs[i].after
+                assert f"pactrain_unpack[{u}]" not in work
+                continue
+            pack = work[f"pactrain_pack[{u}]"]
+            assert recs[pack].after == (Ready(*plan.units[u]),)
+            first = label[f"ternary_scale[{u}]" if mode == "ternary" else
+                          f"packed_allreduce[{u}.0]"] if plan.unit_kept[u] or mode == \
+                "ternary" else None
+            if first is not None:
+                assert pack in recs[first].after and pack < first
+            unpack = recs[work[f"pactrain_unpack[{u}]"]]
+            if mode == "ternary":
+                scale, gather = label[f"ternary_scale[{u}]"], label[f"ternary_allgather[{u}]"]
+                enc = work[f"pactrain_encode[{u}]"]
+                assert scale < enc < gather and recs[gather].after == (scale, enc)
+                nxt = u + 1 < U and wait == "bucket"
+                at = [t for t in recs[enc].after if isinstance(t, Ready)]
+                assert recs[enc].after[0] == scale
+                assert at == ([Ready(*plan.buckets[plan.unit_buckets[u + 1][0]])] if nxt
+                              else [])
+                assert gather in unpack.after
+            else:
+                assert set(unpack.after) == {pack, *(label[f"packed_allreduce[{u}.{c}]"]
+                                                     for c in range(len(plan.chunks[u])))}
+    grasp = plan.records(where, ("dense",) * U, grasp=True)
+    assert [getattr(r, "phase", None) or r.label for r in grasp[-5:]] == [
+        "pactrain_grasp_grad", "grasp_allreduce", "pactrain_grasp_hvp", "grasp_allreduce",
+        "pactrain_grasp_score"]
+    assert grasp[-5].after == (UPDATED,) and all(c.wait for c in grasp[-4::2])
+    setup = plan.grasp_records(where)
+    assert [getattr(r, "phase", None) or r.label for r in setup] == \
+        [getattr(r, "phase", None) or r.label for r in grasp[-5:]] and setup[0].after == ()
+
+
+@pytest.mark.parametrize("wait", ["bucket", "backward"])
+def test_step_program_waits_for_the_scales_where_the_records_say(wait):
+    """In the step's program (``--overlap on``) a ternary unit's encoding follows a wait for
+    its scales' all-reduce: at the next unit's backward with ``--ternary-wait bucket`` (the
+    backward waits there, the later units' calls still go out during it), after the backward
+    with ``backward`` (no call after the first unit's scales goes out during the backward);
+    the unpacking after the backward; GraSP after the optimizer."""
+    opts = PacTrainOptions(prune_ratio=0.5, warmup_steps=0, stable_window=0,
+                           bucket_mib=BUCKETS_MIB[1], ternary=True, ternary_wait=wait)
+    plan = PacTrainPlan.build(LAYOUT, 2, 3, opts, kept_index=run_index(LAYOUT, 0.5, 5))
+    where = Placement.node_major(2, 3)
+    U = plan.num_units
+    assert U >= 3
+    recs = plan.records(where, ("ternary",) * U, gse=True, ternary_wait=wait, grasp=True)
+    prog = step_program(_units_of(LAYOUT), recs, where, 0, overlap=True)
+    blocks = {e[2]: i for i, e in enumerate(prog) if e[0] == "B"}
+    depth, end_fb = 0, None                 # the forward+backward block's end
+    for i in range(blocks[FORWARD_BACKWARD], len(prog)):
+        depth += {"B": 1, "E": -1}.get(prog[i][0], 0)
+        if depth == 0:
+            end_fb = i
+            break
+    calls = {e[1].label: i for i, e in enumerate(prog) if e[0] == "C"}
+    for u in range(U):
+        enc = blocks[f"pactrain_encode[{u}]"]
+        scale = calls[f"ternary_scale[{u}]"]
+        assert ["W", scale] in prog[scale:enc]
+        during = enc < end_fb
+        assert during == (wait == "bucket" and u + 1 < U), (u, enc, end_fb)
+        assert blocks[f"pactrain_unpack[{u}]"] > end_fb
+    sent_during = [lb for lb, i in calls.items() if i < end_fb]
+    if wait == "bucket":
+        assert len(sent_during) == 2 * U - 1               # the last unit's codes after it
+    else:
+        assert sent_during == ["ternary_scale[0]"]
+    opt = blocks[OPTIMIZER]
+    assert blocks["pactrain_grasp_grad"] > opt and prog[blocks["pactrain_grasp_grad"]][4] == \
+        [opt]
+    assert calls["grasp_allreduce[0]"] > opt and prog[calls["grasp_allreduce[0]"]][2] is None
 
 
 @pytest.mark.parametrize("kw", [{}, {"ternary": True, "mask_scope": "global"},

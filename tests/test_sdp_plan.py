@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from commvol.predict import predict
+from dataparallel.program import OPTIMIZER, UPDATED, step_program
 from dataparallel.sdp import ASSEMBLE, BCAST, GATED, SDPOptions, SDPPlan
 from models import build_model, cnn, resnet
-from substrate.calls import Placement, Ready, bytes_by_phase
+from substrate.calls import Call, Placement, Ready, Work, bytes_by_phase
 from substrate.costmodel import CostModel
 from volume import collectives as cm
 from volume import sdp as vsdp
@@ -280,6 +281,67 @@ def test_records_are_the_holder_groups_in_each_ranks_order(name, M, P, kw):
     assert (BCAST in {c.phase for c in calls}) == (kw.get("sdp_mode") == "block-backward")
     with pytest.raises(ValueError, match="on a placement of"):
         plan.calls(Placement.node_major(1, n + 1))
+
+
+@pytest.mark.parametrize("name,M,P,kw", [
+    ("cnn", 2, 2, {"coverage": "3/4"}), ("cnn", 2, 3, {"coverage": "2/6"}),
+    ("resnet", 2, 2, {"sdp_mode": "block-backward", "active_blocks": "1/3"}),
+    ("resnet", 1, 3, {"sdp_mode": "block", "active_blocks": "2/3"})])
+def test_run_records_are_the_calls_with_each_ranks_compute(name, M, P, kw):
+    """A rank's records of a step (what its step program is generated from): the calls of
+    :meth:`SDPPlan.calls` in the same order (the gated all-reduces on the communication
+    stream; the assembly only before an evaluation), each held set's packing before its
+    all-reduce and its unpacking after every call, the mask after the unpackings; B_b-SDP's
+    broadcasts and the assembly after the update, and rank 0 places what it received."""
+    model = MODELS[name]
+    plan = SDPPlan.for_model(model, M, P, SDPOptions(**kw), seed=3)
+    where = Placement.round_robin(M, P) if M > 1 and P > 1 else Placement.node_major(M, P)
+    for rank in range(M * P):
+        for evaluate in (False, True):
+            recs = plan.records(where, rank, evaluate=evaluate)
+            calls = [r for r in recs if not isinstance(r, Work)]
+            want = plan.calls(where, assemble=evaluate)
+            assert [c.key() for c in calls] == [c.key() for c in want]
+            assert [c.wait for c in calls] == [c.phase != GATED for c in want]
+            assert (ASSEMBLE in {c.phase for c in calls}) == (evaluate and bool(
+                plan.assemble_counts))
+            work = {r.label: i for i, r in enumerate(recs) if isinstance(r, Work)}
+            held = [j for j, s_ in enumerate(plan.reduce_sets) if rank in plan.members(s_)]
+            assert sorted(k for k in work if k.startswith("sdp_pack")) == \
+                sorted(f"sdp_pack[{j}]" for j in held)
+            gated = [i for i, r in enumerate(recs) if getattr(r, "phase", None) == GATED]
+            for j, i in enumerate(gated):
+                if j in held:
+                    pack = work[f"sdp_pack[{j}]"]
+                    assert pack == i - 1 and pack in recs[i].after
+                    assert recs[work[f"sdp_unpack[{j}]"]].after == (i,)
+                    assert work[f"sdp_unpack[{j}]"] > gated[-1]
+            assert recs[work["sdp_mask"]].after[1:] == tuple(work[f"sdp_unpack[{j}]"]
+                                                             for j in held)
+            for i, r in enumerate(recs):
+                if getattr(r, "phase", None) in (BCAST, ASSEMBLE):
+                    assert r.after[0] == UPDATED and i > work["sdp_mask"]
+            assert ("sdp_assemble" in work) == (rank == 0 and ASSEMBLE in {
+                c.phase for c in calls})
+            # the rank's program: only its own calls (a holder set that is the node leaders'
+            # is no leaders' phase), the broadcasts and the assembly after the update
+            prog = step_program(model.compute_units(), recs, where, rank, leader_waits=False)
+            entries = [e for e in prog if e[0] == "C"]
+            assert all(e[3] for e in entries)
+            want = []
+            for c in calls:
+                if c.algorithm == "p2p":           # a sender's messages, one entry each
+                    want += [Call(c.phase, "p2p", c.group, pairs=row[None]).key()
+                             for row in c.pairs if row[0] == rank]
+                elif c.involves(rank):
+                    want.append(c.key())
+            assert [e[1].key() for e in entries] == want
+            opt = next(i for i, e in enumerate(prog) if e[0] == "B" and e[2] == OPTIMIZER)
+            for i, e in enumerate(prog):
+                if e[0] == "C" and e[1].phase in (BCAST, ASSEMBLE):
+                    assert i > opt
+                if e[0] == "B" and e[2] == "sdp_assemble":
+                    assert i > opt and rank == 0
 
 
 def test_closed_forms_hand_computed():

@@ -49,20 +49,25 @@ One run follows Algorithm 1 of the paper:
    (``ternary_allgather``: a sum all-reduce of 2-bit codes is not closed), then every rank
    decodes and averages ``(s/p) Σ_j sign(g_j) b_j``, an unbiased estimate of the average.
 
-**During the backward** (``--overlap on``, as DDP's communication hook runs): the ready hook
-(:meth:`PacTrain.on_ready`, between two units) sends every bucket as soon as the backward wrote
-it, on the communication stream, in the plan's order; :meth:`PacTrain.sync` waits and
-unpacks.  A ternary unit's encoding needs its scales' MAX all-reduce: the host waits for it
-when the next bucket is ready (``--ternary-wait bucket``) or after the backward
+**During the backward** (``--overlap on``, as DDP's communication hook runs): the step's
+program (:func:`dataparallel.program.step_program` of :meth:`PacTrain.records`) sends every
+bucket on the communication stream as soon as the backward wrote it, in the plan's order, each
+after its compute (eq. 2 on a dense bucket, the packing of a unit); the unpacking follows the
+backward.  A ternary unit's encoding needs its scales' MAX all-reduce: the host waits for it
+when the next unit's gradients are written (``--ternary-wait bucket``) or after the backward
 (``backward``), then encodes and all-gathers (the paper's comm hook chains them on the
-all-reduce's future without the host waiting: see the README's deviations).
-``--overlap off``: every call blocks in :meth:`PacTrain.sync`, after the backward.
+all-reduce's future without the host waiting: see the README's deviations).  ``--overlap
+off``: every call blocks, after the backward.
 
 **One plan.** :meth:`PacTrainPlan.build` (pure: layout, options and the run's kept index set
 or, for a prediction, the keep rate) gives ``K`` per tensor and bucket, the chunks, the TernGrad
 segments, the dense-until-stable schedule and every step's call records
-(:meth:`PacTrainPlan.calls`); the strategy executes them and :mod:`commvol.systems.pactrain`
-prices them.  Independent closed forms from the paper: :mod:`volume.pactrain`.
+(:meth:`PacTrainPlan.calls`, which :mod:`commvol.systems.pactrain` prices; with the codec's
+compute items :meth:`PacTrainPlan.records`, from which the run's step programs are generated,
+and GraSP's scores as records of their own, :meth:`PacTrainPlan.grasp_records`: a set-up before
+the first step, or after the update of the warm-up's last step).  The strategy binds their
+buffers and compute and never issues a call itself.  Independent closed forms from the paper:
+:mod:`volume.pactrain`.
 
 Rooms: :mod:`.options` (the flags), :mod:`.pruning` (GraSP scores and the mask),
 :mod:`.tracker` (the mask tracker), :mod:`.ternary` (the TernGrad codec), :mod:`.init_file`

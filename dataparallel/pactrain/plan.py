@@ -3,8 +3,10 @@
 :meth:`PacTrainPlan.build` (pure: layout, options and the run's kept index set or, for a
 prediction, the keep rate) gives ``K`` per tensor and bucket, the chunks, the TernGrad
 segments, the dense-until-stable schedule and every step's call records
-(:meth:`PacTrainPlan.calls`); the strategy (:mod:`.strategy`) executes them and
-:mod:`commvol.systems.pactrain` prices them.  Independent closed forms: :mod:`volume.pactrain`.
+(:meth:`PacTrainPlan.calls`), which :mod:`commvol.systems.pactrain` prices; the same calls with
+the codec's compute items (:meth:`PacTrainPlan.records`, :meth:`PacTrainPlan.grasp_records`)
+are what the run's step programs are generated from (the strategy, :mod:`.strategy`, binds
+them).  Independent closed forms: :mod:`volume.pactrain`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from substrate.calls import Call, Placement, Ready
+from substrate.calls import Call, Placement, Ready, Work
 
 from ..ddp import flat_buckets
+from ..program import UPDATED
 from .options import PacTrainOptions
 from .pruning import PRUNABLE_KINDS
 
@@ -174,49 +177,152 @@ class PacTrainPlan:
         all-reduce per bucket after its gradients (:class:`~substrate.calls.Ready`) and the
         previous record; ``packed``: one per chunk of the ``K_u`` survivors, the first after
         ``Ready(a, b)``; ``ternary``: a MAX all-reduce of the scales, then the all-gather of
-        ``⌈K_u/4⌉`` code bytes per rank.  ``grasp``: GraSP's two all-reduces of ``T`` (eq. 4),
-        before the step's records when pruning precedes the first step (``w = 0``), else after
-        them (pruning follows the update of step ``w - 1``)."""
+        ``⌈K_u/4⌉`` code bytes per rank.  Every one goes to the communication stream (the
+        run overlaps them with the backward).  ``grasp``: GraSP's two all-reduces of ``T``
+        (eq. 4, blocking), before the step's records when pruning precedes the first step
+        (``w = 0``: the strategy's set-up, :meth:`grasp_records`), else after them (pruning
+        follows the update of step ``w - 1``)."""
+        out: list = []
+        if grasp and self.warmup_steps == 0:
+            self._grasp(out, placement, work=False, after=())
+        self._step(out, placement, modes, work=False)
+        if grasp and self.warmup_steps > 0:
+            self._grasp(out, placement, work=False, after=(len(out) - 1,) if out else ())
+        return out
+
+    def records(self, placement: Placement, modes=None, *, gse: bool = False,
+                ternary_wait: str = "bucket", grasp: bool = False) -> list:
+        """The run's records of a step (:meth:`PacTrain.records <dataparallel.pactrain.
+        PacTrain.records>`): :meth:`calls`'s calls in the same order, with the codec's compute
+        items (:class:`~substrate.calls.Work`) where the strategy computes them, so the step's
+        program times them as the paper's system (a DDP communication hook) would:
+
+        * ``pactrain_gse[k]``: eq. 2 on dense bucket ``k`` once pruned (``gse``), before its
+          all-reduce;
+        * ``pactrain_pack[u]``: unit ``u``'s survivors gathered into its packed vector (and,
+          ternary, each segment's ``max|g|``), before its first call;
+        * ``pactrain_encode[u]``: a ternary unit's codes ``sign(g) b`` (eq. 3) once its scales
+          are back, and then its codes' all-gather: with ``ternary_wait`` ``"bucket"`` when the
+          next unit's gradients are written (the host waits for the scales there, before the
+          next unit's calls), with ``"backward"`` (or for the last unit) after the backward;
+        * ``pactrain_unpack[u]``: a packed or ternary unit's average back into the gradient
+          (zeros elsewhere in the unit), after the backward, once its calls are done.
+
+        ``grasp``: GraSP's set-up (:meth:`grasp_records`) after the step's update
+        (:data:`dataparallel.program.UPDATED`), where the warm-up ends."""
+        out: list = []
+        self._step(out, placement, modes, work=True, gse=gse, ternary_wait=ternary_wait)
+        if grasp:
+            self._grasp(out, placement, work=True, after=(UPDATED,))
+        return out
+
+    def grasp_records(self, placement: Placement) -> list:
+        """GraSP's scores (eq. 4) as a set-up the strategy runs before the first step when it
+        prunes at once (``--warmup-steps 0``): ``pactrain_grasp_grad`` (the gradient ``∇ℓ``
+        on the GraSP samples), its average all-reduce, ``pactrain_grasp_hvp`` (the finite
+        difference ``H ∇ℓ``), its average all-reduce, ``pactrain_grasp_score``; blocking."""
+        out: list = []
+        self._grasp(out, placement, work=True, after=())
+        return out
+
+    def _grasp(self, out: list, placement: Placement, *, work: bool, after: tuple) -> None:
+        world, w, T = placement.world, self.itemsize, self.total
+        for k in range(2):
+            if work:
+                out.append(Work("pactrain_grasp_grad" if k == 0 else "pactrain_grasp_hvp",
+                                after=after))
+                after = (len(out) - 1,)
+            out.append(Call("grasp_allreduce", "allreduce", world, w * T, w, op="avg",
+                            after=after, label=f"grasp_allreduce[{k}]"))
+            after = (len(out) - 1,)
+        if work:
+            out.append(Work("pactrain_grasp_score", after=after))
+
+    def _step(self, out: list, placement: Placement, modes, *, work: bool, gse: bool = False,
+              ternary_wait: str = "bucket") -> None:
+        """Append one step's records to ``out`` (see :meth:`calls`, :meth:`records`)."""
         modes = ("dense",) * self.num_units if modes is None else tuple(modes)
         if len(modes) != self.num_units:
             raise ValueError(f"{len(modes)} modes for {self.num_units} mask units")
-        world, w = placement.world, self.itemsize
-        out: list[Call] = []
+        world, w, p = placement.world, self.itemsize, placement.size
+        last: list = [len(out) - 1] if out else []      # the previous record on the stream
+        pending: list = []                    # a ternary unit waiting for its scales
+        unpack: list = []                     # (unit, its calls)
 
-        def prev() -> tuple:
-            return (len(out) - 1,) if out else ()
+        def call(c: Call) -> int:
+            out.append(c)
+            last[:] = [len(out) - 1]
+            return len(out) - 1
 
-        def grasp_calls() -> None:
-            for _ in range(2):
-                out.append(Call("grasp_allreduce", "allreduce", world, w * self.total, w,
-                                op="avg", after=prev()))
+        def compute(label: str, nbytes: float, after: tuple) -> tuple:
+            if not work:
+                return ()
+            out.append(Work(label, nbytes=nbytes, after=after))
+            return (len(out) - 1,)
 
-        if grasp and self.warmup_steps == 0:
-            grasp_calls()
+        def flush(at: tuple) -> None:
+            """The pending ternary unit's encoding, where the host waits for its scales
+            (``at``: the next unit's gradients; none: after the backward), and its
+            all-gather."""
+            if not pending:
+                return
+            u, scales, pack = pending.pop()
+            k = self.unit_kept[u]
+            enc = compute(f"pactrain_encode[{u}]", (3 * w + 2) * k, (scales, *at))
+            g = call(Call("ternary_allgather", "allgather", world, blocks=(-(-k // 4),) * p,
+                          after=(scales, *enc) if work else tuple(last), wait=False,
+                          label=f"ternary_allgather[{u}]"))
+            unpack.append((u, (*pack, g)))
+
+        def before_calls(ready: tuple) -> None:
+            """A unit's (or dense bucket's) calls follow the pending ternary unit's."""
+            if work:
+                flush(ready if ternary_wait == "bucket" else ())
+
         for u, mode in enumerate(modes):
             a, b = self.units[u]
+            k = self.unit_kept[u]
             if mode == "dense":
                 for bi in self.unit_buckets[u]:
                     lo, hi = self.buckets[bi]
-                    out.append(Call("dense_allreduce", "allreduce", world, w * (hi - lo), w,
-                                    op="avg", after=(Ready(lo, hi), *prev())))
-            elif mode == "packed":
-                for c, k in enumerate(self.chunks[u]):
-                    dep = (Ready(a, b), *prev()) if c == 0 else prev()
-                    out.append(Call("packed_allreduce", "allreduce", world, w * k, w, op="avg",
-                                    after=dep))
-            elif mode == "ternary":
-                out.append(Call("ternary_scale", "allreduce", world, w * len(self.segments[u]),
-                                w, op="max", after=(Ready(a, b), *prev())))
-                out.append(Call("ternary_allgather", "allgather", world,
-                                blocks=(-(-self.unit_kept[u] // 4),) * placement.size,
-                                after=prev()))
-            else:
+                    ready = (Ready(lo, hi),)
+                    mask = (compute(f"pactrain_gse[{bi}]", (2 * w + 1) * (hi - lo), ready)
+                            if gse else ())
+                    before_calls(ready)
+                    call(Call("dense_allreduce", "allreduce", world, w * (hi - lo), w,
+                              op="avg", after=(*ready, *mask, *last), wait=False,
+                              label=f"dense_allreduce[{bi}]"))
+                continue
+            if mode not in ("packed", "ternary"):
                 raise ValueError(f"unknown PacTrain step mode {mode!r}; use dense, packed or "
                                  "ternary")
-        if grasp and self.warmup_steps > 0:
-            grasp_calls()
-        return out
+            ready = (Ready(a, b),)
+            pack = compute(f"pactrain_pack[{u}]",
+                           (2 * w + 8) * k + (w * k if mode == "ternary" else 0), ready)
+            before_calls(ready)
+            if mode == "packed":
+                chunks = []
+                for c, n in enumerate(self.chunks[u]):
+                    dep = (*ready, *pack, *last) if c == 0 else tuple(last)
+                    chunks.append(call(Call("packed_allreduce", "allreduce", world, w * n, w,
+                                            op="avg", after=dep, wait=False,
+                                            label=f"packed_allreduce[{u}.{c}]")))
+                unpack.append((u, (*pack, *chunks)))
+            else:
+                scales = call(Call("ternary_scale", "allreduce", world,
+                                   w * len(self.segments[u]), w, op="max",
+                                   after=(*ready, *pack, *last), wait=False,
+                                   label=f"ternary_scale[{u}]"))
+                pending.append((u, scales, pack))
+                if not work:
+                    flush(())
+        flush(())
+        if work:
+            for u, deps in unpack:
+                a, b = self.units[u]
+                k = self.unit_kept[u]
+                codes = p * -(-k // 4) if modes[u] == "ternary" else 0
+                compute(f"pactrain_unpack[{u}]", w * (b - a) + (2 * w + 8) * k + codes, deps)
 
     def calls_at(self, placement: Placement, step: int) -> list[Call]:
         """The records of ``step`` of the schedule (:meth:`modes_at`, :attr:`grasp_step`)."""

@@ -1,13 +1,19 @@
-"""The PacTrain strategy (paper 002, Algorithm 1): :class:`PacTrain` executes a
-:class:`~.plan.PacTrainPlan`.
+"""The PacTrain strategy (paper 002, Algorithm 1): :class:`PacTrain` runs a
+:class:`~.plan.PacTrainPlan` from its step programs.
 
 Warm-up or ``--init``, prune once, enforce gradient sparsity every step (eq. 2, a
 :class:`models.MaskHook` on the optimizer), track each bucket's mask and all-reduce the packed
 survivors of stable buckets (optionally ternarized, eq. 3), during the backward with
-``--overlap on``.  The full description is :mod:`dataparallel.pactrain`'s docstring.
+``--overlap on``.  Each step's records (:meth:`PacTrain.records`, the plan's
+:meth:`~.plan.PacTrainPlan.records`) are laid into the step's program by the trainer; the
+strategy binds their buffers (the gradient's buckets, the packed vectors, the scales and
+codes) and their compute items (eq. 2, packing, TernGrad's encoding, unpacking, GraSP).  The
+full description is :mod:`dataparallel.pactrain`'s docstring.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -36,7 +42,8 @@ __all__ = ["PacTrain"]
 @register
 class PacTrain(Strategy):
     """Prune, enforce gradient sparsity, all-reduce every stable bucket's packed survivors
-    (optionally ternarized); executes a :class:`PacTrainPlan` (see the module docstring)."""
+    (optionally ternarized); runs a :class:`PacTrainPlan`'s records (see the module
+    docstring)."""
 
     name = "pactrain"
     Options = PacTrainOptions
@@ -51,6 +58,7 @@ class PacTrain(Strategy):
         self.prunable = xp.asarray(flags)
         self.keep_always = ~self.prunable
         self.n_prunable = int(flags.sum())
+        self._records: dict = {}                     # (modes, gse, grasp) -> the step's records
         # before pruning: the keep-rate plan (its dense buckets and schedule)
         self.plan = self._build_plan(None)
         self.trackers = [MaskTracker(options.stable_window) for _ in self.plan.units]
@@ -59,40 +67,31 @@ class PacTrain(Strategy):
         self.pruned = False
         self.prune_step: int | None = None
         self.scores = None                           # host copy of the GraSP scores
-        # what the last step executed (step_calls): its plan and modes, and whether GraSP's
-        # all-reduces ran in it; GraSP in the constructor belongs to the first step
-        self._step: tuple = (self.plan, ("dense",) * self.plan.num_units)
-        self._grasp_pending = self._grasp_in_step = False
         self.steps = 0
         self.packed_unit_steps = 0                   # Σ over steps of the units sent packed
         self.stable_steps: list[int] = []            # steps at which every unit (re)started packing
         self._was_packed = False
-        # the bucket of every tensor (buckets are whole tensors in backward order and do not
-        # change when the mask re-plans), how many tensors each holds, its mask unit; and the
-        # step in flight: the calls issued (to wait and unpack), the last one, a ternary unit
-        # whose scales are in flight
-        ends = [b for _, b in self.plan.buckets]
-        offsets = layout.offsets
-        self._bucket_of = {n: next(k for k, e in enumerate(ends) if offsets[n] < e)
-                           for n in layout.names}
-        self._bucket_tensors = [sum(1 for n in layout.names if self._bucket_of[n] == k)
-                                for k in range(len(ends))]
-        self._unit_of_bucket = {k: u for u, ks in enumerate(self.plan.unit_buckets) for k in ks}
-        self._left = list(self._bucket_tensors)
-        self._next = 0                               # the next bucket to send
-        self._live: int | None = None
-        self._issued: list = []
-        self._prev = None
-        self._pending = None
+        # the step in flight: its number, its units' modes, TernGrad's uniforms (drawn at the
+        # first encoding), the gathered codes of its ternary units; GraSP's state between its
+        # records, its scores until the pruning
+        self._live = 0
+        self._modes = ("dense",) * self.plan.num_units
         self._uniforms = None
+        self._gathered: dict = {}
+        self._grasp: dict | None = None
+        self._score = None
+        self._setup: list = []
         if options.init is not None:
             load_init(options.init, ctx.model)
         if options.warmup == 0:
+            if options.prune_score != "magnitude":     # GraSP's scores: a set-up
+                self._setup = self.plan.grasp_records(self.topo.placement)
+                self.executor.run_records(self._setup, self, self.topo.placement)
             self._prune(step=0)
 
     def _build_plan(self, mask) -> PacTrainPlan:
         """The plan of :meth:`PacTrainPlan.build` for ``mask`` (``None``: from the keep rate),
-        with its index sets on the device."""
+        with its index sets on the device (a new plan: new records)."""
         idx = None if mask is None else self.run.backend.asnumpy(self.xp.flatnonzero(mask))
         plan = PacTrainPlan.build(self.layout, self.M, self.P or 0, self.options, kept_index=idx,
                                   itemsize=self.itemsize)
@@ -105,14 +104,27 @@ class PacTrain(Strategy):
             self._segment_of = [xp.asarray(np.repeat(np.arange(len(s)),
                                                      [b - a for a, b in s]))
                                 for s in plan.segments]
+            self._chunk_at = [np.concatenate(([0], np.cumsum(c))).astype(int).tolist()
+                              for c in plan.chunks]
+        self._records = {}
         return plan
+
+    def setup_records(self) -> list:
+        """GraSP's set-up (:meth:`PacTrainPlan.grasp_records`) when the constructor pruned with
+        GraSP scores (``--warmup-steps 0``), run on :attr:`executor` before the first step."""
+        return self._setup
 
     # -- pruning --------------------------------------------------------------------------------
     def _prune(self, step: int) -> None:
         xp, theta = self.xp, self.model.params.flat
         zero = theta == 0
         kind = self.options.prune_score
-        score = None if kind == "magnitude" else self._grasp_scores()
+        score = None
+        if kind != "magnitude":
+            score, self._score = self._score, None
+            if score is None:
+                raise RuntimeError("PacTrain: pruning by GraSP scores before they were "
+                                   "computed (the step's records hold GraSP's set-up)")
         importance = prune_importance(kind, theta, score)
         mask = xp.asarray(prune_mask(importance, self.layout, self.options.prune_ratio, zero))
         theta *= mask
@@ -124,231 +136,206 @@ class PacTrain(Strategy):
         self.plan = self._build_plan(self._m)
         self.pruned, self.prune_step = True, step
 
-    def _grasp_scores(self):
-        """``S = −θ ⊙ (H ∇ℓ)`` (eq. 4) with rank-averaged ``∇ℓ`` and finite-difference ``H v``
-        on :data:`GRASP_SAMPLES` samples of each rank's shard; restores the model afterwards."""
-        xp, model = self.xp, self.model
-        cfg = self.ctx.config
+    @contextmanager
+    def _unrecorded(self):
+        """The model's passes of GraSP as part of one compute item, not layer events of their
+        own (the numerics are the same with and without a recorder)."""
+        model = self.model
+        rec = model.recorder
+        model.recorder = None
+        try:
+            yield
+        finally:
+            model.recorder = rec
+
+    def _grasp_grad(self, theta):
+        st = self._grasp
+        with self._unrecorded():
+            self.model.params.flat[...] = theta
+            self.model.loss_and_grad(st["x"], st["y"])
+        return self.model.grads.flat.copy()
+
+    def _grasp_start(self) -> None:
+        """``pactrain_grasp_grad``: the gradient ``∇ℓ`` at θ on :data:`GRASP_SAMPLES` samples of
+        this rank's shard (its all-reduce averages it over the ranks); the model is kept to be
+        restored."""
+        model, cfg = self.model, self.ctx.config
         x, y = next(iterate_batches(self.ctx.train, min(GRASP_SAMPLES, len(self.ctx.train)),
                                     seed=int(cfg.seed), rank=self.topo.rank, epoch=0))
-        theta0 = model.params.flat.copy()
-        grads0 = model.grads.flat.copy()
-        buffers0 = {k: v.copy() for k, v in model.buffers.items()}
+        self._grasp = {"x": x, "y": y, "theta0": model.params.flat.copy(),
+                       "grads0": model.grads.flat.copy(),
+                       "buffers0": {k: v.copy() for k, v in model.buffers.items()}}
+        self._grasp["v"] = self._grasp_grad(self._grasp["theta0"])
 
-        def grad_fn(theta):
-            model.params.flat[...] = theta
-            model.loss_and_grad(x, y)
-            return model.grads.flat.copy()
-
-        world = self.topo.world
-        v = world.allreduce(grad_fn(theta0), "avg", phase="grasp_allreduce").result
+    def _grasp_hvp(self) -> None:
+        """``pactrain_grasp_hvp``: ``H v`` by a central finite difference of gradients around θ
+        along the averaged ``v = ∇ℓ`` (its all-reduce averages it); the model restored."""
+        xp, model, st = self.xp, self.model, self._grasp
+        theta0, v = st["theta0"], st["v"]
         vnorm = float(xp.linalg.norm(v))
         if vnorm > 0:
             eps = GRASP_REL_STEP * max(float(xp.linalg.norm(theta0)), 1.0) / vnorm
-            hv = hessian_vector_fd(grad_fn, theta0, v, eps)
+            hv = hessian_vector_fd(self._grasp_grad, theta0, v, eps)
         else:
             hv = xp.zeros_like(theta0)
-        hv = world.allreduce(xp.ascontiguousarray(hv), "avg", phase="grasp_allreduce").result
+        st["hv"] = xp.ascontiguousarray(hv)
         model.params.flat[...] = theta0
-        model.grads.flat[...] = grads0
+        model.grads.flat[...] = st["grads0"]
         for k, buf in model.buffers.items():
-            buf[...] = buffers0[k]
-        score = grasp_score(theta0, hv)
+            buf[...] = st["buffers0"][k]
+
+    def _grasp_done(self) -> None:
+        """``pactrain_grasp_score``: ``S = −θ ⊙ (H ∇ℓ)`` (eq. 4), the same on every rank, for
+        the pruning that follows."""
+        st, self._grasp = self._grasp, None
+        score = grasp_score(st["theta0"], st["hv"])
         self.scores = score.get() if hasattr(score, "get") else np.array(score)
-        if self.steps:                   # after a step's update: part of that step
-            self._grasp_in_step = True
-        else:                            # in the constructor: part of the first step
-            self._grasp_pending = True
-        return score
+        self._score = score
 
-    # -- the step ---------------------------------------------------------------------------------
-    def _event(self):
-        """The timeline event of the compute block that just closed (``None`` without one)."""
-        clock = self.run.clock
-        return clock.last_event if clock.timeline is not None else None
-
-    def _begin(self, step: int) -> None:
-        """Start step ``step`` before any of its buckets is sent: the mask trackers compare
-        this step's mask ``θ ≠ 0`` (a change re-masks and re-plans) and fix every unit's mode.
-        θ does not change during the backward, so this runs at the first ready bucket."""
-        xp = self.xp
-        self._grasp_in_step, self._grasp_pending = self._grasp_pending, False
-        self.steps += 1
-        self._live = int(step)
+    # -- the step's records ----------------------------------------------------------------------
+    def records(self, state) -> list:
+        """The records of step ``state.step``: once pruned, the mask trackers compare this
+        step's mask ``θ ≠ 0`` (a change re-masks and re-plans) and fix every unit's mode (θ
+        does not change before the update, so they compare it before the step runs); then the
+        plan's :meth:`~PacTrainPlan.records` of those modes, with GraSP's set-up after the
+        update where the warm-up ends.  One list per plan and kind of step."""
+        xp, step = self.xp, int(state.step)
         modes = ["dense"] * self.plan.num_units
         if self.pruned:
-            with self.run.clock.compute("pactrain_mask"):
-                theta = self.model.params.flat
-                xp.not_equal(theta, 0, out=self._m)
-                self._m |= self.keep_always
-                changed = False
-                for u, (a, b) in enumerate(self.plan.units):
-                    before = self.trackers[u].version
-                    if self.trackers[u].observe(self._m[a:b]):
-                        modes[u] = self.plan.packed_mode
-                    changed |= self.trackers[u].version != before
-                if changed:                              # a new mask: re-mask and re-plan
-                    self.hook.set_mask(self._m)
-                    self.plan = self._build_plan(self._m)
-        self._step = (self.plan, tuple(modes))
-        self._left = list(self._bucket_tensors)
-        self._next = 0
-        self._uniforms = None
-
-    def on_ready(self, name: str) -> None:
-        """The backward wrote ``name``'s gradient (called between units): when that completes
-        a bucket, send it at once on the communication stream, as the plan's records say (a
-        dense bucket after its gradients; a packed or ternary unit after its last bucket);
-        :meth:`sync` waits and unpacks.  ``--overlap off``: nothing here, every call blocks in
-        :meth:`sync`, after the backward."""
-        k = self._bucket_of.get(name)
-        if k is None or not self.run.recorder.overlap:
-            return
-        if self._live is None:
-            self._begin(self.steps)
-        self._left[k] -= 1
-        held = self._pending is not None and self.options.ternary_wait == "backward"
-        if self._left[k] == 0 and not held:
-            self._bucket_done(k)
-
-    def _bucket_done(self, k: int) -> None:
-        """Send bucket ``k`` (buckets go out in order: ``k`` is the next one)."""
-        if k != self._next:
-            raise RuntimeError(f"PacTrain: bucket {k} ready before bucket {self._next} was sent")
-        self._next += 1
-        plan, modes = self._step
-        u = self._unit_of_bucket[k]
-        if modes[u] == "dense":
-            self._send_dense(k)
-        elif k == plan.unit_buckets[u][-1]:
-            self._send_unit(u, modes[u])
-
-    def _send_dense(self, k: int) -> None:
-        """Bucket ``k`` of a dense unit: eq. 2 (GSE) once pruned, then its average all-reduce
-        after its gradients and the previous call on the stream."""
-        clock, g = self.run.clock, self.model.grads.flat
-        a, b = self._step[0].buckets[k]
-        after = [clock.ready(a, b), self._prev]
-        if self.pruned:
-            with clock.compute(f"pactrain_gse[{k}]"):
-                g[a:b] *= self._m[a:b]                   # eq. 2 (GSE)
-            after.append(self._event())
-        self._flush()
-        self._prev = self.topo.world.allreduce(g[a:b], "avg", phase="dense_allreduce",
-                                               after=after, wait=False)
-        self._issued.append(("dense", k, [self._prev], None))
-
-    def _send_unit(self, u: int, mode: str) -> None:
-        """Unit ``u`` once its last bucket is written: pack its survivors (eq. 2 + pack; for
-        TernGrad also each segment's max|g|), then its packed all-reduces or, ternary, the MAX
-        all-reduce of its scales (the encoding and the all-gather follow when the scales are
-        back: :meth:`_flush`)."""
-        xp, clock, world = self.xp, self.run.clock, self.topo.world
-        plan, g = self._step[0], self.model.grads.flat
-        a, b = plan.units[u]
-        packed, idx = self._packed[u], self._idx[u]
-        with clock.compute(f"pactrain_pack[{u}]"):
-            xp.take(g, idx, out=packed)                  # eq. 2 + pack
-            if mode == "ternary":
-                scale = self._scale[u]
-                for l, (sa, sb) in enumerate(plan.segments[u]):
-                    scale[l] = xp.abs(packed[sa:sb]).max() if sb > sa else 0
-        self._flush()
-        dep = [clock.ready(a, b), self._event(), self._prev]
-        if mode == "packed":
-            hs, off = [], 0
-            for n in plan.chunks[u]:
-                self._prev = world.allreduce(packed[off:off + n], "avg",
-                                             phase="packed_allreduce", after=dep, wait=False)
-                hs.append(self._prev)
-                dep, off = [self._prev], off + n
-            self._issued.append(("packed", u, hs, None))
-        elif mode == "ternary":
-            self._prev = world.allreduce(self._scale[u], "max", phase="ternary_scale",
-                                         after=dep, wait=False)
-            self._pending = (u, self._prev)
-        else:
-            raise ValueError(f"unknown PacTrain step mode {mode!r}")
-
-    def _flush(self) -> None:
-        """Finish the ternary unit whose scales are in flight: wait for them (the host, as a
-        blocking wait: the next compute waits for the MAX all-reduce), encode ``sign(g) · b``
-        with ``b ~ Bernoulli(|g|/s)`` (eq. 3) into 2-bit codes and issue their all-gather.  Run
-        before the next call is issued (the plan's order: a unit's all-gather precedes the next
-        unit's first call) and at the end of the backward."""
-        if self._pending is None:
-            return
-        u, h = self._pending
-        self._pending = None
-        xp, clock, plan = self.xp, self.run.clock, self._step[0]
-        packed = self._packed[u]
-        h.wait()
-        with clock.compute(f"pactrain_encode[{u}]", deps=h):
-            if self._uniforms is None:                   # one stream per rank and step
-                self._uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
-                                                             self._live, plan.kept,
-                                                             dtype=packed.dtype))
-            off = plan.packed_offsets[u]
-            s = self._scale[u][self._segment_of[u]]
-            pack_2bit(ternarize(packed, s, self._uniforms[off:off + packed.size]),
-                      out=self._codes[u])
-        self._prev = self.topo.world.allgather(self._codes[u], phase="ternary_allgather",
-                                               after=[h, self._event()], wait=False)
-        self._issued.append(("ternary", u, [self._prev], s))
-
-    def sync(self, state, buffers):
-        """Send what the backward did not (every bucket with ``--overlap off`` or without the
-        ready hook, each as :meth:`on_ready` would), wait for every call in issue order and
-        unpack: a packed unit's average into its survivors, a ternary one's ``(s/p) Σ_j
-        sign(g_j) b_j`` (eq. 3), zeros elsewhere in the unit."""
-        g, clock = buffers.flat, self.run.clock
-        if self._live is None:
-            self._begin(int(state.step))
-        elif self._live != int(state.step):
-            raise ValueError(f"PacTrain: the backward ran step {self._live} (the strategy's "
-                             f"count), the trainer syncs step {state.step}; restore the "
-                             "strategy's state with the trainer's (load_state_dict)")
-        for k in range(self._next, len(self._left)):     # not sent during the backward
-            self._bucket_done(k)
-        self._flush()
-        plan, modes = self._step
-        p = self.topo.size
-        for kind, u, hs, s in self._issued:
-            for h in hs:
-                h.wait()
-            if kind == "dense":
-                continue
-            a, b = plan.units[u]
-            packed, idx = self._packed[u], self._idx[u]
-            with clock.compute(f"pactrain_unpack[{u}]", deps=hs[-1] if hs else None):
-                if kind == "ternary":
-                    total = unpack_2bit(hs[-1].result, packed.size).sum(axis=0, dtype=np.int32)
-                    packed[...] = total * s / p
-                g[a:b] = 0
-                g[idx] = packed
-        self._issued, self._prev, self._live = [], None, None
+            theta = self.model.params.flat
+            xp.not_equal(theta, 0, out=self._m)
+            self._m |= self.keep_always
+            changed = False
+            for u, (a, b) in enumerate(self.plan.units):
+                before = self.trackers[u].version
+                if self.trackers[u].observe(self._m[a:b]):
+                    modes[u] = self.plan.packed_mode
+                changed |= self.trackers[u].version != before
+            if changed:                              # a new mask: re-mask and re-plan
+                self.hook.set_mask(self._m)
+                self.plan = self._build_plan(self._m)
+        modes = tuple(modes)
+        self._live, self._modes, self._uniforms = step, modes, None
+        self.steps += 1
         n_packed = sum(m != "dense" for m in modes)
         self.packed_unit_steps += n_packed
         all_packed = n_packed == len(modes)
         if all_packed and not self._was_packed:
-            self.stable_steps.append(state.step)
+            self.stable_steps.append(step)
         self._was_packed = all_packed
-        return g
+        grasp = (not self.pruned and self.options.prune_score != "magnitude"
+                 and step + 1 == self.options.warmup)
+        key = (modes, self.pruned, grasp)
+        out = self._records.get(key)
+        if out is None:
+            out = self._records[key] = self.plan.records(
+                self.topo.placement, modes, gse=self.pruned,
+                ternary_wait=self.options.ternary_wait, grasp=grasp)
+        return out
+
+    # -- bindings: buffers, codecs, compute items ---------------------------------------------------
+    def buffer(self, call):
+        """The array a record works on: a dense bucket of the gradient, a chunk of a unit's
+        packed vector, a ternary unit's scales or codes, GraSP's vectors."""
+        name, _, at = call.label.partition("[")
+        at = at.rstrip("]")
+        if name == "dense_allreduce":
+            a, b = self.plan.buckets[int(at)]
+            return self.model.grads.flat[a:b]
+        if name == "packed_allreduce":
+            u, c = (int(x) for x in at.split("."))
+            lo, hi = self._chunk_at[u][c], self._chunk_at[u][c + 1]
+            return self._packed[u][lo:hi]
+        if name == "ternary_scale":
+            return self._scale[int(at)]
+        if name == "ternary_allgather":
+            return self._codes[int(at)]
+        if name == "grasp_allreduce":
+            return self._grasp["v" if at == "0" else "hv"]
+        return super().buffer(call)
+
+    def received(self, call, result) -> None:
+        """A ternary unit's gathered codes are kept for its decoding (every other record works
+        in place)."""
+        if call.phase == "ternary_allgather":
+            self._gathered[int(call.label[len("ternary_allgather["):-1])] = result
+
+    def compute(self, label: str):
+        name, _, at = label.partition("[")
+        at = at.rstrip("]")
+        fns = {"pactrain_gse": self._gse, "pactrain_pack": self._pack,
+               "pactrain_encode": self._encode, "pactrain_unpack": self._unpack}
+        if name in fns:
+            k = int(at)
+            return lambda: fns[name](k)
+        grasp = {"pactrain_grasp_grad": self._grasp_start, "pactrain_grasp_hvp": self._grasp_hvp,
+                 "pactrain_grasp_score": self._grasp_done}
+        if label in grasp:
+            return grasp[label]
+        return super().compute(label)
+
+    def flops(self, label: str):
+        """GraSP's passes: one forward and backward per sample for ``∇ℓ``, two for ``H ∇ℓ``
+        (the codec's items have no FLOP count: measured)."""
+        if label in ("pactrain_grasp_grad", "pactrain_grasp_hvp"):
+            per = sum(u.forward_flops + u.backward_flops for u in self.model.compute_units())
+            n = min(GRASP_SAMPLES, len(self.ctx.train))
+            return float((1 if label == "pactrain_grasp_grad" else 2) * per * n)
+        return None
+
+    def _gse(self, k: int) -> None:
+        """Eq. 2 (GSE) on dense bucket ``k``: ``g ← (θ ≠ 0) ⊙ g``."""
+        a, b = self.plan.buckets[k]
+        self.model.grads.flat[a:b] *= self._m[a:b]
+
+    def _pack(self, u: int) -> None:
+        """Unit ``u``'s survivors into its packed vector (eq. 2 + pack); ternary, also every
+        segment's ``max|g|`` (its MAX all-reduce makes it the scale)."""
+        xp = self.xp
+        packed = self._packed[u]
+        xp.take(self.model.grads.flat, self._idx[u], out=packed)
+        if self._modes[u] == "ternary":
+            scale = self._scale[u]
+            for l, (sa, sb) in enumerate(self.plan.segments[u]):
+                scale[l] = xp.abs(packed[sa:sb]).max() if sb > sa else 0
+
+    def _encode(self, u: int) -> None:
+        """TernGrad (eq. 3) on unit ``u``'s packed vector with its scales ``s``: codes
+        ``sign(g) · b``, ``b ~ Bernoulli(|g|/s)`` from this rank's stream of the step, packed 4
+        per byte."""
+        xp, plan = self.xp, self.plan
+        packed = self._packed[u]
+        if self._uniforms is None:                       # one stream per rank and step
+            self._uniforms = xp.asarray(ternary_uniforms(self.ctx.seed, self.topo.rank,
+                                                         self._live, plan.kept,
+                                                         dtype=packed.dtype))
+        off = plan.packed_offsets[u]
+        s = self._scale[u][self._segment_of[u]]
+        pack_2bit(ternarize(packed, s, self._uniforms[off:off + packed.size]),
+                  out=self._codes[u])
+
+    def _unpack(self, u: int) -> None:
+        """Unit ``u``'s average into its survivors, zeros elsewhere in the unit: the packed
+        all-reduce's result, or TernGrad's ``(s/p) Σ_j sign(g_j) b_j`` (eq. 3)."""
+        a, b = self.plan.units[u]
+        g, packed = self.model.grads.flat, self._packed[u]
+        if self._modes[u] == "ternary":
+            total = unpack_2bit(self._gathered.pop(u), packed.size).sum(axis=0, dtype=np.int32)
+            s = self._scale[u][self._segment_of[u]]
+            packed[...] = total * s / self.topo.size
+        g[a:b] = 0
+        g[self._idx[u]] = packed
 
     def after_step(self, state) -> None:
+        """Where the warm-up ends, prune (GraSP's scores were computed by the step's records
+        after its update)."""
         if not self.pruned and state.step + 1 == self.options.warmup:
             self._prune(step=state.step + 1)
 
-    def step_calls(self) -> list:
-        """The plan's records of the last step as executed: its units' modes, and GraSP's
-        all-reduces when pruning ran in it (no side effect: called any number of times)."""
-        plan, modes = self._step
-        return plan.calls(self.topo.placement, modes, grasp=self._grasp_in_step)
-
     def state_dict(self) -> dict:
         """Mask, pruning and mask-tracker state and step counters (the plan is rebuilt from the
-        mask; GraSP's calls of a constructor that pruned again belong to this process's first
-        step, whatever the checkpoint)."""
+        mask; GraSP's set-up of a constructor that pruned again is accounted before this
+        process's first step, whatever the checkpoint)."""
         host = self.run.backend.asnumpy
         out = {
             "mask": host(self._m).copy(), "pruned": np.bool_(self.pruned),

@@ -16,13 +16,16 @@ residual stream) are held by all ranks: a world all-reduce.
 Everything a run communicates is decided once, without MPI, by :meth:`SDPPlan.for_model`
 (model layers, nodes, ranks per node, :class:`SDPOptions`, seed): holder sets and their index
 sets, the sub-communicators' member sets, B_b-SDP's broadcast roots and the evaluation senders.
-:meth:`SDPPlan.calls` lists a step's call records (:class:`substrate.calls.Call`); the strategy
-executes exactly them (the trainer holds the run to them) and ``commvol``'s SDP model prices
-them; their bytes are checked against :mod:`volume.sdp`'s closed forms written from the paper's
-coverage and layer shapes (``tests/test_sdp_plan.py``).  With ``--overlap on`` each holder
-set's all-reduce goes to the communication stream from the backward's ready hook as soon as
-the set's span is written (in the plan's order); ``--overlap off`` runs them blocking after
-the backward.
+:meth:`SDPPlan.calls` lists a step's call records (:class:`substrate.calls.Call`), which
+``commvol``'s SDP model prices, and :meth:`SDPPlan.records` a rank's records with its compute
+items (each held set's packing and unpacking), from which the run's step programs are generated
+(:func:`dataparallel.program.step_program`; the strategy binds their buffers and compute, and
+the trainer holds the run to them); their bytes are checked against :mod:`volume.sdp`'s closed
+forms written from the paper's coverage and layer shapes (``tests/test_sdp_plan.py``).  With
+``--overlap on`` each holder set's all-reduce goes to the communication stream during the
+backward as soon as the set's span is written (in the plan's order); ``--overlap off`` runs
+them blocking after the backward.  B_b-SDP's broadcasts and, in a step before an evaluation,
+the assembly of the model on rank 0 follow the step's update.
 
 The package, one idea per module: :mod:`~dataparallel.sdp.options` (flags),
 :mod:`~dataparallel.sdp.masks` (holder sets from the layers), :mod:`~dataparallel.sdp.plan`

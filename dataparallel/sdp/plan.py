@@ -1,6 +1,7 @@
 """SDP's one plan (paper 003): the holder sets of every coordinate and everything a run
 communicates, fixed before the first step, and the call records of a step
-(:meth:`SDPPlan.calls`) that the strategy executes and ``commvol`` prices.
+(:meth:`SDPPlan.calls`) that ``commvol`` prices, and every rank's records of a step from which
+its step program is generated (:meth:`SDPPlan.records`).
 
 Built without MPI by :meth:`SDPPlan.for_model` / :func:`plan_masks` from the model's layers
 (:mod:`dataparallel.sdp.masks`), the world size and the options.  The records are held against
@@ -16,8 +17,9 @@ from functools import cached_property
 import numpy as np
 
 from models import BatchNorm2d
-from substrate.calls import Call, Placement, Ready
+from substrate.calls import Call, Placement, Ready, Work
 
+from ..program import UPDATED
 from .masks import (
     _members,
     _popcount,
@@ -232,22 +234,42 @@ class SDPPlan:
 
         * the gated average: per holder set of :attr:`reduce_sets`, a SUM ring all-reduce of
           its ``n_H`` coordinates over its members (a sub-communicator, ranks ascending; all
-          ranks: the world), after the backward wrote the set's span (:attr:`spans`);
+          ranks: the world), after the backward wrote the set's span (:attr:`spans`), on the
+          communication stream;
         * ``refresh`` (default: B_b-SDP): per group of :attr:`bcast_groups`, a binomial
           broadcast of the set's updated parameters from its lowest holder over
           ``{root} ∪ non-holders``;
         * ``assemble``: the evaluation's assembly (:meth:`assembly_calls`).
 
-        Every rank runs its calls in this order, each blocking, so a record also waits for the
-        previous record of each of its members (``after`` indices): calls on disjoint groups
-        overlap, calls that share a rank do not.
+        Every rank runs its calls in this order, so a record also waits for the previous
+        record of each of its members (``after`` indices): calls on disjoint groups overlap,
+        calls that share a rank do not.
         """
+        return self._records(placement, itemsize, refresh, assemble, None)
+
+    def records(self, placement: Placement, rank: int, itemsize: int = 4, *,
+                evaluate: bool = False) -> list:
+        """World rank ``rank``'s records of a step (:meth:`SDP.records <dataparallel.sdp.SDP.
+        records>`): :meth:`calls`'s calls in the same order (the broadcasts of B_b-SDP, and the
+        assembly when rank 0 ``evaluate`` s after the step, after the update:
+        :data:`dataparallel.program.UPDATED`), with this rank's compute items
+        (:class:`~substrate.calls.Work`): ``sdp_pack[j]`` gathers its coordinates of the
+        ``j``-th holder set of :attr:`reduce_sets` it holds before the set's all-reduce,
+        ``sdp_unpack[j]`` divides the sum by the set's degree and scatters it back after the
+        backward, ``sdp_mask`` zeroes the gradient outside the subnetwork after every unpack,
+        and on rank 0 ``sdp_assemble`` puts the BatchNorm statistics it received in place."""
+        return self._records(placement, itemsize, None, evaluate and bool(self.assemble_counts),
+                             int(rank))
+
+    def _records(self, placement: Placement, itemsize: int, refresh, assemble: bool,
+                 rank: int | None) -> list:
         if placement.size != self.n:
             raise ValueError(f"SDP plan of {self.n} workers on a placement of {placement.size} "
                              "ranks")
         w = int(itemsize)
         refresh = self.mode == "block-backward" if refresh is None else refresh
-        out: list[Call] = []
+        work = rank is not None
+        out: list = []
         last: dict[int, int] = {}                    # each rank's latest record
 
         def add(call: Call, ranks) -> None:
@@ -258,19 +280,41 @@ class SDPPlan:
         def before(ranks) -> tuple:
             return tuple(sorted({last[r] for r in ranks if r in last}))
 
-        for s in self.reduce_sets:
+        mine = []                                    # (j, its call) of the sets rank holds
+        for j, s in enumerate(self.reduce_sets):
             ranks = tuple(self.members(s))
             lo, hi = self.spans[s]
-            add(Call(GATED, "allreduce", ranks, w * int(self.counts[s]), w, op="sum",
-                     after=(Ready(lo, hi), *before(ranks))), ranks)
+            n = int(self.counts[s])
+            after = (Ready(lo, hi), *before(ranks))
+            if work and rank in ranks:
+                out.append(Work(f"sdp_pack[{j}]", nbytes=(2 * w + 8) * n,
+                                after=(Ready(lo, hi),)))
+                after = (*after, len(out) - 1)
+            add(Call(GATED, "allreduce", ranks, w * n, w, op="sum", after=after,
+                     label=f"{GATED}[{j}]", wait=False), ranks)
+            if work and rank in ranks:
+                mine.append((j, len(out) - 1))
+        updated: tuple = ()
+        if work:
+            unpacks = []
+            for j, i in mine:
+                n = int(self.counts[self.reduce_sets[j]])
+                out.append(Work(f"sdp_unpack[{j}]", nbytes=(3 * w + 8) * n, after=(i,)))
+                unpacks.append(len(out) - 1)
+            out.append(Work("sdp_mask", nbytes=3 * w * self.total,
+                            after=(Ready(0, self.total), *unpacks)))
+            updated = (UPDATED,)
         if refresh:
-            for s, ranks, root in self.bcast_groups:
+            for b, (s, ranks, root) in enumerate(self.bcast_groups):
                 add(Call(BCAST, "bcast", ranks, w * int(self.counts[s]), w,
-                         root=ranks.index(root), after=before(ranks)), ranks)
+                         root=ranks.index(root), after=(*updated, *before(ranks)),
+                         label=f"{BCAST}[{b}]"), ranks)
         if assemble:
             for c in self.assembly_calls(placement, w):
-                out.append(Call(c.phase, c.algorithm, c.group, pairs=c.pairs,
-                                after=before(c.pairs[:, 0].tolist())))
+                out.append(Call(c.phase, c.algorithm, c.group, pairs=c.pairs, label=c.label,
+                                after=(*updated, *before(c.pairs[:, 0].tolist()))))
+                if work and rank == 0:
+                    out.append(Work("sdp_assemble", after=(len(out) - 1,)))
         return out
 
     def assembly_calls(self, placement: Placement, itemsize: int = 4) -> list[Call]:

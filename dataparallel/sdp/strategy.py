@@ -1,6 +1,7 @@
-"""SDP's strategy (paper 003): executes :class:`~dataparallel.sdp.plan.SDPPlan`'s records
-(the gated average on the holder sets' sub-communicators, B_b-SDP's parameter broadcasts, the
-model's assembly on rank 0 at evaluations) and reports the mask's statistics."""
+"""SDP's strategy (paper 003): runs :class:`~dataparallel.sdp.plan.SDPPlan`'s records from its
+step programs (the gated average on the holder sets' sub-communicators, B_b-SDP's parameter
+broadcasts after the update, the model's assembly on rank 0 in a step before an evaluation),
+binding their buffers and compute items, and reports the mask's statistics."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class SDP(Strategy):
 
     name = "sdp"
     Options = SDPOptions
+    #: a holder set whose members are the node leaders is no leaders' phase: the ranks
+    #: outside it do not wait for it
+    leader_waits = False
 
     def __init__(self, ctx, options: SDPOptions) -> None:
         super().__init__(ctx, options)
@@ -52,30 +56,32 @@ class SDP(Strategy):
         self.hook = MaskHook(self.mask)
         opt.add_hook(self.hook)
 
-        # gated average: one all-reduce per holder set of the plan, on its own sub-communicator
+        # the sub-communicators of the holder sets (the gated average) and of B_b-SDP's
+        # broadcast groups, built once (collectively) and handed to the executor
         reduce_sets = plan.reduce_sets
-        self._reduce = []
-        for s, comm in zip(reduce_sets, self._build_comms([plan.members(s)
-                                                           for s in reduce_sets])):
+        self._comms: dict = {}
+        self._reduce: dict = {}          # j -> (coordinates, buffer, degree) of held sets
+        for j, (s, comm) in enumerate(zip(reduce_sets, self._build_comms(
+                [plan.members(s) for s in reduce_sets]))):
             if comm is not None:
                 idx = plan.indices(s)
-                self._reduce.append((xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype), comm,
-                                     int(plan.degrees[s]), plan.spans[s]))
+                self._comms.setdefault(comm.group, comm)
+                self._reduce[j] = (xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype),
+                                   int(plan.degrees[s]))
         self.num_reduce_sets = len(reduce_sets)
-
-        # B_b-SDP: the lowest holder broadcasts updated parameters to the non-holders
-        self._bcast = []
+        self._bcast: dict = {}           # b -> (coordinates, buffer, root) of this rank's groups
         groups = plan.bcast_groups
-        for (s, ranks, root), comm in zip(groups, self._build_comms([list(r) for _, r, _ in
-                                                                     groups])):
+        for b, ((s, ranks, root), comm) in enumerate(zip(groups, self._build_comms(
+                [list(r) for _, r, _ in groups]))):
             if comm is not None:
                 idx = plan.indices(s)
-                self._bcast.append((xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype), comm,
-                                    ranks.index(root)))
+                self._comms.setdefault(comm.group, comm)
+                self._bcast[b] = (xp.asarray(idx), xp.empty(idx.size, dtype=g.dtype),
+                                  ranks.index(root))
 
         # evaluation: rank 0 lacks the sets it does not hold; each set's lowest rank sends them
         self._send = None
-        self._recv: list = []
+        self._recv: dict = {}            # sender -> (parameter coordinates, BN channels, buffer)
         for r, ss in plan.assemble_sets.items():
             if r not in plan.assemble_counts:
                 continue
@@ -83,28 +89,19 @@ class SDP(Strategy):
             bidx = {name: np.flatnonzero(np.isin(ids, ss))
                     for name, ids in sorted(plan.buffer_ids.items())}
             bidx = {k: xp.asarray(v) for k, v in bidx.items() if v.size}
-            entry = (r, xp.asarray(pidx), bidx,
-                     xp.zeros(plan.assemble_counts[r], dtype=g.dtype))
+            entry = (xp.asarray(pidx), bidx, xp.zeros(plan.assemble_counts[r], dtype=g.dtype))
             if rank == r:
                 self._send = entry
             if rank == 0:
-                self._recv.append(entry)
-        self._needs_assembly = bool(plan.assemble_counts)
+                self._recv[r] = entry
         self._full = xp.empty_like(model.params.flat) if rank == 0 else None
         self._scale = (xp.asarray(plan.scale.astype(g.dtype))
                        if rank == 0 and options.eval_rescale and self.forward_masking else None)
 
-        # the step in flight: the flat end of every tensor (the backward writes them in flat
-        # order), the sets sent, their handles, the last call on the stream
-        self._end_of = {n: int(model.layout.offsets[n] + model.layout.sizes[n])
-                        for n in model.layout.names}
-        self._written = self._sent = 0
-        self._issued: list = []
-        self._prev = None
-
+        # this rank's records of a step, and of a step before an evaluation
+        self._records = {ev: plan.records(topo.placement, rank, self.itemsize, evaluate=ev)
+                         for ev in (False, True)}
         self.flop_factor = plan.flop_factor()
-        # what ran since the last sync (step_calls): B_b's refresh, the evaluation's assembly
-        self._refreshed = self._assembled = False
 
     # -- planning helpers ------------------------------------------------------------------------
     def _build_comms(self, member_lists: list[list[int]]) -> list:
@@ -136,105 +133,99 @@ class SDP(Strategy):
                 out[color] = comm
         return out
 
+    def communicators(self) -> dict:
+        """The holder sets' and broadcast groups' sub-communicators this rank is in."""
+        return self._comms
+
     # -- every step ------------------------------------------------------------------------------
-    def on_ready(self, name: str) -> None:
-        """The backward wrote ``name``'s gradient (between units; gradients are written in
-        flat order): send every holder set of this rank whose span is now written, in the
-        plan's order, on the communication stream; :meth:`sync` waits and unpacks.
-        ``--overlap off``: nothing here, every call blocks in :meth:`sync`."""
-        if not self.run.recorder.overlap:
-            return
-        self._written = self._end_of[name]
-        while self._sent < len(self._reduce) and self._reduce[self._sent][4][1] <= self._written:
-            self._send_set(self._sent)
-            self._sent += 1
+    def records(self, state) -> list:
+        """This rank's records of the step (:meth:`SDPPlan.records`): the gated average, with
+        each held set's packing before its all-reduce (which goes out during the backward once
+        the set's span is written, ``--overlap on``) and its unpacking after; B_b-SDP's
+        broadcasts after the update; before an evaluation (``state.evaluated``) the
+        assembly of the model on rank 0 after the update (its bytes belong to the step)."""
+        return self._records[bool(state.evaluated)]
 
-    def _send_set(self, i: int) -> None:
-        """Pack holder set ``i``'s coordinates and issue its SUM all-reduce over its holders
-        after its span's gradients and this rank's previous call."""
-        xp, clock = self.xp, self.run.clock
-        idx, buf, comm, _, (lo, hi) = self._reduce[i]
-        with clock.compute(f"sdp_pack[{i}]"):
-            xp.take(self.model.grads.flat, idx, out=buf)
-        pack = clock.last_event if clock.timeline is not None else None
-        self._prev = comm.allreduce(buf, "sum", phase=GATED,
-                                    after=[clock.ready(lo, hi), pack, self._prev], wait=False)
-        self._issued.append(self._prev)
+    def compute(self, label: str):
+        name, _, at = label.partition("[")
+        if name == "sdp_pack":
+            return lambda: self._pack(int(at[:-1]))
+        if name == "sdp_unpack":
+            return lambda: self._unpack(int(at[:-1]))
+        if label == "sdp_mask":
+            return self._mask_grad
+        if label == "sdp_assemble":
+            return self._place_assembled
+        return super().compute(label)
 
-    def sync(self, state, buffers):
-        """Gated average (eq. "average"): ``ĝ_j = Σ_{i ∈ H_j} g_ij / d_j`` on the holders,
-        zero elsewhere.  The sets the backward did not send (all with ``--overlap off``) are
-        sent here; then every call is waited for in order and unpacked."""
-        g, clock = buffers.flat, self.run.clock
-        self._refreshed = self._assembled = False
-        for i in range(self._sent, len(self._reduce)):
-            self._send_set(i)
-        for i, (h, (idx, buf, _, d, _)) in enumerate(zip(self._issued, self._reduce)):
-            h.wait()
-            with clock.compute(f"sdp_unpack[{i}]", deps=h):
-                buf /= d
-                g[idx] = buf
-        with clock.compute("sdp_mask"):
-            g *= self.mask
-        self._issued, self._prev, self._sent, self._written = [], None, 0, 0
-        return g
+    def _pack(self, j: int) -> None:
+        """The coordinates of the ``j``-th holder set into its buffer."""
+        idx, buf, _ = self._reduce[j]
+        self.xp.take(self.model.grads.flat, idx, out=buf)
 
-    def _refresh_params(self) -> None:
-        """B_b-SDP: broadcast the updated parameters of every set to its non-holders."""
-        xp, theta = self.xp, self.model.params.flat
-        for idx, buf, comm, root in self._bcast:
-            if comm.rank == root:
-                xp.take(theta, idx, out=buf)
-            comm.bcast(buf, root, phase=BCAST)
-            theta[idx] = buf
-        self._refreshed = True
+    def _unpack(self, j: int) -> None:
+        """Gated average (eq. "average"): ``ĝ_j = Σ_{i ∈ H_j} g_ij / d_j`` on the holders."""
+        idx, buf, d = self._reduce[j]
+        buf /= d
+        self.model.grads.flat[idx] = buf
 
-    def _assemble(self) -> None:
-        """Send what rank 0 lacks (parameters and BatchNorm statistics) from each set's lowest
-        holder to rank 0 (evaluation steps only)."""
-        world, xp = self.topo.world, self.xp
-        if self._send is not None:
-            _, pidx, bidx, buf = self._send
-            theta = self.model.params.flat
-            xp.take(theta, pidx, out=buf[:pidx.size])
+    def _mask_grad(self) -> None:
+        """Zero outside the subnetwork."""
+        g = self.model.grads.flat
+        g *= self.mask
+
+    def buffer(self, call):
+        """A held set's buffer (packed by ``sdp_pack``); a broadcast group's (its root takes the
+        set's updated parameters); the message a sender of the assembly sends rank 0 (its sets'
+        parameters, then their BatchNorm statistics)."""
+        name, _, at = (call.label or "").partition("[")
+        if name == GATED:
+            return self._reduce[int(at[:-1])][1]
+        if name == BCAST:
+            idx, buf, root = self._bcast[int(at[:-1])]
+            if self.topo.rank == call.group[root]:
+                self.xp.take(self.model.params.flat, idx, out=buf)
+            return buf
+        if call.phase == ASSEMBLE:
+            pidx, bidx, buf = self._send
+            self.xp.take(self.model.params.flat, pidx, out=buf[:pidx.size])
             off = pidx.size
             for name, idx in bidx.items():
                 buf[off:off + idx.size] = self.model.buffers[name][idx]
                 off += idx.size
-            world.waitall([world.isend(buf, 0, tag=7, phase=ASSEMBLE)])
-        if self._recv:
-            world.waitall([world.irecv(buf, r, tag=7, phase=ASSEMBLE)
-                           for r, _, _, buf in self._recv])
-            for _, pidx, bidx, buf in self._recv:
-                off = int(pidx.size)
-                for name, idx in bidx.items():
-                    # rank 0 does not hold these channels: its own running statistics of them
-                    # are never used in training, so the holder's replace them for evaluation
-                    self.model.buffers[name][idx] = buf[off:off + idx.size]
-                    off += idx.size
-        self._assembled = True
+            return buf
+        return super().buffer(call)
+
+    def receive_buffer(self, source: int, nbytes: int, tag: int):
+        """Rank 0: the message of the assembly's sender ``source``."""
+        buf = self._recv[source][2]
+        if buf.nbytes != nbytes:
+            raise ValueError(f"SDP assembly: rank {source} sends {nbytes} bytes, the plan says "
+                             f"{buf.nbytes}")
+        return buf
+
+    def received(self, call, result) -> None:
+        """B_b-SDP: the broadcast's updated parameters replace the set's (every member)."""
+        if call.phase == BCAST:
+            idx, buf, _ = self._bcast[int(call.label[len(BCAST) + 1:-1])]
+            self.model.params.flat[idx] = buf
+
+    def _place_assembled(self) -> None:
+        """Rank 0, after the assembly: the BatchNorm statistics of the channels it does not
+        hold are the holders' (its own running statistics of them are never used in training,
+        so the holder's replace them for evaluation); the parameters are read by
+        :meth:`eval_params`."""
+        for pidx, bidx, buf in self._recv.values():
+            off = int(pidx.size)
+            for name, idx in bidx.items():
+                self.model.buffers[name][idx] = buf[off:off + idx.size]
+                off += idx.size
 
     def total_steps(self, base_steps: int) -> int:
         """``floor(f · base_steps)`` SDP iterations with ``--flop-match`` (§4.1.1)."""
         if self.options.flop_match:
             return math.floor(base_steps * self.flop_factor)
         return base_steps
-
-    def before_eval(self) -> None:
-        if self._needs_assembly:
-            self._assemble()
-
-    def after_step(self, state) -> None:
-        if not self.forward_masking:
-            self._refresh_params()
-
-    def step_calls(self) -> list[Call]:
-        """The plan's records of the last step as it ran: the gated average, the parameter
-        broadcasts when :meth:`after_step` refreshed, the assembly when :meth:`before_eval`
-        assembled.  Side-effect free (issue 23): the record of what ran is reset by the next
-        :meth:`sync`, never by asking."""
-        return self.plan.calls(self.topo.placement, self.itemsize, refresh=self._refreshed,
-                               assemble=self._assembled)
 
     def eval_params(self):
         """Rank 0: the full model assembled from the holders (its own coordinates plus those
@@ -244,7 +235,7 @@ class SDP(Strategy):
             return theta
         full = self._full
         full[...] = theta
-        for _, pidx, _, buf in self._recv:
+        for pidx, _, buf in self._recv.values():
             full[pidx] = buf[:pidx.size]
         if self._scale is not None:
             full *= self._scale

@@ -1,10 +1,10 @@
 """MPI checks of PacTrain: ``python -m mpi4py dp_pactrain_checks.py CHECK`` (4 ranks, 2 nodes).
 
-Every check compares the strategy's synchronized gradient with a serial NumPy reference built
-here from all ranks' local gradients (gathered with a recorded all-gather), written from the
-paper (eqs. 2-4) without the strategy's helpers, and holds the calls every sync ran to the
-strategy's ``step_calls()`` (the plan's records of the step, mask changes and re-plans included;
-``Recorder.account`` raises on the first difference):
+Every check runs the strategy's step programs (:func:`dataparallel.program.sync_step`),
+compares the synchronized gradient with a serial NumPy reference built here from all ranks'
+local gradients (gathered with a recorded all-gather), written from the paper (eqs. 2-4) without
+the strategy's helpers, and holds the calls every step ran to the step's records (the plan's,
+mask changes and re-plans included; ``Recorder.account`` raises on the first difference):
 
 ``packed``   per-layer magnitude pruning; dense sync while the mask is new, packed sync once it
              is stable, both == the masked average; a mask change falls back to dense and
@@ -21,9 +21,10 @@ strategy's ``step_calls()`` (the plan's records of the step, mask changes and re
              node).
 ``fp16train OUT``  ``dataparallel train --method fp16`` (registered by importing
              dataparallel.fp16 here) writing its summary to OUT.
-``grasp``    the GraSP scores (rank-averaged finite-difference Hessian-vector product) == a serial
-             recomputation over all shards; GraSP's rule removes the highest scores; the mask
-             is identical on every rank.
+``grasp``    the GraSP scores (rank-averaged finite-difference Hessian-vector product, the
+             strategy's set-up records run by its executor) == a serial recomputation over all
+             shards; the calls the set-up ran are its records; GraSP's rule removes the
+             highest scores; the mask is identical on every rank.
 """
 
 import math
@@ -105,23 +106,16 @@ def _gather(run, x):
 
 
 def _sync(run, model, st, step):
-    """One sync of seeded gradients; the calls it ran must be the strategy's
-    :meth:`step_calls` (``Recorder.account`` raises on the first difference) and asking twice
-    gives the same records."""
+    """One step's program on seeded gradients (:func:`sync_step`); the calls it ran must be
+    the step's records (``Recorder.account`` raises on the first difference).  Returns the
+    synchronized gradient, every rank's local gradient and the step's bytes per phase."""
     g = _local_grad(run.rank, step, model.layout.total)
     model.grads.flat[...] = g
     everyone = _gather(run, g).astype(np.float64)
-    state = StepState(step=step, epoch=0, loss=0.0)
-    if st.records is not None:                    # a strategy run from its step's program
-        calls = sync_step(st, state)
-        out = model.grads.flat.copy()
-        run.recorder.account(calls)
-        return out, everyone
-    out = st.sync(state, model.grads).copy()
-    calls = st.step_calls()
-    run.recorder.account(calls)
-    collective_check(run.world, calls == st.step_calls(), "step_calls() changed when asked again")
-    return out, everyone
+    records = sync_step(st, StepState(step=step, epoch=0, loss=0.0))
+    out = model.grads.flat.copy()
+    run.recorder.account(records)
+    return out, everyone, bytes_by_phase(records, run.topo.placement)
 
 
 def _same_everywhere(run, out, what):
@@ -148,11 +142,11 @@ def packed():
         if step == 3:
             theta[kept_conv] = 0.0      # same on every rank: the mask changes
             mask[kept_conv] = False
-        out, everyone = _sync(run, model, st, step)
+        out, everyone, got = _sync(run, model, st, step)
         ref = (everyone * mask).mean(axis=0)
-        ok = (list(st.step_bytes()) == [phase] and np.allclose(out, ref, rtol=1e-5, atol=1e-6)
+        ok = (list(got) == [phase] and np.allclose(out, ref, rtol=1e-5, atol=1e-6)
               and not out[~mask].any() and st.plan.kept == int(mask.sum()))
-        collective_check(run.world, ok, f"step {step}: phases {list(st.step_bytes())} "
+        collective_check(run.world, ok, f"step {step}: phases {list(got)} "
                          f"(want {phase}), K {st.plan.kept} vs {int(mask.sum())}, max error "
                          f"{np.abs(out - ref).max():.3g}")
         _same_everywhere(run, out, f"step {step}")
@@ -169,7 +163,7 @@ def ternary():
     idx = np.flatnonzero(mask)
     K = idx.size
     for step in (0, 1):
-        out, everyone = _sync(run, model, st, step)
+        out, everyone, got = _sync(run, model, st, step)
         vals = everyone[:, idx].astype(np.float32)          # (p, K) packed local gradients
         scale = np.empty(K, dtype=np.float32)                # s_l = max_j max|g_j,l| per tensor
         for name in layout.names:
@@ -184,9 +178,9 @@ def ternary():
             total += np.sign(vals[j]) * b
         ref = np.zeros(layout.total)
         ref[idx] = total * scale / p
-        ok = (sorted(st.step_bytes()) == ["ternary_allgather", "ternary_scale"]
+        ok = (sorted(got) == ["ternary_allgather", "ternary_scale"]
               and np.allclose(out, ref, rtol=1e-6, atol=0))
-        collective_check(run.world, ok, f"ternary step {step}: phases {list(st.step_bytes())},"
+        collective_check(run.world, ok, f"ternary step {step}: phases {list(got)},"
                          f" max error {np.abs(out - ref).max():.3g}")
         _same_everywhere(run, out, f"ternary step {step}")
 
@@ -194,6 +188,10 @@ def ternary():
 def grasp():
     run, model, st, data = _setup(prune_ratio=0.5, stable_window=0, prune_score="grasp")
     layout, p = model.layout, run.size
+    setup = st.setup_records()
+    run.recorder.account(setup)           # the calls the set-up ran are its records
+    collective_check(run.world, [c.phase for c in setup if hasattr(c, "phase")] ==
+                     ["grasp_allreduce"] * 2, f"GraSP's set-up records: {setup}")
     theta0 = _fresh_params(data)
     ref_model = build_model("cnn", data.train.input_shape, 10, seed=SEED)
     batches = []
@@ -248,9 +246,8 @@ def buckets():
         if step == 2:
             theta[kept_conv] = 0.0
             mask[kept_conv] = False
-        out, everyone = _sync(run, model, st, step)
+        out, everyone, got = _sync(run, model, st, step)
         ref = (everyone * mask).mean(axis=0)
-        got = st.step_bytes()
         if step == 0:
             ok_phases = set(got) == {"dense_allreduce"}
         elif step == 2:

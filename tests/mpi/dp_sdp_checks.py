@@ -12,9 +12,10 @@ On 2 virtual nodes x 2 ranks:
            scaling rule with a third argument ``rescale``: ``--eval-rescale``), and the ledger
            equals the closed form summed over the steps.
 
-Both hold every step's executed calls to the strategy's ``step_calls()`` (the plan's records:
-gated all-reduces, B_b's broadcasts when ``after_step`` ran, the assembly when ``before_eval``
-ran) and check that asking for them twice gives the same answer.
+Both run the strategy's step programs (:func:`dataparallel.program.sync_step`) and hold every
+step's executed calls to the step's records (the plan's: gated all-reduces, B_b's broadcasts
+after the update, the assembly on rank 0 in a step before an evaluation), and check that asking
+for a kind of step's records again gives the same list.
 """
 
 import sys
@@ -27,10 +28,12 @@ from dp_checks import _check_ledger  # same folder: ledger delta == Σ step_byte
 from mpi4py import MPI
 
 from dataparallel import STRATEGIES, StepState, SyncContext
+from dataparallel.program import sync_step
 from dataparallel.train import DPConfig
 from models import SGD, SGDConfig, build_model, iterate_batches, load_digits, shard
 from runner.run import start_run
 from substrate import collective_check
+from substrate.calls import bytes_by_phase
 
 R = 2
 COMM = MPI.COMM_WORLD
@@ -57,16 +60,15 @@ def _setup(model_name, steps=3, **options):
     return cfg, run, data, train, model, opt, strat
 
 
-def _account(run, strat):
-    """The calls the step ran must be the plan's records of it (``Recorder.account`` raises on
-    the first difference), and asking for them has no side effect (issue 23: ``step_bytes``
-    used to reset the strategy's counters, so a second call returned nothing)."""
-    calls = strat.step_calls()
-    run.recorder.account(calls)
-    again = strat.step_calls()
-    if again != calls or strat.step_bytes() != strat.step_bytes():
-        return ["step_calls() / step_bytes() changed when asked again"]
-    return []
+def _step(run, strat, state, optimizer=None):
+    """One step's program (:func:`sync_step`); the calls it ran must be the step's records
+    (``Recorder.account`` raises on the first difference), and asking for the records of the
+    same kind of step again gives the same list without a side effect (issue 23).  Returns
+    the step's bytes per phase and the messages."""
+    records = sync_step(strat, state, optimizer=optimizer)
+    run.recorder.account(records)
+    msgs = [] if strat.records(state) is records else ["records() changed when asked again"]
+    return bytes_by_phase(records, run.topo.placement), msgs
 
 
 def reference_cnn_mask(model, n, p):
@@ -165,11 +167,10 @@ def gated(mode, coverage="3/4"):
         model.grads.flat[...] = g
         all_g = np.array(COMM.allgather(g), dtype=np.float64)
         want = np.where(ref[rank], (ref * all_g).sum(axis=0) / deg, 0.0)
-        out = strat.sync(StepState(step, 0, 0.0), model.grads)
-        msgs += _account(run, strat)
-        preds.append(strat.step_bytes())
-        if out is not model.grads.flat:
-            msgs.append("sync did not return the flat gradient buffer")
+        got, bad = _step(run, strat, StepState(step, 0, 0.0))
+        msgs += bad
+        preds.append(got)
+        out = model.grads.flat
         err = np.abs(out - want).max()
         if not np.allclose(out, want, rtol=1e-5, atol=1e-6):
             msgs.append(f"step {step}: gated average max error {err}")
@@ -205,13 +206,12 @@ def train(mode, coverage="3/4", rescale=""):
             g_hat = np.where(masks[rank], (masks * all_g).sum(axis=0) / deg, 0.0)
             th = model.params.flat.astype(np.float64)
             want1 = th - cfg.lr * masks[rank] * (g_hat + decay * th)
-        strat.sync(StepState(step, 0, float(loss)), model.grads)
-        opt.step()
-        strat.after_step(StepState(step, 0, float(loss)))
-        if step == steps - 1:  # the trainer's hook before rank 0 evaluates
-            strat.before_eval()
-        msgs += _account(run, strat)
-        preds.append(strat.step_bytes())
+        # the last step is evaluated: its program assembles the model on rank 0
+        state = StepState(step, 0, float(loss), evaluated=step == steps - 1)
+        got, bad = _step(run, strat, state, optimizer=opt.step)
+        strat.after_step(state)
+        msgs += bad
+        preds.append(got)
         if step == 0:
             got1 = model.params.flat
             if not forward:  # every rank's copy of a coordinate is its lowest holder's update
