@@ -436,7 +436,7 @@ def _load_net_state(net: DistributedSparseNet, state: dict) -> None:
 def _setup_calls(run, plan: HSGDPlan, part_bytes: int) -> list:
     """The plan's records of the set-up: the partition broadcast when rank 0 partitioned
     (``part_bytes``), nothing when every rank read the partition from a file."""
-    return plan.calls(run.topo.placement, 1, 8, phase="setup") if part_bytes else []
+    return plan.calls(run.topo.placement, 1, 8, interval="setup") if part_bytes else []
 
 
 class _Around(Bindings):
@@ -555,7 +555,7 @@ class _Steps(LoopBody):
                                          overlap=overlap, receives_first=first)
         n = test.features.shape[0]
         evaluation = plan.tagged_calls(placement, cfg.batch_size, dtype.itemsize,
-                                       phase="eval", samples=n)
+                                       interval="eval", samples=n)
         self.eval_calls = [c for c, _ in evaluation]
         self.eval_program = eval_program(evaluation, plan.num_layers,
                                          len(batches(n, cfg.batch_size)), placement, rank,
@@ -789,7 +789,7 @@ def _infer(args) -> dict:
     net = DistributedSparseNet(weights, part, run, plan=plan, dtype=dtype, executor=executor)
     net.set_challenge(bias, CHALLENGE_YMAX)
     records = plan.tagged_calls(run.topo.placement, cfg.batch_size, dtype.itemsize,
-                                phase="infer", samples=n_in)
+                                interval="infer", samples=n_in)
     program = infer_program(records, plan.num_layers, len(batches(n_in, cfg.batch_size)),
                             run.topo.placement, run.rank, overlap=run.recorder.overlap,
                             receives_first=net.receives_first)

@@ -246,7 +246,7 @@ class HSGDPlan:
             if c is not None:
                 out.append((c, k))
 
-    def calls(self, placement: Placement, batch: int, itemsize: int, phase: str = "step", *,
+    def calls(self, placement: Placement, batch: int, itemsize: int, interval: str = "step", *,
               samples: int = 0) -> list[Call]:
         """The records of one interval of ``sparse_sgd train`` / ``infer`` on ``placement``.
 
@@ -258,7 +258,7 @@ class HSGDPlan:
             Input vectors per mini-batch (a word is ``batch * itemsize`` bytes).
         itemsize : int
             Bytes per value (``--dtype``).
-        phase : {"step", "setup", "eval", "infer"}
+        interval : {"step", "setup", "eval", "infer"}
             ``"step"``: one SGD iteration: per layer k = 1..L the SpFF exchange (one ``p2p``
             record, phase ``spff``), per layer k = L..2 the SpBP exchange (``spbp``), then the
             loss/score all-reduce of ``1 + 10 batch`` float64 (``loss``).  ``"setup"``: the
@@ -274,11 +274,11 @@ class HSGDPlan:
         Layers nobody sends in have no record.  Each record's ``after`` names the previous one
         (every exchange and collective of H-SGD waits for the compute the previous one fed).
         """
-        return [c for c, _ in self.tagged_calls(placement, batch, itemsize, phase,
+        return [c for c, _ in self.tagged_calls(placement, batch, itemsize, interval,
                                                 samples=samples)]
 
     def tagged_calls(self, placement: Placement, batch: int, itemsize: int,
-                     phase: str = "step", *, samples: int = 0) -> list[tuple[Call, int | None]]:
+                     interval: str = "step", *, samples: int = 0) -> list[tuple[Call, int | None]]:
         """:meth:`calls`' records, each with the message tag of its exchange: ``k`` for the
         SpFF exchange of layer k (Alg. 2), ``L + k`` for the SpBP exchange of layer k (Alg. 3),
         ``None`` for a collective.  The tag names the layer whose maps a rank's program
@@ -289,8 +289,8 @@ class HSGDPlan:
         if placement.size != self.parts:
             raise ValueError(f"the placement has {placement.size} ranks, the partition "
                              f"{self.parts} parts")
-        if phase not in INTERVALS:
-            raise ValueError(f"unknown interval {phase!r}; use one of {INTERVALS}")
+        if interval not in INTERVALS:
+            raise ValueError(f"unknown interval {interval!r}; use one of {INTERVALS}")
         for name, v in (("batch", batch), ("itemsize", itemsize)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -301,9 +301,9 @@ class HSGDPlan:
         world = placement.world
         L = self.num_layers
         out: list[tuple[Call, int | None]] = []
-        if phase == "setup":
+        if interval == "setup":
             out.append((partition_broadcast(placement, self.partition_bytes), None))
-        elif phase == "step":
+        elif interval == "step":
             self._forward(out, world, batch, itemsize, PHASE_SPFF)
             for k in range(L, 1, -1):  # s^1 would only give delta^0: not sent
                 c = self._exchange(world, k, 1, batch * itemsize, PHASE_SPBP, itemsize,
@@ -312,7 +312,7 @@ class HSGDPlan:
                     out.append((c, L + k))
             out.append((Call(PHASE_LOSS, "allreduce", world, 8 * (1 + NUM_CLASSES * batch), 8,
                              op="sum", after=_prev(out)), None))
-        elif phase == "eval":
+        elif interval == "eval":
             for b in batches(samples, batch):
                 self._forward(out, world, b, itemsize, PHASE_EVAL)
             if samples:

@@ -222,7 +222,7 @@ def step_program(records, layers: int, placement, rank: int, *, overlap: bool = 
     ----------
     records : sequence
         The step's records with their tags (:meth:`~sparse_sgd.plan.HSGDPlan.tagged_calls`
-        ``(phase="step")``).
+        ``(interval="step")``).
     layers : int
         L.
     placement : substrate.calls.Placement
@@ -263,7 +263,7 @@ def pass_program(records, layers: int, placement, rank: int, prefix: str, *,
 
 def eval_program(records, layers: int, batches: int, placement, rank: int, *,
                  overlap: bool = True, receives_first: bool = True) -> list:
-    """The held-out evaluation (``records``: ``tagged_calls(phase="eval")``): per batch of
+    """The held-out evaluation (``records``: ``tagged_calls(interval="eval")``): per batch of
     ``batches`` its staging, SpFF and class scores, then the scores' all-reduce (none without
     images).  No step end: the run loop closes the evaluation's step."""
     w = _writer(records, layers, placement, rank, overlap, receives_first)
@@ -278,7 +278,7 @@ def eval_program(records, layers: int, batches: int, placement, rank: int, *,
 
 def infer_program(records, layers: int, batches: int, placement, rank: int, *,
                   overlap: bool = True, receives_first: bool = True) -> list:
-    """Graph Challenge inference (``records``: ``tagged_calls(phase="infer")``): the start
+    """Graph Challenge inference (``records``: ``tagged_calls(interval="infer")``): the start
     barrier, per batch its staging, SpFF (prefix ``infer``) and its categories, then the
     categories' all-reduce."""
     w = _writer(records, layers, placement, rank, overlap, receives_first)
@@ -292,7 +292,7 @@ def infer_program(records, layers: int, batches: int, placement, rank: int, *,
 
 
 def setup_program(records, placement, rank: int, *, net: bool) -> list:
-    """The set-up: its records (``tagged_calls(phase="setup")`` when rank 0 partitioned, or
+    """The set-up: its records (``tagged_calls(interval="setup")`` when rank 0 partitioned, or
     none), then with ``net`` the net's set-up block."""
     w = _writer(records, 0, placement, rank, False, True)
     for _ in records:

@@ -121,11 +121,11 @@ def test_sparse_sgd_collectives_uneven(M, P):
     count = 1 + 10 * 7  # the loss vector at --batch 7
     assert bytes_by_phase(loss, placement)["loss"] == ring(count, 8, nodes)
     assert price(loss, placement).messages["loss"] == p * 2 * (p - 1)
-    ev = plan.calls(placement, 4, 4, phase="eval", samples=13)
+    ev = plan.calls(placement, 4, 4, interval="eval", samples=13)
     assert bytes_by_phase(ev, placement)["eval_scores"] == ring(10 * 13, 8, nodes)
-    inf = plan.calls(placement, 4, 4, phase="infer", samples=13)
+    inf = plan.calls(placement, 4, 4, interval="infer", samples=13)
     assert bytes_by_phase(inf, placement)["categories"] == ring(14, 8, nodes)
-    setup = plan.calls(placement, 7, 4, phase="setup")
+    setup = plan.calls(placement, 7, 4, interval="setup")
     assert bytes_by_phase(setup, placement)["partition"] == tree(partition_bytes(weights), nodes)
     assert price(setup, placement).messages["partition"] == p - 1
 

@@ -112,20 +112,20 @@ def test_setup_eval_and_infer_records(method):
     weights = radixnet(network)
     plan = HSGDPlan.build(weights, 2, 3, method, seed=1, network=network)
     owners, nodes = plan.partition.owners, placement.node_of
-    (setup,) = plan.calls(placement, 5, 4, phase="setup")
+    (setup,) = plan.calls(placement, 5, 4, interval="setup")
     assert (setup.phase, setup.algorithm, setup.root) == ("partition", "bcast", 0)
     assert setup.nbytes == plan.partition_bytes == partition_bytes(weights)
     assert bytes_by_phase([setup], placement)["partition"] == \
         simulated_bcast(partition_bytes(weights), nodes)
     # evaluation of 12 images in batches of 5: 5, 5, 2
-    ev = plan.calls(placement, 5, 8, phase="eval", samples=12)
+    ev = plan.calls(placement, 5, 8, interval="eval", samples=12)
     want = [x for b in (5, 5, 2) for x in _brute_force(weights, owners, b, 8, "eval", False)]
     assert _p2p(ev) == want
     assert (ev[-1].phase, ev[-1].op) == ("eval_scores", "sum")
     assert bytes_by_phase(ev, placement)["eval_scores"] == simulated_ring(10 * 12, 8, nodes)
-    assert plan.calls(placement, 5, 8, phase="eval", samples=0) == []
+    assert plan.calls(placement, 5, 8, interval="eval", samples=0) == []
     # inference of 7 inputs in batches of 3: 3, 3, 1
-    inf = plan.calls(placement, 3, 4, phase="infer", samples=7)
+    inf = plan.calls(placement, 3, 4, interval="infer", samples=7)
     assert (inf[0].phase, inf[0].algorithm) == ("sync", "barrier")
     assert _p2p(inf) == [x for b in (3, 3, 1) for x in _brute_force(weights, owners, b, 4,
                                                                      "spff", False)]
@@ -151,11 +151,11 @@ def test_calls_refuse_bad_input():
     with pytest.raises(ValueError, match="placement has 6 ranks, the partition 4 parts"):
         plan.calls(Placement.node_major(2, 3), 4, 8)
     with pytest.raises(ValueError, match="unknown interval 'train'"):
-        plan.calls(Placement.node_major(2, 2), 4, 8, phase="train")
+        plan.calls(Placement.node_major(2, 2), 4, 8, interval="train")
     with pytest.raises(ValueError, match="batch must be an integer >= 1"):
         plan.calls(Placement.node_major(2, 2), 0, 8)
     with pytest.raises(ValueError, match="samples must be an integer >= 0"):
-        plan.calls(Placement.node_major(2, 2), 4, 8, phase="eval", samples=-1)
+        plan.calls(Placement.node_major(2, 2), 4, 8, interval="eval", samples=-1)
     with pytest.raises(TypeError, match="Placement"):
         plan.calls([0, 0, 1, 1], 4, 8)
 

@@ -35,7 +35,7 @@ def predict_partitioned(spec: RadixNetSpec, nodes: int, gpus_per_node: int,
     step = plan.calls(placement, batch, itemsize)
     p2p = sum(c.nbytes for c in step if c.algorithm == "p2p")
     it = IterCost.from_calls(step, placement, cost, payload=p2p // max(p, 1))
-    setup = IterCost.from_calls(plan.calls(placement, batch, itemsize, phase="setup"),
+    setup = IterCost.from_calls(plan.calls(placement, batch, itemsize, interval="setup"),
                                 placement, cost)
     t1 = plan.metrics.table1()
     notes = ((f"{method} row partition into p = {p} parts ({plan.partition.seconds:.2f} s); "

@@ -50,7 +50,7 @@ def check_train(method, R, out):
     plan = HSGDPlan.from_partition(weights, part)
     metrics = partition_metrics(weights, part)
     books = Books(run)
-    books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
+    books.account(plan.calls(run.topo.placement, 1, 8, interval="setup"), "setup")
     problems, batches = [], []
     L = len(weights)
     for act in ("sigmoid", "relu"):
@@ -121,7 +121,7 @@ def check_infer(method, R, out):
     plan = HSGDPlan.from_partition(net.weights, part)
     metrics = partition_metrics(net.weights, part)
     books = Books(run)
-    books.account(plan.calls(run.topo.placement, 1, 8, phase="setup"), "setup")
+    books.account(plan.calls(run.topo.placement, 1, 8, interval="setup"), "setup")
     cpu = DistributedSparseNet(net.weights, part, run, plan=plan, dtype=np.float64, device="cpu")
     gpu = DistributedSparseNet(net.weights, part, run, plan=plan, dtype=np.float64)
     ref = challenge_inference_serial(net.weights, net.bias, CHALLENGE_YMAX, Y0).toarray()
@@ -141,7 +141,7 @@ def check_infer(method, R, out):
             problems.append(f"batch {s}: gpu vs serial")
         nonzero[s:s + g.shape[1]] = np.any(g != 0, axis=0)
     run.world.allreduce(nonzero, "max", phase="check")
-    spff = [c for c in plan.calls(run.topo.placement, 16, 8, phase="infer",
+    spff = [c for c in plan.calls(run.topo.placement, 16, 8, interval="infer",
                                   samples=Y0.shape[0]) if c.phase == PHASE_SPFF]
     books.account([*spff, *spff, Call("check", "allreduce", run.topo.placement.world,
                                       8 * Y0.shape[0], 8, op="max")], "inference")
