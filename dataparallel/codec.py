@@ -1,25 +1,21 @@
 """Gradient codecs: what a data-parallel strategy puts on the wire instead of a dense float32
 gradient, and the error feedback that carries what it left out into the next step.
 
-Shared by Top-K (:mod:`dataparallel.topk`) and SSFusion (:mod:`dataparallel.ssfusion`);
-PacTrain's ternary and FP16 packing are meant to move here too.  The shape is Horovod's
-``compression.py`` — a small :class:`Compressor` with ``compress(x) -> (payload, ctx)`` and
-``decompress(payload, ctx)`` — with what a plan, an all-gather and error feedback need beside it:
+A strategy's codec is its bindings of the step's program (:class:`substrate.executor.
+Bindings`): what a call sends is encoded in ``buffer(call)`` or in a compute item of the plan
+before it (Top-K's and SSFusion's selection, PacTrain's packing and ternary code, FP16's cast),
+and decoded in ``received(call, result)`` or a compute item after it.  The pieces they share:
 
-* :meth:`Compressor.wire_elements` / :meth:`Compressor.wire_bytes`: the payload of a tensor of
-  ``n`` entries, known without data (a plan's records carry it; the run sends exactly it);
-* :meth:`Compressor.combine`: what a receiver does with every rank's payload after an
-  all-gather (the mean of the decoded payloads), so codecs that cannot be summed on the wire
-  (sparse, ternary with per-rank scales) are one object too;
-* :meth:`Compressor.residual` and :class:`ErrorFeedback`: ``e ← e + x``, send ``C(e)``,
-  ``e ← e − D(C(e))`` (Seide et al. 2014; Aji & Heafield 2017; DGC), for any codec.
+* a **sparse payload** is one ``int32`` array ``[values | indices]``: ``k`` float32 values
+  bit-cast to int32 words, then their ``k`` int32 flat positions, so one all-gather carries both
+  halves; :class:`SparseRow` lays out a fused buffer of several sparsified segments the same way
+  (an optional prefix of dense float32 values, then every segment's values and indices in its
+  slots), :func:`scatter_mean` decodes the gathered rows;
+* :class:`ErrorFeedback`: ``e <- e + x``, send part of it, ``e <- e - sent`` (Seide et al. 2014;
+  Aji & Heafield 2017; DGC).
 
-A **sparse payload** is one ``int32`` array ``[values | indices]``: the ``k`` float32 values
-bit-cast to int32 words, then their ``k`` int32 flat positions, so one all-gather carries both
-halves.  :class:`SparseRow` lays out a fused buffer of several sparsified segments the same way
-(an optional prefix of dense float32 values, then every segment's values and indices in its
-slots), :func:`scatter_mean` decodes the gathered rows.  Everything works on NumPy and CuPy
-arrays alike and allocates nothing per step where an ``out`` is given.
+Everything works on NumPy and CuPy arrays alike and allocates nothing per step where an ``out``
+is given.
 """
 
 from __future__ import annotations
@@ -36,13 +32,8 @@ __all__ = [
     "VALUE_BYTES",
     "VALUE_DTYPE",
     "WORD_DTYPE",
-    "Compressor",
     "ErrorFeedback",
-    "FP16Compressor",
-    "NoneCompressor",
-    "SparseCtx",
     "SparseRow",
-    "TopKCompressor",
     "exact_topk",
     "scatter_mean",
 ]
@@ -66,127 +57,7 @@ def exact_topk(x, k: int):
     return xp.argpartition(xp.abs(x), n - k)[n - k:].astype(np.int64, copy=False)
 
 
-# -- the interface --------------------------------------------------------------------------------
-class Compressor:
-    """A gradient codec (Horovod's ``Compressor``, plus sizes, combining and error feedback).
-
-    Subclasses set :attr:`wire_dtype` and implement :meth:`compress` / :meth:`decompress`;
-    :meth:`wire_elements` defaults to the identity (a dense codec).
-    """
-
-    name = "none"
-    wire_dtype = VALUE_DTYPE
-
-    def wire_elements(self, n: int) -> int:
-        """Payload elements (of :attr:`wire_dtype`) for a tensor of ``n`` entries."""
-        return int(n)
-
-    def wire_bytes(self, n: int) -> int:
-        """Payload bytes for a tensor of ``n`` entries (what a plan's record carries)."""
-        return self.wire_elements(n) * np.dtype(self.wire_dtype).itemsize
-
-    def compress(self, x):
-        """``(payload, ctx)``: the array to send and what :meth:`decompress` needs besides."""
-        raise NotImplementedError
-
-    def decompress(self, payload, ctx):
-        """The dense float32 tensor ``payload`` stands for."""
-        raise NotImplementedError
-
-    def combine(self, rows, ctx, p: int):
-        """Mean over ``p`` ranks of the decoded payloads ``rows`` (``(p, wire_elements)``, an
-        all-gather's result), in float64."""
-        total = self.decompress(rows[0], ctx).astype(np.float64)
-        for j in range(1, p):
-            total += self.decompress(rows[j], ctx)
-        return total / p
-
-    def residual(self, acc, payload, ctx) -> None:
-        """Error feedback, in place: ``acc ← acc − D(C(acc))`` (what was not sent)."""
-        acc -= self.decompress(payload, ctx)
-
-
-class NoneCompressor(Compressor):
-    """No compression: the float32 tensor itself."""
-
-    def compress(self, x):
-        return x, None
-
-    def decompress(self, payload, ctx):
-        return payload
-
-
-class FP16Compressor(Compressor):
-    """Half-precision values (PyTorch DDP's ``fp16_compress_hook``, Horovod's ``fp16``)."""
-
-    name = "fp16"
-    wire_dtype = np.dtype(np.float16)
-
-    def compress(self, x):
-        return x.astype(np.float16), x.dtype
-
-    def decompress(self, payload, ctx):
-        return payload.astype(ctx or np.float32)
-
-
-@dataclass(frozen=True)
-class SparseCtx:
-    """What a sparse payload's receiver and the sender's error feedback need: the tensor's
-    length and (sender only) the positions actually selected (a selector may return fewer
-    than ``k``; the payload's padding slots are not sent entries)."""
-
-    n: int
-    idx: object = None
-
-
-class TopKCompressor(Compressor):
-    """The ``k`` largest ``|x|`` as one ``[values | indices]`` int32 payload of ``2k`` words.
-
-    Parameters
-    ----------
-    k : int
-        Entries sent (``1 <= k``; at most ``n`` are selected from a tensor of ``n``).
-    select : callable, optional
-        ``select(x, k) -> int64 positions`` (at most ``k``; fewer are padded with value 0 at
-        position 0): :func:`exact_topk` by default, or a sampled threshold
-        (:func:`dataparallel.sparsify.dgc_topk`), Gaussian-k, ...
-    """
-
-    name = "topk"
-    wire_dtype = WORD_DTYPE
-
-    def __init__(self, k: int, select=None) -> None:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"a top-k codec needs k >= 1 entries, got {k!r}")
-        self.k = int(k)
-        self.row = SparseRow(0, self.k)
-        self.select = select or exact_topk
-
-    def wire_elements(self, n: int) -> int:
-        return self.row.words
-
-    def compress(self, x):
-        xp = array_module(x)
-        idx = self.select(x, min(self.k, int(x.size)))
-        payload = xp.empty(self.row.words, dtype=WORD_DTYPE)
-        self.row.put(payload, 0, x[idx], idx, k=self.k)
-        return payload, SparseCtx(int(x.size), idx)
-
-    def decompress(self, payload, ctx):
-        dense = scatter_mean(self.row.values(payload[None]), self.row.indices(payload[None]),
-                             ctx.n, 1)
-        return dense.astype(VALUE_DTYPE)
-
-    def combine(self, rows, ctx, p: int):
-        return scatter_mean(self.row.values(rows), self.row.indices(rows), ctx.n, p)
-
-    def residual(self, acc, payload, ctx) -> None:
-        """The sent entries are zeroed (``acc − sparse(acc)``, bit for bit: ``a − a = 0`` where
-        sent, ``a − 0 = a`` elsewhere); padding slots send nothing."""
-        acc[ctx.idx] = 0
-
-
-# -- fused sparse buffers -------------------------------------------------------------------------
+# -- sparse rows ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SparseRow:
     """One rank's int32 row of a fused buffer: ``[n_dense float32 values | K float32 values |
@@ -273,8 +144,8 @@ class ErrorFeedback:
     """Error feedback on a residual ``e`` (a view of the strategy's residual, updated in place).
 
     ``accumulate(x)`` returns ``a = e + x`` (stored in ``e``); once the codec has sent its part
-    of ``a``, :meth:`sent` (sparse codecs: the positions sent) or :meth:`step` (any
-    :class:`Compressor`) leaves ``e = a − D(C(a))``.  Disabled, ``a = x`` and nothing is kept.
+    of ``a``, :meth:`sent` (the positions sent) leaves ``e = a - sparse(a)``.  Disabled,
+    ``a = x`` and nothing is kept.
     """
 
     __slots__ = ("enabled", "residual")
@@ -295,12 +166,3 @@ class ErrorFeedback:
         """The entries ``idx`` of ``e[lo:hi]`` were sent: nothing of them is carried over."""
         if self.enabled:
             self.residual[lo:hi][idx] = 0
-
-    def step(self, compressor: Compressor, x, lo: int = 0, hi: int | None = None):
-        """``a = e + x``, ``(payload, ctx) = C(a)``, ``e = a − D(payload)``; returns
-        ``(payload, ctx)``."""
-        acc = self.accumulate(x, lo, hi)
-        payload, ctx = compressor.compress(acc)
-        if self.enabled:
-            compressor.residual(acc, payload, ctx)
-        return payload, ctx
