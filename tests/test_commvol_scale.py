@@ -207,16 +207,14 @@ def test_pactrain_packed_buckets_overlap_the_backward_like_ddps(tiny):
     assert r["first"] == pytest.approx(end_a + Lb + Wb + _opt(48), rel=1e-9)
 
 
-@pytest.mark.parametrize("coverage", [
-    "4/4", pytest.param("3/4", marks=pytest.mark.xfail(
-        strict=True, reason="the job's messages are eager: a rank outside one window starts "
-        "its next ring's sends before that window's ring ends, 8e-2 s earlier than this chain "
-        "(rendezvous messages, --eager-limit 0: within 3e-4 s)"))])
+@pytest.mark.parametrize("coverage", ["4/4", "3/4"])
 def test_sdp_holder_groups_run_one_after_another_after_their_gradients(coverage):
     """N-SDP on one node of 4: the world ring of the unmasked coordinates and one ring per
     window of 3 holders, chained (any two windows share a rank): each ring starts when the
     backward has written its coordinates and the ring before it has ended; the update follows
-    the last one."""
+    the last one.  With windows the job's messages are eager, so a rank outside one window
+    starts its next ring's sends before that window's ring ends: the step is at most the
+    chain of whole rings and at least the last ring alone after its gradients."""
     spec = resolve_model("cnn")
     units, _ = units_for_spec(spec, "cnn")
     rate, batch = 0.02, 32
@@ -235,13 +233,17 @@ def test_sdp_holder_groups_run_one_after_another_after_their_gradients(coverage)
 
     calls = sdp_plan(spec, 1, 4, opts).calls(Placement.node_major(1, 4))
     assert len(calls) == (1 if coverage == "4/4" else 5)
-    end = 0.0
+    end = last = 0.0
     for i, c in enumerate(calls):
         assert i == 0 or i - 1 in c.after               # one chain
         (rd,) = [d for d in c.after if isinstance(d, Ready)]
         end = _eager_ring(c.nbytes // 4, 4, c.size, max(ready(rd.lo, rd.hi), end), 1e-5, 50.0)
-    assert r["first"] == pytest.approx(max(end, acc) + dev.optimizer(spec.layout.total),
-                                        rel=1e-9)
+        last = _eager_ring(c.nbytes // 4, 4, c.size, ready(rd.lo, rd.hi), 1e-5, 50.0)
+    opt = dev.optimizer(spec.layout.total)
+    if coverage == "4/4":
+        assert r["first"] == pytest.approx(max(end, acc) + opt, rel=1e-9)
+    else:
+        assert max(last, acc) + opt < r["first"] < max(end, acc) + opt
 
 
 @pytest.mark.parametrize("system,freeze,bucket_mib,M,P", [
