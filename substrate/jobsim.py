@@ -174,6 +174,8 @@ class JobSim:
     charge : list of callables
         ``charge[r](label, k)``: the seconds rank r's profile charges event ``(label, k)``
         (``None`` when it lacks it: the replay measures that block, ~0 s; charged 0 here).
+        A charge with a ``new_step()`` method is told when its rank's step ends (a run's own
+        measurements, one table a step).
     eager_limit : float
         Messages of at most this many bytes use the eager protocol (default: all of them).
         UCX 1.20's protocol table for TCP (``UCX_PROTO_INFO=y``, two ranks on one host) lists
@@ -563,6 +565,7 @@ class JobSim:
         dependencies, while the thread goes on; calls issued without waiting on the
         communication stream, in order."""
         charge = self.charge[r]
+        new_step = getattr(charge, "new_step", None)
         occurrences: dict = {}
         blocks: list = []                   # open blocks: [kind, cost, inner]
         handles: dict = {}                  # entry -> request (calls, blocks, receives)
@@ -637,6 +640,8 @@ class JobSim:
                 self.steps[r].append(self.now)
                 occurrences = {}
                 handles = {}
+                if new_step is not None:
+                    new_step()
 
     def _end(self, r: int, i: int) -> int:
         """Index of the ``E`` that closes block ``i`` of rank ``r``'s program."""
