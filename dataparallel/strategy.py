@@ -32,7 +32,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from substrate.calls import bytes_by_phase
 from substrate.executor import Bindings, Executor
 from substrate.options import add_dataclass_args, flag_of, from_args
 
@@ -140,10 +139,10 @@ class Strategy(Bindings):
     #: is only a coincidence of the plan's (SDP's holder sets)
     leader_waits: ClassVar[bool] = True
 
-    records = None
-    """``records(state) -> list``: the plan's records (calls and compute items) of the step
-    about to run; the same list object for the same kind of step (the trainer keeps each
-    list's program)."""
+    def records(self, state: StepState) -> list:
+        """The plan's records (calls and compute items) of the step about to run; the same
+        list object for the same kind of step (the trainer keeps each list's program)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no records of its step")
 
     @property
     def executor(self) -> Executor:
@@ -162,11 +161,6 @@ class Strategy(Bindings):
         trainer accounts them before the first step, with its metrics line.  Default: none."""
         return []
 
-    def sync(self, state: StepState, buffers):
-        """Turn this rank's local gradient ``buffers`` into the synchronized gradient (a
-        strategy that does not run from a program yet)."""
-        raise NotImplementedError
-
     def flops(self, label: str) -> float | None:
         """FLOPs of compute item ``label`` for the ``flops`` compute source (default: none)."""
         return None
@@ -182,25 +176,9 @@ class Strategy(Bindings):
         steps for FLOP-matched schedules).  Default: ``base_steps``."""
         return base_steps
 
-    def before_eval(self) -> None:
-        """Collective, on every rank, before rank 0 evaluates :meth:`eval_params` (e.g. to
-        assemble the full model on rank 0; its bytes belong to the step just finished).
-        Default: nothing."""
-
     def after_step(self, state: StepState) -> None:
         """Called after the optimizer applied the synchronized gradient (e.g. to re-apply a
         weight mask or to track a mask's stability).  Default: nothing."""
-
-    def step_calls(self) -> list:
-        """The call records (:class:`substrate.calls.Call`) of the last :meth:`sync` on this
-        run's placement, from the strategy's pure plan: what the sync executed, call for call."""
-        raise NotImplementedError
-
-    def step_bytes(self) -> dict[str, dict]:
-        """``{phase: {"intra": bytes, "inter": bytes}}`` of the last :meth:`sync`, priced from
-        :meth:`step_calls` (:func:`substrate.calls.bytes_by_phase`); the trainer checks it
-        against the ledger."""
-        return bytes_by_phase(self.step_calls(), self.topo.placement)
 
     def eval_params(self):
         """The flat parameter vector to evaluate (default: the model's own)."""

@@ -197,10 +197,10 @@ def _load_trainer_state(run, model, opt, strategy, state: dict) -> None:
 
 
 class _Steps(LoopBody):
-    """One optimizer step of the data-parallel trainer, for :class:`runner.loop.RunLoop`:
-    forward and backward, the strategy's sync, the optimizer (and, before an evaluation, the
-    strategy's :meth:`~dataparallel.strategy.Strategy.before_eval`, whose bytes belong to the
-    step); evaluation of the synchronized model on rank 0."""
+    """One optimizer step of the data-parallel trainer, for :class:`runner.loop.RunLoop`: the
+    step's program (forward and backward, the strategy's records, the optimizer, and what the
+    plan lists after the update, e.g. SDP's assembly before an evaluation), run by the
+    executor; evaluation of the synchronized model on rank 0."""
 
     def __init__(self, run, cfg: DPConfig, model, opt, strategy, train_shard, test, eval_model,
                  steps_per_epoch: int) -> None:
@@ -232,23 +232,7 @@ class _Steps(LoopBody):
         return epoch, next(self._batches)
 
     def unit(self, due):
-        if self.strategy.records is not None:
-            return self._run_program(due)
-        run, strategy, opt = self.run, self.strategy, self.opt
-        epoch, (x, y) = self._batch(due.index)
-        with run.clock.compute("forward+backward"):
-            loss, _ = self.model.loss_and_grad(x, y, ready=strategy.on_ready)
-        state = StepState(step=due.index, epoch=epoch, loss=float(loss), logged=due.log,
-                          evaluated=due.eval)
-        strategy.sync(state, self.model.grads)
-        with run.clock.compute("optimizer", flops=opt.flops(), deps=run.clock.comm_events()):
-            opt.step()
-        strategy.after_step(state)
-        if due.eval:
-            strategy.before_eval()
-        self.loss, self.done = float(loss), due.index + 1
-        self.losses.append(self.loss)
-        return strategy.step_calls()
+        return self._run_program(due)
 
     def _run_program(self, due):
         """The step as a program: the strategy's records of it laid between the model's
@@ -276,8 +260,6 @@ class _Steps(LoopBody):
         self.executor.run_step(program[1], bind)
         state.loss = loss[0]
         strategy.after_step(state)
-        if due.eval:
-            strategy.before_eval()
         self.loss, self.done = state.loss, due.index + 1
         self.losses.append(self.loss)
         return records
@@ -370,7 +352,7 @@ def train(args) -> dict:
     # what the strategy ran while it was built (PacTrain's GraSP when it prunes at once): in
     # the first metrics line, as the calls ran before the first step
     loop.account(strategy.setup_records())
-    # per-layer compute events (timeline clock): gradients become ready in backward order
+    # per-layer compute blocks: gradients become ready in backward order
     model.recorder = run.clock.layers
     loop.run(body)
     body.executor.verify()           # the last step, closed by the loop

@@ -18,8 +18,8 @@ Per unit the loop
 1. asks the body to run it (:meth:`LoopBody.unit`, told by a :class:`Due` whether the unit will
    write a metrics line or be evaluated, so e.g. a per-step diagnostic runs only on logged
    units); the body returns the plan's call records of what the unit executed;
-2. closes the clock's step (``run.clock.step()``: the step's simulated time, and the wall time
-   of everything the rank did since the previous unit's bookkeeping);
+2. closes the clock's step (``run.clock.step()``: the wall time of everything the rank did
+   since the previous unit's bookkeeping; the step's simulated time comes with the line);
 3. accounts the records (``run.recorder.account``, which stops the run when the calls that ran
    are not the plan's) into :attr:`RunLoop.predicted` (:class:`substrate.ledger.Predicted`, the
    run's one traffic accumulator) and into the interval of the next metrics line;
@@ -27,7 +27,9 @@ Per unit the loop
    ``0``: only after the last), timed apart from the step (``eval_wall_s``); an evaluation
    that communicates returns its records too, accounted into the same line;
 5. writes the metrics line when due (the log schedule, an evaluation, or the last unit), in
-   the schema of ``runner/metrics.schema.json`` (:mod:`runner.metrics`);
+   the schema of ``runner/metrics.schema.json`` (:mod:`runner.metrics`), after the job
+   simulation of the interval's steps (``run.clock.simulate()``, collective: every rank's
+   recorded steps run together on the network; ``step_sim_s`` is their mean);
 6. updates the progress (:class:`runner.progress.Progress`) and saves a checkpoint when due
    (:class:`runner.checkpoints.RunCheckpoints`): the body's state plus the loop's own
    (interval, predicted traffic, last accuracy, timing sums), so a resumed run writes the
@@ -93,9 +95,9 @@ class Evaluation:
         lines) or when there is nothing to score.
     records : sequence of substrate.calls.Call
         The plan's records of the calls the evaluation made (every rank), accounted like a
-        unit's and added to the line's interval; such an evaluation's events on the clock are
-        closed as a step of their own unless it is the last, so the next unit's simulated time
-        is its own.
+        unit's and added to the line's interval; such an evaluation's blocks and calls are
+        closed as a step of their own (``eval``) unless it is the last, so the next unit's
+        simulated time is its own.
     values : dict
         More fields for the line (e.g. ``test_loss``).
     """
@@ -236,7 +238,7 @@ class RunLoop:
         #: wall seconds of every unit of the run so far (rank-local; resumed runs included)
         self.units_wall_s = 0.0
         self._interval = Interval()
-        self._sums = {"wall_s": 0.0, "sim_s": 0.0, "no_overlap_s": 0.0}
+        self._sums = {"wall_s": 0.0, "sim_s": 0.0, "sim_units": 0.0}
         self._snap = run.ledger.snapshot()
 
     # -- schedule -------------------------------------------------------------------------------
@@ -283,7 +285,7 @@ class RunLoop:
         self._interval = Interval(**s["interval"])
         self._snap = s["snap"]
         self.accuracy = s["accuracy"]
-        self._sums = {k: float(t[k]) for k in self._sums}
+        self._sums = {k: float(t.get(k, 0.0)) for k in self._sums}
         self.units_wall_s = float(t["units_wall_s"])
         self.done = self.start = int(done)
         return state
@@ -311,10 +313,8 @@ class RunLoop:
         run = self._run
         due = self.due(self.done)
         records = body.unit(due)
-        timing = run.clock.step()
+        run.clock.step()
         self._sums["wall_s"] += run.clock.step_wall_s
-        self._sums["sim_s"] += timing.step_s
-        self._sums["no_overlap_s"] += timing.no_overlap_s
         self.units_wall_s += run.clock.step_wall_s
         self._interval.units += 1
         self.account(records)
@@ -322,6 +322,7 @@ class RunLoop:
         last = self.done == self.total or body.stopped()
         ev, eval_wall_s = None, None
         if due.eval or last:
+            self._simulate()        # the simulated time so far (a time to a target accuracy)
             t0 = time.perf_counter()
             ev = body.evaluate()
             eval_wall_s = time.perf_counter() - t0
@@ -329,8 +330,8 @@ class RunLoop:
                 self.accuracy = _finite(ev.test_accuracy)
                 if ev.records:
                     self.account(ev.records)
-                    if not last:    # its events on the clock: a step of their own
-                        run.clock.step()
+                    if not last:    # its blocks and calls: a step of their own
+                        run.clock.step("eval")
         if due.log or ev is not None or last:
             self._line(body, ev, eval_wall_s)
         p = self.predicted
@@ -338,19 +339,30 @@ class RunLoop:
                         inter_bytes=p.total("inter"),
                         total_bytes=p.total("inter") + p.total("intra"))
         if self.ckpt.due(self.done, last=last):
+            self._simulate()            # the checkpoint holds the simulated time so far
             self.ckpt.save(self.done, {**body.state_dict(), **self._state()})
         run.clock.mark()
+
+    def _simulate(self) -> None:
+        """The job simulation of the steps closed since the last one (collective), the units'
+        added to the interval's sums."""
+        for kind, seconds in self._run.clock.simulate():
+            if kind == "unit":
+                self._sums["sim_s"] += seconds
+                self._sums["sim_units"] += 1
 
     def _line(self, body: LoopBody, ev: Evaluation | None, eval_wall_s: float | None) -> None:
         """Write the metrics line of the interval (rank 0) and start the next interval."""
         run, iv = self._run, self._interval
         n = max(1, iv.units)
+        self._simulate()
+        sims = self._sums["sim_units"]
         delta = run.ledger.since(self._snap)
         self._snap = run.ledger.snapshot()
         line = {"interval_units": iv.units,
                 "intra_node_bytes": iv.intra, "inter_node_bytes": iv.inter,
-                "step_wall_s": self._sums["wall_s"] / n, "step_sim_s": self._sums["sim_s"] / n,
-                "step_no_overlap_s": self._sums["no_overlap_s"] / n,
+                "step_wall_s": self._sums["wall_s"] / n,
+                "step_sim_s": self._sums["sim_s"] / sims if sims else None,
                 "sim_s": run.clock.sim_s,
                 "eval_wall_s": eval_wall_s if ev is not None else None,
                 "test_accuracy": self.accuracy if ev is not None else None,

@@ -12,15 +12,19 @@ from substrate import costmodel as cm
 from substrate import pinning as coll
 from substrate.clock import SOURCES
 from substrate.costmodel import CostModel
+from substrate.jobsim import JobSimOptions
 from substrate.options import add_dataclass_args, check_range, option
 from substrate.trace import parse_steps
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every spardist command shares: the fields of :class:`CommonConfig`
-    (results, seed, device, topology, collectives, cost model), and ``--version``."""
+    (results, seed, device, topology, collectives, cost model, clock), the job simulation's
+    (:class:`substrate.jobsim.JobSimOptions`: the network the run's steps are simulated on),
+    and ``--version``."""
     add_version_arg(parser)
-    return add_dataclass_args(parser, CommonConfig)
+    add_dataclass_args(parser, CommonConfig)
+    return add_dataclass_args(parser, JobSimOptions)
 
 
 def add_version_arg(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +75,6 @@ def add_training_args(parser: argparse.ArgumentParser, unit: str,
 
 RUN = "run (shared by every spardist command)"
 CLOCK = "simulated clock"
-#: ``--clock`` modes
-CLOCKS = ("timeline", "additive")
 COST = "cost model (alpha-beta per link class)"
 
 
@@ -105,9 +107,9 @@ class CommonConfig:
     overlap: str = option(
         "on", "on: calls the system issues without waiting (the buckets of DDP and "
         "PacTrain, SDP's holder sets and SSFusion's buffers, sent from the backward as it "
-        "writes them) run on a communication thread while the rank computes, and the "
-        "timeline overlaps them the same way; off: every call blocks where it is issued (after "
-        "the backward), in the run and on the timeline (the no-overlap reference)",
+        "writes them) run on a communication thread while the rank computes, and the job "
+        "simulation overlaps them the same way; off: every call blocks where it is issued "
+        "(after the backward), in the run and in its simulation (the no-overlap reference)",
         choices=("on", "off"),
         group=RUN)
     intra_bw: float = option(cm.DEFAULT_INTRA_GBPS, "intra-node bandwidth in Gbit/s "
@@ -119,11 +121,6 @@ class CommonConfig:
                               metavar="US", group=COST)
     inter_lat: float = option(cm.DEFAULT_INTER_LAT_US, "inter-node latency in microseconds",
                               metavar="US", group=COST)
-    clock: str = option(
-        "timeline", "timeline: per-rank events (per-layer compute, transfers that start when "
-        "their data is ready, links shared by concurrent transfers), step time = critical path; "
-        "additive: compute + every call's alpha-beta time, no overlap", choices=CLOCKS,
-        group=CLOCK)
     compute_source: str = option(
         "auto", "how compute events are timed: cpu (thread CPU time: does not grow when ranks "
         "share cores), calibrated (the least of the first measurements of each event, then "
@@ -142,8 +139,8 @@ class CommonConfig:
         "its measurements by the compute source, per rank) into FILE when the run finishes; an "
         "existing FILE is refused unless --overwrite", metavar="FILE", group=CLOCK)
     trace: str | None = option(
-        None, "write the timeline of --trace-steps of every rank as Chrome Trace Event JSON into "
-        "FILE when the run finishes (Perfetto, chrome://tracing); an existing FILE is refused "
+        None, "write the simulated steps --trace-steps of every rank (the job simulation's "
+        "compute blocks and calls) as Chrome Trace Event JSON into FILE when the run finishes (Perfetto, chrome://tracing); an existing FILE is refused "
         "unless --overwrite", metavar="FILE", group=CLOCK)
     trace_steps: str = option(
         "last", "steps written by --trace: indices and ranges (0,3-5), last, or all",
@@ -157,8 +154,6 @@ class CommonConfig:
 
     def __post_init__(self) -> None:
         parse_steps(self.trace_steps)          # a malformed --trace-steps stops here
-        if self.trace is not None and self.clock != "timeline":
-            raise ValueError("--trace writes the event timeline: it needs --clock timeline")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         check_range("--intra-bw", self.intra_bw, gt=0, unit="Gbit/s")
@@ -172,8 +167,6 @@ class CommonConfig:
         if self.compute_source == "flops" and self.device_tflops is None:
             raise ValueError("--compute-source flops needs --device-tflops (the modeled "
                              "device's peak, e.g. 15.7 for a V100)")
-        if self.compute_source in ("flops", "calibrated") and self.clock == "additive":
-            raise ValueError(f"--compute-source {self.compute_source} needs --clock timeline")
         if self.compute_source == "profile" and self.compute_profile is None:
             raise ValueError("--compute-source profile needs --compute-profile FILE (a profile "
                              "written by --compute-profile-out FILE on a quiet run of the same "

@@ -5,8 +5,8 @@
     python -m mpi4py -m runner.replay --compute-profile FILE [--node-map ...] [--out DIR]
     ./run_mpi.sh -n P runner.replay --compute-profile FILE ...
 
-A run that recorded ``--compute-profile-out FILE`` (timeline clock) also wrote every rank's
-event program (:mod:`substrate.program`) into ``FILE``.  The replay runs those programs again on
+A run that recorded ``--compute-profile-out FILE`` also wrote every rank's program
+(:mod:`substrate.program`) into ``FILE``.  The replay runs those programs again on
 a world of the same size: each compute block costs its profile time (``--compute-source
 profile``) and the rank sleeps that long instead of computing (``--sleep off``: not even
 that); every communication call runs for real through the same :class:`~substrate.comm.Comm`
@@ -17,7 +17,10 @@ dependencies, issued blocking or to the communication stream as the run issued i
   and its ledger is the run's, byte for byte, whatever the placement it was recorded on or is
   replayed on (the records carry world ranks; their links follow the replay's placement);
 * its simulated time is what ``--compute-source profile --compute-profile FILE`` gives the same
-  job (the same blocks, costed the same, the same calls declared the same way);
+  job: the job simulation of every rank's steps (the same blocks, costed the same, the same
+  calls), done once when the replay finishes (``summary.json``: ``steps_max``, ``timing``), so
+  that nothing but the recorded calls runs between its steps (its metrics lines carry the
+  measured steps, ``step_sim_s`` null);
 * many ranks fit on few cores: a sleeping rank leaves its core to the others (SimGrid SMPI's
   method), which is how the wire lab emulates 8-16 hosts on a small machine.
 
@@ -43,8 +46,6 @@ import time
 
 from substrate.calls import Call, wire_bytes
 from substrate.executor import Executor, ZeroBindings
-from substrate.jobsim import JobSimOptions, simulate_profile
-from substrate.options import add_dataclass_args, from_args
 
 from .errors import main_guard
 from .options import add_common_args
@@ -165,11 +166,9 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
         if program[pos - 1][0] != "S":
             break
         bind.new_step()
-        timing = clock.last_step
         steps += 1
         b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
-        run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=timing.step_s,
-                step_no_overlap_s=timing.no_overlap_s, sim_s=clock.sim_s,
+        run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=None,
                 inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),
                 time_dilation=dilation)
     return steps
@@ -211,30 +210,21 @@ def main(argv=None) -> int:
                         help="time dilation: sleep K x each compute block's profile time, for a "
                              "lab whose links are shaped to 1/K of the emulated rate (default 1; "
                              "see the module docstring)")
-    parser.add_argument("--job-simulation", choices=("on", "off"), default="on",
-                        help="rank 0 also simulates every rank's program together on the cost "
-                             "model's network (substrate.jobsim) and writes each step's length "
-                             "to summary.json metrics.job_simulation, the prediction the wire "
-                             "lab compares with (default on)")
-    add_dataclass_args(parser, JobSimOptions)
     args = parser.parse_args(argv)
-    jobsim = from_args(JobSimOptions, args)
     if not args.dilation >= 1:
         raise ValueError(f"--dilation {args.dilation:g}: must be >= 1 (1: real time; K: the "
                          "run slowed K-fold). Fix: e.g. --dilation 4")
     if args.compute_profile is None:
         raise ValueError("runner.replay needs --compute-profile FILE (a profile written by "
-                         "--compute-profile-out on a run with the timeline clock)")
+                         "--compute-profile-out)")
     args.compute_source = "profile"
-    if args.clock != "timeline":
-        raise ValueError("runner.replay needs --clock timeline (the programs are timelines)")
     run = start_run(args, system="replay", method="replay", unit="step")
     doc = run.clock.source.profile
     programs = doc.get("programs")
     if programs is None:
         raise ValueError(f"--compute-profile {args.compute_profile}: holds no programs to replay "
-                         "(recorded by an older spardist or with --clock additive); record it "
-                         "again with --compute-profile-out")
+                         "(recorded by an older spardist); record it again with "
+                         "--compute-profile-out")
     if len(programs) != run.size:
         raise ValueError(f"--compute-profile {args.compute_profile}: recorded on "
                          f"{len(programs)} ranks; replay it on {len(programs)} (launch with "
@@ -247,10 +237,6 @@ def main(argv=None) -> int:
     metrics = {"replay_of": str(args.compute_profile),
                "recorded_by": {k: prov.get(k) for k in ("system", "method", "model", "world")},
                "steps": steps, "time_dilation": args.dilation}
-    if run.rank == 0 and args.job_simulation == "on":
-        metrics["job_simulation"] = simulate_profile(doc, run.topo.placement.node_of,
-                                                     jobsim.network(run.cost),
-                                                     **jobsim.kwargs())
     summary = run.finish(metrics=metrics)
     if run.rank == 0:
         t = summary["traffic"]["measured"]

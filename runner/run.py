@@ -27,8 +27,10 @@ from mpi4py import MPI
 from substrate import collectives as coll
 from substrate.backend import Backend, get_backend
 from substrate.clock import SimClock, make_source
+from substrate.jobsim import JobSimOptions
+from substrate.options import from_args
 from substrate.profile import ProfileRecorder, write_profile
-from substrate.program import Program
+from substrate.program import normalize
 from substrate.results import (
     CHECKPOINTS,
     RunWriter,
@@ -36,7 +38,6 @@ from substrate.results import (
     to_jsonable,
 )
 from substrate.threads import cap_threads
-from substrate.timeline import Timeline
 from substrate.topology import Topology
 from substrate.trace import parse_steps, trace_document
 
@@ -90,8 +91,6 @@ def _iso(t: float) -> str:
 
 #: units a ``metrics.jsonl`` index may count
 UNITS = ("iteration", "step", "epoch")
-#: tag of the one point-to-point message of finish(): the busiest rank's last step to rank 0
-_TAG_BUSIEST = 7301
 
 
 class Run:
@@ -105,7 +104,7 @@ class Run:
     def __init__(self, *, system: str, method: str, common: CommonConfig, config,
                  topo: Topology, backend: Backend, writer: RunWriter,
                  previous: str = "new", unit: str = "step",
-                 checkpoints: Path | None = None) -> None:
+                 checkpoints: Path | None = None, jobsim: JobSimOptions | None = None) -> None:
         if unit not in UNITS:
             raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
         self.system, self.method = system, method
@@ -138,19 +137,22 @@ class Run:
         self.profile_recorder = None
         if common.compute_profile_out is not None:
             source = self.profile_recorder = ProfileRecorder(source)
+        #: the job simulation's options (the network of every rank's steps)
+        self.jobsim = jobsim or JobSimOptions()
+        # every rank reads --cluster itself: a bad file stops every rank alike
         self.clock = SimClock(
             self.ledger, sync=sync, source=source, gpu=backend.is_gpu,
-            timeline=Timeline(self.cost) if common.clock == "timeline" else None)
-        self.recorder.timeline = self.clock.timeline   # every call declares its own event
+            network=self.jobsim.network(self.cost), jobsim=self.jobsim,
+            node_of=topo.placement.node_of, rank=topo.rank, mpi=self.world.mpi,
+            keep_program=common.compute_profile_out is not None)
+        #: the rank's program as it runs (every call its communicators make is recorded in it)
+        self.program = self.recorder.program = self.clock.program
+        #: a run that keeps its whole program (for the replay) holds every step it executed
+        #: equal to its recording (:meth:`substrate.executor.Executor.verify`)
+        self.verify_programs = common.compute_profile_out is not None
         if common.trace is not None:
             self.clock.trace_steps = parse_steps(common.trace_steps)
         self.recorder.overlap = common.overlap == "on"
-        #: the rank's event program, recorded beside the compute profile (for replay)
-        self.program = None
-        if common.compute_profile_out is not None and self.clock.timeline is not None:
-            self.program = Program()
-            self.recorder.program = self.clock.program = self.clock.layers.program = \
-                self.program
         self.writer = writer
         self.out = writer.out
         #: the folder of this run's checkpoints: ``OUT/checkpoints``, or with ``--overwrite``
@@ -186,21 +188,11 @@ class Run:
         self.writer.log(line)
 
     def _steps_max(self) -> dict | None:
-        """Every step's simulated length, the slowest rank's (an element-wise MAX over the
-        ranks, 16 bytes a step: unbooked run bookkeeping like the rest of :meth:`finish`).
-
-        Each rank's timeline starts its steps with every rank together, so a step of the job,
-        whose collectives wait for the slowest member, is the longest of the ranks' steps:
-        ``timing.sim_s`` is that run-level reading, and this is it step by step (what the wire
-        lab compares with the measured steps).  None when the ranks closed different numbers
-        of steps."""
-        hist = np.asarray(self.clock.step_history, dtype=np.float64).reshape(-1, 2)
-        counts = self.world.mpi.allgather(len(hist))
-        if len(set(counts)) != 1 or not counts[0]:
-            return None
-        out = np.empty_like(hist)
-        self.world.mpi.Allreduce(hist, out, op=MPI.MAX)
-        return {"step_s": out[:, 0].tolist(), "no_overlap_s": out[:, 1].tolist()}
+        """Every step of the run loop's simulated length, the job's (every rank holds the same
+        list: :meth:`substrate.clock.SimClock.simulate` hands it to all); what the wire lab
+        compares with the measured steps.  None without steps."""
+        steps = self.clock.unit_steps()
+        return {"step_s": steps} if steps else None
 
     def finish(self, metrics: dict | None = None, predicted: dict | None = None,
                extra: dict | None = None) -> dict:
@@ -209,39 +201,29 @@ class Run:
         Returns the summary dict on every rank.
         """
         measured = self.ledger.totals(self.world)
+        # what ran after the last step (a final evaluation) is a step of its own, then every
+        # step not simulated yet is (collective: each rank closes it alike)
+        if self.world.mpi.allreduce(int(self.clock.open_step), op=MPI.MAX):
+            self.clock.step("end")
+        self.clock.simulate()
         t = self.clock.as_dict()
         timing = {k: float(self.world.mpi.allreduce(v, op=MPI.MAX)) for k, v in t.items()}
-        # the timeline of rank 0 and of the rank with the longest simulated time (for Gantt
-        # charts), and which compute source timed the events.  Only those two ranks' events
-        # travel (the busiest sends its own to rank 0): this run-level bookkeeping is unbooked
-        # traffic, so it is kept O(1) in the world size (a few KB; see the wire lab).
-        sims = self.world.mpi.allgather(float(self.clock.sim_s))
         steps_max = self._steps_max()
         hosts = self.world.mpi.gather(platform.node(), root=0)
-        busiest = int(np.argmax(sims))
-        desc = self.clock.describe(events=self.rank in (0, busiest))
+        desc = self.clock.describe()
         gathered = self.world.mpi.gather((desc.get("compute_profile"),
                                           self.recorder.log.describe()), root=0)
         infos = [g[0] for g in gathered] if gathered is not None else None
-        busiest_step = desc.get("last_step")
-        if busiest != 0:
-            if self.rank == busiest:
-                self.world.mpi.send(busiest_step, dest=0, tag=_TAG_BUSIEST)
-            elif self.rank == 0:
-                busiest_step = self.world.mpi.recv(source=busiest, tag=_TAG_BUSIEST)
         tables = self.world.mpi.gather(
-            (self.profile_recorder.table(),
-             self.program.entries if self.program is not None else None), root=0) \
+            (self.profile_recorder.table(), normalize(self.program.entries)), root=0) \
             if self.profile_recorder is not None else None
-        timeline = None
+        clock = None
         if self.rank == 0:
-            timeline = {**{k: v for k, v in desc.items() if k != "last_step"},
-                        "rank0": desc.get("last_step"), "busiest_rank": busiest,
-                        "busiest": busiest_step}
+            clock = dict(desc)
             if infos[0] is not None and "fallback_blocks" in infos[0]:
                 fb = sum(i["fallback_blocks"] for i in infos)
                 fs = sum(i["fallback_s"] for i in infos)
-                timeline["compute_profile"] = {
+                clock["compute_profile"] = {
                     **infos[0], "fallback_blocks_all_ranks": fb, "fallback_s_all_ranks": fs,
                     "job_differences": self.profile_differences,
                     "fraction_measured_instead": fs / max(timing.get("compute_s", 0.0)
@@ -252,7 +234,7 @@ class Run:
                           f"(rank 0: {infos[0]['fallback_labels']}); record the profile with "
                           "the same options", file=sys.stderr, flush=True)
             if tables is not None:
-                timeline["compute_profile"] = self._write_profile(tables)
+                clock["compute_profile"] = self._write_profile(tables)
         summary = {
             "record": run_record(sys.argv, self._t0, hosts) if self.rank == 0 else None,
             "system": self.system,
@@ -273,24 +255,21 @@ class Run:
             "metrics": metrics or {},
             "timing": timing,
             "steps_max": steps_max,
-            "timeline": timeline,
+            "clock": clock,
             "calls": ({"per_rank": [g[1] for g in gathered],
                        "placement": self.topo.placement.describe()}
                       if gathered is not None else None),
         }
         if extra:
             summary.update(extra)
-        if self.common.trace is not None:
-            traced = self.world.mpi.gather(self.clock.traced, root=0)
-            if self.rank == 0:
-                doc = trace_document(dict(enumerate(traced)),
-                                     {"system": self.system, "method": self.method,
-                                      "steps": self.common.trace_steps,
-                                      "compute_source": self.clock.source.describe()})
-                atomic_write_bytes(self.common.trace,
-                                   json.dumps(to_jsonable(doc)).encode() + b"\n")
-                summary["trace"] = {"file": str(self.common.trace),
-                                    "events": len(doc["traceEvents"])}
+        if self.common.trace is not None and self.rank == 0:
+            doc = trace_document(self.clock.traced,
+                                 {"system": self.system, "method": self.method,
+                                  "steps": self.common.trace_steps,
+                                  "compute_source": self.clock.source.describe()})
+            atomic_write_bytes(self.common.trace, json.dumps(to_jsonable(doc)).encode() + b"\n")
+            summary["trace"] = {"file": str(self.common.trace),
+                                "events": len(doc["traceEvents"])}
         summary = to_jsonable(summary)
         self.writer.finish(summary)
         if self.rank == 0 and not self.collectives["verified"]:
@@ -310,8 +289,7 @@ class Run:
         return {"recorded_to": str(path), "sha256": sha,
                 "events_per_rank": [sum(len(p) for p in t.values()) for t in tables],
                 "unlabelled_blocks": self.profile_recorder.unlabelled,
-                "program_entries_per_rank": [len(p or ()) for p in programs],
-                "program_unknown_deps": len(self.program.unknown) if self.program else None}
+                "program_entries_per_rank": [len(p or ()) for p in programs]}
 
 
 #: config fields that do not change what a step computes (a profile recorded with other values
@@ -363,7 +341,7 @@ def _profile_provenance(run: Run) -> dict:
             "job": job_of(run.system, run.method, run.size, run.config),
             "system": run.system, "method": run.method,
             "model": _config_dict(run.config).get("model"), "world": run.size,
-            "ranks_per_node": run.common.ranks_per_node, "clock": run.common.clock,
+            "ranks_per_node": run.common.ranks_per_node,
             "out": str(run.out), "command": list(sys.argv), "spardist": versions()["spardist"]}
 
 
@@ -437,6 +415,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
     read from ``args`` when it has it.
     """
     common = args if isinstance(args, CommonConfig) else CommonConfig.from_args(args)
+    jobsim = None if isinstance(args, CommonConfig) else from_args(JobSimOptions, args)
     resume = bool(getattr(args, "resume", False))
     if comm is None:
         check_world_size(MPI.COMM_WORLD.Get_size())
@@ -464,7 +443,7 @@ def start_run(args, *, system: str, method: str, config=None, comm=None,
         raise
     run = Run(system=system, method=method, common=common, config=config, topo=topo,
               unit=unit, backend=backend, writer=writer, previous=previous,
-              checkpoints=checkpoints)
+              checkpoints=checkpoints, jobsim=jobsim)
     run.threads = threads
     blas = threads["blas_threads"] or 1
     if topo.rank == 0 and blas > 1 and common.compute_source in ("auto", "cpu") and \

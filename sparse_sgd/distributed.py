@@ -16,18 +16,10 @@ inside its own programs (a step, the evaluation, inference: :mod:`sparse_sgd.cli
 :meth:`feed` and :meth:`target`; :meth:`forward`, :meth:`backward` and
 :meth:`infer_challenge` run one pass alone.
 
-Timeline: every block of Algs. 2-3 is a compute event with its FLOP count; every message is
-declared by its send after the block that filled its buffer (one point-to-point event per
-message on the link to its peer), so the non-blocking messages overlap the local work the
-paper overlaps them with.  Receives are not declared: the rows a rank *receives* for layer
-``k`` leave their senders at the same point of the same schedule, so their arrival is stood in
-for by the completion of the messages this rank sends for the layer (the senders book the
-bytes).  A node's ranks exchange a layer at the same time over the node's one inter-node link,
-and every receiver waits for the busiest link of the layer: each send carries the exchange's
-share (:func:`substrate.calls.exchange_shares`: busiest link bytes / the rank's own inter-node
-bytes, R for a node whose R ranks send alike), so that this rank's sends end when the exchange
-does on its busiest link.  The next layer's compute depends on its inputs only (the send
-buffers are per layer, so no send blocks the next layer).
+Simulated time: every block of Algs. 2-3 is a compute block of the program with its FLOP
+count and every message a send of its own after the block that filled its buffer, so the job
+simulation (:mod:`substrate.jobsim`) moves the non-blocking messages on the node's links while
+the local work the paper overlaps them with runs; a receiver waits for its own receives.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ maps' buffers and the SpMM/SDDMM compute of each block (:class:`sparse_sgd.distr
 DistributedSparseNet`).  A ``p2p`` record is one layer's exchange of every sender's messages
 (the paper's send/recv maps, §4-§5); a rank's part of it is a receive ``R`` per message it gets
 (from ``n``: the rows ``x̂^{k-1}_{mn}``) and a send ``C`` per message it sends, each one message
-with the exchange's tag and the exchange's share of its node's link
-(:func:`substrate.calls.exchange_shares`).
+with the exchange's tag.
 
 SpFF of layer k (Alg. 2), blocks named ``{prefix}_{part}[k]``::
 
@@ -47,7 +46,7 @@ row blocks).  Collectives block, after everything before them.  With ``overlap``
 from __future__ import annotations
 
 from sparse_sgd.plan import PHASE_EVAL, PHASE_SPBP, PHASE_SPFF
-from substrate.calls import Call, exchange_shares
+from substrate.calls import Call
 from substrate.program import Builder
 
 __all__ = [
@@ -147,10 +146,8 @@ class _Writer:
             return [], []
         me = self.rank
         rows = call.pairs.tolist()
-        share = call.share if call.share is not None else \
-            exchange_shares(call, self.placement).get(me)
         receives = [(src, nb) for src, dst, nb in rows if dst == me != src]
-        sends = [Call(call.phase, "p2p", call.group, pairs=((me, dst, nb),), share=share,
+        sends = [Call(call.phase, "p2p", call.group, pairs=((me, dst, nb),),
                       label=f"{call.phase}[{k}]")
                  for src, dst, nb in rows if src == me != dst]
         return receives, sends

@@ -6,18 +6,18 @@ pairwise all-to-all), the world ranks of its communicator in communicator order,
 what it waits for (``after``).  The same record is
 
 * **executed**: :class:`substrate.comm.Comm` builds the record of each call it runs, books the
-  bytes its algorithm handed to MPI and declares the record's event on the run's timeline
+  bytes its algorithm handed to MPI and records the call in the rank's program
   (:class:`substrate.recorder.Recorder`);
 * **planned**: each system's pure plan lists the records of one step or iteration,
   ``plan.calls(placement)``, for any world and any rank-to-node map (:class:`Placement`),
   without MPI;
 * **priced**: the functions below derive, from a record and a placement alone, the wire bytes per
-  link class (:func:`wire_bytes`), the messages (:func:`messages`), the α–β seconds each member
-  books (:func:`rank_seconds`) and the latency / bandwidth parts of its timeline event
-  (:func:`event_parts`); :func:`price` sums a list of records per phase and per rank, and
-  :func:`declare` lays a list of records on one rank's timeline with their dependencies.
+  link class (:func:`wire_bytes`), the messages (:func:`messages`) and the α–β seconds each
+  member books (:func:`rank_seconds`: a bound, nothing overlapped or shared); :func:`price`
+  sums a list of records per phase and per rank.  Its time in a job is the job simulation's
+  (:mod:`substrate.jobsim`, from the rounds of :mod:`substrate.schedule`).
 
-Nothing else restates a call's bytes, time or event: a new system needs a plan with
+Nothing else restates a call's bytes or time: a new system needs a plan with
 ``calls()`` and a strategy that executes it.  :mod:`volume` (closed forms written from the
 papers) is the independent second source the plans' records are tested against.
 
@@ -37,7 +37,7 @@ Algorithms (``nbytes`` meaning in brackets), as :mod:`substrate.costmodel` defin
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -45,7 +45,6 @@ import numpy as np
 
 from . import schedule
 from .costmodel import INTER, INTRA, CostModel
-from .timeline import transfer_parts
 
 __all__ = [
     "ALGORITHMS",
@@ -57,9 +56,6 @@ __all__ = [
     "Work",
     "bytes_by_phase",
     "calls_of_rank",
-    "declare",
-    "event_parts",
-    "exchange_shares",
     "messages",
     "price",
     "rank_seconds",
@@ -286,19 +282,13 @@ class Call:
     after : tuple
         What the call waits for: indices of earlier records of the same list, :class:`Ready`
         tokens, or other tokens the declaring code resolves (e.g. ``"local"``).  At run time
-        the :class:`~substrate.comm.Comm` method's ``after=`` holds timeline events instead.
+        the :class:`~substrate.comm.Comm` method's ``after=`` holds program entries instead.
     label : str, optional
-        Timeline label (default: the phase).
+        A name of the record in its plan (default: the phase).
     wait : bool
         How the system issues it: blocking (default), or handed to the communication stream
         (``False``: it runs while the rank computes, until its handle is waited for; only when
         the run overlaps, ``--overlap on``).  Not part of :meth:`key`.
-    share : float, optional
-        ``p2p``: how many times the full link's time an inter-node message of this record takes
-        on its sender's timeline (:func:`event_parts`).  Default: the node's members of the
-        communicator, which send at the same time over the node's one link.  A record of one
-        rank's messages out of a larger exchange carries the exchange's value
-        (:func:`exchange_shares`).  Timing only: not part of :meth:`key` (the same messages).
     """
 
     phase: str
@@ -312,7 +302,6 @@ class Call:
     op: str | None = None
     after: tuple = ()
     label: str | None = None
-    share: float | None = None
     wait: bool = True
 
     def __post_init__(self) -> None:
@@ -364,12 +353,6 @@ class Call:
             object.__setattr__(self, "nbytes", int(pairs[:, 2].sum()))
         else:  # barrier
             object.__setattr__(self, "nbytes", 0)
-        if self.share is not None:
-            share = float(self.share)
-            if self.algorithm != "p2p" or not (np.isfinite(share) and share >= 1):
-                raise ValueError(f"call {self.phase!r}: share is for p2p records and must be a "
-                                 f"finite number >= 1, got {self.share!r} ({self.algorithm})")
-            object.__setattr__(self, "share", share)
         object.__setattr__(self, "after", tuple(self.after))
 
     # -- identity --------------------------------------------------------------------------------
@@ -383,8 +366,6 @@ class Call:
             d["blocks"] = list(self.blocks)
         if self.pairs is not None:
             d["pairs"] = self.pairs.tolist()
-        if self.share is not None:
-            d["share"] = self.share
         return d
 
     @classmethod
@@ -393,7 +374,7 @@ class Call:
                    itemsize=d.get("itemsize", 1), root=d.get("root", 0), op=d.get("op"),
                    blocks=tuple(d["blocks"]) if "blocks" in d else None,
                    pairs=np.asarray(d["pairs"], dtype=np.int64).reshape(-1, 3)
-                   if "pairs" in d else None, share=d.get("share"))
+                   if "pairs" in d else None)
 
     def key(self) -> tuple:
         """Everything that defines the communication (not its dependencies or label): equal
@@ -428,7 +409,7 @@ class Call:
         if self.algorithm != "p2p":
             raise ValueError(f"sends_of() is for p2p calls, not {self.algorithm}")
         return Call(self.phase, "p2p", self.group, pairs=self.pairs[self.pairs[:, 0] == rank],
-                    op=self.op, after=self.after, label=self.label, share=self.share)
+                    op=self.op, after=self.after, label=self.label)
 
 
 # -- pricing --------------------------------------------------------------------------------------
@@ -514,79 +495,6 @@ def seconds_of(call: Call, cost: CostModel, placement: Placement, rank: int) -> 
         else 0.0
 
 
-def exchange_shares(call: Call, placement: Placement) -> dict:
-    """``{sender: share}`` of a direct-message exchange (a ``p2p`` record of every sender's
-    messages, as a plan lists one layer's SpFF or SpBP): the ``share`` each sender's inter-node
-    messages carry (:attr:`Call.share`) so that they end when the exchange's busiest node link
-    does.
-
-    With full-duplex links, node ``n``'s link carries ``U_n`` bytes out and ``D_n`` in; the busiest
-    carries ``B = max_n max(U_n, D_n)``, and a rank sending ``s_r`` inter-node bytes gets
-    ``share_r = B / s_r`` (at least 1): its messages then take ``B / β`` in all, the time the
-    exchange needs on its busiest link, which every receiver behind it waits for.  When every
-    node's R senders send alike and receive as much, ``B = R s_r`` and the share is R, the one-NIC
-    rule of :func:`event_parts`.  Senders without inter-node messages are not in the dict.
-    """
-    if call.algorithm != "p2p":
-        raise ValueError(f"exchange_shares() is for p2p records, not {call.algorithm}")
-    nodes = placement.nodes_array
-    src, dst, nb = (call.pairs[:, i] for i in range(3))
-    inter = (nodes[src] != nodes[dst]) & (nb > 0)
-    if not inter.any():
-        return {}
-    src, dst, nb = src[inter], dst[inter], nb[inter].astype(np.float64)
-    busiest = max(np.bincount(nodes[src], weights=nb).max(),
-                  np.bincount(nodes[dst], weights=nb).max())
-    own = np.bincount(src, weights=nb)
-    return {int(r): max(1.0, float(busiest / own[r])) for r in np.flatnonzero(own)}
-
-
-def event_parts(call: Call, cost: CostModel, placement: Placement, rank: int) -> list:
-    """The timeline transfers of ``call`` on world rank ``rank``: ``[(link, L, W, share, label,
-    nbytes)]`` (latency part, bandwidth part at the full link rate, ranks of the node driving
-    the link at once, bytes of the transfer).
-
-    A collective is one transfer on its slowest link, whose ``L + W`` is exactly the cost model's
-    time of the algorithm (:func:`substrate.timeline.transfer_parts`); a rank that is not a member
-    (a follower waiting for its leaders' phase) sees the same transfer.  Direct messages: one
-    transfer per message ``rank`` sends; an inter-node message shares its node's link with the
-    node's other members of the communicator, which send at the same time (one NIC per node),
-    unless the record carries its exchange's :attr:`Call.share` or is the whole exchange (the
-    messages of several senders): then :func:`exchange_shares` decides.
-    """
-    label = call.label or call.phase
-    a = call.algorithm
-    if a in ("p2p", "alltoallv"):
-        if a == "p2p":
-            mine = call.pairs[(call.pairs[:, 0] == rank) & (call.pairs[:, 1] != rank)]
-            sends = [(int(d), int(b)) for _, d, b in mine.tolist()]
-        else:
-            p = call.size
-            i = call.group.index(int(rank)) if rank in call.group else -1
-            m = np.asarray(call.blocks, dtype=np.int64).reshape(p, p)
-            sends = [] if i < 0 else [(call.group[j], int(m[i, j])) for j in range(p)
-                                      if j != i and m[i, j]]
-        share = call.share
-        if share is None and a == "p2p" and len(call.pairs) > 1 \
-                and np.any(call.pairs[:, 0] != rank):
-            share = exchange_shares(call, placement).get(int(rank))   # a whole exchange
-        if share is None:
-            share = int(np.count_nonzero(_nodes(call, placement) == placement.node(rank)))
-        out = []
-        for dst, nb in sends:
-            link = placement.link(rank, dst)
-            lat, work = _transfer_parts(cost, "p2p", nb, link)
-            out.append((link, lat, work, share if link == INTER else 1, f"{label}->{dst}", nb))
-        return out
-    link = slowest_link(call, placement)
-    lat, work = _transfer_parts(cost, a, call.nbytes, link, p=call.size)
-    return [(link, lat, work, 1, label, call.nbytes)]
-
-
-def _transfer_parts(cost, algorithm, nbytes, link, p=2):
-    return transfer_parts(cost, algorithm, nbytes, link, p=p)
-
-
 @dataclass
 class Priced:
     """A list of records priced (:func:`price`): per phase wire bytes, messages and the busiest
@@ -644,9 +552,9 @@ def bytes_by_phase(calls: Sequence[Call], placement: Placement) -> dict:
     return out
 
 
-# -- declaring a plan on one rank's timeline ------------------------------------------------------
+# -- a rank's records ---------------------------------------------------------------------------
 def calls_of_rank(calls: Sequence[Call], rank: int) -> list[int]:
-    """Indices of the records world rank ``rank`` declares on its timeline: the calls it takes
+    """Indices of the records world rank ``rank`` has in its program: the calls it takes
     part in, and every call these wait for (through ``after`` indices) that it does not take
     part in (it waits for them: e.g. a follower's broadcast waits for the leaders' phase)."""
     need = [c.involves(rank) for c in calls]
@@ -661,85 +569,6 @@ def calls_of_rank(calls: Sequence[Call], rank: int) -> list[int]:
     return [i for i, n in enumerate(need) if n]
 
 
-def declare(timeline, calls: Sequence, placement: Placement, rank: int,
-            resolve: Callable | None = None, work: Callable | None = None) -> list:
-    """Lay ``calls`` (one step of a plan) on ``rank``'s timeline; returns the event of every
-    record (``None`` for records the rank neither takes part in nor waits for).
-
-    ``after`` indices become the events of those records (a direct-message record's event is a
-    join of its messages); other tokens are turned into events by ``resolve(token)`` (e.g.
-    :class:`Ready` -> the backward event of those gradients).  A :class:`Work` item is a compute
-    event of ``work(item)`` seconds on its stream (the compute stream, or the offload
-    worker's).
-    """
-    cost = timeline.cost
-    if cost is None:
-        raise ValueError("declare() needs a timeline with a cost model: Timeline(cost)")
-    events: list = [None] * len(calls)
-    for i in calls_of_rank(calls, rank):
-        c = calls[i]
-        deps, ready = [], []
-        for d in c.after:
-            if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
-                deps.append(events[d])
-            elif resolve is None:
-                raise ValueError(f"call {i} ({getattr(c, 'phase', c)}) waits for {d!r}: pass "
-                                 "resolve=")
-            else:
-                ev = resolve(d)
-                deps.append(ev)
-                if isinstance(d, Ready):
-                    ready.append(ev)
-        if isinstance(c, Work):
-            if work is None:
-                raise ValueError(f"plan item {c.label!r} is compute: pass work= (seconds of a "
-                                 "Work item)")
-            # a compute item that waits only for a backward event runs on the compute stream
-            # right after it (as a strategy places it with clock.compute(after=...)): a fusion
-            # buffer is sparsified while the rest of the backward goes on, not after all of it
-            place = None
-            stream = getattr(c, "stream", "compute")
-            if stream == "compute" and len(deps) == 1 and ready and ready[0] is deps[0]:
-                e = ready[0]
-                if e is not None and e.kind == "compute" and e.resource == "compute" and \
-                        e.order == (e.index,):
-                    place = e
-            events[i] = timeline.compute(c.label, float(work(c)), deps=deps, after=place,
-                                         stream=stream)
-        else:
-            events[i] = declare_one(timeline, c, placement, rank, deps)
-    return events
-
-
-def declare_one(timeline, call: Call, placement: Placement, rank: int, deps):
-    """Declare ``call`` on ``rank``'s timeline after ``deps``; returns its event (a join of the
-    messages of a direct-message record, ``None`` when it sends nothing).
-
-    A call ``rank`` does not take part in is a wait for it: on this node's link when a member
-    of the call runs on this node (a follower waiting for its leader's inter-node phase shares
-    the node's one NIC with it), else a pure wait (:meth:`Timeline.wait`: another node's phase
-    runs on that node's links)."""
-    if not call.involves(rank) and not np.any(_nodes(call, placement) == placement.node(rank)):
-        link = slowest_link(call, placement)
-        if call.algorithm in ("p2p", "alltoallv"):
-            raise ValueError(f"call {call.phase!r}: rank {rank} cannot wait for direct messages "
-                             "of other nodes; make its own receive compute wait for them")
-        lat, work = _transfer_parts(timeline.cost, call.algorithm, call.nbytes, link,
-                                    p=call.size)
-        return timeline.wait(call.phase, lat + work, deps=deps, label=call.label,
-                             nbytes=call.nbytes)
-    parts = event_parts(call, timeline.cost, placement, rank)
-    evs = [timeline.transfer_seconds(call.phase, link, lat, work * share, deps=deps,
-                                     label=label, nbytes=nb)
-           for link, lat, work, share, label, nb in parts]
-    if not evs:
-        return None
-    if len(evs) == 1:
-        return evs[0]
-    return timeline.join(call.label or call.phase, evs)
-
-
-# -- the run's call log ---------------------------------------------------------------------------
 def _own_records(calls: Sequence, rank: int) -> list[Call]:
     """The records of ``calls`` world rank ``rank`` executes, one per executed call (a direct-
     message record becomes one record per message ``rank`` sends, in order)."""

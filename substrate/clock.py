@@ -1,57 +1,65 @@
-"""Simulated clock of one rank: additive (compute + α–β) or an event timeline.
+"""The simulated clock of a run: measured compute, recorded programs, one job simulation.
 
-Two modes, one interface (``with clock.compute(): ...``, ``clock.sim_s``, ``compute_s``,
-``comm_modeled_s``, ``as_dict()``):
+Every rank records what it runs as its program (:class:`substrate.program.Program`: the compute
+blocks of :meth:`SimClock.compute` and of the model's units, :class:`LayerEvents`, and the calls
+its communicators record) and times each compute block with a
+:class:`~substrate.compute.ComputeSource`, one table of seconds per step, ``(key, k)`` the
+``k``-th block with profile key ``key`` in the step.  :meth:`SimClock.simulate` (collective, at
+every metrics line and when the run finishes) gathers the steps closed since the last call on
+rank 0 (each distinct step program once, the tables every time) and runs them together on the
+run's network (:class:`substrate.jobsim.JobSim`: every collective's messages on the NICs and
+links of the cluster, calls issued without waiting on the communication stream while the rank
+computes, an offload worker beside the thread): the step of the job is the time between the
+moments its last rank ends one step and the next.  That is the one time model of spardist: a
+run's ``sim_s`` and ``step_sim_s``, the replay, ``commvol simulate`` and ``commvol scale`` all
+read it (the last two on programs generated from the plans).  The α–β sum of the ledger
+(:attr:`SimClock.comm_modeled_s`) stays as a bound: every call alone on its links, nothing
+overlapped.
 
-**additive** (``SimClock(ledger)``, the default)
-    ``sim_s = compute_s + comm_modeled_s``: measured compute plus the α–β time of every call in
-    the ledger, nothing overlapped (an upper bound for systems that overlap).
-
-**timeline** (``SimClock(ledger, timeline=Timeline(cost))``)
-    Every ``compute()`` block and every per-layer event of a model whose ``recorder`` is
-    :attr:`SimClock.layers` is a compute event of a :class:`~substrate.timeline.Timeline`; every
-    communication call declares its own transfer event on the same timeline from its record
-    (:class:`substrate.recorder.Recorder`), after the events its ``after=`` names (by default
-    after everything declared before it); :meth:`SimClock.step` closes a step and ``sim_s`` is
-    the sum of the steps' critical paths.
-
-Compute is timed by a :class:`~substrate.compute.ComputeSource` (``source=``): ``"wall"``
-(default, the old behaviour, grows with the host's load), ``"cpu"`` (per-thread CPU time; does
-not grow when ranks share cores), ``"cuda"`` (CUDA events), ``"flops"`` (roofline from the
-model's per-layer FLOP counts, ``device_tflops``), ``"profile"`` (each event's least cost in a
-compute profile recorded by a quiet run: load-independent by construction).
-:meth:`SimClock.describe` says which, for ``summary.json``.  Every block has a label (an unnamed
-block is named by its call site: module, function and line within the function, which stays
-the same when code elsewhere in the file moves), and :meth:`SimClock.step` tells the source that
-a step ended, so sources that cost events ``(label, k)`` (the ``k``-th block with that label in
-the step) can count them.
+Compute is timed by a source (``source=``): ``"wall"`` (grows with the host's load), ``"cpu"``
+(per-thread CPU time; does not grow when ranks share cores), ``"cuda"`` (CUDA events),
+``"flops"`` (roofline from the model's per-layer FLOP counts, ``device_tflops``), ``"profile"``
+(each block's least cost in a compute profile recorded by a quiet run: load-independent by
+construction).  :meth:`SimClock.describe` says which, for ``summary.json``.  Every block has a
+key (an unnamed block is named by its call site: module, function and line within the
+function, which stays the same when code elsewhere in the file moves).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
+from .calls import Call
 from .compute import (
     CalibratedSource,
     ComputeSource,
     CpuTimeSource,
     CudaEventSource,
     FlopSource,
-    LayerEvents,
     WallSource,
     resolve_pending,
 )
+from .costmodel import CostModel
+from .jobsim import JobSim, JobSimOptions
 from .ledger import Ledger
 from .profile import ProfileSource
-from .timeline import StepTiming, Timeline
+from .program import Program, normalize, rebase
 
-__all__ = ["SOURCES", "PendingSeconds", "SimClock", "make_source"]
+__all__ = ["SOURCES", "LayerEvents", "PendingSeconds", "SimClock", "make_source"]
 
 #: Names :func:`make_source` accepts (the ``--compute-source`` choices).
 SOURCES = ("auto", "wall", "cpu", "cpu_thread", "cpu_process", "calibrated", "cuda", "flops",
            "profile")
+
+#: what a run's simulated time is (``summary.json``, ``describe()``)
+MODEL = ("job simulation (substrate.jobsim): every rank's recorded program of each step, its "
+         "blocks costed by the compute source, run together on the network")
 
 
 def make_source(name: str, *, sync=None, gpu: bool = False, device_tflops: float | None = None,
@@ -93,8 +101,8 @@ def make_source(name: str, *, sync=None, gpu: bool = False, device_tflops: float
 
 
 def _call_site(frame) -> str:
-    """Label of an unnamed compute block: ``compute@module:function+line`` (the line counted
-    from the function's first line, so edits elsewhere in the module keep the label)."""
+    """Key of an unnamed compute block: ``compute@module:function+line`` (the line counted
+    from the function's first line, so edits elsewhere in the module keep the key)."""
     code = frame.f_code
     name = getattr(code, "co_qualname", code.co_name)
     module = frame.f_globals.get("__name__", code.co_filename)
@@ -126,8 +134,123 @@ class PendingSeconds:
             cb(self.seconds)
 
 
+def _when_known(m, callback) -> None:
+    """``callback(seconds)`` of a measurement: now, or when a deferred one (CUDA events, a
+    worker's :class:`PendingSeconds`) is read."""
+    if getattr(m, "deferred", False):
+        if m.resolved:
+            callback(float(m.seconds))
+        else:
+            m.then(callback)
+    elif isinstance(m, PendingSeconds):
+        m.then(callback)
+    else:
+        callback(float(m.seconds))
+
+
+class _Block:
+    """A recorded block of the open step: its entry, stream, seconds (``None`` until known),
+    the seconds of the blocks nested in it, and the entry index after which it ended."""
+
+    __slots__ = ("end", "index", "inner", "layers", "parent", "seconds", "stream")
+
+    def __init__(self, index: int, parent, stream: str) -> None:
+        self.index, self.parent, self.stream = index, parent, stream
+        self.seconds = None
+        self.inner = 0.0
+        self.layers = 0
+        self.end = None
+
+
+class _Measured:
+    """The charge of one rank's steps in the job simulation: every block its measured
+    seconds, in the order the step's program begins them (``JobSim`` charges each ``B`` entry
+    once, in program order, and calls :meth:`new_step` at each step's end)."""
+
+    def __init__(self, steps: list) -> None:
+        self.steps, self.s, self.i = steps, 0, 0
+
+    def __call__(self, key, k: int) -> float:
+        seconds = self.steps[self.s]
+        if self.i >= len(seconds):
+            raise ValueError(f"step {self.s} charges more blocks than it measured "
+                             f"({len(seconds)}; at {key!r})")
+        self.i += 1
+        return float(seconds[self.i - 1])
+
+    def new_step(self) -> None:
+        self.s, self.i = self.s + 1, 0
+
+
+class LayerEvents:
+    """Recorder for :attr:`models.network.Model.recorder`: the model's per-layer forward and
+    backward (and its loss) become blocks of the clock's program, timed by its source, and it
+    remembers after which backward block each flat-parameter range is ready.
+
+    The model calls ``layer(phase, name, flops, nbytes)`` (a context manager around the unit's
+    computation) and ``grads_ready(name, lo, hi)`` (after the backward of a unit whose
+    parameters are ``flat[lo:hi]``).
+    """
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self._ranges: list[tuple[int, int, int]] = []
+        self._last: int | None = None
+        self._open: int | None = None
+
+    def new_step(self) -> None:
+        self._ranges, self._last, self._open = [], None, None
+
+    @contextmanager
+    def layer(self, phase: str, name: str, flops: float | None = None,
+              nbytes: float | None = None):
+        """The unit's computation: its entry is recorded when the block starts (:attr:`open`,
+        so a call issued from inside the block, e.g. a gradient bucket handed to the
+        communication stream as soon as the layer wrote it, can name it) and timed when it
+        ends."""
+        label = f"{phase}:{name}"
+        clock = self.clock
+        b = clock._begin("layer", label, label, (), "compute", None)
+        self._open = b.index
+        try:
+            with clock.source.measure(flops, nbytes, label) as m:
+                yield m
+        finally:
+            self._open = None
+        clock._end(b, m, layer=True)
+        self._last = b.index
+
+    @property
+    def open(self) -> int | None:
+        """The entry of the unit being computed now (``None`` between units)."""
+        return self._open
+
+    @property
+    def last(self) -> int | None:
+        """The entry of the last unit of the open step (e.g. the end of the backward)."""
+        return self._last
+
+    def grads_ready(self, name: str, lo: int, hi: int) -> None:
+        if self._last is None:
+            raise ValueError(f"grads_ready({name!r}) before any backward block of this step")
+        if hi > lo:
+            self._ranges.append((int(lo), int(hi), self._last))
+
+    def ready_event(self, lo: int, hi: int) -> int:
+        """The backward block after which every gradient in ``flat[lo:hi]`` is written."""
+        if not 0 <= lo < hi:
+            raise ValueError(f"ready_event: need 0 <= lo < hi, got [{lo}, {hi})")
+        covering = [(a, b, e) for a, b, e in self._ranges if a < hi and b > lo]
+        covered = sum(min(b, hi) - max(a, lo) for a, b, _ in covering)
+        if covered < hi - lo:
+            raise ValueError(f"ready_event: flat[{lo}:{hi}] is not covered by the gradients "
+                             f"reported this step ({covered} of {hi - lo} elements); run the "
+                             "backward with model.recorder set first")
+        return max(e for _, _, e in covering)
+
+
 class SimClock:
-    """Per-rank simulated time (see the module docstring).
+    """Per-rank measured compute and the job's simulated time (see the module docstring).
 
     Parameters
     ----------
@@ -138,68 +261,114 @@ class SimClock:
         ``wall`` (default), ``auto`` (``cuda`` on a GPU, else ``cpu``), ``cpu``,
         ``cpu_thread``, ``cpu_process``, ``calibrated``, ``cuda``, ``flops``, ``profile``
         (with ``profile``).
-    timeline : Timeline, optional
-        Switches to timeline mode.
     device_tflops, device_gbs : float, optional
         Peak of the modeled device for ``source="flops"``.
     gpu : bool, optional
         Whether compute runs on a GPU (for ``auto``); default: ``sync`` was given.
     profile : str or dict, optional
-        The compute profile of ``source="profile"`` (a file written by
-        ``--compute-profile-out``, or :func:`~substrate.profile.load_profile`'s dict).
+        The compute profile of ``source="profile"``.
+    network : substrate.cluster.Cluster, optional
+        What the steps are simulated on (default: the two-tier cluster of the default cost
+        model).
+    jobsim : substrate.jobsim.JobSimOptions, optional
+    node_of : sequence of int
+        Node of every world rank (default: one rank).
+    rank : int
+        This rank.
+    mpi : mpi4py communicator, optional
+        The world's, over which :meth:`simulate` gathers the steps (``None``: one rank).
+    keep_program : bool
+        Keep every entry of the run's program (a compute profile stores it for the replay);
+        otherwise the entries of simulated steps are dropped.
     """
 
     def __init__(self, ledger: Ledger, sync=None, *, source="wall",
-                 timeline: Timeline | None = None, device_tflops: float | None = None,
-                 device_gbs: float | None = None, gpu: bool | None = None,
-                 profile=None) -> None:
+                 device_tflops: float | None = None, device_gbs: float | None = None,
+                 gpu: bool | None = None, profile=None, network=None, jobsim=None,
+                 node_of=(0,), rank: int = 0, mpi=None, keep_program: bool = False) -> None:
         self.ledger = ledger
-        self._sync = sync
         gpu = (sync is not None) if gpu is None else gpu
         self.source: ComputeSource = source if isinstance(source, ComputeSource) else \
             make_source(source, sync=sync, gpu=gpu, device_tflops=device_tflops,
                         device_gbs=device_gbs, profile=profile)
-        self.timeline = timeline
-        self.layers = LayerEvents(timeline, self.source) if timeline is not None else None
-        #: the rank's recorded program (:mod:`substrate.program`), when a profile is recorded
-        self.program = None
-        #: steps kept for ``--trace`` (:func:`substrate.trace.parse_steps`; ``None``: all)
+        self.jobsim = jobsim or JobSimOptions()
+        self.network = network if network is not None else self.jobsim.network(CostModel())
+        self.node_of = [int(n) for n in node_of]
+        self.rank, self.mpi = int(rank), mpi
+        self.keep_program = keep_program
+        #: the rank's program as it runs (:mod:`substrate.program`)
+        self.program = Program()
+        self.layers = LayerEvents(self)
+        #: the entry of the last compute block that ended (a dependency for what follows)
+        self.last_event: int | None = None
+        #: steps kept for ``--trace`` (:func:`substrate.trace.parse_steps`; ``False``: none)
         self.trace_steps = False
-        #: the kept steps: ``{"step", "sim_start_s", "sim_s", "wall_s", "events"}``
-        self.traced: list[dict] = []
-        self._compute_s = 0.0          # additive mode, and compute outside the timeline's sums
-        self._offset = {"sim_s": 0.0, "no_overlap_s": 0.0, "compute_s": 0.0}
-        self._depth = 0
-        self._outer_last = None        # the last layer event when the outermost block began
-        self._nested_s = 0.0           # Σ seconds of blocks that were events inside another
-        self._nested_ms: list = []     # their measurements, with a deferred source
-        self.last_event = None
-        self.last_step: StepTiming | None = None
-        #: every closed step's simulated length and its no-overlap length (seconds, this rank):
-        #: the run reduces them over the ranks (the job's step is its slowest rank's)
-        self.step_history: list[tuple[float, float]] = []
+        #: the kept steps' simulated events, ``{rank: [step, ...]}`` (rank 0 holds them)
+        self.traced: dict[int, list[dict]] = {}
+        self._open: list[_Block] = []          # the recorded blocks open now
+        self._depth = 0                        # compute() blocks open, recorded or not
+        self._outer_last = None                # the last layer when the outermost block began
+        self._blocks: list[_Block] = []        # the open step's blocks, in program order
+        self._step_start = 0
+        self._closed: list = []                # (start, stop, blocks, kind) not simulated yet
+        self._sent: dict = {}                  # digest -> id of a step program sent to rank 0
+        self._known: dict = {}                 # rank 0: (rank, id) -> step program
+        #: ``(kind, seconds)`` of every simulated step of this process (``unit``: a step of
+        #: the run loop; ``eval``: an evaluation's calls; ``end``: what followed the last)
+        self.simulated: list[tuple[str, float]] = []
+        #: rank 0: the last simulated unit step's events of rank 0 and of its slowest rank
+        #: (``{"step", "step_s", "slowest_rank", "ranks": {rank: [event, ...]}}``: a Gantt chart)
+        self.last_step: dict | None = None
+        #: rank 0: bytes the simulated messages moved inside nodes and between them (the
+        #: ledger's wire bytes of the simulated steps, a check)
+        self.moved: dict[str, float] = {}
+        self._compute_s = 0.0
+        self._offset = {"sim_s": 0.0, "compute_s": 0.0}
         self._t0 = self._step_t0 = time.perf_counter()
         self.step_wall_s = 0.0
-        self._prev = {"compute_s": 0.0, "comm_s": ledger.modeled_s}
 
-    @property
-    def mode(self) -> str:
-        return "additive" if self.timeline is None else "timeline"
+    # -- recording -------------------------------------------------------------------------------
+    def _begin(self, kind: str, label: str, key: str, deps, stream: str, after) -> _Block:
+        i = self.program.begin(kind, label, key, deps, stream, after)
+        b = _Block(i, self._open[-1] if self._open else None, stream)
+        self._open.append(b)
+        self._blocks.append(b)
+        return b
 
-    # -- compute ---------------------------------------------------------------------------------
+    def _end(self, b: _Block, m, *, layer: bool = False) -> None:
+        """Close block ``b`` timed by ``m``: its seconds are the block's in the step (when a
+        deferred measurement is read, for CUDA events), added to the compute total when it is
+        outermost."""
+        self._open.pop()
+        self.program.end()
+        b.end = len(self.program)
+        flops_block = isinstance(self.source, FlopSource) and not layer
+        parent = b.parent
+
+        def known(seconds: float) -> None:
+            if flops_block and b.layers:     # the layers' FLOPs are the block
+                seconds = b.inner
+            b.seconds = seconds
+            if parent is not None:
+                parent.inner += seconds
+                parent.layers += 1 if layer else b.layers
+            else:
+                self._compute_s += seconds
+
+        _when_known(m, known)
+
     @contextmanager
     def compute(self, label: str = "compute", *, flops: float | None = None, deps=(),
                 stream: str = "compute", after=None, key: str | None = None):
-        """Time the enclosed block as compute (a block nested in another is part of the outer
-        one, except between two units of a model's pass: :meth:`_between_units`, where it is an
-        event of its own, declared after the unit that just ended, and the outer block's rest
-        leaves it out as it leaves out the per-layer events).  In timeline mode the block becomes an event ``label`` on ``stream`` after
-        ``deps`` (its handle is :attr:`last_event` afterwards); per-layer events the model
-        recorded inside the block are events of their own and only the rest of the block (loss,
-        Python) is added as ``label``.  ``flops`` gives the block's FLOP count to the ``flops``
-        source; ``after`` places the event in its stream right after that event
-        (:meth:`Timeline.compute`); ``key`` overrides the block's profile key (a replay
-        repeats the recorded one)."""
+        """Time the enclosed block as compute and record it in the program (``B`` ... ``E``)
+        after ``deps`` on ``stream`` (its entry is :attr:`last_event` afterwards).  A block
+        opened inside another is part of the outer one (nothing recorded), except between two
+        units of a model's pass (:meth:`_between_units`): work a strategy does from the
+        backward's ready hook is a block of its own, and the job simulation leaves it out of
+        the outer block's own time as it leaves out the units.  ``flops`` gives the block's
+        FLOP count to the ``flops`` source; ``after`` places the block in its stream right
+        after that entry; ``key`` overrides the block's profile key (a replay repeats the
+        recorded one)."""
         nested = self._depth > 0
         if nested and not self._between_units():
             yield None
@@ -208,147 +377,57 @@ class SimClock:
             key = label
             if label == "compute":      # unnamed block: its call site names it (calibration)
                 key = _call_site(sys._getframe(2))
-        if self.program is not None:
-            self.program.begin("clock", label, key, deps, stream, after)
+        b = self._begin("clock", label, key, deps, stream, after)
         if not nested:
-            self._outer_last = self.layers.last if self.layers is not None else None
+            self._outer_last = self.layers.last
         self._depth += 1
-        # a deferred source (CUDA events, read once when the step closes) leaves the block's
-        # seconds, and its layers' and nested blocks', to then: no host wait here
-        deferred = getattr(self.source, "deferred", False)
-        if deferred:
-            start = (self.layers.count if self.layers is not None else 0, len(self._nested_ms))
-        else:
-            inner0 = self.layers.recorded_s if self.layers is not None else 0.0
-            nested0 = self._nested_s
         try:
             with self.source.measure(flops, None, key) as m:
                 yield m
         finally:
             self._depth -= 1
-        if deferred:
-            self._deferred_end(m, start, nested, label, deps, stream, after)
-        elif self.timeline is None:
-            self._compute_s += m.seconds
-        else:
-            inner = self.layers.recorded_s - inner0 + self._nested_s - nested0
-            if inner > 0 and isinstance(self.source, FlopSource):
-                self.last_event = self.layers.last        # the layers' FLOPs are the block
-            else:
-                rest = max(0.0, m.seconds - inner)
-                if rest > 0 or not inner:
-                    self.last_event = self.timeline.compute(label, rest, deps=deps,
-                                                            stream=stream, after=after)
-                else:
-                    self.last_event = self.layers.last
-            if nested:                  # the outer block's rest leaves it out
-                self._nested_s += m.seconds
-        if self.program is not None:
-            self.program.end(self.last_event if self.timeline is not None else None)
+        self._end(b, m)
+        self.last_event = b.index
 
     def offload(self, label: str, submit=None, *, flops: float | None = None, deps=(),
-                after=None, key: str | None = None):
+                after=None, key: str | None = None) -> int:
         """A block on the ``offload`` stream: work a worker thread does beside the compute
         stream (SSFusion-O's CPU worker).  ``submit()`` hands it to the worker and returns its
-        :class:`PendingSeconds` (the worker's own reading of a compute source for the event
+        :class:`PendingSeconds` (the worker's own reading of a compute source for the block
         ``key``, delivered when the work is collected); this thread goes on at once.  Without
-        ``submit`` (a replay) the block costs what the run's source charges ``key``.  In
-        timeline mode the block is an event on the offload stream after ``deps`` with those
-        seconds (its handle is :attr:`last_event`); in additive mode nothing is added (the
-        additive clock sums the compute stream).  Returns the event."""
+        ``submit`` (a replay) the block costs what the run's source charges ``key``.  Returns
+        its entry."""
         if key is None:
             key = label
-        if self.program is not None:
-            self.program.begin("clock", label, key, deps, "offload", after)
-        tl = self.timeline
-        ev = None if tl is None else tl.compute(label, 0.0, deps=deps, stream="offload",
-                                                after=after)
+        b = self._begin("clock", label, key, deps, "offload", after)
         if submit is not None:
             pending = submit()
         else:
             with self.source.measure(flops, None, key) as pending:
                 pass
-        if ev is not None and pending is not None:
-            if hasattr(pending, "then"):          # a worker's, or a deferred source's
-                pending.then(lambda seconds: tl.set_seconds(ev, seconds))
-            else:
-                tl.set_seconds(ev, pending.seconds)
-            self.last_event = ev
-        if self.program is not None:
-            self.program.end(ev)
-        return ev
-
-    def _deferred_end(self, m, start: tuple[int, int], nested: bool, label: str, deps,
-                      stream: str, after) -> None:
-        """The end of a block timed by a deferred source (:class:`DeferredMeasurement`): in
-        timeline mode its event is declared now with 0 seconds (its handle is
-        :attr:`last_event`) and gets the block's rest (its seconds less those of the layer
-        events and nested blocks it holds) when the step's events are read; in additive mode
-        the seconds are added then.  :meth:`step` reads them (one host wait) before it
-        schedules, and so does any reading of the open step."""
-        if self.timeline is None:
-            m.then(self._add_compute)
-        else:
-            ev = self.timeline.compute(label, 0.0, deps=deps, stream=stream, after=after)
-            self.last_event = ev
-            layers = self.layers.span(start[0]) if self.layers is not None else (lambda: 0.0)
-            inner_ms = self._nested_ms[start[1]:]
-            timeline = self.timeline
-
-            def rest(seconds: float) -> None:
-                inner = layers() + sum(x.seconds for x in inner_ms)
-                timeline.set_seconds(ev, max(0.0, seconds - inner))
-
-            m.then(rest)
-        if nested:                      # the outer block's rest leaves it out
-            self._nested_ms.append(m)
-        elif self._depth == 0:
-            self._nested_ms = []
-
-    def _add_compute(self, seconds: float) -> None:
-        self._compute_s += seconds
-
-    def _resolve(self) -> None:
-        """Read the pending deferred measurements (before a reading of the open step)."""
-        if getattr(self.source, "deferred", False):
-            resolve_pending(self.source)
+        self._end(b, pending)
+        self.last_event = b.index
+        return b.index
 
     def _between_units(self) -> bool:
-        """Whether a block opened inside another one is an event of its own: on a timeline,
-        while the outer block runs a model's units (it recorded per-layer events) and between
-        two of them (no unit open): work a strategy does from the backward's ready hook, which
-        runs after each unit's backward (:func:`models.network._wrap_unit`)."""
+        """Whether a block opened inside another one is a block of its own: while the outer
+        block runs a model's units and between two of them (no unit open): work a strategy
+        does from the backward's ready hook, which runs after each unit's backward
+        (:func:`models.network._wrap_unit`)."""
         lay = self.layers
-        return (self.timeline is not None and lay is not None and lay.open is None
-                and lay.last is not None and lay.last is not self._outer_last)
+        return lay.open is None and lay.last is not None and lay.last != self._outer_last
 
-    # -- dependencies for strategies ------------------------------------------------------------
-    def ready(self, lo: int, hi: int):
-        """Dependency for a transfer of gradients ``flat[lo:hi]``: the backward event after
-        which they are all written (:meth:`LayerEvents.ready_event`, when the model's
-        ``recorder`` is :attr:`layers`); without per-layer events this step, the last compute
-        block (the whole backward: conservative, never early); ``None`` in additive mode."""
-        if self.timeline is None:
-            return None
-        if self.layers.last is not None:
-            return self.layers.ready_event(lo, hi)
-        return self.last_event
-
-    def now(self):
-        """Dependency for a call issued from the backward (e.g. a bucket its gradients
-        complete): the unit being computed (:attr:`LayerEvents.open`), else the last unit
-        (the ready hook runs right after a unit's backward), else the last compute event;
-        ``None`` in additive mode."""
-        if self.timeline is None:
-            return None
-        return self.layers.open or self.layers.last or self.last_event
-
-    def comm_events(self) -> list:
-        """The transfers declared so far in the open step (e.g. ``deps`` of the optimizer
-        step); ``[]`` in additive mode."""
-        if self.timeline is None:
-            return []
-        return [e for e in self.timeline.open_events if e.kind == "transfer"]
+    def compute_before(self, entry: int) -> float:
+        """Seconds of the open step's compute stream up to the end of block ``entry``: every
+        block that ended by then, each its own time (less the blocks nested in it) — when in
+        this step's compute a unit's backward wrote its gradients (SSFusion's warm-up)."""
+        resolve_pending(self.source)
+        ends = {b.index: b.end for b in self._blocks}
+        stop = ends.get(entry)
+        if stop is None:
+            raise ValueError(f"compute_before: entry {entry} is no block of the open step")
+        return sum((b.seconds or 0.0) - b.inner for b in self._blocks
+                   if b.stream == "compute" and b.end is not None and b.end <= stop)
 
     # -- steps -----------------------------------------------------------------------------------
     def mark(self) -> None:
@@ -356,98 +435,169 @@ class SimClock:
         not part of a step, e.g. an evaluation or a checkpoint)."""
         self._step_t0 = time.perf_counter()
 
-    def step(self) -> StepTiming:
-        """Close the step and return its :class:`StepTiming`; :attr:`step_wall_s` is the wall
-        time since the previous ``step()`` (or :meth:`mark`): everything the rank did in the
-        step, diagnostics included.
-
-        Timeline mode: schedule and start a new step.  Additive mode: the step's compute and
-        ledger α–β, added (so trainers call ``step()`` the same way in both modes)."""
-        if self.program is not None:
-            self.program.step()
+    def step(self, kind: str = "unit") -> None:
+        """Close the step (``kind``: ``unit``, a step of the run loop; ``eval``, an
+        evaluation's work; ``end``, what followed the last step).  :attr:`step_wall_s` is the
+        wall time since the previous ``step()`` (or :meth:`mark`).  Its simulated time is
+        known after the next :meth:`simulate`."""
+        if self._open:
+            raise ValueError(f"a step ends with {len(self._open)} compute blocks open")
+        stop = self.program.step()
         now = time.perf_counter()
         self.step_wall_s = now - self._step_t0
         self._step_t0 = now
+        self._closed.append((self._step_start, stop, self._blocks, kind, self.step_wall_s))
+        self._step_start = stop
+        self._blocks = []
+        self.layers.new_step()
         self.source.new_step()
-        if self.timeline is None:
-            compute = self._compute_s - self._prev["compute_s"]
-            comm = self.ledger.modeled_s - self._prev["comm_s"]
-            self._prev = {"compute_s": self._compute_s, "comm_s": self.ledger.modeled_s}
-            self.last_step = StepTiming(step_s=compute + comm, compute_s=compute, offload_s=0.0,
-                                        comm_s=comm, comm_busy_s={}, exposed_comm_s=comm,
-                                        no_overlap_s=compute + comm)
-            self.step_history.append((self.last_step.step_s, self.last_step.no_overlap_s))
-            return self.last_step
-        sim_start = self.sim_s - (self.timeline.schedule().step_s
-                                  if self.timeline.open_events else 0.0)
-        self.last_step = self.timeline.step()
-        self.step_history.append((self.last_step.step_s, self.last_step.no_overlap_s))
-        if self.trace_steps is not False:
-            self._trace(self.timeline.steps - 1, sim_start)
-        return self.last_step
-
-    def _trace(self, k: int, sim_start: float) -> None:
-        """Keep step ``k`` for ``--trace`` when it is selected (``last``: the newest only)."""
-        sel = self.trace_steps
-        keep_last = sel is not None and sel[1]
-        if sel is not None and k not in sel[0] and not keep_last:
-            return
-        if keep_last and self.traced and self.traced[-1].get("last_only") and \
-                self.traced[-1]["step"] not in sel[0]:
-            self.traced.pop()
-        self.traced.append({
-            "step": k, "sim_start_s": sim_start, "sim_s": self.last_step.step_s,
-            "wall_s": self.step_wall_s,
-            "last_only": sel is not None and k not in sel[0],
-            "events": [{"label": e.label, "kind": e.kind, "resource": e.resource,
-                        "start": e.start, "finish": e.finish, "phase": e.phase,
-                        "nbytes": e.nbytes} for e in self.last_step.events]})
-
-    # -- readings --------------------------------------------------------------------------------
-    def _open(self) -> tuple[float, float, float]:
-        """(critical path, no-overlap sum, compute) of the open step."""
-        self._resolve()
-        if self.timeline is None or not self.timeline.open_events:
-            return 0.0, 0.0, 0.0
-        t = self.timeline.schedule()
-        return t.step_s, t.no_overlap_s, t.compute_s + t.offload_s
 
     @property
-    def compute_s(self) -> float:
-        if self.timeline is None:
-            self._resolve()
-            return self._compute_s
-        tot = self.timeline.totals
-        return self._offset["compute_s"] + tot["compute_s"] + tot["offload_s"] + self._open()[2]
+    def open_step(self) -> bool:
+        """Whether entries were recorded since the last step closed."""
+        return len(self.program) > self._step_start
 
-    @compute_s.setter
-    def compute_s(self, value: float) -> None:
-        """Restore compute time (resume); in timeline mode it becomes an offset."""
-        if self.timeline is None:
-            self._compute_s = float(value)
-            self._resnap()
-        else:
-            self._resnap()
-            self._offset["compute_s"] = float(value) - (self.compute_s
-                                                        - self._offset["compute_s"])
+    def simulate(self) -> list[tuple[str, float]]:
+        """Simulate the steps closed since the last call, every rank's together (collective
+        over the world: every rank calls it at the same point); returns ``(kind, seconds)``
+        of each, the job's (the time between the moments its last rank ended the step before
+        and this one), on every rank."""
+        mine = self._payload()
+        gathered = self.mpi.gather(mine, root=0) if self.mpi is not None else [mine]
+        result = None
+        if self.rank == 0:
+            try:
+                result = ("ok", self._run(gathered))
+            except (ValueError, RuntimeError) as exc:
+                result = ("error", f"the job simulation of the run's steps failed: {exc}")
+        if self.mpi is not None:
+            result = self.mpi.bcast(result, root=0)
+        if result[0] == "error":
+            raise ValueError(result[1])
+        steps = result[1]
+        self.simulated.extend(steps)
+        return steps
+
+    def _payload(self) -> list:
+        """What this rank sends rank 0 for :meth:`simulate`: per closed step its program's id
+        (the program itself the first time), its blocks' seconds in program order, its kind
+        and its wall time."""
+        resolve_pending(self.source)
+        closed, self._closed = self._closed, []
+        mine = []
+        for start, stop, blocks, kind, wall in closed:
+            entries = rebase(self.program.since(start, stop), start)
+            digest = _digest(entries)
+            pid = self._sent.get(digest)
+            new = pid is None
+            if new:
+                pid = self._sent[digest] = len(self._sent)
+            mine.append((pid, normalize(entries) if new else None,
+                         np.array([b.seconds or 0.0 for b in blocks], dtype=np.float64),
+                         kind, wall))
+        if not self.keep_program:
+            self.program.drop(self._step_start)
+        return mine
+
+    def _run(self, gathered) -> tuple[list, list]:
+        """Rank 0: the job simulation of the gathered steps."""
+        counts = {len(g) for g in gathered}
+        if len(counts) != 1:
+            raise ValueError(f"the ranks closed different numbers of steps ({sorted(counts)})")
+        n = counts.pop()
+        if not n:
+            return []
+        kinds = [step[3] for step in gathered[0]]
+        programs, charges = [], []
+        for r, steps in enumerate(gathered):
+            prog: list = []
+            for pid, entries, *_ in steps:
+                if entries is not None:
+                    self._known[(r, pid)] = entries
+                prog += rebase(self._known[(r, pid)], -len(prog))
+            programs.append(prog)
+            charges.append(_Measured([step[2] for step in steps]))
+        first = len(self.simulated)
+        keep = self._traced_steps(first, n)
+        sim = JobSim(programs, self.node_of, self.network, charges, **self.jobsim.kwargs(),
+                     record_events=True)
+        ends = sim.run()
+        for link, moved in sim.moved.items():
+            self.moved[link] = self.moved.get(link, 0.0) + moved
+        done = [max(e[s] for e in ends) for s in range(n)]
+        lengths = [b - a for a, b in zip([0.0, *done[:-1]], done)]
+        if keep:
+            self._trace(sim, ends, gathered, keep, first, lengths)
+        units = [s for s in range(n) if kinds[s] == "unit"]
+        if units:
+            self._keep_last(sim, ends, units[-1], first, lengths)
+        return list(zip(kinds, lengths))
+
+    def _keep_last(self, sim, ends, s: int, first: int, lengths) -> None:
+        """Rank 0: the events of step ``s`` (the interval's last unit) of rank 0 and of the
+        rank that ended it last, each from the moment it ended the step before."""
+        slowest = max(range(len(ends)), key=lambda r: ends[r][s])
+
+        def events(r):
+            t0 = ends[r][s - 1] if s else 0.0
+            return [{**e, "start": e["start"] - t0, "finish": e["finish"] - t0}
+                    for e in sim.events[r] if e["step"] == s]
+
+        self.last_step = {"step": first + s, "step_s": lengths[s], "slowest_rank": slowest,
+                          "ranks": {str(r): events(r) for r in sorted({0, slowest})}}
+
+    def _traced_steps(self, first: int, n: int) -> list[int]:
+        """Which of the steps ``first`` ... ``first + n - 1`` of the run ``--trace`` keeps
+        (interval positions)."""
+        sel = self.trace_steps
+        if sel is False:
+            return []
+        if sel is None:
+            return list(range(n))
+        indices, last = sel
+        keep = [s for s in range(n) if first + s in indices]
+        if last and n - 1 not in keep:
+            keep.append(n - 1)
+        return keep
+
+    def _trace(self, sim, ends, gathered, keep: list[int], first: int, lengths) -> None:
+        """Rank 0: the kept steps' events of every rank (:mod:`substrate.trace`), each rank's
+        step from the moment it ended the one before, on the run's simulated time."""
+        sel = self.trace_steps
+        only = set(sel[0]) if sel is not None else None
+        base = self.sim_s
+        for r, steps in enumerate(gathered):
+            kept = self.traced.setdefault(r, [])
+            if sel is not None and sel[1]:     # "last": the newest step replaces the last one
+                kept[:] = [st for st in kept if st["step"] in only]
+            for s in keep:
+                t0 = ends[r][s - 1] if s else 0.0
+                kept.append({"step": first + s, "sim_start_s": base + t0,
+                             "sim_s": lengths[s], "wall_s": steps[s][4],
+                             "events": [{**e, "start": e["start"] - t0,
+                                         "finish": e["finish"] - t0}
+                                        for e in sim.events[r] if e["step"] == s]})
+
+    # -- readings --------------------------------------------------------------------------------
+    @property
+    def compute_s(self) -> float:
+        """Measured compute of the outermost blocks so far (every stream)."""
+        resolve_pending(self.source)
+        return self._offset["compute_s"] + self._compute_s
 
     @property
     def comm_modeled_s(self) -> float:
+        """The α–β sum of every call booked (a bound: nothing overlapped, no link shared)."""
         return self.ledger.modeled_s
 
     @property
     def sim_s(self) -> float:
-        if self.timeline is None:
-            return self.compute_s + self.comm_modeled_s
-        return self._offset["sim_s"] + self.timeline.totals["step_s"] + self._open()[0]
+        """The job's simulated time of every step simulated so far."""
+        return self._offset["sim_s"] + math.fsum(s for _, s in self.simulated)
 
-    @property
-    def no_overlap_s(self) -> float:
-        """The additive clock's reading (``Σ compute + Σ α–β``)."""
-        if self.timeline is None:
-            return self.sim_s
-        return self._offset["no_overlap_s"] + self.timeline.totals["no_overlap_s"] + \
-            self._open()[1]
+    def unit_steps(self) -> list[float]:
+        """The simulated length of every ``unit`` step, in order."""
+        return [s for kind, s in self.simulated if kind == "unit"]
 
     @property
     def wall_s(self) -> float:
@@ -455,57 +605,50 @@ class SimClock:
 
     def as_dict(self) -> dict:
         """Floats only (``Run.finish`` reduces each with MAX over ranks)."""
-        d = {"wall_s": self.wall_s, "compute_s": self.compute_s,
-             "comm_modeled_s": self.comm_modeled_s, "sim_s": self.sim_s}
-        if self.timeline is not None:
-            d["no_overlap_s"] = self.no_overlap_s
-            d["exposed_comm_s"] = self.timeline.totals["exposed_comm_s"]
-            d["steps"] = float(self.timeline.steps)
-        return d
+        return {"wall_s": self.wall_s, "compute_s": self.compute_s,
+                "comm_modeled_s": self.comm_modeled_s, "sim_s": self.sim_s,
+                "steps": float(len(self.simulated))}
 
-    def describe(self, events: bool = False) -> dict:
-        """For ``summary.json``'s ``timeline`` block: mode, compute source, totals, and with
-        ``events`` the last closed step's schedule (label, kind, resource, start, finish: a
-        Gantt chart of this rank)."""
-        d = {"mode": self.mode, "compute_source": self.source.describe()}
+    def describe(self) -> dict:
+        """For ``summary.json``'s ``clock`` block: the model, the compute source, the network,
+        the simulation's options and the steps simulated."""
+        d = {"model": MODEL, "compute_source": self.source.describe(),
+             "network": self.network.describe(),
+             "job_simulation": {"link_sharing": self.jobsim.link_sharing,
+                                "eager_limit": None if math.isinf(self.jobsim.eager_limit)
+                                else self.jobsim.eager_limit,
+                                "ack_overhead": self.jobsim.ack_overhead},
+             "steps": len(self.simulated),
+             "bytes_moved": dict(self.moved) if self.rank == 0 else None,
+             "last_step": self.last_step,
+             "bound": "comm_modeled_s: every call's alpha-beta time, alone on its links, "
+                      "nothing overlapped"}
         profile = self.source.profile_info()
         if profile is not None:
             d["compute_profile"] = profile
-        if self.timeline is not None:
-            d["steps"] = self.timeline.steps
-            d["links"] = ("one resource per link class; a transfer waits its alpha terms, then "
-                          "shares the link's bandwidth equally with the transfers in flight")
-            d["totals"] = dict(self.timeline.totals)
-        if self.last_step is not None:
-            d["last_step"] = self.last_step.as_dict()
-            if events:
-                d["last_step"]["events"] = [
-                    {"label": e.label, "kind": e.kind, "resource": e.resource,
-                     "start": e.start, "finish": e.finish, "phase": e.phase,
-                     "nbytes": e.nbytes} for e in self.last_step.events]
         return d
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state(self) -> dict:
-        """Readings to restore with :meth:`load_state` on resume (timeline mode: call at a step
-        boundary)."""
-        return {"compute_s": self.compute_s, "sim_s": self.sim_s,
-                "no_overlap_s": self.no_overlap_s}
-
-    def _resnap(self) -> None:
-        """Start the step accounting from the ledger as it is now (after a resume restored it)."""
-        self._prev = {"compute_s": self._compute_s, "comm_s": self.ledger.modeled_s}
+        """Readings to restore with :meth:`load_state` on resume (after a :meth:`simulate`)."""
+        return {"compute_s": self.compute_s, "sim_s": self.sim_s}
 
     def load_state(self, state: dict) -> None:
-        """Restore :meth:`state` on resume; call it after the ledger has been restored."""
-        if self.timeline is None:
-            self._compute_s = float(state["compute_s"])
-            self._resnap()
-            return
-        self._resnap()
-        for k in ("sim_s", "no_overlap_s", "compute_s"):
+        """Restore :meth:`state` on resume."""
+        for k in ("sim_s", "compute_s"):
             self._offset[k] = 0.0
-        cur = {"sim_s": self.sim_s, "no_overlap_s": self.no_overlap_s,
-               "compute_s": self.compute_s}
-        for k, now in cur.items():
-            self._offset[k] = float(state[k]) - now
+        self._offset["compute_s"] = float(state["compute_s"]) - self.compute_s
+        self._offset["sim_s"] = float(state["sim_s"]) - self.sim_s
+
+
+def _digest(entries) -> str:
+    """A step program's identity (its calls by their keys): equal digests, equal programs."""
+    h = hashlib.blake2b(digest_size=16)
+    for e in entries:
+        if e[0] == "C":
+            c = e[1]
+            h.update(repr(["C", c.key_repr if isinstance(c, Call) else repr(c), *e[2:]])
+                     .encode())
+        else:
+            h.update(repr(e).encode())
+    return h.hexdigest()

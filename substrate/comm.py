@@ -61,8 +61,9 @@ def _scheduled(call: Call, member: int) -> list:
 
 
 class Request(Handle):
-    """A pending point-to-point operation: a :class:`~substrate.recorder.Handle` (record and
-    timeline event of a send; none for a receive) that :meth:`Comm.waitall` completes.
+    """A pending point-to-point operation: a :class:`~substrate.recorder.Handle` (the send's
+    record; the program entry of the send or the receive) that :meth:`Comm.waitall`
+    completes.
 
     ``staged`` is the buffer's :class:`~substrate.backend.Staged` hand-off (device arrays): its
     pinned block stays leased until the request completes, then a receive is copied back to
@@ -106,7 +107,7 @@ class Comm:
 
     Every collective and point-to-point method builds the call's record
     (:class:`~substrate.calls.Call`), executes it, books what this rank sent in the ledger,
-    declares the record's timeline event after ``after=`` (default: after everything declared
+    records the call in the rank's program after ``after=`` (default: blocking, after everything
     before) and returns a :class:`~substrate.recorder.Handle` (``.result``, ``.event``).
 
     Parameters
@@ -118,7 +119,7 @@ class Comm:
     world_ranks : numpy.ndarray
         World rank of each member, indexed by rank in ``mpi``.
     recorder : Recorder
-        The run's books (ledger, cost model, timeline, call log), shared by every communicator.
+        The run's books (ledger, cost model, program, call log), shared by every communicator.
     backend : Backend, optional
         Array backend used to hand buffers to MPI (CPU by default).
     collectives : {"exact", "native"}, optional
@@ -230,7 +231,7 @@ class Comm:
 
         ``wait=True`` (or no stream): after the stream has drained, here and now; the handle is
         complete.  ``wait=False``: on the communication stream (:mod:`substrate.stream`), in
-        issue order, while this thread goes on; the event is declared now (after ``after``),
+        issue order, while this thread goes on; the call is recorded now (after ``after``),
         the booking and completion happen in :meth:`Handle.wait`.  Without overlap
         (``--overlap off``) every call blocks."""
         rec = self.recorder
@@ -557,7 +558,7 @@ class Comm:
             raise ValueError(f"alltoallv: recvcounts {recvcounts.tolist()} must have one "
                              f"non-negative entry per rank ({p})")
         # a member knows its own row of the byte matrix only: its record carries that row
-        # (the others zero), which is all its booking and its timeline event need
+        # (the others zero), which is all its booking and its program entry need
         mine = sendcounts * sendbuf.itemsize
         matrix = np.zeros((p, p), dtype=np.int64)
         matrix[self.rank] = mine
@@ -595,11 +596,8 @@ class Comm:
         return self._done(call, after, None, payload=0, sent=_scheduled(call, self.rank))
 
     # -- point to point --------------------------------------------------------------------------
-    def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None,
-              share: float | None = None) -> Request:
-        """Non-blocking send; the bytes are recorded here, on the sender.  ``share``: the
-        exchange's :attr:`substrate.calls.Call.share` when the message is one of an exchange
-        (:func:`substrate.calls.exchange_shares`; default: the one-NIC rule)."""
+    def isend(self, buf, dest: int, tag: int = 0, *, phase: str, after=None) -> Request:
+        """Non-blocking send; the bytes are recorded here, on the sender."""
         self._check(buf, "isend")
         self.stream.drain()
         staged = None
@@ -612,8 +610,7 @@ class Comm:
                 view = staged.pull()
         req = self.mpi.Isend(view, dest=dest, tag=tag)
         dst = self.group[dest]
-        call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),),
-                          share=share)
+        call = self._call(phase, "p2p", pairs=((self.world_rank, dst, buf.nbytes),))
         rec = self.recorder
         if dest == self.rank:  # a self-message is a local copy: no link, no wire bytes
             rec.book(call, payload=buf.nbytes)
@@ -621,10 +618,8 @@ class Comm:
         link = self.link_to(dest)
         intra, inter = (buf.nbytes, 0) if link == INTRA else (0, buf.nbytes)
         rec.book(call, payload=buf.nbytes, intra=intra, inter=inter, messages=1, links=(link,))
-        r = Request(req, call, rec.declare(call, after, wait=False, tag=tag), buf=buf,
-                    staged=staged)
-        r.entry = rec.last_entry if rec.program is not None else None
-        return r
+        return Request(req, call, rec.declare(call, after, wait=False, tag=tag), buf=buf,
+                       staged=staged)
 
     def irecv(self, buf, source: int, tag: int = 0, *, phase: str) -> Request:
         """Non-blocking receive into ``buf`` (nothing recorded: the sender records)."""
@@ -638,7 +633,7 @@ class Comm:
         r = Request(self.mpi.Irecv(view, source=source, tag=tag), buf=buf, staged=staged)
         prog = self.recorder.program
         if prog is not None:
-            r.entry = prog.receive(self.group[source], buf.nbytes, tag, self.group)
+            r.event = prog.receive(self.group[source], buf.nbytes, tag, self.group)
         return r
 
     def waitall(self, requests: Sequence[Request]) -> None:
@@ -648,7 +643,7 @@ class Comm:
             return
         prog = self.recorder.program
         if prog is not None:
-            prog.waitall([r.entry for r in requests if r.entry is not None])
+            prog.waitall([r.event for r in requests if r.event is not None])
         MPI.Request.Waitall([r.mpi for r in requests])
         for r in requests:
             r._wait = None
@@ -664,9 +659,10 @@ class Waiting:
     """A communicator this rank is not a member of, as the rank sees it: the node leaders'
     communicator seen from a follower (:attr:`substrate.topology.Topology.leaders`).
 
-    Its collectives execute nothing, book nothing and leave the buffer alone; each declares the
-    leaders' call on this rank's timeline, so that what the rank does next waits for it (a
-    broadcast from the leader after the leaders' all-reduce cannot start before it ends).
+    Its collectives execute nothing, book nothing and leave the buffer alone; each records the
+    leaders' call in this rank's program as a wait, so that what the rank does next waits for
+    it (a broadcast from the leader after the leaders' all-reduce cannot start before it
+    ends).
     """
 
     def __init__(self, group, recorder: Recorder) -> None:

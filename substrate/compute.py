@@ -1,5 +1,5 @@
 """Compute sources: how long a compute block of the simulated clock takes, independently of how
-loaded the host is, and the per-layer events of a model on a timeline.
+loaded the host is.
 
 Compute sources (:class:`ComputeSource`) say how long a compute block takes, independently of
 how loaded the host is:
@@ -39,8 +39,6 @@ import math
 import time
 from contextlib import contextmanager
 
-from .timeline import Event, Timeline
-
 __all__ = [
     "CalibratedSource",
     "ComputeSource",
@@ -48,7 +46,6 @@ __all__ = [
     "CudaEventSource",
     "DeferredMeasurement",
     "FlopSource",
-    "LayerEvents",
     "WallSource",
     "blas_threads",
     "resolve_pending",
@@ -199,8 +196,8 @@ class CudaEventSource(ComputeSource):
     (:meth:`new_step`, or the first time a block's seconds are needed before then), after one
     host wait for the last end event, since every earlier event of the stream has completed
     by then.  A step of ``n`` timed blocks costs one host sync, not ``n``.  Measurements are
-    :class:`DeferredMeasurement`; :class:`LayerEvents` sets its events' seconds when they
-    are read."""
+    :class:`DeferredMeasurement`; the clock (:class:`substrate.clock.SimClock`) files their
+    seconds when they are read."""
 
     name = "cuda_events"
     deferred = True
@@ -339,125 +336,3 @@ def resolve_pending(source) -> None:
             fn()
         source = getattr(source, "base", None) or getattr(source, "fallback", None) or \
             getattr(source, "source", None)
-
-
-# -- per-layer events from a model -----------------------------------------------------------------
-
-class LayerEvents:
-    """Recorder for :attr:`models.network.Model.recorder`: turns the model's per-layer forward
-    and backward (and its loss) into compute events of ``timeline`` timed by ``source``, and
-    remembers after which backward event each flat-parameter range is ready.
-
-    The model calls ``layer(phase, name, flops, nbytes)`` (a context manager around the unit's
-    computation) and ``grads_ready(name, lo, hi)`` (after the backward of a unit whose
-    parameters are ``flat[lo:hi]``).  Strategies ask :meth:`ready_event` for the dependency of a
-    bucket.
-    """
-
-    def __init__(self, timeline: Timeline, source: ComputeSource) -> None:
-        self.timeline = timeline
-        self.source = source
-        self._recorded_s = 0.0           # Σ seconds of events recorded (for residuals)
-        self._secs: list = []            # this step's layer events' seconds (None: pending)
-        self._ranges: list[tuple[int, int, Event]] = []
-        self._token = None
-        self._last: Event | None = None
-        self._open: Event | None = None
-        self.program = None               # the recorded program (replay), set by the run
-
-    @property
-    def recorded_s(self) -> float:
-        """Σ seconds of the layer events recorded so far (reads pending CUDA events)."""
-        resolve_pending(self.source)
-        return self._recorded_s
-
-    @recorded_s.setter
-    def recorded_s(self, value: float) -> None:
-        self._recorded_s = float(value)
-
-    @property
-    def count(self) -> int:
-        """Layer events recorded so far in the open step."""
-        self._sync_step()
-        return len(self._secs)
-
-    def span(self, start: int):
-        """A function giving Σ seconds of this step's layer events ``start`` up to the ones
-        recorded by now, once they are known (a block timed by deferred CUDA events subtracts
-        its layers' time from its own when the step's events are read)."""
-        end = self.count
-        secs = self._secs
-        return lambda: float(sum(x or 0.0 for x in secs[start:end]))
-
-    def _sync_step(self) -> None:
-        if self._token is not self.timeline._token:
-            self._secs = []
-            self._token = self.timeline._token
-            self._ranges = []
-            self._last = None
-            self._open = None
-
-    @contextmanager
-    def layer(self, phase: str, name: str, flops: float | None = None,
-              nbytes: float | None = None):
-        """The unit's computation: its event is declared when the block starts (:attr:`open`,
-        so a call issued from inside the block, e.g. a gradient bucket handed to the
-        communication stream as soon as the layer wrote it, can wait for it) and timed when
-        it ends."""
-        self._sync_step()
-        label = f"{phase}:{name}"
-        ev = self.timeline.compute(label, 0.0)
-        self._open = ev
-        if self.program is not None:
-            self.program.begin("layer", label, label, event=ev)
-        try:
-            with self.source.measure(flops, nbytes, label) as m:
-                yield m
-        finally:
-            self._open = None
-            if self.program is not None:
-                self.program.end(ev)
-        self._last = ev
-        i = len(self._secs)
-        self._secs.append(None)
-        if getattr(m, "deferred", False) and not m.resolved:
-            m.then(lambda sec, ev=ev, i=i, secs=self._secs: self._late(ev, sec, secs, i))
-        else:
-            self._late(ev, m.seconds, self._secs, i)
-
-    def _late(self, ev: Event, seconds: float, secs: list, i: int) -> None:
-        self.timeline.set_seconds(ev, seconds)
-        self._recorded_s += seconds
-        secs[i] = seconds
-
-    @property
-    def open(self) -> Event | None:
-        """The event of the unit being computed now (``None`` between units)."""
-        self._sync_step()
-        return self._open
-
-    def grads_ready(self, name: str, lo: int, hi: int) -> None:
-        self._sync_step()
-        if self._last is None:
-            raise ValueError(f"grads_ready({name!r}) before any backward event of this step")
-        if hi > lo:
-            self._ranges.append((int(lo), int(hi), self._last))
-
-    @property
-    def last(self) -> Event | None:
-        """The last layer event of the open step (e.g. the end of the backward)."""
-        self._sync_step()
-        return self._last
-
-    def ready_event(self, lo: int, hi: int) -> Event:
-        """The backward event after which every gradient in ``flat[lo:hi]`` is written."""
-        self._sync_step()
-        if not 0 <= lo < hi:
-            raise ValueError(f"ready_event: need 0 <= lo < hi, got [{lo}, {hi})")
-        covering = [(a, b, e) for a, b, e in self._ranges if a < hi and b > lo]
-        covered = sum(min(b, hi) - max(a, lo) for a, b, _ in covering)
-        if covered < hi - lo:
-            raise ValueError(f"ready_event: flat[{lo}:{hi}] is not covered by the gradients "
-                             f"reported this step ({covered} of {hi - lo} elements); run the "
-                             "backward with model.recorder set before declaring the transfer")
-        return max((e for _, _, e in covering), key=lambda e: e.index)

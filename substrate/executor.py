@@ -147,6 +147,9 @@ class Executor:
         #: generated entries), held equal by :meth:`verify`
         self._ran: list = []
         self.steps_verified = 0
+        #: hold every step run equal to its recording (a run that keeps its whole program:
+        #: ``--compute-profile-out``)
+        self.verifying = bool(getattr(run, "verify_programs", False))
 
     def verify(self) -> None:
         """Hold what the run recorded of every step run so far (:class:`substrate.program.
@@ -155,14 +158,14 @@ class Executor:
         streams, entry for entry.  Only while the run records its program
         (``--compute-profile-out``); raises ``ValueError`` naming the first difference."""
         prog = self.rec.program
-        if prog is None:
+        if prog is None or not self.verifying:
             return
         done = []
         for start, gen in self._ran:
             end = start + len(gen)
-            if len(prog.entries) < end:
+            if len(prog) < end:
                 break                       # the step is not closed yet
-            have = rebase(normalize(prog.entries[start:end]), start)
+            have = rebase(normalize(prog.since(start, end)), start)
             want = gen
             if have != want:
                 k = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b),
@@ -197,11 +200,11 @@ class Executor:
             ends = self._ends_cache[key] = (entries, _ends(entries))
         self.entries, self.ends, self.bind = entries, ends[1], bind
         prog = self.rec.program
-        if prog is not None:
+        if prog is not None and self.verifying:
             self.verify()
             stop = next((i + 1 for i in range(start, len(entries)) if entries[i][0] == "S"),
                         len(entries))
-            self._ran.append((len(prog.entries), rebase(normalize(entries[start:stop]), start)))
+            self._ran.append((len(prog), rebase(normalize(entries[start:stop]), start)))
         self.events: dict = {}
         self.handles: dict = {}
         self._pass = None
@@ -386,7 +389,7 @@ class Executor:
                 raise ValueError(f"call {call.phase!r}: a program sends one message per entry "
                                  f"(got {len(rows)} rows)")
             return comm.isend(buf, comm.group.index(rows[0][1]), tag=tag or 0,
-                              phase=call.phase, after=after, share=call.share)
+                              phase=call.phase, after=after)
         if a == "allreduce":
             return comm.allreduce(buf, call.op or "sum", phase=call.phase, after=after,
                                   wait=wait)

@@ -1,15 +1,15 @@
-"""Job simulation: the recorded programs of every rank run together, step after step, on a
-simulated network (issue 24).
+"""Job simulation: every rank's program run together, step after step, on a simulated network.
 
-The event timeline (:mod:`substrate.timeline`) schedules one rank's step with every rank
-starting it at the same time, and a collective ends for all its members together.  A real job
-drifts.  In a ring all-gather across two nodes the ranks whose left neighbour shares their node
+The one time model of spardist: a run's simulated time (:meth:`substrate.clock.SimClock.
+simulate`, on the programs its ranks recorded and the seconds its compute source measured), the
+replay, ``commvol simulate`` (a recorded compute profile) and ``commvol scale`` (programs
+generated from the plans, :mod:`commvol.job`) all read it.  A real job drifts, and so does this
+one: in a ring all-gather across two nodes the ranks whose left neighbour shares their node
 receive their last block one hop earlier than the others; with an eager protocol their last
 sends are still on the wire when they return, so they start the next step's compute while the
-link still carries the current step's blocks.  The ranks settle into a pipelined steady state
-in which a link stays busy through part of the compute.  Measured on the wire lab: Top-K 2 x 2
-at 100 Mbit/s ran 0.80x the timeline's step and SSFusion 2 x 2 at 1 Gbit/s 0.86x, while cells
-whose steps start in lock step (ddp, H-SADMM) agree within 2-4 %.
+link still carries the current step's blocks, and the ranks settle into a pipelined steady
+state in which a link stays busy through part of the compute (on the wire lab, Top-K 2 x 2 at
+100 Mbit/s ran 0.80x of a model that starts every rank's step together).
 
 This module is SimGrid SMPI's offline mode for spardist's programs (:mod:`substrate.program`):
 every rank walks its program as :mod:`runner.replay` executes it, in simulated time:
@@ -187,6 +187,9 @@ class JobSim:
         How messages share a node's uplink and downlink: first in, first out (default; TCP
         through one deep FIFO queue per port, the wire lab) or max-min fair (per-flow fair
         queueing).  See the module's docstring.
+    record_events : bool
+        Keep every rank's compute blocks and calls with their simulated start and end
+        (:attr:`events`: what ``--trace`` writes).
     ack_overhead : float
         Bytes (at the inter-node rate) the receiving node sends back over the reverse links per
         byte of an inter-node message: the transport's acknowledgements.  When a message has
@@ -202,7 +205,7 @@ class JobSim:
 
     def __init__(self, programs, node_of, cost: CostModel | Cluster, charge, *,
                  eager_limit: float = math.inf, link_sharing: str = "fifo",
-                 ack_overhead: float | None = None) -> None:
+                 ack_overhead: float | None = None, record_events: bool = False) -> None:
         if len(programs) != len(node_of) or len(charge) != len(programs):
             raise ValueError(f"JobSim: {len(programs)} programs, {len(node_of)} node entries "
                              f"and {len(charge)} profiles: give one of each per rank")
@@ -259,6 +262,9 @@ class JobSim:
         self._calls: dict = {}              # id(call dict) -> its Call
         #: bytes moved inside nodes and between them (the ledger's wire bytes, a check)
         self.moved = {"intra": 0.0, "inter": 0.0}
+        #: with ``record_events``: every rank's compute blocks and calls, ``{"label", "kind",
+        #: "lane", "start", "finish", "step", ...}`` (a call: its phase, bytes, algorithm)
+        self.events = [[] for _ in programs] if record_events else None
 
     # -- requests and processes ------------------------------------------------------------------
     def _complete(self, req: _Req) -> None:
@@ -585,7 +591,7 @@ class JobSim:
                 deps = [handles[d] for d in e[4] if d in handles]
                 if e[5] == "offload":       # the CPU worker: the block, whole, beside the thread
                     h = _Req()
-                    self._spawn(self._offloaded(c, [offload, *deps], h), r)
+                    self._spawn(self._offloaded(c, [offload, *deps], h, r, e[2]), r)
                     offload = handles[i] = h
                     skip_to = self._end(r, i)
                     continue
@@ -593,18 +599,20 @@ class JobSim:
                 if pending:
                     yield "wait", pending
                 handles[i] = _Req()
-                blocks.append([e[1], c, 0.0, i])
+                blocks.append([e[1], c, 0.0, i, self.now, e[2]])
                 if e[1] == "layer":
                     for b in blocks[:-1]:   # the clock blocks around leave it out
                         b[2] += c
                     yield "sleep", c
             elif kind == "E":
-                what, c, inner, j = blocks.pop()
+                what, c, inner, j, t0, label = blocks.pop()
                 if what == "clock":
                     for b in blocks:        # a nested block's whole cost
                         b[2] += c
                     yield "sleep", max(0.0, c - inner)
                 self._complete(handles[j])
+                if self.events is not None:
+                    self._event(r, label, "compute", "compute", t0)
             elif kind == "C":
                 call, _after, member, wait, tag = e[1:]
                 if not member:              # the leaders' call seen from a follower
@@ -626,7 +634,10 @@ class JobSim:
                     handles[i] = self._send(src, dst, ("p2p", call.group, tag, src, dst),
                                             nbytes)
                     continue
+                t0 = self.now
                 yield from self._collective(r, call)
+                if self.events is not None:
+                    self._event(r, call.label or call.phase, "call", "calls", t0, call)
             elif kind == "W":
                 h = handles.get(e[1])
                 if h is not None:
@@ -655,20 +666,35 @@ class JobSim:
                     return j
         raise ValueError(f"JobSim: rank {r}'s block {i} never ends")
 
-    def _offloaded(self, cost: float, before: list, h: _Req):
+    def _offloaded(self, cost: float, before: list, h: _Req, r: int, label: str):
         """An offload-stream block: after the worker's previous block and its dependencies,
         ``cost`` seconds on the worker."""
         pending = [q for q in before if q is not None and not q.done]
         if pending:
             yield "wait", pending
+        t0 = self.now
         yield "sleep", cost
         self._complete(h)
+        if self.events is not None:
+            self._event(r, label, "compute", "offload", t0)
 
     def _on_stream(self, r: int, call: Call, before: _Req | None, h: _Req):
         if before is not None and not before.done:
             yield "wait", [before]
+        t0 = self.now
         yield from self._collective(r, call)
         self._complete(h)
+        if self.events is not None:
+            self._event(r, call.label or call.phase, "call", "stream", t0, call)
+
+    def _event(self, r: int, label: str, kind: str, lane: str, t0: float,
+               call: Call | None = None) -> None:
+        """Keep what rank ``r`` did from ``t0`` to now (``record_events``), in its step."""
+        ev = {"label": label, "kind": kind, "lane": lane, "start": t0, "finish": self.now,
+              "step": len(self.steps[r])}
+        if call is not None:
+            ev.update(phase=call.phase, nbytes=call.nbytes, algorithm=call.algorithm)
+        self.events[r].append(ev)
 
     def _collective(self, r: int, call: Call):
         """Rank ``r``'s rounds of the call's schedule (:func:`substrate.schedule.of_call`, the

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .calls import Call, exchange_shares
+from .calls import Call
 
 __all__ = ["Builder", "Placer", "Program", "normalize", "rebase", "steps"]
 
@@ -64,16 +64,42 @@ class _Entries:
 
 class Program(_Entries):
     """The entries of one rank as it runs, recorded from the clock's and the communicators'
-    hooks (see the module docstring)."""
+    hooks (see the module docstring).
+
+    An entry's index is its event: a compute block, a call or a layer is named, in a later
+    entry's dependencies, by the index :meth:`begin` / :meth:`call` returned.  Indices count
+    over the whole run; :meth:`drop` forgets the entries before a step already simulated
+    (:attr:`base` is the index of the first one kept)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._index: dict[int, int] = {}     # id(timeline event) -> entry index
+        self.base = 0
         self._open: list[int] = []           # entry indices of the open blocks
-        #: labels of dependencies on events no entry made (the replay cannot wait for them)
-        self.unknown: list[str] = []
 
-    def _idx(self, deps) -> list[int]:
+    def __len__(self) -> int:
+        """Entries recorded so far (the index the next one gets)."""
+        return self.base + len(self.entries)
+
+    def _add(self, entry) -> int:
+        self.entries.append(entry)
+        return self.base + len(self.entries) - 1
+
+    def since(self, start: int, stop: int | None = None) -> list:
+        """The entries ``start`` (an index over the run) up to ``stop``."""
+        stop = len(self) if stop is None else stop
+        return self.entries[start - self.base:stop - self.base]
+
+    def drop(self, upto: int) -> None:
+        """Forget the entries before index ``upto`` (no open block may start before it)."""
+        if self._open and self._open[0] < upto:
+            raise ValueError(f"program: block {self._open[0]} is still open")
+        del self.entries[:upto - self.base]
+        self.base = upto
+
+    @staticmethod
+    def _idx(deps) -> list[int]:
+        """Entry indices of ``deps`` (indices, handles holding one as their ``event``, or
+        ``None``s; one or a sequence)."""
         if deps is None:
             return []
         if not isinstance(deps, (list, tuple)):
@@ -81,43 +107,35 @@ class Program(_Entries):
         out = []
         for d in deps:
             ev = getattr(d, "event", d)
-            if ev is None:
-                continue
-            i = self._index.get(id(ev))
-            if i is None:          # an event the program did not record (a join made by hand)
-                self.unknown.append(getattr(ev, "label", str(ev)))
-                continue
-            out.append(i)
+            if ev is not None:
+                out.append(int(ev))
         return out
-
-    def bind(self, event, index: int) -> None:
-        """``event`` is the timeline event of entry ``index``."""
-        if event is not None:
-            self._index[id(event)] = index
 
     # -- recording -------------------------------------------------------------------------------
     def begin(self, kind: str, label: str, key: str | None = None, deps=(),
-              stream: str = "compute", after=None, event=None) -> int:
+              stream: str = "compute", after=None) -> int:
         placed = self._idx(after) if after is not None else []
         i = self._add(["B", kind, label, key, self._idx(deps), stream,
                        placed[0] if placed else None])
         self._open.append(i)
-        self.bind(event, i)
         return i
 
-    def end(self, event=None) -> None:
+    def end(self) -> int:
+        """The innermost open block ends; returns its index."""
         i = self._open.pop()
         self._add(["E"])
-        self.bind(event, i)
-
-    def call(self, call, after, member: bool, wait: bool, event, tag=None) -> int:
-        i = self._add(["C", call.to_dict(), None if after is None else self._idx(after),
-                       bool(member), bool(wait), tag])
-        self.bind(event, i)
         return i
 
-    def step(self) -> None:
+    def call(self, call, after, member: bool, wait: bool, tag=None) -> int:
+        """A call (its record, written as :meth:`~substrate.calls.Call.to_dict` by
+        :func:`normalize`)."""
+        return self._add(["C", call, None if after is None else self._idx(after),
+                          bool(member), bool(wait), tag])
+
+    def step(self) -> int:
+        """The step ends; returns the index after it."""
         self._add(["S"])
+        return len(self)
 
 
 def normalize(entries) -> list:
@@ -312,14 +330,12 @@ class Placer:
     def _exchange(self, k: int, r, deps: list[int]) -> int:
         """This rank's part of a direct-message exchange (a ``p2p`` record of every sender's
         messages): a receive posted for every message it gets, a send for every message it
-        sends (one record each, carrying the exchange's share of its node's link,
-        :func:`substrate.calls.exchange_shares`), then a wait for all of them.  Returns the
+        sends (one record each), then a wait for all of them.  Returns the
         wait's entry (what later records depend on)."""
         me, b = self.rank, self.b
         rows = r.pairs.tolist()
-        share = r.share if r.share is not None else exchange_shares(r, self.placement).get(me)
         posted = [b.receive(src, nb, 0, r.group) for src, dst, nb in rows if dst == me != src]
-        posted += [b.call(Call(r.phase, "p2p", r.group, pairs=((me, dst, nb),), share=share,
+        posted += [b.call(Call(r.phase, "p2p", r.group, pairs=((me, dst, nb),),
                                label=r.label), deps if self.overlap else None, wait=False,
                           tag=0)
                    for src, dst, nb in rows if src == me != dst]

@@ -139,8 +139,8 @@ class Topology:
         All ranks; my node's ranks; the node leaders (``None`` on followers).
     leaders : Comm or Waiting
         The node leaders' communicator as every rank sees it: :attr:`inter` on a leader; on a
-        follower a :class:`~substrate.comm.Waiting` view whose calls only declare the leaders'
-        call on its timeline (a follower waits for its leader's inter-node phase).
+        follower a :class:`~substrate.comm.Waiting` view whose calls only record the leaders'
+        call in its program (a follower waits for its leader's inter-node phase).
     placement : Placement
         Node of every world rank (the pure description plans take).
     recorder : Recorder

@@ -1,14 +1,15 @@
-"""Chrome Trace Event export of a run's timeline (what Perfetto and ``chrome://tracing`` open).
+"""Chrome Trace Event export of a run's simulated steps (what Perfetto and ``chrome://tracing``
+open).
 
 Horovod's timeline and ``torch.profiler`` write the Trace Event format; so does spardist:
-``--trace FILE`` (with ``--trace-steps``) writes the selected steps of every rank, and
-``python -m commvol trace RUN_DIR`` the steps a finished run's ``summary.json`` keeps.  Each rank
-is a process (``pid``); its lanes are threads (``tid``): the compute stream, the offload thread,
-the intra- and inter-node links, waits for other ranks' phases, and a ``wall`` lane with the
-step's measured wall time.  Every event is a complete event (``"ph": "X"``) on the **simulated**
-clock (microseconds from the start of the run's simulated time), with its phase, bytes and link
-class in ``args``; the ``wall`` lane is placed at the same simulated start so the two compare
-step by step.  Format: the Trace Event Format document (JSON object with ``traceEvents``).
+``--trace FILE`` (with ``--trace-steps``) writes the selected steps of every rank as the job
+simulation ran them (:class:`substrate.jobsim.JobSim`, ``record_events``).  Each rank is a
+process (``pid``); its lanes are threads (``tid``): the compute stream, the offload worker, the
+calls on the communication stream, the blocking calls, and a ``wall`` lane with the step's
+measured wall time.  Every event is a complete event (``"ph": "X"``) on the **simulated** clock
+(microseconds from the start of the run's simulated time), a call's phase, bytes and algorithm
+in ``args``; the ``wall`` lane is placed at the same simulated start so the two compare step by
+step.  Format: the Trace Event Format document (JSON object with ``traceEvents``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 __all__ = ["LANES", "parse_steps", "trace_document", "trace_events"]
 
 #: lane (thread) ids, in display order
-LANES = {"compute": 1, "offload": 2, "intra": 3, "inter": 4, "none": 5, "wall": 6}
-_LANE_NAMES = {"compute": "compute stream", "offload": "offload thread",
-               "intra": "intra-node link", "inter": "inter-node link",
-               "none": "waits for other ranks", "wall": "measured wall time"}
+LANES = {"compute": 1, "offload": 2, "stream": 3, "calls": 4, "wall": 5}
+_LANE_NAMES = {"compute": "compute stream", "offload": "offload worker",
+               "stream": "communication stream", "calls": "blocking calls",
+               "wall": "measured wall time"}
 
 
 def _parse(spec: str):
@@ -52,24 +53,22 @@ def parse_steps(spec: str):
 
 
 def trace_events(rank: int, steps: list[dict]) -> list[dict]:
-    """The Trace Event records of one rank: ``steps`` are ``{"step", "sim_start_s",
-    "wall_s", "events": [EventRecord-like dicts]}``."""
+    """The Trace Event records of one rank: ``steps`` are ``{"step", "sim_start_s", "sim_s",
+    "wall_s", "events"}``, the events :class:`substrate.jobsim.JobSim` recorded (``label``,
+    ``kind``, ``lane``, ``start``, ``finish`` from the step's start; a call's ``phase``,
+    ``nbytes``, ``algorithm``)."""
     out = [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}},
            {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}]
     used = set()
     for st in steps:
         t0 = float(st["sim_start_s"])
         for e in st["events"]:
-            if e["kind"] == "join":
-                continue
-            lane = e["resource"] if e["resource"] in LANES else "none"
+            lane = e["lane"]
             used.add(lane)
             args = {"step": st["step"], "kind": e["kind"]}
             if e.get("phase"):
-                args["phase"] = e["phase"]
-            if e["kind"] in ("transfer", "wait"):
-                args["bytes"] = int(e.get("nbytes") or 0)
-                args["link"] = e["resource"] if e["kind"] == "transfer" else "another rank's"
+                args.update(phase=e["phase"], bytes=int(e.get("nbytes") or 0),
+                            algorithm=e.get("algorithm"))
             out.append({"ph": "X", "name": e["label"], "cat": e.get("phase") or e["kind"],
                         "pid": rank, "tid": LANES[lane],
                         "ts": (t0 + float(e["start"])) * 1e6,
@@ -97,5 +96,6 @@ def trace_document(per_rank: dict[int, list[dict]], meta: dict) -> dict:
     for rank in sorted(per_rank):
         events += trace_events(rank, per_rank[rank])
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"clock": "simulated seconds (compute measured or costed, "
-                                   "communication modeled); lane 'wall' measured", **meta}}
+            "otherData": {"clock": "simulated seconds of the job simulation (compute measured "
+                                   "or costed, messages on the network); lane 'wall' "
+                                   "measured", **meta}}

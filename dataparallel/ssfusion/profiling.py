@@ -84,18 +84,15 @@ class WarmupProfiler:
 
     def _source_ready_times(self) -> np.ndarray | None:
         """When each tensor's gradient was written in this step's backward, in the compute
-        source's seconds: the compute-stream events up to its ready event
-        (:meth:`SimClock.ready`), summed; ``None`` without per-layer events (the ``on_ready``
+        source's seconds: the compute stream's blocks up to the backward block that wrote it
+        (:meth:`SimClock.compute_before`); ``None`` without per-layer blocks (the ``on_ready``
         wall-clock timestamps are used then)."""
         clock = self.run.clock
-        if clock.timeline is None or clock.layers is None or clock.layers.last is None:
+        layers = clock.layers
+        if layers.last is None:
             return None
-        resolve_pending(clock.source)       # CUDA events: the step's times, read once
-        events = clock.timeline.open_events
-        cum = np.cumsum([e.seconds if e.kind == "compute" and e.resource == "compute" else 0.0
-                         for e in events])
-        return np.array([cum[clock.ready(int(self.offsets[l]), int(self.offsets[l + 1])).index]
-                         for l in range(self.L)])
+        return np.array([clock.compute_before(layers.ready_event(
+            int(self.offsets[l]), int(self.offsets[l + 1]))) for l in range(self.L)])
 
     def _profile_step(self, step: int, g) -> None:
         """One warm-up step's timings (sums, averaged in :meth:`_decide`).
