@@ -1,26 +1,30 @@
-"""Plots from the event timeline: ``python -m commvol {gantt,plot-scaling,plot-tta}``.
+"""Plots of a run's simulated time: ``python -m commvol {gantt,plot-scaling,plot-tta}``.
 
 ``gantt RUN_DIR [--step N] [--out PNG]``
-    A Gantt chart of one step of rank 0 and of the busiest rank, one lane per resource of the
-    timeline that has events in the step (``compute``, ``offload``, ``intra``, ``inter``; empty
-    lanes are left out), from the ``timeline`` block of the run's ``summary.json``
-    (``rank0.events`` / ``busiest.events``: label, kind, resource, start, finish of the last
-    closed step; a ``step_events`` map ``{step: {"rank0": [...], "busiest": [...]}}``, when a
-    trainer writes one, gives other steps).  Bars are coloured by pass, phase or link class (the
-    legend names each) and carry their name where it fits; the transfers of each phase are named
-    once with their bytes (the ledger's per call of the phase, or the events' own ``nbytes``)
-    and an arrow to each bar.  Transfers in flight at the same time on one link are drawn in
-    sub-rows of its lane (they share its bandwidth).  The figure states that compute is measured
-    (or replayed, or FLOP-modeled: the run's compute source) and communication modeled.
+    A Gantt chart of the last simulated step of the run loop, one panel per rank the run's
+    ``summary.json`` keeps (rank 0 and the rank that ended the step last): the events the job
+    simulation (:class:`substrate.jobsim.JobSim`) ran, from ``clock.last_step``.  One row per
+    event lane the step used (``compute``: the compute stream; ``offload``: the offload worker;
+    ``stream``: calls issued without waiting, on the communication stream beside compute;
+    ``calls``: blocking calls on the rank's thread; unused lanes are left out); a block nested in
+    another (a model's units inside ``forward+backward``) is drawn in a sub-row below it.  Bars
+    are coloured by pass (per-layer forward/backward), compute block or call phase (the legend
+    names each) and carry their name where it fits; the calls of each phase are named once above
+    their lane with their bytes (the call's buffer; an all-gather's: every member's blocks) and
+    an arrow to each bar.  The figure states how compute was timed (the run's compute source)
+    and on which network the calls were simulated.
 ``plot-scaling SCALE_JSON [--out PNG]``
     Speedup and parallel efficiency from ``python -m commvol scale --out``: modeled lines (the
-    timeline solid, its no-overlap sum dashed) and, when the JSON carries them, the paper's
-    measured speedups as stars, each labelled modeled or measured with the paper's figure.
+    job simulation solid, the alpha-beta bound dashed) and, when the JSON carries them, the
+    paper's measured speedups as stars, each labelled modeled or measured with the paper's
+    figure.
 ``plot-tta RUN_DIR... [--out PNG] [--target ACC]``
     Time to accuracy: test accuracy against simulated time (``sim_s``, in s / ms / µs by
     magnitude) of every logged line of ``metrics.jsonl``, one curve per run.
 
-Each plotting function returns a :class:`commvol.report.Plot` (PNG path, figure, data drawn).
+A run recorded by an older spardist (no ``clock`` block in ``summary.json``: its simulated time
+came from the retired one-rank event timeline) is refused, naming the file.  Each plotting
+function returns a :class:`commvol.report.Plot` (PNG path, figure, data drawn).
 
 matplotlib is imported only inside the plotting functions (Agg backend, headless).
 """
@@ -31,6 +35,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+from substrate.trace import LANES as _TRACE_LANES
 
 from .predict import fmt_bytes
 from .report import Plot, _pyplot, _save, fmt_time, load_run, run_labels, time_unit
@@ -43,69 +49,94 @@ __all__ = [
     "plot_gantt",
     "plot_scaling",
     "plot_tta",
+    "run_clock",
     "step_events",
     "tta_points",
 ]
 
-#: Lanes of the Gantt chart: the timeline's streams and link classes
-LANES = ("compute", "offload", "intra", "inter")
-_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "compute": "tab:gray",
-           "offload": "tab:purple", "intra": "tab:green", "inter": "tab:red"}
+#: Lanes of the Gantt chart, in display order: the job simulation's event lanes
+#: (:data:`substrate.trace.LANES` without the measured ``wall`` lane)
+LANES = tuple(ln for ln in _TRACE_LANES if ln != "wall")
 
 
 def _run_dir(path) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory: pass a run directory (the --out of "
-                         "hsadmm/dataparallel train)")
+                         "hsadmm/dataparallel/sparse_sgd train)")
     return path
 
 
+def run_clock(r) -> dict:
+    """The ``clock`` block of a loaded run's ``summary.json`` (:meth:`SimClock.describe
+    <substrate.clock.SimClock.describe>`: model, compute source, network, job simulation
+    options, steps, ``last_step``).
+
+    Raises
+    ------
+    ValueError
+        When the run was recorded by an older spardist (no ``clock`` block), naming the file.
+    """
+    clock = r.summary.get("clock")
+    if isinstance(clock, dict):
+        return clock
+    old = (" (its 'timeline' block is the one-rank event timeline spardist no longer has)"
+           if "timeline" in r.summary else "")
+    raise ValueError(f"{r.path / 'summary.json'} has no clock block{old}: the run was recorded "
+                     "by an older spardist; run it again with the current trainer (its "
+                     "simulated time is the job simulation of every rank's steps)")
+
+
 def step_events(run_dir, step: int | None = None) -> dict:
-    """``{"step": N, "ranks": {"rank 0": events, "rank R (busiest)": events}}`` of one step of a
-    run, from ``summary.json``'s ``timeline`` block.
+    """The events of the last simulated step of the run loop that ``summary.json`` keeps
+    (``clock.last_step``): ``{"step", "step_s" (the job's step), "slowest_rank", "ranks": {name:
+    events}, "rank_of": {name: rank}, "compute_source", "clock"}``, rank 0 first, then the rank
+    that ended the step last (``"rank R (slowest)"``).  An event is the job simulation's
+    (``label``, ``kind``, ``lane``, ``start``, ``finish`` in seconds from the moment the rank
+    ended the step before; a call's ``phase``, ``nbytes``, ``algorithm``).
 
     Raises
     ------
     ValueError
         Naming the path and the fix, when the directory or ``summary.json`` is missing, the run
-        used the additive clock, the block has no events, or ``step`` is not recorded.
+        was recorded by an older spardist, no step of the run loop was simulated, rank 0 has no
+        events, or ``step`` is not the step kept.
     """
     r = load_run(_run_dir(run_dir))
-    tl = r.summary.get("timeline")
+    clock = run_clock(r)
     s = r.path / "summary.json"
-    if not isinstance(tl, dict) or tl.get("mode") != "timeline":
-        raise ValueError(f"{s} has no timeline events (clock "
-                         f"{tl.get('mode') if isinstance(tl, dict) else 'missing'}): run the "
-                         "trainer with --clock timeline (the default) to record them")
-    last = int(tl.get("steps", 0))
-    by_step = tl.get("step_events") or {}
-    if step is None or (step == last and str(step) not in by_step):
-        blocks, step = {"rank0": tl.get("rank0"), "busiest": tl.get("busiest")}, last
-    elif str(step) in by_step:
-        blocks = by_step[str(step)]
-    else:
-        have = sorted({last, *(int(k) for k in by_step)})
-        raise ValueError(f"{s} records the events of step(s) {have} only, not step {step}: pass "
-                         f"--step {have[-1]} or omit --step (the last step)")
-    ranks = {}
-    rank0 = (blocks or {}).get("rank0")
-    if not isinstance(rank0, dict) or not rank0.get("events"):
-        raise ValueError(f"{s}'s timeline block has no rank0.events: the run predates per-event "
-                         "records; run it again with the current trainer (--clock timeline)")
-    ranks["rank 0"] = rank0["events"]
-    step_s = {"rank 0": rank0.get("step_s")}
-    busiest = (blocks or {}).get("busiest")
-    b = tl.get("busiest_rank")
-    if isinstance(busiest, dict) and busiest.get("events") and b not in (None, 0):
-        ranks[f"rank {b} (busiest)"] = busiest["events"]
-        step_s[f"rank {b} (busiest)"] = busiest.get("step_s")
-    return {"step": step, "ranks": ranks, "step_s": step_s,
-            "compute_source": tl.get("compute_source", "?")}
+    last = clock.get("last_step")
+    if not isinstance(last, dict) or not isinstance(last.get("ranks"), dict):
+        raise ValueError(f"{s}'s clock block keeps no last_step: the run simulated no step of "
+                         f"its run loop ({clock.get('steps', 0)} steps in all); run at least "
+                         "one (--steps/--iters N)")
+    k = int(last["step"])
+    if step is not None and step != k:
+        raise ValueError(f"{s} keeps the events of step {k} only (the last of the run loop), not "
+                         f"step {step}: pass --step {k} or omit --step; for other steps run the "
+                         f"job with --trace FILE --trace-steps {step} (every rank, any step)")
+    if not last["ranks"].get("0"):
+        raise ValueError(f"{s}'s clock.last_step has no events of rank 0: the file is "
+                         "incomplete; run the job again with the current trainer")
+    slowest = int(last.get("slowest_rank", 0))
+    ranks, rank_of = {}, {}
+    for rank in sorted(int(x) for x, evs in last["ranks"].items() if evs):
+        name = f"rank {rank}" + (" (slowest)" if rank == slowest else "")
+        ranks[name], rank_of[name] = last["ranks"][str(rank)], rank
+    return {"step": k, "step_s": last.get("step_s"), "slowest_rank": slowest, "ranks": ranks,
+            "rank_of": rank_of, "compute_source": clock.get("compute_source", "?"),
+            "clock": clock}
+
+
+def _drawn(e) -> bool:
+    """Whether an event is a bar of the chart: every event on a lane (one that took no time,
+    e.g. a broadcast's root, is drawn as a line)."""
+    return e.get("lane") in LANES and e.get("finish", 0) >= e.get("start", 0)
 
 
 def _subrows(events) -> list[int]:
-    """Greedy sub-row of each interval so that overlapping ones do not share a row."""
+    """Sub-row of each interval (sorted by start, the longer first) so that overlapping ones do
+    not share a row: a block nested in another lands in a row below it."""
     ends: list[float] = []
     rows = []
     for e in events:
@@ -120,65 +151,67 @@ def _subrows(events) -> list[int]:
     return rows
 
 
-#: colours: per-layer compute by pass, transfers by link class, other events by their phase
+#: colours: per-layer compute by pass, other compute blocks and calls by their phase (calls in
+#: strong colours, compute in pale ones)
 _PASS_COLORS = {"forward": ("tab:blue", "forward (per layer)"),
                 "backward": ("tab:orange", "backward (per layer)")}
-_LINK_COLORS = {"intra": ("tab:green", "intra-node transfer"),
-                "inter": ("tab:red", "inter-node transfer")}
-_PHASE_PALETTE = ("silver", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "khaki",
-                  "lightsteelblue", "thistle", "tan", "darkseagreen", "lightcoral", "gold")
+_COMPUTE_PALETTE = ("silver", "khaki", "lightsteelblue", "thistle", "tan", "darkseagreen",
+                    "lightcoral", "gold", "lightcyan", "wheat")
+_CALL_PALETTE = ("tab:green", "tab:red", "tab:purple", "tab:cyan", "tab:brown", "tab:pink",
+                 "tab:olive", "navy", "darkgreen", "crimson")
 
 #: a lane's geometry (row li spans li - 0.5 .. li + 0.5): label band centre, top of the bars
 _LABEL_Y, _BAR_TOP = -0.3, -0.12
 
 
-def _color_key(e) -> str:
-    """``forward``/``backward`` for a per-layer compute event (``forward:conv1``), the link class
-    for a transfer, else the event's phase (``ssf_sparsify[3]`` -> ``ssf_sparsify``)."""
-    lane, label = e.get("resource"), str(e.get("label", ""))
-    if lane in _LINK_COLORS:
-        return lane
-    kind = label.split(":")[0]
-    if kind in _PASS_COLORS and ":" in label:
-        return kind
-    return _phase_of(label)
+def _phase_of(label: str) -> str:
+    """Phase of a label: ``ssf_sparsify[3]`` -> ``ssf_sparsify``."""
+    return str(label).split("[")[0]
+
+
+def _color_key(e) -> tuple[str, str]:
+    """``("pass", forward|backward)`` for a per-layer compute event (``forward:conv1``),
+    ``("call", phase)`` for a call, else ``("compute", phase of the label)``."""
+    label = str(e.get("label", ""))
+    if e.get("kind") == "call":
+        return "call", str(e.get("phase") or _phase_of(label))
+    kind, sep, _ = label.partition(":")
+    if sep and kind in _PASS_COLORS:
+        return "pass", kind
+    return "compute", _phase_of(label)
 
 
 def _colors(ranks: dict) -> dict:
     """``{colour key: (colour, legend label)}`` of the drawn events, in legend order: passes,
-    phases (by first appearance), link classes."""
-    keys = [_color_key(e) for evs in ranks.values() for e in evs
-            if e.get("resource") in LANES and e.get("finish", 0) > e.get("start", 0)]
-    phases = [k for k in dict.fromkeys(keys) if k not in _PASS_COLORS and k not in _LINK_COLORS]
-    out = {k: v for k, v in _PASS_COLORS.items() if k in keys}
-    out.update({ph: (_PHASE_PALETTE[i % len(_PHASE_PALETTE)], ph) for i, ph in enumerate(phases)})
-    out.update({k: v for k, v in _LINK_COLORS.items() if k in keys})
+    compute blocks, call phases (each by first appearance); a call phase's label names its
+    algorithm."""
+    drawn = [e for evs in ranks.values() for e in evs if _drawn(e)]
+    keys = list(dict.fromkeys(_color_key(e) for e in drawn))
+    algorithms = {}
+    for e in drawn:
+        if e.get("kind") == "call":
+            algorithms.setdefault(_color_key(e), {})[e.get("algorithm")] = None
+    out = {("pass", p): v for p, v in _PASS_COLORS.items() if ("pass", p) in keys}
+    compute = [k for k in keys if k[0] == "compute"]
+    calls = [k for k in keys if k[0] == "call"]
+    out.update({k: (_COMPUTE_PALETTE[i % len(_COMPUTE_PALETTE)], k[1])
+                for i, k in enumerate(compute)})
+    for i, k in enumerate(calls):
+        algs = ", ".join(str(a) for a in algorithms[k] if a)
+        out[k] = (_CALL_PALETTE[i % len(_CALL_PALETTE)], f"{k[1]} ({algs})" if algs else k[1])
     return out
 
 
-def _phase_of(label: str) -> str:
-    """Ledger phase of a transfer's label: ``inter_allreduce[1]`` / ``p2p->3`` -> the phase."""
-    return str(label).split("->")[0].split("[")[0]
-
-
-def _transfer_bytes(e, by_phase: dict) -> str | None:
-    """Bytes of a transfer bar: the event's own ``nbytes`` when the timeline recorded it, else
-    the ledger's bytes of its phase per call, summed over ranks (``traffic.measured.by_phase``)."""
-    if isinstance(e.get("nbytes"), (int, float)):
-        return fmt_bytes(e["nbytes"])
-    ph = by_phase.get(_phase_of(e.get("label", "")))
-    if not isinstance(ph, dict) or not ph.get("calls"):
-        return None
-    n = ph["calls"]
-    inter, intra = ph.get("inter_bytes", 0) / n, ph.get("intra_bytes", 0) / n
-    if inter and intra:
-        return f"{fmt_bytes(inter)} inter + {fmt_bytes(intra)} intra per call"
-    return f"{fmt_bytes(inter or intra)} per call"
+def _call_bytes(e) -> str | None:
+    """Bytes of a call's bar: the call's own ``nbytes`` (its buffer; an all-gather's: every
+    member's blocks together)."""
+    nb = e.get("nbytes")
+    return fmt_bytes(nb) if isinstance(nb, (int, float)) else None
 
 
 def _compute_statement(source: str) -> str:
     """What the compute bars are: measured (CPU/GPU time), replayed from a profile, or modeled
-    from FLOP counts, from the run's ``timeline.compute_source``."""
+    from FLOP counts, from the run's ``clock.compute_source``."""
     s = str(source)
     if s.startswith("flops"):
         return f"compute modeled from FLOP counts ({s})"
@@ -193,16 +226,32 @@ def _compute_statement(source: str) -> str:
     return f"compute: {s}"
 
 
-def _comm_statement(summary: dict) -> str:
-    cm = summary.get("cost_model") or {}
-    if {"inter_gbps", "intra_gbps"} <= set(cm):
-        links = (f"inter {cm['inter_gbps']:g} Gbit/s + {cm.get('inter_lat_us', 0):g} µs, intra "
-                 f"{cm['intra_gbps']:g} Gbit/s + {cm.get('intra_lat_us', 0):g} µs")
-    else:
-        links = "alpha-beta per link class"
-    return (f"communication modeled ({links}; transfers in flight share a link's bandwidth); "
-            "bytes: each transfer's own (its call record), else the ledger's per call of the "
-            "phase")
+def _comm_statement(clock: dict) -> str:
+    """On what the calls were simulated: the run's network (``clock.network``, a
+    :class:`substrate.cluster.Cluster`) and how messages share its links."""
+    net = clock.get("network") or {}
+    node, lib = net.get("node") or {}, net.get("library") or {}
+    links = []
+    if "fabric_gbps" in node:
+        links.append(f"intra-node {node.get('fabric', '')} {node['fabric_gbps']:g} Gbit/s + "
+                     f"{node.get('fabric_latency_us', 0):g} µs")
+    if "nic_gbps" in node:
+        links.append(f"inter-node {node.get('nics', 1)} x {node['nic_gbps']:g} Gbit/s + "
+                     f"{node.get('nic_latency_us', 0):g} µs")
+    if lib.get("name"):
+        links.append(f"{lib['name']}")
+    sharing = (clock.get("job_simulation") or {}).get("link_sharing")
+    if sharing:
+        links.append(f"link sharing {sharing}")
+    where = net.get("name", "the run's network")
+    return (f"communication simulated with every rank's messages on {where}"
+            + (f" ({', '.join(links)})" if links else ""))
+
+
+#: what the lanes and the calls' bytes are (the figure's footer)
+_LANE_NOTE = ("lanes: compute stream, offload worker, stream = calls issued without waiting "
+              "(beside compute), calls = blocking calls on the rank's thread; a call's bytes: its "
+              "buffer (an all-gather's: every member's blocks)")
 
 
 def _fits(ax, renderer, text, x0, x1) -> bool:
@@ -227,55 +276,60 @@ def _pack(items, lo, hi, pad=4.0):
     return lefts
 
 
-def _draw_lanes(ax, events, lanes, k, bars, rank, by_phase, colors):
-    """Bars of ``events`` on ``ax`` (one row per lane, sub-rows for concurrent transfers);
+def _draw_lanes(ax, events, lanes, k, bars, rank, colors):
+    """Bars of ``events`` on ``ax`` (one row per lane, sub-rows for overlapping events);
     appends each drawn bar to ``bars``; returns ``[(event, patch, lane index)]``."""
     drawn = []
     for li, lane in enumerate(lanes):
-        evs = sorted((e for e in events if e.get("resource") == lane
-                      and e.get("finish", 0) > e.get("start", 0)), key=lambda e: e["start"])
+        evs = sorted((e for e in events if e.get("lane") == lane and _drawn(e)),
+                     key=lambda e: (e["start"], -e["finish"]))
         rows = _subrows(evs)
         n = max(rows, default=0) + 1
-        transfer = lane in ("intra", "inter")
         # the lane's upper part is its label band (y is inverted: up = smaller y)
         top, height = li + _BAR_TOP, 0.45 - _BAR_TOP
         h = height / n
         for e, row in zip(evs, rows):
             color = colors[_color_key(e)][0]
-            # a transfer's edge in its own colour: a bar thinner than a pixel stays that colour
+            call = e.get("kind") == "call"
+            # a call's edge in its own colour: a bar thinner than a pixel (or a call that took
+            # no time) is a line of that colour
             (patch,) = ax.barh(top + row * h + h / 2, k * (e["finish"] - e["start"]),
                                left=k * e["start"], height=h * 0.92, color=color,
-                               edgecolor=color if transfer else "black", linewidth=0.3)
+                               edgecolor=color if call else "black",
+                               linewidth=0.8 if call else 0.3)
             patch.set_gid(str(e.get("label", "")))
             drawn.append((e, patch, li))
             bars.append({"rank": rank, "lane": lane, "label": e.get("label", ""),
+                         "kind": e.get("kind"), "phase": e.get("phase"),
                          "start": e["start"], "finish": e["finish"],
-                         "bytes": _transfer_bytes(e, by_phase) if transfer else None})
+                         "bytes": e.get("nbytes") if call else None,
+                         "algorithm": e.get("algorithm") if call else None})
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
     return drawn
 
 
-def _label_bars(fig, ax, drawn, by_phase) -> list[str]:
+def _label_bars(fig, ax, drawn) -> list[str]:
     """Names on the bars: a compute bar gets its layer's name (``forward:conv1`` -> ``conv1``) or
     its label inside when it fits (every bar is also named by its colour in the legend); the
-    transfers of one phase on one lane get one name above the lane with their bytes (``phase
-    x n`` when the phase runs n times), packed so that no two names overlap, with an arrow in
-    the link's colour to each of its bars.  Returns the texts written."""
+    calls of one phase and size on one lane get one name above the lane with their bytes
+    (``phase ×n`` when the phase runs n times), packed so that no two names overlap, with an
+    arrow in the phase's colour to each of its bars.  Returns the texts written."""
     renderer = fig.canvas.get_renderer()
     x0, x1 = ax.get_xlim()
     written, above = [], {}
     for e, patch, li in drawn:
         a, b = max(patch.get_x(), x0), min(patch.get_x() + patch.get_width(), x1)
+        label = str(e.get("label", ""))
+        if e.get("kind") == "call":
+            if b >= a:
+                key = (li, _color_key(e)[1], _call_bytes(e))
+                above.setdefault(key, []).append((label, patch))
+            continue
         if b <= a:
             continue
-        label = str(e.get("label", ""))
-        if e.get("resource") in _LINK_COLORS:
-            key = (li, _phase_of(label), _transfer_bytes(e, by_phase))
-            above.setdefault(key, []).append((label, patch))
-            continue
-        short = label.split(":", 1)[1] if _color_key(e) in _PASS_COLORS else label
+        short = label.split(":", 1)[1] if _color_key(e)[0] == "pass" else label
         t = ax.text((a + b) / 2, patch.get_y() + patch.get_height() / 2, short, ha="center",
                     va="center", fontsize=6.5, clip_on=True)
         if _fits(ax, renderer, t, a, b):
@@ -314,54 +368,58 @@ def _label_bars(fig, ax, drawn, by_phase) -> list[str]:
 
 
 def plot_gantt(run_dir, path, step: int | None = None) -> Plot:
-    """Gantt chart of one step (see the module docstring): one panel per rank (rank 0 and the
-    busiest), one row per lane that has events (empty lanes are left out), every bar coloured
-    by its pass (per-layer forward/backward), phase or link class and named in the legend, named
-    inside where the name fits, and the transfers of each phase labelled once above their lane
-    with their bytes and an arrow to each bar (bars too thin to see included).  The figure says
-    what is measured (compute, per the run's compute source) and what is modeled
-    (communication).  Times in s / ms / µs by magnitude.
+    """Gantt chart of the last simulated step of the run loop (see the module docstring): one
+    panel per rank kept (rank 0 and the rank that ended the step last), one row per event lane
+    it used, every bar coloured by its pass (per-layer forward/backward), compute block or call
+    phase and named in the legend, named inside where the name fits, and the calls of each
+    phase labelled once above their lane with their bytes and an arrow to each bar (bars too
+    thin to see included).  The figure says how compute was timed (the run's compute source)
+    and where the calls were simulated.  Times in s / ms / µs by magnitude, each rank's from the
+    moment it ended the step before.
 
-    ``data``: ``{"step", "unit", "factor" (seconds x factor = axis units), "lanes": {rank name:
-    [lane, ...]}, "bars": [{"rank", "lane", "label", "start", "finish", "bytes"}], "labels":
-    {rank name: [texts written]}}``.
+    ``data``: ``{"step", "step_s", "slowest_rank", "unit", "factor" (seconds x factor = axis
+    units), "lanes": {rank name: [lane, ...]}, "bars": [{"rank", "lane", "label", "kind",
+    "phase", "start", "finish", "bytes", "algorithm"}], "labels": {rank name: [texts
+    written]}}``.
     """
     data = step_events(run_dir, step)
-    summary = load_run(_run_dir(run_dir)).summary
-    by_phase = ((summary.get("traffic") or {}).get("measured") or {}).get("by_phase") or {}
     plt = _pyplot()
-    ranks = data["ranks"]
-    lanes = {name: [ln for ln in LANES if any(e.get("resource") == ln and
-                                              e.get("finish", 0) > e.get("start", 0)
-                                              for e in evs)] for name, evs in ranks.items()}
-    end = max((e["finish"] for evs in ranks.values() for e in evs), default=0.0) or 1.0
+    ranks, k_step = data["ranks"], data["step"]
+    lanes = {name: [ln for ln in LANES if any(e.get("lane") == ln and _drawn(e) for e in evs)]
+             for name, evs in ranks.items()}
+    end = max((e["finish"] for evs in ranks.values() for e in evs if _drawn(e)),
+              default=0.0) or 1.0
     unit, k = time_unit(end)
     heights = [max(1, len(v)) for v in lanes.values()]
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.4 + sum(0.62 * h + 0.55
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.6 + sum(0.62 * h + 0.55
                                                                     for h in heights)),
                              squeeze=False, gridspec_kw={"height_ratios": heights})
     bars, drawn_by, colors = [], [], _colors(ranks)
     for ax, (name, events) in zip(axes[:, 0], ranks.items()):
         ax.set_gid(f"gantt:{name}")
-        drawn_by.append((ax, name, _draw_lanes(ax, events, lanes[name], k, bars, name,
-                                               by_phase, colors)))
+        drawn_by.append((ax, name, _draw_lanes(ax, events, lanes[name], k, bars, name, colors)))
         ax.set_xlim(0, k * end * 1.01)
-        step_s = data.get("step_s", {}).get(name)
-        ax.set_title(f"{name}: step {data['step']}" +
-                     (f", {fmt_time(step_s)} on the critical path" if step_s else ""),
-                     fontsize=9)
-        ax.set_xlabel(f"simulated time in the step ({unit})", fontsize=8)
+        span = max((e["finish"] for e in events if _drawn(e)), default=None)
+        ax.set_title(f"{name}: step {k_step}" +
+                     (f", its last event ends {fmt_time(span)} after it ended the step before"
+                      if span else ""), fontsize=9)
+        ax.set_xlabel(f"simulated time from the rank's end of the step before ({unit})",
+                      fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, label=lb) for c, lb in colors.values()]
-    ncol = min(len(handles), 7)
+    ncol = max(1, min(len(handles), 6))
     fig.legend(handles=handles, fontsize=7, loc="upper center", ncol=ncol,
                bbox_to_anchor=(0.5, 1.0), frameon=False)
     top = 1 - (0.25 + 0.17 * math.ceil(len(handles) / ncol)) / fig.get_figheight()
-    fig.text(0.5, 0.005, f"{_compute_statement(data['compute_source'])}\n"
-             f"{_comm_statement(summary)}", ha="center", va="bottom", fontsize=7)
-    fig.tight_layout(rect=(0, 0.06, 1, top))
-    labels = {name: _label_bars(fig, ax, drawn, by_phase) for ax, name, drawn in drawn_by}
-    return _save(fig, path, {"step": data["step"], "unit": unit, "factor": k, "lanes": lanes,
-                             "bars": bars, "labels": labels}, tight=False)
+    job = (f"job step {k_step}: {fmt_time(data['step_s'])} (from the moment the last rank "
+           f"ended the step before to the moment rank {data['slowest_rank']} ended this one)")
+    fig.text(0.5, 0.005, "\n".join([job, _compute_statement(data["compute_source"]),
+                                    _comm_statement(data["clock"]), _LANE_NOTE]),
+             ha="center", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, 0.1, 1, top))
+    labels = {name: _label_bars(fig, ax, drawn) for ax, name, drawn in drawn_by}
+    return _save(fig, path, {"step": k_step, "step_s": data["step_s"],
+                             "slowest_rank": data["slowest_rank"], "unit": unit, "factor": k,
+                             "lanes": lanes, "bars": bars, "labels": labels}, tight=False)
 
 
 def _load_scale(path) -> dict:
@@ -395,9 +453,11 @@ def tta_points(run_dir) -> tuple[str, list[float], list[float]]:
     ------
     ValueError
         When the directory, ``summary.json`` or every line with both ``sim_s`` and
-        ``test_accuracy`` is missing (naming the path and the fix).
+        ``test_accuracy`` is missing, or the run was recorded by an older spardist (its
+        ``sim_s`` is another clock's), naming the path and the fix.
     """
     r = load_run(_run_dir(run_dir))
+    run_clock(r)
     xs, ys = [], []
     for ln in r.lines:
         t, acc = ln.get("sim_s"), ln.get("test_accuracy")
@@ -414,7 +474,8 @@ def tta_points(run_dir) -> tuple[str, list[float], list[float]]:
 
 def plot_tta(run_dirs, path, target: float | None = None) -> Plot:
     """Test accuracy against simulated time (s / ms / µs by magnitude), one curve per run
-    labelled by its method (and its directory where two runs share a method).
+    labelled by its method (and its directory where two runs share a method); the footer says
+    how each run's compute was timed and on which network its calls were simulated.
 
     ``data``: ``{"unit", "factor", "curves": {label: (sim seconds, accuracy)}}``.
     """
@@ -422,6 +483,7 @@ def plot_tta(run_dirs, path, target: float | None = None) -> Plot:
         raise ValueError("plot-tta needs at least one RUN_DIR")
     curves = [tta_points(d) for d in run_dirs]
     runs = [load_run(d) for d in run_dirs]
+    clocks = [run_clock(r) for r in runs]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     unit, k = time_unit(max(max(xs) for _, xs, _ in curves))
@@ -434,10 +496,12 @@ def plot_tta(run_dirs, path, target: float | None = None) -> Plot:
     ax.set(title="time to accuracy (simulated clock)",
            xlabel=f"simulated time, sim_s ({unit})", ylabel="test accuracy")
     ax.legend(fontsize=7)
-    sources = sorted({_compute_statement((r.summary.get("timeline") or {}).get(
-        "compute_source", "?")) for r in runs})
-    fig.text(0.5, 0.005, "; ".join(sources) + "\ncommunication modeled (alpha-beta per link "
-             "class) on the event timeline", ha="center", va="bottom", fontsize=7)
+    sources = sorted({_compute_statement(c.get("compute_source", "?")) for c in clocks})
+    networks = sorted({str((c.get("network") or {}).get("name", "the run's network"))
+                       for c in clocks})
+    fig.text(0.5, 0.005, "; ".join(sources) + "\ncommunication simulated with every rank's "
+             f"messages (job simulation) on {'; '.join(networks)}", ha="center", va="bottom",
+             fontsize=7)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return _save(fig, path, data, tight=False)
 
@@ -445,11 +509,11 @@ def plot_tta(run_dirs, path, target: float | None = None) -> Plot:
 # -- CLI ---------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
-    g = sub.add_parser("gantt", help="Gantt chart of one step (rank 0 and the busiest rank)",
+    g = sub.add_parser("gantt", help="Gantt chart of the last step (rank 0 and the slowest rank)",
                        description=__doc__, formatter_class=raw)
     g.add_argument("run", type=Path, metavar="RUN_DIR")
     g.add_argument("--step", type=int, default=None,
-                   help="step to draw (default: the last, the one summary.json records)")
+                   help="the step summary.json keeps (default: it, the last of the run loop)")
     g.add_argument("--out", type=Path, default=None, help="PNG (default RUN_DIR/gantt.png)")
     g.set_defaults(func=run_gantt)
     s = sub.add_parser("plot-scaling", help="speedup/efficiency plot of `commvol scale --out`",
