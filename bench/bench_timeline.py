@@ -1,20 +1,13 @@
-"""The event timeline (issue 12): load-independent compute, overlap, and the wire lab.
+"""The clock's compute sources under load: load-independent compute.
 
 Prints (not a test)::
 
-    python bench/bench_timeline.py [--part load,overlap,simload]
+    python bench/bench_timeline.py [--part load,simload]
 
 ``load``
     A fixed NumPy workload (1 BLAS thread) timed alone and beside two busy-loop processes on the
     same cores, by wall time, per-thread CPU time (the ``cpu`` compute source) and process CPU
     time; ``loaded / alone`` per source (best of 5 repeats each).
-``overlap``
-    DDP on a CIFAR-style ResNet-18 (32x32, batch 32 per rank) at paper scale: per-layer compute
-    from the FLOP model (``--device-tflops 15.7``, V100-class), gradient buckets of 25 MiB ready
-    in backward order, each all-reduced (ring over 8 ranks on 2 nodes, inter link slowest) as
-    soon as its last gradient is written; optimizer step after the last bucket.  Prints the
-    timeline's step time (critical path) beside the no-overlap sum for several inter-node
-    bandwidths.  The events are declared exactly as a strategy would (see the report).
 ``simload`` (``ddpload``: its ddp part only)
     ``dataparallel train --method ddp``, ``--method ssfusion`` and ``hsadmm train`` as 4 ranks
     (2 simulated nodes x 2) alone, beside two busy-loop processes, and beside a second
@@ -35,17 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dataparallel.ddp import DDPPlan
-from substrate.calls import Placement, declare
-from substrate.compute import FlopSource, LayerEvents
-from substrate.costmodel import CostModel
 from substrate.testing import busy_loops
-from substrate.timeline import Timeline
 
 _WORK = r"""
 import sys, time
@@ -86,43 +72,6 @@ def part_load() -> None:
         loaded = _work(env)
     for k in ("wall", "thread", "process"):
         print(f"{k:>10s} {alone[k]:10.4f} {loaded[k]:16.4f} {loaded[k] / alone[k]:13.3f}")
-
-
-def part_overlap() -> None:
-    from models.zoo import resnet
-    from substrate.buckets import bucket_groups
-
-    model = resnet((3, 32, 32), 10, depths=(2, 2, 2, 2), planes=(64, 128, 256, 512))
-    batch, p, tflops = 32, 8, 15.7
-    x = np.random.default_rng(0).standard_normal((batch, 3, 32, 32)).astype(np.float32)
-    y = np.random.default_rng(1).integers(0, 10, batch)
-    item = model.dtype.itemsize
-    sizes = [model.layout.sizes[n] for n in model.layout.names]
-    groups = bucket_groups([s * item for s in sizes], 25 << 20)
-    offs = np.concatenate(([0], np.cumsum(sizes)))
-    buckets = [(int(offs[g[0]]), int(offs[g[-1] + 1])) for g in groups]
-    print(f"\n## DDP overlap: ResNet-18 (CIFAR stem, 32x32), {model.num_params:,} parameters, "
-          f"batch {batch}/rank, {len(buckets)} buckets of <= 25 MiB, {p} ranks on 2 nodes, "
-          f"FLOP model {tflops} TFLOP/s")
-    print(f"{'inter Gbit/s':>12s} {'compute s':>10s} {'comm s':>9s} {'no-overlap s':>13s} "
-          f"{'timeline s':>11s} {'exposed s':>10s} {'timeline/no-overlap':>20s}")
-    for gbps in (100.0, 25.0, 10.0):
-        cost = CostModel.from_cli(2400, gbps, 2, 5)
-        tl = Timeline(cost)
-        rec = LayerEvents(tl, FlopSource(tflops))
-        model.recorder = rec
-        model.loss_and_grad(x, y)
-        # DDP's plan (one all-reduce per bucket, after its gradients, on one stream), laid on
-        # rank 0's timeline by the generic rule
-        placement = Placement.node_major(2, p // 2)
-        plan = DDPPlan(tuple(buckets), "ring", item)
-        ev = declare(tl, plan.calls(placement), placement, 0,
-                     resolve=lambda r, rec=rec: rec.ready_event(r.lo, r.hi))
-        tl.compute("optimizer", rec.source.seconds(4 * model.num_params), deps=ev)
-        t = tl.step()
-        model.recorder = None
-        print(f"{gbps:12g} {t.compute_s:10.5f} {t.comm_s:9.5f} {t.no_overlap_s:13.5f} "
-              f"{t.step_s:11.5f} {t.exposed_comm_s:10.5f} {t.step_s / t.no_overlap_s:20.3f}")
 
 
 #: the 2 x 2 jobs of ``--part simload``: (module, arguments, flag of the step count)
@@ -216,8 +165,8 @@ def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="load,overlap,simload",
-                    help="comma list of load, overlap, simload (ddpload: its ddp part); the "
+    ap.add_argument("--part", default="load,simload",
+                    help="comma list of load, simload (ddpload: its ddp part); the "
                          "wire-lab comparison is bench/bench_wirelab.py")
     ap.add_argument("--sim-steps", default="ddp=20,ssfusion=20,hsadmm=4",
                     help="steps (iterations for hsadmm) per simload job")
@@ -226,8 +175,6 @@ def main() -> None:
     parts = a.part.split(",")
     if "load" in parts:
         part_load()
-    if "overlap" in parts:
-        part_overlap()
     if "simload" in parts or "ddpload" in parts:
         steps = {k: int(v) for k, v in (kv.split("=") for kv in a.sim_steps.split(","))}
         systems = ("ddp",) if "simload" not in parts else tuple(a.sim_systems.split(","))

@@ -10,15 +10,15 @@ For every shape (emulated hosts x MPI ranks per host) and link rate, one wire la
 the rate (this kernel has no ``sch_netem``: the latency is the unshaped link's own); alpha is
 measured once by an MPI ping-pong on the lab, beta is the link rate as TCP payload
 (:func:`lab.analysis.link_payload_gbps`); nothing is fitted per run.  Every system then runs
-``--repeat`` times with that cost model, the timeline clock (the default) and the ``cpu``
-compute source (per-thread CPU time, the default on a CPU), logging one ``metrics.jsonl`` line
-per step; :func:`lab.analysis.compare_steps` takes the median over the steps (after the
-warm-up lines below) of the predicted ``step_sim_s`` over the measured ``step_wall_s``.  The
-table prints the medians over the repeats, with the no-overlap sum (``step_no_overlap_s``)
-beside the timeline's step.
+``--repeat`` times with that cost model and the ``cpu`` compute source (per-thread CPU time,
+the default on a CPU), logging one ``metrics.jsonl`` line per step;
+:func:`lab.analysis.compare_steps` takes the median over the steps (after the warm-up lines
+below) of the predicted step (the job simulation of every rank's recorded steps on the cost
+model's network, :mod:`substrate.jobsim`) over the measured ``step_wall_s``.  The table prints
+the medians over the repeats.
 
 The workloads are chosen so that communication, not CPU scheduling, dominates a step on the
-shaped link (the last session's attempt with the 38k-parameter digits CNN measured 0.17 s per
+shaped link (an earlier attempt with the 38k-parameter digits CNN measured 0.17 s per
 step whatever the link: 4 ranks on 2 shared vCPUs):
 
 ``ddp``
@@ -40,10 +40,10 @@ step whatever the link: 4 ranks on 2 shared vCPUs):
     (random rows: most SpFF/SpBP messages cross hosts; 7.4 MB between the hosts per step).
 ``ddp_overlap`` (only with ``--systems``)
     ddp on an MLP 64-1024x4-10, batch 128: compute comparable to the transfer, so the
-    overlap shows against the no-overlap sum.
+    overlap shows against the runs without it.
 ``ddp_off``, ``ddp_overlap_off`` (only with ``--systems``)
     The same runs with ``--overlap off``: every call blocks where it is issued (the measured
-    no-overlap reference; the timeline then declares every call as blocking).
+    no-overlap reference; the programs then record every call as blocking).
 
 ``--dilation K`` (with ``--replay``; time dilation as in DieCast, Gupta et al., NSDI 2006 and
 2008): the lab's links run at rate / K and every replayed compute block sleeps K times its
@@ -54,10 +54,8 @@ K x 50 us).  The measured step is divided by K
 and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags`).
 ``--dilation Cxranks`` takes K = C x the shape's ranks (one rule for a whole table).
 
-With ``--replay`` the prediction is the job simulation the replay writes
-(:mod:`substrate.jobsim`: every rank's program run together on the cost model's network, so
-ranks may drift out of lock step as the real job does); the one-rank timeline's ratio is
-printed beside it ("one rank's timeline", the table's "timeline / measured" column).
+With ``--replay`` the prediction is the job simulation of the replayed programs, which the
+replay runs once when it finishes (``summary.json`` ``steps_max``).
 
 Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the

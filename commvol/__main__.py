@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commvol",
                                 description="closed-form communication volumes, the H-SGD "
                                             "partition table, strong scaling, run reports "
-                                            "and timeline plots")
+                                            "and plots of simulated steps")
     sub = p.add_subparsers(dest="cmd", required=True)
     for mod in (predict, partition_table, scale, report, plots, rerun, trace, simulate):
         mod.add_parser(sub)

@@ -268,9 +268,9 @@ def comparison_table(run_dirs, target: float = 0.9) -> str:
     out.append("")
     out.append(f"inter-node bytes: {LEDGER_BYTES}; payload ratio: inter-node payload / dense "
                "payload (H-SADMM compact elements; Top-K 2K/T); comm modeled: alpha-beta time of "
-               "the ledger's calls; sim = the simulated clock (timeline: critical path of "
-               "per-layer compute and transfers; additive: compute + modeled communication; see "
-               "summary.json timeline.mode); wall: measured; time to accuracy from the logged "
+               "the ledger's calls (a bound: each call alone on its links); sim = the job "
+               "simulation of every rank's steps (summary.json clock); wall: measured; time to "
+               "accuracy from the logged "
                "evaluations; times in s, ms or µs by magnitude")
     return "\n".join(out)
 

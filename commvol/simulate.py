@@ -40,7 +40,7 @@ def simulate(profile, node_map: str, network: CostModel | Cluster,
     programs = doc.get("programs")
     if programs is None:
         raise ValueError(f"--compute-profile {doc.get('path')}: holds no programs (recorded by "
-                         "an older spardist or with --clock additive); record it again with "
+                         "an older spardist); record it again with "
                          "--compute-profile-out")
     placement = Placement.parse(node_map, len(programs))
     if skip < 0:

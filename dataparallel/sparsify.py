@@ -343,7 +343,7 @@ def select(sparsifier: str, x, k: int, key, sample_ratio: float = 0.01):
 
 def selection_flops(n: int, k: int, sparsifier: str = "dgc", sample_ratio: float = 0.01) -> float:
     """Element operations of one top-``k`` selection of ``n`` entries (the FLOP count the
-    timeline's ``flops`` compute source turns into seconds; a model estimate, not a measurement).
+    clock's ``flops`` compute source turns into seconds; a model estimate, not a measurement).
 
     ``dgc``: ``|x|`` (``n``), the sorted sample (``s log2 s``, ``s = max(SAMPLE_MIN, ⌈r n⌉)``),
     two counting passes (``2n``, the typical refinement), the candidate scan (``n``) and the trim

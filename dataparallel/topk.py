@@ -24,7 +24,7 @@ from .strategy import Strategy, register
 __all__ = ["SELECT_PASSES", "TopK", "TopKOptions", "TopKPlan", "topk_select"]
 
 #: Passes over the ``T`` float32 gradient entries of the selection (an assumption of the
-#: paper-scale timeline): error feedback ``acc = residual + g`` (read 2, write 1), a radix select
+#: job simulation at scale): error feedback ``acc = residual + g`` (read 2, write 1), a radix select
 #: of the per-tensor threshold over ``|acc|`` (2 reads), and the residual update (1 write).  A
 #: sort-based selection costs more (``log`` passes).
 SELECT_PASSES = 6

@@ -531,7 +531,7 @@ class HSADMM(_Base):
         ``expand_duals`` (zero-fill recovery, eqs. 12-13, residual sums) -> ``residuals`` ->
         ``penalties``.  The mask update can change the compact buckets, so the program runs in
         two parts: up to the mask update, then the rest generated from the plan it left.  A
-        follower waits for the leaders' calls on its timeline (its ``bcast`` cannot start
+        follower waits for the leaders' calls in its program (its ``bcast`` cannot start
         earlier) without executing or booking them.  The code reduces whole vectors, phase
         after phase, so the data flow allows no pipelining of intra- and inter-node phases
         across layers or buckets: the step's critical path is its no-overlap sum.
@@ -683,7 +683,7 @@ class FlatADMM(_Base):
 
     def iterate(self, k: int) -> dict:
         """One iteration: the program of :meth:`FlatADMMPlan.records` (one part), run by the
-        executor.  Timeline: ``local_sgd`` -> ``world_allreduce`` -> ``z_update`` (z,
+        executor.  In order: ``local_sgd`` -> ``world_allreduce`` -> ``z_update`` (z,
         projection, duals and residual sums) -> ``residuals`` -> ``penalties``, each after the
         previous (the data flow is a chain: nothing overlaps)."""
         self._k, self._drift = k, 0.0

@@ -163,7 +163,7 @@ class _Iterations(LoopBody):
         self.k, self.loss = -1, float("nan")
 
     def unit(self, due):
-        # one timeline step per ADMM iteration: the iteration's program (HSADMM.iterate), its
+        # one simulated step per ADMM iteration: the iteration's program (HSADMM.iterate), its
         # step closed by the loop
         self.k = due.index
         self.out = self.solver.iterate(self.k)
@@ -220,7 +220,7 @@ def train(args) -> dict:
     model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                         seed=seed)
     solver = SOLVERS[tcfg.method](run, cfg, model, train_shard, overrides)
-    # per-layer compute events of the local SGD (timeline clock; the FLOP source's counts)
+    # per-layer compute blocks of the local SGD (the FLOP source's counts)
     model.recorder = run.clock.layers
     eval_model = build_model(tcfg.model, data.train.input_shape, data.train.num_classes, xp=xp,
                              seed=seed)

@@ -239,18 +239,19 @@ def _read_metrics(out: Path) -> list[dict]:
     return lines
 
 
-def _job_steps(lines: list, steps_max: dict | None) -> tuple[dict, str] | None:
-    """The run's per-step simulated lengths over all ranks (``summary.json`` ``steps_max``)
-    and the line key that counts steps from 1 (``index``, else ``step``), when the counter's
-    last value is the number of entries (one entry per step of the lines)."""
+def _job_steps(lines: list, steps_max: dict | None) -> tuple[list, str] | None:
+    """The run's simulated job steps (``summary.json`` ``steps_max``: one per step of the run
+    loop, or per replayed step) and the line key that counts steps from 1 (``index``, else
+    ``step``), when the counter's last value is the number of entries."""
     if not steps_max or not lines:
         return None
-    n = len(steps_max.get("step_s", []))
+    series = steps_max.get("step_s", [])
+    n = len(series)
     for key in ("index", "step"):
         vals = [line.get(key) for line in lines]
         if all(isinstance(v, int) and 0 < v <= n for v in vals) and vals[-1] == n and \
                 vals == sorted(set(vals)):
-            return steps_max, key
+            return series, key
     return None
 
 
@@ -258,20 +259,14 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     """Predicted vs measured time per step from a run's ``metrics.jsonl``.
 
     Each line must carry ``step_wall_s`` (measured wall seconds per step over the steps since
-    the previous line) and either ``step_sim_s`` (predicted seconds per step) or the cumulative
-    ``sim_s`` with a step counter (``step`` / ``iteration`` / ``k``), from which the predicted
-    time per step is the difference to the previous line over the steps between them; likewise
-    ``step_no_overlap_s`` or cumulative ``no_overlap_s`` for the additive clock, when present.
-    When ``summary.json`` holds the run's per-step simulated lengths reduced over the ranks
-    (``steps_max``, :meth:`runner.run.Run.finish`), the predicted step is the slowest rank's,
-    the job's step (the metrics lines carry rank 0's, kept as ``predicted_s_rank0``).
-    When it holds a job simulation (``metrics.job_simulation``, a replay:
-    :func:`substrate.jobsim.simulate_profile`), that is the prediction: every rank's program run
-    together, step after step, so ranks may drift out of lock step as a real job does; the
-    timeline's step is kept as ``predicted_s_timeline`` (medians ``median_timeline_s`` and
-    ``median_timeline_ratio``).  The first ``skip`` lines (warm-up) are left out of the medians.  A line's
-    ``time_dilation`` K (a dilated replay, :mod:`runner.replay`) divides its measured time:
-    the measured step of the emulated cluster.
+    the previous line).  The prediction is the job simulation's (:mod:`substrate.jobsim`):
+    the job's step from ``summary.json``'s ``steps_max`` (every step, a line over several
+    steps takes their mean) when the lines' counter lines up with it (a replay's lines carry
+    no prediction of their own), else the line's ``step_sim_s``, else the difference of the
+    cumulative ``sim_s`` to the previous line over the steps between them (a step counter
+    ``step`` / ``iteration`` / ``k``).  The first ``skip`` lines (warm-up) are left out of the
+    medians.  A line's ``time_dilation`` K (a dilated replay, :mod:`runner.replay`) divides
+    its measured time: the measured step of the emulated cluster.
 
     Returns ``{"rows": [...], "median_ratio": predicted / measured, ...}``.
     """
@@ -279,8 +274,6 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     summary = Path(out) / "summary.json"
     sm = json.loads(summary.read_text()) if summary.exists() else {}
     job = _job_steps(lines, sm.get("steps_max"))
-    sim = (sm.get("metrics") or {}).get("job_simulation")
-    sim = _job_steps(lines, sim) if sim else None
     rows = []
     prev = None
     for line in lines:
@@ -295,28 +288,17 @@ def compare_steps(out, *, skip: int = 1) -> dict:
         row = {"k": k, "measured_s": float(line["step_wall_s"]) / dilation}
         if dilation != 1.0:
             row["time_dilation"] = dilation
-        for name, per_step, cum in (("predicted_s", "step_sim_s", "sim_s"),
-                                    ("no_overlap_s", "step_no_overlap_s", "no_overlap_s")):
-            if per_step in line:
-                row[name] = float(line[per_step])
-            elif cum in line and dk:
-                row[name] = (line[cum] - (prev or {}).get(cum, 0.0)) / dk
-        if job is not None:  # the job's step: its slowest rank's (Run._steps_max)
+        if job is not None:
             series, at = job
             first, last = (prev[at] if prev is not None else 0), line[at]
-            for name, part in (("predicted_s", "step_s"), ("no_overlap_s", "no_overlap_s")):
-                if name in row:
-                    row[name + "_rank0"] = row[name]
-                    row[name] = float(statistics.fmean(series[part][first:last]))
-        if sim is not None:  # all ranks' programs simulated together (runner.replay)
-            series, at = sim
-            first, last = (prev[at] if prev is not None else 0), line[at]
-            if "predicted_s" in row:
-                row["predicted_s_timeline"] = row["predicted_s"]
-            row["predicted_s"] = float(statistics.fmean(series["step_s"][first:last]))
+            row["predicted_s"] = float(statistics.fmean(series[first:last]))
+        elif line.get("step_sim_s") is not None:
+            row["predicted_s"] = float(line["step_sim_s"])
+        elif "sim_s" in line and dk:
+            row["predicted_s"] = (line["sim_s"] - (prev or {}).get("sim_s", 0.0)) / dk
         if "predicted_s" not in row:
             raise LabError(f"{Path(out) / 'metrics.jsonl'}: line {k} has neither step_sim_s nor "
-                           "a cumulative sim_s with a step counter")
+                           "a cumulative sim_s with a step counter, and summary.json no steps_max")
         row["ratio"] = row["predicted_s"] / row["measured_s"] if row["measured_s"] else None
         rows.append(row)
         prev = line
@@ -325,25 +307,19 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     if not used:
         raise LabError(f"{out}: no step left after skipping {skip} warm-up line(s); run more "
                        "steps or pass a smaller --skip")
+
     def med(xs):
         return float(statistics.median(xs))
+
     res = {"out": str(out), "skip": skip, "rows": rows, "steps_compared": len(used),
-           "predicted_from": ("the job simulation (every rank's program together)"
-                              if sim is not None else "the slowest rank's timeline, step by "
-                              "step" if job is not None else "rank 0's timeline"),
+           "predicted_from": ("the job simulation, step by step (summary.json steps_max)"
+                              if job is not None else "the job simulation, per metrics line"),
            "median_measured_s": med([r["measured_s"] for r in used]),
            "median_predicted_s": med([r["predicted_s"] for r in used]),
            "median_ratio": med([r["ratio"] for r in used])}
-    if all("predicted_s_timeline" in r for r in used):
-        res["median_timeline_s"] = med([r["predicted_s_timeline"] for r in used])
-        res["median_timeline_ratio"] = med([r["predicted_s_timeline"] / r["measured_s"]
-                                            for r in used])
-    if all("no_overlap_s" in r for r in used):
-        res["median_no_overlap_s"] = med([r["no_overlap_s"] for r in used])
-        res["median_no_overlap_ratio"] = med([r["no_overlap_s"] / r["measured_s"] for r in used])
     if sm:
         res["cost_model"] = sm.get("cost_model")
-        res["timeline"] = sm.get("timeline")
+        res["clock"] = sm.get("clock")
     wire = Path(out) / WIRE_JSON
     if wire.exists():
         res["link"] = json.loads(wire.read_text()).get("link")
@@ -353,17 +329,13 @@ def compare_steps(out, *, skip: int = 1) -> dict:
 def format_steps(r: dict) -> str:
     lines = [(f"per-step time, {r['out']} ({r['steps_compared']} lines compared, first "
               f"{r['skip']} skipped)"),
-             (f"  {'k':>6s} {'measured s':>12s} {'predicted s':>12s} {'pred/meas':>10s} "
-              f"{'no-overlap s':>13s}")]
+             f"  {'k':>6s} {'measured s':>12s} {'predicted s':>12s} {'pred/meas':>10s}"]
     for row in r["rows"]:
-        no = row.get("no_overlap_s")
         lines.append(f"  {row['k']!s:>6s} {row['measured_s']:12.5f} {row['predicted_s']:12.5f} "
-                     f"{row['ratio']:10.3f} {'-' if no is None else f'{no:.5f}':>13s}")
+                     f"{row['ratio']:10.3f}")
     lines.append(f"  median: measured {r['median_measured_s']:.5f} s, predicted "
-                 f"{r['median_predicted_s']:.5f} s, ratio {r['median_ratio']:.3f}")
-    if "median_no_overlap_ratio" in r:
-        lines.append(f"  additive (no overlap) median {r['median_no_overlap_s']:.5f} s, ratio "
-                     f"{r['median_no_overlap_ratio']:.3f}")
+                 f"{r['median_predicted_s']:.5f} s, ratio {r['median_ratio']:.3f} "
+                 f"({r['predicted_from']})")
     return "\n".join(lines)
 
 
@@ -381,8 +353,6 @@ def per_step_from_pair(short: dict, long: dict) -> dict:
            "predicted_s": (t_l["sim_s"] - t_s["sim_s"]) / ds,
            "compute_s": (t_l["compute_s"] - t_s["compute_s"]) / ds,
            "comm_modeled_s": (t_l["comm_modeled_s"] - t_s["comm_modeled_s"]) / ds}
-    if "no_overlap_s" in t_l and "no_overlap_s" in t_s:
-        out["no_overlap_s"] = (t_l["no_overlap_s"] - t_s["no_overlap_s"]) / ds
     out["ratio"] = out["predicted_s"] / meas if meas > 0 else None
     return out
 
@@ -401,10 +371,8 @@ def format_run(r: dict) -> str:
             f"#{r['repeat']}: ")
     if "error" in r:
         return head + f"error: {r['error']}"
-    tl = r.get("timeline_ratio")
     return head + (f"predicted {r['predicted_s']:.4f} s/step, measured {r['measured_s']:.4f}, "
                    f"ratio {r['ratio']:.3f}"
-                   + ("" if tl is None else f" (one rank's timeline: {tl:.3f})")
                    + f" ({r['steps_compared']} steps; load "
                    f"{r['load_before']:.1f} -> {r['load_after']:.1f})")
 
@@ -414,10 +382,8 @@ def format_comparison(res: dict) -> str:
     def f(x, p=4):
         return "-" if x is None else f"{x:.{p}f}"
     lines = [("| system | hosts x ranks | link | dilation | alpha inter / intra (us) | "
-              "predicted s/step | measured s/step | predicted / measured | timeline / measured "
-              "| no-overlap s/step | no-overlap / measured | runs | load |"),
-             ("| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-              "| --- |")]
+              "predicted s/step | measured s/step | predicted / measured | runs | load |"),
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in res["rows"]:
         a = r["alpha_s"] or {}
         alpha = " / ".join(f"{a[k] * 1e6:.1f}" if k in a else "-" for k in ("inter", "intra"))
@@ -425,9 +391,7 @@ def format_comparison(res: dict) -> str:
         lines.append(f"| {r['system']} | {r['hosts']} x {r['ranks_per_host']} | "
                      f"{r['mbit']:g} Mbit/s | {r.get('time_dilation') or 1:g} | {alpha} | "
                      f"{f(r['predicted_s'])} | "
-                     f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | "
-                     f"{f(r.get('timeline_ratio'), 3)} | {f(r['no_overlap_s'])} | "
-                     f"{f(r['no_overlap_ratio'], 3)} | {r['runs']} | {load} |")
+                     f"{f(r['measured_s'])} | {f(r['ratio'], 3)} | {r['runs']} | {load} |")
         for e in r["errors"]:
             lines.append(f"|   error: {e} |")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """``python -m lab``: run a spardist command across emulated hosts and compare the bytes that
 really crossed between them with the ledger's (and, with ``--compare-steps``, the time per
-step with the timeline's).
+step with the job simulation's).
 
     python -m lab --hosts H --ranks-per-host R [--link MBIT,LATENCY_US] [--out DIR]
         [--launch mpiexec|run_mpi] -- MODULE ARGS...

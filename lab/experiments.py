@@ -78,7 +78,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
     ``links`` one :class:`Lab` is set up; its alpha is measured once (:meth:`Lab.ping_pong`) and
     every workload runs ``repeat`` times with the cost model of :func:`cost_flags` (beta from the
     link setting, alpha from the ping-pong: nothing fitted per run); :func:`compare_steps` reads
-    each run's per-step ``step_wall_s`` against ``step_sim_s`` (and ``step_no_overlap_s``),
+    each run's per-step ``step_wall_s`` against the job simulation's step,
     skipping the workload's warm-up lines.
 
     ``workloads``: ``{name: {"args": [MODULE, ARGS...], "skip": warm-up lines}}``; a callable
@@ -179,9 +179,6 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                                 wall_s=wire["wall_s"], steps_compared=st["steps_compared"],
                                 predicted_s=st["median_predicted_s"],
                                 measured_s=st["median_measured_s"], ratio=st["median_ratio"],
-                                no_overlap_s=st.get("median_no_overlap_s"),
-                                no_overlap_ratio=st.get("median_no_overlap_ratio"),
-                                timeline_ratio=st.get("median_timeline_ratio"),
                                 payload_vs_booked=wire["ratios"]["payload_vs_booked"],
                                 cost_model=st.get("cost_model"))
                         run["load_after"] = os.getloadavg()[0]
@@ -201,7 +198,5 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
                     "time_dilation": rs[0]["time_dilation"] if rs else None,
                     "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
                     **{k: median_of([r.get(k) for r in ok]) for k in (
-                        "predicted_s", "measured_s", "ratio", "no_overlap_s", "no_overlap_ratio",
-                        "timeline_ratio", "load_before",
-                        "load_after")}})
+                        "predicted_s", "measured_s", "ratio", "load_before", "load_after")}})
     return {"labs": labs, "runs": runs, "rows": rows}

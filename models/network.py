@@ -110,7 +110,7 @@ def compute_units(root: Layer, input_shape, itemsize: int = 4,
                   layout: ParamLayout | None = None) -> list[ComputeUnit]:
     """The :class:`ComputeUnit` s of a layer tree on per-sample ``input_shape``, in forward order,
     without allocating parameters (so a paper-scale tree, e.g. ResNet-152, costs only its
-    shapes): for the FLOP model of :mod:`substrate.timeline` at any scale."""
+    shapes): for the FLOP model of the job simulation at any scale (:mod:`commvol.workload`)."""
     layout = layout if layout is not None else ParamLayout(layer_tree_specs(root))
     units: list[ComputeUnit] = []
 

@@ -386,7 +386,7 @@ class _FlatOptimizer:
 
     def flops(self) -> float:
         """Element operations of one :meth:`step` (``ops per parameter × parameters``, the
-        optimizer's event for the timeline's ``flops`` compute source; hooks not counted)."""
+        optimizer's block for the ``flops`` compute source; hooks not counted)."""
         return float(self._ops_per_element()) * self.params.flat.size
 
     def _weight_decayed(self) -> bool:

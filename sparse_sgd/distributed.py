@@ -57,7 +57,7 @@ from substrate.executor import Bindings, Executor
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
 
-#: FLOPs per element of an activation or its derivative (the timeline's FLOP counts)
+#: FLOPs per element of an activation or its derivative (the ``flops`` compute source's counts)
 ACT_FLOPS = {"sigmoid": 4, "relu": 1}
 
 
@@ -592,7 +592,7 @@ class DistributedSparseNet(Bindings):
 
     # -- the GPU path ------------------------------------------------------------------------------
     # The same programs as the CPU path (receives, sends and waits where Algs. 2-3 have them), so
-    # the plan's records, the ledger and the timeline are the CPU run's.  A layer's outgoing rows
+    # the plan's records, the ledger and the program are the CPU run's.  A layer's outgoing rows
     # are gathered into one device block; with a host-only MPI that block is copied to pinned
     # memory once (one host wait per layer and direction: the data MPI must read) and the
     # messages are its row ranges; received rows are copied up once per layer, the compute

@@ -322,6 +322,8 @@ class SimClock:
         #: rank 0: bytes the simulated messages moved inside nodes and between them (the
         #: ledger's wire bytes of the simulated steps, a check)
         self.moved: dict[str, float] = {}
+        #: rank 0: bytes the transport's acknowledgements moved (not in :attr:`moved`)
+        self.ack_bytes = 0.0
         self._compute_s = 0.0
         self._offset = {"sim_s": 0.0, "compute_s": 0.0}
         self._t0 = self._step_t0 = time.perf_counter()
@@ -524,6 +526,7 @@ class SimClock:
         ends = sim.run()
         for link, moved in sim.moved.items():
             self.moved[link] = self.moved.get(link, 0.0) + moved
+        self.ack_bytes += sim.ack_bytes
         done = [max(e[s] for e in ends) for s in range(n)]
         lengths = [b - a for a, b in zip([0.0, *done[:-1]], done)]
         if keep:
@@ -617,7 +620,10 @@ class SimClock:
              "job_simulation": {"link_sharing": self.jobsim.link_sharing,
                                 "eager_limit": None if math.isinf(self.jobsim.eager_limit)
                                 else self.jobsim.eager_limit,
-                                "ack_overhead": self.jobsim.ack_overhead},
+                                "ack_overhead": self.network.library.ack_overhead
+                                if self.jobsim.ack_overhead is None
+                                else self.jobsim.ack_overhead,
+                                "ack_bytes": self.ack_bytes if self.rank == 0 else None},
              "steps": len(self.simulated),
              "bytes_moved": dict(self.moved) if self.rank == 0 else None,
              "last_step": self.last_step,

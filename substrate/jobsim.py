@@ -66,6 +66,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import schedule
 from .calls import Call
 from .cluster import Cluster
@@ -259,6 +261,8 @@ class JobSim:
         self._recvs: dict = {}              # match key -> unmatched receives
         self._alive = 0
         self._schedules: dict = {}          # id(call) -> its schedule
+        self._a2a: dict = {}                # (group, n) -> members' rows of an all-to-all
+        self._a2a_count: dict = {}          # (group, rank) -> all-to-alls it has entered
         self._calls: dict = {}              # id(call dict) -> its Call
         #: bytes moved inside nodes and between them (the ledger's wire bytes, a check)
         self.moved = {"intra": 0.0, "inter": 0.0}
@@ -701,8 +705,8 @@ class JobSim:
         rounds :mod:`substrate.collectives` executes): per round its sends leave (eager) and
         its receives are posted, and it waits for all of them."""
         if call.algorithm == "alltoallv":
-            raise ValueError(f"JobSim: an alltoallv call ({call.phase}) cannot be simulated: "
-                             "a member's record holds its own sends only")
+            yield from self._alltoallv(r, call)
+            return
         sched = self._schedule(call)
         group = call.group
         i = group.index(r)
@@ -714,6 +718,33 @@ class JobSim:
                     for q, lo, hi in rnd.sends]
             reqs += [self._recv(group[q], r, (key, group[q], r)) for q, _, _ in rnd.recvs]
             yield "wait", reqs
+
+    def _alltoallv(self, r: int, call: Call):
+        """Rank ``r``'s part of a personalized all-to-all (:func:`substrate.schedule.alltoallv`:
+        its sends to ``i+1, i+2, ...``, its receives from ``i-1, i-2, ...``).  A member's record
+        holds its own row of the byte matrix only (what it knows before the call); the column it
+        receives is the other members' rows, so its receives are posted once every member has
+        entered the same call (the n-th all-to-all of the group on each)."""
+        group, p = call.group, call.size
+        i = group.index(r)
+        n = self._a2a_count[(group, r)] = self._a2a_count.get((group, r), 0) + 1
+        slot = self._a2a.setdefault((group, n), ({}, _Req()))
+        rows, everyone = slot
+        rows[i] = np.asarray(call.blocks, dtype=np.int64).reshape(p, p)[i]
+        if len(rows) == p:
+            self._complete(everyone)
+            del self._a2a[(group, n)]
+        if self._call_s and p > 1:
+            yield "sleep", self._call_s
+        key = ("coll", group)
+        row = rows[i]
+        reqs = [self._send(r, group[j], (key, r, group[j]), int(row[j]))
+                for j in ((i + k) % p for k in range(1, p)) if row[j]]
+        if not everyone.done:
+            yield "wait", [everyone]
+        reqs += [self._recv(group[j], r, (key, group[j], r))
+                 for j in ((i - k) % p for k in range(1, p)) if rows[j][i]]
+        yield "wait", reqs
 
     def _schedule(self, call: Call):
         """The schedule of a call (cached by the record's identity)."""
@@ -741,7 +772,7 @@ def simulate_profile(doc: dict, node_of, cost: CostModel | Cluster, *,
     programs = doc.get("programs")
     if programs is None:
         raise ValueError(f"compute profile {doc.get('path', '')}: holds no programs (recorded "
-                         "by an older spardist or with --clock additive); record it again with "
+                         "by an older spardist); record it again with "
                          "--compute-profile-out")
     n = len(programs)
     if len(node_of) != n:

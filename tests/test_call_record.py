@@ -78,7 +78,7 @@ def test_a_plan_alone_is_executed_booked_and_accounted(tmp_path, n, node_map):
     for ph, b in want.phases.items():
         assert (got[ph]["intra_bytes"], got[ph]["inter_bytes"]) == (3 * b["intra"],
                                                                    3 * b["inter"])
-    assert s["timing"]["sim_s"] > 0 and s["timeline"]["steps"] == 3
+    assert s["timing"]["sim_s"] > 0 and s["clock"]["steps"] == 3
 
 
 def test_a_plan_alone_is_predicted_and_scaled(monkeypatch):

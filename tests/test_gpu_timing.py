@@ -1,7 +1,7 @@
-"""CUDA-event compute timing on the strict CuPy stand-in (issue 25): a block's events are read
-once per step with one host wait, not one wait per block; the timeline gets the same seconds;
-reading a block early still works (it resolves then); a clock whose blocks are read at the step
-end keeps the same time as one that reads each block at its end."""
+"""CUDA-event compute timing on the strict CuPy stand-in: a block's events are read once per
+step with one host wait, not one wait per block; the clock files the same seconds; reading a
+block early still works (it resolves then); a clock whose blocks are read at the step end keeps
+the same time as one that reads each block at its end."""
 
 from contextlib import contextmanager
 
@@ -10,10 +10,8 @@ import pytest
 from strict_backend import real_cupy_or_skip, strict_cupy
 
 from substrate.clock import SimClock
-from substrate.compute import ComputeSource, CudaEventSource, DeferredMeasurement, LayerEvents
-from substrate.costmodel import CostModel
+from substrate.compute import ComputeSource, CudaEventSource, DeferredMeasurement
 from substrate.ledger import Ledger
-from substrate.timeline import Timeline
 
 
 def _work(cp, n=64):
@@ -56,25 +54,24 @@ def test_early_read_resolves_everything_pending():
         assert got == [c.seconds] and cp._strict.syncs == 2
 
 
-def test_layer_events_get_their_seconds_at_the_step_end():
+def test_layer_blocks_get_their_seconds_at_the_step_end():
     with strict_cupy() as cp:
-        tl = Timeline(CostModel())
-        src = CudaEventSource()
-        layers = LayerEvents(tl, src)
+        clock = SimClock(Ledger(), source=CudaEventSource())
         for name in ("a", "b", "c"):
-            with layers.layer("fwd", name):
+            with clock.layers.layer("fwd", name):
                 _work(cp)
         assert cp._strict.syncs == 0
-        assert all(e.seconds == 0 for e in tl.open_events)
-        src.new_step()
+        assert all(b.seconds is None for b in clock._blocks)
+        clock.step()
         assert cp._strict.syncs == 1
-        assert all(e.seconds > 0 for e in tl.open_events)
-        assert layers.recorded_s == pytest.approx(sum(e.seconds for e in tl.open_events))
+        (_, _, seconds, _, _), = clock._payload()
+        assert len(seconds) == 3 and min(seconds) > 0
+        assert clock.compute_s == pytest.approx(sum(seconds))
 
 
 def test_clock_steps_with_one_host_wait():
     with strict_cupy() as cp:
-        clock = SimClock(Ledger(), source=CudaEventSource(), timeline=Timeline(CostModel()))
+        clock = SimClock(Ledger(), source=CudaEventSource())
         for _ in range(3):
             base = cp._strict.syncs
             with clock.compute("forward+backward"):
@@ -84,11 +81,13 @@ def test_clock_steps_with_one_host_wait():
                 _work(cp)
             with clock.compute("optimizer"):
                 _work(cp)
-            timing = clock.step()
+            clock.step()
             assert cp._strict.syncs - base == 1
-            assert timing.compute_s > 0
-            labels = {e.label: e for e in timing.events}
-            assert labels["optimizer"].finish > labels["optimizer"].start
+        base = cp._strict.syncs
+        steps = clock.simulate()
+        assert cp._strict.syncs == base              # nothing left to read
+        assert len(steps) == 3 and min(s for _, s in steps) > 0
+        assert clock.sim_s == pytest.approx(clock.compute_s)
 
 
 #: seconds of every block and layer of :func:`_scripted_steps`, by label
@@ -149,35 +148,20 @@ def _scripted_steps(clock: SimClock, steps: int = 2) -> list:
             pass
         with clock.compute("opt", deps=[fb]):
             pass
-        mid = clock.sim_s                    # a reading of the open step resolves it
-        t = clock.step()
-        out.append((mid, t.step_s, t.compute_s, t.no_overlap_s,
-                    sorted((e.label, e.start, e.finish) for e in t.events if e.finish > e.start)))
-    return out
+        mid = clock.compute_s                # a reading of the open step resolves it
+        clock.step()
+        out.append(mid)
+    return out + clock.simulate() + [clock.last_step]
 
 
-@pytest.mark.parametrize("timeline", [True, False], ids=["timeline", "additive"])
-def test_deferred_blocks_keep_the_clock_of_blocks_read_at_their_end(timeline):
-    """The same blocks, layers and nested hook give the same step times, compute, events and
+def test_deferred_blocks_keep_the_clock_of_blocks_read_at_their_end():
+    """The same blocks, layers and nested hook give the same steps, compute, events and
     readings whether each block is read at its end or the step's blocks at the step end."""
-    clocks = []
-    for src in (_Scripted(), _ScriptedDeferred()):
-        tl = Timeline(CostModel()) if timeline else None
-        clocks.append(SimClock(Ledger(), source=src, timeline=tl))
-    if not timeline:
-        for c in clocks:                     # additive mode: plain blocks only
-            for _ in range(2):
-                with c.compute("fb"):
-                    pass
-                with c.compute("opt"):
-                    pass
-                c.step()
-        assert clocks[0].compute_s == clocks[1].compute_s == pytest.approx(10.5)
-        assert clocks[0].sim_s == clocks[1].sim_s
-        return
+    clocks = [SimClock(Ledger(), source=src) for src in (_Scripted(), _ScriptedDeferred())]
     now, later = (_scripted_steps(c) for c in clocks)
     assert now == later
-    assert now[0][1] == pytest.approx(5.0 + 1.0 + 0.25)
+    assert now[2] == ("unit", pytest.approx(5.0 + 1.0 + 0.25))
+    assert now[0] == pytest.approx(6.25) and now[1] == pytest.approx(12.5)
     assert clocks[1].source.reads == 2       # once per step (the mid-step reading)
     assert clocks[0].as_dict()["sim_s"] == clocks[1].as_dict()["sim_s"]
 

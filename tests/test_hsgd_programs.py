@@ -29,7 +29,7 @@ from sparse_sgd.program import (
     step_program,
 )
 from sparse_sgd.radixnet import challenge_config, radixnet, random_regular_network
-from substrate.calls import Placement, exchange_shares
+from substrate.calls import Placement
 from substrate.program import normalize, rebase
 
 #: placements of the runs: ranks and ``--node-map`` (2 x 2, one node of 3, 2 x 3, round-robin)
@@ -48,22 +48,21 @@ def _entries(program, kind):
 
 @pytest.mark.parametrize("node_map", ["0,0,0,1,1", "round-robin:1"])
 def test_every_rank_takes_its_part_of_every_exchange(node_map):
-    """Over the ranks, the programs' sends are the records' messages (each with its tag and
-    its exchange's share) and their receives the same messages from the other end."""
+    """Over the ranks, the programs' sends are the records' messages (each with its tag) and
+    their receives the same messages from the other end."""
     plan = _plan()
     placement = Placement.parse(node_map, 5)
     L = plan.num_layers
     records = plan.tagged_calls(placement, 3, 4)
     want = {t: sorted(map(tuple, c.pairs.tolist())) for c, t in records if t is not None}
     assert sorted(want) == [*range(1, L + 1), *range(L + 2, 2 * L + 1)]
-    shares = {t: exchange_shares(c, placement) for c, t in records if t is not None}
     sent, got = {}, {}
     for r in range(5):
         program = step_program(records, L, placement, r)
         for _, (_, call, after, member, wait, tag) in _entries(program, "C"):
             if call.algorithm != "p2p":
                 continue
-            assert (member, wait, call.share) == (True, False, shares[tag].get(r))
+            assert (member, wait, call.group) == (True, False, placement.world)
             assert len(after) == 1 and program[after[0]][0] == "B"   # the block that filled it
             sent.setdefault(tag, []).extend(map(tuple, call.pairs.tolist()))
         for _, (_, src, nb, tag, group) in _entries(program, "R"):
@@ -173,6 +172,7 @@ def _regenerated(n: int, node_map: str, images: int) -> tuple[list, HSGDPlan]:
                                step_program(step, L, placement, r),
                                step_program(step, L, placement, r),
                                eval_program(ev, L, len(batches(images, 32)), placement, r)])
+                + [["S"]]          # the run closes what followed its last step as a step
                 for r in range(n)]
     return programs, plan
 

@@ -36,8 +36,8 @@ def test_plain_mpiexec_caps_threads_like_the_launcher(tmp_path):
     assert plain["threads"]["set_by"].startswith("spardist:")
     assert launched["threads"]["set_by"].startswith("environment")
     assert plain["threads"]["blas_threads"] == launched["threads"]["blas_threads"] == want
-    src = plain["timeline"]["compute_source"]
-    assert src == launched["timeline"]["compute_source"]
+    src = plain["clock"]["compute_source"]
+    assert src == launched["clock"]["compute_source"]
     assert src.startswith("cpu_thread" if want == 1 else "cpu_process")
     assert "OMP_NUM_THREADS" not in " ".join(launch_command(4, "x", []))
 

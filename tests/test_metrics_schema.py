@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"line", "cumulative", "interval", "interval-mean", "evaluation"}
 
 GOOD = {"unit": "step", "index": 6, "step": 6, "interval_units": 3, "intra_node_bytes": 10,
-        "inter_node_bytes": 0, "step_wall_s": 0.5, "step_sim_s": 0.25,
-        "step_no_overlap_s": 0.3, "sim_s": 1.5, "eval_wall_s": None, "test_accuracy": None,
+        "inter_node_bytes": 0, "step_wall_s": 0.5, "step_sim_s": 0.25, "sim_s": 1.5, "eval_wall_s": None, "test_accuracy": None,
         "compute_s": 1.2, "comm_modeled_s": 0.1, "phase_modeled_s": {"ddp_allreduce": 0.1},
         "loss": 2.3, "anything_else": [1, 2]}
 
@@ -48,8 +47,8 @@ def test_schema_documents_every_field():
     # the brief's common fields, in the order the CSV and the lines use
     assert metrics.common_fields()[:11] == (
         "unit", "index", "interval_units", "intra_node_bytes", "inter_node_bytes",
-        "step_wall_s", "step_sim_s", "step_no_overlap_s", "sim_s", "eval_wall_s",
-        "test_accuracy")
+        "step_wall_s", "step_sim_s", "sim_s", "eval_wall_s", "test_accuracy",
+        "compute_s")
     kinds = {k: props[k]["x-kind"] for k in metrics.common_fields()}
     assert kinds["sim_s"] == kinds["index"] == "cumulative"
     assert kinds["inter_node_bytes"] == "interval"
@@ -184,19 +183,19 @@ def test_every_trainer_writes_the_schema(runs, name):
     for link in ("inter_node_bytes", "intra_node_bytes"):
         assert sum(x[link] for x in lines) == summary["traffic"]["predicted"].get(link, 0) == \
             summary["traffic"]["measured"][link]
-    # cumulative fields never go back; a step's critical path is within its no-overlap sum
+    # cumulative fields never go back
     for key in ("sim_s", "compute_s", "comm_modeled_s"):
         assert [x[key] for x in lines] == sorted(x[key] for x in lines), key
-    assert all(x["step_sim_s"] <= x["step_no_overlap_s"] * (1 + 1e-9) + 1e-12 for x in lines)
     assert all(x["step_wall_s"] > 0 for x in lines)
-    # the job's step by step: the slowest rank's simulated step (Run._steps_max), at least
-    # rank 0's that the lines carry
-    job = summary["steps_max"]
-    assert job is not None and len(job["step_s"]) == len(job["no_overlap_s"]) > 0
-    if len(job["step_s"]) == idx[-1]:
-        for x in lines:
-            if x["interval_units"] == 1:
-                assert job["step_s"][x["index"] - 1] >= x["step_sim_s"] * (1 - 1e-12), x
+    # the job simulation's steps: one per unit, the lines' step_sim_s their interval's mean,
+    # sim_s every simulated step so far (evaluations' own steps included)
+    job = summary["steps_max"]["step_s"]
+    assert len(job) == idx[-1] and min(job) > 0
+    for x, (a, b) in zip(lines, zip([0, *idx], idx)):
+        assert x["step_sim_s"] == pytest.approx(sum(job[a:b]) / (b - a), rel=1e-9)
+        assert x["sim_s"] >= sum(job[:b]) * (1 - 1e-12)
+    assert summary["timing"]["sim_s"] == pytest.approx(lines[-1]["sim_s"], rel=1e-12) or \
+        summary["timing"]["sim_s"] > lines[-1]["sim_s"]
     if unit == "iteration":
         assert [x["iteration"] for x in lines] == [k - 1 for k in idx]   # the paper's k
     else:

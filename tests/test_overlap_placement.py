@@ -27,6 +27,8 @@ pytestmark = pytest.mark.mpi
 
 DDP = ["train", "--method", "ddp", "--steps", 4, "--eval-every", 2, "--bucket-mib", 0.02,
        "--compute-source", "flops", "--device-tflops", 0.01]
+#: links slow enough that the buckets' rings outlast the backward they overlap
+SLOW = ["--inter-bw", 0.05, "--intra-bw", 0.2]
 
 
 def _lines(out):
@@ -40,7 +42,7 @@ def test_overlap_on_equals_overlap_off_bitwise(tmp_path, allreduce, shape):
     for mode in ("on", "off"):
         out = tmp_path / mode
         run_mpi(None, 4, *DDP, "--allreduce", allreduce, *shape, "--overlap", mode,
-                "--out", out, module="dataparallel", timeout=180)
+                *SLOW, "--out", out, module="dataparallel", timeout=180)
         runs[mode] = (read_summary(out), _lines(out))
     (s_on, l_on), (s_off, l_off) = runs["on"], runs["off"]
     # the same numbers to the last bit: losses, accuracies, bytes of every interval
@@ -50,11 +52,9 @@ def test_overlap_on_equals_overlap_off_bitwise(tmp_path, allreduce, shape):
     assert_measured_equals_predicted(s_on)
     assert s_on["overlap"]["communication_thread"] is True
     assert s_on["overlap"]["mode"] == "on" and s_off["overlap"]["mode"] == "off"
-    # off: every call blocks, so the critical path is the no-overlap sum; on: the buckets
-    # (more than one) overlap the backward on the timeline, as in the run
-    t_on, t_off = s_on["timing"], s_off["timing"]
-    assert t_off["sim_s"] == pytest.approx(t_off["no_overlap_s"], rel=1e-9)
-    assert t_on["sim_s"] < t_on["no_overlap_s"] * (1 - 1e-6)
+    # off: every call blocks after the backward; on: the buckets (more than one) overlap the
+    # backward in the job simulation, as in the run (the same FLOP-costed compute)
+    assert s_on["timing"]["sim_s"] < s_off["timing"]["sim_s"] * (1 - 1e-3)
 
 
 def _final_state(out, steps, ranks):
@@ -97,8 +97,8 @@ def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, c
     """PacTrain (plain, ternary), SDP and SSFusion (selective, SSFusion-O) issue their calls
     from the backward's ready hook with ``--overlap on`` and block after the backward with
     ``--overlap off``: parameters, optimizer and strategy state, losses, accuracies, bytes
-    and messages are bitwise the same; traffic is the plan's; the timeline of ``on`` has
-    transfers during the backward and ``off`` none, as the runs did."""
+    and messages are bitwise the same; traffic is the plan's; the simulated steps of ``on``
+    (``--trace``) have calls during the backward and ``off`` none, as the runs did."""
     n, args = SENDING_IN_BACKWARD[case]
     steps = 4
     runs = {}
@@ -109,6 +109,7 @@ def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, c
             base = ["--compute-source", "flops"]
         run_mpi(None, n, "train", *args, *base, "--steps", steps, "--eval-every", 2,
                 "--checkpoint-every", steps, "--overlap", mode, "--progress-every", 0,
+                "--trace", tmp_path / f"{mode}.json", "--trace-steps", "1",
                 "--out", out, module="dataparallel", timeout=300)
         runs[mode] = (read_summary(out), _lines(out), _final_state(out, steps, n))
     (s_on, l_on, st_on), (s_off, l_off, st_off) = runs["on"], runs["off"]
@@ -121,15 +122,12 @@ def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, c
             assert a[k].tobytes() == b[k].tobytes(), k
     assert_measured_equals_predicted(s_on)
     assert s_on["calls"]["per_rank"] == s_off["calls"]["per_rank"]
-    t_on, t_off = s_on["timing"], s_off["timing"]
-    if "--offload" not in args:       # the worker overlaps the compute stream in both
-        assert t_off["sim_s"] == pytest.approx(t_off["no_overlap_s"], rel=1e-9)
-    assert t_on["sim_s"] < t_on["no_overlap_s"] * (1 - 1e-9)
-    for s, during in ((s_on, True), (s_off, False)):
-        events = s["timeline"]["rank0"]["events"]
-        end = max(e["finish"] for e in events if e["label"].startswith("backward:"))
-        first = min(e["start"] for e in events if e["kind"] == "transfer")
-        assert (first < end) is during, (s["overlap"], first, end)
+    for mode, during in (("on", True), ("off", False)):
+        trace = json.loads((tmp_path / f"{mode}.json").read_text())["traceEvents"]
+        events = [e for e in trace if e.get("ph") == "X" and e["pid"] == 0]
+        end = max(e["ts"] + e["dur"] for e in events if e["name"].startswith("backward:"))
+        first = min(e["ts"] for e in events if e["args"]["kind"] == "call")
+        assert (first < end) is during, (mode, first, end)
 
 
 def test_without_thread_multiple_the_stream_blocks_and_says_so(tmp_path):
@@ -217,15 +215,13 @@ def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra,
     assert rep["calls"]["per_rank"] == real["calls"]["per_rank"]
     assert rep["traffic"]["measured"] == real["traffic"]["measured"]
     assert rep["timing"]["sim_s"] == pytest.approx(costed["timing"]["sim_s"], rel=1e-12)
-    assert rep["timing"]["no_overlap_s"] == pytest.approx(costed["timing"]["no_overlap_s"],
-                                                          rel=1e-12)
     assert rep["metrics"]["steps"] == 4
     # the job simulation of the same programs: a step per step, the ledger's bytes moved
-    job = rep["metrics"]["job_simulation"]
-    assert len(job["step_s"]) == 4 and min(job["step_s"]) > 0
+    job = rep["steps_max"]["step_s"]
+    assert len(job) == 4 and min(job) > 0
     t = rep["traffic"]["measured"]
-    assert job["bytes"] == {"intra": pytest.approx(t["intra_node_bytes"]),
-                            "inter": pytest.approx(t["inter_node_bytes"])}
+    assert rep["clock"]["bytes_moved"] == {"intra": pytest.approx(t["intra_node_bytes"]),
+                                           "inter": pytest.approx(t["inter_node_bytes"])}
 
 
 def test_replay_on_another_placement_moves_the_bytes_to_its_links(tmp_path):

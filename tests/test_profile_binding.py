@@ -52,7 +52,7 @@ def test_a_profile_without_a_job_is_refused(profile, tmp_path):
 def test_partial_uses_it_and_says_how_much_was_measured(profile, tmp_path):
     run_mpi(None, 2, *_use(profile, "--method", "topk", "--compute-profile-partial"), "--out",
             tmp_path / "partial", module="dataparallel", timeout=180)
-    cp = read_summary(tmp_path / "partial")["timeline"]["compute_profile"]
+    cp = read_summary(tmp_path / "partial")["clock"]["compute_profile"]
     assert any("method" in d for d in cp["job_differences"])
     assert cp["fallback_blocks_all_ranks"] > 0
     assert 0 < cp["fraction_measured_instead"] < 1
@@ -61,5 +61,5 @@ def test_partial_uses_it_and_says_how_much_was_measured(profile, tmp_path):
 def test_run_length_seed_and_output_are_the_same_job(profile, tmp_path):
     run_mpi(None, 2, *_use(profile, "--seed", 3), "--out", tmp_path / "same",
             module="dataparallel", timeout=180)
-    cp = read_summary(tmp_path / "same")["timeline"]["compute_profile"]
+    cp = read_summary(tmp_path / "same")["clock"]["compute_profile"]
     assert cp["job_differences"] == [] and cp["fallback_blocks_all_ranks"] == 0

@@ -123,11 +123,9 @@ def test_an_offload_block_runs_beside_the_thread_for_the_workers_time():
 
     from substrate.clock import PendingSeconds, SimClock
     from substrate.compute import FlopSource
-    from substrate.costmodel import CostModel
     from substrate.executor import Bindings, Executor
     from substrate.ledger import Ledger
-    from substrate.program import Builder, Program
-    from substrate.timeline import Timeline
+    from substrate.program import Builder
 
     b = Builder()
     bwd = b.block("bwd")
@@ -153,19 +151,15 @@ def test_an_offload_block_runs_beside_the_thread_for_the_workers_time():
             return {"bwd": 1e12, "w": 0.25e12, "more": 0.5e12, "wait": 0.0}.get(label)
 
     for submit in (True, False):
-        clock = SimClock(Ledger(), source=FlopSource(1.0), timeline=Timeline(CostModel()))
-        clock.program = Program()
+        clock = SimClock(Ledger(), source=FlopSource(1.0), keep_program=True)
         run = SimpleNamespace(clock=clock, recorder=SimpleNamespace(program=None), rank=0,
                               topo=SimpleNamespace(world=None, intra=None, inter=None))
         bind = Bind(submit)
         Executor(run, {}).run_step(b.entries, bind)
-        events = {e.label: e for e in clock.timeline.open_events}
-        w = events["w"]
-        assert w.resource == "offload" and w.deps == (events["bwd"],)
-        assert w.seconds == (2.0 if submit else 0.25)    # the worker's, or the source's
-        t = clock.timeline.schedule()
-        finish = {e.label: e.finish for e in t.events}
-        assert finish["more"] == pytest.approx(1.5)   # the thread went on beside the worker
-        assert finish["wait"] == pytest.approx(3.0 if submit else 1.5)
         clock.step()
+        sim = clock.simulate()           # the thread went on beside the worker ("more")
+        assert sim == [("unit", pytest.approx(3.0 if submit else 1.5))]
+        ends = {e["label"]: e["finish"] for e in clock.last_step["ranks"]["0"]}
+        assert ends["more"] == pytest.approx(1.5)
+        assert ends["w"] == pytest.approx(3.0 if submit else 1.25)   # 2 s, or the source's
         assert normalize(clock.program.entries) == normalize(b.entries)

@@ -180,7 +180,7 @@ def predict_ssfusion(spec, nodes, gpus_per_node, options: SSFusionOptions, cost=
     ``--profile-steps`` dense steps (a ring all-reduce per warm-up buffer); when the plan depends
     on timings, the one-off profile MAX all-reduce and plan broadcast at the end of warm-up; then
     per fusion buffer the all-reduce of ``Buffer_AR`` and the all-gather of ``Buffer_AG``, with
-    the sparsification and decoding as compute items for the paper-scale timeline (with
+    the sparsification and decoding as compute items for the job simulation at scale (with
     ``--offload``, the offloaded tensors' on the CPU worker's stream).  The
     compute items assume the trainer's default optimizer (SGD with momentum: DGC's momentum
     correction moves it into the strategy when ``--momentum-correction`` is on)."""

@@ -8,8 +8,8 @@ warm-up all-reduces, the decision's profile all-reduce and plan broadcast, per f
 all-reduce of ``Buffer_AR`` and the all-gather of ``Buffer_AG`` with their dependencies, and the
 sparsification, SSFusion-O's worker and the decoding as compute items) are the step's program
 (:func:`dataparallel.program.step_program`), which the run executes with :class:`SSFusion`
-bound to its calls and compute items, and what ``commvol`` prices and lays on the paper-scale
-timeline from the same function on an assumed profile.  The plan names the ledger phases
+bound to its calls and compute items, and what ``commvol`` prices and simulates at scale from
+the same function on an assumed profile.  The plan names the ledger phases
 (:data:`~dataparallel.ssfusion.plan.PHASES`).
 
 Fusion buffers (§IV-B Step 1, ``--fusion-policy``):
@@ -70,9 +70,9 @@ Simulation notes: with ``--overlap on`` the run is the paper's pipeline (Fig. 10
 program places each part of a buffer at the first unit boundary of the backward where the
 backward has written it, and its collective right after on the communication stream, so the
 collectives overlap the rest of the backward for real; the waits and the decoding follow the
-backward.  On the timeline clock every call and compute item is declared where it ran, after
-what the plan's records name; SSFusion-O's worker items on the offload stream, timed by the
-worker's own reading of the compute source.  ``--overlap off``: every record follows the
+backward.  The run records every call and compute item where it ran, after what the plan's
+records name (the job simulation replays them so); SSFusion-O's worker items on the offload
+stream, timed by the worker's own reading of the compute source.  ``--overlap off``: every record follows the
 backward, each call blocking (the worker's items too: nothing overlaps the backward).  The
 warm-up's timing of the backward per tensor is measurement, not program
 (:meth:`SSFusion.on_ready`).  The tensor-missing count (a diagnostic, not part of the modeled

@@ -62,7 +62,7 @@ PROFILE_FIELDS = ("T_b", "T_sp", "T_cpu")
 #: What :meth:`SSFusionPlan.calls` lists: a dense warm-up step or a sparse step.
 STEP_KINDS = ("warmup", "sparse")
 #: Bytes each element operation of SSFusion's compute items streams (an assumption of the
-#: paper-scale timeline, whose ``--device-gbs`` roofline makes them memory-bound: one float32
+#: job simulation at scale, whose device roofline makes them memory-bound: one float32
 #: read or written per operation of momentum, error feedback, selection, packing and decoding).
 WORK_BYTES_PER_FLOP = 4
 

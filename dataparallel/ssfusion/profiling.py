@@ -53,7 +53,6 @@ class WarmupProfiler:
         self._offload_guard: dict | None = None
         self._t_ready = np.zeros(self.L)
         self._ready_count = 0
-        self._profile_event = None  # timeline: the warm-up profiling event of this step
         self._prof_futures: list = []
 
     def on_ready(self, name: str) -> None:

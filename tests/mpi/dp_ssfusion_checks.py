@@ -251,17 +251,20 @@ def offload_program():
         program = step_program(units, records, run.topo.placement, run.rank)
         bind = StepBindings(strat, Pass(lambda ready: model.loss_and_grad(x, y, ready=ready),
                                         tensors))
+        start = len(run.clock.program)
         executor.run_step(program, bind)
         if step >= strat.warmup:
-            events = run.clock.timeline.open_events
-            work = {e.label: e for e in events if e.resource == "offload"}
+            entries = run.clock.program.since(start)
+            seconds = {b.index: b.seconds for b in run.clock._blocks}
+            work = {e[2]: start + i for i, e in enumerate(entries)
+                    if e[0] == "B" and e[5] == "offload"}
             if sorted(work) != sorted(f"ssf_offload[{names.index(n)}]" for n in
                                       ("fc2.weight", "fc1.weight", "conv2.weight")):
-                problems.append(f"step {step}: offload events {sorted(work)}")
-            wait = [e for e in events if e.label.startswith("ssf_offload_wait")]
-            if not all(w.seconds > 0 for w in work.values()) or len(wait) != 2 or \
-                    not set(wait[0].deps) >= {work["ssf_offload[1]"], work["ssf_offload[3]"]}:
-                problems.append(f"step {step}: the worker's events or their collection")
+                problems.append(f"step {step}: offload blocks {sorted(work)}")
+            wait = [e for e in entries if e[0] == "B" and e[2].startswith("ssf_offload_wait")]
+            if not all((seconds[i] or 0) > 0 for i in work.values()) or len(wait) != 2 or \
+                    not set(wait[0][4]) >= {work["ssf_offload[1]"], work["ssf_offload[3]"]}:
+                problems.append(f"step {step}: the worker's blocks or their collection")
         run.clock.step()
         strat.after_step(state)
     executor.verify()

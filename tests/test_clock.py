@@ -1,9 +1,10 @@
-"""The event timeline (substrate.timeline), the clock over it (substrate.clock) and the model's
-per-layer recorder (models.network).
+"""The run's clock (substrate.clock): measured compute recorded as programs, simulated as a job
+(substrate.jobsim), the model's per-layer recorder (models.network), compute sources and
+profiles, and the wire lab's comparison of predicted and measured steps.
 
-Schedules are checked against times worked out by hand from the rules in the module docstring
-(in-order streams; per link: latency part, then the bandwidth part shared equally by the
-transfers in it), not against the engine's own arithmetic.
+Steps are checked against times worked out by hand: compute blocks one after the other on the
+rank's thread, a call on the communication stream beside them, an offload block on the worker,
+a ring all-reduce of two lock-step ranks ``2 (alpha + (n / 2) / beta)``.
 """
 
 from __future__ import annotations
@@ -11,443 +12,186 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from models.layers import Conv2d, Linear, ReLU, Sequential
 from models.network import Model
 from models.zoo import build_model
-from substrate.calls import Call, Placement, declare_one
-from substrate.clock import SimClock, make_source
+from substrate.calls import Call, Placement
+from substrate.clock import PendingSeconds, SimClock, make_source
 from substrate.compute import (
     CalibratedSource,
     ComputeSource,
     CpuTimeSource,
     FlopSource,
-    LayerEvents,
 )
 from substrate.costmodel import CostModel
+from substrate.jobsim import JobSimOptions
 from substrate.ledger import Ledger
 from substrate.profile import ProfileRecorder, ProfileSource, load_profile, write_profile
 from substrate.recorder import Recorder
 from substrate.testing import busy_loops
-from substrate.timeline import Timeline, transfer_parts
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
 
 
-# -- the engine ------------------------------------------------------------------------------------
+# -- the clock -------------------------------------------------------------------------------------
 
-def test_two_transfers_sharing_a_link_take_twice_as_long():
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "inter", 0.0, 1.0)
-    b = tl.transfer_seconds("b", "inter", 0.0, 1.0)
-    t = tl.step()
-    assert a.finish == approx(2.0) and b.finish == approx(2.0)
-    assert t.step_s == approx(2.0)
-    assert t.comm_s == approx(2.0)               # standalone sum: what the additive clock says
-    assert t.comm_busy_s["inter"] == approx(2.0)
+class _Fixed(ComputeSource):
+    """Seconds by label (a layer's ``phase:name``, a block's key): exact, no measurement."""
 
+    name = "fixed"
 
-def test_unequal_transfers_share_then_the_longer_runs_alone():
-    # W = 1 and W = 3 from t = 0: both at rate 1/2 until the short one is done at t = 2
-    # (1 unit of work each), then the long one has 2 left at full rate: done at t = 4.
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "inter", 0.0, 1.0)
-    b = tl.transfer_seconds("b", "inter", 0.0, 3.0)
-    tl.step()
-    assert a.finish == approx(2.0) and b.finish == approx(4.0)
+    def __init__(self, table):
+        self.table = table
+
+    @contextmanager
+    def measure(self, flops=None, nbytes=None, label=None):
+        m = self.Measurement()
+        yield m
+        m.seconds = self.table.get(label, 0.0)
 
 
-def test_staggered_transfer_joins_the_share():
-    # A (W = 2) alone on [0, 1] does 1 unit; B (W = 1) starts at 1 after a 1 s compute; both
-    # have 1 unit left and share: both end at 3.
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "intra", 0.0, 2.0)
-    c = tl.compute("c", 1.0)
-    b = tl.transfer_seconds("b", "intra", 0.0, 1.0, deps=c)
-    tl.step()
-    assert b.start == approx(1.0)
-    assert a.finish == approx(3.0) and b.finish == approx(3.0)
+def _clock(table, rank=0, ranks=1, cost=None, **kw):
+    return SimClock(Ledger(), source=_Fixed(table), rank=rank, node_of=range(ranks),
+                    jobsim=JobSimOptions(ack_overhead=0.0), **kw) if cost is None else \
+        SimClock(Ledger(), source=_Fixed(table), rank=rank, node_of=range(ranks),
+                 jobsim=JobSimOptions(ack_overhead=0.0),
+                 network=JobSimOptions(ack_overhead=0.0).network(cost), **kw)
 
 
-def test_different_link_classes_do_not_share():
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "intra", 0.0, 1.0)
-    b = tl.transfer_seconds("b", "inter", 0.0, 1.0)
-    assert tl.step().step_s == approx(1.0)
-    assert a.finish == approx(1.0) and b.finish == approx(1.0)
+def _simulate(clocks):
+    """The collective of :meth:`SimClock.simulate` done by hand for clocks of one process."""
+    steps = clocks[0]._run([c._payload() for c in clocks])
+    for c in clocks:
+        c.simulated.extend(steps)
+    return steps
 
 
-def test_latency_parts_do_not_share_bandwidth():
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "inter", 1.0, 0.0)
-    b = tl.transfer_seconds("b", "inter", 1.0, 0.0)
-    tl.step()
-    assert a.finish == approx(1.0) and b.finish == approx(1.0)
-    # latency first, then the shared bandwidth part: 0.5 + 2 * 1
-    tl = Timeline()
-    a = tl.transfer_seconds("a", "inter", 0.5, 1.0)
-    b = tl.transfer_seconds("b", "inter", 0.5, 1.0)
-    tl.step()
-    assert a.finish == approx(2.5) and b.finish == approx(2.5)
-
-
-def test_transfer_overlapping_compute_is_hidden():
-    # bwd1 (1 s) -> all-reduce of its bucket (0.5 s) while bwd2 (2 s) runs; opt waits for both.
-    tl = Timeline()
-    b1 = tl.compute("bwd1", 1.0)
-    ar = tl.transfer_seconds("ar", "inter", 0.0, 0.5, deps=b1)
-    b2 = tl.compute("bwd2", 2.0)
-    tl.compute("opt", 0.1, deps=[b2, ar])
-    t = tl.step()
-    assert ar.start == approx(1.0) and ar.finish == approx(1.5)
-    assert t.step_s == approx(3.1)
-    assert t.no_overlap_s == approx(3.6)
-    assert t.exposed_comm_s == approx(0.0)
-    assert t.compute_s == approx(3.1)
-
-
-def test_transfer_longer_than_the_rest_of_the_backward_is_exposed():
-    tl = Timeline()
-    b1 = tl.compute("bwd1", 1.0)
-    ar = tl.transfer_seconds("ar", "inter", 0.0, 3.0, deps=b1)
-    b2 = tl.compute("bwd2", 2.0)
-    opt = tl.compute("opt", 0.1, deps=[b2, ar])
-    t = tl.step()
-    assert opt.start == approx(4.0)
-    assert t.step_s == approx(4.1)
-    assert t.exposed_comm_s == approx(1.0)       # [3, 4]: in flight, compute idle
-    assert t.no_overlap_s == approx(6.1)
-
-
-def test_hierarchical_phases_chain_intra_then_inter_then_intra():
-    tl = Timeline()
-    rs = tl.transfer_seconds("intra_rs", "intra", 0.1, 0.4)
-    ar = tl.transfer_seconds("inter_ar", "inter", 0.2, 1.0, deps=rs)
-    ag = tl.transfer_seconds("intra_ag", "intra", 0.1, 0.4, deps=ar)
-    t = tl.step()
-    assert (rs.finish, ar.start, ar.finish, ag.start) == tuple(map(approx, (0.5, 0.5, 1.7, 1.7)))
-    assert t.step_s == approx(2.2)
-    assert t.comm_busy_s == {"intra": approx(1.0), "inter": approx(1.2)}
-
-
-def test_critical_path_over_a_dag_with_the_offload_thread():
-    # A (1) -> offload B (3) -> D (1); A -> C (1) -> join(C, B); E (0.5, no deps) declared after D
-    # on the in-order compute stream waits for D.
-    tl = Timeline()
-    a = tl.compute("A", 1.0)
-    b = tl.compute("B", 3.0, deps=a, stream="offload")
-    c = tl.compute("C", 1.0, deps=a)
-    j = tl.join("C and B", deps=[b, c])
-    d = tl.compute("D", 1.0, deps=j)
-    e = tl.compute("E", 0.5)
-    t = tl.step()
-    assert (b.start, b.finish, c.finish, j.finish) == tuple(map(approx, (1.0, 4.0, 2.0, 4.0)))
-    assert (d.start, d.finish, e.start, e.finish) == tuple(map(approx, (4.0, 5.0, 5.0, 5.5)))
-    assert t.step_s == approx(5.5)
-    assert t.compute_s == approx(3.5) and t.offload_s == approx(3.0)
-    assert t.no_overlap_s == approx(6.5)
-
-
-def test_transfer_times_come_from_the_cost_model():
-    # ring all-reduce of n bytes over p ranks: 2 (p-1) alpha + 2 (p-1)/p n beta (the alpha-beta
-    # form of Thakur et al. 2005), written here with the numbers.
-    cm = CostModel.from_cli(2400, 100, 2, 5)           # inter: 12.5e9 B/s, 5 us
-    n, p = 8_000_000, 4
-    lat, work = transfer_parts(cm, "allreduce", n, "inter", p=p)
-    assert lat == approx(6 * 5e-6)
-    assert work == approx(6 / 4 * n / 12.5e9)
-    lat, work = transfer_parts(cm, "allgather", n, "intra", p=3)
-    assert (lat, work) == (approx(2 * 2e-6), approx(2 / 3 * n / 300e9))
-    lat, work = transfer_parts(cm, "p2p", 3000, "inter", messages=3)
-    assert (lat, work) == (approx(3 * 5e-6), approx(3000 / 12.5e9))
-    lat, work = transfer_parts(cm, "bcast", 1000, "inter", p=5)
-    assert (lat, work) == (approx(3 * 5e-6), approx(3 * 1000 / 12.5e9))
-    assert transfer_parts(cm, "barrier", 0, "inter", p=4) == (approx(2 * 5e-6), 0.0)
-    tl = Timeline(cm)
-    ev = tl.transfer("grad", "inter", n, algorithm="allreduce", p=p)
-    tl.step()
-    assert ev.finish == approx(cm.ring_allreduce_time(n, p, "inter"))
-
-    # a call record declared from its record: an all-gather of n bytes in all over 3 ranks of
-    # one node is timed at the intra link with the all-gather's formula
-    call = Call("grad", "allgather", (0, 1, 2), blocks=(2666667, 2666667, 2666666))
-    ev = declare_one(tl, call, Placement.node_major(1, 3), 0, ())
-    tl.step()
-    assert ev.finish == approx(2 * 2e-6 + 2 / 3 * n / 300e9)
-    # on two nodes the ring crosses one: the inter link's alpha and beta
-    ev = declare_one(tl, call, Placement.from_sizes([2, 1]), 0, ())
-    tl.step()
-    assert ev.finish == approx(2 * 5e-6 + 2 / 3 * n / 12.5e9)
-
-
-def test_ranks_of_a_node_sending_at_once_share_its_link():
-    # two ranks of a node each send m bytes to the other node at the same time: the node's one
-    # inter link carries 2m, so each rank's transfer takes alpha + 2 m beta (what the wire lab
-    # measures for H-SGD's SpFF at 2 hosts x 2 ranks)
-    cm = CostModel.from_cli(2400, 100, 2, 5)
-    m = 3_000_000
-    tl = Timeline(cm)
-    ev = tl.transfer("spff", "inter", m, messages=2, share=2)
-    alone = tl.transfer("spff_alone", "inter", m, messages=2, deps=[ev])
-    tl.step()
-    assert ev.finish == approx(2 * 5e-6 + 2 * m / 12.5e9)
-    assert alone.finish - ev.finish == approx(2 * 5e-6 + m / 12.5e9)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="share must be an integer"):
-            tl.transfer("spff", "inter", m, share=bad)
-
-
-def test_an_event_placed_after_a_layer_runs_before_the_rest_of_the_backward():
-    # backward b1, b2, b3 (1 s each); a buffer's sparsification (0.5 s), declared after the
-    # backward as the code runs it, is placed right after b1 (it launches when b1 has written
-    # the buffer) and its transfer (2 s) overlaps b2, b3: by hand, sp runs 1-1.5, sp2 1.5-1.75,
-    # b2 1.75-2.75, b3 2.75-3.75, the transfer 1.5-3.5, the optimizer (0.5 s, after both)
-    # 3.75-4.25
-    tl = Timeline()
-    b1 = tl.compute("b1", 1.0)
-    tl.compute("b2", 1.0)
-    b3 = tl.compute("b3", 1.0)
-    sp = tl.compute("sp", 0.5, deps=b1, after=b1)
-    sp2 = tl.compute("sp2", 0.25, deps=b1, after=b1)          # after the same event: in order
-    comm = tl.transfer_seconds("ar", "inter", 0.0, 2.0, deps=sp)
-    end = tl.compute("opt", 0.5, deps=[comm, b3])
-    timing = tl.step()
-    assert (sp.start, sp.finish) == (approx(1.0), approx(1.5))
-    assert (sp2.start, sp2.finish) == (approx(1.5), approx(1.75))
-    assert b3.finish == approx(3.75) and comm.finish == approx(3.5)
-    assert end.finish == approx(4.25) and timing.step_s == approx(4.25)
-    assert timing.no_overlap_s == approx(3.75 + 2.0 + 0.5)
-    # placing can only move an event earlier past events it does not wait for
-    b1 = tl.compute("b1", 1.0)
-    b2 = tl.compute("b2", 1.0)
-    x = tl.transfer_seconds("x", "intra", 0.0, 1.0, deps=b2)
-    with pytest.raises(ValueError, match="declared later"):
-        tl.compute("sp", 0.5, deps=b2, after=b1)
-    with pytest.raises(ValueError, match="must be a compute event"):
-        tl.compute("sp", 0.5, after=x)
-    with pytest.raises(ValueError, match="must be a compute event of stream"):
-        tl.compute("sp", 0.5, after=b1, stream="offload")
-    placed = tl.compute("sp", 0.5, deps=b1, after=b1)
-    with pytest.raises(ValueError, match="itself placed"):
-        tl.compute("sp3", 0.5, after=placed)
-
-
-def test_empty_step_and_totals():
-    tl = Timeline()
-    assert tl.step().step_s == 0.0
-    tl.compute("x", 2.0, deps=None)                 # None: no dependency (additive-mode ready())
-    tl.step()
-    tl.compute("y", 1.0)
-    assert tl.sim_s == approx(3.0)        # closed + open
-    tl.step()
-    assert tl.steps == 3 and tl.totals["step_s"] == approx(3.0)
-
-
-@pytest.mark.parametrize("call, match", [
-    (lambda tl: tl.compute("x", -1.0), "seconds >= 0"),
-    (lambda tl: tl.compute("x", float("nan")), "finite"),
-    (lambda tl: tl.compute("x", 1.0, stream="gpu2"), "unknown stream"),
-    (lambda tl: tl.compute("", 1.0), "non-empty string label"),
-    (lambda tl: tl.compute("x", 1.0, deps=["a"]), "Event handles"),
-    (lambda tl: tl.transfer_seconds("x", "wan", 0, 1), "unknown link class"),
-    (lambda tl: tl.transfer_seconds("", "inter", 0, 1), "phase label"),
-    (lambda tl: tl.transfer_seconds("x", "inter", 0, math.inf), "finite"),
-    (lambda tl: tl.transfer("x", "inter", 100), "needs a cost model"),
-])
-def test_bad_events_are_refused_with_the_fix(call, match):
-    with pytest.raises(ValueError, match=match):
-        call(Timeline())
-
-
-@pytest.mark.parametrize("kw, match", [
-    ({"algorithm": "tree"}, "unknown transfer algorithm"),
-    ({"p": 0}, "integer >= 1"),
-    ({"algorithm": "p2p", "messages": 0}, "messages >= 1"),
-    ({"nbytes": -5}, "nbytes must be"),
-])
-def test_bad_transfers_are_refused(kw, match):
-    args = {"nbytes": 100, "algorithm": "allreduce"}
-    args.update(kw)
-    nbytes = args.pop("nbytes")
-    with pytest.raises(ValueError, match=match):
-        Timeline(CostModel()).transfer("x", "inter", nbytes, **args)
-
-
-def test_dependencies_across_steps_or_timelines_are_refused():
-    tl, other = Timeline(), Timeline()
-    old = tl.compute("old", 1.0)
-    tl.step()
-    with pytest.raises(ValueError, match="step already closed"):
-        tl.compute("new", 1.0, deps=old)
-    foreign = other.compute("f", 1.0)
-    with pytest.raises(ValueError, match="another timeline"):
-        tl.compute("new", 1.0, deps=foreign)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["c", "o", "intra", "inter"]),
-                          st.floats(0, 3), st.floats(0, 3), st.lists(st.integers(0, 50),
-                                                                      max_size=3)),
-                min_size=1, max_size=25))
-def test_schedule_invariants(specs):
-    """Any DAG: every event starts after its deps; in-order streams never overlap; the step is at
-    least each event's standalone time after its deps and at most the no-overlap sum; a link
-    is work-conserving (busy time >= Σ W on it)."""
-    tl = Timeline()
-    evs = []
-    for kind, x, y, deps in specs:
-        d = [evs[i % len(evs)] for i in deps] if evs else []
-        if kind in ("c", "o"):
-            evs.append(tl.compute("e", x, deps=d, stream="compute" if kind == "c" else "offload"))
-        else:
-            evs.append(tl.transfer_seconds("t", kind, x, y, deps=d))
-    t = tl.step()
-    eps = 1e-9
-    for e in evs:
-        assert all(e.start >= dep.finish - eps for dep in e.deps)
-        assert e.finish >= e.start + e.standalone_s - eps
-    for s in ("compute", "offload"):
-        on = [e for e in evs if e.resource == s]
-        for a, b in itertools.pairwise(on):
-            assert b.start >= a.finish - eps
-    assert t.step_s <= t.no_overlap_s + eps
-    for link in ("intra", "inter"):
-        assert t.comm_busy_s[link] >= sum(e.work_s for e in evs if e.resource == link) - eps
-
-
-# -- the clock ---------------------------------------------------------------------------------
-
-def _flop_clock(ledger, timeline=None):
-    # 1 TFLOP/s: a block of F FLOPs takes F * 1e-12 s, exactly (no measurement noise)
-    return SimClock(ledger, source=FlopSource(1.0), timeline=timeline)
-
-
-def test_additive_clock_is_compute_plus_ledger():
-    led = Ledger()
-    clock = _flop_clock(led)
-    with clock.compute(flops=2e12):
-        pass
-    led.record("x", payload=8, inter=8, modeled_s=0.5)
-    assert clock.mode == "additive"
-    assert clock.compute_s == approx(2.0) and clock.sim_s == approx(2.5)
-    assert set(clock.as_dict()) == {"wall_s", "compute_s", "comm_modeled_s", "sim_s"}
-    clock.compute_s = 7.0                          # resume restores it
-    assert clock.sim_s == approx(7.5)
-    # a resume restores the ledger first: the next step must not count it again
-    resumed_ledger = Ledger()
-    resumed_ledger.record("x", payload=8, inter=8, modeled_s=0.5)
-    for tl in (None, Timeline(CostModel())):
-        resumed = _flop_clock(resumed_ledger, tl)
-        resumed.load_state({"compute_s": 2.0, "sim_s": 2.5, "no_overlap_s": 2.5})
-        assert resumed.step().step_s == approx(0.0) and resumed.sim_s == approx(2.5)
-
-
-def test_blocking_calls_add_up_like_the_additive_clock():
-    """A call declared without ``after=`` is blocking: it waits for everything before it and
-    the next compute waits for it, so compute + call + compute add up (the additive clock)."""
-    led = Ledger()
-    tl = Timeline(CostModel(inter_bw=8 / 0.25, inter_lat=0.0))    # 8 bytes take 0.25 s
-    clock = _flop_clock(led, tl)
-    rec = Recorder(Placement.node_major(2, 1), 0, tl.cost, led)
-    rec.timeline = tl
-    call = Call("grad", "p2p", (0, 1), pairs=((0, 1, 8),))
-    for _ in range(3):
-        with clock.compute("fwd", flops=1e12):
+def test_compute_blocks_are_recorded_and_a_step_is_their_sum():
+    """Blocks run one after the other on the thread: the step is their sum; a block opened
+    inside another is part of it (one entry, one measurement); the step's program holds the
+    blocks in order and closes with ``S``."""
+    clock = _clock({"fwd": 1.0, "inner": 5.0, "opt": 0.25})
+    for _ in range(2):
+        with clock.compute("fwd"), clock.compute("inner"):
             pass
-        rec.book(call, payload=8, inter=8, messages=1, links=("inter",))
-        ev = rec.declare(call)
-        with clock.compute("opt", flops=0.5e12):
+        with clock.compute("opt"):
             pass
-        assert ev in clock.last_event.deps
-        t = clock.step()
-        assert t.step_s == approx(1.75)
-    assert clock.sim_s == approx(3 * 1.75) and clock.no_overlap_s == approx(3 * 1.75)
-    assert clock.compute_s == approx(4.5) and clock.comm_modeled_s == approx(0.75)
-    assert [e.label for e in t.events] == ["fwd", "grad->1", "opt"]
-    # with after= the call is issued to a stream: the next compute overlaps it
-    with clock.compute("fwd", flops=1e12):
-        pass
-    rec.declare(call, after=clock.last_event)
-    with clock.compute("opt", flops=0.5e12):
-        pass
-    assert clock.step().step_s == approx(1.5)
+        clock.step()
+    entries = clock.program.since(0)
+    assert [e[0] for e in entries] == ["B", "E", "B", "E", "S"] * 2
+    assert [e[2] for e in entries if e[0] == "B"] == ["fwd", "opt"] * 2
+    assert clock.simulate() == [("unit", approx(1.25)), ("unit", approx(1.25))]
+    assert clock.sim_s == approx(2.5) and clock.compute_s == approx(2.5)
+    assert clock.unit_steps() == [approx(1.25)] * 2
+    assert len(clock.program) == 10 and clock.program.entries == []   # simulated: dropped
+    assert clock.simulate() == []
 
 
-def test_timeline_clock_overlaps_declared_transfers():
-    led, cm = Ledger(), CostModel()
-    tl = Timeline(cm)
-    clock = _flop_clock(led, tl)
-    with clock.compute("bwd1", flops=1e12):
+def test_offload_blocks_run_on_the_worker_beside_the_thread():
+    """An offload block starts after its dependencies on the worker while the thread goes
+    on; a block that depends on it waits: 1 + max(1, 3) + 0.5."""
+    pending = PendingSeconds()
+    clock = _clock({"a": 1.0, "b": 1.0, "c": 0.5})
+    with clock.compute("a"):
         pass
-    b1 = clock.last_event
-    ev = tl.transfer_seconds("grad", "inter", 0.0, 0.5, deps=b1)
-    led.record("grad", payload=8, inter=8, modeled_s=0.5, links=("inter",))
-    with clock.compute("bwd2", flops=2e12):
+    off = clock.offload("work", lambda: pending, deps=[clock.last_event])
+    with clock.compute("b"):
         pass
-    with clock.compute("opt", flops=0.1e12, deps=[ev]):
+    pending.set(3.0)                     # collected by the thread, e.g. before "c"
+    with clock.compute("c", deps=[off]):
         pass
-    assert clock.sim_s == approx(3.1)              # open step counts before step()
-    t = clock.step()
-    assert t.step_s == approx(3.1) and clock.no_overlap_s == approx(3.6)
-    st = clock.state()
-    fresh = _flop_clock(Ledger(), Timeline(cm))
-    fresh.load_state(st)
-    assert fresh.sim_s == approx(3.1) and fresh.compute_s == approx(3.1)
-    d = json.loads(json.dumps(clock.describe(events=True)))     # JSON-able for summary.json
-    assert d["mode"] == "timeline" and d["compute_source"].startswith("flops (1 TFLOP/s")
-    assert d["last_step"]["step_s"] == approx(3.1)
-    assert [e["label"] for e in d["last_step"]["events"]] == ["bwd1", "grad", "bwd2", "opt"]
-
-
-def test_clock_ready_and_comm_events_for_strategies():
-    led = Ledger()
-    add = _flop_clock(led)
-    assert add.ready(0, 10) is None and add.comm_events() == []
-    clock = _flop_clock(led, Timeline(CostModel()))
-    m = build_model("mlp", (20,), 5)
-    with clock.compute("bwd", flops=1e12):
-        pass
-    assert clock.ready(0, 10) is clock.last_event       # no per-layer events: the whole block
-    t1 = clock.timeline.transfer_seconds("a", "inter", 0, 1, deps=clock.ready(0, 10))
     clock.step()
-    m.recorder = clock.layers
-    with clock.compute("fwdbwd"):
-        m.loss_and_grad(*_batch(m))
-    last_unit = m.compute_units()[-1]
-    assert clock.ready(last_unit.lo, last_unit.hi).label == f"backward:{last_unit.name}"
-    t2 = clock.timeline.transfer_seconds("b", "inter", 0, 1, deps=clock.ready(0, m.num_params))
-    assert clock.comm_events() == [t2] and t1 not in clock.comm_events()
+    assert clock.simulate() == [("unit", approx(4.5))]
+    assert clock.compute_s == approx(5.5)            # every stream's measured seconds
 
 
-def test_additive_step_reports_the_step_added_up():
-    led = Ledger()
-    clock = _flop_clock(led)
-    with clock.compute(flops=1e12):
+def _two_ranks(after_first, *, n=800, alpha=1e-3, beta=8e5):
+    """Two ranks on two nodes: block ``a`` (1 s), an all-reduce of ``n`` bytes (blocking, or
+    on the stream after ``a`` when ``after_first``), block ``b`` (2 s), a wait for the call,
+    block ``c`` (0.5 s)."""
+    cost = CostModel(inter_bw=beta, inter_lat=alpha)
+    clocks = []
+    for r in range(2):
+        clock = _clock({"a": 1.0, "b": 2.0, "c": 0.5}, rank=r, ranks=2, cost=cost)
+        rec = Recorder(Placement.node_major(2, 1), r, cost, clock.ledger)
+        rec.program = clock.program
+        with clock.compute("a"):
+            pass
+        call = Call("grad", "allreduce", (0, 1), nbytes=n, itemsize=4, wait=not after_first)
+        h = rec.handle(call, rec.declare(call, clock.last_event if after_first else None,
+                                         wait=not after_first), None)
+        with clock.compute("b"):
+            pass
+        if after_first:
+            clock.program.wait(h.event)
+        with clock.compute("c"):
+            pass
+        clock.step()
+        clocks.append(clock)
+    return clocks, 2 * (alpha + (n / 2) / beta)
+
+
+def test_a_blocking_call_waits_and_a_stream_call_overlaps():
+    """A blocking all-reduce of two lock-step ranks takes its ring's two rounds between the
+    blocks; issued on the stream after ``a`` it runs beside ``b`` and costs nothing more."""
+    clocks, ring = _two_ranks(False)
+    assert ring == approx(2e-3 + 1e-3 / 2 * 2)
+    assert _simulate(clocks) == [("unit", approx(1.0 + ring + 2.0 + 0.5))]
+    clocks, ring = _two_ranks(True)
+    assert _simulate(clocks) == [("unit", approx(1.0 + 2.0 + 0.5))]
+    clocks, ring = _two_ranks(True, n=8 * 10**6)           # 5 s on the wire: now exposed
+    assert _simulate(clocks) == [("unit", approx(1.0 + ring + 0.5))]
+    assert clocks[0].moved == {"inter": approx(2 * 8e6), "intra": 0.0}
+
+
+def test_a_step_program_travels_once_and_mismatched_ranks_are_refused():
+    clock = _clock({"a": 1.0})
+    for _ in range(3):
+        with clock.compute("a"):
+            pass
+        clock.step()
+    sent = clock._payload()
+    assert [p for p, entries, *_ in sent] == [0, 0, 0]
+    assert [entries is None for _, entries, *_ in sent] == [False, True, True]
+    other = _clock({"a": 1.0})
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        other._run([sent, sent[:2]])
+
+
+def test_readings_restore_on_resume_and_describe_the_model():
+    clock = _clock({"a": 2.0})
+    with clock.compute("a"):
         pass
-    led.record("x", payload=8, inter=8, modeled_s=0.5)
-    t = clock.step()
-    assert (t.step_s, t.compute_s, t.comm_s, t.no_overlap_s) == \
-        (approx(1.5), approx(1.0), approx(0.5), approx(1.5))
-    led.record("x", payload=8, inter=8, modeled_s=0.25)
-    assert clock.step().step_s == approx(0.25)
-    assert clock.step_wall_s >= 0.0
+    clock.step()
+    clock.simulate()
+    clock.ledger.record("x", payload=8, inter=8, modeled_s=0.5)
+    assert set(clock.as_dict()) == {"wall_s", "compute_s", "comm_modeled_s", "sim_s", "steps"}
+    assert clock.comm_modeled_s == approx(0.5)           # the alpha-beta bound, apart
+    fresh = _clock({"a": 2.0})
+    fresh.load_state(clock.state())
+    with fresh.compute("a"):
+        pass
+    fresh.step()
+    fresh.simulate()
+    assert fresh.sim_s == approx(4.0) and fresh.compute_s == approx(4.0)
+    d = json.loads(json.dumps(clock.describe()))         # JSON-able for summary.json
+    assert d["model"].startswith("job simulation") and d["steps"] == 1
+    assert d["last_step"]["ranks"]["0"][0]["label"] == "a"
 
 
 def test_step_wall_time_is_the_whole_step_and_mark_starts_the_next():
     """Everything between two steps is the step's wall time (work outside compute blocks, such
     as a diagnostic, included); mark() leaves what came before it (an evaluation) out."""
     clock = SimClock(Ledger(), source="wall")
-    assert not hasattr(clock, "diagnostic")
     with clock.compute("work"):
         time.sleep(0.02)
     time.sleep(0.03)                 # not a compute block: still the step's
@@ -489,44 +233,25 @@ def _batch(model, n=5, seed=1):
     return x, rng.integers(0, model.num_classes, n)
 
 
-class _Fixed(ComputeSource):
-    """Seconds by label (a layer's ``phase:name``, a block's key): exact, no measurement."""
-
-    name = "fixed"
-
-    def __init__(self, table):
-        self.table = table
-
-    def measure(self, flops=None, nbytes=None, label=None):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def cm():
-            m = self.Measurement()
-            yield m
-            m.seconds = self.table.get(label, 0.0)
-        return cm()
-
-
-def test_work_in_the_ready_hook_is_an_event_between_units_not_the_units():
-    """Issue 24: the ready hook runs after the unit's event closed (its gradients reported, no
-    unit open); a compute block it runs inside the outer backward block is an event of its
-    own, after that unit's event on the compute stream and before the next unit's, and the
-    outer block's rest leaves it out, as it leaves out the per-layer events."""
+def test_work_in_the_ready_hook_is_a_block_between_units_not_the_units():
+    """The ready hook runs after the unit's block closed (its gradients reported, no unit
+    open); a compute block it runs inside the outer backward block is a block of its own,
+    after that unit's block and before the next unit's, and the outer block's own time leaves
+    it out, as it leaves out the units: the step is the table's total once."""
     m = build_model("mlp", (20,), 5)
     units = [u.name for u in m.compute_units()]
     table = {f"{p}:{u}": 1.0 for u in units for p in ("forward", "backward")}
     table.update({"forward:loss": 1.0, "hook": 0.25, "nothing": 7.0})
-    hooked = [n for n in m.layout.names]
+    hooked = list(m.layout.names)
     table["fwdbwd"] = 2 * len(units) + 1 + 0.25 * len(hooked) + 0.5   # + a rest of 0.5
-    clock = SimClock(Ledger(), source=_Fixed(table), timeline=Timeline(CostModel()))
+    clock = _clock(table)
     m.recorder = clock.layers
     seen = []
 
     def ready(name):
         assert clock.layers.open is None                   # between units
         sl = m.layout.slice(name)
-        unit = clock.ready(sl.start, sl.stop)              # its unit's event, already closed
+        unit = clock.layers.ready_event(sl.start, sl.stop)  # its unit's block, closed
         with clock.compute("hook", deps=unit):
             pass
         seen.append((unit, clock.last_event))
@@ -535,22 +260,20 @@ def test_work_in_the_ready_hook_is_an_event_between_units_not_the_units():
         pass
     with clock.compute("fwdbwd"):
         m.loss_and_grad(*_batch(m), ready=ready)
-    labels = [e.label for e in clock.timeline.open_events]
+    entries = clock.program.since(0)
+    labels = [e[2] for e in entries if e[0] == "B"]
     assert "nothing" not in labels and labels.count("hook") == len(hooked)
-    t = clock.step()
     for unit, hook in seen:
-        assert hook.label == "hook" and hook.seconds == approx(0.25)
-        assert hook.start >= unit.finish - 1e-12           # after the unit that wrote it
-    rest = [e for e in t.events if e.label == "fwdbwd"]
-    assert len(rest) == 1 and rest[0].finish - rest[0].start == approx(0.5)
-    # the compute stream runs everything in program order, the hooks between the units
-    order = sorted((e for e in t.events if e.resource == "compute"), key=lambda e: e.start)
-    back = [e.label for e in order if e.label.startswith("backward:") or e.label == "hook"]
+        assert entries[unit][2].startswith("backward:") and entries[hook][2] == "hook"
+        assert entries[hook][4] == [unit] and hook > unit
+    back = [lb for lb in labels if lb.startswith("backward:") or lb == "hook"]
     want = []
     for u in reversed(units):
         want += [f"backward:{u}"] + ["hook"] * sum(n.startswith(u + ".") for n in hooked)
     assert back == want
-    assert t.compute_s == approx(table["fwdbwd"])     # "nothing" was part of "outer" (0 s)
+    clock.step()
+    assert clock.simulate() == [("unit", approx(table["fwdbwd"]))]
+    assert clock.compute_s == approx(table["fwdbwd"])     # "nothing" was part of "outer" (0 s)
 
 
 @pytest.mark.parametrize("name, shape", [("resnet", (3, 12, 12)), ("cnn", (1, 8, 8)),
@@ -631,25 +354,28 @@ def test_layer_flops_by_hand():
     assert c.compute_units()[0].forward_flops == 2700
 
 
-def test_layer_events_feed_a_timeline_and_answer_bucket_readiness():
+def test_layer_blocks_answer_bucket_readiness_and_when_the_backward_wrote_them():
     m = build_model("mlp", (20,), 5)
-    tl = Timeline(CostModel())
-    src = FlopSource(1e-6)                          # 1 MFLOP/s: seconds = FLOPs * 1e-6
-    m.recorder = LayerEvents(tl, src)
+    clock = SimClock(Ledger(), source=FlopSource(1e-6))    # 1 MFLOP/s: seconds = FLOPs * 1e-6
+    m.recorder = clock.layers
     x, y = _batch(m, n=4)
     m.loss_and_grad(x, y)
     units = m.compute_units()
+    entries = clock.program.since(0)
     last = units[-1]                                # the first unit of the backward
-    ev = m.recorder.ready_event(last.lo, last.hi)
-    assert ev.label == f"backward:{last.name}"
-    whole = m.recorder.ready_event(0, m.num_params)
+    ev = clock.layers.ready_event(last.lo, last.hi)
+    assert entries[ev][2] == f"backward:{last.name}"
+    whole = clock.layers.ready_event(0, m.num_params)
     first_param_unit = next(u for u in units if u.hi > u.lo)
-    assert whole.label == f"backward:{first_param_unit.name}"
-    t = tl.step()
+    assert entries[whole][2] == f"backward:{first_param_unit.name}"
+    fwd = sum(4 * u.forward_flops for u in units) + 5 * 4 * 5
+    assert clock.compute_before(ev) == approx((fwd + 4 * last.backward_flops) * 1e-6)
     expected = sum(4 * (u.forward_flops + u.backward_flops) for u in units) + 5 * 4 * 5
-    assert t.compute_s == approx(expected * 1e-6)
+    assert clock.compute_before(whole) == approx(expected * 1e-6)
+    clock.step()
+    assert clock.simulate() == [("unit", approx(expected * 1e-6))]
     with pytest.raises(ValueError, match="not covered"):
-        m.recorder.ready_event(0, 10)               # new step: nothing reported yet
+        clock.layers.ready_event(0, 10)             # new step: nothing reported yet
 
 
 # -- load-independent compute ----------------------------------------------------------------------
@@ -871,22 +597,22 @@ def test_clock_over_a_profile_is_the_table_whatever_the_block_takes(tmp_path):
         for _ in range(2):
             with clock.compute():
                 pass
-        return clock.step()
+        clock.step()
 
-    rec_clock = SimClock(Ledger(), source=ProfileRecorder(CpuTimeSource()),
-                         timeline=Timeline())
+    rec_clock = SimClock(Ledger(), source=ProfileRecorder(CpuTimeSource()))
     step(rec_clock)
     labels = set(rec_clock.source.table())
     site = next(lb for lb in labels if lb.startswith("compute@"))
     assert labels == {"opt", site}
-    assert site.startswith(("compute@tests.test_timeline:", "compute@test_timeline:"))
+    assert site.startswith(("compute@tests.test_clock:", "compute@test_clock:"))
     assert "step" in site and "+" in site             # module:function+line within it
     write_profile(path, [{"opt": [{"min_s": 5e-3, "count": 1}],
                           site: [{"min_s": 1e-3, "count": 1}, {"min_s": 2e-3, "count": 1}]}], {})
-    clock = SimClock(Ledger(), source="profile", profile=str(path), timeline=Timeline())
+    clock = SimClock(Ledger(), source="profile", profile=str(path))
     for _ in range(3):
-        t = step(clock)
-        assert t.compute_s == approx(8e-3) and t.step_s == approx(8e-3)
+        step(clock)
+    assert clock.simulate() == [("unit", approx(8e-3))] * 3
+    assert clock.compute_s == approx(24e-3)
     assert clock.sim_s == approx(24e-3) and clock.source.fallback_blocks == 0
     assert clock.describe()["compute_profile"]["file"] == str(path)
 
@@ -953,7 +679,7 @@ def test_profiled_ddp_runs_give_identical_simulated_steps(tmp_path):
             module="dataparallel", timeout=300)
     doc = json.loads(prof.read_text())
     sha = hashlib.sha256(prof.read_bytes()).hexdigest()
-    assert read_summary(tmp_path / "rec")["timeline"]["compute_profile"]["sha256"] == sha
+    assert read_summary(tmp_path / "rec")["clock"]["compute_profile"]["sha256"] == sha
     assert len(doc["ranks"]) == 4 and doc["provenance"]["method"] == "ddp"
     for table in doc["ranks"]:
         layers = [lb for lb in table if lb.startswith(("forward:", "backward:"))]
@@ -967,7 +693,7 @@ def test_profiled_ddp_runs_give_identical_simulated_steps(tmp_path):
                 "--compute-profile", prof, module="dataparallel", timeout=300)
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         sims.append([x["step_sim_s"] for x in lines])
-        info = read_summary(out)["timeline"]["compute_profile"]
+        info = read_summary(out)["clock"]["compute_profile"]
         assert info["file"] == str(prof) and info["sha256"] == sha
         assert info["fallback_blocks_all_ranks"] == 0, info
     assert sims[0] == sims[1] and len(sims[0]) == 2 and all(s > 0 for s in sims[0])
@@ -1005,16 +731,14 @@ def _write_metrics(d: Path, lines):
 def test_compare_steps_per_step_and_cumulative(tmp_path):
     # cumulative sim_s at steps 2, 4, 8 -> per step 0.5, (1.6-1.0)/2 = 0.3, (3.2-1.6)/4 = 0.4
     _write_metrics(tmp_path / "a", [
-        {"step": 2, "sim_s": 1.0, "no_overlap_s": 1.2, "step_wall_s": 0.8},
-        {"step": 4, "sim_s": 1.6, "no_overlap_s": 2.2, "step_wall_s": 0.25},
-        {"step": 8, "sim_s": 3.2, "no_overlap_s": 4.6, "step_wall_s": 0.5},
+        {"step": 2, "sim_s": 1.0, "step_wall_s": 0.8},
+        {"step": 4, "sim_s": 1.6, "step_wall_s": 0.25},
+        {"step": 8, "sim_s": 3.2, "step_wall_s": 0.5},
     ])
     r = wl.compare_steps(tmp_path / "a", skip=1)
     assert [row["predicted_s"] for row in r["rows"]] == [approx(0.5), approx(0.3), approx(0.4)]
-    assert [row["no_overlap_s"] for row in r["rows"]] == [approx(0.6), approx(0.5), approx(0.6)]
     assert r["steps_compared"] == 2
     assert r["median_ratio"] == approx((0.3 / 0.25 + 0.4 / 0.5) / 2)
-    assert r["median_no_overlap_ratio"] == approx((0.5 / 0.25 + 0.6 / 0.5) / 2)
     assert "median" in wl.format_steps(r)
     # explicit per-step predictions win over the cumulative ones
     _write_metrics(tmp_path / "b", [{"iteration": 1, "step_sim_s": 2.0, "step_wall_s": 4.0},
@@ -1136,52 +860,30 @@ def test_lab_ping_pong_on_a_shaped_link(tmp_path):
     assert inter["bandwidth_gbps"] < 1.1 * wl.link_payload_gbps(100)
 
 
+def test_compare_steps_predicts_the_jobs_step_from_steps_max(tmp_path):
+    """With the job simulation's steps in summary.json (steps_max, every step: a replay's
+    lines carry none), a line's prediction is the mean of its steps; counters that do not line
+    up with the entries fall back to the lines' own step_sim_s."""
+    _write_metrics(tmp_path / "a", [
+        {"index": 1, "step": 1, "step_sim_s": None, "step_wall_s": 1.0},
+        {"index": 3, "step": 3, "step_sim_s": 0.5, "step_wall_s": 0.8}])
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"steps_max": {"step_s": [0.9, 0.7, 0.9]}}))
+    r = wl.compare_steps(tmp_path / "a", skip=0)
+    assert [row["predicted_s"] for row in r["rows"]] == [approx(0.9), approx(0.8)]
+    assert r["predicted_from"].startswith("the job simulation, step by step")
+    assert r["median_ratio"] == approx((0.9 / 1.0 + 0.8 / 0.8) / 2)
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"steps_max": {"step_s": [0.9, 0.7]}}))                 # 2 entries, 3 steps
+    with pytest.raises(wl.LabError, match="neither step_sim_s"):
+        wl.compare_steps(tmp_path / "a", skip=0)              # line 1 has no prediction
+
+
 @pytest.mark.mpi
-def test_summary_holds_the_busiest_ranks_events_sent_to_rank0_alone(tmp_path):
-    """Run.finish with 3 ranks whose last rank is the busiest: rank 0's summary holds rank 0's
-    and rank 2's schedules, each with the FLOP time that rank declared (the busiest rank sends
-    its own events; no rank gathers every rank's, which the wire lab sees as unbooked bytes)."""
+def test_summary_holds_the_last_step_of_rank0_and_the_slowest_rank(tmp_path):
+    """Run.finish with 3 ranks whose last rank computes longest: the summary's clock block
+    holds the job simulation's last step of rank 0 and of that rank only, each block its FLOP
+    time, the step the slowest rank's."""
     from tests.mpi_helpers import run_mpi
     res = run_mpi("finish_checks.py", 3, tmp_path / "run", timeout=120)
     assert "finish checks ok" in res.stdout, res.stdout + res.stderr
-
-
-def test_compare_steps_predicts_the_slowest_ranks_step(tmp_path):
-    """With the run's per-step lengths reduced over the ranks in summary.json (steps_max), the
-    predicted step is the slowest rank's (a job's collectives wait for it), not rank 0's that the
-    lines carry; lines over several steps take their mean; counters that do not line up with
-    the entries fall back to rank 0's."""
-    _write_metrics(tmp_path / "a", [
-        {"index": 1, "step": 1, "step_sim_s": 0.5, "step_no_overlap_s": 0.6, "step_wall_s": 1.0},
-        {"index": 3, "step": 3, "step_sim_s": 0.5, "step_no_overlap_s": 0.6, "step_wall_s": 0.8}])
-    (tmp_path / "a" / "summary.json").write_text(json.dumps(
-        {"steps_max": {"step_s": [0.9, 0.7, 0.9], "no_overlap_s": [1.0, 0.8, 1.0]}}))
-    r = wl.compare_steps(tmp_path / "a", skip=0)
-    assert [row["predicted_s"] for row in r["rows"]] == [approx(0.9), approx(0.8)]
-    assert [row["predicted_s_rank0"] for row in r["rows"]] == [0.5, 0.5]
-    assert [row["no_overlap_s"] for row in r["rows"]] == [approx(1.0), approx(0.9)]
-    assert r["predicted_from"].startswith("the slowest rank")
-    assert r["median_ratio"] == approx((0.9 / 1.0 + 0.8 / 0.8) / 2)
-    (tmp_path / "a" / "summary.json").write_text(json.dumps(
-        {"steps_max": {"step_s": [0.9, 0.7], "no_overlap_s": [1.0, 0.8]}}))  # 2 entries, 3 steps
-    r = wl.compare_steps(tmp_path / "a", skip=0)
-    assert [row["predicted_s"] for row in r["rows"]] == [0.5, 0.5]
-    assert r["predicted_from"] == "rank 0's timeline"
-
-
-def test_compare_steps_predicts_with_the_job_simulation_when_the_replay_ran_it(tmp_path):
-    """A replay's summary.json holds the job simulation's steps (metrics.job_simulation): they
-    are the prediction, step by step (lines over several steps take their mean); the timeline's
-    job step is kept beside it."""
-    _write_metrics(tmp_path / "a", [
-        {"index": 1, "step": 1, "step_sim_s": 0.5, "step_wall_s": 1.0},
-        {"index": 3, "step": 3, "step_sim_s": 0.5, "step_wall_s": 0.5}])
-    (tmp_path / "a" / "summary.json").write_text(json.dumps(
-        {"steps_max": {"step_s": [0.9, 0.7, 0.9], "no_overlap_s": [1.0, 0.8, 1.0]},
-         "metrics": {"job_simulation": {"step_s": [1.1, 0.3, 0.5]}}}))
-    r = wl.compare_steps(tmp_path / "a", skip=0)
-    assert [row["predicted_s"] for row in r["rows"]] == [approx(1.1), approx(0.4)]
-    assert [row["predicted_s_timeline"] for row in r["rows"]] == [approx(0.9), approx(0.8)]
-    assert r["predicted_from"].startswith("the job simulation")
-    assert r["median_ratio"] == approx((1.1 / 1.0 + 0.4 / 0.5) / 2)
-    assert r["median_timeline_ratio"] == approx((0.9 / 1.0 + 0.8 / 0.5) / 2)
