@@ -316,6 +316,9 @@ class SimClock:
         #: ``(kind, seconds)`` of every simulated step of this process (``unit``: a step of
         #: the run loop; ``eval``: an evaluation's calls; ``end``: what followed the last)
         self.simulated: list[tuple[str, float]] = []
+        # the steps closed at each simulation (a replay simulates at the same points: a job
+        # simulated in pieces starts each piece with every rank together)
+        self.simulated_at: list[int] = []
         #: rank 0: the last simulated unit step's events of rank 0 and of its slowest rank
         #: (``{"step", "step_s", "slowest_rank", "ranks": {rank: [event, ...]}}``: a Gantt chart)
         self.last_step: dict | None = None
@@ -478,6 +481,8 @@ class SimClock:
             raise ValueError(result[1])
         steps = result[1]
         self.simulated.extend(steps)
+        if steps:
+            self.simulated_at.append(len(self.simulated))
         return steps
 
     def _payload(self) -> list:

@@ -768,7 +768,8 @@ def simulate_profile(doc: dict, node_of, cost: CostModel | Cluster, *,
     load_profile`) simulated together on the placement ``node_of`` with ``cost``'s links, each
     rank's blocks charged as its replay charges them (:class:`~substrate.profile.
     ProfileSource`).  Returns ``{"step_s": [...], "bytes": {"intra", "inter"}, ...}``: the
-    lengths of rank 0's steps (what a run's metrics lines measure) and the bytes moved."""
+    lengths of rank 0's steps of the run loop (what a run's metrics lines measure; an
+    evaluation's or the run's closing work in ``other_steps_s`` by kind) and the bytes moved."""
     programs = doc.get("programs")
     if programs is None:
         raise ValueError(f"compute profile {doc.get('path', '')}: holds no programs (recorded "
@@ -783,7 +784,14 @@ def simulate_profile(doc: dict, node_of, cost: CostModel | Cluster, *,
                  eager_limit=eager_limit, link_sharing=link_sharing,
                  ack_overhead=ack_overhead)
     steps = job_steps(sim.run())
-    return {"step_s": steps, "model": "substrate.jobsim: exact collectives' messages, eager "
+    kinds = doc.get("step_kinds") or ["unit"] * len(steps)
+    if len(kinds) != len(steps):
+        raise ValueError(f"compute profile {doc.get('path', '')}: names the kinds of "
+                         f"{len(kinds)} steps, its programs hold {len(steps)}; record it again")
+    return {"step_s": [t for t, k in zip(steps, kinds) if k == "unit"],
+            "other_steps_s": {k: [t for t, kk in zip(steps, kinds) if kk == k]
+                              for k in sorted(set(kinds) - {"unit"})},
+            "model": "substrate.jobsim: exact collectives' messages, eager "
             f"protocol up to eager_limit, {link_sharing} node links, acknowledgements "
             f"{sim.ack_overhead:g} of the bytes",
             "eager_limit": None if math.isinf(eager_limit) else eager_limit,

@@ -74,7 +74,7 @@ def _mutated(change):
     (lambda x: x.update(test_accuracy=float("nan")), "not a finite number"),
     (lambda x: x.update(test_accuracy=1.5), "above the maximum 1"),
     (lambda x: x.update(test_accuracy="0.9"), "is not of type number or null"),
-    (lambda x: x.update(step_sim_s=None), "is not of type number"),
+    (lambda x: x.update(step_sim_s="0.1"), "is not of type number or null"),
     (lambda x: x.update(phase_modeled_s={"a": "x"}), "line.phase_modeled_s.a"),
     (lambda x: x.update(loss=True), "line.loss"),
 ])

@@ -109,7 +109,7 @@ def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, c
             base = ["--compute-source", "flops"]
         run_mpi(None, n, "train", *args, *base, "--steps", steps, "--eval-every", 2,
                 "--checkpoint-every", steps, "--overlap", mode, "--progress-every", 0,
-                "--trace", tmp_path / f"{mode}.json", "--trace-steps", "1",
+                "--trace", tmp_path / f"{mode}.json", "--trace-steps", "last",
                 "--out", out, module="dataparallel", timeout=300)
         runs[mode] = (read_summary(out), _lines(out), _final_state(out, steps, n))
     (s_on, l_on, st_on), (s_off, l_off, st_off) = runs["on"], runs["off"]
