@@ -416,7 +416,7 @@ def test_thread_cpu_time_does_not_grow_beside_busy_processes():
     same cores (best of 5 repeats each), agrees within 10 %; wall time of the same workload
     doubles (two cores, three busy processes).  The issue asked for 5 %: on this shared 2-vCPU
     VM thread CPU time itself grew 3.5-5.6 % beside the busy loops (contention on the host's
-    cores), so the 5 % figure is recorded by bench/bench_timeline.py instead of asserted."""
+    cores), so the 5 % figure is recorded by bench/bench_clock.py instead of asserted."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     alone = _measure(env)
     cores = os.sched_getaffinity(0)

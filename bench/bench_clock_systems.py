@@ -1,6 +1,6 @@
 """Simulated step time of every system's recorded steps (the job simulation).
 
-``python bench/bench_timeline_systems.py --part ssfusion`` trains SSFusion with ``--fusion
+``python bench/bench_clock_systems.py --part ssfusion`` trains SSFusion with ``--fusion
 selective``, ``per-tensor`` and ``multi-tensor`` (and dense DDP for reference) for a few steps
 on 2 nodes x 2 ranks and prints, per mode and inter-node link speed, the mean simulated step
 (``step_sim_s`` of ``metrics.jsonl``: every rank's recorded steps run together on the network)

@@ -2,7 +2,7 @@
 
 Prints (not a test)::
 
-    python bench/bench_timeline.py [--part load,simload]
+    python bench/bench_clock.py [--part load,simload]
 
 ``load``
     A fixed NumPy workload (1 BLAS thread) timed alone and beside two busy-loop processes on the
