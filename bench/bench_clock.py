@@ -116,7 +116,7 @@ def _load() -> str:
 
 
 def part_sim_load(steps: dict[str, int], systems=("ddp", "ssfusion", "hsadmm")) -> None:
-    """Issue 12's done-when: the simulated step of the same 2 x 2 job (4 ranks,
+    """The target: the simulated step of the same 2 x 2 job (4 ranks,
     ``--ranks-per-node 2``) alone, beside two busy loops, and beside a second concurrent 4-rank
     run of the same job (8 ranks on the cores), for the compute sources ``cpu``, ``calibrated``
     and ``profile`` (the profile recorded once by the ``cpu`` alone run with

@@ -1,10 +1,10 @@
-"""Partitioning any sparse network (issue 29): measured side by side in one run, load stated.
+"""Partitioning any sparse network: measured side by side in one run, load stated.
 
 Sections (``--only`` picks some):
 
 ``random``
     A network without period or twins (random 32-regular layers, :func:`random_regular_network`)
-    at N=1024, L=120, P=32: per-layer KaHyPar as before issue 29 (preset ``fast_communities``,
+    at N=1024, L=120, P=32: per-layer KaHyPar, the earlier default (preset ``fast_communities``,
     chained phases, the 44.6 s CPU of the issue) beside the new default (preset ``fast``,
     chained) and independent phases on every core; wall and CPU seconds (this process and its
     workers), SpFF words per processor per layer and the ratio to the baseline.  Target (PaToH's
@@ -19,8 +19,8 @@ Sections (``--only`` picks some):
     (in a fresh process it includes loading Numba's cached kernels) and the median of the
     repeats.  Target: files within 10 % of generated.
 ``placement``
-    x^0 at P=512 (N=1024): entries per processor and layer 1's SpFF sends, the rule before
-    issue 29 (``most_pins``) beside the balanced one.  Target: max send <= 2 x average, no
+    x^0 at P=512 (N=1024): entries per processor and layer 1's SpFF sends, the earlier rule
+    (``most_pins``) beside the balanced one.  Target: max send <= 2 x average, no
     processor above ceil(N/P) + 1 entries.
 ``cli``
     ``sparse_sgd partition --neurons 16384 --layers 120 --parts 32``: the printed partitioning

@@ -106,7 +106,7 @@ def bench_spmm(neurons: int, batch: int, repeat: int) -> None:
 
     threads = numba.get_num_threads()
     # SciPy's csr @ dense runs on one thread: the like-for-like ratio is the fused kernel on one
-    # thread too (issue 29: a 2-thread kernel against 1-thread SciPy overstated it)
+    # thread too (a 2-thread kernel against 1-thread SciPy overstated it)
     numba.set_num_threads(1)
     t_f1 = _best(fused, repeat)
     numba.set_num_threads(threads)
@@ -142,7 +142,7 @@ THREAD_CONFIGS = (
     ("1 thread", {"NUMBA_THREADING_LAYER": "omp"}, 1),
     ("omp, OMP_WAIT_POLICY unset (spardist default)", {"NUMBA_THREADING_LAYER": "omp",
                                                        "OMP_WAIT_POLICY": None}, 2),
-    ("omp, libgomp's own default (before issue 29)", {"NUMBA_THREADING_LAYER": "omp",
+    ("omp, libgomp's own default (spinning waits)", {"NUMBA_THREADING_LAYER": "omp",
                                                       "OMP_WAIT_POLICY": ""}, 2),
     ("omp, OMP_WAIT_POLICY=ACTIVE", {"NUMBA_THREADING_LAYER": "omp",
                                      "OMP_WAIT_POLICY": "ACTIVE"}, 2),

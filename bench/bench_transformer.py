@@ -2,7 +2,7 @@
 
 The issue-28 comparison (GPT widths 128/256 x contexts 64/256, the digits ViT and ResNet-18,
 one process per thread count, CPU and wall ratios, GF/s beside the GEMM peak) is
-``bench/bench_torch_cpu.py``; this script keeps the small session-4 models and the
+``bench/bench_torch_cpu.py``; this script keeps the small models and the
 ``dp-adamw`` runner.
 
 Prints (not a test)::

@@ -1,4 +1,4 @@
-"""Predicted vs measured step time on shaped links (issue 12): one command, four systems.
+"""Predicted vs measured step time on shaped links: one command, four systems.
 
 Prints (not a test; root only)::
 

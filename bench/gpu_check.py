@@ -1,4 +1,4 @@
-"""One command for the first GPU node: everything issue 25 could not run without a device.
+"""One command for the first GPU node: everything the GPU path could not run without a device.
 
     .venv/bin/python bench/gpu_check.py [--out DIR] [--ranks 4] [--quick] [--strict]
                                         [--parts env,tests,systems,syncs,bench]

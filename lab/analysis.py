@@ -5,7 +5,7 @@
   predicted inter-node bytes of the same run (``wire.json``).  Segments that crossed a link
   twice (D-SACKed spurious retransmissions; every retransmission with offload on), if any, are
   subtracted at one MSS each and reported.
-* Time per step (issue 12): the cost model of a lab run (:func:`cost_flags`: beta from the
+* Time per step: the cost model of a lab run (:func:`cost_flags`: beta from the
   ``--link`` rate as TCP payload, :func:`link_payload_gbps`; alpha from the lab's ping-pong),
   and the run's measured ``step_wall_s`` against its predicted ``step_sim_s`` per
   ``metrics.jsonl`` line (:func:`compare_steps`, ``steps.json``); :func:`per_step_from_pair`

@@ -95,7 +95,7 @@ def compare_systems(workloads: dict, *, shapes=((2, 1),), links=((100.0, 0.0),),
     than the minimum retransmission timeout.  ``dilate_rto`` (default): that timeout is K x the
     kernel's 200 ms (``ip route ... rto_min``), the timer in emulated time: the links cannot drop
     (drops are counted), so every RTO is spurious, and with 200 ms a replayed H-SGD at 8 x 2,
-    K = 64, took 524 of them (0 dilated).  (Session 9 saw 2 x 2 ddp stall with it, under BBR,
+    K = 64, took 524 of them (0 dilated).  (A run once saw 2 x 2 ddp stall with it, under BBR,
     the machine's default then; with CUBIC, :data:`lab.network.TCP_CONGESTION`, it reads 0.98.)
     ``dilate_timer_slack``: the jobs' timer slack is K x Linux's
     50 us (:func:`lab.jobs._timer_slack_setter`): waiting ranks burn K times less CPU, but MPI's

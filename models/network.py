@@ -159,7 +159,7 @@ def _wrap_unit(u: ComputeUnit, rec) -> None:
     def backward(dy):
         # the unit's ready notifications are held until its event has closed: the hook (a
         # strategy handing a bucket to the network, or preparing it) runs between units, so
-        # what it computes is not charged to this unit (issue 24)
+        # what it computes is not charged to this unit
         held: list = []
         hooks = [sub._ready for sub in subs]
         for sub, hook in zip(subs, hooks):

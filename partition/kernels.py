@@ -1,4 +1,4 @@
-"""Compiled kernels of the relabelled-period search (:mod:`partition.period`, issue 29).
+"""Compiled kernels of the relabelled-period search (:mod:`partition.period`).
 
 Imported only when a network has enough twins to search (NumPy decides that first), so the
 partitioning of a network without structure never starts Numba's compiler.

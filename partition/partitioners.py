@@ -56,17 +56,17 @@ ENGINES = ("mtkahypar", "kahypar")
 MTKAHYPAR_PRESETS = ("default", "quality", "highest_quality", "deterministic",
                      "deterministic_quality")
 #: KaHyPar presets: direct k-way km1 configurations written out by :func:`_kahypar_ini`.
-#: ``fast`` (issue 29): single-level: no coarsening, no community detection; recursive
+#: ``fast``: single-level: no coarsening, no community detection; recursive
 #: bisection of the whole hypergraph, each bisection one greedy-global growing run refined by
 #: 2-way FM stopped after 10 moves without gain; no k-way FM after the bisections (it changed no
-#: partition measured and took minutes on a 16384-row random layer).  Session 12 measured the
+#: partition measured and took minutes on a 16384-row random layer).  It measured the
 #: multilevel form it replaced (coarsening to 160 k vertices, then inside every bisection to 400)
 #: as slower and worse on every input tried: a 16384-row random 32-regular layer with fixed
 #: vertices 0.58 vs 2.84 s CPU at km1 278,177 vs 291,596 (a random partition: 324,108); four
 #: 16384-row banded layers 1.29 vs 4.00 s at 665 vs 782 words (``fast_communities`` 38.2 s,
 #: 475 words); eight relabelled Graph Challenge layers 262.6 vs 267.0 words.  Heavy-edge
 #: matching on layers without clusters merges unrelated rows, and without k-way refinement the
-#: coarse partition is never repaired; ``fast_communities``: the ``fast`` before issue 29
+#: coarse partition is never repaired; ``fast_communities``: the earlier ``fast``
 #: (Louvain communities, multilevel, one run of the pool of initial partitioners, k-way FM);
 #: ``km1``: 20 runs; ``km1_flows``: 20 runs and flow-based refinement
 KAHYPAR_PRESETS = ("fast", "fast_communities", "km1", "km1_flows")
@@ -218,7 +218,7 @@ class HypergraphConfig:
     phases : str
         ``chained`` (§5): phase phi_k pins the fixed vertex of net n_j to the part that
         computed x^{k-1}(j) in phase phi_{k-1}, one phase after the other.  ``independent``
-        (a deviation, issue 29): every phase is partitioned without fixed vertices, all at once
+        (a deviation): every phase is partitioned without fixed vertices, all at once
         (``workers`` processes), then the part ids of layer k are permuted to agree best with
         layer k-1 (:func:`_align_parts`: the permutation that keeps most x^{k-1}(j) inside the
         connectivity set of their net, an exact linear assignment on the cut size of eq. 1).
@@ -229,7 +229,7 @@ class HypergraphConfig:
     input_placement : str
         How x^0 is placed after phase phi_1 (:data:`partition.placement.INPUT_PLACEMENTS`):
         ``balanced`` (inside the nets' connectivity sets, balancing entries and layer-1 sends)
-        or ``most_pins`` (the rule before issue 29).
+        or ``most_pins`` (the earlier rule).
     tile : bool
         When the layer sequence is periodic, exactly (:func:`partition.period.layer_period`:
         W^{k+p} has the sparsity of W^k for every k) or up to a relabelling of the hidden

@@ -1,4 +1,4 @@
-"""Periods of a layer sequence, exact or up to a relabelling of the hidden neurons (issue 29).
+"""Periods of a layer sequence, exact or up to a relabelling of the hidden neurons.
 
 H-SGD's partitioner (§5) repeats the partition of one period when the layers repeat
 (:func:`partition.partitioners.hypergraph_partition`, ``tile``).  A network read from files

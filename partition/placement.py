@@ -22,7 +22,7 @@ Two rules (:data:`INPUT_PLACEMENTS`):
     nets) fill the processors with the fewest entries.
 ``most_pins``
     The member of Lambda(n_j) holding most pins of n_j, ties to the lowest id; unused entries
-    round-robin (the rule before issue 29: at P = 512 it left 465 processors without an entry
+    round-robin (the earlier rule: at P = 512 it left 465 processors without an entry
     and gave one 32).
 """
 

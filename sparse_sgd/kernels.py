@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-# Idle OpenMP workers sleep instead of spinning (issue 29): Numba's default ``omp`` threading
+# Idle OpenMP workers sleep instead of spinning: Numba's default ``omp`` threading
 # layer runs on libgomp, whose workers spin at every barrier by default; when other processes
 # share the cores, the spinning thread takes the CPU its partner needs and a 2-thread inference
 # becomes 3-10x slower than one thread (bench/bench_sparse.py, section threads).  libgomp reads

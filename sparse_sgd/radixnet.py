@@ -234,7 +234,7 @@ def random_regular_layer(rows: int, cols: int, degree: int, rng: np.random.Gener
 def random_regular_network(neurons: int, layers: int, degree: int = 32, *, seed: int = 0,
                            weight: float = 1.0 / CHALLENGE_BLOCK) -> list[sp.csr_matrix]:
     """``layers`` independent :func:`random_regular_layer` s of ``neurons`` neurons: a network
-    without period and without twins (issue 29's non-periodic benchmark: 32-regular, the
+    without period and without twins (the non-periodic benchmark: 32-regular, the
     connections per neuron of the Graph Challenge networks)."""
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")

@@ -45,7 +45,7 @@ def table1_rows(weights, parts: int, methods, options: PartitionOptions | None =
             part = plan_partition(weights, parts, method, options, seed=seed, network=network)
         wall, cpu = time.perf_counter() - w0, time.process_time() - t0
         m = partition_metrics(weights, part)
-        # the whole step the user waits for (issue 29: Partition.seconds leaves out what
+        # the whole step the user waits for (Partition.seconds leaves out what
         # plan_partition does around the partitioner, e.g. building an unpermuted twin)
         rows.append({"label": LABELS[method], "method": method, **m.table1(),
                      "seconds": wall, "cpu_seconds": cpu, "partitioner_seconds": part.seconds,

@@ -293,7 +293,7 @@ class FlopSource(ComputeSource):
 class CalibratedSource(ComputeSource):
     """Per-event cost calibrated from the run itself: the first ``samples`` blocks with the same
     ``label`` are measured by ``base`` (default :class:`CpuTimeSource`) and every block of that
-    label then costs the least of them (the quiet profiling pass of issue 12, taken in place).
+    label then costs the least of them (a quiet profiling pass, taken in place).
     The minimum drops warm-up (first-call allocation, page faults) and interference bursts;
     blocks without a label are measured every time."""
 

@@ -12,7 +12,7 @@ __all__ = ["busy_loops", "collective_check"]
 @contextmanager
 def busy_loops(n: int = 2):
     """Run ``n`` Python processes spinning ``while True: pass`` for the enclosed block (the
-    "beside busy processes" load of issue 12's timing checks); always ended and reaped."""
+    "beside busy processes" load of the timing checks); always ended and reaped."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
         yield procs

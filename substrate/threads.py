@@ -4,7 +4,7 @@
 starts; a rank started by a plain ``mpiexec`` or ``srun`` inherits nothing, so its BLAS and Numba
 pools would each take every core of the node, ranks would oversubscribe the node many times over,
 and the ``cpu`` compute source (thread CPU time with one BLAS thread, process CPU time with
-more) would read a different clock: the same job simulated twenty-fold slower (issue 26).  So
+more) would read a different clock: the same job simulated twenty-fold slower.  So
 every run caps its pools itself (:func:`cap_threads`, called by
 :func:`runner.run.start_run`) at ``cores // ranks on this node`` (``cores``: the CPUs this
 process may run on), unless the environment already says how many threads to use, and

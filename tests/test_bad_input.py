@@ -1,4 +1,4 @@
-"""Hostile command lines (issue 16): each fails fast with one message naming the input and the
+"""Hostile command lines: each fails fast with one message naming the input and the
 fix, and writes nothing.
 
 The serial table runs every command's ``main`` in this process under

@@ -1,5 +1,5 @@
 """The systems' closed forms when the rank count does not divide the element counts (3, 5, 6 or 7
-ranks per node; issue 11), against a brute-force walk of the rings and trees, and the phases
+ranks per node), against a brute-force walk of the rings and trees, and the phases
 they list on one-rank communicators (one node, one rank per node)."""
 
 import numpy as np

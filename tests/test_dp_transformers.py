@@ -1,4 +1,4 @@
-"""Data-parallel strategies on the transformers (issue 18), under MPI on 2 virtual nodes x 2.
+"""Data-parallel strategies on the transformers, under MPI on 2 virtual nodes x 2.
 
 Each run's ledger must equal its closed form per phase and link class, as for the CNNs; SDP drops
 whole Attention + MLP blocks (B-SDP / B_b-SDP, the paper's unit on Swin and LLaMA); the language

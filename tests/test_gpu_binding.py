@@ -1,4 +1,4 @@
-"""Device binding (issue 25): by the real node's local rank among the ranks that see the
+"""Device binding: by the real node's local rank among the ranks that see the
 same devices (``CUDA_VISIBLE_DEVICES``, Slurm's per-task binding), on real and virtual nodes;
 every rank's device in ``summary.json``; a shared GPU allowed and reported.  MPI cases run on
 the strict CuPy stand-in with ``STRICTCUPY_DEVICES`` devices on this host."""

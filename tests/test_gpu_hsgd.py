@@ -1,4 +1,4 @@
-"""H-SGD's GPU path (issue 25) on the strict CuPy stand-in at 4 ranks: SpFF/SpBP training and
+"""H-SGD's GPU path on the strict CuPy stand-in at 4 ranks: SpFF/SpBP training and
 Graph Challenge inference equal the CPU path within float64 round-off and the serial reference,
 with the same calls (held against the same plan records) and one host wait per layer and
 direction; host-staged and CUDA-aware MPI."""

@@ -1,5 +1,5 @@
 """Device arrays through the communicators on the strict CuPy stand-in, 2 and 4 ranks, both
-collective modes: the aliasing of issue 25 (a symmetric all-to-all, equal-shape all-reduces in
+collective modes: an aliasing bug (a symmetric all-to-all, equal-shape all-reduces in
 flight together), every collective and point-to-point call bitwise equal to the CPU path,
 staging blocks reused only when free, no pinned allocation per message, and the CUDA-aware
 hand-off (device memory given to MPI only after its stream is synchronized)."""

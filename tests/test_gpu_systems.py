@@ -28,7 +28,7 @@ def test_system_on_gpu_equals_cpu(name, mode, tmp_path):
 
 def test_ssfusion_offload_keeps_momentum_on_the_gpu(tmp_path):
     """SSFusion-O with DGC momentum correction: the GPU run equals the CPU run step by step
-    (the offloaded tensors' host velocity starts from the device's, issue 25)."""
+    (the offloaded tensors' host velocity starts from the device's)."""
     from mpi_helpers import run_mpi
     from strict_backend import strict_env
 

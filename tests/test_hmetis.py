@@ -1,4 +1,4 @@
-"""hMetis export and import of the H-SGD phase hypergraphs and partitions (issue 26).
+"""hMetis export and import of the H-SGD phase hypergraphs and partitions.
 
 Second sources: KaHyPar's own hMetis reader (``kahypar.createHypergraphFromFile``) parses what
 we write, and the connectivity-1 cut it implies equals the SpFF + SpBP words that

@@ -1,4 +1,4 @@
-"""Wire-lab inputs refused before anything is created (issues 11 and 27): each bad value ends
+"""Wire-lab inputs refused before anything is created: each bad value ends
 the command with exit status 2 and one line on stderr naming the option, the value and the fix;
 no traceback, no namespace, and the results already in ``--out`` are untouched.  No root needed:
 the options are checked before the lab's root check.
@@ -36,7 +36,7 @@ def _earlier_run(tmp_path):
 
 
 #: (id, argv before the command, what the one error line must contain: the option, the value
-#: and the fix).  issue 27: ``--link inf,5`` crashed with OverflowError.
+#: and the fix).  ``--link inf,5`` crashed with OverflowError.
 BAD_LINKS = [
     ("rate inf", ["--link", "inf,5"],
      ["--link 'inf,5'", "finite number of Mbit/s", "got inf", "Fix: e.g. --link 1000,50"]),

@@ -1,4 +1,4 @@
-"""Same answer however launched (issue 26): a plain ``mpiexec`` (no launcher environment)
+"""Same answer however launched: a plain ``mpiexec`` (no launcher environment)
 gives every rank the thread caps ``run_mpi.sh`` gives it, so the ``cpu`` compute source reads
 the same clock (thread CPU time, one BLAS thread per rank); the summary records the caps and
 who set them."""

@@ -1,4 +1,4 @@
-"""One metrics schema for every trainer (issue 26): ``runner/metrics.schema.json`` documents each
+"""One metrics schema for every trainer: ``runner/metrics.schema.json`` documents each
 field, :func:`runner.metrics.check_line` enforces it, every trainer's ``metrics.jsonl`` conforms
 (hsadmm, flat ADMM, every data-parallel strategy, sparse_sgd train, models train), the lines
 agree with the run (bytes add up to its traffic, evaluations where ``--eval-every`` puts

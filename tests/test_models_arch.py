@@ -1,4 +1,4 @@
-"""``--arch`` (issue 27): one table of keys per model (models/arch.py), typed, range-checked and
+"""``--arch``: one table of keys per model (models/arch.py), typed, range-checked and
 combination-checked; every refusal names ``--arch KEY``, the value, what is allowed and an
 example, and every value it accepts builds the model."""
 

@@ -1,4 +1,4 @@
-"""Defaults that learn (issue 26): every model trains on its own defaults (the transformers with
+"""Defaults that learn: every model trains on its own defaults (the transformers with
 AdamW, warm-up and cosine decay; the CNNs with SGD), and a brief run on them beats chance by a
 margin (the byte GPT: its held-out bits per byte below the corpus's unigram entropy)."""
 

@@ -1,4 +1,4 @@
-"""Real overlap and placement-true traffic (issue 24).
+"""Real overlap and placement-true traffic.
 
 * ``--overlap on`` hands DDP's buckets to the communication thread during the backward; the
   run must give bitwise the results of ``--overlap off`` (every call blocking where it is
@@ -70,7 +70,7 @@ def _final_state(out, steps, ranks):
     return state
 
 
-#: the systems whose runs send during the backward (issue 24): method options, world and
+#: the systems whose runs send during the backward: method options, world and
 #: placement; the flops source makes SSFusion's profile-based plan the same in both runs
 SENDING_IN_BACKWARD = {
     "pactrain-3x1": (3, ["--method", "pactrain", "--warmup-steps", 1, "--stable-window", 1,
@@ -188,7 +188,7 @@ REPLAYED = [
     ("ddp", ["--allreduce", "hierarchical", "--bucket-mib", 0.02], ("--node-map", "0,1,0,1")),
     ("topk", ["--density", 0.02], ("--ranks-per-node", 2)),
     ("fp16", [], ("--node-map", "round-robin:2")),
-    # calls issued from the backward's ready hook, compute between units (issue 24)
+    # calls issued from the backward's ready hook, compute between units
     ("pactrain", ["--ternary", "--warmup-steps", 1, "--stable-window", 1, "--bucket-mib", 0.02],
      ("--ranks-per-node", 2)),
     ("sdp", [], ("--ranks-per-node", 2)),

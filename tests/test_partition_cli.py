@@ -1,4 +1,4 @@
-"""``python -m sparse_sgd partition``: what it prints is the whole partitioning step (issue 29).
+"""``python -m sparse_sgd partition``: what it prints is the whole partitioning step.
 
 No speed is asserted here (timings live in ``bench/``): the test checks the *accounting*, that
 work done inside the partitioning step but outside the partitioner's own clock (as building the

@@ -112,7 +112,7 @@ def test_tiling_a_periodic_network_repeats_the_period_exactly():
     valid balanced partition of every layer, every layer but the first of a repeat has the
     volume of its layer in the first period (counted on the full network), and the total is
     within 3 % of partitioning every layer over four seeds (one seed's ratio spreads from 1.00
-    to 1.035 with KaHyPar ``fast``, session 12)."""
+    to 1.035 with KaHyPar ``fast``)."""
     W = graph_challenge_network(1024, 20, permute=False).weights
     assert layer_period(W) == 6
     tiled = hypergraph_partition(W, 8, HypergraphConfig(seed=1))
@@ -193,7 +193,7 @@ def test_rebalance_repairs_an_overloaded_partition():
 
 
 def test_one_default_partition_configuration_everywhere():
-    """The library's HypergraphConfig() is what every command runs by default (issue 29: the
+    """The library's HypergraphConfig() is what every command runs by default (the
     library defaulted to Mt-KaHyPar while the CLIs default to KaHyPar)."""
     from partition.cli import LayersConfig
     from sparse_sgd.plan import PartitionOptions
@@ -206,7 +206,7 @@ def test_one_default_partition_configuration_everywhere():
 
 def test_no_permute_help_says_what_the_flag_does():
     """``--no-permute`` keeps the generator's ids; its help must say so, not describe the
-    default it turns off (issue 29)."""
+    default it turns off."""
     import argparse
 
     from sparse_sgd.cli import build_parser

@@ -1,4 +1,4 @@
-"""Periods found from the data (issue 29): a relabelled RadiX-Net, as read from the Graph
+"""Periods found from the data: a relabelled RadiX-Net, as read from the Graph
 Challenge files, is recognised as periodic and partitioned one period at a time.
 
 The maps are checked against the definition with SciPy (every layer W^{k+p}, relabelled by the

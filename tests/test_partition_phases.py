@@ -1,4 +1,4 @@
-"""Independent phases (issue 29): every layer partitioned without fixed vertices, in parallel,
+"""Independent phases: every layer partitioned without fixed vertices, in parallel,
 then the part ids aligned to the previous layer by an exact assignment.  Volumes are counted
 with ``partition.metrics.pair_volumes`` (eqs. 8-9), permutations checked by brute force."""
 

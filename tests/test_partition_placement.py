@@ -1,4 +1,4 @@
-"""Placement of x^0 (§5, Fig. 3; issue 29): inside the nets' connectivity sets, balanced in
+"""Placement of x^0 (§5, Fig. 3): inside the nets' connectivity sets, balanced in
 entries and in layer-1 SpFF sends, up to P = 512.  Sends are counted here by brute force from
 the layer's nonzeros, independently of ``partition.metrics``."""
 
@@ -30,7 +30,7 @@ def _layer1_sends(W1, owner1, owner0, parts):
 
 @pytest.mark.parametrize("parts", [8, 64, 512])
 def test_inputs_balanced_in_entries_and_layer1_sends(parts):
-    """Done-when of issue 29 at P up to 512 (N = 1024): layer 1's max send <= 2 x its average
+    """The target at P up to 512 (N = 1024): layer 1's max send <= 2 x its average
     and no processor owns more than ceil(N/P) + 1 entries of x^0; the volume stays the one of
     Fig. 3's rule (x^0(j) inside Lambda(n_j)) up to the few entries the cap pushes out (at most
     1 % of them, one word each)."""
@@ -47,7 +47,7 @@ def test_inputs_balanced_in_entries_and_layer1_sends(parts):
 
 
 def test_most_pins_rule_piles_onto_low_ids_at_512_parts():
-    """The rule before issue 29 (most pins, ties to the lowest id), kept as the named option
+    """The earlier rule (most pins, ties to the lowest id), kept as the named option
     ``most_pins``: on the Graph Challenge network at P = 512 it leaves most processors without
     an input and sends 16x the average from one of them."""
     W = graph_challenge_network(1024, 2, seed=1).weights

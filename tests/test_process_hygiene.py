@@ -1,4 +1,4 @@
-"""Interrupting a test run or a launched job leaves no rank or launcher behind (issue 27):
+"""Interrupting a test run or a launched job leaves no rank or launcher behind:
 ``run_mpi.sh`` runs its child in a session of its own and, on SIGINT or SIGTERM, ends it with
 every descendant (:func:`runner.launch.kill_tree`), ranks in process groups of their own
 included (Open MPI's ``prterun``)."""

@@ -1,4 +1,4 @@
-"""A compute profile is bound to the job it describes (issue 27): another system, method,
+"""A compute profile is bound to the job it describes: another system, method,
 model, option or world size is refused on every rank, naming ``--compute-profile``, what differs
 and the fix, unless ``--compute-profile-partial`` (then the summary says what fraction of the
 compute was measured instead); run length, seed and output do not change the job."""

@@ -1,4 +1,4 @@
-"""Results are never lost (issue 16): publish order and recovery, file modes, clean-up of failed
+"""Results are never lost: publish order and recovery, file modes, clean-up of failed
 and killed runs, refusal to overwrite, damaged checkpoints, progress and failure reports."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Launching under a real Slurm (issue 16): one world per job, singletons stop with a clear error.
+"""Launching under a real Slurm: one world per job, singletons stop with a clear error.
 
 Runs where ``srun``/``salloc``/``sbatch`` exist and a controller answers with an idle node that
 has at least 4 CPUs (e.g. Debian ``slurm-wlm`` + ``munge``, one node declaring ``CPUs=4``, see

@@ -171,7 +171,7 @@ def test_layer_index_out_of_range(tmp_path):
 
 
 def test_index_above_n_names_its_line(tmp_path):
-    """An index above N is reported with the file and the line that holds it (issue 29), in
+    """An index above N is reported with the file and the line that holds it, in
     any chunk of the streamed file, for layer files (either index) and input files."""
     rows = np.arange(300) % 1024
     cols = np.arange(300) % 7

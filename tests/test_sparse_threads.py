@@ -1,4 +1,4 @@
-"""Numba's OpenMP workers wait passively (issue 29): with libgomp's default (spinning) waits a
+"""Numba's OpenMP workers wait passively: with libgomp's default (spinning) waits a
 2-thread kernel beside busy processes ran 3-10x slower than one thread (bench/bench_sparse.py,
 section threads).  Checked in fresh processes, because libgomp reads the policy when loaded."""
 

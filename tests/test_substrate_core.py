@@ -272,7 +272,7 @@ def test_mpi_env_caps_threads_per_rank(monkeypatch):
     assert launch.mpi_env(4, {"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
 
 
-# -- closed forms for uneven chunks (issue 11: rank counts that do not divide the count) -------
+# -- closed forms for uneven chunks (rank counts that do not divide the count) -------
 from traffic_reference import simulated_bcast as _simulated_bcast
 from traffic_reference import simulated_ring as _simulated_ring
 
@@ -314,7 +314,7 @@ def test_ring_allreduce_split_any_ring_any_count(nodes, count, itemsize):
 @pytest.mark.parametrize("T,M,P", [(38282, 1, 3), (38282, 2, 3), (1001, 2, 2), (7, 3, 3),
                                     (600, 2, 3)])
 def test_ring_allreduce_closed_form_is_the_ring_not_the_divisible_formula(T, M, P):
-    """The reproduction of issue 11 (digits CNN, T = 38,282 float32, 3 ranks per node): the
+    """The uneven case that once broke the closed form (digits CNN, T = 38,282 float32, 3 ranks per node): the
     closed form equals a ring walked message by message (:func:`simulated_ring`), and where
     ``p`` does not divide the element count it is not ``M * 2 (p-1)/p * n`` (the old booking,
     612,510 instead of 612,512 bytes per node's ring)."""
@@ -327,7 +327,7 @@ def test_ring_allreduce_closed_form_is_the_ring_not_the_divisible_formula(T, M, 
                  "inter": (M if M > 1 else 0) * (2 * (p - 1) * 4 * T // p)}
     if T % p == 0:
         assert got == divisible
-    if T == 38282:          # issue 11's shapes: the ring is not the divisible formula
+    if T == 38282:          # the reproduction's shapes: the ring is not the divisible formula
         assert got != divisible
     # without itemsize the chunks are cut in bytes: still exact when p divides the count
     if T % p == 0:

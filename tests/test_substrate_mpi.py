@@ -65,7 +65,7 @@ def test_bad_ranks_per_node_value_errors(tmp_path):
     assert "--ranks-per-node must be a positive integer" in res.stderr
 
 
-# -- collectives modes (issue 11): exact point-to-point algorithms vs the library's -------------
+# -- collectives modes: exact point-to-point algorithms vs the library's -------------
 MODE_LAYOUTS = [(4, 2), (6, 3), (3, 3), (5, 1)]  # 2x2, 2 nodes x 3, one node of 3, 5 x 1
 
 

@@ -234,7 +234,7 @@ class OffloadWorker:
         """A GPU run keeps the error-feedback residual (and velocity) of every offloaded
         segment on the host, where the worker sparsifies it, continuing from the device's:
         the warm-up's momentum (and any residual) moves with the segment, so a GPU run trains
-        as the CPU run, whose worker keeps using the same arrays (issue 25: the host velocity
+        as the CPU run, whose worker keeps using the same arrays (the host velocity
         used to start at zero).  One copy per offloaded tensor, once per installed plan."""
         if not self.run.backend.is_gpu:
             return

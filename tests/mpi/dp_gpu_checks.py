@@ -1,7 +1,7 @@
 """Data-parallel strategies on the strict CuPy stand-in against the CPU path, step by step:
 ``python -m mpi4py dp_gpu_checks.py CHECK OUTDIR`` (``tests/strictcupy`` on ``PYTHONPATH``).
 
-``offload_momentum``: SSFusion-O with DGC momentum correction (issue 25).  A CPU and a GPU
+``offload_momentum``: SSFusion-O with DGC momentum correction.  A CPU and a GPU
 strategy on 4 ranks (2 virtual nodes) get the same gradients; after the dense warm-up (where
 the velocity builds up) both install the same plan, which hands every second sparse tensor to
 the CPU worker (the plan's ``ssf_offload[l]`` items, during the backward of the step's program

@@ -63,7 +63,7 @@ def _setup(model_name, steps=3, **options):
 def _step(run, strat, state, optimizer=None):
     """One step's program (:func:`sync_step`); the calls it ran must be the step's records
     (``Recorder.account`` raises on the first difference), and asking for the records of the
-    same kind of step again gives the same list without a side effect (issue 23).  Returns
+    same kind of step again gives the same list without a side effect.  Returns
     the step's bytes per phase and the messages."""
     records = sync_step(strat, state, optimizer=optimizer)
     run.recorder.account(records)

@@ -41,7 +41,7 @@ def _ledger(t):
 
 def alltoallv_symmetric(mode, R):
     """Equal send and receive sizes on every rank (a symmetric exchange): the received data
-    must be the peers' blocks, not this rank's own send buffer (the aliasing of issue 25:
+    must be the peers' blocks, not this rank's own send buffer (an aliasing bug:
     staging buffers keyed by shape and dtype gave send and receive one host buffer)."""
     cpu, gpu, _ = _topos(mode, R)
     p, r = cpu.size, cpu.rank

@@ -1,4 +1,4 @@
-"""A resumed run reuses the plan its timings decided (issue 27); run with ``mpiexec -n 2``.
+"""A resumed run reuses the plan its timings decided; run with ``mpiexec -n 2``.
 
 ``python -m mpi4py resume_plan_checks.py OUT REPEATS`` trains SSFusion (selective
 sparsification on Cupcake fusion buffers: both decided from the warm-up timings, max-reduced

@@ -1,4 +1,4 @@
-"""Hostile inputs of issue 27, each run as the real command in a subprocess: ``--arch`` shapes,
+"""Hostile inputs, each run as the real command in a subprocess: ``--arch`` shapes,
 ``--init`` files, corrupt input files (layers, IDX, CIFAR, TSV, checkpoints, compute profiles)
 and resumes that would change the schedule.
 
@@ -274,7 +274,7 @@ TABLE = [(cls, *case) for cls, cases in CASES.items() for case in cases]
 
 @pytest.mark.parametrize("cls,name,module,argv,out,fragments", TABLE,
                          ids=[f"{c[0]}: {c[1]}" for c in TABLE])
-def test_hostile_input_27(inputs, cls, name, module, argv, out, fragments):
+def test_hostile_input_is_refused_in_one_line(inputs, cls, name, module, argv, out, fragments):
     fill = {"dir": inputs["dir"]}
     out = Path(out.format(**fill))
     argv = [a.format(**fill) for a in argv]
