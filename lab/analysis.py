@@ -57,7 +57,8 @@ def wire_report(lab, summary: dict, job: dict, base: dict, launch: str, module_a
                 out) -> dict:
     """The ``wire.json`` of one run of :class:`lab.jobs.Lab`: booked (the ledger's
     ``traffic.measured.inter_node_bytes``), predicted and real inter-host bytes, per host and in
-    total, after the start-up baseline ``base``; the ratios and warnings.
+    total, after the start-up baseline ``base`` and less the job simulation's own messages
+    (the run's control plane, ``clock.control_inter_node_bytes``); the ratios and warnings.
 
     ``job`` and ``base`` are :meth:`lab.jobs.Lab._job` results (counter deltas per host);
     ``summary`` is the run's ``summary.json``.  The TCP payload is ``bytes - packets x header``
@@ -73,7 +74,10 @@ def wire_report(lab, summary: dict, job: dict, base: dict, launch: str, module_a
                        "tcp_events": {k: job["delta"][h].get(k, 0) for k in TCPEXT_FIELDS},
                        "payload_bytes": run["payload_bytes"] - b["payload_bytes"],
                        "frame_bytes": run["frame_bytes"] - b["frame_bytes"]}
-    real_payload = sum(v["payload_bytes"] for v in per_host.values())
+    # the job simulation's own messages (summary.json clock.control_inter_node_bytes): the
+    # run's control plane, not the system's traffic; taken off the payload compared with booked
+    control = (summary.get("clock") or {}).get("control_inter_node_bytes") or 0
+    real_payload = sum(v["payload_bytes"] for v in per_host.values()) - control
     real_frames = sum(v["frame_bytes"] for v in per_host.values())
     base_payload = sum(v["baseline"]["payload_bytes"] for v in per_host.values())
     base_frames = sum(v["baseline"]["frame_bytes"] for v in per_host.values())
@@ -121,6 +125,7 @@ def wire_report(lab, summary: dict, job: dict, base: dict, launch: str, module_a
         "collectives": summary.get("collectives"),
         "booked_inter_node_bytes": booked,
         "predicted_inter_node_bytes": predicted,
+        "control_plane_bytes": control,
         "real": {"payload_bytes": real_payload, "frame_bytes": real_frames,
                  "excess_payload_bytes": None if booked is None else real_payload - booked,
                  "retrans_segs": retrans, "duplicate_segs": dups, "dropped": dropped},
@@ -160,6 +165,7 @@ def format_table(r: dict) -> str:
     rows = [("booked (ledger)", booked),
             ("predicted", r["predicted_inter_node_bytes"]),
             ("real payload (TCP)", r["real"]["payload_bytes"]),
+            ("  clock's messages, off", r.get("control_plane_bytes")),
             ("real frames", r["real"]["frame_bytes"]),
             ("start-up baseline", r["baseline"]["payload_bytes"])]
     for name, v in rows:

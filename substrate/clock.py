@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 import sys
 import time
 from contextlib import contextmanager
@@ -319,6 +320,10 @@ class SimClock:
         # the steps closed at each simulation (a replay simulates at the same points: a job
         # simulated in pieces starts each piece with every rank together)
         self.simulated_at: list[int] = []
+        # inter-node bytes of the simulation's own messages (rank 0 gathers every step's
+        # program once and its blocks' seconds, and broadcasts the steps): the run's control
+        # plane, not the system's traffic, so not booked; the wire lab subtracts it
+        self.control_bytes = 0
         #: rank 0: the last simulated unit step's events of rank 0 and of its slowest rank
         #: (``{"step", "step_s", "slowest_rank", "ranks": {rank: [event, ...]}}``: a Gantt chart)
         self.last_step: dict | None = None
@@ -467,14 +472,19 @@ class SimClock:
         over the world: every rank calls it at the same point); returns ``(kind, seconds)``
         of each, the job's (the time between the moments its last rank ended the step before
         and this one), on every rank."""
-        mine = self._payload()
+        mine = pickle.dumps(self._payload(), protocol=pickle.HIGHEST_PROTOCOL)
         gathered = self.mpi.gather(mine, root=0) if self.mpi is not None else [mine]
         result = None
         if self.rank == 0:
+            off = [r for r in range(len(gathered)) if self.node_of[r] != self.node_of[0]]
+            self.control_bytes += sum(len(gathered[r]) for r in off)
             try:
-                result = ("ok", self._run(gathered))
+                result = ("ok", self._run([pickle.loads(g) for g in gathered]))
             except (ValueError, RuntimeError) as exc:
                 result = ("error", f"the job simulation of the run's steps failed: {exc}")
+            nodes = len(set(self.node_of))
+            self.control_bytes += (nodes - 1) * len(pickle.dumps(
+                result, protocol=pickle.HIGHEST_PROTOCOL))
         if self.mpi is not None:
             result = self.mpi.bcast(result, root=0)
         if result[0] == "error":
@@ -631,6 +641,7 @@ class SimClock:
                                 "ack_bytes": self.ack_bytes if self.rank == 0 else None},
              "steps": len(self.simulated),
              "bytes_moved": dict(self.moved) if self.rank == 0 else None,
+             "control_inter_node_bytes": self.control_bytes if self.rank == 0 else None,
              "last_step": self.last_step,
              "bound": "comm_modeled_s: every call's alpha-beta time, alone on its links, "
                       "nothing overlapped"}
