@@ -8,10 +8,13 @@ import json
 
 import pytest
 from mpi_helpers import assert_measured_equals_predicted, read_summary, run_mpi
+from prediction_helpers import iteration_cost
 
 from commvol.predict import predict, resolve_model
 from commvol.report import comparison_table, fmt_time, load_run, write_plots
-from commvol.systems import SYSTEMS, hsadmm_plan, pactrain_kept, ssfusion_plan
+from commvol.systems import SYSTEMS, pactrain_kept, ssfusion_plan
+from hsadmm.config import HSADMMConfig
+from hsadmm.shrink import ShrinkPlan
 
 pytestmark = pytest.mark.mpi
 
@@ -117,7 +120,7 @@ def test_pactrain_sdp_ssfusion_runs_are_reproduced(runs, name):
     assert done == n
     if system == "pactrain":  # packing starts where the strategy's mask tracker says
         first_packed = next(k for k in range(n)
-                            if "dense_allreduce" not in pred.per_iteration(k).phases)
+                            if "dense_allreduce" not in iteration_cost(pred, k).phases)
         assert s["metrics"]["mask_stable_step"] == first_packed
         assert s["metrics"]["kept"] == pactrain_kept(resolve_model(model).layout, 0.5)
     if system == "ssfusion":  # the run's own closed form (its summary's predicted block) too
@@ -141,7 +144,8 @@ def test_hsadmm_run_is_reproduced(runs):
     _assert_reproduced(s, predict("hsadmm", "cnn", nodes=2, gpus_per_node=2,
                                   compact_elems=measured_c).total(n))
     # from keep rates alone: exact when the nodes agreed on the masks, else a lower bound
-    plan, *_ = hsadmm_plan(resolve_model("cnn"), 0.5, "channel", 32.0)
+    plan = ShrinkPlan.from_keep_rates(resolve_model("cnn").layout,
+                                      HSADMMConfig(keep=0.5, sparsity="channel", bucket_mib=32.0))
     from_keep = predict("hsadmm", "cnn", nodes=2, gpus_per_node=2).total(n)
     assert min(measured_c) >= plan.compact_size
     if all(c == plan.compact_size for c in measured_c):

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from prediction_helpers import iteration_cost
 
 from commvol.__main__ import main
 from commvol.predict import DATASET_SHAPES, model_names, predict, resolve_model
@@ -30,7 +31,7 @@ def _p(system, **kw):
 
 def test_hsadmm_hand_computed_iteration():
     pred = _p("hsadmm", keep=0.5, sparsity="channel", freeze_iter=1)
-    synced, frozen = pred.per_iteration(0), pred.per_iteration(1)
+    synced, frozen = iteration_cost(pred, 0), iteration_cost(pred, 1)
     # channel keep 0.5: conv compact 4 x 2 x 9 = 72, C = 242 - 144 + 72 = 170; B = 144 bits
     assert synced.phases == {
         "intra_allreduce": {"intra": 2 * 2 * 1 * 4 * 242, "inter": 0},   # M 2(P-1) 4T
@@ -65,7 +66,7 @@ def test_hsadmm_measured_compact_sizes_give_one_stage_each():
 
     pred = _p("hsadmm", keep=0.5, freeze_iter=2, compact_elems=[170, 206, 242])
     for k, (c, synced) in enumerate([(170, True), (206, True), (242, False), (242, False)]):
-        it = pred.per_iteration(k)
+        it = iteration_cost(pred, k)
         assert it.phases == hsadmm_iteration_bytes(M=2, P=2, total_params=242,
                                                    compact_sizes=[c], mask_bytes=18,
                                                    mask_synced=synced, num_layers=3), k
@@ -188,11 +189,11 @@ def test_pactrain_hand_computed_steps():
     pred = _p("pactrain", prune_ratio=0.5, warmup_steps=1, stable_window=2, prune_score="grasp")
     # dense in steps 0 .. w + W - 1 = 2; GraSP's two all-reduces of T at step max(w - 1, 0) = 0
     assert [(a, b) for a, b, _ in pred.schedule(6)] == [(0, 0), (1, 2), (3, 5)]
-    first, packed = pred.per_iteration(0), pred.per_iteration(3)
+    first, packed = iteration_cost(pred, 0), iteration_cost(pred, 3)
     assert first.phases == {"dense_allreduce": {"intra": 4 * 726, "inter": 4 * 726},
                             "grasp_allreduce": {"intra": 8 * 726, "inter": 8 * 726}}
     assert first.messages == {"dense_allreduce": 24, "grasp_allreduce": 48}
-    assert pred.per_iteration(2).phases == {"dense_allreduce": first.phases["dense_allreduce"]}
+    assert iteration_cost(pred, 2).phases == {"dense_allreduce": first.phases["dense_allreduce"]}
     # K = 72 of the conv's 144 + 40 of the fc's 80 + 4 + 4 (BN) + 10 (bias) = 130: a ring of
     # 130 floats over 4 ranks, chunks (33, 33, 32, 32): ranks send 195, 196, 195, 194
     assert packed.phases == {"packed_allreduce": {"intra": 4 * (195 + 195),
@@ -217,8 +218,8 @@ def test_pactrain_hand_computed_steps():
               prune_score="grasp")
     assert glob.steady.phases["ternary_scale"]["inter"] + \
         glob.steady.phases["ternary_scale"]["intra"] == 2 * 3 * 4
-    assert "grasp_allreduce" in glob.per_iteration(0).phases
-    assert "grasp_allreduce" not in glob.per_iteration(1).phases
+    assert "grasp_allreduce" in iteration_cost(glob, 0).phases
+    assert "grasp_allreduce" not in iteration_cost(glob, 1).phases
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 0.97])
@@ -273,8 +274,8 @@ def test_sdp_evaluations_follow_the_trainer():
     assert (total.inter, total.intra) == (5 * step.inter + 3 * ev.inter,
                                           5 * step.intra + 3 * ev.intra)
     assert total.messages["sdp_assemble"] == 3 * ev.messages["sdp_assemble"]
-    assert "sdp_assemble" in pred.per_iteration(3).phases
-    assert pred.per_iteration(4).phases == step.phases  # of a longer run: no evaluation
+    assert "sdp_assemble" in iteration_cost(pred, 3).phases
+    assert iteration_cost(pred, 4).phases == step.phases  # of a longer run: no evaluation
     assert predict("sdp", "cnn", nodes=2, gpus_per_node=2).eval_iterations(5) == [4]
     # one message per sending rank; rank 0 receives (the sender records)
     senders = [r for r, t in enumerate(ev.rank_s) if t > 0]
@@ -345,7 +346,7 @@ def test_ssfusion_per_tensor_hand_computed():
     pred = _p("ssfusion", fusion="per-tensor", fusion_policy="count", buffers=2,
               profile_steps=2)
     assert [(a, b) for a, b, _ in pred.schedule(5)] == [(0, 1), (2, 4)]
-    warm, step = pred.per_iteration(0), pred.steady
+    warm, step = iteration_cost(pred, 0), pred.steady
     assert warm.messages == {"ssf_warmup_allreduce": 2 * 24}
     assert sum(warm.phases["ssf_warmup_allreduce"].values()) == 2 * 3 * 4 * (94 + 148)
     assert warm.modeled_s["ssf_warmup_allreduce"] == pytest.approx(
@@ -361,7 +362,7 @@ def test_ssfusion_per_tensor_hand_computed():
     # multi-tensor: one top-K_i per buffer, the same K_i: the same traffic
     multi = _p("ssfusion", fusion="multi-tensor", fusion_policy="count", buffers=2,
                profile_steps=2)
-    assert multi.steady == step and multi.per_iteration(1) == pred.per_iteration(1)
+    assert multi.steady == step and iteration_cost(multi, 1) == iteration_cost(pred, 1)
     # the whole run equals volume.ssfusion.run_bytes (no decision with fixed buffers)
     from volume.ssfusion import run_bytes
 
@@ -370,7 +371,7 @@ def test_ssfusion_per_tensor_hand_computed():
         ag_dense_counts=[0, 0], ag_sparse_counts=[3, 3], num_tensors=5, selection=False)
     # the default (Cupcake) buffers depend on the profile: the run decides them after warm-up
     cupcake = _p("ssfusion", fusion="per-tensor", profile_steps=2)
-    assert "ssf_select_bcast" in cupcake.per_iteration(1).phases
+    assert "ssf_select_bcast" in iteration_cost(cupcake, 1).phases
 
 
 def test_ssfusion_selective_given_selection_hand_computed():
@@ -388,13 +389,13 @@ def test_ssfusion_selective_given_selection_hand_computed():
 
     pred = sel()
     assert [(a, b) for a, b, _ in pred.schedule(6)] == [(0, 1), (2, 2), (3, 5)]
-    decide, step = pred.per_iteration(2), pred.steady
+    decide, step = iteration_cost(pred, 2), pred.steady
     # profile: 3L + 2 = 17 float64 MAX all-reduce; plan: 4L = 20 int64 from rank 0
     # (binomial tree 0 -> 2 over the inter link, 0 -> 1 and 2 -> 3 intra)
     assert sum(decide.phases["ssf_profile_allreduce"].values()) == 2 * 3 * 8 * 17
     assert decide.phases["ssf_select_bcast"] == {"intra": 2 * 160, "inter": 160}
     assert decide.messages["ssf_select_bcast"] == 3
-    assert "ssf_profile_allreduce" not in pred.per_iteration(1).phases
+    assert "ssf_profile_allreduce" not in iteration_cost(pred, 1).phases
     # AR: 10 floats, 2 (p-1) 40 / p = 60 B per rank; AG blocks 4 * 4 + 8 * 5 = 56 and
     # 8 * 30 = 240 B per rank
     assert sum(step.phases["ssf_dense_allreduce"].values()) == 4 * 60

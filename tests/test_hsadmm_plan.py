@@ -16,6 +16,7 @@ import itertools
 
 import numpy as np
 import pytest
+from prediction_helpers import iteration_cost
 from traffic_reference import simulated_bcast, simulated_ring
 
 from commvol.predict import predict
@@ -275,8 +276,8 @@ def test_predicted_iterations_equal_eq15_for_the_trainers_models(model, sparsity
     pred = predict("hsadmm", spec=spec, nodes=2, gpus_per_node=3, keep=0.5, sparsity=sparsity,
                    freeze_iter=2)
     cfg = HSADMMConfig(keep=0.5, sparsity=sparsity)
-    assert pred.per_iteration(0).phases == _eq15_bytes(spec.layout, cfg, 2, 3, True)
-    assert pred.per_iteration(5).phases == _eq15_bytes(spec.layout, cfg, 2, 3, False)
+    assert iteration_cost(pred, 0).phases == _eq15_bytes(spec.layout, cfg, 2, 3, True)
+    assert iteration_cost(pred, 5).phases == _eq15_bytes(spec.layout, cfg, 2, 3, False)
 
 
 def test_keep_file_overrides_reach_the_plan(tmp_path):
@@ -286,8 +287,8 @@ def test_keep_file_overrides_reach_the_plan(tmp_path):
     path.write_text(__import__("json").dumps(over))
     cfg = HSADMMConfig(keep=0.5, keep_file=str(path))
     pred = predict("hsadmm", spec=spec, nodes=3, gpus_per_node=3, keep=0.5, keep_file=str(path))
-    assert pred.per_iteration(0).phases == _eq15_bytes(spec.layout, cfg, 3, 3, True, over)
-    assert pred.per_iteration(0).phases != _eq15_bytes(spec.layout, cfg, 3, 3, True)
+    assert iteration_cost(pred, 0).phases == _eq15_bytes(spec.layout, cfg, 3, 3, True, over)
+    assert iteration_cost(pred, 0).phases != _eq15_bytes(spec.layout, cfg, 3, 3, True)
 
 
 @pytest.mark.parametrize("sparsity", ["channel", "filter", "filter+channel"])

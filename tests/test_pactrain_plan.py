@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from prediction_helpers import iteration_cost
 
 from commvol.predict import predict
 from dataparallel.pactrain import PacTrainOptions, PacTrainPlan, prune_mask
@@ -343,7 +344,7 @@ def test_commvol_predicts_the_papers_bytes_and_calls(kw):
         grasp = opts.prune_score != "magnitude" and step == max(w - 1, 0)
         if grasp:
             want["grasp_allreduce"] = grasp_score_bytes(M=M, P=P, total=LAYOUT.total)
-        got = pred.per_iteration(step)
+        got = iteration_cost(pred, step)
         assert got.phases == want, step
         if mode == "dense":
             calls = {"dense_allreduce": len(buckets)}

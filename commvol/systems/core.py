@@ -247,17 +247,6 @@ class Prediction:
             out.append((k, iters - 1, self.stages[-1][1]))
         return out
 
-    def per_iteration(self, k: int) -> IterCost:
-        """Cost of iteration ``k`` (0-based) of a longer run (with its periodic evaluation; the
-        evaluation after a run's last iteration is in :meth:`schedule` and :meth:`total`)."""
-        for first, last, cost in self._stage_ranges(k + 1):
-            if first <= k <= last:
-                if self.evaluation is not None and self.eval_every and \
-                        (k + 1) % self.eval_every == 0:
-                    return IterCost.sum([cost, self.evaluation])
-                return cost
-        raise AssertionError("unreachable")
-
     @property
     def steady(self) -> IterCost:
         """Cost of the iterations of the last stage (e.g. after the mask freeze)."""

@@ -34,8 +34,7 @@ from .core import (
     register,
 )
 
-__all__ = ["HSADMMAssumptions", "hsadmm_plan", "keep_rate_mask", "predict_flat_admm",
-           "predict_hsadmm"]
+__all__ = ["HSADMMAssumptions", "keep_rate_mask", "predict_flat_admm", "predict_hsadmm"]
 
 
 @dataclass(frozen=True)
@@ -54,18 +53,6 @@ class HSADMMAssumptions:
             if not ce or min(ce) < 1:
                 raise ValueError("--compact-elems needs positive integers, one per iteration")
             object.__setattr__(self, "compact_elems", ce)
-
-
-def hsadmm_plan(spec, keep: float, sparsity: str, bucket_mib: float):
-    """The solver's shrink plan for keep-rate masks on ``spec``'s conv weights.
-
-    Returns ``(plan, mask_bytes, num_layers, has_masks)``: the
-    :class:`hsadmm.shrink.ShrinkPlan` of :meth:`~hsadmm.shrink.ShrinkPlan.from_keep_rates`, its
-    packed mask bytes ``B``, the tensor count and whether any layer is pruned.
-    """
-    cfg = HSADMMConfig(keep=keep, sparsity=sparsity, bucket_mib=bucket_mib)
-    plan = ShrinkPlan.from_keep_rates(spec.layout, cfg)
-    return plan, plan.mask_bytes, len(spec.layout), plan.mask_bytes > 0
 
 
 def _stage(plan: HSADMMPlan, placement: Placement, cost, synced: bool) -> IterCost:
