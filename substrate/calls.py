@@ -404,13 +404,6 @@ class Call:
             return bool(np.any(self.pairs[:, 0] == int(rank)))
         return int(rank) in self.group
 
-    def sends_of(self, rank: int) -> Call:
-        """``p2p``: the messages ``rank`` sends (one record)."""
-        if self.algorithm != "p2p":
-            raise ValueError(f"sends_of() is for p2p calls, not {self.algorithm}")
-        return Call(self.phase, "p2p", self.group, pairs=self.pairs[self.pairs[:, 0] == rank],
-                    op=self.op, after=self.after, label=self.label)
-
 
 # -- pricing --------------------------------------------------------------------------------------
 def _nodes(call: Call, placement: Placement) -> np.ndarray:
