@@ -26,9 +26,6 @@ __all__ = [
     "keep_count",
     "parse_sparsity",
     "project",
-    "project_channel",
-    "project_filter",
-    "project_shape",
     "structured_mask",
 ]
 
@@ -124,18 +121,3 @@ def project(w, kinds: tuple[str, ...], keep: float):
     """``Pi_S(w)`` for ``S`` the intersection of ``kinds`` at keep rate ``keep`` (eq. 10)."""
     xp = array_module(w)
     return xp.where(structured_mask(w, kinds, keep), w, 0).astype(w.dtype, copy=False)
-
-
-def project_filter(w, keep: float):
-    """Projection onto the filter set ``S_f`` (keep the ``alpha_out`` largest filters)."""
-    return project(w, ("filter",), keep)
-
-
-def project_channel(w, keep: float):
-    """Projection onto the channel set ``S_c`` (keep the ``alpha_in`` largest input channels)."""
-    return project(w, ("channel",), keep)
-
-
-def project_shape(w, keep: float):
-    """Projection onto the shape set ``S_s`` (keep the ``alpha_kern`` largest (c, h, w) columns)."""
-    return project(w, ("shape",), keep)

@@ -13,9 +13,6 @@ from hsadmm.projection import (
     keep_count,
     parse_sparsity,
     project,
-    project_channel,
-    project_filter,
-    project_shape,
     structured_mask,
 )
 from hsadmm.shrink import MaskCodec, ShrinkPlan, kept_indices
@@ -55,8 +52,7 @@ small = arrays(np.float64, (4, 3, 2, 2),
 @given(w=small, keep=st.sampled_from([0.25, 0.5, 0.75, 1.0]),
        kind=st.sampled_from(["filter", "channel", "shape"]))
 def test_projection_is_closest_point_of_its_set(w, keep, kind):
-    ours = {"filter": project_filter, "channel": project_channel, "shape": project_shape}[kind](
-        w, keep)
+    ours = project(w, (kind,), keep)
     _ref, ref_d, alpha = brute_force_projection(w, kind, keep)
     assert n_active_groups(ours, kind) <= alpha  # in the set
     assert np.linalg.norm(w - ours) == pytest.approx(ref_d, rel=1e-9, abs=1e-9)  # and closest
@@ -66,7 +62,7 @@ def test_projection_is_closest_point_of_its_set(w, keep, kind):
 
 def test_projection_ties_break_deterministically():
     w = np.ones((4, 2, 1, 1))
-    a, b = project_filter(w, 0.5), project_filter(w.copy(), 0.5)
+    a, b = project(w, ("filter",), 0.5), project(w.copy(), ("filter",), 0.5)
     assert np.array_equal(a, b) and n_active_groups(a, "filter") == 2
     assert np.array_equal(np.flatnonzero(a[:, 0, 0, 0]), [0, 1])
 
@@ -75,7 +71,7 @@ def test_composite_projection_is_sequential_and_in_every_set():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 6, 3, 3))
     both = project(w, parse_sparsity("channel+filter"), 0.5)
-    assert np.array_equal(both, project_channel(project_filter(w, 0.5), 0.5))
+    assert np.array_equal(both, project(project(w, ("filter",), 0.5), ("channel",), 0.5))
     assert n_active_groups(both, "filter") <= 4 and n_active_groups(both, "channel") <= 3
     three = project(w, parse_sparsity("filter+channel+shape"), 0.5)
     assert n_active_groups(three, "shape") <= keep_count(0.5, 6 * 9)
@@ -87,7 +83,7 @@ def test_composite_projection_is_sequential_and_in_every_set():
 def test_fc_weight_is_treated_as_1x1_conv():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((5, 7))
-    p = project_channel(w, 0.4)
+    p = project(w, ("channel",), 0.4)
     assert p.shape == w.shape
     assert np.count_nonzero(np.any(p != 0, axis=0)) == keep_count(0.4, 7)
 
