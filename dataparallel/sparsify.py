@@ -6,7 +6,7 @@ estimates the magnitude threshold from a small random sample instead:
 1. **sample** ``s = max(SAMPLE_MIN, ⌈r n⌉)`` magnitudes (``--sample-ratio r``, default 1 %),
    uniformly with replacement, from a generator seeded by the run seed, the rank, the step and
    the segment (:func:`segment_rng`), and take the ``⌈k s / n⌉``-th largest as threshold
-   estimate ``τ̂`` (:func:`sample_threshold`);
+   estimate ``τ̂`` (:func:`sample_magnitudes`, :func:`sample_rank`);
 2. **refine** ``τ`` toward the target count: count ``c(τ) = #{|x| ≥ τ}``, keep ``τ`` when
    ``k ≤ c ≤ (1 + slack) k``, otherwise move to another order statistic of the sorted sample,
    rescaling its rank by ``k / c``, for at most ``max_refine`` passes (:func:`refine_threshold`);
@@ -40,7 +40,6 @@ __all__ = [
     "refine_threshold_device",
     "sample_magnitudes",
     "sample_rank",
-    "sample_threshold",
     "segment_rng",
     "select",
     "selection_flops",
@@ -53,7 +52,7 @@ SAMPLE_MIN = 256
 
 def segment_rng(seed: int, rank: int, step: int, segment: int) -> np.random.Generator:
     """Sampling generator of one segment (tensor or fused buffer) on one rank in one step,
-    seeded from the run seed (DESIGN.md convention 6): reproducible and independent of the
+    seeded from the run seed: reproducible and independent of the
     order in which segments are processed (the offload worker runs them out of order)."""
     return np.random.default_rng([int(seed), int(rank), int(step), int(segment)])
 
@@ -74,31 +73,6 @@ def sample_rank(k: int, n: int, s: int) -> int:
     """Rank (1-based, descending) in an ``s``-sample whose value estimates the ``k``-th largest
     of ``n``: ``⌈k s / n⌉``."""
     return min(s, max(1, math.ceil(k * s / n)))
-
-
-def sample_threshold(mag, k: int, sample_ratio: float, rng: np.random.Generator) -> float:
-    """Threshold estimate ``τ̂``: the ``⌈k s / n⌉``-th largest of ``s`` sampled magnitudes.
-
-    Parameters
-    ----------
-    mag : array (n,)
-        Magnitudes ``|x|`` (NumPy or CuPy).
-    k : int
-        Target count, ``1 ≤ k ≤ n``.
-    sample_ratio : float
-        ``r`` in ``s = max(SAMPLE_MIN, ⌈r n⌉)``; with ``s ≥ n`` the exact ``k``-th largest.
-    rng : numpy.random.Generator
-
-    Returns
-    -------
-    float
-    """
-    xp = array_module(mag)
-    desc = sample_magnitudes(mag, sample_ratio, rng)
-    if desc is None:
-        n = int(mag.size)
-        return float(xp.partition(mag, n - k)[n - k])
-    return float(desc[sample_rank(k, int(mag.size), int(desc.size)) - 1])
 
 
 def refine_threshold(mag, k: int, sample_desc, r: int, *, slack: float = 0.25,
@@ -152,7 +126,7 @@ def dgc_topk(x, k: int, rng: np.random.Generator, sample_ratio: float = 0.01, *,
         From :func:`segment_rng`, or its ``(seed, rank, step, segment)`` key (the generator is
         then built only when the tensor is large enough to be sampled).
     sample_ratio, slack, max_refine
-        See :func:`sample_threshold` and :func:`refine_threshold`.
+        See :func:`sample_magnitudes` and :func:`refine_threshold`.
     """
     xp = array_module(x)
     n = int(x.size)
