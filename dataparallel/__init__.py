@@ -1,4 +1,5 @@
-"""Data-parallel training with pluggable gradient-sync strategies (DESIGN.md convention 4).
+"""Data-parallel training with pluggable gradient-sync strategies (docs/ARCHITECTURE.md,
+"Adding a system").
 
 ``python -m dataparallel train --method NAME``; the strategies register themselves in
 :data:`STRATEGIES` on import: ``ddp`` (dense, bucketed ring or hierarchical all-reduce),

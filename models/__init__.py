@@ -1,6 +1,6 @@
 """models — NumPy/CuPy layers, models (MLP, CNN, ResNet, ViT, GPT), datasets, SGD / AdamW.
 
-See DESIGN.md.  Every model keeps all trainable parameters in one flat vector
+See docs/ARCHITECTURE.md.  Every model keeps all trainable parameters in one flat vector
 (``model.params.flat``) and all gradients in another (``model.grads.flat``); each named tensor
 is a view into them (``model.params[name]``), laid out in backward order.
 """

@@ -123,7 +123,7 @@ class Ledger:
         -------
         dict
             ``{"inter_node_bytes", "intra_node_bytes", "messages", "modeled_s", "by_phase"}``
-            in the ``traffic.measured`` schema of DESIGN.md.
+            in the ``traffic.measured`` schema of ``summary.json`` (docs/ARCHITECTURE.md).
         """
         mpi = getattr(comm, "mpi", comm)
         gathered = mpi.allgather(self.local())

@@ -1,4 +1,5 @@
-"""The layering DESIGN.md states, checked on the source (every import, module-level or not).
+"""The layering docs/ARCHITECTURE.md states, checked on the source (every import, module-level
+or not).
 
 Bottom: ``substrate`` (what the systems run on), ``runner`` (the run lifecycle) and ``volume``
 (closed forms: numpy + substrate only).  Above:
