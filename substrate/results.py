@@ -452,10 +452,6 @@ class Checkpointer:
                 out.append(int(m.group(2)))
         return sorted(out)
 
-    def latest_step(self) -> int:
-        s = self.steps()
-        return s[-1] if s else -1
-
     def save(self, state: dict, step: int) -> Path:
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
@@ -473,10 +469,6 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint for rank {self.rank} at step {step} in "
                                     f"{self.dir}; available steps: {self.steps()}")
         return _read_npz(path)
-
-    def load_latest(self):
-        step = self.latest_step()
-        return None if step < 0 else (step, self.load(step))
 
     def scan(self) -> tuple[list[int], dict[int, str]]:
         """Read every checkpoint of this rank: ``(intact steps ascending, {step: what reading
