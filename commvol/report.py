@@ -89,23 +89,6 @@ class RunData:
             n = last.get("step", last.get("iteration", len(self.lines) - 1) + 1)
         return int(n or 0)
 
-    def per_unit_bytes(self) -> tuple[list[float], list[float]]:
-        """``(x, inter-node bytes per unit)`` from the metrics lines (intervals divided by their
-        length for data-parallel runs)."""
-        xs, ys, prev = [], [], 0
-        for ln in self.lines:
-            if "inter_node_bytes" not in ln:
-                continue
-            if "step" in ln:
-                n = max(1, int(ln["step"]) - prev)
-                prev = int(ln["step"])
-                xs.append(prev)
-                ys.append(ln["inter_node_bytes"] / n)
-            else:
-                xs.append(int(ln.get("iteration", len(xs))) + 1)
-                ys.append(float(ln["inter_node_bytes"]))
-        return xs, ys
-
 
 def load_run(path) -> RunData:
     """Read a run directory.

@@ -376,10 +376,6 @@ class _FlatOptimizer:
         """Append a hook (runs after the existing ones)."""
         self.hooks.append(hook)
 
-    def remove_hook(self, hook: GradHook) -> None:
-        """Remove a previously added hook."""
-        self.hooks.remove(hook)
-
     def zero_grad(self) -> None:
         """Zero ``grads.flat`` (not needed between steps: backward overwrites gradients)."""
         self.grads.zero_()

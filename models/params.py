@@ -275,12 +275,3 @@ class FlatTensors:
     def zero_(self) -> None:
         """Set every element to zero in place."""
         self._flat.fill(0)
-
-    def copy_from(self, other) -> None:
-        """Copy a flat vector or another FlatTensors into this one, in place."""
-        src = other.flat if isinstance(other, FlatTensors) else other
-        if tuple(src.shape) != (self.layout.total,):
-            raise ValueError(
-                f"copy_from needs a vector of length {self.layout.total}, got {tuple(src.shape)}"
-            )
-        self._flat[...] = src

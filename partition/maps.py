@@ -72,11 +72,6 @@ class LayerMaps:
         """|x̄^{k-1}_{mn}| per destination."""
         return np.array([ix.size for ix in self.send_index], dtype=np.int64)
 
-    @property
-    def recv_words(self) -> np.ndarray:
-        """|x̂^{k-1}_{nm}| per source."""
-        return np.diff(self.recv_ptr)
-
 
 def build_layer_maps(W: sp.spmatrix, owner: np.ndarray, prev_owner: np.ndarray, rank: int,
                      layer: int = 1) -> LayerMaps:

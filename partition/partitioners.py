@@ -111,10 +111,6 @@ class Partition:
     def num_layers(self) -> int:
         return len(self.owners) - 1
 
-    def rows_of(self, k: int, m: int) -> np.ndarray:
-        """Sorted global indices of x^k owned by processor m (rows of W^k_m for k >= 1)."""
-        return np.flatnonzero(np.asarray(self.owners[k]) == m)
-
     def check_network(self, weights) -> None:
         """Raise ValueError unless the partition fits the layer sizes of ``weights``."""
         if len(weights) != self.num_layers:
