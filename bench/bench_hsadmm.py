@@ -71,7 +71,7 @@ def _run(model: str, sparsity: str, iters: int, reps: int, ranks_per_node: int |
     mean = {p: float(np.mean([d.get(p, 0.0) for d in per_iter])) for p in per_iter[0]}
     # mask sync in isolation (the in-loop wall time also waits for the slower node)
     masks = [m.copy() for m in solver.m_global]
-    snap = run.ledger.snapshot()
+    snap = run.ledger.local()
     sync = [_median_time(lambda: solver.sync_masks(masks), run.world.mpi, 1)
             for _ in range(reps)]
     mean["mask_sync"], mean["mask_sync_median"] = min(sync), statistics.median(sync)
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     modeled = {}
     for _ in range(args.reps):  # interleaved
         for name, spans in (("bucketed", plan.buckets), ("per-layer", layers)):
-            snap = topo.ledger.snapshot()
+            snap = topo.ledger.local()
             times[name].append(_median_time(lambda spans=spans: reduce(spans), world, 1))
             modeled[name] = topo.ledger.since(snap).get("bench", {}).get("modeled_s", 0.0)
     if rank0:

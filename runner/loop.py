@@ -239,7 +239,7 @@ class RunLoop:
         self.units_wall_s = 0.0
         self._interval = Interval()
         self._sums = {"wall_s": 0.0, "sim_s": 0.0, "sim_units": 0.0}
-        self._snap = run.ledger.snapshot()
+        self._snap = run.ledger.local()
 
     # -- schedule -------------------------------------------------------------------------------
     def due(self, index: int) -> Due:
@@ -358,7 +358,7 @@ class RunLoop:
         self._simulate()
         sims = self._sums["sim_units"]
         delta = run.ledger.since(self._snap)
-        self._snap = run.ledger.snapshot()
+        self._snap = run.ledger.local()
         line = {"interval_units": iv.units,
                 "intra_node_bytes": iv.intra, "inter_node_bytes": iv.inter,
                 "step_wall_s": self._sums["wall_s"] / n,

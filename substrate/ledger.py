@@ -88,15 +88,11 @@ class Ledger:
         return sum(e.modeled_s for e in self.entries.values())
 
     def local(self) -> dict:
-        """This rank's entries as plain dicts."""
-        return {k: v.as_dict() for k, v in self.entries.items()}
-
-    def snapshot(self) -> dict:
-        """Copy of the local per-phase counters, for per-iteration deltas (see :meth:`since`)."""
+        """This rank's entries as plain dicts (a copy: also the ``snap`` of :meth:`since`)."""
         return {k: v.as_dict() for k, v in self.entries.items()}
 
     def since(self, snap: dict) -> dict:
-        """Local per-phase counters accumulated after ``snap`` was taken."""
+        """Local per-phase counters accumulated after ``snap`` (a :meth:`local`) was taken."""
         out = {}
         for k, v in self.local().items():
             old = snap.get(k)

@@ -120,7 +120,7 @@ def test_ledger_records_and_merges_sum_bytes_max_calls():
     assert e["calls"] == 2 and e["messages"] == 5 and e["modeled_s"] == 3.0
     assert e["link"] == "mixed" and e["payload_bytes"] == 30
     assert tot["inter_node_bytes"] == 60 and tot["intra_node_bytes"] == 5
-    snap = a.snapshot()
+    snap = a.local()
     a.record("x", payload=1, inter=7, links=("inter",))
     assert a.since(snap)["x"]["inter_bytes"] == 7 and a.since(snap)["x"]["calls"] == 1
     with pytest.raises(ValueError, match="phase label"):

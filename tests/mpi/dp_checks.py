@@ -72,7 +72,7 @@ def _check_ledger(run, strat, snap, steps):
 def check_ddp(allreduce):
     run, model, strat = _setup("ddp", bucket_mib=0.01, allreduce=allreduce)
     rank = run.rank
-    snap = run.ledger.snapshot()
+    snap = run.ledger.local()
     ok, msgs, preds = True, [], []
     for step in range(2):
         g = _local_grad(model, rank, step)
@@ -102,7 +102,7 @@ def check_topk():
     run, model, strat = _setup("topk", density=0.05)
     rank, size = run.rank, run.size
     residuals = [np.zeros(model.layout.total, np.float32) for _ in range(size)]
-    snap = run.ledger.snapshot()
+    snap = run.ledger.local()
     ok, msgs, preds = True, [], []
     for step in range(3):
         g = _local_grad(model, rank, step)

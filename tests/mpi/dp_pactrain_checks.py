@@ -278,7 +278,7 @@ def fp16():
         g = _local_grad(run.rank, step, model.layout.total) * (10.0 ** (run.rank - 2))
         model.grads.flat[...] = g
         everyone = _gather(run, g)
-        snap = run.ledger.snapshot()
+        snap = run.ledger.local()
         calls = sync_step(st, StepState(step=step, epoch=0, loss=0.0))
         out = model.grads.flat.copy()
         sent = run.ledger.since(snap)

@@ -159,7 +159,7 @@ def gated(mode, coverage="3/4"):
     deg = ref.sum(axis=0)
     if deg.min() < 1:
         msgs.append(f"{(deg < 1).sum()} coordinates without a holder")
-    snap = run.ledger.snapshot()
+    snap = run.ledger.local()
     preds = []
     for step in range(2):
         rng = np.random.default_rng([11, rank, step])
@@ -195,7 +195,7 @@ def train(mode, coverage="3/4", rescale=""):
     msgs = []
     if forward and not np.array_equal(model.params.flat, np.where(masks[rank], theta0, 0)):
         msgs.append("forward masking did not zero the parameters outside the subnetwork")
-    snap = run.ledger.snapshot()
+    snap = run.ledger.local()
     preds = []
     batches = iterate_batches(train_, cfg.batch_size, seed=cfg.seed, rank=rank, epoch=0)
     for step in range(steps):

@@ -269,7 +269,7 @@ def accounting(layout="2"):
         L = len(penalty_groups(solver.layout, cfg.rho_scope)[0])
         run.recorder.account([])              # nothing ran before the first iteration
         for k in range(3):
-            snap = run.ledger.snapshot()
+            snap = run.ledger.local()
             out = solver.iterate(k)
             planned = solver.iteration_calls(out["mask_synced"])
             got = run.recorder.account(planned)       # raises if anything else ran
