@@ -26,7 +26,7 @@ from hsadmm.config import HSADMMConfig
 from models.layers import Linear, Sequential
 from models.modelspec import spec_from_layers
 from substrate.calls import Placement, Ready
-from substrate.cluster import Cluster, Device
+from substrate.cluster import SHIPPED, Cluster, Device
 from substrate.costmodel import CostModel
 
 RATE = 1.0          # TFLOP/s
@@ -376,3 +376,23 @@ def re_search(pattern, text):
     import re
 
     return re.search(pattern, text) is not None
+
+
+CLUSTER_FILES = sorted(p.stem for p in SHIPPED.glob("*.toml"))
+
+
+@pytest.mark.parametrize("name", CLUSTER_FILES)
+def test_every_shipped_cluster_scales_every_system(name, capsys):
+    """Each of the papers' cluster files loads and carries a job of every data-parallel and ADMM
+    system on two sizes of whole nodes (its own devices per node), one row each."""
+    cluster = Cluster.load(name)
+    gpn = cluster.node.devices
+    g = gpn * 4 // math.gcd(gpn, 4)          # whole nodes, and SDP's 3/4 coverage whole
+    systems = ["ddp", "topk", "fp16", "pactrain", "sdp", "ssfusion", "hsadmm", "flat-admm"]
+    assert main(["scale", "--system", *systems, "--model", "cnn", "--gpus", str(g),
+                 str(2 * g), "--gpus-per-node", str(gpn), "--cluster", name]) == 0
+    text = capsys.readouterr().out
+    assert cluster.name in text and "job simulation" in text
+    for s in systems:
+        rows = [ln for ln in text.splitlines() if ln.startswith(f"| {s} |")]
+        assert len(rows) == 2, (s, text)
