@@ -219,6 +219,18 @@ def test_sdp_worker_memory_is_section_3_2_on_hand_counted_parameters(mode, b):
     assert ddp.states == 14 * total
 
 
+def test_block_masks_do_not_depend_on_the_masking_direction():
+    """What :func:`commvol.reproduce.sdp.plans` rests on: B_b-SDP's plan is B-SDP's with its
+    mode set."""
+    from fractions import Fraction
+    model = _tiny_llama()
+    a, b = (plan_masks(model, m, 4, coverage=Fraction(1), active_blocks=(2, 4), seed=3)
+            for m in ("block", "block-backward"))
+    np.testing.assert_array_equal(a.set_id, b.set_id)
+    assert a.sets == b.sets and a.detail == b.detail
+    np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+
+
 def test_device_memory_splits_weights_gradients_optimizer_and_activations():
     m = device_memory(1000, Precision(weights=2, gradients=4, optimizer=8, activations=2),
                       materialized=600, trained=250, batch=3, activation_elements=10)

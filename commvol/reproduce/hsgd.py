@@ -90,7 +90,7 @@ def inputs() -> list[Input]:
         _toml_input(f, "timed_quantity"), _toml_input(f, "partitioner"),
         Input("hsgd.activation_flops", ACT_FLOPS[SPARSE_ACTIVATION], "FLOP an element",
               "6.1: 'We used sigmoid function as linear activation function'; FLOPs of f and "
-              "f' an element: sparse_sgd.activations.ACT_FLOPS (the net's own timeline counts)"),
+              "f' an element: sparse_sgd.activations.ACT_FLOPS (the net's own FLOP counts)"),
         Input("hsgd.dtype", DTYPE, "", "not stated in the paper (C++): 8-byte values, the "
               "project's default --dtype"),
         Input("hsgd.partition_engine", "KaHyPar 'fast', tiled over the network's period",
