@@ -353,7 +353,7 @@ def test_cli_scales_every_data_parallel_system_and_admm_on_a_cluster(tmp_path, c
     (["--compute-s-per-sample", "-1"], "--compute-s-per-sample must be a finite number > 0"),
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--dataset-size", "0"], "--dataset-size must be an integer >= 1"),
-    (["--system", "hsgd"], "model-parallel sparse SGD"),
+    (["--system", "hsgd"], "H-SGD.s blocks are costed from their FLOPs"),
     (["--system", "nope"], "unknown system 'nope'"),
     (["--cluster", "nowhere"], "--cluster nowhere: no such file"),
     (["--link-sharing", "roulette"], "invalid choice"),
