@@ -85,6 +85,9 @@ def test_rows_carry_the_papers_numbers(quick_figures):
             stated = _stated_numbers(paper, f.id)
             assert f.rows, (paper, f.id)
             for r in f.rows:
+                if r.paper is None:         # a series the paper plots without a number
+                    assert r.status == "-" and not r.derived, r
+                    continue
                 if not r.derived:
                     assert round(float(r.paper), 9) in stated, (paper, f.id, r)
                     continue
@@ -100,7 +103,7 @@ def test_every_row_is_within_tolerance_or_explained(quick_figures):
         for f in figs:
             for r in f.rows:
                 assert r.ours is not None and math.isfinite(r.ours), r
-                assert r.status in ("ok", "explained"), r
+                assert r.status in ("ok", "explained") or r.paper is None, r
                 if r.status == "explained":   # a diagnosis names an implied value
                     assert re.search(r"\d", r.diagnosis), r
 
@@ -178,8 +181,8 @@ def test_device_efficiency_follows_the_published_resnet50_rate():
 
 
 def test_ssfusion_selective_beats_per_tensor_on_the_local_cluster():
-    """The paper's Fig. 5 order (selective < per-tensor), and its mechanism: per-tensor pays a
-    selection's kernel launches for every tensor selective leaves dense, so without a launch
+    """The paper's Fig. 5 order (selective < per-tensor, multi-tensor close to selective), and
+    its mechanism: per-tensor pays a selection's kernel launches for every tensor selective leaves dense, so without a launch
     overhead the gap shrinks."""
     from commvol.reproduce.ssfusion import LOCAL, step_seconds
 
@@ -191,6 +194,11 @@ def test_ssfusion_selective_beats_per_tensor_on_the_local_cluster():
     t_sel, plan = step_seconds("selective", spec, units, local, 8, 1, 32, **FIG5_FUSION)
     t_per, _ = step_seconds("per-tensor", spec, units, local, 8, 1, 32, **FIG5_FUSION)
     assert plan.dense() and t_sel < t_per
+    # multi-tensor (one selection a buffer, every tensor sparsified) is unlike per-tensor: it
+    # pays the fewest selections of the three, so it is the fastest (the paper: 'close to'
+    # selective, which it beats on accuracy, not time)
+    t_multi, _ = step_seconds("multi-tensor", spec, units, local, 8, 1, 32, **FIG5_FUSION)
+    assert t_multi < t_sel < t_per
     free = dataclasses.replace(local, device=dataclasses.replace(local.device, launch_us=0.0))
     f_sel, _ = step_seconds("selective", spec, units, free, 8, 1, 32, **FIG5_FUSION)
     f_per, _ = step_seconds("per-tensor", spec, units, free, 8, 1, 32, **FIG5_FUSION)
