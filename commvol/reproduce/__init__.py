@@ -271,11 +271,16 @@ def serial_diagnosis(t0: float, t1: float, g0: int, g1: int, paper_speedup: floa
                 f"{g1 / g0:g}x bounds both: the model charges the {g1}-GPU {what} more than "
                 "the paper measured (a cost that grows with the GPU count is overstated)")
     c = serial_time(t0, t1, S)
+    share = c / t0
+    verdict = ("plausible: a data loader's start-up and an evaluation pass take about that "
+               "each epoch" if share <= 0.1 else
+               "too large for data loading and evaluation alone: the cost must also grow "
+               "with the GPU count, which the model does not charge")
     return (f"no serial part: every cost of the model shrinks with the GPU count (compute) or "
-            f"hides under the backward (communication). A fixed time of {c:.3g} s a {what} "
-            f"(data loading, evaluation, host synchronization: not in the model; "
-            f"{100 * c / t0:.0f} % of our {g0}-GPU {what} of {t0:.3g} s) would give the "
-            f"paper's {S:.2f}x")
+            f"hides under the backward (communication). The single input the model lacks: a "
+            f"fixed time per {what} (data loading, evaluation, host synchronization), implied "
+            f"{c:.3g} s ({100 * share:.0f} % of our {g0}-GPU {what} of {t0:.3g} s) for the "
+            f"paper's {S:.2f}x; {verdict}")
 
 
 def fmt(v, digits: int = 3) -> str:
