@@ -16,12 +16,12 @@ from . import (
     plots,
     predict,
     report,
-    reproduce,
     rerun,
     scale,
     simulate,
     trace,
 )
+from .reproduce import command as reproduce
 
 __all__ = ["build_parser", "main"]
 

@@ -16,17 +16,16 @@ the paper passes; any other row states in its ``diagnosis`` the mechanism the mo
 single input that would have to change to match, its implied value and whether that is
 plausible.
 
-The command prints one table per figure, and with ``--out DIR`` writes ``DIR/REPRODUCE.md``
-(``REPRODUCE-<paper>.md`` for one paper), one PNG per figure under ``DIR/reproduce/`` and
-``DIR/INPUTS.md``, the one table of every input of every paper (:func:`inputs_markdown`).
+The command (:mod:`commvol.reproduce.command`) prints one table per figure, and with ``--out
+DIR`` writes ``DIR/REPRODUCE.md`` (``REPRODUCE-<paper>.md`` for one paper), one PNG per figure
+under ``DIR/reproduce/`` and ``DIR/INPUTS.md``, the one table of every input of every paper
+(:func:`commvol.reproduce.render.inputs_markdown`).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,14 +40,12 @@ __all__ = [
     "Figure",
     "Input",
     "Row",
-    "add_parser",
     "all_inputs",
     "cluster_inputs",
     "figure_toml",
     "load_paper",
     "paper_module",
     "paper_value",
-    "run",
     "serial_diagnosis",
     "serial_time",
 ]
@@ -291,48 +288,3 @@ def fmt(v, digits: int = 3) -> str:
             return f"{v:g}"
         return f"{v:.{digits}g}"
     return str(v)
-
-
-# -- the command -------------------------------------------------------------------------------
-def run_papers(papers, quick: bool = False, *, log=print) -> list[Figure]:
-    """Every figure of ``papers`` (a paper without a module is skipped with a note)."""
-    figs = []
-    for paper in papers:
-        mod = paper_module(paper)
-        if mod is None:
-            log(f"# {paper}: no commvol.reproduce.{paper} module yet: skipped")
-            continue
-        t = time.perf_counter()
-        got = list(mod.figures(quick))
-        log(f"# {paper}: {len(got)} figure(s) in {time.perf_counter() - t:.1f} s")
-        figs += got
-    return figs
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("reproduce", help="each paper's headline figures: the paper's numbers, "
-                       "our prediction, their ratio", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paper", choices=(*PAPERS, "all"), help="a paper, or all of them")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="write REPRODUCE.md, INPUTS.md and one PNG per figure here")
-    p.add_argument("--quick", action="store_true",
-                   help="a reduced set of configurations (for tests)")
-    p.set_defaults(func=run)
-
-
-def run(args) -> list[Figure]:
-    from . import render  # noqa: PLC0415  (matplotlib only when writing)
-
-    papers = PAPERS if args.paper == "all" else (args.paper,)
-    figs = run_papers(papers, args.quick)
-    print(render.terminal(figs))
-    if args.out is not None:
-        out = Path(args.out)
-        name = "REPRODUCE.md" if args.paper == "all" else f"REPRODUCE-{args.paper}.md"
-        command = (f"python -m commvol reproduce {args.paper} --out {args.out}"
-                   + (" --quick" if args.quick else ""))
-        written = render.write(figs, out, name, command=command)
-        for w in written:
-            print(f"wrote {w}")
-    return figs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..report import _pyplot
 from . import PAPERS, TOLERANCE, Figure, all_inputs, fmt
 
 __all__ = ["figure_markdown", "inputs_markdown", "plot_figure", "terminal", "write"]
@@ -118,8 +119,6 @@ def _value(v) -> str:
 
 def plot_figure(f: Figure, path: Path) -> Path:
     """The paper's points (circles) beside ours (crosses), one panel per unit, rows on x."""
-    from ..report import _pyplot  # noqa: PLC0415
-
     plt = _pyplot()
     units = []
     for r in f.rows:
