@@ -34,6 +34,7 @@ spec                  parameters     source of the count
                                      vocabulary, context 2048 (width/depth assumed, below)
 ``vgg19``             143,667,240    torchvision ``vgg19``
 ``resnet152-imagenet`` 60,192,808    torchvision ``resnet152``
+``resnet50-imagenet``  25,557,032    torchvision ``resnet50`` (v1.5)
 ===================== ============== ========================================================
 
 SSFusion (004) Table "model size" gives the fp32 sizes of the same models (BERT-base 420 MB,
@@ -73,6 +74,7 @@ __all__ = [
     "gpt2_spec",
     "llama_spec",
     "resnet18_spec",
+    "resnet50_imagenet_spec",
     "resnet152_imagenet_spec",
     "resnet152_spec",
     "spec_from_layers",
@@ -131,18 +133,31 @@ class _PaddedMaxPool(_ShapeOnly):
                 conv_output_size(W, self.k, self.s, self.p))
 
 
-def resnet152_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
-    """ResNet-152 as torchvision builds it: 7x7 stride-2 stem conv, 3x3 stride-2 max-pool,
-    bottlenecks (3, 8, 36, 3), global average pool, fc (60,192,808 parameters at 1000 classes)."""
-    cifar = resnet_layers(input_shape, num_classes, block="bottleneck", depths=(3, 8, 36, 3),
+def _resnet_imagenet(name: str, depths, num_classes: int, input_shape) -> ModelSpec:
+    """A bottleneck ResNet as torchvision builds it: 7x7 stride-2 stem conv, 3x3 stride-2
+    max-pool, bottlenecks of ``depths`` (stride in the 3x3 conv: v1.5), global average pool,
+    fc."""
+    cifar = resnet_layers(input_shape, num_classes, block="bottleneck", depths=tuple(depths),
                           planes=(64, 128, 256, 512))
     C = int(input_shape[0])
     stem = [("conv1", Conv2d(C, 64, 7, stride=2, padding=3, bias=False)),
             *[(n, layer) for n, layer in cifar.children() if n in ("bn1", "relu")],
             ("maxpool", _PaddedMaxPool(3, 2, 1))]
     rest = [(n, layer) for n, layer in cifar.children() if n not in ("conv1", "bn1", "relu")]
-    return spec_from_layers("resnet152-imagenet", Sequential(stem + rest), input_shape,
-                            num_classes)
+    return spec_from_layers(name, Sequential(stem + rest), input_shape, num_classes)
+
+
+def resnet152_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
+    """ResNet-152 as torchvision builds it: bottlenecks (3, 8, 36, 3) (60,192,808 parameters at
+    1000 classes)."""
+    return _resnet_imagenet("resnet152-imagenet", (3, 8, 36, 3), num_classes, input_shape)
+
+
+def resnet50_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
+    """ResNet-50 v1.5 as torchvision builds it: bottlenecks (3, 4, 6, 3) (25,557,032 parameters
+    at 1000 classes; 4.09 GMACs at 224x224).  The model of NVIDIA's published training rates
+    (DeepLearningExamples), from which the devices' achieved fraction of peak is taken."""
+    return _resnet_imagenet("resnet50-imagenet", (3, 4, 6, 3), num_classes, input_shape)
 
 
 #: VGG-19 convolution widths, ``"M"`` = 2x2 max-pool (Simonyan & Zisserman 2015, config E)
@@ -177,7 +192,7 @@ def vgg19_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
 def _sequence_spec(name: str, root: Layer, context: int, width: int) -> ModelSpec:
     shape = (int(context),)
     return ModelSpec(name, shape, int(width), tuple(layer_tree_specs(root)),
-                     int(root.macs(shape)))
+                     int(root.macs(shape)), root)
 
 
 #: (dim, depth, heads) of the ViT sizes (Dosovitskiy et al. 2021, Table 1)
@@ -378,7 +393,7 @@ PUBLISHED_PARAMS = {
     "bert-base": 109_482_240, "bert-large": 335_141_888, "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200, "vit-base": 86_567_656, "vit-large": 304_326_632,
     "swin-t": 28_288_354, "llama-134m": 134_105_856, "vgg19": 143_667_240,
-    "resnet152-imagenet": 60_192_808,
+    "resnet152-imagenet": 60_192_808, "resnet50-imagenet": 25_557_032,
 }
 
 
@@ -389,6 +404,7 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "resnet152": resnet152_spec,
     "wide_resnet50_2": wide_resnet50_2_spec,
     "resnet152-imagenet": resnet152_imagenet_spec,
+    "resnet50-imagenet": resnet50_imagenet_spec,
     "vgg19": vgg19_spec,
     "vit-base": lambda **kw: vit_spec("base", **kw),
     "vit-large": lambda **kw: vit_spec("large", **kw),
