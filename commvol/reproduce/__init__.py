@@ -143,7 +143,7 @@ def figure_toml(paper: str, fig: str) -> dict:
 def paper_value(paper: str, fig: str, *, series: str, quantity: str, at: dict | None = None,
                 vs: str | None = None, key: str | None = None):
     """The stated number of one point of ``paper``'s figure ``fig``: its ``value``, its
-    ``range`` (a ``[lo, hi]`` pair) or, with ``key``, one entry of its ``values`` table.
+    ``range`` (a ``[lo, hi]`` pair), its ``values`` table or, with ``key``, one entry of it.
 
     Raises
     ------
@@ -170,15 +170,18 @@ def paper_value(paper: str, fig: str, *, series: str, quantity: str, at: dict | 
         return pt["value"]
     if "range" in pt:
         return tuple(pt["range"])
-    raise ValueError(f"{what}: the point states no value or range (use key= for its values)")
+    if "values" in pt:
+        return dict(pt["values"])
+    raise ValueError(f"{what}: the point states no value, range or values")
 
 
 # -- inputs ------------------------------------------------------------------------------------
 #: the cluster file's numbers a prediction reads, as ``(section, key)``
 CLUSTER_KEYS = (("device", "peak_tflops"), ("device", "memory_gbs"), ("device", "efficiency"),
-                ("device", "launch_us"), ("node", "devices"), ("node", "fabric_gbps"),
-                ("node", "fabric_latency_us"), ("node", "nics"), ("node", "nic_gbps"),
-                ("node", "nic_latency_us"), ("library", "call_us"))
+                ("device", "launch_us"), ("node", "devices"), ("node", "fabric"),
+                ("node", "fabric_gbps"), ("node", "fabric_latency_us"), ("node", "nics"),
+                ("node", "nic_gbps"), ("node", "nic_latency_us"), ("library", "call_us"),
+                ("library", "transport"))
 _UNITS = {"peak_tflops": "TFLOP/s", "memory_gbs": "GB/s", "efficiency": "of peak",
           "launch_us": "us a kernel", "fabric_gbps": "Gbit/s", "nic_gbps": "Gbit/s",
           "fabric_latency_us": "us", "nic_latency_us": "us", "call_us": "us a call",

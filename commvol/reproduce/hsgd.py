@@ -18,9 +18,6 @@ and the one input whose change would close it, with the value the paper's number
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 from sparse_sgd.activations import ACT_FLOPS
 from sparse_sgd.plan import HSGDOptions
 from sparse_sgd.program import GATHER_BYTES, INDEX_BYTES
@@ -30,7 +27,7 @@ from substrate.jobsim import JobSimOptions
 from ..hsgd import RadixNetSpec
 from ..job import SPARSE_ACTIVATION, sparse_step
 from ..workload import DeviceModel
-from . import Figure, Input, Row, _toml
+from . import Figure, Input, Row, cluster_inputs, figure_toml, paper_value, toml_input
 
 __all__ = ["figures", "inputs", "measure"]
 
@@ -46,38 +43,33 @@ RANKS_PER_NODE = 16
 BATCH = 1
 #: not stated (C++); the project's default ``--dtype``
 DTYPE = "float64"
+#: every (N, P) of Fig. 4
+CELLS = tuple((N, P) for N in NEURONS for P in PROCESSORS)
+#: the cells ``figures()`` simulates, to keep ``reproduce all`` within its 10 minutes on two
+#: cores: every N on P = 32, 64, 128, and P = 512 at N = 16384 and 65536, where Fig. 5 and
+#: the best case state numbers.  A P = 256 or 512 step takes 10-100 s here (random rows
+#: exchange with every rank); the other cells keep their rows, marked not simulated, and
+#: ``figures(full=True)`` (``reproduce hsgd --full``) simulates all 20.
+DEFAULT_CELLS = tuple((N, P) for N, P in CELLS if P <= 128 or (N >= 16384 and P == 512))
 #: figures(quick=True): the smallest network on two processor counts
-QUICK = {"neurons": (1024,), "processors": (32, 64)}
+QUICK_CELLS = ((1024, 32), (1024, 64))
+NOT_SIMULATED = ("not simulated by default (the time budget of `reproduce all`); "
+                 "`python -m commvol reproduce hsgd --full` simulates it")
 SERIES = {"H-SGD": "hsgd", "SGD": "sgd"}
 TOLERANCE = 0.15
 
 
 # -- the paper's numbers ----------------------------------------------------------------------------
-#: the TOML's figure tables, points and inputs of this paper
-_figure = functools.partial(_toml.figure, PAPER)
-_point = functools.partial(_toml.point, PAPER)
-_toml_input = functools.partial(_toml.toml_input, PAPER)
+def _point(fig: str, series: str, quantity: str, **at):
+    """The stated number of ``fig``'s point (:func:`commvol.reproduce.paper_value`)."""
+    return paper_value(PAPER, fig, series=series, quantity=quantity, at=at)
+
+
+def _toml_input(fig: str, name: str) -> Input:
+    return toml_input(PAPER, fig, name)
 
 
 # -- inputs -----------------------------------------------------------------------------------------
-def _cluster_inputs(cluster: Cluster) -> list[Input]:
-    name = Path(cluster.path).stem if cluster.path else cluster.name
-    keys = [("device", "peak_tflops", "TFLOP/s"), ("device", "memory_gbs", "GB/s"),
-            ("device", "efficiency", ""), ("device", "launch_us", "us"),
-            ("node", "devices", ""), ("node", "fabric", ""), ("node", "fabric_gbps", "Gbit/s"),
-            ("node", "fabric_latency_us", "us"), ("node", "nics", ""),
-            ("node", "nic_gbps", "Gbit/s"), ("node", "nic_latency_us", "us"),
-            ("library", "call_us", "us"), ("library", "transport", "")]
-    out = []
-    for section, key, unit in keys:
-        src = cluster.sources.get(f"{section}.{key}",
-                                  "default of substrate.cluster (the file sets none: no "
-                                  "published number for this stack)")
-        out.append(Input(f"{name}: {section}.{key}", getattr(getattr(cluster, section), key),
-                         unit, src))
-    return out
-
-
 def inputs() -> list[Input]:
     """Every input of the figures (the paper's configuration, the project's choices, the
     cluster file's numbers)."""
@@ -108,27 +100,27 @@ def inputs() -> list[Input]:
         Input("jobsim.link_sharing", jobsim.link_sharing, "", "substrate.jobsim default"),
         Input("jobsim.eager_limit", jobsim.eager_limit, "bytes", "substrate.jobsim default "
               "(every message eager)"),
-        *_cluster_inputs(Cluster.load(CLUSTER)),
+        *cluster_inputs(Cluster.load(CLUSTER)),
     ]
 
 
 # -- the runs ---------------------------------------------------------------------------------------
-def measure(neurons=NEURONS, processors=PROCESSORS, layers: int = LAYERS) -> dict:
-    """``{(N, P): {"hsgd": sparse_step(...), "sgd": ...}}`` on the paper's cluster."""
+def measure(cells=CELLS, layers: int = LAYERS) -> dict:
+    """``{(N, P): {"hsgd": sparse_step(...), "sgd": ...}}`` on the paper's cluster, for every
+    ``(N, P)`` of ``cells``."""
     cluster = Cluster.load(CLUSTER)
     device = DeviceModel(cluster.device)
     options = HSGDOptions(batch_size=BATCH, dtype=DTYPE)
     jobsim = JobSimOptions(cluster=CLUSTER)
     out = {}
-    for N in neurons:
+    for N, P in cells:
+        if P % RANKS_PER_NODE:
+            raise ValueError(f"P = {P}: the paper's nodes hold {RANKS_PER_NODE} ranks")
         spec = RadixNetSpec(int(N), int(layers))
-        for P in processors:
-            if P % RANKS_PER_NODE:
-                raise ValueError(f"P = {P}: the paper's nodes hold {RANKS_PER_NODE} ranks")
-            out[(N, P)] = {system: sparse_step(system, spec, P // RANKS_PER_NODE,
-                                               RANKS_PER_NODE, options, device, cluster,
-                                               BATCH, jobsim=jobsim, loss=False)
-                           for system in SERIES.values()}
+        out[(N, P)] = {system: sparse_step(system, spec, P // RANKS_PER_NODE, RANKS_PER_NODE,
+                                           options, device, cluster, BATCH, jobsim=jobsim,
+                                           loss=False)
+                       for system in SERIES.values()}
     return out
 
 
@@ -148,7 +140,7 @@ def _within(paper, ours) -> bool:
 def _table1_paper(N: int, P: int, series: str) -> dict | None:
     try:
         return _point("table1", series, "per-processor sends (Table 1 row, actual values)",
-                      neurons=N, processors=P)["values"]
+                      neurons=N, processors=P)
     except ValueError:
         return None
 
@@ -184,46 +176,54 @@ def _speedup_diagnosis(N: int, P: int, res: dict, paper: float) -> str:
 
 
 def fig4(results: dict) -> Figure:
-    """Times and H-SGD / SGD speedups per (N, P), and the stated speedup ranges."""
+    """Times and H-SGD / SGD speedups of every (N, P) of the figure (a cell not in
+    ``results`` says so in its rows), and the stated speedup ranges over the cells
+    simulated."""
     rows: list[Row] = []
-    neurons = sorted({N for N, _ in results})
-    for N in neurons:
-        procs = sorted(P for n, P in results if n == N)
-        for P in procs:
-            res = results[(N, P)]
+    for N in NEURONS:
+        rng = _point("fig4", "H-SGD", "speedup over SGD (time ratio)", neurons=N,
+                     processors="32-512")
+        for P in PROCESSORS:
+            res = results.get((N, P))
             for series, system in SERIES.items():
                 rows.append(Row(series, f"N={N}, P={P}", "time per input vector", "ms", None,
-                                1e3 * res[system]["step_s"],
-                                note="plotted only (Fig. 4)"))
-            rng = _point("fig4", "H-SGD", "speedup over SGD (time ratio)", neurons=N,
-                         processors="32-512")["range"]
+                                None if res is None else 1e3 * res[system]["step_s"],
+                                note="plotted only (Fig. 4)" + ("" if res else
+                                                                f"; {NOT_SIMULATED}")))
             rows.append(Row("H-SGD", f"N={N}, P={P}", "speedup over SGD", "x", None,
-                            _speedup(results[(N, P)]),
-                            note=f"plotted only; the text's range for N={N}: {rng[0]}-{rng[1]}"))
-        rng = _point("fig4", "H-SGD", "speedup over SGD (time ratio)", neurons=N,
-                     processors="32-512")["range"]
+                            None if res is None else _speedup(res),
+                            note=f"plotted only; the text's range for N={N}: {rng[0]}-{rng[1]}"
+                                 + ("" if res else f"; {NOT_SIMULATED}")))
+        procs = [P for P in PROCESSORS if (N, P) in results]
         sp = {P: _speedup(results[(N, P)]) for P in procs}
-        at = f"N={N}, P={procs[0]}-{procs[-1]}"
-        for which, paper, P in (("lowest", rng[0], min(sp, key=sp.get)),
-                                ("highest", rng[1], max(sp, key=sp.get))):
+        skipped = [P for P in PROCESSORS if P not in sp]
+        at = f"N={N}, P={PROCESSORS[0]}-{PROCESSORS[-1]}"
+        over = (f"; over the simulated P = {', '.join(map(str, procs))} (P = "
+                f"{', '.join(map(str, skipped))} {NOT_SIMULATED})" if skipped and sp else "")
+        for which, paper, pick in (("lowest", rng[0], min), ("highest", rng[1], max)):
+            if not sp:
+                rows.append(Row("H-SGD", at, f"speedup over SGD, {which} over P", "x", paper,
+                                None, note=f"no P simulated: {NOT_SIMULATED}"))
+                continue
+            P = pick(sp, key=sp.get)
             ours = sp[P]
             diag = "" if _within(paper, ours) else _speedup_diagnosis(N, P, results[(N, P)],
                                                                        paper)
             rows.append(Row("H-SGD", at, f"speedup over SGD, {which} over P", "x", paper, ours,
-                            diagnosis=diag, note=f"ours at P={P}"))
-    if (65536, 512) in results:
-        pt = _point("fig4", "H-SGD", "speedup over SGD (time ratio)", neurons=65536,
-                    processors=512)
-        ours = _speedup(results[(65536, 512)])
-        rows.append(Row("H-SGD", "N=65536, P=512", "speedup over SGD (best case)", "x",
-                        pt["value"], ours,
-                        diagnosis="" if _within(pt["value"], ours) else
-                        _speedup_diagnosis(65536, 512, results[(65536, 512)], pt["value"]),
-                        note="the paper's 'best speedup' (conflicts with its N=65536 range)"))
-    fig = _figure("fig4")
+                            diagnosis=diag, note=f"ours at P={P}{over}"))
+    pt = _point("fig4", "H-SGD", "speedup over SGD (time ratio)", neurons=65536, processors=512)
+    res = results.get((65536, 512))
+    ours = None if res is None else _speedup(res)
+    rows.append(Row("H-SGD", "N=65536, P=512", "speedup over SGD (best case)", "x", pt, ours,
+                    diagnosis="" if res is None or _within(pt, ours) else
+                    _speedup_diagnosis(65536, 512, res, pt),
+                    note="the paper's 'best speedup' (conflicts with its N=65536 range)"
+                         + ("" if res else f"; {NOT_SIMULATED}")))
+    fig = figure_toml(PAPER, "fig4")
     return Figure(PAPER, "fig4", fig["title"], rows, inputs(),
                   note="one input vector a step (Alg. 1), P/16 nodes; times are the job "
-                       "simulation's (commvol.job.sparse_step)")
+                       f"simulation's (commvol.job.sparse_step); {len(results)} of the "
+                       f"{len(CELLS)} (N, P) cells simulated")
 
 
 def _compute_diagnosis(lo_hi: tuple, ours: tuple) -> str:
@@ -253,28 +253,33 @@ def _share_diagnosis(N: int, P: int, r: dict, paper_pct: float, bw: float) -> st
                if implied < bw / 4 or implied > 4 * bw else "; plausible") + ".")
 
 
-def fig5(results: dict) -> Figure | None:
+def fig5(results: dict) -> Figure:
     """The stated numbers of Fig. 5: communication shares (N = 65536), the share of the
-    improvement that is communication (N = 16384, 65536), the local-compute speedup."""
+    improvement that is communication (N = 16384, 65536), the local-compute speedup over the
+    cells simulated (a cell not in ``results`` says so in its row)."""
     rows: list[Row] = []
     bw = Cluster.load(CLUSTER).device.memory_gbs
     for series, system in SERIES.items():
         for P in (32, 512):
-            if (65536, P) not in results:
-                continue
-            r = results[(65536, P)][system]
             pt = _point("fig5", series, "communication share of running time",
                         neurons=65536, processors=P)
+            if (65536, P) not in results:
+                rows.append(Row(series, f"N=65536, P={P}", "communication share of running "
+                                "time", "%", pt, None, note=NOT_SIMULATED))
+                continue
+            r = results[(65536, P)][system]
             ours = 100 * _comm(r) / r["step_s"]
             rows.append(Row(series, f"N=65536, P={P}", "communication share of running time",
-                            "%", pt["value"], ours,
-                            diagnosis="" if _within(pt["value"], ours) else
-                            _share_diagnosis(65536, P, r, pt["value"], bw)))
+                            "%", pt, ours,
+                            diagnosis="" if _within(pt, ours) else
+                            _share_diagnosis(65536, P, r, pt, bw)))
     for N in (16384, 65536):
         pt = _point("fig5", "H-SGD", "communication improvement / total improvement",
                     neurons=N, processors="32 -> 512")
-        for P, paper in ((32, pt["range"][0]), (512, pt["range"][1])):
+        for P, paper in ((32, pt[0]), (512, pt[1])):
             if (N, P) not in results:
+                rows.append(Row("H-SGD", f"N={N}, P={P}", "communication improvement / total "
+                                "improvement", "%", paper, None, note=NOT_SIMULATED))
                 continue
             h, s = results[(N, P)]["hsgd"], results[(N, P)]["sgd"]
             ours = 100 * (_comm(s) - _comm(h)) / (s["step_s"] - h["step_s"])
@@ -287,31 +292,24 @@ def fig5(results: dict) -> Figure | None:
                              "nearly all of the improvement is communication. Single input: "
                              "SGD's compute (its effective memory bandwidth), as in the "
                              "local-compute rows.")))
-    if not rows and not results:
-        return None
     pt = _point("fig5", "H-SGD", "local computation (SpMV + update) speedup", neurons="all",
                 processors="all")
     speed = [res["sgd"]["compute_s"] / res["hsgd"]["compute_s"] for res in results.values()]
     lo, hi = min(speed), max(speed)
-    for which, paper, ours in (("lowest", pt["range"][0], lo), ("highest", pt["range"][1], hi)):
+    for which, paper, ours in (("lowest", pt[0], lo), ("highest", pt[1], hi)):
         rows.append(Row("H-SGD", "all N, P", f"local computation speedup, {which}", "x", paper,
                         ours, diagnosis="" if _within(paper, ours) else
-                        _compute_diagnosis(tuple(pt["range"]), (lo, hi))))
-    fig = _figure("fig5")
+                        _compute_diagnosis(pt, (lo, hi)),
+                        note=f"over the {len(results)} (N, P) cells simulated"))
+    fig = figure_toml(PAPER, "fig5")
     return Figure(PAPER, "fig5", fig["title"], rows, inputs(),
                   note="communication = the step less the slowest rank's blocks; the same runs "
                        "as fig4")
 
 
-def figures(quick: bool = False) -> list[Figure]:
-    """Fig. 4 and Fig. 5's stated numbers; ``quick``: N = 1024 on P = 32 and 64 only."""
-    if quick:
-        results = measure(QUICK["neurons"], QUICK["processors"])
-    else:
-        results = measure()
-    out = [fig4(results)]
-    f5 = fig5(results)
-    if f5 is not None:
-        out.append(f5)
-    return out
-
+def figures(quick: bool = False, full: bool = False) -> list[Figure]:
+    """Fig. 4 and Fig. 5's stated numbers, every cell a row: simulated on
+    :data:`DEFAULT_CELLS`; ``full``: every cell; ``quick``: N = 1024 on P = 32 and 64."""
+    cells = QUICK_CELLS if quick else CELLS if full else DEFAULT_CELLS
+    results = measure(cells)
+    return [fig4(results), fig5(results)]

@@ -16,7 +16,6 @@ is timed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from fractions import Fraction
 
 import numpy as np
@@ -28,7 +27,7 @@ from substrate.calls import Call, Placement
 
 from ..memory import SDP_MIXED, device_memory, sdp_device_memory
 from ..systems.sdp import sdp_plan
-from . import Figure, Input, Row, _toml
+from . import Figure, Input, Row, figure_toml, paper_value, toml_input
 
 __all__ = ["figures", "inputs", "plans"]
 
@@ -48,17 +47,20 @@ ITEMSIZE = 4                      # fp32 gradients (§3.2) on the wire
 TOLERANCE = 0.15
 
 
-#: the TOML's figure tables, points and inputs of this paper
-_figure = functools.partial(_toml.figure, PAPER)
-_point = functools.partial(_toml.point, PAPER)
-_toml_input = functools.partial(_toml.toml_input, PAPER)
+def _point(fig: str, series: str, quantity: str, **at):
+    """The stated number of ``fig``'s point (:func:`commvol.reproduce.paper_value`)."""
+    return paper_value(PAPER, fig, series=series, quantity=quantity, at=at)
+
+
+def _toml_input(fig: str, name: str) -> Input:
+    return toml_input(PAPER, fig, name)
 
 
 def _formula(series: str, density) -> tuple[float, bool]:
     """The TOML's "2N" / "2CN" of ``series``: ``(coefficient, times C)``, per N."""
     pt = _point("comm_per_device", series, "scalars sent and received per worker per step",
                 density=density)
-    text = str(pt["value"])
+    text = str(pt)
     if not text.endswith("N"):
         raise ValueError(f"{PAPER}.toml comm_per_device: {text!r} is not a multiple of N")
     body = text[:-1]
@@ -151,13 +153,13 @@ def table4(plans_: dict) -> Figure:
     share = 1 - _block_params(spec) / N
     ddp = device_memory(N, SDP_MIXED)
     rows = [Row("DDP", "A=12/12", "Rel-Mem", "x M",
-                _point("table4", "DDP", "Rel-Mem", active_blocks="12/12")["value"],
+                _point("table4", "DDP", "Rel-Mem", active_blocks="12/12"),
                 ddp.states / ddp.states,
                 note=f"M = {ddp.states / 2**30:.2f} GiB of weights, gradients and Adam state "
                      f"({N:,} parameters x 14 B)")]
     for (series, b), plan in sorted(plans_.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         A = Fraction(b, BLOCKS)
-        paper = _point("table4", series, "Rel-Mem", active_blocks=f"{b}/{BLOCKS}")["value"]
+        paper = _point("table4", series, "Rel-Mem", active_blocks=f"{b}/{BLOCKS}")
         mem = [sdp_device_memory(plan, r, SDP_MIXED).states for r in range(plan.n)]
         ours = max(mem) / ddp.states
         rows.append(Row(series, f"A={b}/{BLOCKS}", "Rel-Mem", "x M", paper, ours,
@@ -165,7 +167,7 @@ def table4(plans_: dict) -> Figure:
                         _memory_diagnosis(series, A, paper, ours, share),
                         note=f"the busiest of {plan.n} workers (all hold {b} blocks: degrees "
                              f"{plan.detail['block_degrees']})"))
-    return Figure(PAPER, "table4", _figure("table4")["title"], rows, inputs(),
+    return Figure(PAPER, "table4", figure_toml(PAPER, "table4")["title"], rows, inputs(),
                   note="model states only (§3.2); the paper's Val. Loss / PPL are not predicted")
 
 
@@ -215,7 +217,7 @@ def comm_per_device(plans_: dict) -> Figure:
                         diagnosis="" if _within(paper, ours) else
                         _comm_diagnosis(series, b, paper, ours, g, bc, share),
                         note="the busiest worker; paper: '2CN' at C = A (§3.2)"))
-    return Figure(PAPER, "comm_per_device", _figure("comm_per_device")["title"], rows,
+    return Figure(PAPER, "comm_per_device", figure_toml(PAPER, "comm_per_device")["title"], rows,
                   inputs(), note="scalars a worker sends in one step's calls (a ring receives "
                                  "as many); the paper's numbers are its formula")
 
