@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                    help="a reduced set of configurations (for tests)")
     p.add_argument("--full", action="store_true",
                    help="every configuration where the default simulates a subset to stay "
-                        "within ten minutes (H-SGD Fig. 4: all 20 (N, P) cells, not 14)")
+                        "within ten minutes (H-SGD Fig. 4: all 20 (N, P) cells, not 19)")
     p.set_defaults(func=run)
 
 
