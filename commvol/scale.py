@@ -21,6 +21,15 @@ Two steps run one after the other and the second is the steady one.
 Speedup ``S(p) = T(p_0) / T(p)`` against the first GPU count ``p_0``; efficiency
 ``S(p) p_0 / p``.  The α–β time of the step's calls added to its compute is printed beside as a
 bound (nothing overlapped, no contention).
+
+H-SGD and SGD (``--system hsgd sgd``, paper 001) are model-parallel: ``--gpus`` counts the
+processors (one rank a core: ``--gpus-per-node 16`` on the paper's ``--cluster
+hsgd-warwick-nextscale``), ``--neurons`` / ``--layers`` / ``--seed`` name the RadiX-Net, and all
+processors work on every mini-batch of ``--batch-size`` input vectors: an epoch is
+``ceil(D / b)`` training steps of ``sparse_sgd train`` (SpFF, SpBP with the update, the loss
+all-reduce), each the job simulation of every rank's program (:func:`commvol.job.sparse_step`:
+the layers beyond two periods of the partition extended from the second).  Each block costs
+its FLOPs and memory traffic on the cluster's device (one core there).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from substrate.costmodel import CostModel
 from substrate.jobsim import JobSimOptions
 from substrate.options import add_dataclass_args, from_args
 
-from .job import Job
+from .hsgd import RadixNetSpec
+from .job import Job, sparse_step
 from .predict import (
     add_cost_args,
     add_model_args,
@@ -84,10 +94,13 @@ def measure_compute_s_per_sample(model: str, dataset: str = "digits", *, batch: 
     return (time.perf_counter() - t) / (reps * batch)
 
 
-def _check_gpus(sm, system: str, gpus, gpus_per_node: int) -> list[int]:
-    if sm.spec_kind != "model":
-        raise ValueError(f"scale models data-parallel training of a model; --system {system} is "
-                         "model-parallel sparse SGD: use `predict` or `partition-table`")
+def _check_gpus(sm, system: str, gpus, gpus_per_node: int, spec=None) -> list[int]:
+    kind = "radixnet" if isinstance(spec, RadixNetSpec) else "model"
+    if spec is not None and sm.spec_kind != kind:
+        want = ("a RadiX-Net (--neurons, --layers)" if sm.spec_kind == "radixnet" else
+                "a model (--model)")
+        raise ValueError(f"--system {system} scales {want}, not the {kind} given; scale sparse "
+                         "SGD (hsgd, sgd) and data-parallel systems in separate runs")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be an integer >= 1, got {gpus_per_node!r}")
     gpus = [int(g) for g in gpus]
@@ -109,10 +122,24 @@ def epoch(system: str, spec, M: int, P: int, options, units, device: DeviceModel
           jobsim: JobSimOptions | None = None) -> dict:
     """One pass over the data of ``system`` on ``M x P`` ranks, from the job simulation
     (:class:`commvol.job.Job`): ``{iterations_per_epoch, step_s, time_s, compute_s,
-    bound_time_s, inter_bytes, sim_s}``."""
+    bound_time_s, inter_bytes, sim_s}``.  H-SGD: ``samples_per_rank`` is the whole epoch's
+    input vectors (every rank works on every one)."""
     sm = get_system(system)
     batches = _batches(samples_per_rank, batch)
     t0 = time.perf_counter()
+    if sm.loop == "hsgd":
+        def step(b):
+            return sparse_step(system, spec, M, P, options, device, cluster, int(b),
+                               jobsim=jobsim)
+
+        full = step(batches[0])
+        last = full if batches[-1] == batches[0] else step(batches[-1])
+        n = len(batches)
+        return {"iterations_per_epoch": n, "step_s": full["step_s"],
+                "time_s": (n - 1) * full["step_s"] + last["step_s"],
+                "compute_s": (n - 1) * full["compute_s"] + last["compute_s"],
+                "bound_time_s": (n - 1) * full["bound_s"] + last["bound_s"],
+                "inter_bytes": full["bytes"]["inter"], "sim_s": time.perf_counter() - t0}
     if sm.loop == "admm":
         E = float(options.local_epochs)
         whole = max(1, round(E)) if E >= 1 else 1
@@ -171,7 +198,7 @@ def scaling(system: str, spec, gpus, gpus_per_node: int, *, units, device: Devic
         programs are not generated at scale, or a non-positive dataset size or batch.
     """
     sm = get_system(system)
-    gpus = _check_gpus(sm, system, gpus, gpus_per_node)
+    gpus = _check_gpus(sm, system, gpus, gpus_per_node, spec)
     for name, v in (("--dataset-size", dataset_size), ("--batch-size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -181,8 +208,9 @@ def scaling(system: str, spec, gpus, gpus_per_node: int, *, units, device: Devic
     rows = []
     for g in gpus:
         M = g // gpus_per_node
+        samples = dataset_size if sm.loop == "hsgd" else dataset_size / g
         r = epoch(system, spec, M, gpus_per_node, opts, units, device, cluster,
-                  dataset_size / g, batch_size, jobsim)
+                  samples, batch_size, jobsim)
         rows.append({"system": system, "gpus": g, "nodes": M, **r})
     t0, p0 = rows[0]["time_s"], rows[0]["gpus"]
     for r in rows:
@@ -268,11 +296,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict:
+    kinds = {get_system(name).spec_kind for name in args.system}  # unknown names: listed
+    if kinds == {"radixnet"}:
+        return _run_sparse(args)
+    if "radixnet" in kinds:
+        raise ValueError(f"--system {' '.join(args.system)}: sparse SGD (hsgd, sgd) scales a "
+                         "RadiX-Net, the others a model; scale them in separate runs")
     if args.model is None:
         raise ValueError("scale needs --model (e.g. resnet152, or cnn for the digits model)")
     spec = resolve_model(args.model, args.dataset)
-    for name in args.system:
-        get_system(name)  # unknown names list the valid ones before any timing
     jobsim = from_args(JobSimOptions, args)
     cluster = jobsim.network(cost_from_args(args))
     units, flop_how = units_for_spec(spec, args.model, args.dataset)
@@ -322,21 +354,75 @@ def run(args) -> dict:
          f"{jobsim.link_sharing} links"),
         *notes,
     ]
-    print(f"# strong scaling of {spec.name} ({spec.num_params:,} parameters), baseline "
-          f"{args.gpus[0]} GPUs: the job simulation of every rank's program (bound: compute plus "
-          "the alpha-beta time of the calls, nothing overlapped)\n")
-    print(format_scaling(table))
-    print("\nassumptions:")
-    for a in assumptions:
-        print(f"- {a}")
+    _print(f"{spec.name} ({spec.num_params:,} parameters), baseline {args.gpus[0]} GPUs",
+           table, assumptions)
     doc = {"model": spec.name, "gpus_per_node": args.gpus_per_node,
            "model_of_time": "substrate.jobsim: the job simulation of every rank's program "
                             "generated from the plans (commvol.job)",
            "compute": device.how, "layer_tflops": device.tflops,
            "cluster": cluster.describe(), "dataset_size": args.dataset_size,
            "batch_size": args.batch_size, "assumptions": assumptions, "systems": table}
+    return _write(args, doc)
+
+
+def _print(what: str, table: dict, assumptions: list) -> None:
+    print(f"# strong scaling of {what}: the job simulation of every rank's program (bound: "
+          "compute plus the alpha-beta time of the calls, nothing overlapped)\n")
+    print(format_scaling(table))
+    print("\nassumptions:")
+    for a in assumptions:
+        print(f"- {a}")
+
+
+def _write(args, doc: dict) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.out}")
     return doc
+
+
+def _run_sparse(args) -> dict:
+    """``scale --system hsgd sgd``: the RadiX-Net of ``--neurons`` / ``--layers`` on
+    ``--gpus`` processors (see the module docstring)."""
+    if args.compute_s_per_sample is not None:
+        raise ValueError("--compute-s-per-sample is a data-parallel model's time per sample; "
+                         "H-SGD's blocks are costed from their FLOPs and bytes on the "
+                         "--cluster's device: leave it out")
+    spec = RadixNetSpec(args.neurons, args.layers, seed=args.seed)
+    spec.config()  # a bad --neurons / --layers is named before any work
+    jobsim = from_args(JobSimOptions, args)
+    cluster = jobsim.network(cost_from_args(args))
+    d = cluster.device
+    device = DeviceModel(d, how=f"{d.name}: {d.peak_tflops:g} TFLOP/s x efficiency "
+                                f"{d.efficiency:g}, {d.memory_gbs:g} GB/s"
+                                + ("" if jobsim.cluster else " (no --cluster: the two-tier "
+                                   "cluster's default device)"))
+    table = {}
+    for name in args.system:
+        kw = {k: v for k, v in system_options(name, args).items() if k != "batch_size"}
+        table[name] = scaling(name, spec, args.gpus, args.gpus_per_node, units=None,
+                              device=device, cluster=cluster, dataset_size=args.dataset_size,
+                              batch_size=args.batch_size, jobsim=jobsim, **kw)
+    n = cluster.node
+    assumptions = [
+        (f"network: {spec.name} (RadiX-Net, seed {spec.seed}); every processor works on every "
+         f"mini-batch of {args.batch_size} input vectors: {args.dataset_size} vectors an epoch "
+         f"= {math.ceil(args.dataset_size / args.batch_size)} steps"),
+        (f"compute: {device.how}; each block its FLOPs and compulsory memory traffic "
+         "(sparse_sgd.program.block_work), a roofline"),
+        ("a step: SpFF (Alg. 2), SpBP with the update (Alg. 3), the loss all-reduce; layers "
+         "beyond two periods of the partition extended from the second "
+         "(commvol.job.sparse_step)"),
+        (f"cluster: {cluster.name}: {n.devices if jobsim.cluster else args.gpus_per_node} "
+         f"ranks a node on {n.fabric} ({n.fabric_gbps:g} Gbit/s), {n.nics} x "
+         f"{n.nic_gbps:g} Gbit/s NICs ({n.nic_latency_us:g} us); {jobsim.link_sharing} links"),
+    ]
+    _print(f"{spec.name}, baseline {args.gpus[0]} processors", table, assumptions)
+    doc = {"model": spec.name, "gpus_per_node": args.gpus_per_node,
+           "model_of_time": "substrate.jobsim: the job simulation of every rank's program "
+                            "generated from the H-SGD plans (commvol.job.sparse_step)",
+           "compute": device.how, "cluster": cluster.describe(),
+           "dataset_size": args.dataset_size, "batch_size": args.batch_size,
+           "assumptions": assumptions, "systems": table}
+    return _write(args, doc)

@@ -83,6 +83,8 @@ def units_for_spec(spec, model: str, dataset: str = "digits") -> tuple[list[Unit
     elif model in MODELS and dataset in DATASET_SHAPES:
         shape, classes = DATASET_SHAPES[dataset]
         root = build_model(model, shape, classes).root
+    elif getattr(spec, "root", None) is not None:   # a paper-scale spec's own layer tree
+        root = spec.root
     layout = spec.layout
     if root is not None:
         us = compute_units(root, spec.input_shape, ITEMSIZE, layout=layout)

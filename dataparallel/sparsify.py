@@ -32,6 +32,7 @@ from .codec import exact_topk
 
 __all__ = [
     "SAMPLE_MIN",
+    "SELECTION_KERNELS",
     "compact_positions",
     "dgc_topk",
     "exact_select",
@@ -43,11 +44,28 @@ __all__ = [
     "segment_rng",
     "select",
     "selection_flops",
+    "selection_kernels",
     "threshold_counts",
 ]
 
 #: Smallest sample; tensors with at most this many entries are selected exactly.
 SAMPLE_MIN = 256
+
+#: Kernel launches of one selection on a device, counted on the device paths below (each array
+#: operation one launch, a host read one):
+#:
+#: * ``dgc`` (:func:`dgc_topk`): ``|x|`` (1); the sample: the indices to the device, the gather
+#:   and the sort (3); the counts of every sample threshold (:func:`threshold_counts`:
+#:   ``searchsorted``, ``zeros``, ``scatter_add``, ``cumsum``, the difference: 5) and their one
+#:   host read (two casts, the concatenation, the read: 4); the candidates
+#:   (:func:`compact_positions`: the comparison, ``cumsum``, ``- 1``, ``where``, ``arange``, the
+#:   scatter: 6); the trim (gather, ``argpartition``, gather: 3) -- 22;
+#: * ``exact`` and tensors too small to sample: ``|x|``, ``argpartition``, the slice's cast (3);
+#: * ``gaussiank`` (:func:`_gaussiank_device`): mean, standard deviation, their stack and read
+#:   (4), ``|x|`` (1), a comparison and a count for each of the 15 reachable thresholds, their
+#:   stack and read (32), the candidates (6) and the trim (3) -- 46;
+#: * ``k = n``: the ``arange`` (1).
+SELECTION_KERNELS = {"dgc": 22, "exact": 3, "gaussiank": 46}
 
 
 def segment_rng(seed: int, rank: int, step: int, segment: int) -> np.random.Generator:
@@ -337,3 +355,22 @@ def selection_flops(n: int, k: int, sparsifier: str = "dgc", sample_ratio: float
     if sparsifier == "exact" or s >= n:
         return 3.0 * n
     return 4.0 * n + s * math.log2(s) + 2.5 * k
+
+
+def selection_kernels(n: int, k: int, sparsifier: str = "dgc",
+                      sample_ratio: float = 0.01) -> int:
+    """Kernel launches of one top-``k`` selection of ``n`` entries on a device
+    (:data:`SELECTION_KERNELS`): what a selection costs beyond its element operations, a launch
+    overhead each, whatever the tensor's size -- so sparsifying tensor by tensor pays it once per
+    tensor (SSFusion §III-A, Table III's ~0.85 ms floor for small tensors)."""
+    n, k = int(n), int(k)
+    if n <= 0:
+        return 0
+    if k >= n:
+        return 1
+    if sparsifier not in SELECTION_KERNELS:
+        raise ValueError(f"sparsifier {sparsifier!r} unknown; use one of "
+                         f"{sorted(SELECTION_KERNELS)}")
+    if sparsifier == "dgc" and max(SAMPLE_MIN, math.ceil(sample_ratio * n)) >= n:
+        return SELECTION_KERNELS["exact"]
+    return SELECTION_KERNELS[sparsifier]

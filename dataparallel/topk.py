@@ -81,6 +81,13 @@ class TopKPlan:
     def K(self) -> int:
         return int(sum(self.ks))
 
+    def select_kernels(self) -> int:
+        """Kernel launches of ``topk_select`` (:func:`topk_select`, tensor by tensor): per
+        tensor ``|acc|``, the ``argpartition``, the offset and the copy into the index buffer
+        (4); once (:meth:`TopK._select`): the error feedback's accumulation, the gather of the
+        sent values, values and indices into the row and the residual's update (6)."""
+        return 4 * len(self.ks) + 6
+
     def calls(self, placement: Placement) -> list:
         """One step: the selection over every tensor after the whole backward (compute), one
         ring all-gather over all ranks of ``K`` float32 values + ``K`` int32 indices per rank,
@@ -89,7 +96,8 @@ class TopKPlan:
         threshold and the residual (:data:`SELECT_PASSES` passes over the ``T`` float32
         entries), and the decode (the gathered pairs and the dense gradient)."""
         p, T, K = placement.size, self.total, self.K
-        return [Work("topk_select", nbytes=SELECT_PASSES * 4 * T, after=(Ready(0, T),)),
+        return [Work("topk_select", nbytes=SELECT_PASSES * 4 * T, after=(Ready(0, T),),
+                     kernels=self.select_kernels()),
                 Call("topk_allgather", "allgather", placement.world, blocks=(8 * K,) * p,
                      itemsize=4, after=(0,), label="topk_allgather"),
                 Work("topk_decode", nbytes=p * 8 * K + 4 * T, after=(1,))]

@@ -7,7 +7,7 @@ record without an import cycle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .layer_base import Layer
 from .params import ParamLayout, ParamSpec
@@ -38,6 +38,9 @@ class ModelSpec:
         In **forward** order; ``layout.names`` gives the backward (flat-buffer) order.
     macs_per_sample : int
         Forward multiply-accumulates of conv and fc layers per sample.
+    root : Layer or None
+        The layer tree the spec was declared from (:func:`spec_from_layers`; shapes only, no
+        arrays), for per-layer compute costs; not part of the spec's identity.
     """
 
     name: str
@@ -45,6 +48,7 @@ class ModelSpec:
     num_classes: int
     params: tuple[ParamSpec, ...]
     macs_per_sample: int
+    root: Layer | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_params(self) -> int:
@@ -83,4 +87,4 @@ def spec_from_layers(name: str, root: Layer, input_shape, num_classes: int | Non
     elif out != (int(num_classes),):
         raise ValueError(f"layer tree output {out} does not match num_classes={num_classes}")
     return ModelSpec(name, input_shape, int(num_classes), tuple(layer_tree_specs(root)),
-                     int(root.macs(input_shape)))
+                     int(root.macs(input_shape)), root)

@@ -34,6 +34,7 @@ spec                  parameters     source of the count
                                      vocabulary, context 2048 (width/depth assumed, below)
 ``vgg19``             143,667,240    torchvision ``vgg19``
 ``resnet152-imagenet`` 60,192,808    torchvision ``resnet152``
+``resnet50-imagenet``  25,557,032    torchvision ``resnet50`` (v1.5)
 ===================== ============== ========================================================
 
 SSFusion (004) Table "model size" gives the fp32 sizes of the same models (BERT-base 420 MB,
@@ -73,9 +74,11 @@ __all__ = [
     "gpt2_spec",
     "llama_spec",
     "resnet18_spec",
+    "resnet50_imagenet_spec",
     "resnet152_imagenet_spec",
     "resnet152_spec",
     "spec_from_layers",
+    "spec_layers",
     "swin_t_spec",
     "vgg19_spec",
     "vit_spec",
@@ -130,18 +133,31 @@ class _PaddedMaxPool(_ShapeOnly):
                 conv_output_size(W, self.k, self.s, self.p))
 
 
-def resnet152_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
-    """ResNet-152 as torchvision builds it: 7x7 stride-2 stem conv, 3x3 stride-2 max-pool,
-    bottlenecks (3, 8, 36, 3), global average pool, fc (60,192,808 parameters at 1000 classes)."""
-    cifar = resnet_layers(input_shape, num_classes, block="bottleneck", depths=(3, 8, 36, 3),
+def _resnet_imagenet(name: str, depths, num_classes: int, input_shape) -> ModelSpec:
+    """A bottleneck ResNet as torchvision builds it: 7x7 stride-2 stem conv, 3x3 stride-2
+    max-pool, bottlenecks of ``depths`` (stride in the 3x3 conv: v1.5), global average pool,
+    fc."""
+    cifar = resnet_layers(input_shape, num_classes, block="bottleneck", depths=tuple(depths),
                           planes=(64, 128, 256, 512))
     C = int(input_shape[0])
     stem = [("conv1", Conv2d(C, 64, 7, stride=2, padding=3, bias=False)),
             *[(n, layer) for n, layer in cifar.children() if n in ("bn1", "relu")],
             ("maxpool", _PaddedMaxPool(3, 2, 1))]
     rest = [(n, layer) for n, layer in cifar.children() if n not in ("conv1", "bn1", "relu")]
-    return spec_from_layers("resnet152-imagenet", Sequential(stem + rest), input_shape,
-                            num_classes)
+    return spec_from_layers(name, Sequential(stem + rest), input_shape, num_classes)
+
+
+def resnet152_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
+    """ResNet-152 as torchvision builds it: bottlenecks (3, 8, 36, 3) (60,192,808 parameters at
+    1000 classes)."""
+    return _resnet_imagenet("resnet152-imagenet", (3, 8, 36, 3), num_classes, input_shape)
+
+
+def resnet50_imagenet_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
+    """ResNet-50 v1.5 as torchvision builds it: bottlenecks (3, 4, 6, 3) (25,557,032 parameters
+    at 1000 classes; 4.09 GMACs at 224x224).  The model of NVIDIA's published training rates
+    (DeepLearningExamples), from which the devices' achieved fraction of peak is taken."""
+    return _resnet_imagenet("resnet50-imagenet", (3, 4, 6, 3), num_classes, input_shape)
 
 
 #: VGG-19 convolution widths, ``"M"`` = 2x2 max-pool (Simonyan & Zisserman 2015, config E)
@@ -176,7 +192,7 @@ def vgg19_spec(num_classes: int = 1000, input_shape=(3, 224, 224)) -> ModelSpec:
 def _sequence_spec(name: str, root: Layer, context: int, width: int) -> ModelSpec:
     shape = (int(context),)
     return ModelSpec(name, shape, int(width), tuple(layer_tree_specs(root)),
-                     int(root.macs(shape)))
+                     int(root.macs(shape)), root)
 
 
 #: (dim, depth, heads) of the ViT sizes (Dosovitskiy et al. 2021, Table 1)
@@ -186,12 +202,17 @@ VIT_SIZES = {"base": (768, 12, 12), "large": (1024, 24, 16)}
 def vit_spec(size: str = "large", num_classes: int = 1000, input_shape=(3, 224, 224),
              patch: int = 16) -> ModelSpec:
     """ViT-B/16 or ViT-L/16 (``[class]`` token, learned positions, MLP ratio 4, LN eps 1e-6)."""
+    root = _vit_root(size, num_classes, input_shape, patch)
+    return spec_from_layers(f"vit-{size}", root, input_shape, num_classes)
+
+
+def _vit_root(size: str = "large", num_classes: int = 1000, input_shape=(3, 224, 224),
+              patch: int = 16) -> Layer:
     if size not in VIT_SIZES:
         raise ValueError(f"unknown ViT size {size!r}; valid: {sorted(VIT_SIZES)}")
     dim, depth, heads = VIT_SIZES[size]
-    root = vit_layers(input_shape, num_classes, patch=patch, dim=dim, depth=depth, heads=heads,
+    return vit_layers(input_shape, num_classes, patch=patch, dim=dim, depth=depth, heads=heads,
                       mlp_ratio=4.0, pool="cls", eps=1e-6)
-    return spec_from_layers(f"vit-{size}", root, input_shape, num_classes)
 
 
 #: (dim, depth, heads) of BERT (Devlin et al. 2019, §3)
@@ -200,11 +221,15 @@ BERT_SIZES = {"base": (768, 12, 12), "large": (1024, 24, 16)}
 
 def bert_spec(size: str = "base", context: int = 512, vocab: int = 30522) -> ModelSpec:
     """BERT encoder with pooler (HF ``BertModel``), FFN width ``4 dim``."""
+    return _sequence_spec(f"bert-{size}", _bert_root(size, context, vocab), context,
+                          BERT_SIZES[size][0])
+
+
+def _bert_root(size: str = "base", context: int = 512, vocab: int = 30522) -> Layer:
     if size not in BERT_SIZES:
         raise ValueError(f"unknown BERT size {size!r}; valid: {sorted(BERT_SIZES)}")
     dim, depth, heads = BERT_SIZES[size]
-    root = bert_layers(context, vocab, dim=dim, depth=depth, heads=heads)
-    return _sequence_spec(f"bert-{size}", root, context, dim)
+    return bert_layers(context, vocab, dim=dim, depth=depth, heads=heads)
 
 
 #: (dim, depth, heads) of GPT-2 (Radford et al. 2019, Table 2; HF configs)
@@ -215,18 +240,27 @@ GPT2_SIZES = {"small": (768, 12, 12), "medium": (1024, 24, 16), "large": (1280, 
 def gpt2_spec(size: str = "large", context: int = 1024, vocab: int = 50257) -> ModelSpec:
     """GPT-2 (HF ``GPT2Model``): token + position embeddings, pre-norm blocks, final LayerNorm,
     head tied to the token table (no parameters of its own)."""
+    root = _gpt2_root(size, context, vocab)
+    return _sequence_spec(f"gpt2-{size}" if size != "small" else "gpt2", root, context, vocab)
+
+
+def _gpt2_root(size: str = "large", context: int = 1024, vocab: int = 50257) -> Layer:
     if size not in GPT2_SIZES:
         raise ValueError(f"unknown GPT-2 size {size!r}; valid: {sorted(GPT2_SIZES)}")
     dim, depth, heads = GPT2_SIZES[size]
-    root = gpt_layers(context, vocab, dim=dim, depth=depth, heads=heads, tie=True)
-    return _sequence_spec(f"gpt2-{size}" if size != "small" else "gpt2", root, context, vocab)
+    return gpt_layers(context, vocab, dim=dim, depth=depth, heads=heads, tie=True)
 
 
 def llama_spec(context: int = 2048, vocab: int = 32000, dim: int = 768, depth: int = 12,
                heads: int = 12, hidden: int = 2048) -> ModelSpec:
     """The SDP paper's 134 M LLaMA-style model (see the module docstring for the assumed shape)."""
-    root = llama_layers(context, vocab, dim=dim, depth=depth, heads=heads, hidden=hidden)
+    root = _llama_root(context, vocab, dim, depth, heads, hidden)
     return _sequence_spec("llama-134m", root, context, vocab)
+
+
+def _llama_root(context: int = 2048, vocab: int = 32000, dim: int = 768, depth: int = 12,
+                heads: int = 12, hidden: int = 2048) -> Layer:
+    return llama_layers(context, vocab, dim=dim, depth=depth, heads=heads, hidden=hidden)
 
 
 class _SwinPatchEmbed(_ShapeOnly):
@@ -268,7 +302,10 @@ class _WindowAttention(_ShapeOnly):
 
 
 class _SwinBlock(_ShapeOnly):
-    """``x + WA(LN x)``, ``h + MLP(LN h)`` on ``(H, W, C)`` tokens (Liu et al. 2021, eq. 3)."""
+    """``x + WA(LN x)``, ``h + MLP(LN h)`` on ``(H, W, C)`` tokens (Liu et al. 2021, eq. 3).
+    A residual block: SDP's block unit (the paper's d = 12 blocks of Swin-T, §4.1.2)."""
+
+    residual_block = True
 
     def __init__(self, dim: int, heads: int, window: int = 7):
         super().__init__()
@@ -306,6 +343,11 @@ def swin_t_spec(num_classes: int = 1000, input_shape=(3, 224, 224), window: int 
     """Swin-T (Liu et al. 2021): C = 96, depths (2, 2, 6, 2), heads (3, 6, 12, 24), window 7,
     patch merging between stages, final LayerNorm, mean pool, linear head (torchvision
     ``swin_t`` naming order)."""
+    return spec_from_layers("swin-t", _swin_t_root(num_classes, input_shape, window),
+                            input_shape, num_classes)
+
+
+def _swin_t_root(num_classes: int = 1000, input_shape=(3, 224, 224), window: int = 7) -> Layer:
     dims, depths, heads = (96, 192, 384, 768), (2, 2, 6, 2), (3, 6, 12, 24)
     layers: list = [("features.0", _SwinPatchEmbed(int(input_shape[0]), dims[0]))]
     for s, (d, n, h) in enumerate(zip(dims, depths, heads)):
@@ -315,8 +357,7 @@ def swin_t_spec(num_classes: int = 1000, input_shape=(3, 224, 224), window: int 
             layers.append((f"features.{2 * s + 2}", _PatchMerging(d)))
     layers += [("norm", LayerNorm(dims[-1])), ("avgpool", TokenPool("mean")),
                ("head", Linear(dims[-1], int(num_classes)))]
-    root = Sequential(layers)
-    return spec_from_layers("swin-t", _FlattenTokens(root), input_shape, num_classes)
+    return _FlattenTokens(Sequential(layers))
 
 
 class _FlattenTokens(_ShapeOnly):
@@ -352,7 +393,7 @@ PUBLISHED_PARAMS = {
     "bert-base": 109_482_240, "bert-large": 335_141_888, "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200, "vit-base": 86_567_656, "vit-large": 304_326_632,
     "swin-t": 28_288_354, "llama-134m": 134_105_856, "vgg19": 143_667_240,
-    "resnet152-imagenet": 60_192_808,
+    "resnet152-imagenet": 60_192_808, "resnet50-imagenet": 25_557_032,
 }
 
 
@@ -363,6 +404,7 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "resnet152": resnet152_spec,
     "wide_resnet50_2": wide_resnet50_2_spec,
     "resnet152-imagenet": resnet152_imagenet_spec,
+    "resnet50-imagenet": resnet50_imagenet_spec,
     "vgg19": vgg19_spec,
     "vit-base": lambda **kw: vit_spec("base", **kw),
     "vit-large": lambda **kw: vit_spec("large", **kw),
@@ -373,6 +415,35 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "gpt2-xl": lambda **kw: gpt2_spec("xl", **kw),
     "llama-134m": llama_spec,
 }
+
+
+#: spec name -> ``fn(**kwargs) -> Layer``: the layer tree a transformer spec is declared from
+#: (the same keyword arguments as its entry of :data:`SPECS`)
+SPEC_LAYERS: dict[str, Callable[..., Layer]] = {
+    "vit-base": lambda **kw: _vit_root("base", **kw),
+    "vit-large": lambda **kw: _vit_root("large", **kw),
+    "swin-t": _swin_t_root,
+    "bert-base": lambda **kw: _bert_root("base", **kw),
+    "bert-large": lambda **kw: _bert_root("large", **kw),
+    "gpt2-large": lambda **kw: _gpt2_root("large", **kw),
+    "gpt2-xl": lambda **kw: _gpt2_root("xl", **kw),
+    "llama-134m": _llama_root,
+}
+
+
+def spec_layers(name: str, **kwargs) -> Layer:
+    """The layer tree of the transformer spec ``name`` (what a plan that follows the model's
+    blocks, e.g. SDP's, reads; shapes only).
+
+    Raises
+    ------
+    ValueError
+        For a spec without one here (the CIFAR ResNets are built by ``models.resnet``).
+    """
+    if name not in SPEC_LAYERS:
+        raise ValueError(f"spec {name!r} has no layer tree here; the transformer specs that do: "
+                         f"{sorted(SPEC_LAYERS)}")
+    return SPEC_LAYERS[name](**kwargs)
 
 
 def get_spec(name: str, **kwargs) -> ModelSpec:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ACTIVATIONS", "Activation"]
+__all__ = ["ACTIVATIONS", "ACT_FLOPS", "Activation"]
+
+#: FLOPs per element of an activation or its derivative (the ``flops`` compute source's counts)
+ACT_FLOPS = {"sigmoid": 4, "relu": 1}
 
 
 class Activation:

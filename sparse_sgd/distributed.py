@@ -31,7 +31,7 @@ import scipy.sparse as sp
 
 from partition.maps import LayerMaps, build_maps
 from partition.partitioners import Partition
-from sparse_sgd.activations import ACTIVATIONS
+from sparse_sgd.activations import ACT_FLOPS, ACTIVATIONS
 from sparse_sgd.kernels import (
     challenge_finish_device,
     sddmm_update,
@@ -56,9 +56,6 @@ from sparse_sgd.program import (
 from substrate.executor import Bindings, Executor
 
 __all__ = ["PHASE_SPBP", "PHASE_SPFF", "DistributedSparseNet"]
-
-#: FLOPs per element of an activation or its derivative (the ``flops`` compute source's counts)
-ACT_FLOPS = {"sigmoid": 4, "relu": 1}
 
 
 class _Buffers:

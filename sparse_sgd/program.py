@@ -34,16 +34,25 @@ SpBP of layer k (Alg. 3), for k = L..1 after ``spbp_output`` (line 2: delta^L)::
 
 (``s^1`` would only give ``delta^0``: layer 1 has the update only.)  A training step is the
 batch (``batch``), SpFF of every layer, SpBP, the class scores (``class_scores``), the loss
-all-reduce and the step's end; the evaluation is, per batch, ``eval_batch``, SpFF (prefix
+all-reduce and the step's end (with ``loss`` false: Alg. 1's lines 2-9 alone, the paper's
+timed step, §6.2); the evaluation is, per batch, ``eval_batch``, SpFF (prefix
 ``eval``) and ``eval_scores``, then the scores' all-reduce; an inference pass is the start
 barrier, per batch ``infer_batch``, SpFF (prefix ``infer``: Graph Challenge semantics) and
 ``infer_categories``, then the categories' all-reduce; the set-up is the partition broadcast
 (when rank 0 partitioned) and, for training, the net's set-up (``net_setup``: the maps and the
 row blocks).  Collectives block, after everything before them.  With ``overlap`` false
 (``--overlap off``) a send names no block: it goes out after everything before it.
+
+:func:`step_programs` writes every rank's step at once (a job at paper scale): each exchange is
+split by rank once, not once per rank.  :func:`layer_counts` and :func:`block_work` give what
+each block of a rank computes and moves through memory (FLOPs and bytes, the job simulation's
+roofline at paper scale).
 """
 
 from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
 
 from sparse_sgd.plan import PHASE_EVAL, PHASE_SPBP, PHASE_SPFF
 from substrate.calls import Call
@@ -60,12 +69,15 @@ __all__ = [
     "INFER_CATEGORIES",
     "NET_SETUP",
     "block_label",
+    "block_work",
     "eval_program",
     "infer_program",
+    "layer_counts",
     "layer_of",
     "pass_program",
     "setup_program",
     "step_program",
+    "step_programs",
 ]
 
 #: blocks of the trainer around the net's passes
@@ -99,12 +111,58 @@ def layer_of(call: Call) -> int:
     return int(label[label.rindex("[") + 1:-1])
 
 
+class _Exchange:
+    """One ``p2p`` record's messages split by rank once: a rank's receives ``(source,
+    bytes)`` and its sends, one record per message, each in the record's order."""
+
+    def __init__(self, call: Call, placement) -> None:
+        self.call = call
+        #: the group every receive entry of the exchange names (one list, shared)
+        self.group = list(call.group)
+        pairs = call.pairs
+        src, dst = pairs[:, 0], pairs[:, 1]
+        moved = np.flatnonzero(src != dst)
+        by_src = moved[np.argsort(src[moved], kind="stable")]
+        by_dst = moved[np.argsort(dst[moved], kind="stable")]
+        self._send = (by_src, np.searchsorted(src[by_src], np.arange(placement.size + 1)))
+        self._recv = (by_dst, np.searchsorted(dst[by_dst], np.arange(placement.size + 1)))
+
+    def receives(self, rank: int) -> list[tuple[int, int]]:
+        order, ptr = self._recv
+        rows = self.call.pairs[order[ptr[rank]:ptr[rank + 1]]]
+        return list(zip(rows[:, 0].tolist(), rows[:, 2].tolist()))
+
+    def sends(self, rank: int, label: str) -> list[Call]:
+        """One record per message ``rank`` sends.  The first is validated as any record; the others differ from it only in their pair and its
+        bytes (rows of the validated exchange), so they are copies of it with those two set
+        (a job of 512 ranks sends ~10^5 messages an exchange; each record's check walks the
+        world group)."""
+        order, ptr = self._send
+        idx = order[ptr[rank]:ptr[rank + 1]]
+        if not idx.size:
+            return []
+        pairs = self.call.pairs
+        first = Call(self.call.phase, "p2p", self.call.group, pairs=pairs[idx[0]:idx[0] + 1],
+                     label=label)
+        out = [first]
+        for i in idx[1:].tolist():
+            m = object.__new__(Call)
+            m.__dict__.update(first.__dict__)
+            m.__dict__["pairs"] = pairs[i:i + 1]
+            m.__dict__["nbytes"] = int(pairs[i, 2])
+            out.append(m)
+        return out
+
+
 class _Writer:
     """Lays an interval's records (``(record, tag)``, in order) into one rank's program."""
 
     def __init__(self, records, layers: int, placement, rank: int, *, overlap: bool,
-                 receives_first: bool) -> None:
+                 receives_first: bool, exchanges: dict | None = None) -> None:
         self.b = Builder()
+        #: ``{id(record): _Exchange}``: every exchange split by rank once (shared by the writers
+        #: of one set of records)
+        self.exchanges = {} if exchanges is None else exchanges
         self.records = list(records)
         self.next = 0
         self.L = int(layers)
@@ -144,16 +202,21 @@ class _Writer:
         message])``, each in the record's order (senders, then receivers, ascending)."""
         if call is None:
             return [], []
-        me = self.rank
-        rows = call.pairs.tolist()
-        receives = [(src, nb) for src, dst, nb in rows if dst == me != src]
-        sends = [Call(call.phase, "p2p", call.group, pairs=((me, dst, nb),),
-                      label=f"{call.phase}[{k}]")
-                 for src, dst, nb in rows if src == me != dst]
-        return receives, sends
+        ex = self.exchanges.get(id(call))
+        if ex is None:
+            ex = self.exchanges[id(call)] = _Exchange(call, self.placement)
+        return ex.receives(self.rank), ex.sends(self.rank, f"{call.phase}[{k}]")
 
-    def _receive(self, receives, tag: int, group) -> list[int]:
-        return [self.b.receive(src, nb, tag, group) for src, nb in receives]
+    def _receive(self, receives, tag: int, call: Call | None) -> list[int]:
+        """Post ``receives``; their entries share one list of the exchange's group (a job
+        of P ranks posts ~P messages' receives a layer, each naming the world)."""
+        if not receives:
+            return []
+        group = self.exchanges[id(call)].group
+        posted = [self.b.receive(src, nb, tag, ()) for src, nb in receives]
+        for i in posted:
+            self.b.entries[i][4] = group
+        return posted
 
     def _send(self, sends, filled: int, tag: int) -> list[int]:
         """The sends of the block ``filled`` filled, on the communication stream after it."""
@@ -167,12 +230,11 @@ class _Writer:
         for k in range(1, self.L + 1):
             call = self._take(k)
             receives, sends = self._messages(call, k)
-            group = call.group if call is not None else ()
-            posted = self._receive(receives, k, group) if self.receives_first else []
+            posted = self._receive(receives, k, call) if self.receives_first else []
             pack = b.block(block_label(prefix, PACK, k))
             sent = self._send(sends, pack, k)
             if not self.receives_first:
-                posted = self._receive(receives, k, group)
+                posted = self._receive(receives, k, call)
             local = b.block(block_label(prefix, LOCAL, k))
             if posted:
                 b.waitall(posted)
@@ -190,12 +252,11 @@ class _Writer:
             if exchange:
                 call = self._take(tag)
                 receives, sends = self._messages(call, k)
-                group = call.group if call is not None else ()
-                posted = self._receive(receives, tag, group) if self.receives_first else []
+                posted = self._receive(receives, tag, call) if self.receives_first else []
                 remote = b.block(block_label(BACKWARD, REMOTE, k))
                 sent = self._send(sends, remote, tag)
                 if not self.receives_first:
-                    posted = self._receive(receives, tag, group)
+                    posted = self._receive(receives, tag, call)
                 b.block(block_label(BACKWARD, LOCAL, k))
             update = b.block(block_label(BACKWARD, UPDATE, k))
             if exchange:
@@ -206,13 +267,14 @@ class _Writer:
                     b.waitall(sent)
 
 
-def _writer(records, layers, placement, rank, overlap, receives_first) -> _Writer:
+def _writer(records, layers, placement, rank, overlap, receives_first,
+            exchanges=None) -> _Writer:
     return _Writer(records, layers, placement, rank, overlap=overlap,
-                   receives_first=receives_first)
+                   receives_first=receives_first, exchanges=exchanges)
 
 
 def step_program(records, layers: int, placement, rank: int, *, overlap: bool = True,
-                 receives_first: bool = True) -> list:
+                 receives_first: bool = True, loss: bool = True) -> list:
     """The program of one training step of world rank ``rank``.
 
     Parameters
@@ -231,13 +293,33 @@ def step_program(records, layers: int, placement, rank: int, *, overlap: bool = 
         Post a layer's receives before its pack (the CPU and a host-staged GPU net); a
         CUDA-aware GPU net posts them after its sends, whose host wait covers the kernels
         that read the device block they land in.
+    loss : bool
+        The trainer's class scores and loss all-reduce after SpBP (default).  False: the step
+        of Alg. 1 alone (lines 2-9: SpFF, SpBP and the update for one batch), the quantity the
+        paper times (§6.2); ``records``' collectives are then left out.
     """
-    w = _writer(records, layers, placement, rank, overlap, receives_first)
+    if not loss:
+        records = [(c, t) for c, t in records if t is not None]
+    return _step(_writer(records, layers, placement, rank, overlap, receives_first), loss)
+
+
+def step_programs(records, layers: int, placement, *, overlap: bool = True,
+                  receives_first: bool = True, loss: bool = True) -> list[list]:
+    """:func:`step_program` of every rank of ``placement`` (each exchange split by rank once)."""
+    if not loss:
+        records = [(c, t) for c, t in records if t is not None]
+    exchanges: dict = {}
+    return [_step(_writer(records, layers, placement, r, overlap, receives_first, exchanges),
+                  loss) for r in range(placement.size)]
+
+
+def _step(w: _Writer, loss: bool) -> list:
     w.b.block(BATCH)
     w.forward(PHASE_SPFF)
     w.backward()
-    w.b.block(CLASS_SCORES)
-    w.collective()
+    if loss:
+        w.b.block(CLASS_SCORES)
+        w.collective()
     w.b.step()
     return w.end()
 
@@ -298,3 +380,92 @@ def setup_program(records, placement, rank: int, *, net: bool) -> list:
         w.b.block(NET_SETUP)
     return w.end()
 
+
+
+# -- what a rank's blocks compute, at any scale ----------------------------------------------------
+#: bytes of a CSR column index or row pointer (SciPy's int32 for every network here) and of a
+#: gather list entry (int64)
+INDEX_BYTES = 4
+GATHER_BYTES = 8
+
+
+class LayerCounts:
+    """Per layer ``k`` (index k - 1) and rank ``m``, shape ``(L, P)``: the rows of W^k it owns
+    (``rows``), its entries of x^{k-1} (``prev_rows``), the nonzeros of its row block whose
+    column it owns (``nnz_local``: W^k_local of Alg. 2, line 6) and the others (``nnz_remote``:
+    W^k_remote, line 9), the words of x^{k-1} it sends in SpFF (``sent``: sum over n of
+    D^k[n, m], eq. 8) and receives (``received``: sum over n of D^k[m, n], eq. 9)."""
+
+    def __init__(self, rows, prev_rows, nnz_local, nnz_remote, sent, received) -> None:
+        self.rows, self.prev_rows = rows, prev_rows
+        self.nnz_local, self.nnz_remote = nnz_local, nnz_remote
+        self.sent, self.received = sent, received
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.rows.shape[0])
+
+
+def layer_counts(weights, partition, metrics) -> LayerCounts:
+    """:class:`LayerCounts` of ``partition`` (its :class:`partition.PartitionMetrics`
+    ``metrics``: ``pair_words[k-1, m, n]`` = D^k[m, n])."""
+    P, owners = partition.parts, partition.owners
+    shape = (len(weights), P)
+    rows, prev, nl, nr = (np.zeros(shape, dtype=np.int64) for _ in range(4))
+    for k, W in enumerate(weights, start=1):
+        A = sp.coo_matrix(W)
+        own_row, own_col = owners[k][A.row], owners[k - 1][A.col]
+        local = own_row == own_col
+        rows[k - 1] = np.bincount(owners[k], minlength=P)
+        prev[k - 1] = np.bincount(owners[k - 1], minlength=P)
+        nl[k - 1] = np.bincount(own_row[local], minlength=P)
+        nr[k - 1] = np.bincount(own_row[~local], minlength=P)
+    D = np.asarray(metrics.pair_words)
+    return LayerCounts(rows, prev, nl, nr, D.sum(axis=1), D.sum(axis=2))
+
+
+def block_work(counts: LayerCounts, rank: int, batch: int, itemsize: int,
+               act_flops: int) -> dict[str, tuple[float, float]]:
+    """``{label: (FLOPs, bytes)}`` of every block of ``rank``'s training step
+    (:func:`step_program`) on ``batch`` input vectors of ``itemsize``-byte values.
+
+    FLOPs are the net's own counts (:class:`sparse_sgd.distributed.DistributedSparseNet`'s
+    block table: 2 a nonzero a vector, the bias, ``act_flops`` an element of f and f').  Bytes
+    are each block's compulsory memory traffic (Williams et al., "Optimization of sparse
+    matrix-vector multiplication on emerging multicore platforms", SC'07: a CSR product
+    streams every value and column index once and reads and writes each vector once): a
+    product of n nonzeros on r rows moves ``n (itemsize + 4) + 4 (r + 1)`` bytes of matrix,
+    the SDDMM update reads and writes the values, a gather reads its index list; vectors are
+    ``batch x itemsize`` bytes a row.  The batch staging and the class scores are not counted
+    (O(N) once a step).
+    """
+    c, B, s = counts, int(batch), int(itemsize)
+    v = B * s                                # bytes of one row of a vector block
+    out: dict[str, tuple[float, float]] = {BATCH: (0.0, 0.0), CLASS_SCORES: (0.0, 0.0)}
+    L = c.num_layers
+    rows_L = float(c.rows[L - 1, rank])
+    out[block_label(BACKWARD, OUTPUT)] = ((4 + act_flops) * rows_L * B, 3 * rows_L * v)
+    for k in range(1, L + 1):
+        r, rp = float(c.rows[k - 1, rank]), float(c.prev_rows[k - 1, rank])
+        nl, nr = float(c.nnz_local[k - 1, rank]), float(c.nnz_remote[k - 1, rank])
+        sent, got = float(c.sent[k - 1, rank]), float(c.received[k - 1, rank])
+        ptr = INDEX_BYTES * (r + 1)
+        out[block_label(PHASE_SPFF, PACK, k)] = (sent * B, 2 * sent * v + GATHER_BYTES * sent)
+        out[block_label(PHASE_SPFF, LOCAL, k)] = ((2 * nl + r) * B,
+                                                   nl * (s + INDEX_BYTES) + ptr + rp * v
+                                                   + r * v + r * s)
+        out[block_label(PHASE_SPFF, REMOTE, k)] = ((2 * nr + act_flops * r) * B,
+                                                    nr * (s + INDEX_BYTES) + ptr + got * v
+                                                    + 3 * r * v)
+        out[block_label(BACKWARD, UPDATE, k)] = (2 * (nl + nr) * B + 2 * r * B,
+                                                 (nl + nr) * (2 * s + INDEX_BYTES) + 2 * ptr
+                                                 + r * v + (rp + got) * v + 2 * r * s)
+        if k == 1:                  # s^1 would only give delta^0: layer 1 has the update only
+            continue
+        out[block_label(BACKWARD, REMOTE, k)] = (2 * nr * B, nr * (s + INDEX_BYTES) + ptr
+                                                 + r * v + got * v)
+        out[block_label(BACKWARD, LOCAL, k)] = (2 * nl * B, nl * (s + INDEX_BYTES) + ptr
+                                                + r * v + rp * v)
+        out[block_label(BACKWARD, DELTA, k)] = (sent * B + (1 + act_flops) * rp * B,
+                                                2 * sent * v + GATHER_BYTES * sent + 3 * rp * v)
+    return out

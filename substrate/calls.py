@@ -241,13 +241,15 @@ class Work:
     where the system runs it: a block on ``stream`` (``"compute"``, or ``"offload"``: a CPU
     worker beside it) after what ``after`` names.  Every rank does it; executed it runs the
     system's compute callback of its ``label``, simulated it costs a roofline of ``flops`` and
-    ``nbytes``.  Not priced as communication."""
+    ``nbytes`` plus a launch overhead for each of its ``kernels`` (one item that works tensor by
+    tensor launches its kernels once per tensor).  Not priced as communication."""
 
     label: str
     flops: float = 0.0
     nbytes: float = 0.0
     after: tuple = ()
     stream: str = "compute"
+    kernels: int = 1
 
     def involves(self, rank: int) -> bool:
         return True

@@ -313,8 +313,17 @@ def test_units_cover_the_layout_and_match_the_spec_flops():
     # layer with parameters, 1 per layer without
     block = next(u for u in units if u.name == "layer1.0")
     assert (block.forward_kernels, block.backward_kernels) == (5 + 1, 2 * 4 + 1 + 1)
+    # a paper-scale spec declared from a layer tree is costed per layer: a transformer block
+    # is one unit (its MACs the spec's, with the norms and activations on top)
     vit = resolve_model("vit-base")
     units, how = units_for_spec(vit, "vit-base")
+    assert "layer tree" in how
+    assert sum(u.hi - u.lo for u in units) == vit.layout.total
+    assert vit.flops_per_sample <= sum(u.forward_flops for u in units) \
+        < 1.01 * vit.flops_per_sample
+    # without its tree, the spec's FLOPs are split over its tensors by size
+    bare = dataclasses.replace(vit, root=None)
+    units, how = units_for_spec(bare, "vit-base")
     assert "in proportion" in how
     assert sum(u.hi - u.lo for u in units) == vit.layout.total
     assert sum(u.forward_flops for u in units) == pytest.approx(vit.flops_per_sample)
@@ -353,7 +362,7 @@ def test_cli_scales_every_data_parallel_system_and_admm_on_a_cluster(tmp_path, c
     (["--compute-s-per-sample", "-1"], "--compute-s-per-sample must be a finite number > 0"),
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--dataset-size", "0"], "--dataset-size must be an integer >= 1"),
-    (["--system", "hsgd"], "model-parallel sparse SGD"),
+    (["--system", "hsgd"], "H-SGD.s blocks are costed from their FLOPs"),
     (["--system", "nope"], "unknown system 'nope'"),
     (["--cluster", "nowhere"], "--cluster nowhere: no such file"),
     (["--link-sharing", "roulette"], "invalid choice"),

@@ -13,6 +13,7 @@ from commvol.systems import SYSTEMS, keep_rate_mask
 from hsadmm.projection import parse_sparsity, structured_mask
 from hsadmm.shrink import kept_indices
 from models import ModelSpec, ParamSpec, build_model, get_spec
+from substrate.calls import Work
 from substrate.costmodel import CostModel
 
 # T = 144 + 4 + 4 + 80 + 10 = 242 parameters, L = 5 tensors, one conv layer (4, 4, 3, 3)
@@ -359,10 +360,20 @@ def test_ssfusion_per_tensor_hand_computed():
     assert step.modeled_s["ssf_sparse_allgather"] == pytest.approx(2 * 3 * (A_X + 24 * B_X),
                                                                    rel=1e-12)
     assert (step.payload_bytes, step.dense_payload_bytes) == (48, 968)
-    # multi-tensor: one top-K_i per buffer, the same K_i: the same traffic
+    # multi-tensor: one top-K_i per buffer, the same K_i: the same traffic (its compute items
+    # launch one selection a buffer instead of one a tensor)
     multi = _p("ssfusion", fusion="multi-tensor", fusion_policy="count", buffers=2,
                profile_steps=2)
-    assert multi.steady == step and iteration_cost(multi, 1) == iteration_cost(pred, 1)
+
+    def traffic(c):
+        return c.phases, c.messages, c.modeled_s, c.payload_bytes, c.dense_payload_bytes
+
+    assert traffic(multi.steady) == traffic(step)
+    assert iteration_cost(multi, 1) == iteration_cost(pred, 1)
+    kernels = {w.label: w.kernels for w in step.calls if isinstance(w, Work)}
+    multi_kernels = {w.label: w.kernels for w in multi.steady.calls if isinstance(w, Work)}
+    assert kernels["ssf_sparsify[0]"] == 3 * multi_kernels["ssf_sparsify[0]"]  # 3 tensors
+    assert kernels["ssf_sparsify[1]"] == 2 * multi_kernels["ssf_sparsify[1]"]  # 2 tensors
     # the whole run equals volume.ssfusion.run_bytes (no decision with fixed buffers)
     from volume.ssfusion import run_bytes
 

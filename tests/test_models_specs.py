@@ -64,7 +64,7 @@ PUBLISHED = {
     "bert-base": 109_482_240, "bert-large": 335_141_888, "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200, "vit-base": 86_567_656, "vit-large": 304_326_632,
     "swin-t": 28_288_354, "llama-134m": 134_105_856, "vgg19": 143_667_240,
-    "resnet152-imagenet": 60_192_808,
+    "resnet152-imagenet": 60_192_808, "resnet50-imagenet": 25_557_032,
 }
 
 

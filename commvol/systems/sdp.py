@@ -14,6 +14,7 @@ import numpy as np
 
 from dataparallel.sdp import BCAST, GATED, SDPOptions, SDPPlan
 from models import MODELS, build_model
+from models.specs import SPEC_LAYERS, spec_layers
 from substrate.calls import Call, Placement, price
 from substrate.options import option
 
@@ -39,15 +40,31 @@ class SDPAssumptions:
                              f"0: only after the last step), got {self.eval_every!r}")
 
 
+@dataclass(frozen=True)
+class _ShapeModel:
+    """What SDP's plan reads of a model (:func:`dataparallel.sdp.plan_masks`): the layer tree,
+    the flat layout and the buffers (none in a transformer), nothing allocated; the planning
+    model of a paper-scale transformer spec (LLaMA-134M, Swin-T, ...)."""
+
+    name: str
+    root: object
+    layout: object
+    buffers: dict
+
+
 def _planning_model(spec):
-    """The trainable model of ``spec``'s name (SDP's masks follow the layer tree, which a
-    shape-only spec lacks); its layout must be the spec's."""
+    """The model of ``spec``'s name whose layer tree SDP's masks follow (a shape-only spec
+    lacks one): the trainable model of a CIFAR ResNet or of the trainers, the declared layer
+    tree of a transformer spec (:func:`models.specs.spec_layers`); its layout must be the
+    spec's."""
     if spec.name in SPEC_ARCH:
         model = build_trainable(spec.name)
     elif spec.name in MODELS:
         model = build_model(spec.name, spec.input_shape, spec.num_classes)
+    elif spec.name in SPEC_LAYERS:
+        model = _ShapeModel(spec.name, spec_layers(spec.name), spec.layout, {})
     else:
-        names = sorted(set(MODELS) | set(SPEC_ARCH))
+        names = sorted(set(MODELS) | set(SPEC_ARCH) | set(SPEC_LAYERS))
         raise ValueError(f"--system sdp plans its masks on the model's layers; model "
                          f"{spec.name!r} has none: use one of {names}")
     if [(n, model.layout.shape(n)) for n in model.layout.names] != \

@@ -75,6 +75,14 @@ class SSFusionAssumptions:
         None, "ssfusion selective: l'_i per fusion buffer (a run's metrics.selection.split; "
         "with --dense-tensors) instead of the T1+T2 split on the assumed profile",
         type=_split_list)
+    fusion_buffers: tuple | None = option(
+        None, "ssfusion: the fusion buffers as (t0, t1) tensor ranges in backward order (e.g. "
+        "Cupcake's on a cluster's alpha-beta, decided by the caller) instead of the fusion "
+        "policy's on the assumed profile", cli=False)
+    profile: tuple | None = option(
+        None, "ssfusion: the warm-up profile per tensor, (T_b, T_sp, T_cpu) in seconds, one "
+        "entry per tensor in backward order (e.g. from a device model) instead of the uniform "
+        "--backward-ns / --sparsify-ns", cli=False)
 
     def __post_init__(self) -> None:
         for flag, v in (("--backward-ns", self.backward_ns),
@@ -88,6 +96,19 @@ class SSFusionAssumptions:
                                     or self.interleave_split is not None):
             raise ValueError("--selection-from takes the dense tensors and splits from the run; "
                              "drop --dense-tensors / --interleave-split, or --selection-from")
+        if self.fusion_buffers is not None:
+            object.__setattr__(self, "fusion_buffers",
+                               tuple((int(a), int(b)) for a, b in self.fusion_buffers))
+            if self.selection_from:
+                raise ValueError("--selection-from takes the fusion buffers from the run; drop "
+                                 "the given buffers, or --selection-from")
+        if self.profile is not None:
+            prof = tuple(tuple(float(v) for v in t) for t in self.profile)
+            if len(prof) != 3 or len({len(t) for t in prof}) != 1 or \
+                    not all(math.isfinite(v) and v >= 0 for t in prof for v in t):
+                raise ValueError("profile must be (T_b, T_sp, T_cpu): three sequences of finite "
+                                 "seconds >= 0, one entry per tensor")
+            object.__setattr__(self, "profile", prof)
         if self.interleave_split is not None and self.dense_tensors is None:
             raise ValueError("--interleave-split needs --dense-tensors (the split places the "
                              "dense tensors); pass both, or --selection-from a run")
@@ -127,15 +148,24 @@ def ssfusion_plan(spec, p: int, link: str, options: SSFusionOptions,
     sizes = [int(spec.layout.sizes[n]) for n in names]
     index = {n: i for i, n in enumerate(names)}
     n = np.asarray(sizes, dtype=np.float64)
-    profile = (a.backward_ns * 1e-9 * n, a.sparsify_ns * 1e-9 * n, a.sparsify_ns * 1e-9 * n)
+    if a.profile is not None:
+        if len(a.profile[0]) != len(names):
+            raise ValueError(f"the given profile has {len(a.profile[0])} entries per field; "
+                             f"model {spec.name!r} has {len(names)} tensors")
+        profile = tuple(np.asarray(t, dtype=np.float64) for t in a.profile)
+    else:
+        profile = (a.backward_ns * 1e-9 * n, a.sparsify_ns * 1e-9 * n,
+                   a.sparsify_ns * 1e-9 * n)
     given = [f for f, v in (("--dense-tensors", a.dense_tensors),
                             ("--interleave-split", a.interleave_split)) if v is not None]
     if given and o.fusion != "selective":
         raise ValueError(f"{', '.join(given)} set(s) the selective mode's selection; use "
                          f"--fusion selective or drop them (got --fusion {o.fusion})")
     kw: dict = {}
-    source = (f"assumed profile (T_b = {a.backward_ns:g} ns, T_sp = {a.sparsify_ns:g} ns per "
-              "parameter) and the alpha-beta model" if needs_profile(o) else "the options")
+    assumed = ("the given per-tensor profile" if a.profile is not None else
+               f"assumed profile (T_b = {a.backward_ns:g} ns, T_sp = {a.sparsify_ns:g} ns per "
+               "parameter)")
+    source = f"{assumed} and the alpha-beta model" if needs_profile(o) else "the options"
     if a.selection_from:
         m = _recorded(a.selection_from, o.fusion)
         bufs, t = [], 0
@@ -151,7 +181,10 @@ def ssfusion_plan(spec, p: int, link: str, options: SSFusionOptions,
             kw["dense"] = [index[nm] for nm in m["selection"]["dense"]]
             kw["split"] = [int(v) for v in m["selection"]["split"]]
         source = f"recorded by the run ({a.selection_from})"
-    elif a.dense_tensors is not None:
+    if a.fusion_buffers is not None:
+        kw["buffers"] = list(a.fusion_buffers)
+        source = "given fusion buffers; the rest on the " + source
+    if a.dense_tensors is not None:
         unknown = [nm for nm in a.dense_tensors if nm not in index]
         if unknown:
             raise ValueError(f"--dense-tensors: {unknown} are not tensors of model "

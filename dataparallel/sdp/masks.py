@@ -96,10 +96,12 @@ def _chain_groups(items: list[tuple[str, object]], what: str) -> list[NeuronGrou
 
 def residual_blocks(model) -> list[tuple[str, object]]:
     """``(prefix, block)`` of every residual block (BasicBlock / Bottleneck, and a transformer's
-    pre-norm Attention + MLP block: SDP's block unit on Swin and LLaMA), forward order.  A block
-    whose tensors are all zero on a worker is the identity there."""
+    pre-norm Attention + MLP block: SDP's block unit on Swin and LLaMA; a shape-only block of a
+    paper-scale spec says so with ``residual_block = True``, e.g. Swin-T's), forward order.  A
+    block whose tensors are all zero on a worker is the identity there."""
     return [(prefix, layer) for prefix, layer in model.root.walk()
-            if isinstance(layer, (BasicBlock, Bottleneck, TransformerBlock))]
+            if isinstance(layer, (BasicBlock, Bottleneck, TransformerBlock))
+            or getattr(layer, "residual_block", False)]
 
 
 def neuron_groups(model) -> list[list[NeuronGroup]]:

@@ -14,7 +14,7 @@ import numpy as np
 from substrate.calls import Call, Placement, Ready, Work
 
 from ..codec import INDEX_BYTES, VALUE_BYTES, SparseRow
-from ..sparsify import selection_flops
+from ..sparsify import selection_flops, selection_kernels
 from .options import SSFusionOptions, needs_profile
 from .selection import (
     alpha_beta_times,
@@ -234,6 +234,30 @@ class SSFusionPlan:
         momentum (``2n``) and the copy into its send buffer (``n``)."""
         return 2.0 * n * bool(momentum) + float(n)
 
+    def segment_kernels(self, n: int, k: int, momentum: bool) -> int:
+        """Kernel launches of sparsifying one segment (what the strategy's ``_select`` issues):
+        momentum ``u *= μ; u += g`` (2), error feedback ``a = e + u`` (1), the selection
+        (:func:`dataparallel.sparsify.selection_kernels`), the gather of the sent values (1),
+        their values and indices into the row (2), the residual's update (2) and the velocity's
+        masking (1)."""
+        return (selection_kernels(n, k, self.sparsifier, self.sample_ratio)
+                + (3 if momentum else 0) + (3 if self.error_feedback else 0) + 3)
+
+    @staticmethod
+    def dense_kernels(momentum: bool) -> int:
+        """Kernel launches of a dense tensor in a sparse step: momentum (2) and the copy into
+        its send buffer (1)."""
+        return 2 * bool(momentum) + 1
+
+    def part_kernels(self, buf: FusionBuffer, head: bool, momentum: bool) -> int:
+        """Kernel launches of the part of ``buf`` before its split (``head``) or after it: a
+        tensor-by-tensor loop, so every dense tensor and every segment not offloaded launches
+        its own (:meth:`dense_kernels`, :meth:`segment_kernels`)."""
+        dense = buf.ar if head else buf.agd
+        return (len(dense) * self.dense_kernels(momentum)
+                + sum(self.segment_kernels(s.b - s.a, s.k, momentum) for s in buf.segments
+                      if buf.head(s) == head and not s.offload))
+
     def part_flops(self, buf: FusionBuffer, head: bool, momentum: bool) -> float:
         """Element operations on the compute stream of the part of ``buf`` before its split
         (``head``) or after it: its dense tensors and its segments not offloaded."""
@@ -248,6 +272,12 @@ class SSFusionPlan:
         full = per_tensor_counts(self.sizes, self.density)
         return float(sum(selection_flops(n, k, self.sparsifier, self.sample_ratio)
                          for n, k in zip(self.sizes, full)))
+
+    def profile_kernels(self) -> int:
+        """Kernel launches of one warm-up step's profiling (a selection per tensor)."""
+        full = per_tensor_counts(self.sizes, self.density)
+        return int(sum(selection_kernels(n, k, self.sparsifier, self.sample_ratio)
+                       for n, k in zip(self.sizes, full)))
 
     # -- the records of one step ------------------------------------------------------------------
     def calls(self, placement: Placement, kind: str = "sparse", decided: bool = False, *,
@@ -284,8 +314,10 @@ class SSFusionPlan:
         ``ssf_unpack_sparse[i]``: compute after their call) closes the list.
 
         Compute items (:class:`~substrate.calls.Work`) carry their element operations
-        (:meth:`part_flops`, :meth:`segment_flops` for the worker's) and
-        :data:`WORK_BYTES_PER_FLOP` bytes per operation.
+        (:meth:`part_flops`, :meth:`segment_flops` for the worker's),
+        :data:`WORK_BYTES_PER_FLOP` bytes per operation and their kernel launches
+        (:meth:`part_kernels`, :meth:`segment_kernels`: tensor by tensor, so per-tensor
+        sparsification pays a selection's launches for every tensor, multi-tensor once a buffer).
         """
         if kind not in STEP_KINDS:
             raise ValueError(f"step kind {kind!r} unknown; use one of {STEP_KINDS}")
@@ -296,9 +328,10 @@ class SSFusionPlan:
             out.append(item)
             return len(out) - 1
 
-        def work(label: str, flops: float, after: tuple, stream: str = "compute") -> int:
+        def work(label: str, flops: float, after: tuple, stream: str = "compute",
+                 kernels: int = 1) -> int:
             return add(Work(label, flops=float(flops), nbytes=WORK_BYTES_PER_FLOP * float(flops),
-                            after=after, stream=stream))
+                            after=after, stream=stream, kernels=int(kernels)))
 
         def chain(*items) -> tuple:
             return tuple(i for i in items if i is not None)
@@ -308,9 +341,10 @@ class SSFusionPlan:
             before: list[int] = []
             profiling = self.profiled if profiling is None else profiling
             if profiling:
-                before.append(work("ssf_profile", self.profile_flops(), (whole,)))
+                before.append(work("ssf_profile", self.profile_flops(), (whole,),
+                                   kernels=self.profile_kernels()))
             if momentum:
-                before.append(work("ssf_momentum", 2.0 * self.total, (whole,)))
+                before.append(work("ssf_momentum", 2.0 * self.total, (whole,), kernels=2))
             prev = None
             for j, (t0, t1) in enumerate(self.warmup_buffers):
                 a, b = off[t0], off[t1]
@@ -327,7 +361,8 @@ class SSFusionPlan:
         def offload(buf: FusionBuffer, head: bool) -> list[int]:
             """The worker's items of ``buf``'s offloaded segments before / after its split."""
             return [work(f"ssf_offload[{s.sid}]", self.segment_flops(s.b - s.a, s.k, momentum),
-                         (Ready(s.a, s.b),), stream="offload")
+                         (Ready(s.a, s.b),), stream="offload",
+                         kernels=self.segment_kernels(s.b - s.a, s.k, momentum))
                     for s in buf.segments if s.offload and buf.head(s) == head]
 
         unpack: list = []
@@ -338,17 +373,20 @@ class SSFusionPlan:
             offloaded = offload(buf, True)
             if buf.c > buf.a:
                 head = work(f"ssf_sparsify_ar[{i}]", self.part_flops(buf, True, momentum),
-                            (Ready(buf.a, buf.c),))
+                            (Ready(buf.a, buf.c),),
+                            kernels=self.part_kernels(buf, True, momentum))
             if buf.n_ar:
                 prev = add(Call(DENSE, "allreduce", world, VALUE_BYTES * buf.n_ar, VALUE_BYTES,
                                 op="avg", after=(Ready(buf.a, buf.c), *chain(head, prev)),
                                 label=f"{DENSE}[{i}]", wait=False))
                 unpack.append(Work(f"ssf_unpack_dense[{i}]", flops=float(buf.n_ar),
-                                   nbytes=WORK_BYTES_PER_FLOP * float(buf.n_ar), after=(prev,)))
+                                   nbytes=WORK_BYTES_PER_FLOP * float(buf.n_ar), after=(prev,),
+                                   kernels=len(buf.ar)))
             offloaded += offload(buf, False)
             if buf.b > buf.c:
                 tail = work(f"ssf_sparsify[{i}]", self.part_flops(buf, False, momentum),
-                            (Ready(buf.c, buf.b),))
+                            (Ready(buf.c, buf.b),),
+                            kernels=self.part_kernels(buf, False, momentum))
             collect = work(f"ssf_offload_wait[{i}]", 0.0, tuple(offloaded)) if offloaded \
                 else None
             row = buf.row
@@ -357,8 +395,12 @@ class SSFusionPlan:
                                 itemsize=INDEX_BYTES, label=f"{SPARSE}[{i}]", wait=False,
                                 after=(Ready(buf.a, buf.b), *chain(head, tail, collect, prev))))
                 flops = float(p * buf.n_agd + 2 * p * buf.K + buf.b - buf.a)
+                # the dense blocks' sum (2) and copies, the scatter-mean (3), the copies back
+                kernels = (2 + len(buf.agd) if buf.n_agd else 0) + \
+                    (3 + len(buf.segments) if buf.K else 0)
                 unpack.append(Work(f"ssf_unpack_sparse[{i}]", flops=flops,
-                                   nbytes=WORK_BYTES_PER_FLOP * flops, after=(prev,)))
+                                   nbytes=WORK_BYTES_PER_FLOP * flops, after=(prev,),
+                                   kernels=kernels))
         return out + unpack
 
     # -- the broadcast form -----------------------------------------------------------------------
