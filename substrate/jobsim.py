@@ -274,6 +274,9 @@ class JobSim:
         #: with ``record_events``: every rank's compute blocks and calls, ``{"label", "kind",
         #: "lane", "start", "finish", "step", ...}`` (a call: its phase, bytes, algorithm)
         self.events = [[] for _ in programs] if record_events else None
+        #: run FIFO links compiled (:mod:`substrate.jobsim_kernel`, the same times bitwise)
+        #: where Numba is installed; False: the Python loop below
+        self.compiled = True
 
     # -- requests and processes ------------------------------------------------------------------
     def _complete(self, req: _Req) -> None:
@@ -521,6 +524,21 @@ class JobSim:
         """Simulate every program to its end; returns each rank's times at its step
         boundaries."""
         ops = [self._program_ops(r) for r in range(len(self.programs))]
+        if self.compiled and self.link_sharing == "fifo" and self.events is None \
+                and type(self) is JobSim:
+            try:
+                from . import jobsim_kernel   # noqa: PLC0415 (Numba, loaded when used)
+            except ImportError:
+                jobsim_kernel = None
+            if jobsim_kernel is not None:
+                try:
+                    stuck = jobsim_kernel.simulate(self, ops)
+                except NotImplementedError:
+                    pass
+                else:
+                    if stuck is not None:
+                        self._stuck(stuck)
+                    return self.steps
         for r in range(len(self.programs)):
             self._spawn(self._rank(r, ops[r]), r)
         while True:
@@ -551,10 +569,13 @@ class JobSim:
             while self._timers and self._timers[0][0] <= self.now:
                 heapq.heappop(self._timers)[2]()
         if self._alive:
-            stuck = sorted({p.rank for p in self._waiting_procs()})
-            raise RuntimeError(f"JobSim: ranks {stuck} wait for messages nobody sends (the "
-                               "programs do not match: record them again from one run)")
+            self._stuck(sorted({p.rank for p in self._waiting_procs()}))
         return self.steps
+
+    @staticmethod
+    def _stuck(ranks: list) -> None:
+        raise RuntimeError(f"JobSim: ranks {ranks} wait for messages nobody sends (the "
+                           "programs do not match: record them again from one run)")
 
     def _waiting_procs(self):
         seen = []
@@ -768,7 +789,7 @@ class JobSim:
             return
         sched, key, member = self._schedule(call)
         group = call.group
-        i = member[r]
+        i = self._member(call, member, r)
         if self._call_s and call.size > 1:     # the library's software overhead of a call
             yield "sleep", self._call_s
         for rnd in sched.rounds(i):
@@ -785,7 +806,7 @@ class JobSim:
         entered the same call (the n-th all-to-all of the group on each)."""
         group, p = call.group, call.size
         key, member = self._group(call)
-        i = member[r]
+        i = self._member(call, member, r)
         n = self._a2a_count[(group, r)] = self._a2a_count.get((group, r), 0) + 1
         slot = self._a2a.setdefault((group, n), ({}, _Req()))
         rows, everyone = slot
@@ -820,6 +841,14 @@ class JobSim:
             group = self._groups[call.group] = (
                 len(self._groups), {r: i for i, r in enumerate(call.group)})
         return group
+
+    @staticmethod
+    def _member(call: Call, member: dict, r: int) -> int:
+        i = member.get(r)
+        if i is None:
+            raise ValueError(f"JobSim: rank {r} runs call {call.label or call.phase} of group "
+                             f"{call.group}, which it is not in (the programs do not match)")
+        return i
 
 
 def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:
