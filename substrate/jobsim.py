@@ -527,7 +527,7 @@ class JobSim:
         if self.compiled and self.link_sharing == "fifo" and self.events is None \
                 and type(self) is JobSim:
             try:
-                from . import jobsim_kernel   # noqa: PLC0415 (Numba, loaded when used)
+                from . import jobsim_kernel  # noqa: PLC0415 (Numba, loaded when used)
             except ImportError:
                 jobsim_kernel = None
             if jobsim_kernel is not None:

@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
+from . import schedule
 from .jobsim import (
     _EPS_BYTES,
     _OP_CALL,
@@ -476,7 +477,7 @@ def _downlink_input(S, port, rate):
     if d[3] == 0.0:
         d[0], d[1], d[2], d[3] = 0.0, 0.0, now, 1.0
     w = d[0] + (d[1] - S.sf[_F_INTER_BW]) * (now - d[2])
-    d[0] = w if w > 0.0 else 0.0        # max(0.0, w)
+    d[0] = w if w > 0.0 else 0.0  # noqa: FURB136 (Python's max(0.0, w), to the bit)
     d[1] += rate
     d[2] = now
 
@@ -844,7 +845,7 @@ def run(S):
                 _worker(S, proc, sends, recvs)
         if si[_S_HEAP] == 0:
             return 0
-        if S.ht[0] > sf[_F_NOW]:
+        if S.ht[0] > sf[_F_NOW]:  # noqa: PLR1730 (Python's max(t, now), to the bit)
             sf[_F_NOW] = S.ht[0]
         while si[_S_HEAP] > 0 and S.ht[0] <= sf[_F_NOW]:
             _pop(S, ev)
@@ -885,8 +886,6 @@ class _Encoded:
     Raises :class:`NotImplementedError` for a schedule not compiled here."""
 
     def __init__(self, sim, ops_of) -> None:
-        from . import schedule
-
         self._kinds = (schedule._Scaled, schedule._RingAllgather, schedule._BinomialBcast,
                        schedule._Dissemination)
         n = len(ops_of)
@@ -955,8 +954,6 @@ class _Encoded:
     def _call(self, sim, call, r: int) -> tuple:
         """``(row, member)`` of rank ``r``'s collective call; ``(-1, error)`` where the Python
         loop raises."""
-        from . import schedule
-
         try:
             sched, gid, member = sim._schedule(call)
             i = sim._member(call, member, r)
@@ -1042,15 +1039,16 @@ def _state(sim, enc: _Encoded, caps: dict) -> State:
         si=si, sf=sf, steps=np.zeros(enc.steps + 1))
 
 
-def simulate(sim, ops_of) -> list | None:
+def simulate(sim, ops_of, caps: int | None = None) -> list | None:
     """Run ``sim`` (a :class:`JobSim` with FIFO links) on its ranks' operations ``ops_of``:
     sets its ``steps``, ``now``, ``moved`` and ``ack_bytes`` as :meth:`JobSim.run` does and
     returns the ranks left waiting for a receive (``None``: every thread ended).  Raises
-    :class:`NotImplementedError` for what is not compiled (the caller runs Python)."""
+    :class:`NotImplementedError` for what is not compiled (the caller runs Python).  ``caps``:
+    the rows each pool starts with (default ``4 n + 256`` for ``n`` ranks)."""
     enc = _Encoded(sim, ops_of)
     n = len(ops_of)
     caps = dict.fromkeys(("messages", "receives", "waits", "match keys", "connections",
-                          "timers"), 4 * n + 256)
+                          "timers"), caps or 4 * n + 256)
     while True:
         S = _state(sim, enc, caps)
         try:
