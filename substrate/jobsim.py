@@ -277,6 +277,9 @@ class JobSim:
         #: run FIFO links compiled (:mod:`substrate.jobsim_kernel`, the same times bitwise)
         #: where Numba is installed; False: the Python loop below
         self.compiled = True
+        #: what the compiled run counted: ``{"messages", "timers", "thread turns"}`` (messages
+        #: with the acknowledgements'); None after the Python loop
+        self.counts = None
 
     # -- requests and processes ------------------------------------------------------------------
     def _complete(self, req: _Req) -> None:

@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, types
-from numba.typed import Dict
+from numba import njit
 
 from . import schedule
 from .jobsim import (
@@ -47,6 +46,11 @@ from .jobsim import (
 )
 
 __all__ = ["PoolFull", "State", "rounds", "run", "simulate"]
+
+#: the kernel's functions: compiled once into Numba's cache, and without the runtime's reference
+#: counts (every array is :class:`State`'s, made in Python; counting the references of its
+#: arrays at every call cost half the time)
+_jit = njit(cache=True, _nrt=False)
 
 _OP_END = 99                            # a rank's thread ends
 
@@ -84,7 +88,7 @@ _T_WAKE, _T_QUEUE, _T_ARRIVE, _T_FABRIC, _T_UPLINK = range(5)
 # scalars (``State.si``, ``State.sf``)
 (_S_SEQ, _S_HEAP, _S_RHEAD, _S_RCOUNT, _S_ALIVE, _S_MFREE, _S_RFREE, _S_WFREE, _S_NREQ,
  _S_NPROC, _S_NKEY, _S_NPAIR, _S_ERROR, _S_N, _S_NPORTS, _S_SHARED, _S_TIERS,
- _S_NTIERS) = range(18)
+ _S_NTIERS, _S_NMSG, _S_NPOP, _S_NRUN) = range(21)
 (_F_NOW, _F_INTRA, _F_INTER, _F_ACK, _F_INTRA_BW, _F_INTER_BW, _F_INTRA_LAT, _F_CALL_S,
  _F_EAGER, _F_ACK_OVERHEAD, _F_LATENCY) = range(11)
 
@@ -102,25 +106,28 @@ State = namedtuple("State", [
     "req", "wnode",         # programs' requests, their waiters
     "handles",              # every rank's requests by entry (from its first handle)
     "msg", "mbytes",        # messages, their bytes
-    "keys", "kq", "recv",   # match key -> row of kq (send head, tail, receive head, tail);
-                            # unmatched receives (request, thread, next)
-    "pairs", "pq",          # connection -> row of pq (moving message, queue head, tail)
+    "keys", "kq", "recv",   # match key -> row of kq (a hash table, :func:`_row_of`); kq: send
+                            # head, tail, receive head, tail; unmatched receives (request,
+                            # thread, next)
+    "pairs", "pq",          # connection -> row of pq (a hash table); pq: moving message, queue
+                            # head, tail
     "uq", "down",           # uplink queues (head, tail); downlinks (bytes waiting, input
                             # rate, at time, set)
     "ht", "hi",             # timers
     "si", "sf",             # scalars
+    "sends", "recvs", "ev",  # a round's sends (peer, bytes) and receives, a timer's fields
     "steps"])               # every rank's step times (from its first)
 
 
 # -- requests and threads ----------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _ready(S, proc):
     cap = S.ready.shape[0]
     S.ready[(S.si[_S_RHEAD] + S.si[_S_RCOUNT]) % cap] = proc
     S.si[_S_RCOUNT] += 1
 
 
-@njit(cache=True)
+@_jit
 def _complete(S, req):
     """A program's request is done (:meth:`JobSim._complete`): its waiters, in the order they
     began to wait, may go on."""
@@ -140,7 +147,7 @@ def _complete(S, req):
     S.req[req, _Q_WTAIL] = -1
 
 
-@njit(cache=True)
+@_jit
 def _notify(S, req, proc):
     """A message's send or receive is done: a program's request, or one of the requests of a
     collective's round, which its thread counts instead of keeping."""
@@ -153,7 +160,7 @@ def _notify(S, req, proc):
             _ready(S, proc)
 
 
-@njit(cache=True)
+@_jit
 def _wait_on(S, proc, req):
     """``proc`` waits for ``req`` too (its last waiter)."""
     w = S.si[_S_WFREE]
@@ -170,14 +177,14 @@ def _wait_on(S, proc, req):
     S.procs[proc, _P_WAITING] += 1
 
 
-@njit(cache=True)
+@_jit
 def _new_req(S):
     req = S.si[_S_NREQ]
     S.si[_S_NREQ] = req + 1
     return req
 
 
-@njit(cache=True)
+@_jit
 def _spawn(S, kind, rank):
     """A new thread of ``rank``, ready (:meth:`JobSim._spawn`)."""
     proc = S.si[_S_NPROC]
@@ -192,7 +199,7 @@ def _spawn(S, kind, rank):
     return proc
 
 
-@njit(cache=True)
+@_jit
 def _at(S, t, kind, a, b, c):
     """A timer at ``t``, after every timer set before it for ``t`` (:meth:`JobSim._at`)."""
     S.si[_S_SEQ] += 1
@@ -219,7 +226,7 @@ def _at(S, t, kind, a, b, c):
     S.si[_S_HEAP] = n + 1
 
 
-@njit(cache=True)
+@_jit
 def _pop(S, out):
     """The first timer's kind and arguments into ``out``, and off the heap."""
     ht, hi = S.ht, S.hi
@@ -249,12 +256,13 @@ def _pop(S, out):
 
 
 # -- messages ----------------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _new_msg(S, src, dst, nbytes, flags):
     m = S.si[_S_MFREE]
     if m < 0:
         raise PoolFull("messages")
     M = S.msg
+    S.si[_S_NMSG] += 1
     S.si[_S_MFREE] = M[m, _M_LINK]
     M[m, :] = -1
     M[m, _M_SRC] = src
@@ -264,7 +272,7 @@ def _new_msg(S, src, dst, nbytes, flags):
     return m
 
 
-@njit(cache=True)
+@_jit
 def _free_if_done(S, m):
     """A message arrived, matched and off its link is forgotten (its row reused)."""
     f = S.msg[m, _M_FLAGS]
@@ -273,21 +281,43 @@ def _free_if_done(S, m):
         S.si[_S_MFREE] = m
 
 
-@njit(cache=True)
+@_jit
+def _row_of(table, key, new):
+    """The row of ``key`` in a hash table of ``(key, row)`` (open addressing, linear probing,
+    rows >= 0; -1: empty), which gets row ``new`` when ``key`` is not there (``new`` < 0:
+    look only).  Returns the row, or -1 when ``key`` was not there."""
+    mask = table.shape[0] - 1
+    h = key * -7046029254386353131          # Fibonacci hashing (2^64 / golden ratio)
+    i = (h ^ (h >> 32)) & mask
+    while table[i, 1] >= 0:
+        if table[i, 0] == key:
+            return table[i, 1]
+        i = (i + 1) & mask
+    if new >= 0:
+        table[i, 0] = key
+        table[i, 1] = new
+    return -1
+
+
+@_jit
 def _key_row(S, key):
     """The match queues of ``key`` (made empty on first use)."""
-    if key in S.keys:
-        return S.keys[key]
     row = S.si[_S_NKEY]
-    if row >= S.kq.shape[0]:
+    full = row >= S.kq.shape[0]
+    got = _row_of(S.keys, key, -1 if full else row)
+    if got >= 0:
+        return got
+    if full:
         raise PoolFull("match keys")
     S.si[_S_NKEY] = row + 1
-    S.keys[key] = row
-    S.kq[row, :] = -1
+    S.kq[row, 0] = -1
+    S.kq[row, 1] = -1
+    S.kq[row, 2] = -1
+    S.kq[row, 3] = -1
     return row
 
 
-@njit(cache=True)
+@_jit
 def _alpha(S, src, dst):
     """:meth:`JobSim._alpha`: the latency by the switch tiers the message climbs."""
     a, b = S.rank[src, _R_NODE], S.rank[dst, _R_NODE]
@@ -302,12 +332,12 @@ def _alpha(S, src, dst):
     return S.sf[_F_LATENCY + climbs]
 
 
-@njit(cache=True)
+@_jit
 def _launch(S, m, t):
     _at(S, t + _alpha(S, S.msg[m, _M_SRC], S.msg[m, _M_DST]), _T_QUEUE, m, 0, 0)
 
 
-@njit(cache=True)
+@_jit
 def _matched(S, m, rreq, rproc):
     """Message ``m`` meets its receive (:meth:`JobSim._matched`); True when the receive is
     done at once (``rreq`` completed; ``rproc`` not counted: the caller's business)."""
@@ -325,7 +355,7 @@ def _matched(S, m, rreq, rproc):
     return False
 
 
-@njit(cache=True)
+@_jit
 def _send(S, src, dst, key, nbytes, sreq, sproc):
     """:meth:`JobSim._send`: the send's request is ``sreq`` (a program's) or one of
     ``sproc``'s round requests, counted there until it is done."""
@@ -364,7 +394,7 @@ def _send(S, src, dst, key, nbytes, sreq, sproc):
         _notify(S, -1, rproc)           # (counted when it was posted)
 
 
-@njit(cache=True)
+@_jit
 def _recv(S, key, rreq, rproc):
     """:meth:`JobSim._recv`: the receive's request is ``rreq`` (a program's) or one of
     ``rproc``'s round requests, counted there until it is done."""
@@ -394,22 +424,25 @@ def _recv(S, key, rreq, rproc):
 
 
 # -- links -------------------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _pair_row(S, m):
     """The connection of ``m``'s two ranks (a link of its own inside a node)."""
     key = S.msg[m, _M_SRC] * S.si[_S_N] + S.msg[m, _M_DST]
-    if key in S.pairs:
-        return S.pairs[key]
     row = S.si[_S_NPAIR]
-    if row >= S.pq.shape[0]:
+    full = row >= S.pq.shape[0]
+    got = _row_of(S.pairs, key, -1 if full else row)
+    if got >= 0:
+        return got
+    if full:
         raise PoolFull("connections")
     S.si[_S_NPAIR] = row + 1
-    S.pairs[key] = row
-    S.pq[row, :] = -1
+    S.pq[row, 0] = -1
+    S.pq[row, 1] = -1
+    S.pq[row, 2] = -1
     return row
 
 
-@njit(cache=True)
+@_jit
 def _own_link(S, m):
     """A message inside a node whose ranks each have a link to each other (not a shared
     fabric): one connection per pair, one message at a time; every other goes through FIFO
@@ -418,7 +451,7 @@ def _own_link(S, m):
         and not S.si[_S_SHARED]
 
 
-@njit(cache=True)
+@_jit
 def _queue(S, m):
     """:meth:`JobSim._queue` (timer: one latency after leaving)."""
     if _own_link(S, m):
@@ -434,7 +467,7 @@ def _queue(S, m):
         _arrive(S, m)
 
 
-@njit(cache=True)
+@_jit
 def _move(S, m):
     """:meth:`JobSim._move`; True when ``m`` has no bytes to move (the caller has it
     arrive)."""
@@ -469,7 +502,7 @@ def _move(S, m):
     return False
 
 
-@njit(cache=True)
+@_jit
 def _downlink_input(S, port, rate):
     """:meth:`JobSim._downlink_input`."""
     d = S.down[port]
@@ -482,7 +515,7 @@ def _downlink_input(S, port, rate):
     d[2] = now
 
 
-@njit(cache=True)
+@_jit
 def _uplink_send(S, port):
     """:meth:`JobSim._uplink_send`."""
     m = S.uq[port, 0]
@@ -495,7 +528,7 @@ def _uplink_send(S, port):
     _at(S, now + S.mbytes[m] / S.sf[_F_INTER_BW], _T_UPLINK, port, m, dst)
 
 
-@njit(cache=True)
+@_jit
 def _next_on(S, port):
     """:meth:`JobSim._next_on`."""
     m = S.uq[port, 0]
@@ -509,7 +542,7 @@ def _next_on(S, port):
         _uplink_send(S, port)
 
 
-@njit(cache=True)
+@_jit
 def _uplink_sent(S, port, m, dst):
     """:meth:`JobSim._uplink_sent`."""
     _downlink_input(S, dst, -S.sf[_F_INTER_BW])
@@ -521,7 +554,7 @@ def _uplink_sent(S, port, m, dst):
     _next_on(S, port)
 
 
-@njit(cache=True)
+@_jit
 def _arrive(S, m):
     """:meth:`JobSim._arrive`; a message of no bytes that its pair's queue releases arrives at
     once, the next turn of the loop."""
@@ -563,7 +596,7 @@ def _arrive(S, m):
 
 
 # -- collectives -------------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _bit_length(x):
     n = 0
     while x > 0:
@@ -572,7 +605,7 @@ def _bit_length(x):
     return n
 
 
-@njit(cache=True)
+@_jit
 def _kids(rel, p, out):
     """:func:`substrate.schedule.binomial_children` into ``out``; returns how many."""
     low = rel & -rel if rel else 1 << _bit_length(max(p - 1, 0))
@@ -585,7 +618,7 @@ def _kids(rel, p, out):
     return k
 
 
-@njit(cache=True)
+@_jit
 def _n_rounds(calls, c, i, kids):
     p = calls[c, _C_P]
     if p <= 1:
@@ -605,7 +638,7 @@ def _n_rounds(calls, c, i, kids):
     return n
 
 
-@njit(cache=True)
+@_jit
 def _round(calls, data, c, i, s, sends, recvs):
     """Member ``i``'s round ``s`` of call ``c`` (:meth:`substrate.schedule.Schedule.rounds`,
     in bytes): ``sends`` rows (peer, bytes), ``recvs`` peers; returns how many of each."""
@@ -631,10 +664,9 @@ def _round(calls, data, c, i, s, sends, recvs):
         if rel and s == 0:              # from the parent
             recvs[0] = (rel - (rel & -rel) + root) % p
             return 0, 1
-        kids = np.empty(64, np.int64)
-        n = _kids(rel, p, kids)
+        n = _kids(rel, p, recvs)        # (no receives in this round: its scratch)
         for q in range(n):              # to the children, farthest first
-            sends[q, 0] = (kids[n - 1 - q] + root) % p
+            sends[q, 0] = (recvs[n - 1 - q] + root) % p
             sends[q, 1] = calls[c, _C_BYTES]
         return n, 0
     d = 1 << s                          # dissemination
@@ -660,7 +692,7 @@ def rounds(calls, data, c, i):
     return out
 
 
-@njit(cache=True)
+@_jit
 def _collective(S, proc, sends, recvs):
     """:meth:`JobSim._collective` for thread ``proc``, from where it stopped: the library's
     overhead, then its rounds (sends, receives, then the wait for those not done yet).  True
@@ -697,7 +729,7 @@ def _collective(S, proc, sends, recvs):
 
 
 # -- threads -----------------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _wait_handles(S, proc, r, off, count):
     """``proc`` waits for those of rank ``r``'s handles ``data[off:off+count]`` not done yet
     (and what it already waits for); True when it has to."""
@@ -712,7 +744,7 @@ def _wait_handles(S, proc, r, off, count):
     return False
 
 
-@njit(cache=True)
+@_jit
 def _sleep(S, proc, dt):
     """``proc`` sleeps ``dt`` (not at all unless > 0); True when it does."""
     if dt > 0:
@@ -722,7 +754,7 @@ def _sleep(S, proc, dt):
     return False
 
 
-@njit(cache=True)
+@_jit
 def _worker(S, proc, sends, recvs):
     """A stream call (:meth:`JobSim._on_stream`) or an offloaded block (:meth:`JobSim.
     _offloaded`), from where it stopped."""
@@ -758,7 +790,7 @@ def _worker(S, proc, sends, recvs):
     S.si[_S_ALIVE] -= 1
 
 
-@njit(cache=True)
+@_jit
 def _main(S, proc, sends, recvs):
     """Rank thread ``proc`` (:meth:`JobSim._rank`), from where it stopped, until it waits;
     False at an error operation (its index in ``si[_S_ERROR]``)."""
@@ -822,13 +854,11 @@ def _main(S, proc, sends, recvs):
             return False
 
 
-@njit(cache=True)
+@_jit
 def run(S):
     """:meth:`JobSim.run`'s loop: every rank's thread to its end.  Returns 0, or -1 at an
     error operation."""
-    sends = np.empty((64, 2), np.int64)
-    recvs = np.empty(64, np.int64)
-    ev = np.empty(4, np.int64)
+    sends, recvs, ev = S.sends, S.recvs, S.ev
     for r in range(S.si[_S_N]):
         S.procs[_spawn(S, _MAIN, r), _P_PC] = S.rank[r, _R_OP0]
     si, sf = S.si, S.sf
@@ -838,6 +868,7 @@ def run(S):
             proc = S.ready[si[_S_RHEAD]]
             si[_S_RHEAD] = (si[_S_RHEAD] + 1) % cap
             si[_S_RCOUNT] -= 1
+            si[_S_NRUN] += 1
             if S.procs[proc, _P_KIND] == _MAIN:
                 if not _main(S, proc, sends, recvs):
                     return -1
@@ -849,6 +880,7 @@ def run(S):
             sf[_F_NOW] = S.ht[0]
         while si[_S_HEAP] > 0 and S.ht[0] <= sf[_F_NOW]:
             _pop(S, ev)
+            si[_S_NPOP] += 1
             kind = ev[0]
             if kind == _T_WAKE:
                 _ready(S, ev[1])
@@ -863,7 +895,7 @@ def run(S):
                 _uplink_sent(S, ev[1], ev[2], ev[3])
 
 
-@njit(cache=True)
+@_jit
 def _stuck(S, out):
     """``out[r]``: rank r waits for a receive nobody matched (:meth:`JobSim._waiting_procs`)."""
     for row in range(S.si[_S_NKEY]):
@@ -1006,6 +1038,11 @@ def _pool(cap: int, width: int) -> np.ndarray:
     return a
 
 
+def _table(rows: int) -> np.ndarray:
+    """An empty hash table (:func:`_row_of`) for ``rows`` keys, at most half full."""
+    return np.full((1 << (2 * rows - 1).bit_length(), 2), -1, dtype=np.int64)
+
+
 def _state(sim, enc: _Encoded, caps: dict) -> State:
     n = len(sim.programs)
     nics = sim.cluster.node.nics
@@ -1016,7 +1053,7 @@ def _state(sim, enc: _Encoded, caps: dict) -> State:
     rank[:n, _R_PORT] = [a * nics + b for a, b in sim.port_of]
     rank[:, [_R_STREAM, _R_OFFLOAD]] = -1
     tiers = [t.nodes for t in sim.cluster.tiers]
-    si = np.zeros(18, dtype=np.int64)
+    si = np.zeros(21, dtype=np.int64)
     si[[_S_N, _S_NPORTS, _S_SHARED, _S_TIERS, _S_NTIERS, _S_ERROR]] = (
         n, ports, int(sim._shared_fabric), len(enc.data), len(tiers), -1)
     c = sim.cost
@@ -1031,12 +1068,13 @@ def _state(sim, enc: _Encoded, caps: dict) -> State:
         ready=np.zeros(enc.procs + 1, dtype=np.int64), req=req,
         wnode=_pool(caps["waits"], 2), handles=np.full(enc.slots + 1, -1, dtype=np.int64),
         msg=_pool(caps["messages"], 9), mbytes=np.zeros(caps["messages"]),
-        keys=Dict.empty(types.int64, types.int64), kq=np.full((caps["match keys"], 4), -1),
+        keys=_table(caps["match keys"]), kq=np.full((caps["match keys"], 4), -1),
         recv=_pool(caps["receives"], 3),
-        pairs=Dict.empty(types.int64, types.int64), pq=np.full((caps["connections"], 3), -1),
+        pairs=_table(caps["connections"]), pq=np.full((caps["connections"], 3), -1),
         uq=np.full((ports + nodes, 2), -1, dtype=np.int64), down=np.zeros((ports, 4)),
         ht=np.zeros(caps["timers"]), hi=np.zeros((caps["timers"], 5), dtype=np.int64),
-        si=si, sf=sf, steps=np.zeros(enc.steps + 1))
+        si=si, sf=sf, sends=np.empty((64, 2), dtype=np.int64), recvs=np.empty(64, dtype=np.int64),
+        ev=np.empty(4, dtype=np.int64), steps=np.zeros(enc.steps + 1))
 
 
 def simulate(sim, ops_of, caps: int | None = None) -> list | None:
@@ -1064,6 +1102,8 @@ def simulate(sim, ops_of, caps: int | None = None) -> list | None:
     sim.now = float(S.sf[_F_NOW])
     sim.moved = {"intra": float(S.sf[_F_INTRA]), "inter": float(S.sf[_F_INTER])}
     sim.ack_bytes = float(S.sf[_F_ACK])
+    sim.counts = {"messages": int(S.si[_S_NMSG]), "timers": int(S.si[_S_NPOP]),
+                  "thread turns": int(S.si[_S_NRUN])}
     if not S.si[_S_ALIVE]:
         return None
     out = np.zeros(n, dtype=np.bool_)
