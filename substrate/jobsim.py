@@ -128,6 +128,11 @@ class JobSimOptions:
 #: a flow whose remaining bytes fall below this is done (floating-point slack)
 _EPS_BYTES = 1e-6
 
+#: ranks from which :meth:`JobSim.run` runs the compiled network by default: below, the Python
+#: loop ends sooner than Numba's cache loads (about 0.2 s; compiling it the first time after a
+#: change: about 20 s)
+COMPILED_FROM_RANKS = 32
+
 #: the operations of a rank's thread (:meth:`JobSim._program_ops`)
 (_OP_SLEEP, _OP_NEW, _OP_DONE, _OP_WAIT, _OP_OFFLOAD, _OP_STREAM, _OP_DRAIN, _OP_SEND, _OP_RECV,
  _OP_CALL, _OP_STEP, _OP_ERROR) = range(12)
@@ -274,9 +279,10 @@ class JobSim:
         #: with ``record_events``: every rank's compute blocks and calls, ``{"label", "kind",
         #: "lane", "start", "finish", "step", ...}`` (a call: its phase, bytes, algorithm)
         self.events = [[] for _ in programs] if record_events else None
-        #: run FIFO links compiled (:mod:`substrate.jobsim_kernel`, the same times bitwise)
-        #: where Numba is installed; False: the Python loop below
-        self.compiled = True
+        #: run FIFO links compiled (:mod:`substrate.jobsim_kernel`, the same results bit for
+        #: bit) where Numba is installed: None (default) from :data:`COMPILED_FROM_RANKS` ranks
+        #: on, True at any size, False never (the Python loop below, the reference)
+        self.compiled: bool | None = None
         #: what the compiled run counted: ``{"messages", "timers", "thread turns"}`` (messages
         #: with the acknowledgements'); None after the Python loop
         self.counts = None
@@ -527,7 +533,9 @@ class JobSim:
         """Simulate every program to its end; returns each rank's times at its step
         boundaries."""
         ops = [self._program_ops(r) for r in range(len(self.programs))]
-        if self.compiled and self.link_sharing == "fifo" and self.events is None \
+        compiled = len(self.programs) >= COMPILED_FROM_RANKS if self.compiled is None \
+            else self.compiled
+        if compiled and self.link_sharing == "fifo" and self.events is None \
                 and type(self) is JobSim:
             try:
                 from . import jobsim_kernel  # noqa: PLC0415 (Numba, loaded when used)

@@ -151,9 +151,13 @@ def test_run_uses_the_kernel_where_it_applies_and_python_elsewhere():
     ref = JobSim(progs, UNEVEN, cost, _charges(12))
     ref.compiled = False
     sim = JobSim(progs, UNEVEN, cost, _charges(12))
-    assert sim.run() == ref.run() and sim.moved == ref.moved
+    sim.compiled = True                 # (by default from COMPILED_FROM_RANKS ranks on)
+    assert sim.run() == ref.run() and sim.moved == ref.moved and sim.counts["messages"] > 0
+    small = JobSim(progs, UNEVEN, cost, _charges(12))
+    assert small.run() == ref.steps and small.counts is None      # 12 ranks: Python
     events = JobSim(progs, UNEVEN, cost, _charges(12), record_events=True)
-    assert events.run() == ref.steps and events.events[0]
+    events.compiled = True
+    assert events.run() == ref.steps and events.events[0] and events.counts is None
     a2a = _call("alltoallv", (0, 1, 2), 6 * 8, blocks=[0, 8, 16, 24, 0, 8, 16, 24, 0])
     progs = [[["C", a2a, None, True, True, None], ["S"]] for _ in range(3)]
     sim = JobSim(progs, [0, 0, 1], cost, _charges(3))
@@ -161,7 +165,9 @@ def test_run_uses_the_kernel_where_it_applies_and_python_elsewhere():
         jobsim_kernel.simulate(sim, [sim._program_ops(r) for r in range(3)])
     ref = JobSim(progs, [0, 0, 1], cost, _charges(3))
     ref.compiled = False
-    assert JobSim(progs, [0, 0, 1], cost, _charges(3)).run() == ref.run()
+    sim = JobSim(progs, [0, 0, 1], cost, _charges(3))
+    sim.compiled = True
+    assert sim.run() == ref.run() and sim.counts is None
 
 
 def test_programs_that_do_not_match_fail_as_in_python():
