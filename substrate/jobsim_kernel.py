@@ -931,9 +931,14 @@ class _Encoded:
         self.rank = np.zeros((n + 1, 8), dtype=np.int64)
         self.procs = n
         self.reqs = slots = steps = 0
+        #: the waits that can be open at once (the "waits" pool: then it never fills): a
+        #: rank's thread waits for one operation's handles at a time, a worker for its
+        #: dependencies and the worker's previous request
+        self.waits = 0
         for r, ops in enumerate(ops_of):
             self.rank[r, [_R_OP0, _R_SLOT0, _R_STEP0]] = len(rows), slots, steps
             slots += len(sim.programs[r])
+            waits = 1
             for op in ops:
                 k, a, b, c, d, x = op[0], 0, 0, 0, 0, 0.0
                 if k == _OP_SLEEP:
@@ -943,16 +948,19 @@ class _Encoded:
                 elif k == _OP_WAIT:
                     a, b = len(self.data), len(op[1])
                     self.data.extend(op[1])
+                    waits = max(waits, b)
                 elif k == _OP_OFFLOAD:
                     a, b, c, x = op[1], len(self.data), len(op[2]), op[3]
                     self.data.extend(op[2])
                     self.procs += 1
+                    self.waits += c + 1
                 elif k == _OP_STREAM:
                     a = op[1]
                     b, c = self._call(sim, op[2], r)
                     if b < 0:
                         raise NotImplementedError("a stream call the Python loop refuses")
                     self.procs += 1
+                    self.waits += 1
                 elif k == _OP_SEND:
                     a, b, c, d, x = op[1], op[2], op[3], self._key(op[4]), float(op[5])
                 elif k == _OP_RECV:
@@ -969,6 +977,7 @@ class _Encoded:
                 self.reqs += k in (_OP_NEW, _OP_OFFLOAD, _OP_STREAM, _OP_SEND, _OP_RECV)
                 rows.append((k, a, b, c, d))
                 xs.append(x)
+            self.waits += waits
             rows.append((_OP_END, 0, 0, 0, 0))
             xs.append(0.0)
         self.rank[n, [_R_SLOT0, _R_STEP0]] = slots, steps
@@ -1087,6 +1096,8 @@ def simulate(sim, ops_of, caps: int | None = None) -> list | None:
     n = len(ops_of)
     caps = dict.fromkeys(("messages", "receives", "waits", "match keys", "connections",
                           "timers"), caps or 4 * n + 256)
+    if caps is None:
+        caps["waits"] = enc.waits + 1
     while True:
         S = _state(sim, enc, caps)
         try:
