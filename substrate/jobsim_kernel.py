@@ -7,7 +7,7 @@ downlink, its arrival).  This module runs the same events as :meth:`JobSim.run`'
 in the same order and with the same floating-point operations, so that every time it gives is
 bitwise the Python one (the tests hold them equal):
 
-* the ranks' threads run :meth:`JobSim._program_ops` (encoded by :func:`encode`): blocks'
+* the ranks' threads run :meth:`JobSim._program_ops` (encoded by :class:`_Encoded`): blocks'
   sleeps, requests and waits, the stream and offload workers, the calls;
 * a collective's rounds are its schedule's (:mod:`substrate.schedule`: ring all-reduce, ring
   all-gather(v), binomial broadcast, dissemination barrier; :func:`rounds` gives them to the
@@ -16,9 +16,19 @@ bitwise the Python one (the tests hold them equal):
 * timers are one heap ordered by (time, sequence number), the number taken where
   :meth:`JobSim._at` takes it; ready threads one first-in-first-out queue.
 
-Pools (messages, timers, waits, unmatched receives) start small and a run that outgrows one
-raises :class:`PoolFull`; :func:`simulate` then doubles that pool and runs again from the start
-(the same run: nothing is random).
+Not compiled (:func:`simulate` raises :class:`NotImplementedError` and :meth:`JobSim.run` runs
+its Python loop): max-min fair links, recorded events, personalized all-to-alls.
+
+The waits that can be open at once are counted from the operations; the other pools (messages,
+timers, unmatched receives, match keys, connections) start at ``4 p + 256`` rows and a run that
+outgrows one raises :class:`PoolFull`; :func:`simulate` then doubles that pool and runs again
+from the start (the same run: nothing is random).
+
+The functions are compiled without Numba's runtime (no reference counts: every array is made
+in Python and outlives the run; counting references at each call took most of the time) and
+kept in Numba's cache, which is keyed on this file: the first call after a change compiles for
+about 20 s of CPU, later processes load it in about 0.2 s.  The operation kinds (``_OP_*``) are
+:mod:`substrate.jobsim`'s, compiled in as constants: after changing them there, touch this file.
 """
 
 from __future__ import annotations
