@@ -128,6 +128,15 @@ class JobSimOptions:
 #: a flow whose remaining bytes fall below this is done (floating-point slack)
 _EPS_BYTES = 1e-6
 
+#: ranks from which :meth:`JobSim.run` runs the compiled network by default: below, the Python
+#: loop ends sooner than Numba's cache loads (about 0.2 s; compiling it the first time after a
+#: change: about 20 s)
+COMPILED_FROM_RANKS = 32
+
+#: the operations of a rank's thread (:meth:`JobSim._program_ops`)
+(_OP_SLEEP, _OP_NEW, _OP_DONE, _OP_WAIT, _OP_OFFLOAD, _OP_STREAM, _OP_DRAIN, _OP_SEND, _OP_RECV,
+ _OP_CALL, _OP_STEP, _OP_ERROR) = range(12)
+
 
 @dataclass(eq=False)
 class _Req:
@@ -260,7 +269,8 @@ class JobSim:
         self._sends: dict = {}              # match key -> unmatched messages
         self._recvs: dict = {}              # match key -> unmatched receives
         self._alive = 0
-        self._schedules: dict = {}          # id(call) -> its schedule
+        self._schedules: dict = {}          # id(call) -> its schedule, group number, members
+        self._groups: dict = {}             # group -> (its number, {rank: member index})
         self._a2a: dict = {}                # (group, n) -> members' rows of an all-to-all
         self._a2a_count: dict = {}          # (group, rank) -> all-to-alls it has entered
         self._calls: dict = {}              # id(call dict) -> its Call
@@ -269,6 +279,13 @@ class JobSim:
         #: with ``record_events``: every rank's compute blocks and calls, ``{"label", "kind",
         #: "lane", "start", "finish", "step", ...}`` (a call: its phase, bytes, algorithm)
         self.events = [[] for _ in programs] if record_events else None
+        #: run FIFO links compiled (:mod:`substrate.jobsim_kernel`, the same results bit for
+        #: bit) where Numba is installed: None (default) from :data:`COMPILED_FROM_RANKS` ranks
+        #: on, True at any size, False never (the Python loop below, the reference)
+        self.compiled: bool | None = None
+        #: what the compiled run counted: ``{"messages", "timers", "thread turns"}`` (messages
+        #: with the acknowledgements'); None after the Python loop
+        self.counts = None
 
     # -- requests and processes ------------------------------------------------------------------
     def _complete(self, req: _Req) -> None:
@@ -515,8 +532,26 @@ class JobSim:
     def run(self) -> list[list[float]]:
         """Simulate every program to its end; returns each rank's times at its step
         boundaries."""
+        ops = [self._program_ops(r) for r in range(len(self.programs))]
+        compiled = len(self.programs) >= COMPILED_FROM_RANKS if self.compiled is None \
+            else self.compiled
+        if compiled and self.link_sharing == "fifo" and self.events is None \
+                and type(self) is JobSim:
+            try:
+                from . import jobsim_kernel  # noqa: PLC0415 (Numba, loaded when used)
+            except ImportError:
+                jobsim_kernel = None
+            if jobsim_kernel is not None:
+                try:
+                    stuck = jobsim_kernel.simulate(self, ops)
+                except NotImplementedError:
+                    pass
+                else:
+                    if stuck is not None:
+                        self._stuck(stuck)
+                    return self.steps
         for r in range(len(self.programs)):
-            self._spawn(self._rank(r), r)
+            self._spawn(self._rank(r, ops[r]), r)
         while True:
             while self._ready:
                 self._step(self._ready.popleft())
@@ -545,10 +580,13 @@ class JobSim:
             while self._timers and self._timers[0][0] <= self.now:
                 heapq.heappop(self._timers)[2]()
         if self._alive:
-            stuck = sorted({p.rank for p in self._waiting_procs()})
-            raise RuntimeError(f"JobSim: ranks {stuck} wait for messages nobody sends (the "
-                               "programs do not match: record them again from one run)")
+            self._stuck(sorted({p.rank for p in self._waiting_procs()}))
         return self.steps
+
+    @staticmethod
+    def _stuck(ranks: list) -> None:
+        raise RuntimeError(f"JobSim: ranks {ranks} wait for messages nobody sends (the "
+                           "programs do not match: record them again from one run)")
 
     def _waiting_procs(self):
         seen = []
@@ -568,19 +606,25 @@ class JobSim:
             hit = self._calls[id(c)] = Call.from_dict(c)
         return hit
 
-    def _rank(self, r: int):
-        """Rank ``r``'s thread: its program as the executor (:class:`substrate.executor.
-        Executor`) runs it: compute-stream blocks one after the other, each after its
-        dependencies; an offload-stream block on the rank's CPU worker, in order, after its
-        dependencies, while the thread goes on; calls issued without waiting on the
-        communication stream, in order."""
+    def _program_ops(self, r: int) -> list:
+        """Rank ``r``'s program as the operations its thread performs, one tuple each (the
+        ``_OP_*`` kinds), as the executor (:class:`substrate.executor.Executor`) runs it:
+        compute-stream blocks one after the other, each after its dependencies; an
+        offload-stream block on the rank's CPU worker, in order, after its dependencies, while
+        the thread goes on; calls issued without waiting on the communication stream, in order.
+
+        Everything that does not depend on the simulated time is decided here, once: each
+        block's charge (``charge[r](key, k)`` per occurrence in program order, ``new_step()`` at
+        each ``S``), what a clock block sleeps after its layers and nested blocks, which entries
+        a dependency, ``W`` or ``A`` names hold a request at that point of the step (a handle
+        is an entry's index; the others are ignored), which calls go on the stream.  Both
+        engines (:meth:`_rank` and :mod:`substrate.jobsim_kernel`) run these operations."""
         charge = self.charge[r]
         new_step = getattr(charge, "new_step", None)
         occurrences: dict = {}
-        blocks: list = []                   # open blocks: [kind, cost, inner]
-        handles: dict = {}                  # entry -> request (calls, blocks, receives)
-        stream = None                       # the last call on the communication stream
-        offload = None                      # the last block on the offload stream
+        blocks: list = []                   # open blocks: [kind, cost, inner, entry, label]
+        held: set = set()                   # entries holding a request in this step
+        ops: list = []
         prog = self.programs[r]
         skip_to = -1
         for i, e in enumerate(prog):
@@ -591,32 +635,32 @@ class JobSim:
                 key = e[3]
                 k = occurrences.get(key, 0)
                 occurrences[key] = k + 1
-                c = charge(key, k) or 0.0
-                deps = [handles[d] for d in e[4] if d in handles]
+                c = float(charge(key, k) or 0.0)
+                deps = tuple(d for d in e[4] if d in held)
+                held.add(i)
                 if e[5] == "offload":       # the CPU worker: the block, whole, beside the thread
-                    h = _Req()
-                    self._spawn(self._offloaded(c, [offload, *deps], h, r, e[2]), r)
-                    offload = handles[i] = h
-                    skip_to = self._end(r, i)
+                    ops.append((_OP_OFFLOAD, i, deps, c, e[2]))
+                    try:
+                        skip_to = self._end(r, i)
+                    except ValueError as err:
+                        ops.append((_OP_ERROR, err))
+                        break
                     continue
-                pending = [q for q in deps if not q.done]
-                if pending:
-                    yield "wait", pending
-                handles[i] = _Req()
-                blocks.append([e[1], c, 0.0, i, self.now, e[2]])
+                if deps:
+                    ops.append((_OP_WAIT, deps))
+                ops.append((_OP_NEW, i))
+                blocks.append([e[1], c, 0.0, i, e[2]])
                 if e[1] == "layer":
                     for b in blocks[:-1]:   # the clock blocks around leave it out
                         b[2] += c
-                    yield "sleep", c
+                    ops.append((_OP_SLEEP, c))
             elif kind == "E":
-                what, c, inner, j, t0, label = blocks.pop()
+                what, c, inner, j, label = blocks.pop()
                 if what == "clock":
                     for b in blocks:        # a nested block's whole cost
                         b[2] += c
-                    yield "sleep", max(0.0, c - inner)
-                self._complete(handles[j])
-                if self.events is not None:
-                    self._event(r, label, "compute", "compute", t0)
+                    ops.append((_OP_SLEEP, max(0.0, c - inner)))
+                ops.append((_OP_DONE, j, label))
             elif kind == "C":
                 call, _after, member, wait, tag = e[1:]
                 if not member:              # the leaders' call seen from a follower
@@ -625,38 +669,85 @@ class JobSim:
                 a = call.algorithm
                 if not wait and a in ("allreduce", "bcast", "allgather") \
                         and len(set(call.blocks or [0])) == 1:
-                    h = _Req()
-                    self._spawn(self._on_stream(r, call, stream, h), r)
-                    stream = handles[i] = h
+                    held.add(i)
+                    ops.append((_OP_STREAM, i, call))
                     continue
-                if stream is not None and not stream.done:
-                    yield "wait", [stream]  # a blocking call drains the stream first
+                ops.append((_OP_DRAIN,))    # a blocking call drains the stream first
                 if a == "p2p":
                     (src, dst, nbytes), = call.pairs.tolist()
                     if self._call_s:            # the library's software overhead of a call
-                        yield "sleep", self._call_s
-                    handles[i] = self._send(src, dst, ("p2p", call.group, tag, src, dst),
-                                            nbytes)
+                        ops.append((_OP_SLEEP, self._call_s))
+                    held.add(i)
+                    ops.append((_OP_SEND, i, src, dst, ("p2p", call.group, tag, src, dst),
+                                nbytes))
                     continue
-                t0 = self.now
-                yield from self._collective(r, call)
-                if self.events is not None:
-                    self._event(r, call.label or call.phase, "call", "calls", t0, call)
+                ops.append((_OP_CALL, call))
             elif kind == "W":
-                h = handles.get(e[1])
-                if h is not None:
-                    yield "wait", [h]
+                if e[1] in held:
+                    ops.append((_OP_WAIT, (e[1],)))
             elif kind == "R":
                 source, _nbytes, tag, group = e[1:]
-                handles[i] = self._recv(source, r, ("p2p", tuple(group), tag, source, r))
+                held.add(i)
+                ops.append((_OP_RECV, i, source, ("p2p", tuple(group), tag, source, r)))
             elif kind == "A":
-                yield "wait", [handles[j] for j in e[1] if j in handles]
+                deps = tuple(j for j in e[1] if j in held)
+                if deps:
+                    ops.append((_OP_WAIT, deps))
             elif kind == "S":
-                self.steps[r].append(self.now)
+                ops.append((_OP_STEP,))
                 occurrences = {}
-                handles = {}
+                held = set()
                 if new_step is not None:
                     new_step()
+        return ops
+
+    def _rank(self, r: int, ops: list):
+        """Rank ``r``'s thread: its operations (:meth:`_program_ops`) in simulated time."""
+        handles: dict = {}                  # entry -> request (calls, blocks, receives)
+        stream = None                       # the last call on the communication stream
+        offload = None                      # the last block on the offload stream
+        events = self.events is not None
+        starts: dict = {}                   # entry -> its block's start (``record_events``)
+        for op in ops:
+            kind = op[0]
+            if kind == _OP_SLEEP:
+                yield "sleep", op[1]
+            elif kind == _OP_NEW:
+                handles[op[1]] = _Req()
+                if events:
+                    starts[op[1]] = self.now
+            elif kind == _OP_DONE:
+                self._complete(handles[op[1]])
+                if events:
+                    self._event(r, op[2], "compute", "compute", starts.pop(op[1]))
+            elif kind == _OP_WAIT:
+                yield "wait", [handles[d] for d in op[1]]
+            elif kind == _OP_OFFLOAD:
+                h = _Req()
+                self._spawn(self._offloaded(op[3], [offload, *(handles[d] for d in op[2])], h,
+                                            r, op[4]), r)
+                offload = handles[op[1]] = h
+            elif kind == _OP_STREAM:
+                h = _Req()
+                self._spawn(self._on_stream(r, op[2], stream, h), r)
+                stream = handles[op[1]] = h
+            elif kind == _OP_DRAIN:
+                if stream is not None and not stream.done:
+                    yield "wait", [stream]
+            elif kind == _OP_SEND:
+                handles[op[1]] = self._send(*op[2:])
+            elif kind == _OP_RECV:
+                handles[op[1]] = self._recv(op[2], r, op[3])
+            elif kind == _OP_CALL:
+                t0 = self.now
+                yield from self._collective(r, op[1])
+                if events:
+                    call = op[1]
+                    self._event(r, call.label or call.phase, "call", "calls", t0, call)
+            elif kind == _OP_STEP:
+                self.steps[r].append(self.now)
+            else:
+                raise op[1]
 
     def _end(self, r: int, i: int) -> int:
         """Index of the ``E`` that closes block ``i`` of rank ``r``'s program."""
@@ -707,12 +798,11 @@ class JobSim:
         if call.algorithm == "alltoallv":
             yield from self._alltoallv(r, call)
             return
-        sched = self._schedule(call)
+        sched, key, member = self._schedule(call)
         group = call.group
-        i = group.index(r)
+        i = self._member(call, member, r)
         if self._call_s and call.size > 1:     # the library's software overhead of a call
             yield "sleep", self._call_s
-        key = ("coll", group)
         for rnd in sched.rounds(i):
             reqs = [self._send(r, group[q], (key, r, group[q]), hi - lo)
                     for q, lo, hi in rnd.sends]
@@ -726,7 +816,8 @@ class JobSim:
         receives is the other members' rows, so its receives are posted once every member has
         entered the same call (the n-th all-to-all of the group on each)."""
         group, p = call.group, call.size
-        i = group.index(r)
+        key, member = self._group(call)
+        i = self._member(call, member, r)
         n = self._a2a_count[(group, r)] = self._a2a_count.get((group, r), 0) + 1
         slot = self._a2a.setdefault((group, n), ({}, _Req()))
         rows, everyone = slot
@@ -736,7 +827,6 @@ class JobSim:
             del self._a2a[(group, n)]
         if self._call_s and p > 1:
             yield "sleep", self._call_s
-        key = ("coll", group)
         row = rows[i]
         reqs = [self._send(r, group[j], (key, r, group[j]), int(row[j]))
                 for j in ((i + k) % p for k in range(1, p)) if row[j]]
@@ -747,11 +837,29 @@ class JobSim:
         yield "wait", reqs
 
     def _schedule(self, call: Call):
-        """The schedule of a call (cached by the record's identity)."""
+        """The schedule of a call, its group's number and every member's index
+        (:meth:`_group`), cached by the record's identity."""
         hit = self._schedules.get(id(call))
         if hit is None:
-            hit = self._schedules[id(call)] = schedule.of_call(call)
+            hit = self._schedules[id(call)] = (schedule.of_call(call), *self._group(call))
         return hit
+
+    def _group(self, call: Call) -> tuple:
+        """The number of the call's group (its messages' match key: one number a group, not
+        the group's members, which a message would hash each time) and every member's index."""
+        group = self._groups.get(call.group)
+        if group is None:
+            group = self._groups[call.group] = (
+                len(self._groups), {r: i for i, r in enumerate(call.group)})
+        return group
+
+    @staticmethod
+    def _member(call: Call, member: dict, r: int) -> int:
+        i = member.get(r)
+        if i is None:
+            raise ValueError(f"JobSim: rank {r} runs call {call.label or call.phase} of group "
+                             f"{call.group}, which it is not in (the programs do not match)")
+        return i
 
 
 def job_steps(boundaries: list[list[float]], rank: int = 0) -> list[float]:

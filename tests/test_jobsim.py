@@ -343,6 +343,9 @@ def test_programs_that_do_not_match_are_refused():
         JobSim([[["S"]], p1], [0, 1], _cost(), [_charge({})] * 2).run()
     with pytest.raises(ValueError, match="one of each per rank"):
         JobSim([[["S"]]], [0, 1], _cost(), [_charge({})])
+    outsider = ["C", _call("allreduce", g, 8), None, True, True, None]
+    with pytest.raises(ValueError, match=r"rank 2 runs call t of group \(0, 1\)"):
+        JobSim([[outsider]] * 3, [0, 1, 1], _cost(), [_charge({})] * 3).run()
 
 
 def test_an_all_to_all_is_simulated_from_each_members_own_row():
