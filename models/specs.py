@@ -17,7 +17,7 @@ networks need 0.56, 3.72 and 3.68 GMACs per sample.
 ``flops_per_sample`` counts the forward pass of the conv and fc layers as 2 FLOPs per
 multiply-accumulate (BN, ReLU, pooling excluded).
 
-Paper-scale transformer and ImageNet specs (issue 18), for ``commvol predict`` / ``scale``; each
+Paper-scale transformer and ImageNet specs, for ``commvol predict`` / ``scale``; each
 count equals the published one (tested):
 
 ===================== ============== ========================================================

@@ -39,7 +39,7 @@ every rank walks its program as :mod:`runner.replay` executes it, in simulated t
   exchanges, 12-15 flows per host, read 0.904 / 0.944 / 0.956 of the measured step at 4 x 2 /
   8 x 2 / 16 x 1, 1 Gbit/s, where max-min fair links read 0.878 / 0.922 / 0.858: FIFO links
   reproduce the slowest incoming message of each exchange landing on a different rank each
-  time (docs/BENCHMARKS.md, session 13).  With
+  time (docs/BENCHMARKS.md, "Wire lab").  With
   ``link_sharing="fair"`` the messages moving at one time share the links max-min fairly
   (progressive filling), each at the rate of its most loaded link, and messages between one
   pair of ranks move one after the other (one connection): per-flow fair queueing, as
