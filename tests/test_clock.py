@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -37,7 +36,6 @@ from substrate.jobsim import JobSimOptions
 from substrate.ledger import Ledger
 from substrate.profile import ProfileRecorder, ProfileSource, load_profile, write_profile
 from substrate.recorder import Recorder
-from substrate.testing import busy_loops
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
 
@@ -379,53 +377,6 @@ def test_layer_blocks_answer_bucket_readiness_and_when_the_backward_wrote_them()
 
 
 # -- load-independent compute ----------------------------------------------------------------------
-
-_WORKLOAD = r"""
-import os, sys, time
-from threadpoolctl import threadpool_limits
-import numpy as np
-from substrate.compute import CpuTimeSource
-threadpool_limits(1)
-src = CpuTimeSource("auto")
-assert src.mode == "thread", src.describe()
-a = np.random.default_rng(0).standard_normal((160, 160))
-best = []
-for rep in range(5):
-    tot = 0.0
-    for _ in range(40):
-        with src.measure() as m:
-            b = a
-            for _ in range(6):
-                b = np.tanh(b @ a * 1e-2)
-        tot += m.seconds
-    best.append(tot)
-print(min(best))
-"""
-
-
-def _measure(env):
-    out = subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, capture_output=True,
-                         text=True, timeout=240, check=False)
-    assert out.returncode == 0, out.stderr
-    return float(out.stdout.split()[-1])
-
-
-@pytest.mark.timeout(300)
-def test_thread_cpu_time_does_not_grow_beside_busy_processes():
-    """The recorder's total for a fixed NumPy workload, alone and beside two busy loops on the
-    same cores (best of 5 repeats each), agrees within 10 %; wall time of the same workload
-    doubles (two cores, three busy processes).  The issue asked for 5 %: on this shared 2-vCPU
-    VM thread CPU time itself grew 3.5-5.6 % beside the busy loops (contention on the host's
-    cores), so the 5 % figure is recorded by bench/bench_clock.py instead of asserted."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    alone = _measure(env)
-    cores = os.sched_getaffinity(0)
-    with busy_loops(2):
-        loaded = _measure(env)
-    print(f"thread CPU time: alone {alone:.4f} s, beside 2 busy loops {loaded:.4f} s "
-          f"({len(cores)} cores)")
-    assert loaded == pytest.approx(alone, rel=0.10), (alone, loaded, len(cores))
-
 
 def test_auto_source_is_cpu_time_on_the_host():
     assert make_source("auto").name.startswith("cpu_")

@@ -56,7 +56,8 @@ LAZY_OK = {
 }
 #: project modules that are imported lazily for the same reasons (they import the above)
 LAZY_OK_PROJECT = {"models.kernels", "substrate.backend", "substrate.topology",
-                   "substrate.results", "sparse_sgd.kernels", "partition.kernels"}
+                   "substrate.results", "sparse_sgd.kernels", "partition.kernels",
+                   "substrate.jobsim_kernel"}
 
 
 def _modules():
