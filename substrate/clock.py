@@ -320,6 +320,8 @@ class SimClock:
         # the steps closed at each simulation (a replay simulates at the same points: a job
         # simulated in pieces starts each piece with every rank together)
         self.simulated_at: list[int] = []
+        self._drift: list[float] | None = None     # each rank's start in the next piece
+        self._piece_start: list[float] = []
         # inter-node bytes of the simulation's own messages (rank 0 gathers every step's
         # program once and its blocks' seconds, and broadcasts the steps): the run's control
         # plane, not the system's traffic, so not booked; the wire lab subtracts it
@@ -536,14 +538,19 @@ class SimClock:
             charges.append(_Measured([step[2] for step in steps]))
         first = len(self.simulated)
         keep = self._traced_steps(first, n)
+        start = self._piece_start = self._drift or [0.0] * len(programs)
         sim = JobSim(programs, self.node_of, self.network, charges, **self.jobsim.kwargs(),
-                     record_events=True)
+                     record_events=True, start=start)
         ends = sim.run()
         for link, moved in sim.moved.items():
             self.moved[link] = self.moved.get(link, 0.0) + moved
         self.ack_bytes += sim.ack_bytes
         done = [max(e[s] for e in ends) for s in range(n)]
-        lengths = [b - a for a, b in zip([0.0, *done[:-1]], done)]
+        lengths = [b - a for a, b in zip([max(start), *done[:-1]], done)]
+        # the next piece starts each rank where it ended this one (the ranks' drift carries
+        # over; messages in flight and busy links at the boundary do not)
+        last = [e[-1] for e in ends]
+        self._drift = [t - min(last) for t in last]
         if keep:
             self._trace(sim, ends, gathered, keep, first, lengths)
         units = [s for s in range(n) if kinds[s] == "unit"]
@@ -557,7 +564,7 @@ class SimClock:
         slowest = max(range(len(ends)), key=lambda r: ends[r][s])
 
         def events(r):
-            t0 = ends[r][s - 1] if s else 0.0
+            t0 = ends[r][s - 1] if s else self._piece_start[r]
             return [{**e, "start": e["start"] - t0, "finish": e["finish"] - t0}
                     for e in sim.events[r] if e["step"] == s]
 
@@ -589,7 +596,7 @@ class SimClock:
             if sel is not None and sel[1]:     # "last": the newest step replaces the last one
                 kept[:] = [st for st in kept if st["step"] in only]
             for s in keep:
-                t0 = ends[r][s - 1] if s else 0.0
+                t0 = ends[r][s - 1] if s else self._piece_start[r]
                 kept.append({"step": first + s, "sim_start_s": base + t0,
                              "sim_s": lengths[s], "wall_s": steps[s][4],
                              "events": [{**e, "start": e["start"] - t0,
@@ -653,7 +660,7 @@ class SimClock:
     # -- checkpoints -----------------------------------------------------------------------------
     def state(self) -> dict:
         """Readings to restore with :meth:`load_state` on resume (after a :meth:`simulate`)."""
-        return {"compute_s": self.compute_s, "sim_s": self.sim_s}
+        return {"compute_s": self.compute_s, "sim_s": self.sim_s, "drift": self._drift}
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state` on resume."""
@@ -661,6 +668,8 @@ class SimClock:
             self._offset[k] = 0.0
         self._offset["compute_s"] = float(state["compute_s"]) - self.compute_s
         self._offset["sim_s"] = float(state["sim_s"]) - self.sim_s
+        drift = state.get("drift")
+        self._drift = None if drift is None else [float(t) for t in drift]
 
 
 def _digest(entries) -> str:

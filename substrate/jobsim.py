@@ -216,7 +216,8 @@ class JobSim:
 
     def __init__(self, programs, node_of, cost: CostModel | Cluster, charge, *,
                  eager_limit: float = math.inf, link_sharing: str = "fifo",
-                 ack_overhead: float | None = None, record_events: bool = False) -> None:
+                 ack_overhead: float | None = None, record_events: bool = False,
+                 start=None) -> None:
         if len(programs) != len(node_of) or len(charge) != len(programs):
             raise ValueError(f"JobSim: {len(programs)} programs, {len(node_of)} node entries "
                              f"and {len(charge)} profiles: give one of each per rank")
@@ -257,6 +258,12 @@ class JobSim:
         self.eager_limit = float(eager_limit)
         self.now = 0.0
         self.steps: list[list[float]] = [[] for _ in programs]
+        # when each rank begins its program (a job simulated in pieces: where it ended the
+        # last piece, from the earliest rank; default every rank at 0)
+        self.start = [0.0] * len(programs) if start is None else [float(t) for t in start]
+        if len(self.start) != len(programs) or min(self.start, default=0.0) < 0:
+            raise ValueError(f"JobSim: start needs one time >= 0 per rank ({len(programs)}), "
+                             f"got {start!r}")
         self._ready: deque = deque()
         self._timers: list = []
         self._seq = 0
@@ -533,6 +540,9 @@ class JobSim:
         """Simulate every program to its end; returns each rank's times at its step
         boundaries."""
         ops = [self._program_ops(r) for r in range(len(self.programs))]
+        for r, t in enumerate(self.start):
+            if t > 0:
+                ops[r].insert(0, (_OP_SLEEP, t))
         compiled = len(self.programs) >= COMPILED_FROM_RANKS if self.compiled is None \
             else self.compiled
         if compiled and self.link_sharing == "fifo" and self.events is None \

@@ -472,3 +472,19 @@ def test_resnet152_ddp_at_64_ranks_is_simulated_from_its_plan():
     cost = cluster.cost_model()
     rings = sum(cost.ring_allreduce_time(4 * n, 64, INTER) for n in sizes)
     assert busy < got["step_s"] < busy + rings
+
+
+def test_a_rank_that_starts_late_delays_what_waits_for_it():
+    """``start``: each rank begins its program then (a job simulated in pieces carries its
+    ranks' drift).  A two-node all-gather of 1000-byte blocks (1 s a block): together, both end
+    at 1 s; rank 1 starting at 2 s sends its block at 2 s, so rank 0 (whose block reached rank
+    1 at 1 s) waits until 3 s, while rank 1 (its send eager, rank 0's block already there)
+    ends when it starts; a negative start is refused."""
+    prog = [["C", _call("allgather", range(2), 2000, blocks=[1000, 1000]), None, True, True,
+             None], ["S"]]
+    both = JobSim([prog, prog], [0, 1], _cost(), [_charge({})] * 2)
+    assert both.run() == [[pytest.approx(1.0)], [pytest.approx(1.0)]]
+    late = JobSim([prog, prog], [0, 1], _cost(), [_charge({})] * 2, start=[0.0, 2.0])
+    assert late.run() == [[pytest.approx(3.0)], [pytest.approx(2.0)]]
+    with pytest.raises(ValueError, match="one time >= 0 per rank"):
+        JobSim([prog, prog], [0, 1], _cost(), [_charge({})] * 2, start=[0.0, -1.0])
