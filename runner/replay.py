@@ -170,6 +170,7 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
         steps += 1
         if steps in simulate_at:             # where the recorded run simulated its job
             clock.simulate()
+            clock.mark()                     # as the run loop: not part of the next step
         b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
         run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=None,
                 inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),
