@@ -55,7 +55,8 @@ and the cost flags describe the emulated cluster (:func:`lab.analysis.cost_flags
 ``--dilation Cxranks`` takes K = C x the shape's ranks (one rule for a whole table).
 
 With ``--replay`` the prediction is the job simulation of the replayed programs, which the
-replay runs at the steps where the recorded run simulated (``summary.json`` ``steps_max``).
+replay runs once when it finishes (``summary.json`` ``steps_max``): nothing but the recorded
+calls runs between the replayed steps.
 
 Ranks that wait in MPI sleep instead of spinning (:data:`lab.jobs.YIELD_ENV`), and the
 MPI job runs at ``--nice`` (default -20; root): the measured step is then the link's and the

@@ -158,7 +158,6 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
     (``--dilation``, module docstring)."""
     world_bytes = world_bytes or []
     clock = run.clock
-    simulate_at = set(clock.source.profile.get("simulated_at", ()))
     ex = Executor(run, comms, close_steps=True)
     bind = _Replay(clock.source, Sleeper(dilation) if sleep else None)
     steps, pos = 0, 0
@@ -168,9 +167,6 @@ def replay(run, program: list, comms: dict, sleep: bool = True,
             break
         bind.new_step()
         steps += 1
-        if steps in simulate_at:             # where the recorded run simulated its job
-            clock.simulate()
-            clock.mark()                     # as the run loop: not part of the next step
         b = world_bytes[steps - 1] if steps - 1 < len(world_bytes) else {}
         run.log(steps, step_wall_s=clock.step_wall_s, step_sim_s=None,
                 inter_node_bytes=b.get("inter", 0), intra_node_bytes=b.get("intra", 0),

@@ -286,7 +286,6 @@ class Run:
         tables = [t for t, _ in tables]
         sha = write_profile(path, tables, _profile_provenance(self),
                             programs if all(p is not None for p in programs) else None,
-                            simulated_at=self.clock.simulated_at,
                             step_kinds=[k for k, _ in self.clock.simulated])
         return {"recorded_to": str(path), "sha256": sha,
                 "events_per_rank": [sum(len(p) for p in t.values()) for t in tables],

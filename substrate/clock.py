@@ -317,9 +317,6 @@ class SimClock:
         #: ``(kind, seconds)`` of every simulated step of this process (``unit``: a step of
         #: the run loop; ``eval``: an evaluation's calls; ``end``: what followed the last)
         self.simulated: list[tuple[str, float]] = []
-        # the steps closed at each simulation (a replay simulates at the same points: a job
-        # simulated in pieces starts each piece with every rank together)
-        self.simulated_at: list[int] = []
         self._drift: list[float] | None = None     # each rank's start in the next piece
         self._piece_start: list[float] = []
         # inter-node bytes of the simulation's own messages (rank 0 gathers every step's
@@ -493,8 +490,6 @@ class SimClock:
             raise ValueError(result[1])
         steps = result[1]
         self.simulated.extend(steps)
-        if steps:
-            self.simulated_at.append(len(self.simulated))
         return steps
 
     def _payload(self) -> list:

@@ -108,8 +108,7 @@ def _sha256(data: bytes) -> str:
 
 
 def write_profile(path, tables: list[dict], provenance: dict,
-                  programs: list | None = None, simulated_at: list | None = None,
-                  step_kinds: list | None = None) -> str:
+                  programs: list | None = None, step_kinds: list | None = None) -> str:
     """Write a compute profile atomically (temporary file in the same directory, then
     ``os.replace``); returns the SHA-256 of the file.
 
@@ -132,10 +131,6 @@ def write_profile(path, tables: list[dict], provenance: dict,
                           "python -m runner.replay runs again")
         if step_kinds is not None:
             doc["step_kinds"] = list(step_kinds)    # unit, eval or end, per closed step
-        if simulated_at is not None:
-            doc["simulated_at"] = list(simulated_at)
-            doc["simulated"] = ("the steps closed when the run simulated its job (a piece "
-                                "starts with every rank together): the replay simulates there")
     data = json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write_bytes(path, data)
     return _sha256(data)

@@ -202,7 +202,8 @@ REPLAYED = [
 def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra, shape):
     """A recorded run, the same job costed from its profile, and the replay of its programs:
     the replay's calls are the run's (per-rank digests), its ledger is the run's byte for byte,
-    and its simulated time is the profile-costed run's exactly."""
+    and its simulated time (one piece, when it finishes) is the profile-costed run's (in
+    pieces at its metrics lines, each starting every rank where it ended the last) exactly."""
     prof = tmp_path / "prof.json"
     args = ["train", "--method", method, "--steps", 4, "--eval-every", 2, *extra, *shape]
     run_mpi(None, 4, *args, "--out", tmp_path / "run", "--compute-profile-out", prof,
