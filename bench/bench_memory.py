@@ -53,7 +53,7 @@ def run_one(system: str, np_: int, rpn: int, timeout: float, workdir: Path) -> d
            "--progress-every", "0"]
     env = dict(os.environ, SPARDIST_RSS_DIR=str(rss_dir))
     t0 = time.perf_counter()
-    # its own session, so a run past the timeout is ended with every rank it started
+    # its own process group (setsid), so a run past the timeout is ended with every rank it started
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

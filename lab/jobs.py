@@ -19,8 +19,8 @@ per launch style) and writes ``DIR/wire.json`` (:func:`lab.analysis.wire_report`
   of the same host still use MPICH's shared memory, as on a real node.
 * Timing on a shared box: ``nice=N`` runs the MPI job at niceness ``N`` *and* gives every
   process in the host namespaces the autogroup niceness ``N`` (with
-  ``kernel.sched_autogroup_enabled`` CFS shares the cores between sessions first, and hydra
-  starts every proxy and rank in a session of its own, so a plain ``nice`` would not order them
+  ``kernel.sched_autogroup_enabled`` CFS shares the cores between autogroups first, and hydra
+  starts every proxy and rank in a setsid group of its own, so a plain ``nice`` would not order them
   against the box's other jobs); :data:`YIELD_ENV` makes ranks waiting in MPI sleep instead of
   spinning, for more ranks than cores.
 * Every job runs under ``timeout`` seconds; a job past it is killed with everything in the host
@@ -155,7 +155,7 @@ class Lab(Network):
 
     def _renice(self, stop: threading.Event) -> None:
         """While a job runs: give every new process in the host namespaces (hydra puts each
-        proxy and each rank in a session of its own, so in an autogroup of its own) the
+        proxy and each rank in a setsid group of its own, so in an autogroup of its own) the
         autogroup niceness :attr:`nice` (:func:`autogroup_nice`), again when it moved to a new
         session since.  Polls every 50 ms, slowing to 1 s: the ranks appear at start-up."""
         want = f" nice {int(self.nice)}"

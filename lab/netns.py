@@ -158,10 +158,10 @@ def proc_start(pid: int) -> str | None:
 
 
 def autogroup_nice(pid: int, nice: int) -> bool:
-    """Set the niceness of the scheduler autogroup of ``pid`` (its session).  With
-    ``kernel.sched_autogroup_enabled`` (this box), CFS shares the cores between sessions first,
-    so a process's own nice value only orders it within its session: the job runs in a new
-    session (``start_new_session``), whose group gets ``nice``.  Returns whether it applied."""
+    """Set the niceness of the scheduler autogroup of ``pid`` (its setsid group).  With
+    ``kernel.sched_autogroup_enabled`` (this box), CFS shares the cores between autogroups
+    first, so a process's own nice value only orders it within its autogroup: the job runs in
+    a new setsid group (``start_new_session``), whose autogroup gets ``nice``.  Returns whether it applied."""
     try:
         Path(f"/proc/{pid}/autogroup").write_text(str(int(nice)))
     except OSError:

@@ -269,7 +269,7 @@ def _alive(pid: int) -> bool:
 
 
 def run_tree(cmd: list[str], env: dict | None = None) -> int:
-    """Run ``cmd`` in a session of its own and wait; on SIGINT or SIGTERM end it with every
+    """Run ``cmd`` in a setsid group of its own and wait; on SIGINT or SIGTERM end it with every
     process it started (:func:`kill_tree`: ranks, launcher daemons, a test run's MPI jobs), so
     an interrupted ``run_mpi.sh`` leaves nothing behind; returns its exit code (128 + signal
     when interrupted)."""
