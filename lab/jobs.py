@@ -157,7 +157,7 @@ class Lab(Network):
         """While a job runs: give every new process in the host namespaces (hydra puts each
         proxy and each rank in a setsid group of its own, so in an autogroup of its own) the
         autogroup niceness :attr:`nice` (:func:`autogroup_nice`), again when it moved to a new
-        session since.  Polls every 50 ms, slowing to 1 s: the ranks appear at start-up."""
+        setsid group since.  Polls every 50 ms, slowing to 1 s: the ranks appear at start-up."""
         want = f" nice {int(self.nice)}"
         wait = 0.05
         while not stop.wait(wait):

@@ -1,5 +1,5 @@
 """Interrupting a test run or a launched job leaves no rank or launcher behind:
-``run_mpi.sh`` runs its child in a session of its own and, on SIGINT or SIGTERM, ends it with
+``run_mpi.sh`` runs its child in a setsid group of its own and, on SIGINT or SIGTERM, ends it with
 every descendant (:func:`runner.launch.kill_tree`), ranks in process groups of their own
 included (Open MPI's ``prterun``)."""
 
