@@ -48,7 +48,7 @@ def write_cifar_shaped(root: Path, n_train: int, n_test: int, seed: int = 0) -> 
 OPTIMIZER_FLOPS = """
 import sys
 import models.optim as mo
-from substrate.clock import SimClock
+from simulation.clock import SimClock
 size = {}
 make = mo.make_optimizer
 def make_optimizer(name, params, *a, **kw):

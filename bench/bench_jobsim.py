@@ -1,5 +1,5 @@
 """The job simulation at scale: one step of every rank's program, generated from the plan
-(:class:`commvol.job.Job`), simulated together (:class:`substrate.jobsim.JobSim`).
+(:class:`commvol.job.Job`), simulated together (:class:`simulation.jobsim.JobSim`).
 
     PYTHONPATH=. python -m bench.bench_jobsim [--ranks 64 256 1024 4096] [--gpt-ranks 64]
 
@@ -51,8 +51,8 @@ def child(case: str, ranks: int, python: bool) -> dict:
     from commvol.specs import resolve_model
     from commvol.systems import get_system
     from commvol.workload import DeviceModel, units_for_spec
-    from substrate.cluster import Cluster
-    from substrate.jobsim import JobSim, JobSimOptions
+    from simulation.cluster import Cluster
+    from simulation.jobsim import JobSim, JobSimOptions
 
     model, system, opts, cluster_name, batch = CASES[case]
     spec = resolve_model(model)

@@ -14,7 +14,7 @@ measured once by an MPI ping-pong on the lab, beta is the link rate as TCP paylo
 the default on a CPU), logging one ``metrics.jsonl`` line per step;
 :func:`lab.analysis.compare_steps` takes the median over the steps (after the warm-up lines
 below) of the predicted step (the job simulation of every rank's recorded steps on the cost
-model's network, :mod:`substrate.jobsim`) over the measured ``step_wall_s``.  The table prints
+model's network, :mod:`simulation.jobsim`) over the measured ``step_wall_s``.  The table prints
 the medians over the repeats.
 
 The workloads are chosen so that communication, not CPU scheduling, dominates a step on the

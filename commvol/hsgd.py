@@ -6,8 +6,8 @@ Nothing is re-derived here: the partition and the per-pair word counts ``D^k[m, 
 partition broadcast from the plan's :meth:`~HSGDPlan.calls`, priced by the generic rule of
 :mod:`substrate.calls` (:mod:`commvol.systems.hsgd`).  This module holds the network plumbing of
 ``python -m commvol predict --system hsgd|sgd`` and ``partition-table``.  The plan's records are
-tested against a brute-force count written from eqs. 8-9 (``tests/test_hsgd_plan.py``), the
-run's calls against the plan's records, message by message (``tests/test_sparse_mpi.py``).
+tested against a brute-force count written from eqs. 8-9 (``tests/sparse_sgd/test_plan.py``), the
+run's calls against the plan's records, message by message (``tests/sparse_sgd/test_under_mpi.py``).
 
 One **step** is one SpFF + SpBP pass on a mini-batch of ``batch_size`` input vectors (each word of
 Table 1 is ``batch_size * itemsize`` bytes) followed by the loss/score all-reduce of

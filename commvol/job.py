@@ -1,5 +1,5 @@
 """A system's job at any scale, simulated: every rank's program generated from the plan (no MPI
-run) and run together on a cluster (:class:`substrate.jobsim.JobSim`).
+run) and run together on a cluster (:class:`simulation.jobsim.JobSim`).
 
 The programs are the ones a run executes: for a data-parallel system one optimizer step
 (:func:`dataparallel.program.step_program`: the model's units, the strategy plan's records at
@@ -35,13 +35,13 @@ from dataparallel.program import FORWARD_BACKWARD, OPTIMIZER, step_program
 from hsadmm.plan import LOCAL_SGD, iteration_program
 from partition.metrics import partition_metrics
 from partition.partitioners import Partition
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSim, JobSimOptions
 from sparse_sgd.activations import ACT_FLOPS
 from sparse_sgd.plan import HSGDPlan
 from sparse_sgd.program import block_work, layer_counts, step_programs
 from sparse_sgd.radixnet import radixnet
 from substrate.calls import Placement, Work, price
-from substrate.cluster import Cluster
-from substrate.jobsim import JobSim, JobSimOptions
 from substrate.program import rebase
 
 from .systems import get_system

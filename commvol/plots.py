@@ -3,7 +3,7 @@
 ``gantt RUN_DIR [--step N] [--out PNG]``
     A Gantt chart of the last simulated step of the run loop, one panel per rank the run's
     ``summary.json`` keeps (rank 0 and the rank that ended the step last): the events the job
-    simulation (:class:`substrate.jobsim.JobSim`) ran, from ``clock.last_step``.  One row per
+    simulation (:class:`simulation.jobsim.JobSim`) ran, from ``clock.last_step``.  One row per
     event lane the step used (``compute``: the compute stream; ``offload``: the offload worker;
     ``stream``: calls issued without waiting, on the communication stream beside compute;
     ``calls``: blocking calls on the rank's thread; unused lanes are left out); a block nested in
@@ -36,7 +36,7 @@ import json
 import math
 from pathlib import Path
 
-from substrate.trace import LANES as _TRACE_LANES
+from simulation.trace import LANES as _TRACE_LANES
 
 from .predict import fmt_bytes
 from .report import Plot, _pyplot, _save, fmt_time, load_run, run_labels, time_unit
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: Lanes of the Gantt chart, in display order: the job simulation's event lanes
-#: (:data:`substrate.trace.LANES` without the measured ``wall`` lane)
+#: (:data:`simulation.trace.LANES` without the measured ``wall`` lane)
 LANES = tuple(ln for ln in _TRACE_LANES if ln != "wall")
 
 
@@ -69,7 +69,7 @@ def _run_dir(path) -> Path:
 
 def run_clock(r) -> dict:
     """The ``clock`` block of a loaded run's ``summary.json`` (:meth:`SimClock.describe
-    <substrate.clock.SimClock.describe>`: model, compute source, network, job simulation
+    <simulation.clock.SimClock.describe>`: model, compute source, network, job simulation
     options, steps, ``last_step``).
 
     Raises
@@ -228,7 +228,7 @@ def _compute_statement(source: str) -> str:
 
 def _comm_statement(clock: dict) -> str:
     """On what the calls were simulated: the run's network (``clock.network``, a
-    :class:`substrate.cluster.Cluster`) and how messages share its links."""
+    :class:`simulation.cluster.Cluster`) and how messages share its links."""
     net = clock.get("network") or {}
     node, lib = net.get("node") or {}, net.get("library") or {}
     links = []

@@ -9,7 +9,7 @@ gpus-per-node`` nodes, ``D`` samples (``--dataset-size``, default 50,000: CIFAR-
 rank, ``b`` per step (``--batch-size``).  For each system and GPU count, every rank's program of
 a step is generated from the system's plan (:mod:`commvol.job`: the model's layers, the plan's
 calls and compute items where their dependencies put them, the optimizer) and the programs run
-together on the cluster (:class:`substrate.jobsim.JobSim`: every collective's messages on the
+together on the cluster (:class:`simulation.jobsim.JobSim`: every collective's messages on the
 NICs, fabric and switches of ``--cluster``, or of the two tiers of the cost flags).  Each block
 costs what the device model says (:class:`commvol.workload.DeviceModel`: the cluster's device,
 a roofline plus a launch overhead per kernel), or what a time per sample sets
@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 
 from runner.options import cost_from_args
+from simulation.cluster import Cluster, Device
+from simulation.jobsim import JobSimOptions
 from substrate.backend import get_backend
 from substrate.calls import Call, Ready, Work, price
-from substrate.cluster import Cluster, Device
 from substrate.costmodel import CostModel
-from substrate.jobsim import JobSimOptions
 from substrate.options import add_dataclass_args, from_args
 
 from .hsgd import RadixNetSpec
@@ -357,7 +357,7 @@ def run(args) -> dict:
     _print(f"{spec.name} ({spec.num_params:,} parameters), baseline {args.gpus[0]} GPUs",
            table, assumptions)
     doc = {"model": spec.name, "gpus_per_node": args.gpus_per_node,
-           "model_of_time": "substrate.jobsim: the job simulation of every rank's program "
+           "model_of_time": "simulation.jobsim: the job simulation of every rank's program "
                             "generated from the plans (commvol.job)",
            "compute": device.how, "layer_tflops": device.tflops,
            "cluster": cluster.describe(), "dataset_size": args.dataset_size,
@@ -420,7 +420,7 @@ def _run_sparse(args) -> dict:
     ]
     _print(f"{spec.name}, baseline {args.gpus[0]} processors", table, assumptions)
     doc = {"model": spec.name, "gpus_per_node": args.gpus_per_node,
-           "model_of_time": "substrate.jobsim: the job simulation of every rank's program "
+           "model_of_time": "simulation.jobsim: the job simulation of every rank's program "
                             "generated from the H-SGD plans (commvol.job.sparse_step)",
            "compute": device.how, "cluster": cluster.describe(),
            "dataset_size": args.dataset_size, "batch_size": args.batch_size,

@@ -3,7 +3,7 @@ a recorded job's steps would take on another network or placement, without runni
 
 A run that recorded ``--compute-profile-out FILE`` holds every rank's program (what it computed
 and communicated, in order).  ``simulate`` runs those programs together in simulated time
-(:mod:`substrate.jobsim`: the exact collectives' messages, eager protocol, NIC links as
+(:mod:`simulation.jobsim`: the exact collectives' messages, eager protocol, NIC links as
 first-in-first-out queues or shared max-min fairly, compute charged from the profile), on the
 placement and the cluster given here (``--cluster FILE|NAME``, or the two tiers of the cost
 flags), and prints every step's length and the mean after the warm-up steps.  It starts no
@@ -19,12 +19,12 @@ import statistics
 from pathlib import Path
 
 from runner.options import add_cost_args, cost_from_args
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSimOptions, simulate_profile
+from simulation.profile import load_profile
 from substrate.calls import Placement
-from substrate.cluster import Cluster
 from substrate.costmodel import CostModel
-from substrate.jobsim import JobSimOptions, simulate_profile
 from substrate.options import add_dataclass_args, from_args
-from substrate.profile import load_profile
 from substrate.results import atomic_write_bytes
 
 __all__ = ["add_parser", "run", "simulate"]

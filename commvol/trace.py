@@ -3,7 +3,7 @@ run keeps as Chrome Trace Event JSON (Perfetto, ``chrome://tracing``).
 
 A run's ``summary.json`` keeps the job simulation's events of the last step of its run loop for
 rank 0 and for the rank that ended it last (``clock.last_step``); this writes those as a trace
-(:mod:`substrate.trace`: one process per rank, lanes for the compute stream, the offload worker,
+(:mod:`simulation.trace`: one process per rank, lanes for the compute stream, the offload worker,
 the calls issued without waiting and the blocking calls; a call's phase, bytes and algorithm in
 its ``args``), each rank's events from the moment it ended the step before.  For every rank and
 any steps, run the job with ``--trace FILE``.  A run recorded by an older spardist (no ``clock``
@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from simulation.trace import trace_document
 from substrate.results import atomic_write_bytes
-from substrate.trace import trace_document
 
 from .plots import step_events
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from models import MODELS, build_model
 from models.network import BACKWARD_FLOP_FACTOR, compute_units
 from models.zoo import resnet_layers
-from substrate.cluster import Device
+from simulation.cluster import Device
 
 from .specs import DATASET_SHAPES, MODEL_ALIASES, SPEC_ARCH
 
@@ -113,7 +113,7 @@ class DeviceModel:
 
     Attributes
     ----------
-    device : substrate.cluster.Device
+    device : simulation.cluster.Device
         Peak, memory bandwidth, launch overhead and achieved fraction of peak.
     layer_tflops : float or None
         The rate of the layers' FLOPs when a measured time per sample sets it

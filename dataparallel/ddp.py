@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from substrate.buckets import bucket_groups
 from substrate.calls import Call, Placement, Ready
-from substrate.options import option
+from substrate.options import check_choices, option
 
 from .strategy import Strategy, register
 
@@ -44,9 +44,7 @@ class DDPOptions:
     def __post_init__(self) -> None:
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
-        if self.allreduce not in ALLREDUCE_ALGORITHMS:
-            raise ValueError(f"--allreduce {self.allreduce!r} unknown; use one of "
-                             f"{ALLREDUCE_ALGORITHMS}")
+        check_choices(self)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from substrate.options import check_range, option
+from substrate.options import check_choices, check_range, option
 
 from .penalty import RHO_UPDATES
 from .projection import keep_count, parse_sparsity
@@ -95,10 +95,7 @@ class HSADMMConfig:
         if self.freeze_patience < 0:
             raise ValueError(f"--freeze-patience must be >= 0 (0: never), got "
                              f"{self.freeze_patience}")
-        if self.rho_update not in RHO_UPDATES:
-            raise ValueError(f"unknown --rho-update {self.rho_update!r}; valid: {RHO_UPDATES}")
-        if self.rho_scope not in RHO_SCOPES:
-            raise ValueError(f"unknown --rho-scope {self.rho_scope!r}; valid: {RHO_SCOPES}")
+        check_choices(self)
 
     @property
     def sparsity_kinds(self) -> tuple[str, ...]:

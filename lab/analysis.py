@@ -20,7 +20,7 @@ import shlex
 import statistics
 from pathlib import Path
 
-from substrate.cluster import TCP_ACK_OVERHEAD
+from simulation.cluster import TCP_ACK_OVERHEAD
 
 from .netns import LabError
 from .network import ETH_HDR, IP_HDR, MTU, TCP_HDR, TCPEXT_FIELDS
@@ -196,8 +196,8 @@ def link_payload_gbps(mbit: float) -> float:
 
 def tcp_ack_overhead() -> float:
     """Link time TCP's acknowledgements take on the reverse direction, per unit of payload time
-    (:class:`substrate.jobsim.JobSim`'s ``ack_overhead``): one 66-byte frame per two full
-    segments, :data:`substrate.cluster.TCP_ACK_OVERHEAD` (0.0218; the lab's counters show
+    (:class:`simulation.jobsim.JobSim`'s ``ack_overhead``): one 66-byte frame per two full
+    segments, :data:`simulation.cluster.TCP_ACK_OVERHEAD` (0.0218; the lab's counters show
     0.0214)."""
     return TCP_ACK_OVERHEAD
 
@@ -265,7 +265,7 @@ def compare_steps(out, *, skip: int = 1) -> dict:
     """Predicted vs measured time per step from a run's ``metrics.jsonl``.
 
     Each line must carry ``step_wall_s`` (measured wall seconds per step over the steps since
-    the previous line).  The prediction is the job simulation's (:mod:`substrate.jobsim`):
+    the previous line).  The prediction is the job simulation's (:mod:`simulation.jobsim`):
     the job's step from ``summary.json``'s ``steps_max`` (every step, a line over several
     steps takes their mean) when the lines' counter lines up with it (a replay's lines carry
     no prediction of their own), else the line's ``step_sim_s``, else the difference of the

@@ -279,7 +279,7 @@ class Model:
 
     @property
     def recorder(self):
-        """Optional per-layer event recorder (e.g. :class:`substrate.compute.LayerEvents`).
+        """Optional per-layer event recorder (e.g. :class:`simulation.compute.LayerEvents`).
 
         While one is set, the forward and backward of every :class:`ComputeUnit` report to it:
         ``recorder.layer(phase, name, flops, nbytes)`` is a context manager around the unit's

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from simulation.clock import SOURCES
+from simulation.jobsim import JobSimOptions
+from simulation.trace import parse_steps
 from substrate import costmodel as cm
 from substrate import pinning as coll
-from substrate.clock import SOURCES
 from substrate.costmodel import CostModel
-from substrate.jobsim import JobSimOptions
 from substrate.options import add_dataclass_args, check_range, option
-from substrate.trace import parse_steps
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every spardist command shares: the fields of :class:`CommonConfig`
     (results, seed, device, topology, collectives, cost model, clock), the job simulation's
-    (:class:`substrate.jobsim.JobSimOptions`: the network the run's steps are simulated on),
+    (:class:`simulation.jobsim.JobSimOptions`: the network the run's steps are simulated on),
     and ``--version``."""
     add_version_arg(parser)
     add_dataclass_args(parser, CommonConfig)

@@ -24,12 +24,13 @@ import mpi4py
 import numpy as np
 from mpi4py import MPI
 
+from simulation.clock import SimClock, make_source
+from simulation.jobsim import JobSimOptions
+from simulation.profile import ProfileRecorder, write_profile
+from simulation.trace import parse_steps, trace_document
 from substrate import collectives as coll
 from substrate.backend import Backend, get_backend
-from substrate.clock import SimClock, make_source
-from substrate.jobsim import JobSimOptions
 from substrate.options import from_args
-from substrate.profile import ProfileRecorder, write_profile
 from substrate.program import normalize
 from substrate.results import (
     CHECKPOINTS,
@@ -39,7 +40,6 @@ from substrate.results import (
 )
 from substrate.threads import cap_threads
 from substrate.topology import Topology
-from substrate.trace import parse_steps, trace_document
 
 from .guards import _prepare_out, check_world_size
 from .launch import git_commit
@@ -189,7 +189,7 @@ class Run:
 
     def _steps_max(self) -> dict | None:
         """Every step of the run loop's simulated length, the job's (every rank holds the same
-        list: :meth:`substrate.clock.SimClock.simulate` hands it to all); what the wire lab
+        list: :meth:`simulation.clock.SimClock.simulate` hands it to all); what the wire lab
         compares with the measured steps.  None without steps."""
         steps = self.clock.unit_steps()
         return {"step_s": steps} if steps else None

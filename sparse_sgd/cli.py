@@ -100,7 +100,7 @@ from sparse_sgd.serial import INITS, challenge_inference_serial, init_weights
 from sparse_sgd.table1 import format_table1, table1_rows
 from substrate.executor import Bindings, Executor
 from substrate.ledger import Predicted
-from substrate.options import add_dataclass_args, check_range, from_args, option
+from substrate.options import add_dataclass_args, check_choices, check_range, from_args, option
 
 __all__ = [
     "GenerateConfig",
@@ -200,11 +200,7 @@ class TrainConfig(NetworkConfig, HSGDOptions):
             elif self.paper_timing and given != value:
                 raise ValueError(f"--paper-timing uses --{name} {value}; drop --{name} "
                                  f"{given} or --paper-timing")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"--activation must be one of {sorted(ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
-        if self.init not in INITS:
-            raise ValueError(f"--init must be one of {INITS}, got {self.init!r}")
+        check_choices(self)
         for flag, value in (("--steps", self.steps), ("--log-every", self.log_every)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")

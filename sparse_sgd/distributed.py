@@ -18,7 +18,7 @@ inside its own programs (a step, the evaluation, inference: :mod:`sparse_sgd.cli
 
 Simulated time: every block of Algs. 2-3 is a compute block of the program with its FLOP
 count and every message a send of its own after the block that filled its buffer, so the job
-simulation (:mod:`substrate.jobsim`) moves the non-blocking messages on the node's links while
+simulation (:mod:`simulation.jobsim`) moves the non-blocking messages on the node's links while
 the local work the paper overlaps them with runs; a receiver waits for its own receives.
 """
 

@@ -39,7 +39,7 @@ from partition.partitioners import (
 )
 from sparse_sgd.radixnet import RadixNetConfig, radixnet, relabel_owners, relabelling
 from substrate.calls import Call, Placement
-from substrate.options import option
+from substrate.options import check_choices, option
 
 __all__ = [
     "INTERVALS",
@@ -102,7 +102,8 @@ class PartitionOptions:
                         "periodic or relabelled periodic network and repeat it)", group=PART)
 
     def __post_init__(self) -> None:
-        self.hypergraph_config(0)  # validates engine/preset/epsilon/threads
+        check_choices(self)  # every field's choices, a subclass's too
+        self.hypergraph_config(0)  # validates epsilon/threads, the preset for the engine
 
     def hypergraph_config(self, seed: int) -> HypergraphConfig:
         return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
@@ -122,8 +123,6 @@ class HSGDOptions(PartitionOptions):
         super().__post_init__()
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
 
     @property
     def itemsize(self) -> int:

@@ -1,4 +1,4 @@
-"""spardist substrate: topology, ledger-recording communicators, α–β cost model, simulated clock,
+"""spardist substrate: topology, ledger-recording communicators, α–β cost model,
 array backend and results.  Everything else in spardist stands on this package; nothing outside
 it calls an mpi4py communication method directly.
 
@@ -15,7 +15,6 @@ import importlib
 _EXPORTS = {
     "Backend": "backend", "array_module": "backend", "cupy_available": "backend",
     "get_backend": "backend",
-    "SimClock": "clock",
     "BucketPlan": "buckets", "bucket_groups": "buckets",
     "Call": "calls", "Placement": "calls", "Ready": "calls",
     "Comm": "comm", "Request": "comm", "Waiting": "comm", "bucketed_allreduce": "comm",

@@ -15,7 +15,7 @@ what it waits for (``after``).  The same record is
   link class (:func:`wire_bytes`), the messages (:func:`messages`) and the α–β seconds each
   member books (:func:`rank_seconds`: a bound, nothing overlapped or shared); :func:`price`
   sums a list of records per phase and per rank.  Its time in a job is the job simulation's
-  (:mod:`substrate.jobsim`, from the rounds of :mod:`substrate.schedule`).
+  (:mod:`simulation.jobsim`, from the rounds of :mod:`substrate.schedule`).
 
 Nothing else restates a call's bytes or time: a new system needs a plan with
 ``calls()`` and a strategy that executes it.  :mod:`volume` (closed forms written from the

@@ -25,7 +25,7 @@ collectives in one of two **modes** (``--collectives``, env ``SPARDIST_COLLECTIV
 The algorithms are written once, as message schedules (:mod:`substrate.schedule`: ring
 all-reduce and all-gather(v), binomial broadcast, scattered pairwise all-to-all, dissemination
 barrier); the functions here execute a schedule's rounds on MPI point-to-point
-(:func:`run_rounds`), and the job simulation (:mod:`substrate.jobsim`) simulates the same rounds.
+(:func:`run_rounds`), and the job simulation (:mod:`simulation.jobsim`) simulates the same rounds.
 """
 
 from __future__ import annotations

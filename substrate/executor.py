@@ -6,7 +6,7 @@ compute of each block (:meth:`Bindings.compute`: a callable, or a :class:`Pass` 
 model's forward and backward), and what it does with a call's result.  The executor does the
 rest, entry by entry, exactly as the program says:
 
-* ``B`` (a block of the clock): the block's compute inside :meth:`substrate.clock.SimClock.
+* ``B`` (a block of the clock): the block's compute inside :meth:`simulation.clock.SimClock.
   compute`, after its ``deps``, on its ``stream``; a :class:`Pass` runs the model, and from the
   model's ready notifications (the backward of a unit wrote its gradients) the executor walks
   the program past that unit's layer entries and issues what the program lists there (a bucket
@@ -259,7 +259,7 @@ class Executor:
         fn = self.bind.compute(label)
         if stream == "offload":
             # a worker beside this thread runs it: ``fn`` hands it over and returns its pending
-            # time (:meth:`substrate.clock.SimClock.offload`); nothing is nested in it
+            # time (:meth:`simulation.clock.SimClock.offload`); nothing is nested in it
             if j != i + 1:
                 raise ValueError(f"program entry {i}: an offload block ({label!r}) holds "
                                  "entries")

@@ -29,7 +29,8 @@ import typing
 import weakref
 from pathlib import Path
 
-__all__ = ["add_dataclass_args", "check_range", "flag_of", "from_args", "option", "option_flags"]
+__all__ = ["add_dataclass_args", "check_choices", "check_range", "flag_of", "from_args", "option",
+           "option_flags"]
 
 #: flags added through this module, per parser: dest -> (flag, default)
 _ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -159,6 +160,21 @@ def from_args(cls: type, args: argparse.Namespace, **overrides):
             kw[f.name] = tuple(kw[f.name] or ())
     kw.update(overrides)
     return cls(**kw)
+
+
+def check_choices(obj) -> None:
+    """Raise ``ValueError`` naming the flag and the valid values for the first field of the
+    options dataclass ``obj`` whose value is not among its :func:`option`'s ``choices`` (``None``
+    is accepted for an optional field).  Called from ``__post_init__``, so an options object
+    built in Python is held to the same choices as the command line's."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices is None or value is None or value in choices:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        raise ValueError(f"{flag} {value!r} unknown; use one of "
+                         f"{', '.join(str(c) for c in choices)}")
 
 
 def check_range(flag: str, value: float, *, gt: float | None = None, ge: float | None = None,

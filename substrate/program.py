@@ -6,12 +6,12 @@ without MPI (:class:`Builder`); the training run **executes** it (:class:`substr
 Executor`: the system binds only its buffers, its compute and its codecs); a run that records a
 compute profile also **records** what really ran, in the same form (:class:`Program`, held
 equal to the generated one in the tests); the replay executes a recorded or generated program on
-zeros with compute slept; the job simulation (:mod:`substrate.jobsim`) simulates it.  Entries,
+zeros with compute slept; the job simulation (:mod:`simulation.jobsim`) simulates it.  Entries,
 in program order:
 
 ``["B", kind, label, key, deps, stream, after]``
-    a compute block begins: ``kind`` ``"clock"`` (:meth:`substrate.clock.SimClock.compute`, the
-    profile key ``key``) or ``"layer"`` (a model unit, :meth:`substrate.compute.LayerEvents.
+    a compute block begins: ``kind`` ``"clock"`` (:meth:`simulation.clock.SimClock.compute`, the
+    profile key ``key``) or ``"layer"`` (a model unit, :meth:`simulation.compute.LayerEvents.
     layer`); ``deps`` (entry indices) what it waits for, ``stream`` ``"compute"`` or
     ``"offload"``, ``after`` the entry it is placed right after in its stream (or ``None``);
 ``["E"]``
@@ -185,7 +185,7 @@ class Builder(_Entries):
         return i
 
     def layer(self, phase: str, name: str) -> int:
-        """A model unit's forward or backward (:meth:`substrate.compute.LayerEvents.layer`)."""
+        """A model unit's forward or backward (:meth:`simulation.compute.LayerEvents.layer`)."""
         label = f"{phase}:{name}"
         return self.block(label, kind="layer")
 

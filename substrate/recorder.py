@@ -8,7 +8,7 @@ communicator runs (or, on a rank outside the group, waits for) it
   seconds :func:`substrate.calls.rank_seconds` gives the record (this rank's entry:
   :func:`substrate.calls.seconds_of`);
 * records the call in the rank's program (:class:`substrate.program.Program`, which the job
-  simulation runs, :mod:`substrate.jobsim`) after its dependencies: by default blocking, after
+  simulation runs, :mod:`simulation.jobsim`) after its dependencies: by default blocking, after
   everything the rank did before; or after exactly the entries passed as ``after=`` (a call
   issued to a communication stream: it overlaps what the rank computes next);
 * appends the record to the call log, a :class:`~substrate.calls.CallLog` whose digest is

@@ -12,7 +12,7 @@ The same schedule is
 
 * **executed** by :mod:`substrate.collectives` (the exact collectives: MPI point-to-point on
   the rounds, so the bytes booked are the bytes sent, on any MPI);
-* **simulated** by :mod:`substrate.jobsim` (every member walks its rounds on the simulated
+* **simulated** by :mod:`simulation.jobsim` (every member walks its rounds on the simulated
   network);
 * **counted**: :func:`sent` (the ``(peer, bytes)`` of every message a member sends, in order:
   what the ledger books for it, in either collectives mode) and :meth:`Schedule.table` (one row

@@ -16,12 +16,21 @@ from __future__ import annotations
 import os
 import sys
 
-from .compute import blas_threads
-
-__all__ = ["THREAD_VARS", "cap_threads", "usable_cores"]
+__all__ = ["THREAD_VARS", "blas_threads", "cap_threads", "usable_cores"]
 
 #: the variables that size the BLAS / OpenMP / Numba pools
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def blas_threads() -> int | None:
+    """Largest thread count of the BLAS/OpenMP pools loaded in this process (threadpoolctl), or
+    ``None`` when it cannot be read."""
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+    except ImportError:
+        return None
+    info = threadpool_info()
+    return max((int(p.get("num_threads", 1)) for p in info), default=1)
 
 
 def usable_cores() -> int:

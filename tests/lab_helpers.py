@@ -1,4 +1,4 @@
-"""Shared by the wire-lab tests (``tests/test_lab_*.py``): why a lab cannot be built here, and
+"""Shared by the wire-lab tests (``tests/lab/``): why a lab cannot be built here, and
 what a lab left behind."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ figure beside our prediction of the same configuration.
 
 A figure is a :class:`Figure`: the paper's numbers (:mod:`commvol.papers`' TOML files, every
 value with the sentence it is quoted from), our prediction of each (the job simulation on the
-paper's cluster file, :mod:`substrate.clusters`), their ratio, and the inputs the prediction
+paper's cluster file, :mod:`simulation.clusters`), their ratio, and the inputs the prediction
 used (:class:`Input`: value and source; the inputs table in ``docs/`` lists them all).  One
 module per paper (``prunex``, ``ssfusion``, ``pactrain``, ``hsgd``, ``sdp``) exposes
 ``figures(quick: bool) -> list[Figure]`` and, optionally, ``inputs() -> list[Input]`` (the
@@ -189,8 +189,8 @@ _UNITS = {"peak_tflops": "TFLOP/s", "memory_gbs": "GB/s", "efficiency": "of peak
 
 
 def cluster_inputs(cluster) -> list[Input]:
-    """The numbers of ``cluster`` (:class:`substrate.cluster.Cluster`) a job simulation reads,
-    each with its source from the file (``"default of substrate.cluster"`` where the file sets
+    """The numbers of ``cluster`` (:class:`simulation.cluster.Cluster`) a job simulation reads,
+    each with its source from the file (``"default of simulation.cluster"`` where the file sets
     none), named ``<cluster file>: <section>.<key>``."""
     name = Path(cluster.path).stem if cluster.path else cluster.name
     out = []
@@ -199,7 +199,7 @@ def cluster_inputs(cluster) -> list[Input]:
             continue                     # one device a node: no fabric traffic
         value = getattr(getattr(cluster, section), key)
         src = cluster.sources.get(f"{section}.{key}",
-                                  "default of substrate.cluster (the file sets none)")
+                                  "default of simulation.cluster (the file sets none)")
         out.append(Input(f"{name}: {section}.{key}", value, _UNITS.get(key, ""), src))
     return out
 

@@ -18,11 +18,11 @@ and the one input whose change would close it, with the value the paper's number
 
 from __future__ import annotations
 
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSimOptions
 from sparse_sgd.activations import ACT_FLOPS
 from sparse_sgd.plan import HSGDOptions
 from sparse_sgd.program import GATHER_BYTES, INDEX_BYTES
-from substrate.cluster import Cluster
-from substrate.jobsim import JobSimOptions
 
 from ..hsgd import RadixNetSpec
 from ..job import SPARSE_ACTIVATION, sparse_step
@@ -95,9 +95,9 @@ def inputs() -> list[Input]:
         Input("hsgd.layer_windows", "1 and 2 periods of the partition, extended to 120 layers",
               "", "commvol.job.sparse_step: a RadiX-Net's first layers and their partition do "
               "not depend on the later ones; measured against every layer simulated within "
-              "3.2 % (tests/test_reproduce_hsgd_sdp.py)"),
-        Input("jobsim.link_sharing", jobsim.link_sharing, "", "substrate.jobsim default"),
-        Input("jobsim.eager_limit", jobsim.eager_limit, "bytes", "substrate.jobsim default "
+              "3.2 % (tests/commvol/test_reproduce_hsgd_sdp.py)"),
+        Input("jobsim.link_sharing", jobsim.link_sharing, "", "simulation.jobsim default"),
+        Input("jobsim.eager_limit", jobsim.eager_limit, "bytes", "simulation.jobsim default "
               "(every message eager)"),
         *cluster_inputs(Cluster.load(CLUSTER)),
     ]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from substrate.cluster import Cluster
-from substrate.jobsim import JobSimOptions
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSimOptions
 
 from ..job import Job
 from ..predict import resolve_model
@@ -53,7 +53,7 @@ def inputs() -> list[Input]:
                   "PyTorch torch.nn.parallel.DistributedDataParallel: bucket_cap_mb default 25 "
                   "(DDP, FP16 and PacTrain's communication hook work bucket by bucket)"),
             Input("jobsim.link_sharing", JobSimOptions().link_sharing, "",
-                  "substrate.jobsim default (a NIC sends one message at a time)"),
+                  "simulation.jobsim default (a NIC sends one message at a time)"),
             *cluster_inputs(Cluster.load(CLUSTER))]
 
 

@@ -10,8 +10,8 @@ the plans' records (:func:`commvol.predict.predict`): one sender's payload a out
 
 from __future__ import annotations
 
-from substrate.cluster import Cluster
-from substrate.jobsim import JobSimOptions
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSimOptions
 
 from ..predict import predict, resolve_model
 from ..scale import scaling
@@ -57,7 +57,7 @@ def _fig9_inputs() -> list[Input]:
                   "PyTorch torch.nn.parallel.DistributedDataParallel: bucket_cap_mb default 25 "
                   "(DDP and Top-K gradient buckets; the paper sets none)"),
             Input("jobsim.link_sharing", JobSimOptions().link_sharing, "",
-                  "substrate.jobsim default (a NIC sends one message at a time)"),
+                  "simulation.jobsim default (a NIC sends one message at a time)"),
             *cluster_inputs(Cluster.load(CLUSTER))]
 
 

@@ -31,10 +31,10 @@ from dataparallel.sparsify import SELECTION_KERNELS
 from dataparallel.ssfusion import SSFusionOptions, plan_ssfusion
 from dataparallel.ssfusion.plan import WORK_BYTES_PER_FLOP
 from models import get_spec
+from simulation.cluster import Cluster
+from simulation.jobsim import JobSimOptions
 from substrate import costmodel as cm
-from substrate.cluster import Cluster
 from substrate.costmodel import CostModel
-from substrate.jobsim import JobSimOptions
 
 from ..job import Job
 from ..systems import get_system
@@ -128,7 +128,7 @@ def decide(mode: str, spec, units, cluster: Cluster, M: int, P: int, batch: floa
     """SSFusion's options in ``mode`` (:data:`MODES`, with ``extra`` options) and the
     assumptions that fix its plan as a run on ``cluster`` would decide it: the warm-up profile
     (:func:`device_profile`), and the fusion buffers, dense tensors and interleave splits decided
-    on that profile with the cluster's alpha-beta (:meth:`substrate.cluster.Cluster.cost_model`,
+    on that profile with the cluster's alpha-beta (:meth:`simulation.cluster.Cluster.cost_model`,
     as the paper measures alpha and beta offline, §IV-A).  Returns ``(options, assumptions,
     plan)``."""
     device = DeviceModel(cluster.device)
@@ -150,7 +150,7 @@ def decide(mode: str, spec, units, cluster: Cluster, M: int, P: int, batch: floa
 def step_seconds(mode: str, spec, units, cluster, M: int, P: int, batch: float,
                  **extra) -> tuple[float, object]:
     """The simulated step of SSFusion in ``mode`` on ``M x P`` ranks of ``cluster`` (a
-    :class:`substrate.cluster.Cluster` or a shipped cluster's name), its plan decided as
+    :class:`simulation.cluster.Cluster` or a shipped cluster's name), its plan decided as
     :func:`decide` does, and that plan."""
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster)
@@ -180,7 +180,7 @@ def _common_inputs() -> list[Input]:
                   "one float32 read or written per element operation of a compute item "
                   "(dataparallel/ssfusion/plan.py)"),
             Input("jobsim.link_sharing", JobSimOptions().link_sharing, "",
-                  "substrate.jobsim default (a NIC sends one message at a time)")]
+                  "simulation.jobsim default (a NIC sends one message at a time)")]
 
 
 def _fig5_inputs() -> list[Input]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from substrate.options import option
+from substrate.options import check_choices, option
 
 from .init_file import INIT_FORMAT
 from .pruning import PRUNE_SCORES
@@ -78,9 +78,7 @@ class PacTrainOptions:
         if not 0 <= self.prune_ratio < 1:
             raise ValueError(f"--prune-ratio must be in [0, 1) (the fraction of each conv/fc "
                              f"tensor removed, e.g. 0.5); got {self.prune_ratio}")
-        if self.prune_score not in PRUNE_SCORES:
-            raise ValueError(f"--prune-score {self.prune_score!r} unknown; use one of "
-                             f"{PRUNE_SCORES}")
+        check_choices(self)
         _whole("--stable-window", self.stable_window)
         if self.stable_window < 0:
             raise ValueError(f"--stable-window must be >= 0 (steps of unchanged mask before "
@@ -93,15 +91,6 @@ class PacTrainOptions:
         if self.init is not None and not os.path.isfile(self.init):
             raise ValueError(f"--init {self.init}: no such file; pass an .npz written by "
                              "dataparallel.pactrain.save_init(path, model)")
-        if self.mask_scope not in MASK_SCOPES:
-            raise ValueError(f"--mask-scope {self.mask_scope!r} unknown; use one of "
-                             f"{MASK_SCOPES}")
-        if self.ternary_wait not in TERNARY_WAITS:
-            raise ValueError(f"--ternary-wait {self.ternary_wait!r} unknown; use one of "
-                             f"{TERNARY_WAITS}")
-        if self.ternary_scale not in TERNARY_SCALES:
-            raise ValueError(f"--ternary-scale {self.ternary_scale!r} unknown; use one of "
-                             f"{TERNARY_SCALES}")
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
 

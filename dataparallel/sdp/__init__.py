@@ -21,7 +21,7 @@ sets, the sub-communicators' member sets, B_b-SDP's broadcast roots and the eval
 items (each held set's packing and unpacking), from which the run's step programs are generated
 (:func:`dataparallel.program.step_program`; the strategy binds their buffers and compute, and
 the trainer holds the run to them); their bytes are checked against :mod:`volume.sdp`'s closed
-forms written from the paper's coverage and layer shapes (``tests/test_sdp_plan.py``).  With
+forms written from the paper's coverage and layer shapes (``tests/dataparallel/test_sdp_plan.py``).  With
 ``--overlap on`` each holder set's all-reduce goes to the communication stream during the
 backward as soon as the set's span is written (in the plan's order); ``--overlap off`` runs
 them blocking after the backward.  B_b-SDP's broadcasts and, in a step before an evaluation,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from substrate.options import option
+from substrate.options import check_choices, option
 
 __all__ = ["SDP_MODES", "SDPOptions", "parse_active_blocks", "parse_fraction"]
 
@@ -65,7 +65,7 @@ class SDPOptions:
 
     sdp_mode: str = option(
         "neuron", "neuron (N-SDP), block (B-SDP) or block-backward (B_b-SDP: full forward, "
-                  "masked backward)")
+                  "masked backward)", choices=SDP_MODES)
     coverage: str = option(
         "3/4", "coverage C = p/n: every masked parameter lives on exactly p of the n workers "
                "(N-SDP; paper §4); 'p/n' or a fraction in (0, 1]")
@@ -80,8 +80,7 @@ class SDPOptions:
                "block's output times its degree / n)")
 
     def __post_init__(self) -> None:
-        if self.sdp_mode not in SDP_MODES:
-            raise ValueError(f"--sdp-mode {self.sdp_mode!r} unknown; use one of {SDP_MODES}")
+        check_choices(self)
         parse_fraction(self.coverage, "--coverage")
         blocks = parse_active_blocks(self.active_blocks)
         if blocks is not None and self.sdp_mode == "neuron":

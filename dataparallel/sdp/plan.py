@@ -5,7 +5,7 @@ its step program is generated (:meth:`SDPPlan.records`).
 
 Built without MPI by :meth:`SDPPlan.for_model` / :func:`plan_masks` from the model's layers
 (:mod:`dataparallel.sdp.masks`), the world size and the options.  The records are held against
-:mod:`volume.sdp`'s closed forms written from the paper (``tests/test_sdp_plan.py``).
+:mod:`volume.sdp`'s closed forms written from the paper (``tests/dataparallel/test_sdp_plan.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from substrate.options import option
+from substrate.options import check_choices, option
 
 from ..topk import TopKOptions
 
@@ -77,14 +77,7 @@ class SSFusionOptions:
             raise ValueError(f"--density {self.density} is below --density-floor "
                              f"{self.density_floor} (the lower bound against over-"
                              f"sparsification); raise --density or lower --density-floor")
-        for flag, v, allowed in (("--fusion", self.fusion, FUSION_MODES),
-                                 ("--fusion-policy", self.fusion_policy, FUSION_POLICIES),
-                                 ("--first-buffer", self.first_buffer, FIRST_BUFFER_RULES),
-                                 ("--sparsifier", self.sparsifier, SPARSIFIERS),
-                                 ("--offload-deadline", self.offload_deadline,
-                                  OFFLOAD_DEADLINES)):
-            if v not in allowed:
-                raise ValueError(f"{flag} {v!r} unknown; use one of {allowed}")
+        check_choices(self)
         for flag, v in (("--buffers", self.buffers), ("--profile-steps", self.profile_steps)):
             if np.asarray(v).dtype.kind not in "iu":  # bool, float, str: not a count
                 raise ValueError(f"{flag} takes a whole number, got {v!r}")

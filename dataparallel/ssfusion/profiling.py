@@ -18,7 +18,7 @@ Offload: the plan lists the sparsification of each offloaded tensor as a compute
 ``offload`` stream where the backward writes the tensor (``ssf_offload[l]``); its compute hands
 it to one worker thread (:meth:`OffloadWorker._submit`), and the buffer's ``ssf_offload_wait[i]``
 collects it before the all-gather.  The item's time is the worker's own reading of the run's
-compute source (:meth:`substrate.clock.SimClock.offload`).
+compute source (:meth:`simulation.clock.SimClock.offload`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from substrate.clock import PendingSeconds
-from substrate.compute import resolve_pending
+from simulation.clock import PendingSeconds
+from simulation.compute import resolve_pending
 
 from ..codec import ErrorFeedback
 from ..sparsify import selection_flops

@@ -22,8 +22,8 @@ from functools import partial
 
 import numpy as np
 
+from simulation.compute import CpuTimeSource
 from substrate.calls import Work, bytes_by_phase
-from substrate.compute import CpuTimeSource
 from substrate.costmodel import INTER, INTRA
 
 from ..codec import ErrorFeedback, scatter_mean

@@ -16,7 +16,7 @@ compact buckets) and flat ADMM; and a plan that is not what ran is refused.
 ``programs OUT NODE_MAP`` trains H-SADMM and flat ADMM briefly on the placement ``NODE_MAP``
 (masks synchronized, then frozen; several compact buckets) with ``--compute-profile-out
 OUT/METHOD.json``: the executor holds every iteration's recording equal to the program it ran
-(:meth:`substrate.executor.Executor.verify`), and ``tests/test_hsadmm_mpi.py`` regenerates the
+(:meth:`substrate.executor.Executor.verify`), and ``tests/hsadmm/test_under_mpi.py`` regenerates the
 programs from the plans alone.
 """
 

@@ -1,5 +1,5 @@
 """Every MPI trainer once, briefly, in one launch: ``schema_checks.py OUT`` (4 ranks as 2 virtual
-nodes x 2).  Each run writes ``OUT/<name>/``; ``tests/test_metrics_schema.py`` validates every
+nodes x 2).  Each run writes ``OUT/<name>/``; ``tests/runner/test_metrics_schema.py`` validates every
 ``metrics.jsonl`` line against ``runner/metrics.schema.json`` and checks the lines against the
 run (bytes, evaluation schedule, units).
 """
@@ -13,7 +13,7 @@ from hsadmm.train import train as hs_train
 from sparse_sgd.cli import _train as sparse_train
 from sparse_sgd.cli import build_parser as sparse_parser
 
-#: name -> (trainer, arguments); tests/test_metrics_schema.py knows their schedules
+#: name -> (trainer, arguments); tests/runner/test_metrics_schema.py knows their schedules
 RUNS = {
     "hsadmm": ("hsadmm", ["--iters", "3", "--local-steps", "2", "--freeze-iter", "1",
                           "--eval-every", "2"]),

@@ -3,7 +3,7 @@
 Run with a rank count and ``R`` ranks per node (3 here) that do not divide the element counts
 of the rings (the digits CNN's T = 38,282 parameters, the buckets, the residuals, the loss
 vector), so every closed form of the predictions has to follow the rings' uneven chunks.  Each
-system writes ``OUT/<name>/summary.json``; ``tests/test_commvol_mpi.py`` compares them with the
+system writes ``OUT/<name>/summary.json``; ``tests/commvol/test_predict_vs_runs.py`` compares them with the
 predictions.  Without SYSTEM arguments all of :data:`RUNS` run.
 """
 

@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py tests/strictcupy/run_counted.py OUT_DIR MODULE [ARGS...]
 
 (with ``tests/strictcupy`` on ``PYTHONPATH``).  Each step's syncs are the counter's growth
-between two calls of :meth:`substrate.clock.SimClock.step` (every trainer calls it once per
+between two calls of :meth:`simulation.clock.SimClock.step` (every trainer calls it once per
 step or iteration); ``OUT_DIR/rank<r>.json`` gets the per-step counts (all threads, the main
 thread, by call site) and the whole run's totals.
 """
@@ -25,7 +25,7 @@ def main() -> None:
         raise SystemExit("run_counted.py needs the strict stand-in first on PYTHONPATH")
     from mpi4py import MPI
 
-    from substrate import clock as clock_mod
+    from simulation import clock as clock_mod
 
     rank = MPI.COMM_WORLD.Get_rank()
     counter = cupy._strict
