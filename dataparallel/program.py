@@ -16,6 +16,9 @@ shape-only model.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from substrate.calls import Ready
 from substrate.executor import Bindings, Executor, Pass
 from substrate.program import Builder, Placer
@@ -55,7 +58,9 @@ def step_program(units, records, placement, rank: int, *, overlap: bool = True,
     b = Builder()
     done: dict[str, int] = {}             # unit -> entry of its backward
     updated: list[int] = []               # the optimizer's entry, once there
-    spans = [(u.name, int(u.lo), int(u.hi)) for u in units if int(u.hi) > int(u.lo)]
+    # the units' disjoint slices of the flat gradient, by offset: a range's units by bisection
+    spans = sorted((int(u.lo), int(u.hi), u.name) for u in units if int(u.hi) > int(u.lo))
+    ends = [hi for _, hi, _ in spans]
 
     def resolve(token):
         if isinstance(token, str) and token == UPDATED:
@@ -63,9 +68,13 @@ def step_program(units, records, placement, rank: int, *, overlap: bool = True,
         if not isinstance(token, Ready):
             raise ValueError(f"a data-parallel record waits for {token!r}: only records, "
                              "Ready(lo, hi) ranges of the gradient and UPDATED")
-        over = [n for n, lo, hi in spans if lo < token.hi and hi > token.lo]
-        if sum(min(hi, token.hi) - max(lo, token.lo) for n, lo, hi in spans
-               if n in over) < token.hi - token.lo:
+        over, covered = [], 0
+        for lo, hi, n in itertools.islice(spans, bisect.bisect_right(ends, token.lo), None):
+            if lo >= token.hi:
+                break
+            over.append(n)
+            covered += min(hi, token.hi) - max(lo, token.lo)
+        if covered < token.hi - token.lo:
             raise ValueError(f"Ready({token.lo}, {token.hi}) is not covered by the model's "
                              "units: the plan was built for another model")
         if any(n not in done for n in over):

@@ -177,14 +177,26 @@ class Placement:
     def world(self) -> tuple:
         return tuple(range(self.size))
 
+    def _groups(self) -> tuple:
+        """Every node's world ranks in rank order, computed once (a program generator asks
+        for them once per rank and call: at 4,096 ranks a scan per question is quadratic)."""
+        groups = self.__dict__.get("_members")
+        if groups is None:
+            order = np.argsort(self.nodes_array, kind="stable")
+            cuts = np.cumsum(np.bincount(self.nodes_array))[:-1]
+            groups = tuple(tuple(int(r) for r in g) for g in np.split(order, cuts))
+            object.__setattr__(self, "_members", groups)
+        return groups
+
     def members(self, node: int) -> tuple:
         """World ranks of ``node``, in rank order (its intra-node communicator)."""
-        return tuple(int(r) for r in np.flatnonzero(self.nodes_array == int(node)))
+        groups, node = self._groups(), int(node)
+        return groups[node] if 0 <= node < len(groups) else ()
 
     @property
     def leaders(self) -> tuple:
         """The lowest world rank of every node, in node order (the leaders' communicator)."""
-        return tuple(self.members(m)[0] for m in range(self.num_nodes))
+        return tuple(g[0] for g in self._groups())
 
     def node(self, rank: int) -> int:
         return self.node_of[int(rank)]
