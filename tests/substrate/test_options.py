@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -99,8 +101,6 @@ CHOICE_CLASSES = [("simulation.jobsim", "JobSimOptions"), ("hsadmm.config", "HSA
 def test_every_choice_is_checked_from_the_option_metadata(module, name):
     """An options object built in Python is held to the choices its flags declare: each field
     with ``choices`` refuses an unknown value, naming the flag and the valid values."""
-    import dataclasses  # noqa: PLC0415
-    import importlib  # noqa: PLC0415
     cls = getattr(importlib.import_module(module), name)
     fields = [f for f in dataclasses.fields(cls) if "choices" in f.metadata]
     assert fields, f"{name} declares no choices"
