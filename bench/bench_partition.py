@@ -5,7 +5,7 @@ Sections (``--only`` picks some):
 ``random``
     A network without period or twins (random 32-regular layers, :func:`random_regular_network`)
     at N=1024, L=120, P=32: per-layer KaHyPar, the earlier default (preset ``fast_communities``,
-    chained phases, the 44.6 s CPU of the issue) beside the new default (preset ``fast``,
+    chained phases, the 44.6 s CPU reported before it) beside the new default (preset ``fast``,
     chained) and independent phases on every core; wall and CPU seconds (this process and its
     workers), SpFF words per processor per layer and the ratio to the baseline.  Target (PaToH's
     time in the paper): <= 2.48 s wall with km1 within 3 % of the baseline.

@@ -15,7 +15,7 @@
    kernel in fresh processes, one thread and two threads with the OpenMP layer (OMP_WAIT_POLICY
    unset, which :mod:`sparse_sgd.kernels` now turns into PASSIVE; ACTIVE; PASSIVE) and the
    workqueue layer, with 0, 2 and 4 ``busy_loops`` beside them, interleaved rounds, median ms
-   (the issue-29 collapse of two threads under load).
+   (the collapse of two threads under load).
 4. Table 1 on the paper's terms (SpFF words per processor per layer, avg/max, messages,
    imbalance) for N=1024 and 4096, L=120, P in {32, ..., 512}: H, R, the closed form E[R] and the
    lower bound beside the paper's H and R rows.

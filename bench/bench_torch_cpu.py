@@ -10,7 +10,7 @@ PyTorch is an optional *bench* comparator only (never imported by the package)::
 
     .venv/bin/pip install torch==2.13.0        # CPU build
 
-Cells (``NAME:BATCH``; default: the issue-28 set below)
+Cells (``NAME:BATCH``; default: the set below)
 
 * ``gpt-wD-cT``: the byte GPT (:func:`models.transformer.gpt`), width ``D``, context ``T``, 4
   layers, 4 heads, MLP 4x, untied head, causal-LM loss over every position, **AdamW**

@@ -1,6 +1,6 @@
 """One transformer training step: spardist (NumPy, hand-written backward) vs PyTorch CPU.
 
-The issue-28 comparison (GPT widths 128/256 x contexts 64/256, the digits ViT and ResNet-18,
+The comparison (GPT widths 128/256 x contexts 64/256, the digits ViT and ResNet-18,
 one process per thread count, CPU and wall ratios, GF/s beside the GEMM peak) is
 ``bench/bench_torch_cpu.py``; this script keeps the small models and the
 ``dp-adamw`` runner.

@@ -141,7 +141,7 @@ def replayed(loads: dict, tmp: Path, timeout: float) -> dict:
     the lab records the compute profile and the ranks' programs (``--compute-profile-out``, on
     virtual nodes of the lab's block placement); the lab then runs the replay, whose ranks
     sleep their compute and communicate for real, so 16-32 ranks share two cores without
-    their compute competing (the issue's "replayed compute")."""
+    their compute competing ("replayed compute")."""
     out = {}
     for name, w in loads.items():
         def args(hosts, rph, name=name, w=w):

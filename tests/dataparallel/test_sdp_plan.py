@@ -150,7 +150,7 @@ def test_digits_cnn_masks_conv1_and_fc1():
     assert layers == [(16, 10 + 288, 0), (64, 513 + 10, 0)] and rest == 42
     plan = SDPPlan.for_model(MODELS["cnn"], 2, 2, SDPOptions(coverage="2/4"))
     assert plan.detail["masked"] == ["conv1", "fc1"]
-    # the case: at 2/4 the gated traffic is (p-1)/(n-1) = 1/3 of DDP's, not 0.008
+    # the reported case: at 2/4 the gated traffic is (p-1)/(n-1) = 1/3 of DDP's, not 0.008
     ddp = 8 * 3 * 38282
     gated = records(plan, Placement.node_major(2, 2))[0][GATED]
     assert _wire(gated) / ddp == pytest.approx((38240 / 3 + 42) / 38282)
