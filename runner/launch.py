@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from substrate.pinning import pinning_env
-from substrate.threads import usable_cores
 
 __all__ = [
     "DEFAULT_JOB",
@@ -310,26 +309,13 @@ def _lint() -> int:
     return rc
 
 
-def _test_workers(args: list[str]) -> list[str]:
-    """pytest-xdist's options for the suite: one worker per usable core, at most 4 (each MPI
-    test starts up to 6 ranks of its own), the wire-lab tests on one of them (``--dist
-    loadgroup``: see ``tests/conftest.py``).  Nothing when pytest-xdist is missing, on one core,
-    or when the arguments already choose (``-n N``, ``-n 0``, ``-p no:xdist``)."""
-    chosen = any(a in ("-n", "--numprocesses", "no:xdist", "-pno:xdist") or
-                 a.startswith(("-n", "--numprocesses=", "--dist")) for a in args)
-    workers = min(usable_cores(), 4)
-    if chosen or workers < 2 or importlib.util.find_spec("xdist") is None:
-        return []
-    return ["-n", str(workers), "--dist", "loadgroup"]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--test":
         rc = _lint()
         if rc:
             return rc
-        cmd = [sys.executable, "-m", "pytest", *_test_workers(argv[1:]), *argv[1:]]
+        cmd = [sys.executable, "-m", "pytest", *argv[1:]]
         return run_tree(cmd)
     if not argv:
         argv = list(DEFAULT_JOB)

@@ -4,9 +4,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/mpi_helpers.py
+# the checkout first, then tests/ (mpi_helpers.py and the other helpers): tests/models/ and the
+# other per-package folders must never shadow the packages they test
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 
 def _terminate(signum, frame):
@@ -21,11 +21,3 @@ signal.signal(signal.SIGTERM, _terminate)
 # never in the checkout's results/ (runner.run: SPARDIST_RESULTS); MPI jobs inherit it
 os.environ.setdefault("SPARDIST_RESULTS", tempfile.mkdtemp(prefix="spardist-test-results-"))
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``./run_mpi.sh --test`` runs the suite on every core) the wire-lab
-    tests share one worker: each builds namespaces, bridges and shaped links on this host, and
-    two labs at once would measure each other's traffic."""
-    for item in items:
-        if item.get_closest_marker("wire"):
-            item.add_marker(pytest.mark.xdist_group("wire-lab"))

@@ -392,7 +392,7 @@ def test_run_executes_the_plan_on_4_nodes_of_2(tmp_path):
     assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == \
         (total.inter, total.intra, total.total_messages)
     assert s["timing"]["comm_modeled_s"] == pytest.approx(total.time_s, rel=1e-9)
-    from test_sdp_plan import neuron_layers  # the closed form's inputs, from the shapes
+    from sdp_reference import neuron_layers  # the closed form's inputs, from the shapes
 
     layers, rest = neuron_layers(build_model("cnn", SHAPE, 10))
     closed = neuron_sdp_bytes(layers, rest, 3, np.arange(8) // 2)

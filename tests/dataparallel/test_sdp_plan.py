@@ -11,12 +11,12 @@ brute force); B-SDP deals ``b`` of ``d`` blocks to every worker.  A wrong plan (
 a coordinate in the wrong group) changes the degrees or the bytes and fails here.
 """
 
-import itertools
 import math
 from fractions import Fraction
 
 import numpy as np
 import pytest
+from sdp_reference import neuron_layers
 
 from commvol.predict import predict
 from dataparallel.program import OPTIMIZER, UPDATED, step_program
@@ -41,42 +41,6 @@ def _models():
 
 
 MODELS = _models()
-
-
-def _size(L, name):
-    return int(np.prod(L.shape(name)))
-
-
-def neuron_layers(model):
-    """``[(width, params per neuron, buffers per neuron)]`` of the layers N-SDP masks, and the
-    parameters left on every worker, from the layer shapes alone."""
-    L = model.layout
-    names = set(L.names)
-    blocks = sorted({".".join(n.split(".")[:2]) for n in names if n.startswith("layer")})
-    if blocks:  # ResNet: each block's inner channels (conv1's outputs, bn1, conv2's inputs)
-        layers = []
-        for b in blocks:
-            w = L.shape(f"{b}.conv1.weight")[0]
-            per = (_size(L, f"{b}.conv1.weight") + _size(L, f"{b}.bn1.weight")
-                   + _size(L, f"{b}.bn1.bias") + _size(L, f"{b}.conv2.weight")) // w
-            layers.append((w, per, 2))
-    else:  # plain chain conv1 -> conv2 -> fc1 -> fc2: hidden layers conv1, conv2, fc1
-        chain = ["conv1", "conv2", "fc1", "fc2"]
-        hidden = []
-        for a, nxt in itertools.pairwise(chain):
-            w = L.shape(f"{a}.weight")[0]
-            per = (_size(L, f"{a}.weight") + _size(L, f"{a}.bias")
-                   + _size(L, f"{nxt}.weight")) // w
-            hidden.append((w, per, 0))
-        # non-adjacent subsets, the one holding the most parameters (ties: earlier layers)
-        best = max((s for r in range(len(hidden) + 1)
-                    for s in itertools.combinations(range(len(hidden)), r)
-                    if all(b - a > 1 for a, b in itertools.pairwise(s))),
-                   key=lambda s: (sum(hidden[i][0] * hidden[i][1] for i in s),
-                                  [-i for i in s]))
-        layers = [hidden[i] for i in best]
-    masked = sum(w * per for w, per, _ in layers)
-    return layers, L.total - masked
 
 
 def block_sizes(model):

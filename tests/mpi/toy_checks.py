@@ -1,10 +1,12 @@
-"""A made-up system that is only a plan and its bindings (:class:`test_call_record.
-ToyStrategy`), registered as a data-parallel method and trained by the one trainer:
+"""A made-up system that is only a plan and its bindings (``tests/substrate/test_call_record.py``:
+``ToyStrategy``), registered as a data-parallel method and trained by the one trainer:
 ``python -m mpi4py toy_checks.py train --method toy ARGS``."""
 
 import sys
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])      # tests/ (the toy plan)
+TESTS = __file__.rsplit("/", 2)[0]
+# the checkout first (tests/models/ must not shadow models/), then the helpers and the toy plan
+sys.path[:0] = [TESTS.rsplit("/", 1)[0], TESTS, TESTS + "/substrate"]
 
 from test_call_record import ToyStrategy
 
