@@ -60,8 +60,9 @@ __all__ = ["PoolFull", "State", "rounds", "run", "simulate"]
 
 #: the kernel's functions: compiled once into Numba's cache, and without the runtime's reference
 #: counts (every array is :class:`State`'s, made in Python; counting the references of its
-#: arrays at every call cost half the time)
-_jit = njit(cache=True, _nrt=False)
+#: arrays at every call cost half the time); NumPy's error model drops the zero check of every
+#: division (no divisor here is zero: the Python loop, which would raise, gives the same steps)
+_jit = njit(cache=True, _nrt=False, error_model="numpy")
 
 _OP_END = 99                            # a rank's thread ends
 
