@@ -1,6 +1,6 @@
 """Shaped links (``--link``) and predicted against measured time per step on them
 (``lab.analysis``, ``bench/bench_wirelab.py``).  Root only (skipped with the reason otherwise).
-The refusals of bad link values are in ``test_lab_inputs.py``."""
+The refusals of bad link values are in ``tests/lab/test_inputs.py``."""
 
 from __future__ import annotations
 
