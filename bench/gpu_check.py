@@ -455,9 +455,10 @@ def environment() -> dict:
 
 def run_tests(strict_only: bool) -> dict:
     out = {}
-    suites = {"stand-in device paths": ["tests/substrate/test_gpu_staging.py", "tests/substrate/test_gpu_binding.py",
-                                        "tests/simulation/test_gpu_timing.py", "tests/sparse_sgd/test_gpu.py",
-                                        "tests/project/test_gpu_systems.py", "tests/substrate/test_strict_backend.py"]}
+    suites = {"stand-in device paths": [
+        "tests/substrate/test_gpu_staging.py", "tests/substrate/test_gpu_binding.py",
+        "tests/simulation/test_gpu_timing.py", "tests/sparse_sgd/test_gpu.py",
+        "tests/project/test_gpu_systems.py", "tests/substrate/test_strict_backend.py"]}
     if not strict_only:
         suites["real GPU (-m gpu)"] = ["-m", "gpu", "tests"]
     for name, args in suites.items():
