@@ -195,9 +195,10 @@ def compare_runs(cpu_dir, gpu_dir, *, loss_rtol: float = 1e-3, acc_atol: float =
             "oversubscribed": sg.get("topology", {}).get("oversubscribed")}
 
 
-def run_system(name: str, out: Path, ranks: int, *, strict: bool, mode: str = "exact",
-               **tol) -> dict:
-    """One command of :data:`COMMANDS` on the CPU and on the GPU (or the stand-in)."""
+def system_command(name: str, out_dir: Path, ranks: int, mode: str,
+                   device: str) -> tuple[str, list[str], int]:
+    """(module, arguments, ranks) of one command of :data:`COMMANDS` on ``device``, writing
+    its run to ``out_dir``."""
     module, args, fixed = COMMANDS[name]
     n = fixed or ranks
     common = [*DETERMINISTIC, "--overwrite"]
@@ -205,15 +206,23 @@ def run_system(name: str, out: Path, ranks: int, *, strict: bool, mode: str = "e
         common += ["--ranks-per-node", str(max(1, n // 2)), "--collectives", mode]
     if module == "models":
         common = ["--overwrite"]
-    res = {"name": name, "ranks": n, "mode": mode}
+    extra = ["--device", device] if device == "gpu" else []
+    return module, [*args, *common, *extra, "--out", str(out_dir)], n
+
+
+def run_system(name: str, out: Path, ranks: int, *, strict: bool, mode: str = "exact",
+               **tol) -> dict:
+    """One command of :data:`COMMANDS` on the CPU and on the GPU (or the stand-in)."""
+    res = {"name": name, "ranks": system_command(name, out, ranks, mode, "cpu")[2],
+           "mode": mode}
     dirs = {}
     for device in ("cpu", "gpu"):
         d = out / f"{name}-{mode}-{device}"
         dirs[device] = d
         env = strict_env() if (device == "gpu" and strict) else None
-        extra = ["--device", device] if device == "gpu" else []
+        module, argv, n = system_command(name, d, ranks, mode, device)
         t0 = time.perf_counter()
-        proc = launch(module, [*args, *common, *extra, "--out", str(d)], n, env=env)
+        proc = launch(module, argv, n, env=env)
         res[f"{device}_wall_s"] = round(time.perf_counter() - t0, 2)
         if proc.returncode:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

@@ -15,6 +15,7 @@ default); Open MPI run as root also gets ``--allow-run-as-root``.
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import functools
 import importlib.util
@@ -309,8 +310,29 @@ def _lint() -> int:
     return rc
 
 
+def byte_compile_checkout() -> None:
+    """Byte-compile the checkout's packages, tests and benches once, before a launch.
+
+    With ``PYTHONDONTWRITEBYTECODE`` set (common on shared machines and CI images) Python never
+    writes its ``.pyc`` caches, so every rank of every job compiled the package's sources again:
+    0.3 s of a 0.7 s start-up per process on a 2-core box.  Python still reads caches that
+    exist, so writing them here once makes every later process start from bytecode.  Up-to-date
+    caches are only checked (about 0.2 s); an installed package (no ``pyproject.toml`` beside
+    it) was compiled when it was installed."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        return
+    dirs = [d for d in sorted(root.iterdir())
+            if (d / "__init__.py").is_file() or d.name in ("tests", "bench", "scripts")]
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        for d in dirs:
+            with contextlib.suppress(OSError):   # a read-only checkout just starts slower
+                compileall.compile_dir(str(d), quiet=2, workers=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    byte_compile_checkout()
     if argv and argv[0] == "--test":
         rc = _lint()
         if rc:

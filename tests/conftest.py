@@ -21,3 +21,8 @@ signal.signal(signal.SIGTERM, _terminate)
 # never in the checkout's results/ (runner.run: SPARDIST_RESULTS); MPI jobs inherit it
 os.environ.setdefault("SPARDIST_RESULTS", tempfile.mkdtemp(prefix="spardist-test-results-"))
 
+
+# every MPI job of the suite starts from bytecode even where PYTHONDONTWRITEBYTECODE is set
+from runner.launch import byte_compile_checkout
+
+byte_compile_checkout()

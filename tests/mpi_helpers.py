@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = Path(__file__).resolve().parent / "mpi"
 #: the MPI jobs running now (their launchers' pids)
 _RUNNING: set[int] = set()
+#: the line ``tests/mpi/batch_jobs.py`` prints before each job's output
+BATCH_MARK = "=== batch job: "
 
 
 def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = False,
@@ -64,6 +67,59 @@ def run_mpi(script, n: int, *args, timeout: float = 120, expect_fail: bool = Fal
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{out}\n"
                     f"--- stderr ---\n{err}")
     return res
+
+
+class JobBatch:
+    """The MPI jobs of one test module, run in one launch per world size and environment
+    (``tests/mpi/batch_jobs.py``), on the first test that asks for one of them.
+
+    ``add(name, n, module, *argv)`` declares a job (its output folder is ``root / name``,
+    which the caller passes in ``argv`` as it needs); ``run(name)`` returns that folder once
+    the launch holding the job has finished, in the order the jobs were added.  A launch that
+    fails fails every test that asks for one of its jobs, with the ranks' output.
+    """
+
+    def __init__(self, root, *, seconds_per_job: float = 30.0):
+        self.root = Path(root)
+        self.seconds_per_job = seconds_per_job
+        self._jobs: dict[str, tuple] = {}
+        self._launched: dict[tuple, str | None] = {}   # launch key -> failure message or None
+        self._stdout: dict[str, str] = {}
+
+    def add(self, name: str, n: int, module: str, *argv, env: dict | None = None) -> Path:
+        if name in self._jobs:
+            raise ValueError(f"job {name!r} declared twice")
+        key = (n, tuple(sorted((env or {}).items())))
+        self._jobs[name] = (key, module, [str(a) for a in argv])
+        return self.root / name
+
+    def run(self, name: str) -> Path:
+        key = self._jobs[name][0]
+        if key not in self._launched:
+            group = [[job, module, argv] for job, (k, module, argv) in self._jobs.items()
+                     if k == key]
+            spec = self.root / f"jobs-{len(self._launched)}.json"
+            spec.write_text(json.dumps(group))
+            self._launched[key] = "the launch did not finish"
+            n, env = key
+            try:
+                res = run_mpi("batch_jobs.py", n, spec, env=dict(env),
+                              timeout=60 + self.seconds_per_job * len(group))
+            except pytest.fail.Exception as exc:
+                self._launched[key] = str(exc)
+                raise
+            self._launched[key] = None
+            for part in res.stdout.split(BATCH_MARK)[1:]:
+                job, _, text = part.partition("\n")
+                self._stdout[job] = text
+        if self._launched[key] is not None:
+            pytest.fail(f"the launch holding job {name!r} failed:\n{self._launched[key]}")
+        return self.root / name
+
+    def stdout(self, name: str) -> str:
+        """What the job printed on rank 0 (after :meth:`run`)."""
+        self.run(name)
+        return self._stdout.get(name, "")
 
 
 def read_summary(out_dir) -> dict:

@@ -193,7 +193,7 @@ def test_headline_comparison(tmp_path):
 # 3 ranks per node: 2 nodes x 3 and 1 node x 3 (tests/mpi/uneven_checks.py, one launch each)
 # ---------------------------------------------------------------------------------------------
 #: (ranks, ranks per node)
-UNEVEN_LAYOUTS = [(6, 3), (3, 3), (6, 6)]  # 2 nodes x 3, 1 x 3, 1 x 6
+UNEVEN_LAYOUTS = [(6, 3), (3, 3)]  # 2 nodes x 3 (a world ring of 6), 1 x 3
 
 #: run name in uneven_checks.py -> (system, model, predict options) matching its flags
 UNEVEN_RUNS = {

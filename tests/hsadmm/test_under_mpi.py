@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from mpi_helpers import (
+    JobBatch,
     assert_measured_equals_predicted,
     assert_one_error_from_every_rank,
     read_summary,
@@ -25,10 +26,28 @@ from substrate.program import normalize, steps
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("check", ["one_iteration", "one_iteration_theta_decay", "freezing",
-                                   "checkpoint", "flat_freezing"])
-def test_solver_check(check):
-    assert f"OK {check}" in run_mpi("hsadmm_checks.py", 4, check, timeout=180).stdout
+SOLVER_CHECKS = ["one_iteration", "one_iteration_theta_decay", "freezing", "checkpoint",
+                 "flat_freezing"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The checks and runs of this module that succeed: one MPI launch per world size."""
+    b = JobBatch(tmp_path_factory.mktemp("hsadmm_jobs"))
+    for check in SOLVER_CHECKS:
+        b.add(check, 4, "hsadmm_checks.py", check)
+    for (n, R), name in zip(LAYOUTS, LAYOUT_IDS):
+        b.add(f"accounting-{name}", n, "hsadmm_checks.py", "accounting", R)
+    for name, (n, node_map) in PROGRAM_PLACEMENTS.items():
+        b.add(f"programs-{name}", n, "hsadmm_checks.py", "programs", b.root / f"programs-{name}",
+              node_map)
+    b.add("digits", 4, "hsadmm", "train", "--ranks-per-node", 2, "--out", b.root / "digits")
+    return b
+
+
+@pytest.mark.parametrize("check", SOLVER_CHECKS)
+def test_solver_check(jobs, check):
+    assert f"OK {check}" in jobs.stdout(check)
 
 
 #: (ranks, ranks per node or node map): 2 x 2, 1 x 6, 4 x 2 node-major and nodes holding ranks
@@ -40,19 +59,16 @@ LAYOUT_IDS = ["2x2", "1x6", "4x2", "map-0,1,1,0,2,2"]
 
 
 @pytest.mark.parametrize("n,R", LAYOUTS, ids=LAYOUT_IDS)
-def test_every_iteration_runs_its_plan_and_books_the_closed_form(n, R):
+def test_every_iteration_runs_its_plan_and_books_the_closed_form(jobs, n, R):
     """Per iteration, H-SADMM (masks synced then frozen, several compact buckets) and flat
     ADMM: the calls that ran are the plan's records (``Recorder.account``), whose bytes equal
     the ledgers of all ranks and (node-major layouts) :mod:`volume.hsadmm`'s closed forms; a
     wrong plan is refused (tests/mpi/hsadmm_checks.py ``accounting``)."""
-    assert "OK accounting" in run_mpi("hsadmm_checks.py", n, "accounting", R,
-                                      timeout=300).stdout
+    assert "OK accounting" in jobs.stdout(f"accounting-{LAYOUT_IDS[LAYOUTS.index((n, R))]}")
 
 
-def test_digits_run_accuracy_and_traffic_match_closed_form(tmp_path):
-    out = tmp_path / "hs"
-    run_mpi(None, 4, "train", "--ranks-per-node", 2, "--out", out, module="hsadmm",
-            timeout=240)
+def test_digits_run_accuracy_and_traffic_match_closed_form(jobs):
+    out = jobs.run("digits")
     s = read_summary(out)
     assert s["metrics"]["final_test_accuracy"] >= 0.90
     assert s["config"]["keep"] == 0.5 and s["config"]["sparsity"] == "channel"
@@ -78,13 +94,11 @@ PROGRAM_PLACEMENTS = {"2x2": (4, "block:2"), "1x3": (3, "block:3"), "2x3": (6, "
                       "round-robin": (4, "round-robin:2")}
 
 
-@pytest.fixture(scope="module", params=sorted(PROGRAM_PLACEMENTS))
-def program_runs(request, tmp_path_factory):
+@pytest.fixture(params=sorted(PROGRAM_PLACEMENTS))
+def program_runs(request, jobs):
     n, node_map = PROGRAM_PLACEMENTS[request.param]
-    out = tmp_path_factory.mktemp(f"hsadmm-programs-{request.param}")
-    assert "OK programs" in run_mpi("hsadmm_checks.py", n, "programs", out, node_map,
-                                    timeout=240).stdout
-    return out, n, node_map
+    assert "OK programs" in jobs.stdout(f"programs-{request.param}")
+    return jobs.root / f"programs-{request.param}", n, node_map
 
 
 def _iteration_records(method, summary, line, layout, placement):

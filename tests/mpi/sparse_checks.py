@@ -1,7 +1,7 @@
 """MPI checks of distributed SpFF/SpBP against the serial SciPy reference and the plan.
 
-Usage: ``python -m mpi4py sparse_checks.py MODE METHOD RANKS_PER_NODE OUT``
-MODE ``train``: forward, backward (delta), weight and bias updates on 2 iterations for sigmoid
+Usage: ``python -m mpi4py sparse_checks.py MODE:METHOD[,MODE:METHOD...] RANKS_PER_NODE OUT``
+(one launch runs the checks one after the other, each into ``OUT/MODE-METHOD``).  MODE ``train``: forward, backward (delta), weight and bias updates on 2 iterations for sigmoid
 and ReLU equal :class:`SerialSparseNet` to 1e-5; every interval's calls are held against the
 plan's records, message by message (:meth:`substrate.recorder.Recorder.account`), and the
 ledger's bytes per phase and link class and messages equal the records', its SpFF bytes the
@@ -202,5 +202,8 @@ def check_mutant(method, R, out):
 
 
 if __name__ == "__main__":
-    mode, method, R, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    {"train": check_train, "infer": check_infer, "mutant": check_mutant}[mode](method, R, out)
+    specs, R, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    for spec in specs.split(","):
+        mode, method = spec.split(":")
+        {"train": check_train, "infer": check_infer, "mutant": check_mutant}[mode](
+            method, R, f"{out}/{mode}-{method}")

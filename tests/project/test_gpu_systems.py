@@ -6,8 +6,10 @@ each kind, the native mode.  The plans are made independent of timing (``--compu
 flops``) so both runs execute the same plan."""
 
 import pytest
+from mpi_helpers import JobBatch, run_mpi
+from strict_backend import strict_env
 
-from bench.gpu_check import COMMANDS, run_system
+from bench.gpu_check import COMMANDS, compare_runs, system_command
 
 pytestmark = pytest.mark.mpi
 
@@ -17,21 +19,30 @@ NATIVE = ["ddp", "ssfusion", "sparse_sgd-train"]
 CASES = [(n, "exact") for n in COMMANDS] + [(n, "native") for n in NATIVE]
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every command on the CPU (one launch) and on the stand-in (another), 4 ranks."""
+    b = JobBatch(tmp_path_factory.mktemp("gpu_systems"))
+    for name, mode in CASES:
+        for device in ("cpu", "gpu"):
+            job = f"{name}-{mode}-{device}"
+            module, argv, n = system_command(name, b.root / job, 4, mode, device)
+            b.add(job, n, module, *argv, env=strict_env() if device == "gpu" else None)
+    return b
+
+
 @pytest.mark.parametrize("name,mode", CASES, ids=[f"{n}-{m}" for n, m in CASES])
-def test_system_on_gpu_equals_cpu(name, mode, tmp_path):
-    res = run_system(name, tmp_path, 4, strict=True, mode=mode, loss_rtol=1e-6,
-                     acc_atol=1e-9)
+def test_system_on_gpu_equals_cpu(jobs, name, mode):
+    res = compare_runs(jobs.run(f"{name}-{mode}-cpu"), jobs.run(f"{name}-{mode}-gpu"),
+                       loss_rtol=1e-6, acc_atol=1e-9)
     assert res["ok"], res["problems"]
-    if res["ranks"] > 1:   # four ranks, four devices of the stand-in: none shared
+    if (COMMANDS[name][2] or 4) > 1:   # four ranks, four devices of the stand-in: none shared
         assert len(set(res["devices"])) == 4 and not res["oversubscribed"]
 
 
 def test_ssfusion_offload_keeps_momentum_on_the_gpu(tmp_path):
     """SSFusion-O with DGC momentum correction: the GPU run equals the CPU run step by step
     (the offloaded tensors' host velocity starts from the device's)."""
-    from mpi_helpers import run_mpi
-    from strict_backend import strict_env
-
     res = run_mpi("dp_gpu_checks.py", 4, "offload_momentum", tmp_path, timeout=240,
                   env=strict_env())
     assert "OK offload_momentum" in res.stdout

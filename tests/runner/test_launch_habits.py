@@ -156,3 +156,26 @@ def test_a_module_that_cannot_run_is_refused_before_any_rank_starts(module):
     assert proc.returncode == 2, proc.stderr
     assert f"MODULE {module!r} is not a module this Python can run" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_launcher_leaves_bytecode_for_every_rank(tmp_path):
+    """With PYTHONDONTWRITEBYTECODE set no rank writes ``.pyc`` caches; the launcher writes
+    them first, so a job's ranks import the packages from bytecode."""
+    import importlib.util
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    checkout = tmp_path / "checkout"
+    (checkout / "pkg").mkdir(parents=True)
+    (checkout / "pkg" / "__init__.py").write_text("X = 1\n")
+    (checkout / "runner").mkdir()
+    (checkout / "runner" / "__init__.py").write_text("")
+    shutil.copy(root / "runner" / "launch.py", checkout / "runner" / "launch.py")
+    (checkout / "pyproject.toml").write_text("")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "import runner.launch as L; assert L.__file__.startswith(sys.argv[1]); "
+            "L.byte_compile_checkout()")
+    subprocess.run([sys.executable, "-c", code, str(checkout)], check=True, cwd=root,
+                   env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    for src in ("pkg/__init__.py", "runner/launch.py"):
+        assert Path(importlib.util.cache_from_source(str(checkout / src))).is_file(), src

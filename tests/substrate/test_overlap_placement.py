@@ -15,6 +15,7 @@ import json
 import numpy as np
 import pytest
 from mpi_helpers import (
+    JobBatch,
     assert_fails_on_every_rank,
     assert_measured_equals_predicted,
     read_summary,
@@ -35,14 +36,71 @@ def _lines(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("allreduce,shape", [("ring", ("--ranks-per-node", 2)),
-                                             ("hierarchical", ("--node-map", "0,1,0,1"))])
-def test_overlap_on_equals_overlap_off_bitwise(tmp_path, allreduce, shape):
+#: DDP's all-reduce and the placement of the overlap runs
+OVERLAPPED = [("ring", ("--ranks-per-node", 2)), ("hierarchical", ("--node-map", "0,1,0,1"))]
+#: steps of the runs that send during the backward
+BACKWARD_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every successful run of this module, in one MPI launch per world size."""
+    b = JobBatch(tmp_path_factory.mktemp("placement_jobs"))
+    root = b.root
+    for allreduce, shape in OVERLAPPED:
+        for mode in ("on", "off"):
+            name = f"overlap-{allreduce}-{mode}"
+            b.add(name, 4, "dataparallel", *DDP, "--allreduce", allreduce, *shape,
+                  "--overlap", mode, *SLOW, "--out", root / name)
+    for case, (n, args) in SENDING_IN_BACKWARD.items():
+        base = ["--compute-source", "flops"]
+        if "--device-tflops" not in args:
+            base += ["--device-tflops", 0.01]
+        for mode in ("on", "off"):
+            name = f"backward-{case}-{mode}"
+            b.add(name, n, "dataparallel", "train", *args, *base, "--steps", BACKWARD_STEPS,
+                  "--eval-every", 2, "--checkpoint-every", BACKWARD_STEPS, "--overlap", mode,
+                  "--progress-every", 0, "--trace", root / f"{name}.json", "--trace-steps",
+                  "last", "--out", root / name)
+    for method, extra in PLACED_METHODS:
+        for n, node_map in NODE_MAPS:
+            name = f"placed-{method}-{'-'.join(extra)}-{node_map}"
+            b.add(name, n, "dataparallel", "train", "--method", method, "--steps", 3,
+                  "--eval-every", 3, "--node-map", node_map, "--out", root / name, *extra)
+    for i, (method, extra, shape) in enumerate(REPLAYED):
+        prof = root / f"replay-{i}.json"
+        args = ["train", "--method", method, "--steps", 4, "--eval-every", 2, *extra, *shape]
+        b.add(f"replay-{i}-run", 4, "dataparallel", *args, "--out", root / f"replay-{i}-run",
+              "--compute-profile-out", prof)
+        b.add(f"replay-{i}-costed", 4, "dataparallel", *args, "--out",
+              root / f"replay-{i}-costed", "--compute-source", "profile", "--compute-profile",
+              prof)
+        b.add(f"replay-{i}-replay", 4, "runner.replay", "--compute-profile", prof, "--sleep",
+              "off", *shape, "--out", root / f"replay-{i}-replay")
+    b.add("elsewhere-run", 4, "dataparallel", "train", "--method", "ddp", "--steps", 2,
+          "--ranks-per-node", 2, "--out", root / "elsewhere-run", "--compute-profile-out",
+          root / "elsewhere.json")
+    b.add("elsewhere-rr", 4, "runner.replay", "--compute-profile", root / "elsewhere.json",
+          "--sleep", "off", "--node-map", "round-robin:2", "--out", root / "elsewhere-rr")
+    for system, (module, args) in SYSTEM_JOBS.items():
+        for n, node_map in SYSTEM_PLACEMENTS:
+            if _uneven(n, node_map) and system in UNIFORM_ONLY:
+                continue   # refused: its own launch, in the test
+            name = f"system-{system}-{node_map}"
+            b.add(name, n, module, *args, "--node-map", node_map, "--progress-every", 0,
+                  "--out", root / name)
+    for name, (module, *rest) in JOB_SIMULATED:
+        b.add(f"jobsim-{name}", 4, module, *rest, "--ranks-per-node", 2, "--progress-every",
+              0, "--out", root / f"jobsim-{name}", "--compute-profile-out",
+              root / f"jobsim-{name}.json")
+    return b
+
+
+@pytest.mark.parametrize("allreduce,shape", OVERLAPPED)
+def test_overlap_on_equals_overlap_off_bitwise(jobs, allreduce, shape):
     runs = {}
     for mode in ("on", "off"):
-        out = tmp_path / mode
-        run_mpi(None, 4, *DDP, "--allreduce", allreduce, *shape, "--overlap", mode,
-                *SLOW, "--out", out, module="dataparallel", timeout=180)
+        out = jobs.run(f"overlap-{allreduce}-{mode}")
         runs[mode] = (read_summary(out), _lines(out))
     (s_on, l_on), (s_off, l_off) = runs["on"], runs["off"]
     # the same numbers to the last bit: losses, accuracies, bytes of every interval
@@ -93,25 +151,17 @@ SENDING_IN_BACKWARD = {
 
 
 @pytest.mark.parametrize("case", sorted(SENDING_IN_BACKWARD))
-def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, case):
+def test_systems_send_during_the_backward_bitwise_as_without_overlap(jobs, case):
     """PacTrain (plain, ternary), SDP and SSFusion (selective, SSFusion-O) issue their calls
     from the backward's ready hook with ``--overlap on`` and block after the backward with
     ``--overlap off``: parameters, optimizer and strategy state, losses, accuracies, bytes
     and messages are bitwise the same; traffic is the plan's; the simulated steps of ``on``
     (``--trace``) have calls during the backward and ``off`` none, as the runs did."""
-    n, args = SENDING_IN_BACKWARD[case]
-    steps = 4
+    n, _ = SENDING_IN_BACKWARD[case]
     runs = {}
     for mode in ("on", "off"):
-        out = tmp_path / mode
-        base = ["--compute-source", "flops", "--device-tflops", 0.01]
-        if "--device-tflops" in args:
-            base = ["--compute-source", "flops"]
-        run_mpi(None, n, "train", *args, *base, "--steps", steps, "--eval-every", 2,
-                "--checkpoint-every", steps, "--overlap", mode, "--progress-every", 0,
-                "--trace", tmp_path / f"{mode}.json", "--trace-steps", "last",
-                "--out", out, module="dataparallel", timeout=300)
-        runs[mode] = (read_summary(out), _lines(out), _final_state(out, steps, n))
+        out = jobs.run(f"backward-{case}-{mode}")
+        runs[mode] = (read_summary(out), _lines(out), _final_state(out, BACKWARD_STEPS, n))
     (s_on, l_on, st_on), (s_off, l_off, st_off) = runs["on"], runs["off"]
     keys = ("loss", "test_accuracy", "inter_node_bytes", "intra_node_bytes")
     assert [[x[k] for k in keys] for x in l_on] == [[x[k] for k in keys] for x in l_off]
@@ -123,7 +173,8 @@ def test_systems_send_during_the_backward_bitwise_as_without_overlap(tmp_path, c
     assert_measured_equals_predicted(s_on)
     assert s_on["calls"]["per_rank"] == s_off["calls"]["per_rank"]
     for mode, during in (("on", True), ("off", False)):
-        trace = json.loads((tmp_path / f"{mode}.json").read_text())["traceEvents"]
+        trace = json.loads((jobs.root / f"backward-{case}-{mode}.json").read_text())
+        trace = trace["traceEvents"]
         events = [e for e in trace if e.get("ph") == "X" and e["pid"] == 0]
         end = max(e["ts"] + e["dur"] for e in events if e["name"].startswith("backward:"))
         first = min(e["ts"] for e in events if e["args"]["kind"] == "call")
@@ -141,18 +192,19 @@ def test_without_thread_multiple_the_stream_blocks_and_says_so(tmp_path):
     assert_measured_equals_predicted(s)
 
 
-@pytest.mark.parametrize("method,extra", [("ddp", []), ("ddp", ["--allreduce", "hierarchical"]),
-                                          ("topk", ["--density", "0.02"]), ("fp16", [])])
-@pytest.mark.parametrize("n,node_map", [(4, "round-robin:2"), (6, "round-robin:3"),
-                                        (6, "0,1,2,0,1,2"), (6, "2,2,0,1,1,0")])
-def test_any_placement_measured_equals_predicted(tmp_path, method, extra, n, node_map):
+PLACED_METHODS = [("ddp", []), ("ddp", ["--allreduce", "hierarchical"]),
+                  ("topk", ["--density", "0.02"]), ("fp16", [])]
+NODE_MAPS = [(4, "round-robin:2"), (6, "round-robin:3"), (6, "0,1,2,0,1,2"),
+             (6, "2,2,0,1,1,0")]
+
+
+@pytest.mark.parametrize("method,extra", PLACED_METHODS)
+@pytest.mark.parametrize("n,node_map", NODE_MAPS)
+def test_any_placement_measured_equals_predicted(jobs, method, extra, n, node_map):
     """Round-robin puts neighbouring ranks on different nodes: a world ring crosses nodes on
     every link, so the inter-node bytes are not node-major's; measured == predicted holds
     because the prediction prices the plan's records on the run's placement."""
-    out = tmp_path / "run"
-    run_mpi(None, n, "train", "--method", method, "--steps", 3, "--eval-every", 3,
-            "--node-map", node_map, "--out", out, *extra, module="dataparallel", timeout=180)
-    s = read_summary(out)
+    s = read_summary(jobs.run(f"placed-{method}-{'-'.join(extra)}-{node_map}"))
     assert_measured_equals_predicted(s)
     placement = Placement.parse(node_map, n)
     assert s["topology"]["node_of"] == list(placement.node_of)
@@ -197,22 +249,15 @@ REPLAYED = [
 ]
 
 
-@pytest.mark.parametrize("method,extra,shape", REPLAYED,
+@pytest.mark.parametrize("i", range(len(REPLAYED)),
                          ids=[f"{m}-{'-'.join(map(str, e))}" for m, e, _ in REPLAYED])
-def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra, shape):
+def test_replay_repeats_the_calls_and_the_profiled_time(jobs, i):
     """A recorded run, the same job costed from its profile, and the replay of its programs:
     the replay's calls are the run's (per-rank digests), its ledger is the run's byte for byte,
     and its simulated time (one piece, when it finishes) is the profile-costed run's (in
     pieces at its metrics lines, each starting every rank where it ended the last) exactly."""
-    prof = tmp_path / "prof.json"
-    args = ["train", "--method", method, "--steps", 4, "--eval-every", 2, *extra, *shape]
-    run_mpi(None, 4, *args, "--out", tmp_path / "run", "--compute-profile-out", prof,
-            module="dataparallel", timeout=180)
-    run_mpi(None, 4, *args, "--out", tmp_path / "costed", "--compute-source", "profile",
-            "--compute-profile", prof, module="dataparallel", timeout=180)
-    run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", *shape, "--out",
-            tmp_path / "replay", module="runner.replay", timeout=180)
-    real, costed, rep = (read_summary(tmp_path / d) for d in ("run", "costed", "replay"))
+    real, costed, rep = (read_summary(jobs.run(f"replay-{i}-{d}"))
+                         for d in ("run", "costed", "replay"))
     assert rep["calls"]["per_rank"] == real["calls"]["per_rank"]
     assert rep["traffic"]["measured"] == real["traffic"]["measured"]
     assert rep["timing"]["sim_s"] == pytest.approx(costed["timing"]["sim_s"], rel=1e-12)
@@ -225,16 +270,10 @@ def test_replay_repeats_the_calls_and_the_profiled_time(tmp_path, method, extra,
                                            "inter": pytest.approx(t["inter_node_bytes"])}
 
 
-def test_replay_on_another_placement_moves_the_bytes_to_its_links(tmp_path):
+def test_replay_on_another_placement_moves_the_bytes_to_its_links(jobs):
     """The records carry world ranks: replayed round-robin, the same calls cross nodes on
     every ring link (the ledger follows the replay's placement, the calls do not change)."""
-    prof = tmp_path / "prof.json"
-    run_mpi(None, 4, "train", "--method", "ddp", "--steps", 2, "--ranks-per-node", 2,
-            "--out", tmp_path / "run", "--compute-profile-out", prof, module="dataparallel",
-            timeout=180)
-    run_mpi(None, 4, "--compute-profile", prof, "--sleep", "off", "--node-map",
-            "round-robin:2", "--out", tmp_path / "rr", module="runner.replay", timeout=180)
-    real, rr = read_summary(tmp_path / "run"), read_summary(tmp_path / "rr")
+    real, rr = (read_summary(jobs.run(f"elsewhere-{d}")) for d in ("run", "rr"))
     assert rr["calls"]["per_rank"] == real["calls"]["per_rank"]
     m0, m1 = real["traffic"]["measured"], rr["traffic"]["measured"]
     total = m0["inter_node_bytes"] + m0["intra_node_bytes"]
@@ -288,22 +327,26 @@ SYSTEM_JOBS = {
 UNIFORM_ONLY = {"sdp", "hsadmm"}
 
 
+SYSTEM_PLACEMENTS = [(4, "round-robin:2"), (5, "0,0,0,1,1")]
+
+
+def _uneven(n: int, node_map: str) -> bool:
+    """An explicit node map whose nodes hold different numbers of ranks."""
+    ids = node_map.split(",")
+    return len(ids) == n and len({ids.count(x) for x in set(ids)}) > 1
+
+
 @pytest.mark.parametrize("system", sorted(SYSTEM_JOBS))
-@pytest.mark.parametrize("n,node_map", [(4, "round-robin:2"), (5, "0,0,0,1,1")],
-                         ids=["round-robin-2x2", "uneven-3+2"])
-def test_every_system_measured_equals_predicted_on_any_placement(tmp_path, system, n, node_map):
+@pytest.mark.parametrize("n,node_map", SYSTEM_PLACEMENTS, ids=["round-robin-2x2", "uneven-3+2"])
+def test_every_system_measured_equals_predicted_on_any_placement(jobs, tmp_path, system, n,
+                                                                 node_map):
     module, args = SYSTEM_JOBS[system]
-    out = tmp_path / "run"
-    uneven = node_map.count(",") and len(set(node_map.split(","))) < n and \
-        len({node_map.split(",").count(x) for x in set(node_map.split(","))}) > 1
-    if uneven and system in UNIFORM_ONLY:
+    if _uneven(n, node_map) and system in UNIFORM_ONLY:
         assert_fails_on_every_rank(module, [*args, "--node-map", node_map, "--progress-every", 0],
-                                   "needs every node to hold the same number of ranks", out,
-                                   n=n)
+                                   "needs every node to hold the same number of ranks",
+                                   tmp_path / "run", n=n)
         return
-    run_mpi(None, n, *args, "--node-map", node_map, "--progress-every", 0, "--out", out,
-            module=module, timeout=240)
-    s = read_summary(out)
+    s = read_summary(jobs.run(f"system-{system}-{node_map}"))
     assert_measured_equals_predicted(s)
     assert s["topology"]["node_of"] == list(Placement.parse(node_map, n).node_of)
 
@@ -369,7 +412,7 @@ JOB_SIMULATED = [
 
 
 @pytest.mark.parametrize("name,args", JOB_SIMULATED, ids=[n for n, _ in JOB_SIMULATED])
-def test_job_simulation_of_hsadmm_and_hsgd_moves_the_ledgers_bytes(tmp_path, name, args):
+def test_job_simulation_of_hsadmm_and_hsgd_moves_the_ledgers_bytes(jobs, name, args):
     """H-SADMM (node and leader communicators, waiting followers) and H-SGD (direct messages,
     receives, wait-alls) programs, recorded on 2 nodes x 2 ranks and simulated together
     (simulation.jobsim, in this process): every step completes and the bytes moved inside and
@@ -378,11 +421,8 @@ def test_job_simulation_of_hsadmm_and_hsgd_moves_the_ledgers_bytes(tmp_path, nam
     from simulation.profile import load_profile
     from substrate.costmodel import CostModel
 
-    prof = tmp_path / "prof.json"
-    module, *rest = args
-    run_mpi(None, 4, *rest, "--ranks-per-node", 2, "--progress-every", 0, "--out",
-            tmp_path / "run", "--compute-profile-out", prof, module=module, timeout=240)
-    real = read_summary(tmp_path / "run")
+    real = read_summary(jobs.run(f"jobsim-{name}"))
+    prof = jobs.root / f"jobsim-{name}.json"
     job = simulate_profile(load_profile(prof), (0, 0, 1, 1), CostModel())
     t = real["traffic"]["measured"]
     assert job["bytes"] == {"intra": pytest.approx(t["intra_node_bytes"]),
