@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from mpi_helpers import assert_fails_on_every_rank, run_mpi
+from mpi_helpers import JobBatch, assert_fails_on_every_rank, run_mpi
 
 from commvol.predict import predict
 from commvol.systems import pactrain_plan
@@ -246,17 +246,49 @@ def test_closed_forms():
 
 
 # -- MPI ------------------------------------------------------------------------------------------
+MPI_CHECKS = ["packed", "buckets", "ternary", "grasp"]
+#: the 2 x 2 runs of the tests below: name -> flags
+RUNS = {
+    "p": ["--method", "pactrain", "--steps", 14, "--warmup-steps", 2, "--stable-window", 3,
+          "--prune-score", "magnitude", "--bucket-mib", 0.01],
+    "t": ["--method", "pactrain", "--steps", 8, "--warmup-steps", 1, "--stable-window", 2,
+          "--ternary", "--prune-score", "grasp", "--compute-profile-out", "{root}/t.json"],
+    "g": ["--method", "pactrain", "--steps", 3, "--warmup-steps", 0, "--stable-window", 1,
+          "--ternary", "--prune-score", "grasp", "--eval-every", 1, "--compute-profile-out",
+          "{root}/g.json"],
+    "i": ["--method", "pactrain", "--steps", 4, "--stable-window", 0, "--init", "{root}/w.npz"],
+    "ddp": ["--method", "ddp"],
+    "pac": ["--method", "pactrain"],
+}
+#: the pre-trained model of run "i": 80 % of fc1's weights already zero
+FC1_ZERO = 0.8
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The MPI checks and the runs of this module in one launch."""
+    b = JobBatch(tmp_path_factory.mktemp("pactrain_jobs"))
+    model = build_model("cnn", load_digits().train.input_shape, 10, seed=0)
+    sl = model.layout.slice("fc1.weight")
+    model.params.flat[sl.start:sl.start + int(FC1_ZERO * (sl.stop - sl.start))] = 0.0
+    save_init(b.root / "w.npz", model)
+    for check in MPI_CHECKS:
+        b.add(check, 4, "dp_pactrain_checks.py", check)
+    for name, args in RUNS.items():
+        args = [str(a).format(root=b.root) for a in args]
+        b.add(name, 4, "dataparallel", "train", "--ranks-per-node", 2, "--out", b.root / name,
+              *args)
+    return b
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("check", ["packed", "buckets", "ternary", "grasp"])
-def test_mpi_check(check):
-    assert f"OK {check}" in run_mpi("dp_pactrain_checks.py", 4, check, timeout=180).stdout
+@pytest.mark.parametrize("check", MPI_CHECKS)
+def test_mpi_check(jobs, check):
+    assert f"OK {check}" in jobs.stdout(check)
 
 
-def _train(tmp_path, name, *args, timeout=240):
-    out = tmp_path / name
-    run_mpi(None, 4, "train", "--ranks-per-node", 2, "--out", out, *args, module="dataparallel",
-            timeout=timeout)
-    return json.loads((out / "summary.json").read_text())
+def _train(jobs, name):
+    return json.loads((jobs.run(name) / "summary.json").read_text())
 
 
 def _assert_measured_equals_predicted(s):
@@ -286,11 +318,10 @@ def _plan_total(summary, steps):
 
 
 @pytest.mark.mpi
-def test_short_run_bytes_match_closed_form(tmp_path):
+def test_short_run_bytes_match_closed_form(jobs):
     """Five buckets, one mask tracker each: the ledger equals the strategy's plan and the
     keep-rate plan ``commvol predict`` uses, step by step."""
-    s = _train(tmp_path, "p", "--method", "pactrain", "--steps", 14, "--warmup-steps", 2,
-               "--stable-window", 3, "--prune-score", "magnitude", "--bucket-mib", 0.01)
+    s = _train(jobs, "p")
     _assert_measured_equals_predicted(s)
     m = s["metrics"]
     measured = s["traffic"]["measured"]["by_phase"]
@@ -309,10 +340,8 @@ def test_short_run_bytes_match_closed_form(tmp_path):
 
 
 @pytest.mark.mpi
-def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
-    s = _train(tmp_path, "t", "--method", "pactrain", "--steps", 8, "--warmup-steps", 1,
-               "--stable-window", 2, "--ternary", "--prune-score", "grasp",
-               "--compute-profile-out", tmp_path / "prof.json")
+def test_short_ternary_grasp_run_bytes_match_closed_form(jobs):
+    s = _train(jobs, "t")
     _assert_measured_equals_predicted(s)
     # every step ran its generated program, GraSP after step 0's update included
     assert s["metrics"]["program_steps_verified"] == 8
@@ -326,17 +355,16 @@ def test_short_ternary_grasp_run_bytes_match_closed_form(tmp_path):
 
 
 @pytest.mark.mpi
-def test_grasp_at_once_is_a_set_up_accounted_before_the_first_step(tmp_path):
+def test_grasp_at_once_is_a_set_up_accounted_before_the_first_step(jobs):
     """``--warmup-steps 0``: GraSP's two all-reduces run as the strategy's set-up records
     (before the first step, on its executor), held to what ran and accounted in the first
     metrics line; the recorded program of the set-up and of every step is the generated one."""
-    s = _train(tmp_path, "g", "--method", "pactrain", "--steps", 3, "--warmup-steps", 0,
-               "--stable-window", 1, "--ternary", "--prune-score", "grasp", "--eval-every", 1,
-               "--compute-profile-out", tmp_path / "prof.json")
+    s = _train(jobs, "g")
     _assert_measured_equals_predicted(s)
     assert s["traffic"]["measured"]["by_phase"]["grasp_allreduce"]["calls"] == 2
     assert s["metrics"]["program_steps_verified"] == 3 + 1
-    lines = [json.loads(x) for x in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (jobs.root / "g" / "metrics.jsonl").read_text()
+             .splitlines()]
     T = build_model("cnn", load_digits().train.input_shape, 10).layout.total
     grasp = grasp_score_bytes(M=2, P=2, total=T)
     dense = dense_allreduce_bytes(M=2, P=2, bucket_sizes=[T])
@@ -344,31 +372,26 @@ def test_grasp_at_once_is_a_set_up_accounted_before_the_first_step(tmp_path):
 
 
 @pytest.mark.mpi
-def test_init_checkpoint_is_the_starting_point(tmp_path):
+def test_init_checkpoint_is_the_starting_point(jobs):
     """``--init`` is the pre-trained model: pruned at once (no warm-up by default)."""
-    data = load_digits()
-    model = build_model("cnn", data.train.input_shape, 10, seed=0)
+    model = build_model("cnn", load_digits().train.input_shape, 10, seed=0)
     sl = model.layout.slice("fc1.weight")
     n = sl.stop - sl.start
-    model.params.flat[sl.start:sl.start + int(0.8 * n)] = 0.0   # 80 % of fc1 already zero
-    save_init(tmp_path / "w.npz", model)
-    s = _train(tmp_path, "i", "--method", "pactrain", "--steps", 4, "--stable-window", 0,
-               "--init", tmp_path / "w.npz")
+    s = _train(jobs, "i")
     _assert_measured_equals_predicted(s)
     m = s["metrics"]
     layout = model.layout
     kept = sum(layout.sizes[k] - math.floor(0.5 * layout.sizes[k]) for k in layout.names
                if layout.kind(k) in ("conv", "fc") and k != "fc1.weight")
-    kept += n - int(0.8 * n) + sum(layout.sizes[k] for k in layout.names
+    kept += n - int(FC1_ZERO * n) + sum(layout.sizes[k] for k in layout.names
                                    if layout.kind(k) not in ("conv", "fc"))
     assert m["kept"] == kept and m["packed_fraction"] == 1.0 and m["mask_stable_step"] == 0
     assert m["prune_step"] == 0
 
 
 @pytest.mark.mpi
-def test_digits_accuracy_close_to_ddp(tmp_path):
-    ddp = _train(tmp_path, "ddp", "--method", "ddp")
-    pac = _train(tmp_path, "pac", "--method", "pactrain")
+def test_digits_accuracy_close_to_ddp(jobs):
+    ddp, pac = _train(jobs, "ddp"), _train(jobs, "pac")
     _assert_measured_equals_predicted(pac)
     a_ddp = ddp["metrics"]["final_test_accuracy"]
     a_pac = pac["metrics"]["final_test_accuracy"]

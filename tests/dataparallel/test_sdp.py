@@ -8,10 +8,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 from mpi_helpers import (
+    JobBatch,
     assert_fails_on_every_rank,
     assert_measured_equals_predicted,
     read_summary,
-    run_mpi,
 )
 from scipy.linalg import null_space
 
@@ -276,36 +276,63 @@ def test_closed_forms_reduce_to_known_collectives():
 
 
 # -- MPI: gated average, training, traffic, errors ------------------------------------------------
-@pytest.mark.mpi
-@pytest.mark.parametrize("mode,coverage", [("neuron", "3/4"), ("neuron", "2/4"),
-                                           ("block", "2/3"), ("block-backward", "2/3")])
-def test_gated_average_equals_serial_formula(mode, coverage):
-    out = run_mpi("dp_sdp_checks.py", 4, "gated", mode, coverage, timeout=240).stdout
-    assert f"OK gated {mode} {coverage}" in out
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("mode,coverage,rescale", [
-    ("neuron", "3/4", ""), ("neuron", "2/4", "rescale"), ("block", "2/3", ""),
-    ("block", "2/3", "rescale"), ("block-backward", "2/3", "")])
-def test_training_keeps_holders_identical_and_assembles_eval_model(mode, coverage, rescale):
-    args = [mode, coverage] + ([rescale] if rescale else [])
-    out = run_mpi("dp_sdp_checks.py", 4, "train", *args, timeout=240).stdout
-    assert f"OK train {' '.join(args)}" in out
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("args", [
+GATED = [("neuron", "3/4"), ("neuron", "2/4"), ("block", "2/3"), ("block-backward", "2/3")]
+TRAINED = [("neuron", "3/4", ""), ("neuron", "2/4", "rescale"), ("block", "2/3", ""),
+           ("block", "2/3", "rescale"), ("block-backward", "2/3", "")]
+CLI_RUNS = [
     ["--model", "cnn", "--sdp-mode", "neuron", "--coverage", "3/4", "--steps", "6"],
     ["--model", "resnet", "--sdp-mode", "block", "--active-blocks", "2/3", "--steps", "3"],
     ["--model", "resnet", "--sdp-mode", "block-backward", "--coverage", "0.75", "--steps", "5",
      "--flop-match"],
-])
-def test_cli_measured_bytes_equal_closed_form(tmp_path, args):
-    out = tmp_path / "sdp"
-    run_mpi(None, 4, "train", "--method", "sdp", "--ranks-per-node", 2, "--eval-every", 2,
-            "--out", out, *args, "--compute-profile-out", tmp_path / "prof.json",
-            module="dataparallel", timeout=300)
+]
+#: the 2 x 3 runs: (flags, commvol predict options)
+THREE_PER_NODE = [
+    (["--model", "cnn", "--coverage", "2/3"], {"coverage": "2/3"}),
+    (["--model", "resnet", "--sdp-mode", "block-backward", "--active-blocks", "2/3"],
+     {"sdp_mode": "block-backward", "active_blocks": "2/3"}),
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The MPI checks and runs of this module that succeed: one launch per world size."""
+    b = JobBatch(tmp_path_factory.mktemp("sdp_jobs"))
+    for mode, coverage in GATED:
+        b.add(f"gated-{mode}-{coverage}", 4, "dp_sdp_checks.py", "gated", mode, coverage)
+    for mode, coverage, rescale in TRAINED:
+        b.add(f"train-{mode}-{coverage}-{rescale}", 4, "dp_sdp_checks.py", "train", mode,
+              coverage, *([rescale] if rescale else []))
+    for i, args in enumerate(CLI_RUNS):
+        b.add(f"cli-{i}", 4, "dataparallel", "train", "--method", "sdp", "--ranks-per-node", 2,
+              "--eval-every", 2, "--out", b.root / f"cli-{i}", *args, "--compute-profile-out",
+              b.root / f"cli-{i}.json")
+    for i, (args, _) in enumerate(THREE_PER_NODE):
+        b.add(f"2x3-{i}", 6, "dataparallel", "train", "--method", "sdp", "--ranks-per-node", 3,
+              "--steps", 2, "--eval-every", 1, "--out", b.root / f"2x3-{i}", *args)
+    b.add("4x2", 8, "dataparallel", "train", "--method", "sdp", "--ranks-per-node", 2,
+          "--steps", 2, "--eval-every", 1, "--coverage", "3/8", "--out", b.root / "4x2")
+    return b
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,coverage", GATED)
+def test_gated_average_equals_serial_formula(jobs, mode, coverage):
+    assert f"OK gated {mode} {coverage}" in jobs.stdout(f"gated-{mode}-{coverage}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,coverage,rescale", TRAINED)
+def test_training_keeps_holders_identical_and_assembles_eval_model(jobs, mode, coverage,
+                                                                   rescale):
+    args = [mode, coverage] + ([rescale] if rescale else [])
+    assert f"OK train {' '.join(args)}" in jobs.stdout(f"train-{mode}-{coverage}-{rescale}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("i", range(len(CLI_RUNS)))
+def test_cli_measured_bytes_equal_closed_form(jobs, i):
+    args = CLI_RUNS[i]
+    out = jobs.run(f"cli-{i}")
     s = read_summary(out)
     assert_measured_equals_predicted(s)
     m = s["metrics"]
@@ -350,19 +377,13 @@ def test_bad_flags_fail_on_every_rank(tmp_path, args, message):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("args,kw", [
-    (["--model", "cnn", "--coverage", "2/3"], {"coverage": "2/3"}),
-    (["--model", "resnet", "--sdp-mode", "block-backward", "--active-blocks", "2/3"],
-     {"sdp_mode": "block-backward", "active_blocks": "2/3"}),
-])
-def test_run_executes_the_plan_on_3_ranks_per_node(tmp_path, args, kw):
+@pytest.mark.parametrize("i", range(len(THREE_PER_NODE)))
+def test_run_executes_the_plan_on_3_ranks_per_node(jobs, i):
     """6 ranks as 2 nodes x 3 (rings whose chunks the counts do not divide): the run's ledger
     equals ``commvol predict`` from the same SDPPlan, phase by phase, and the summary reports
     the plan's degrees (N-SDP 2/3 on 6: every masked parameter on exactly 4)."""
-    out = tmp_path / "sdp"
-    run_mpi(None, 6, "train", "--method", "sdp", "--ranks-per-node", 3, "--steps", 2,
-            "--eval-every", 1, "--out", out, *args, module="dataparallel", timeout=300)
-    s = read_summary(out)
+    args, kw = THREE_PER_NODE[i]
+    s = read_summary(jobs.run(f"2x3-{i}"))
     pred = predict("sdp", args[1], nodes=2, gpus_per_node=3, eval_every=1, **kw).total(2)
     m = s["traffic"]["measured"]
     assert (m["inter_node_bytes"], m["intra_node_bytes"], m["messages"]) == \
@@ -375,16 +396,12 @@ def test_run_executes_the_plan_on_3_ranks_per_node(tmp_path, args, kw):
 
 
 @pytest.mark.mpi
-def test_run_executes_the_plan_on_4_nodes_of_2(tmp_path):
+def test_run_executes_the_plan_on_4_nodes_of_2(jobs):
     """8 ranks as 4 nodes x 2, N-SDP 3/8 (windows of 3 that cross up to two node boundaries):
     the trainer held every step to the plan's records (it raises otherwise), and the ledger's
     bytes, messages and modeled time equal ``commvol predict``'s (gated average every step,
     assembly at every evaluation) and the paper's closed form."""
-    out = tmp_path / "sdp"
-    run_mpi(None, 8, "train", "--method", "sdp", "--ranks-per-node", 2, "--steps", 2,
-            "--eval-every", 1, "--coverage", "3/8", "--out", out, module="dataparallel",
-            timeout=400)
-    s = read_summary(out)
+    s = read_summary(jobs.run("4x2"))
     assert_measured_equals_predicted(s)
     pred = predict("sdp", "cnn", nodes=4, gpus_per_node=2, coverage="3/8", eval_every=1)
     total = pred.total(2)

@@ -7,10 +7,10 @@ model reports its held-out loss and perplexity.
 
 import pytest
 from mpi_helpers import (
+    JobBatch,
     assert_fails_on_every_rank,
     assert_measured_equals_predicted,
     read_summary,
-    run_mpi,
 )
 
 pytestmark = pytest.mark.mpi
@@ -19,19 +19,31 @@ COMMON = ["--steps", "2", "--eval-every", "2", "--ranks-per-node", "2", "--progr
           "--optimizer", "adamw", "--lr", "1e-3"]
 
 
-@pytest.mark.parametrize("method,model,extra", [
+RUNS = [
     ("ddp", "vit", []),
     ("topk", "gpt", ["--density", "0.05"]),
     ("sdp", "vit", ["--sdp-mode", "block", "--active-blocks", "2/4"]),
     ("sdp", "gpt", ["--sdp-mode", "block-backward", "--active-blocks", "1/2"]),
     ("ssfusion", "gpt", ["--no-momentum-correction", "--fusion", "multi-tensor",
                          "--fusion-policy", "count", "--profile-steps", "0"]),
-])
-def test_transformer_runs_traffic_equals_prediction(tmp_path, method, model, extra):
-    data = ["--dataset", "text", "--arch", "context=16"] if model == "gpt" else []
-    out = tmp_path / f"{method}-{model}"
-    run_mpi(None, 4, "train", "--method", method, "--model", model, *data, *COMMON, *extra,
-            "--out", out, module="dataparallel", timeout=300)
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The runs below in one MPI launch."""
+    b = JobBatch(tmp_path_factory.mktemp("transformer_runs"))
+    for i, (method, model, extra) in enumerate(RUNS):
+        data = ["--dataset", "text", "--arch", "context=16"] if model == "gpt" else []
+        b.add(f"run-{i}", 4, "dataparallel", "train", "--method", method, "--model", model,
+              *data, *COMMON, *extra, "--out", b.root / f"run-{i}")
+    return b
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[f"{m}-{n}" for m, n, _ in RUNS])
+def test_transformer_runs_traffic_equals_prediction(jobs, i):
+    model = RUNS[i][1]
+    out = jobs.run(f"run-{i}")
     s = read_summary(out)
     assert_measured_equals_predicted(s)
     assert s["traffic"]["measured"]["inter_node_bytes"] > 0
