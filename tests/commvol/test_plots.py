@@ -251,7 +251,7 @@ def test_plot_scaling_modeled_vs_measured(tmp_path, capsys):
     # small buckets: DDP's all-reduces overlap the backward, so the job simulation's and the
     # bound's lines differ and swapping them is seen
     assert main(["scale", "--system", "ddp", "topk", "--model", "cnn", "--gpus", "8", "16",
-                 "64", "--gpus-per-node", "4", "--compute-s-per-sample", "0.0005",
+                 "32", "--gpus-per-node", "4", "--compute-s-per-sample", "0.0005",
                  "--bucket-mib", "0.01", "--out", str(out)]) == 0
     png = tmp_path / "scaling.png"
     assert main(["plot-scaling", str(out), "--out", str(png)]) == 0

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from mpi_helpers import run_mpi
+from mpi_helpers import JobBatch, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -12,16 +12,34 @@ LAYOUTS = [(1, 1), (2, 1), (4, 2), (4, 1)]
 CHECKS = ["topo_2x2", "ring_inter", "p2p", "mask_or", "bucketed", "gathers"]
 
 
+RACK_LAYOUTS = [(4, 1), (4, 2)]
+# -- collectives modes: exact point-to-point algorithms vs the library's -------------
+MODE_LAYOUTS = [(4, 2), (6, 3), (3, 3), (5, 1)]  # 2x2, 2 nodes x 3, one node of 3, 5 x 1
+SENT_LAYOUTS = [(4, 2), (6, 3), (5, 1)]
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """Every passing ``substrate_checks.py`` check of this module: one launch per world size."""
+    b = JobBatch(tmp_path_factory.mktemp("substrate_checks"))
+    for check, layouts in [*((c, LAYOUTS) for c in CHECKS), ("racks", RACK_LAYOUTS),
+                           ("exact_vs_native", MODE_LAYOUTS),
+                           ("exact_sent_equals_formula", SENT_LAYOUTS),
+                           ("records_price_the_ledger", MODE_LAYOUTS)]:
+        for n, R in layouts:
+            b.add(f"{check}-{n}x{R}", n, "substrate_checks.py", check, R)
+    return b
+
+
 @pytest.mark.parametrize("n,R", LAYOUTS, ids=[f"{n}x{R}" for n, R in LAYOUTS])
 @pytest.mark.parametrize("check", CHECKS)
-def test_substrate_check(check, n, R):
-    res = run_mpi("substrate_checks.py", n, check, R, timeout=90)
-    assert f"OK {check}" in res.stdout
+def test_substrate_check(checks, check, n, R):
+    assert f"OK {check}" in checks.stdout(f"{check}-{n}x{R}")
 
 
-@pytest.mark.parametrize("n,R", [(4, 1), (4, 2)])
-def test_rack_level(n, R):
-    assert "OK racks" in run_mpi("substrate_checks.py", n, "racks", R, timeout=60).stdout
+@pytest.mark.parametrize("n,R", RACK_LAYOUTS)
+def test_rack_level(checks, n, R):
+    assert "OK racks" in checks.stdout(f"racks-{n}x{R}")
 
 
 def test_collective_check_fails_every_rank_without_hanging():
@@ -65,28 +83,21 @@ def test_bad_ranks_per_node_value_errors(tmp_path):
     assert "--ranks-per-node must be a positive integer" in res.stderr
 
 
-# -- collectives modes: exact point-to-point algorithms vs the library's -------------
-MODE_LAYOUTS = [(4, 2), (6, 3), (3, 3), (5, 1)]  # 2x2, 2 nodes x 3, one node of 3, 5 x 1
-
-
 @pytest.mark.parametrize("n,R", MODE_LAYOUTS, ids=[f"{n}x{R}" for n, R in MODE_LAYOUTS])
-def test_exact_collectives_match_library_and_booking(n, R):
+def test_exact_collectives_match_library_and_booking(checks, n, R):
     """Same results as the library's collectives; exact mode's per-destination sends equal the
     native mode's closed-form booking on every rank, phase and field."""
-    assert "OK exact_vs_native" in run_mpi("substrate_checks.py", n, "exact_vs_native", R,
-                                           timeout=120).stdout
+    assert "OK exact_vs_native" in checks.stdout(f"exact_vs_native-{n}x{R}")
 
 
-@pytest.mark.parametrize("n,R", [(4, 2), (6, 3), (5, 1)], ids=["4x2", "6x3", "5x1"])
-def test_exact_ring_sends_what_the_ring_books(n, R):
-    assert "OK exact_sent_equals_formula" in run_mpi(
-        "substrate_checks.py", n, "exact_sent_equals_formula", R, timeout=90).stdout
+@pytest.mark.parametrize("n,R", SENT_LAYOUTS, ids=["4x2", "6x3", "5x1"])
+def test_exact_ring_sends_what_the_ring_books(checks, n, R):
+    assert "OK exact_sent_equals_formula" in checks.stdout(f"exact_sent_equals_formula-{n}x{R}")
 
 
 @pytest.mark.parametrize("n,R", MODE_LAYOUTS, ids=[f"{n}x{R}" for n, R in MODE_LAYOUTS])
-def test_call_records_price_what_the_exact_collectives_sent(n, R):
-    assert "OK records_price_the_ledger" in run_mpi(
-        "substrate_checks.py", n, "records_price_the_ledger", R, timeout=120).stdout
+def test_call_records_price_what_the_exact_collectives_sent(checks, n, R):
+    assert "OK records_price_the_ledger" in checks.stdout(f"records_price_the_ledger-{n}x{R}")
 
 
 def _collectives_block(tmp_path, *extra, env_drop=()):
