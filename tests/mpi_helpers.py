@@ -124,8 +124,6 @@ class JobBatch:
 
 def read_summary(out_dir) -> dict:
     """``summary.json`` of a finished run directory."""
-    import json
-
     return json.loads((Path(out_dir) / "summary.json").read_text())
 
 
