@@ -332,13 +332,13 @@ def byte_compile_checkout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    byte_compile_checkout()
-    if argv and argv[0] == "--test":
+    if argv and argv[0] == "--test":   # the suite's conftest byte-compiles the checkout itself
         rc = _lint()
         if rc:
             return rc
         cmd = [sys.executable, "-m", "pytest", *argv[1:]]
         return run_tree(cmd)
+    byte_compile_checkout()
     if not argv:
         argv = list(DEFAULT_JOB)
     ns = _parse(argv)

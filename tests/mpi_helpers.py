@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = Path(__file__).resolve().parent / "mpi"
 #: the MPI jobs running now (their launchers' pids)
 _RUNNING: set[int] = set()
-#: the line ``tests/mpi/batch_jobs.py`` prints before each job's output
+#: what ``tests/mpi/batch_jobs.py`` prints before each job's output (handed to it in the spec)
 BATCH_MARK = "=== batch job: "
 
 
@@ -99,7 +99,7 @@ class JobBatch:
             group = [[job, module, argv] for job, (k, module, argv) in self._jobs.items()
                      if k == key]
             spec = self.root / f"jobs-{len(self._launched)}.json"
-            spec.write_text(json.dumps(group))
+            spec.write_text(json.dumps({"mark": BATCH_MARK, "jobs": group}))
             self._launched[key] = "the launch did not finish"
             n, env = key
             try:

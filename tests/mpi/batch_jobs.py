@@ -1,12 +1,12 @@
 """Several jobs in one MPI launch: ``python -m mpi4py batch_jobs.py JOBS.json``.
 
-``JOBS.json`` lists ``[name, module, argv]``; each job runs as ``python -m module argv``
-would (its ``__main__``, through :mod:`runpy`; a ``module`` ending in ``.py`` is a script of
+``JOBS.json`` holds ``{"mark": MARK, "jobs": [[name, module, argv], ...]}``; each job runs
+as ``python -m module argv`` would (its ``__main__``, through :mod:`runpy`; a ``module`` ending in ``.py`` is a script of
 ``tests/mpi`` run as ``python script argv``), one after the other in this process, the way
 ``commvol.compare`` runs the headline's systems.  Launching the ranks and importing the
 packages once instead of once per job is most of an MPI test's time on a small box.  The
 first job that exits non-zero ends the launch with its status, naming the job.  Rank 0 prints
-``=== batch job: NAME`` before each job.
+``MARK NAME`` before each job (``mpi_helpers.JobBatch`` splits the output there).
 """
 
 import json
@@ -16,15 +16,12 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-#: the line rank 0 prints before each job's output (``JobBatch.stdout`` splits at it)
-MARK = "=== batch job: "
-
 if __name__ == "__main__":
     with open(sys.argv[1]) as fh:
-        jobs = json.load(fh)
-    for name, module, argv in jobs:
+        spec = json.load(fh)
+    for name, module, argv in spec["jobs"]:
         if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"{MARK}{name}", flush=True)
+            print(f"{spec['mark']}{name}", flush=True)
         sys.argv = [module, *argv]
         try:
             if module.endswith(".py"):
