@@ -27,10 +27,8 @@ import scipy.sparse as sp
 from partition.hmetis import save_partition as save_hmetis
 from partition.metrics import format_table, partition_metrics
 from partition.partitioners import (
-    ENGINES,
-    PHASES,
-    PRESETS,
-    HypergraphConfig,
+    PartitionOptions,
+    cpu_seconds,
     hypergraph_partition,
     partitioner_errors,
     random_partition,
@@ -44,38 +42,20 @@ __all__ = ["LayersConfig", "build_parser", "main", "read_layer"]
 
 
 @dataclass(frozen=True)
-class LayersConfig:
-    """Options of ``python -m partition layers``."""
+class LayersConfig(PartitionOptions):
+    """Options of ``python -m partition layers`` (the partitioner's own:
+    :class:`~partition.partitioners.PartitionOptions`)."""
 
     parts: int = option(2, "processors P")
     method: str = option("both", "partitions to compute", choices=("hypergraph", "random",
                                                                      "both"))
-    engine: str = option("kahypar", "hypergraph partitioner", choices=ENGINES)
-    preset: str | None = option(None, "engine preset (default: kahypar fast, mtkahypar "
-                                "deterministic; both deterministic for the seed)",
-                                choices=PRESETS)
-    epsilon: float = option(0.01, "allowed imbalance of eq. 2")
-    threads: int = option(1, "Mt-KaHyPar threads (0: all cores)")
-    tile: bool = option(True, "partition every layer (default: partition one period of a "
-                        "periodic layer sequence, exact or up to a relabelling of the hidden "
-                        "neurons, and repeat it)")
-    phases: str = option("chained", "chained: phase k's fixed vertices from phase k-1 (§5); "
-                         "independent: every layer without fixed vertices, in --workers "
-                         "processes, part ids aligned to the previous layer (a deviation)",
-                         choices=PHASES)
-    workers: int = option(1, "processes for --phases independent (0: all cores)")
     hmetis: bool = option(False, "also write OUT/hmetis/: every phase's hypergraph as hMetis "
                           ".hgr/.fix and the saved partition as .part.P files")
 
     def __post_init__(self):
         if self.parts < 1:
             raise ValueError(f"--parts must be >= 1, got {self.parts}")
-        self.hypergraph_config(0)
-
-    def hypergraph_config(self, seed: int) -> HypergraphConfig:
-        return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
-                                threads=self.threads, seed=seed, tile=self.tile,
-                                phases=self.phases, workers=self.workers)
+        super().__post_init__()
 
 
 #: what a layer file may be (every refusal of one says it)
@@ -360,14 +340,15 @@ def _layers(args) -> dict:
     run = start_run(args, system="partition", method=cfg.method, config=cfg, unit="step")
     rows, saved = [], None
     if cfg.method in ("hypergraph", "both"):
-        t0, w0 = time.process_time(), time.perf_counter()
+        t0, w0 = cpu_seconds(), time.perf_counter()
         with partitioner_errors():
-            h = hypergraph_partition(weights, cfg.parts, cfg.hypergraph_config(args.seed))
+            h = hypergraph_partition(weights, cfg.parts, cfg.hypergraph_config(
+                args.seed, cores=run.threads["threads"]))
         wall = time.perf_counter() - w0
         rows.append(("H (hypergraph)", partition_metrics(weights, h)))
         saved = h
         print(f"hypergraph partitioning: {wall:.2f} s wall, "
-              f"{time.process_time() - t0:.2f} s CPU ({len(weights)} layers, P={cfg.parts}, "
+              f"{cpu_seconds() - t0:.2f} s CPU ({len(weights)} layers, P={cfg.parts}, "
               f"{h.info['engine']} preset {h.info['preset']}, {h.info['phases']} phases, period "
               f"{h.info['period'] or '-'}{' relabelled' if h.info.get('relabelled') else ''})")
     if cfg.method in ("random", "both"):

@@ -157,7 +157,8 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
       of at most ``max_chunk`` rows, one vertex per chunk weighted by the sum of the rows' nnz;
     * all fixed vertices pinned to the same part are one vertex (a net only needs to contain
       *a* vertex of the part that computed x^{k-1}(j));
-    * nets with identical pins after the two steps are merged, their costs summed.
+    * nets with identical pins after the two steps are merged, their costs summed, and a net
+      left with one pin (no fixed vertex, its rows in one vertex) is dropped.
 
     Returns
     -------
@@ -171,25 +172,34 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
     # group identical rows, then cut each group into chunks
     h = set_hash(A.indptr, A.indices, n_cols, seed=12345)
     _, group = np.unique(h, return_inverse=True)
-    order = np.argsort(group, kind="stable")
-    g_sorted = group[order]
-    first = np.concatenate(([0], np.flatnonzero(np.diff(g_sorted)) + 1))
-    pos_in_group = np.arange(n_rows) - np.repeat(first, np.diff(np.append(first, n_rows)))
-    chunk_key = g_sorted.astype(np.int64) * (n_rows + 1) + pos_in_group // max(1, max_chunk)
-    _, chunk_sorted = np.unique(chunk_key, return_inverse=True)
-    row_to_vertex = np.empty(n_rows, dtype=np.int64)
-    row_to_vertex[order] = chunk_sorted
-    n_v = int(chunk_sorted.max()) + 1 if n_rows else 0
-    vw = np.bincount(row_to_vertex, weights=np.maximum(nnz_row, 1), minlength=n_v)
-    vw = vw.astype(np.int64)
-    # coarse incidence: vertex x column
-    S = sp.csr_matrix((np.ones(n_rows), (row_to_vertex, np.arange(n_rows))), shape=(n_v, n_rows))
-    B = sp.csc_matrix(S @ A)
-    B.sort_indices()
+    group = group.reshape(-1)
+    if n_rows == 0 or int(group.max()) + 1 == n_rows or max_chunk <= 1:
+        # no two rows alike (a random or trained layer) or chunks of one row: a vertex per row
+        row_to_vertex = np.arange(n_rows, dtype=np.int64)
+        n_v = n_rows
+        vw = np.maximum(nnz_row, 1)
+        B = A.tocsc()  # the columns' rows, sorted (A's indices are)
+    else:
+        order = np.argsort(group, kind="stable")
+        g_sorted = group[order]
+        first = np.concatenate(([0], np.flatnonzero(np.diff(g_sorted)) + 1))
+        pos_in_group = np.arange(n_rows) - np.repeat(first, np.diff(np.append(first, n_rows)))
+        chunk_key = g_sorted.astype(np.int64) * (n_rows + 1) + pos_in_group // max_chunk
+        _, chunk_sorted = np.unique(chunk_key, return_inverse=True)
+        row_to_vertex = np.empty(n_rows, dtype=np.int64)
+        row_to_vertex[order] = chunk_sorted.reshape(-1)
+        n_v = int(chunk_sorted.max()) + 1
+        vw = np.bincount(row_to_vertex, weights=np.maximum(nnz_row, 1), minlength=n_v)
+        vw = vw.astype(np.int64)
+        # coarse incidence: vertex x column
+        S = sp.csr_matrix((np.ones(n_rows), (row_to_vertex, np.arange(n_rows))),
+                          shape=(n_v, n_rows))
+        B = sp.csc_matrix(S @ A)
+        B.sort_indices()
     cols = np.flatnonzero(np.diff(B.indptr) > 0)
-    B = B[:, cols]
-    B = sp.csc_matrix(B)
-    B.sort_indices()
+    if cols.size < n_cols:
+        B = sp.csc_matrix(B[:, cols])
+        B.sort_indices()
     ptr, idx = B.indptr.astype(np.int64), B.indices.astype(np.int64)
     if prev_owner is not None:
         fixed_part = np.asarray(prev_owner)[cols].astype(np.int64)
@@ -207,12 +217,22 @@ def compress_hypergraph(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: in
         vw = np.concatenate((vw, np.zeros(present.size, dtype=np.int64)))
     else:
         fixed = np.full(n_v, -1, dtype=np.int64)
+        # a net of one pin is never cut (lambda = 1 under every partition): dropped
+        sizes = np.diff(ptr)
+        if np.any(sizes < 2):
+            cut = sizes >= 2
+            cols, idx = cols[cut], idx[np.repeat(cut, sizes)]
+            ptr = np.concatenate(([0], np.cumsum(sizes[cut]))).astype(np.int64)
     # merge identical nets
     hn = set_hash(ptr, idx, n_v + parts, seed=54321)
     _, first_net, mult = np.unique(hn, return_index=True, return_counts=True)
-    keep = np.sort(first_net)
-    mult_of = dict(zip(first_net.tolist(), mult.tolist()))
-    cost = np.array([NET_COST * mult_of[e] for e in keep.tolist()], dtype=np.int64)
+    if first_net.size == cols.size:  # no two nets alike
+        return LayerHypergraph(num_rows=n_v, columns=cols, net_ptr=ptr, pins=idx,
+                               vertex_weight=vw, net_cost=np.full(cols.size, NET_COST, np.int64),
+                               fixed=fixed), row_to_vertex
+    by_first = np.argsort(first_net)
+    keep = first_net[by_first]
+    cost = (NET_COST * mult[by_first]).astype(np.int64)
     sizes = ptr[keep + 1] - ptr[keep]
     new_ptr = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     starts = np.repeat(ptr[keep], sizes) + (np.arange(new_ptr[-1]) - np.repeat(new_ptr[:-1], sizes))

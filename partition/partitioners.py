@@ -8,6 +8,7 @@ partition of §4) and the x^{k-1} entries it owns are ``owners[k-1] == m``.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import io
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from partition.hypergraph import (
 )
 from partition.period import LayerPeriod, find_period, layer_period
 from partition.placement import INPUT_PLACEMENTS, place_inputs
+from substrate.options import check_choices, option
 from substrate.results import atomic_write_bytes
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
     "PRESETS",
     "HypergraphConfig",
     "Partition",
+    "PartitionOptions",
+    "cpu_seconds",
     "hypergraph_partition",
     "input_owner_from_connectivity",
     "layer_period",
@@ -212,16 +216,20 @@ class HypergraphConfig:
         Identical rows are grouped in chunks of at most ``max(1, N_k / (parts * chunk_divisor))``
         rows so balance stays reachable.
     phases : str
-        ``chained`` (§5): phase phi_k pins the fixed vertex of net n_j to the part that
-        computed x^{k-1}(j) in phase phi_{k-1}, one phase after the other.  ``independent``
-        (a deviation): every phase is partitioned without fixed vertices, all at once
-        (``workers`` processes), then the part ids of layer k are permuted to agree best with
-        layer k-1 (:func:`_align_parts`: the permutation that keeps most x^{k-1}(j) inside the
-        connectivity set of their net, an exact linear assignment on the cut size of eq. 1).
-        Used for layers that no structure covers (not for the period of a tiled network).
+        ``independent`` (the default, a deviation): every phase is partitioned without fixed
+        vertices, all at once (``workers`` processes), then the part ids of layer k are permuted
+        to agree best with layer k-1 (:func:`_align_parts`: the permutation that keeps most
+        x^{k-1}(j) inside the connectivity set of their net, an exact linear assignment on the
+        cut size of eq. 1).  ``chained`` (§5, the paper's order): phase phi_k pins the fixed
+        vertex of net n_j to the part that computed x^{k-1}(j) in phase phi_{k-1}, one phase
+        after the other, on one core.  On layers without structure both cut alike (random
+        32-regular, N = 1024, L = 120, P = 32: 547.38 and 547.37 SpFF words per processor per
+        layer); the chain cannot use a second core.  Used for layers that no structure covers
+        (the period of a tiled network is always chained).
     workers : int
-        Processes partitioning independent phases at the same time (0: every core available;
-        KaHyPar only, Mt-KaHyPar runs its own threads).  The result does not depend on it.
+        Processes partitioning independent phases at the same time (0: every core this process
+        may run on; a command run as an MPI rank passes the rank's share of its node's cores).
+        KaHyPar only, Mt-KaHyPar runs its own threads.  The result does not depend on it.
     input_placement : str
         How x^0 is placed after phase phi_1 (:data:`partition.placement.INPUT_PLACEMENTS`):
         ``balanced`` (inside the nets' connectivity sets, balancing entries and layer-1 sends)
@@ -245,8 +253,8 @@ class HypergraphConfig:
     chunk_divisor: int = 1
     tile: bool = True
     input_placement: str = "balanced"
-    phases: str = "chained"
-    workers: int = 1
+    phases: str = "independent"
+    workers: int = 0
 
     def __post_init__(self):
         if not 0 <= self.epsilon < 1:
@@ -274,6 +282,49 @@ class HypergraphConfig:
         return self.preset or DEFAULT_PRESET[self.engine]
 
 
+#: the ``--help`` group of :class:`PartitionOptions`
+PARTITION_GROUP = "row partition (H-SGD §5)"
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    """The hypergraph partitioner's command-line options, declared once for every command that
+    partitions (``python -m partition layers``, ``sparse_sgd train|infer|partition``,
+    ``commvol predict --system hsgd``, ``commvol partition-table``); defaults are
+    :class:`HypergraphConfig`'s."""
+
+    engine: str = option("kahypar", "hypergraph partitioner: sequential KaHyPar or Mt-KaHyPar",
+                         choices=ENGINES, group=PARTITION_GROUP)
+    preset: str | None = option(
+        None, f"engine preset (kahypar: {', '.join(KAHYPAR_PRESETS)}; mtkahypar: "
+        f"{', '.join(MTKAHYPAR_PRESETS)}; default: fast / deterministic, both deterministic "
+        "for the seed)", choices=PRESETS, group=PARTITION_GROUP)
+    epsilon: float = option(0.01, "allowed imbalance of eq. 2", group=PARTITION_GROUP)
+    threads: int = option(1, "Mt-KaHyPar threads (0: all cores; more than one makes the "
+                          "partition depend on thread timing)", group=PARTITION_GROUP)
+    tile: bool = option(True, "partition every layer (default: partition one period of a "
+                        "periodic layer sequence, exact or up to a relabelling of the hidden "
+                        "neurons, and repeat it)", group=PARTITION_GROUP)
+    phases: str = option("independent", "independent: every layer without fixed vertices, in "
+                         "--workers processes, part ids aligned to the previous layer (a "
+                         "deviation, the default: it uses every core); chained: phase k's fixed "
+                         "vertices from phase k-1, one layer after the other (§5)",
+                         choices=PHASES, group=PARTITION_GROUP)
+    workers: int = option(0, "processes for --phases independent (0: this rank's share of its "
+                          "node's cores)", group=PARTITION_GROUP)
+
+    def __post_init__(self) -> None:
+        check_choices(self)  # every field's choices, a subclass's too
+        self.hypergraph_config(0)  # validates epsilon/threads/workers, the preset for the engine
+
+    def hypergraph_config(self, seed: int, *, cores: int | None = None) -> HypergraphConfig:
+        """The library configuration; ``cores`` replaces ``workers = 0`` (a rank's share)."""
+        workers = self.workers or (cores or 0)
+        return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
+                                threads=self.threads, seed=seed, tile=self.tile,
+                                phases=self.phases, workers=workers)
+
+
 class _MtKaHyPar:
     """Process-wide Mt-KaHyPar handle (``mtkahypar.initialize`` may run once per process, so
     the first call's thread count stays for the process)."""
@@ -289,6 +340,13 @@ class _MtKaHyPar:
             cls._threads = threads
             cls._initializer = mtkahypar.initialize(threads, False)
         return mtkahypar, cls._initializer
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have ended (the
+    workers of independent phases are joined before a partitioning returns)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _available_cores() -> int:
@@ -445,7 +503,10 @@ def partition_layer(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
     if cfg.compress:
         chunk = max(1, W.shape[0] // (parts * cfg.chunk_divisor))
         small, row_to_vertex = compress_hypergraph(W, prev_owner, parts, chunk)
-        owner = run(small, parts, cfg, layer, cap)[row_to_vertex]
+        if small.num_nets == 0:  # no net can be cut (KaHyPar 1.3 crashes on such a hypergraph)
+            owner = _packed(small.vertex_weight[:small.num_rows], parts)[row_to_vertex]
+        else:
+            owner = run(small, parts, cfg, layer, cap)[row_to_vertex]
     else:
         full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
         owner = run(full, parts, cfg, layer, cap)
@@ -454,6 +515,18 @@ def partition_layer(W: sp.spmatrix, prev_owner: np.ndarray | None, parts: int,
     if full is None:
         full = build_layer_hypergraph(W, prev_owner, fixed_weight=1)
     return _rebalance(full, owner, parts, cap)
+
+
+def _packed(weight: np.ndarray, parts: int) -> np.ndarray:
+    """Vertices packed into ``parts`` blocks, heaviest first into the lightest block (LPT): the
+    partition of a hypergraph without nets, where only the balance of eq. 2 counts."""
+    load = [(0, b) for b in range(parts)]
+    owner = np.empty(weight.size, dtype=np.int64)
+    for v in np.argsort(-weight, kind="stable").tolist():
+        w, b = heapq.heappop(load)
+        owner[v] = b
+        heapq.heappush(load, (w + int(weight[v]), b))
+    return owner
 
 
 def _rebalance(hg: LayerHypergraph, owner: np.ndarray, parts: int, cap: int) -> np.ndarray:
@@ -525,45 +598,62 @@ def _align_parts(W, owner: np.ndarray, prev_owner: np.ndarray, parts: int) -> np
     sum_{a,b} [sigma(a) = b] M[a, b] with M[a, b] = #{j : a in S_j, o_j = b}: a linear
     assignment (:func:`scipy.optimize.linear_sum_assignment`), exact.
     """
-    C = sp.csr_matrix((np.ones(owner.size), (owner, np.arange(owner.size))),
-                      shape=(parts, owner.size)) @ sp.csr_matrix(W)
-    C = sp.csr_matrix(C)
-    C.data[:] = 1.0  # a in S_j
-    M = (C @ sp.csr_matrix((np.ones(prev_owner.size), (np.arange(prev_owner.size),
-                                                        prev_owner)),
-                           shape=(prev_owner.size, parts))).toarray()
+    W = sp.csr_matrix(W)
+    n_cols = W.shape[1]
+    row_part = np.repeat(np.asarray(owner, dtype=np.int64), np.diff(W.indptr))
+    if parts * n_cols <= _DENSE_SETS:  # a in S_j as a P x N_{k-1} mask
+        in_set = np.zeros((parts, n_cols), dtype=bool)
+        in_set[row_part, W.indices] = True
+        a, j = np.nonzero(in_set)
+    else:
+        pairs = np.sort(row_part * n_cols + W.indices)
+        a, j = np.divmod(pairs[np.r_[True, pairs[1:] != pairs[:-1]]], n_cols)
+    M = np.bincount(a * parts + np.asarray(prev_owner, dtype=np.int64)[j],
+                    minlength=parts * parts).reshape(parts, parts)
     rows, cols = linear_sum_assignment(-M)
     sigma = np.empty(parts, dtype=np.int64)
     sigma[rows] = cols
     return sigma[owner]
 
 
+#: the largest P x N_{k-1} boolean mask :func:`_align_parts` builds (64 MiB); beyond, it sorts
+_DENSE_SETS = 1 << 26
+#: layers a worker of :func:`_independent_phases` takes at a time, per worker: small enough that
+#: no worker idles long at the end, large enough that the hand-offs cost nothing measurable
+_PHASES_PER_TASK = 2
+
+
 def _independent_phases(weights, parts: int, config: HypergraphConfig, first_prev,
                         first_k: int, count: int) -> list:
     """Owners of layers first_k .. first_k + count - 1, each phase partitioned without fixed
     vertices (in ``config.workers`` processes), then aligned to the previous layer one after
-    the other (:func:`_align_parts`)."""
+    the other (:func:`_align_parts`), each as soon as it and its predecessor are done.
+
+    The workers are forked (they inherit the network instead of receiving it); they never call
+    MPI, and end with ``os._exit`` as every ``multiprocessing`` child does, so a rank that
+    partitions inside an MPI job keeps its connections to itself.
+    """
     global _FREE_PHASES
     layers = list(range(first_k, first_k + count))
     workers = config.workers or _available_cores()
     workers = min(workers, count) if config.engine == "kahypar" else 1
+    owners, prev = [], first_prev
     _FREE_PHASES = (weights, parts, config)
     try:
-        if workers > 1:
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                free = list(pool.map(_free_phase, layers,
-                                     chunksize=max(1, count // (4 * workers))))
-        else:
-            free = [_free_phase(k) for k in layers]
+        with contextlib.ExitStack() as stack:
+            if workers > 1:
+                pool = stack.enter_context(ProcessPoolExecutor(
+                    workers, mp_context=multiprocessing.get_context("fork")))
+                free = pool.map(_free_phase, layers, chunksize=_PHASES_PER_TASK)
+            else:
+                free = map(_free_phase, layers)
+            for k, owner in zip(layers, free):
+                if prev is not None:
+                    owner = _align_parts(weights[k - 1], owner, prev, parts)
+                owners.append(owner)
+                prev = owner
     finally:
         _FREE_PHASES = ()
-    owners, prev = [], first_prev
-    for k, owner in zip(layers, free):
-        if prev is not None:
-            owner = _align_parts(weights[k - 1], owner, prev, parts)
-        owners.append(owner)
-        prev = owner
     return owners
 
 
@@ -621,8 +711,9 @@ def hypergraph_partition(weights, parts: int, config: HypergraphConfig = Hypergr
     Phase phi_1 partitions W^1 without fixed vertices and places x^0 inside the connectivity
     sets of its nets (:func:`partition.placement.place_inputs`, ``config.input_placement``);
     phase phi_k (k >= 2) pins the fixed vertex of column j to the part that computed
-    x^{k-1}(j) (``config.phases="independent"``: every phase without fixed vertices, in
-    parallel, part ids aligned afterwards, :func:`_independent_phases`).  With
+    x^{k-1}(j) (``config.phases="chained"``, the paper's order); by default
+    (``"independent"``) every phase runs without fixed vertices, in parallel, and the part ids
+    are aligned afterwards (:func:`_independent_phases`).  With
     ``config.tile`` and a layer sequence of period p with 2p < L, exact or relabelled
     (:func:`partition.period.find_period`), phases phi_1 .. phi_p run once and are repeated:
     layer k = r p + j gets the owners of layer j, carried through the period's maps, with part

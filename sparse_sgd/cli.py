@@ -357,7 +357,7 @@ def distribute_partition(run, weights, method: str, *, partition_file=None, seed
         if run.rank == 0:
             with partitioner_errors():
                 mine = plan_partition(weights, run.size, method, options or PartitionOptions(),
-                                      seed=seed, network=network)
+                                      seed=seed, network=network, cores=run.threads["threads"])
             flat[:-1] = np.concatenate(mine.owners)
             flat[-1] = mine.seconds
         assert flat.nbytes == partition_bytes(weights)

@@ -28,18 +28,14 @@ import numpy as np
 
 from partition.metrics import PartitionMetrics, partition_metrics
 from partition.partitioners import (
-    ENGINES,
-    KAHYPAR_PRESETS,
-    MTKAHYPAR_PRESETS,
-    PRESETS,
-    HypergraphConfig,
     Partition,
+    PartitionOptions,
     hypergraph_partition,
     random_partition,
 )
 from sparse_sgd.radixnet import RadixNetConfig, radixnet, relabel_owners, relabelling
 from substrate.calls import Call, Placement
-from substrate.options import check_choices, option
+from substrate.options import option
 
 __all__ = [
     "INTERVALS",
@@ -81,35 +77,6 @@ NUM_CLASSES = 10
 #: row partitioners: the paper's H-SGD (hypergraph) and SGD (random rows) baselines
 METHODS = ("hypergraph", "random")
 
-PART = "row partition (H-SGD §5)"
-
-
-@dataclass(frozen=True)
-class PartitionOptions:
-    """How the rows are partitioned (shared by ``train``, ``infer``, ``partition`` and
-    ``commvol predict --system hsgd``)."""
-
-    engine: str = option("kahypar", "hypergraph partitioner: sequential KaHyPar or Mt-KaHyPar",
-                         choices=ENGINES, group=PART)
-    preset: str | None = option(
-        None, f"engine preset (kahypar: {', '.join(KAHYPAR_PRESETS)}; mtkahypar: "
-        f"{', '.join(MTKAHYPAR_PRESETS)}; default: fast / deterministic)",
-        choices=PRESETS, group=PART)
-    epsilon: float = option(0.01, "allowed imbalance of eq. 2", group=PART)
-    threads: int = option(1, "Mt-KaHyPar threads (0: all cores; more than one makes the "
-                          "partition depend on thread timing)", group=PART)
-    tile: bool = option(True, "partition every layer (default: partition one period of a "
-                        "periodic or relabelled periodic network and repeat it)", group=PART)
-
-    def __post_init__(self) -> None:
-        check_choices(self)  # every field's choices, a subclass's too
-        self.hypergraph_config(0)  # validates epsilon/threads, the preset for the engine
-
-    def hypergraph_config(self, seed: int) -> HypergraphConfig:
-        return HypergraphConfig(epsilon=self.epsilon, engine=self.engine, preset=self.preset,
-                                threads=self.threads, seed=seed, tile=self.tile)
-
-
 @dataclass(frozen=True)
 class HSGDOptions(PartitionOptions):
     """Options of ``sparse_sgd train`` that set its traffic (``SystemModel.Options`` of the
@@ -131,7 +98,7 @@ class HSGDOptions(PartitionOptions):
 
 def plan_partition(weights, parts: int, method: str,
                    options: PartitionOptions | None = None, *, seed: int = 0,
-                   network: RadixNetConfig | None = None) -> Partition:
+                   network: RadixNetConfig | None = None, cores: int | None = None) -> Partition:
     """The row partition of ``weights`` into ``parts`` (``method``: hypergraph or random).
 
     When ``network`` generated ``weights`` with ``permute`` (a relabelling P_k W^k P_{k-1}^T),
@@ -143,7 +110,7 @@ def plan_partition(weights, parts: int, method: str,
         raise ValueError(f"unknown partition method {method!r}: choose one of {METHODS}")
     if method == "random":
         return random_partition(weights, parts, seed=seed)
-    cfg = (options or PartitionOptions()).hypergraph_config(seed)
+    cfg = (options or PartitionOptions()).hypergraph_config(seed, cores=cores)
     tile = cfg.tile
     if network is not None and network.permute and tile:
         plain = radixnet(dataclasses.replace(network, permute=False))

@@ -40,8 +40,9 @@ def test_printed_partition_time_covers_the_whole_step(monkeypatch, tmp_path, cap
 
 
 def test_layers_cli_independent_phases_in_workers(tmp_path, capsys):
-    """``python -m partition layers`` on a network without structure, phases in 2 processes:
-    a valid balanced partition whose volume equals the one partition.metrics counts."""
+    """``python -m partition layers`` on a network without structure, by default in independent
+    phases (here in 2 processes): a valid balanced partition whose volume equals the one
+    partition.metrics counts."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -57,7 +58,7 @@ def test_layers_cli_independent_phases_in_workers(tmp_path, capsys):
         sp.save_npz(files[-1], M)
     out = tmp_path / "run"
     assert partition_main(["layers", *files, "--parts", "4", "--method", "hypergraph",
-                           "--phases", "independent", "--workers", "2", "--hmetis",
+                           "--workers", "2", "--hmetis",
                            "--out", str(out)]) == 0
     assert "independent phases" in capsys.readouterr().out
     part = Partition.load(out / "partition.npz")
