@@ -637,6 +637,9 @@ def _independent_phases(weights, parts: int, config: HypergraphConfig, first_pre
     layers = list(range(first_k, first_k + count))
     workers = config.workers or _available_cores()
     workers = min(workers, count) if config.engine == "kahypar" else 1
+    if multiprocessing.current_process().daemon or \
+            "fork" not in multiprocessing.get_all_start_methods():
+        workers = 1  # a daemonic process may not have children; no fork, no inherited network
     owners, prev = [], first_prev
     _FREE_PHASES = (weights, parts, config)
     try:

@@ -76,3 +76,24 @@ def test_layers_whose_nets_have_one_pin_partition_balanced():
     # layer 3 costs at most one word per column in either order (x^2(j) sent to one processor)
     for p in (part, chained):
         assert pair_volumes(W[2], p.owners[3], p.owners[2], P).sum() <= n
+
+
+def _partition_in_daemon(W, queue):
+    queue.put(hypergraph_partition(W, 4, HypergraphConfig(seed=3, workers=2)).owners)
+
+
+def test_a_daemonic_process_partitions_in_itself():
+    """A daemonic process (a ``multiprocessing.Pool`` worker) may not start workers: it
+    partitions the independent phases itself, to the same partition."""
+    import multiprocessing
+
+    W = random_regular_network(128, 4, degree=8, seed=5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_partition_in_daemon, args=(W, queue), daemon=True)
+    proc.start()
+    got = queue.get(timeout=60)
+    proc.join(timeout=60)
+    want = hypergraph_partition(W, 4, HypergraphConfig(seed=3, workers=1)).owners
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
