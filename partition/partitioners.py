@@ -618,7 +618,7 @@ def _align_parts(W, owner: np.ndarray, prev_owner: np.ndarray, parts: int) -> np
 
 #: the largest P x N_{k-1} boolean mask :func:`_align_parts` builds (64 MiB); beyond, it sorts
 _DENSE_SETS = 1 << 26
-#: layers a worker of :func:`_independent_phases` takes at a time, per worker: small enough that
+#: layers a worker of :func:`_independent_phases` takes at a time: few enough that
 #: no worker idles long at the end, large enough that the hand-offs cost nothing measurable
 _PHASES_PER_TASK = 2
 
