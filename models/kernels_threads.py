@@ -136,8 +136,13 @@ def parallel_for(kernel, n: int, work: int, *args) -> None:
 # ---------------------------------------------------------------------------------------------
 #: GEMMs with fewer multiply-accumulates run as one BLAS call on the calling thread
 GEMM_MIN_SPLIT = 1 << 22
-#: a split GEMM is cut into this many parts (fixed: the cut does not depend on the threads)
-GEMM_PARTS = 8
+#: a split GEMM is cut into this many parts (fixed: the cut does not depend on the threads).
+#: Four against eight, two threads, project / PyTorch CPU side by side
+#: (``bench/bench_torch_cpu.py``, GPT w128 ctx64 and w256 ctx256, the digits ViT, ResNet-18 b32
+#: and b128): 1.09 1.10 0.88 1.38 1.27 against 1.17 1.11 0.87 1.46 1.28 on free cores, 1.02
+#: 1.14 0.86 1.29 1.23 against 1.18 1.12 1.11 1.35 1.28 beside two busy processes: fewer,
+#: larger BLAS calls, still two parts a thread to even out a late one
+GEMM_PARTS = 4
 
 _BLAS: list = []
 
