@@ -52,7 +52,7 @@ import scipy.sparse as sp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from partition.metrics import pair_volumes, partition_metrics
-from partition.partitioners import HypergraphConfig, hypergraph_partition
+from partition.partitioners import HypergraphConfig, cpu_seconds, hypergraph_partition
 from partition.placement import place_inputs
 from sparse_sgd.io import read_challenge_network, write_challenge_network
 from sparse_sgd.plan import PartitionOptions, plan_partition
@@ -66,16 +66,11 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 @contextlib.contextmanager
 def _clock(out: dict):
-    w0, c0 = time.perf_counter(), _cpu()
+    w0, c0 = time.perf_counter(), cpu_seconds()
     yield
-    out["wall"], out["cpu"] = time.perf_counter() - w0, _cpu() - c0
+    out["wall"], out["cpu"] = time.perf_counter() - w0, cpu_seconds() - c0
 
 
 def _vol(weights, part) -> float:
