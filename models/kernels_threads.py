@@ -183,11 +183,13 @@ class blas_on_one_thread:
 
 
 def _gemm_parts(a, b, out, axis, edges, lo, hi):
-    """Parts ``lo..hi-1`` of a GEMM cut along ``axis`` of ``out`` (1: rows, 2: columns of the
-    last two axes) at ``edges``."""
+    """Parts ``lo..hi-1`` of a GEMM cut along ``axis`` of ``out`` at ``edges`` (0: GEMMs of a
+    stack, 1: rows, 2: columns of the last two axes)."""
     for p in range(lo, hi):
         s = slice(edges[p], edges[p + 1])
-        if axis == 1:
+        if axis == 0:
+            np.matmul(a[s] if a.ndim == 3 else a, b[s] if b.ndim == 3 else b, out=out[s])
+        elif axis == 1:
             np.matmul(a[..., s, :], b, out=out[..., s, :])
         else:
             np.matmul(a, b[..., :, s], out=out[..., :, s])
@@ -197,22 +199,32 @@ def matmul(a, b, out=None):
     """``out = a @ b`` (2-D, or stacks of equal 2-D shapes) on the process's threads.
 
     One thread (or a GEMM under :data:`GEMM_MIN_SPLIT` multiply-accumulates): one
-    ``np.matmul`` call.  Otherwise the output is cut into :data:`GEMM_PARTS` blocks of rows (or
-    of columns when it has more columns than rows), one single-threaded BLAS call each, taken
-    by :func:`parallel_for`'s threads as they come (a descheduled thread leaves its parts to
-    the others) inside :class:`blas_on_one_thread`.  Each output element is the same dot
-    product either way (OpenBLAS cuts the inner dimension alike), so the values agree to
-    round-off with the single call, and do not depend on the thread count.
+    ``np.matmul`` call.  Otherwise the output is cut into :data:`GEMM_PARTS` parts, one
+    single-threaded BLAS call each, taken by :func:`parallel_for`'s threads as they come (a
+    descheduled thread leaves its parts to the others) inside :class:`blas_on_one_thread`:
+
+    * a stack of at least :data:`GEMM_PARTS` GEMMs (Winograd's 16 products per tile
+      position) is cut into runs of whole GEMMs, so no operand is packed twice;
+    * a single GEMM is cut into blocks of rows, or of columns when it has more columns than
+      rows: each part packs the operand it shares again, and the cut along the longer side
+      shares the smaller one.
+
+    Each output element is the same dot product either way (OpenBLAS cuts the inner dimension
+    alike), so the values agree to round-off with the single call, and do not depend on the
+    thread count.
     """
     if out is None:
         shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
         out = np.empty(shape, dtype=np.result_type(a, b))
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     macs = out.size * k
-    if numba.get_num_threads() <= 1 or macs < GEMM_MIN_SPLIT or max(m, n) < 2 * GEMM_PARTS:
+    if out.ndim == 3 and out.shape[0] >= GEMM_PARTS:
+        axis, size, least = 0, out.shape[0], GEMM_PARTS
+    else:
+        axis, size, least = (1, m, 2 * GEMM_PARTS) if m >= n else (2, n, 2 * GEMM_PARTS)
+    if numba.get_num_threads() <= 1 or macs < GEMM_MIN_SPLIT or size < least:
         np.matmul(a, b, out=out)
         return out
-    axis, size = (1, m) if m >= n else (2, n)
     edges = [size * p // GEMM_PARTS for p in range(GEMM_PARTS + 1)]
     with blas_on_one_thread():
         parallel_for(_gemm_parts, GEMM_PARTS, macs, a, b, out, axis, edges)

@@ -935,7 +935,9 @@ def test_kernel_threads_follow_omp_num_threads():
     ((70, 33), (33, 20), False),        # rows cut
     ((20, 33), (33, 70), False),        # columns cut
     ((33, 70), (33, 20), True),         # a transposed view (the weight-gradient form)
-    ((16, 40, 9), (16, 9, 24), False),  # a stack of 16 GEMMs (Winograd)
+    ((16, 40, 9), (16, 9, 24), False),  # a stack of 16 GEMMs (Winograd): cut into runs
+    ((5, 40, 9), (9, 24), False),       # a stack of 5 against one shared operand
+    ((3, 40, 9), (3, 9, 24), False),    # a stack shorter than the parts: rows cut
 ])
 def test_threaded_matmul_matches_numpy(threaded_kernels, monkeypatch, shape_a, shape_b,
                                        transpose_a):
