@@ -159,20 +159,20 @@ class Conv2d(Layer):
         per = max(1, WINOGRAD_TILES // ((H // 2) * (W // 2)))
         return [(n0, min(N, n0 + per)) for n0 in range(0, N, per)]
 
-    def _wino_conv(self, k, Xp, U, bias, Y, tag: str) -> None:
+    def _wino_conv(self, k, Xp, U, bias, Y, tag: str, order) -> None:
         """``Y`` (N, H, W, K) = the 3x3 stride-1 padding-1 convolution of the image whose
         zero-padded copy is ``Xp`` (N, H+2, W+2, C), with the transformed kernel ``U``
-        (16, C, K), block of images by block: input transform, 16 GEMMs ``M[e] = V[e] U[e]``,
-        output transform (+ bias)."""
+        (16, C, K, its products in ``order``), block of images by block: input transform,
+        16 GEMMs ``M[e] = V[e] U[e]``, output transform (+ bias)."""
         N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
         P, K = (H // 2) * (W // 2), U.shape[2]
         for n0, n1 in self._wino_blocks(N, H, W):
             T = (n1 - n0) * P
             V = _transient(f"wino_v{tag}", (16, T, C), Xp.dtype, np)
             M = _transient(f"wino_m{tag}", (16, T, K), Xp.dtype, np)
-            k.winograd_input(Xp, n0, n1, V)
+            k.winograd_input(Xp, n0, n1, V, order)
             _matmul(V, U, out=M)
-            k.winograd_output(M, n0, bias, Y)
+            k.winograd_output(M, n0, bias, Y, order)
 
     def _forward_winograd(self, xl):
         """Forward by Winograd F(2x2, 3x3) (Lavin & Gray 2016): 16 multiplications per 2x2
@@ -185,15 +185,16 @@ class Conv2d(Layer):
         U = self._ws.get("wino_u", (16, C, self.out_channels), xl.dtype, np)
         k.winograd_weight(self.P["weight"], U)
         Y = np.empty((N, H, W, self.out_channels), dtype=xl.dtype)
-        self._wino_conv(k, Xp, U, self.P["bias"] if self.bias else None, Y, "f")
+        self._wino_conv(k, Xp, U, self.P["bias"] if self.bias else None, Y, "f", k.IDENTITY)
         self._cache = (Xp, (N, H, W, C), (H, W), "winograd")
         return Y.transpose(0, 3, 1, 2)
 
     def _backward_winograd(self, Xp, dyl):
         """``dW`` as the adjoint of the Winograd forward (``dU[e] = Σ_blocks V[e]^T dM[e]``
         with ``dM`` the adjoint output transform of ``dY``, then ``dW = G^T dU G``), announced;
-        then ``dX`` as the Winograd convolution of ``dY`` with the flipped kernel (channels
-        swapped)."""
+        then ``dX`` as the Winograd convolution of ``dY`` with the kernel turned by 180 degrees
+        and its channels swapped: the forward's ``U`` transposed, in the
+        :data:`~models.kernels_winograd.TURNED` order (no second weight transform)."""
         k = _numba_kernels(np)
         N, H, W, C = Xp.shape[0], Xp.shape[1] - 2, Xp.shape[2] - 2, Xp.shape[3]
         dtype = Xp.dtype
@@ -214,12 +215,11 @@ class Conv2d(Layer):
         self._weight_grad_done(None, dyl.reshape(-1, c_out))
         if not self.input_grad:
             return None
-        Ut = self._ws.get("wino_ut", (16, c_out, C), dtype, np)
-        k.winograd_weight(self.P["weight"], Ut, flip=True)
+        U = self._ws.get("wino_u", (16, C, c_out), dtype, np)     # the forward's
         dYp = _transient("wino_dypad", (N, H + 2, W + 2, c_out), dtype, np)
         k.pad1(dyl, dYp)
         dX = np.empty((N, H, W, C), dtype=dtype)
-        self._wino_conv(k, dYp, Ut, None, dX, "b")
+        self._wino_conv(k, dYp, U.transpose(0, 2, 1), None, dX, "b", k.TURNED)
         return dX.transpose(0, 3, 1, 2)
 
     def _block_images(self, xp, N: int, Ho: int, Wo: int) -> int:

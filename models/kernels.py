@@ -90,6 +90,8 @@ from .kernels_transformer import (
     softmax_shift,
 )
 from .kernels_winograd import (
+    IDENTITY,
+    TURNED,
     pad1,
     winograd_input,
     winograd_output,
@@ -104,8 +106,10 @@ __all__ = [
     "GELU_ROWS",
     "GEMM_MIN_SPLIT",
     "GEMM_PARTS",
+    "IDENTITY",
     "MIN_PARALLEL",
     "ROW_BLOCK",
+    "TURNED",
     "adamw_step",
     "add",
     "add_relu_forward",

@@ -18,6 +18,8 @@ import numpy as np
 from .kernels_threads import _JIT, parallel_for
 
 __all__ = [
+    "IDENTITY",
+    "TURNED",
     "pad1",
     "winograd_input",
     "winograd_output",
@@ -38,6 +40,21 @@ __all__ = [
 #                     A^T = [[1, 1, 1, 0], [0, 1, -1, -1]], m_k[i, j] = M[4 i + j, t, k]
 #   its adjoint       dM[4 i + j, t, k] = (A dy_k A^T)[i, j] for the 2x2 gradient tile dy_k
 # Loops run over the channel innermost (contiguous in every operand), so they vectorise.
+#
+# The input and output transforms take an ``order`` of the 16 products: product ``e`` is
+# stored in (read from) slot ``order[e]``.  :data:`TURNED` lets the input gradient reuse the
+# forward's ``U``: turning a 3x3 kernel by 180 degrees (``J g J``, ``J`` the 3x3 reversal)
+# turns ``G J = S G`` (``S`` swaps rows 0 and 3 of 4), so ``G (J g J) G^T = S (G g G^T) S^T``:
+# the turned kernel's product ``4 a + b`` is ``U``'s product ``4 s(a) + s(b)``, with ``s``
+# swapping 0 and 3.  With the input's products stored in that order, the 16 GEMMs take
+# ``U[e]^T`` (channels swapped) as they are, and the output transform reads back the same way
+# (the order is its own inverse).
+
+#: products in their own order
+IDENTITY = np.arange(16, dtype=np.int64)
+#: product ``4 a + b`` in slot ``4 s(a) + s(b)``, ``s = (3, 1, 2, 0)``: the 180-degree turned
+#: kernel's order (see above)
+TURNED = np.array([4 * a + b for a in (3, 1, 2, 0) for b in (3, 1, 2, 0)], dtype=np.int64)
 
 @numba.jit(**_JIT)
 def _pad_rows(X, Xp, lo, hi):
@@ -82,8 +99,8 @@ def _wino_input_row(A, B, sign, x, v0, v1, v2, v3):
 
 
 @numba.jit(**_JIT)
-def _wino_input_tiles(Xp, n0, V, lo, hi):
-    """Tiles ``lo..hi-1``: ``V[:, t, :]`` from the 4x4 patches of the padded images ``Xp``
+def _wino_input_tiles(Xp, n0, order, V, lo, hi):
+    """Tiles ``lo..hi-1``: ``V[order, t, :]`` from the 4x4 patches of the padded images ``Xp``
     (N, H+2, W+2, C); the rows of ``B^T d`` are ``d0 - d2``, ``d1 + d2``, ``d2 - d1``,
     ``d1 - d3`` (``d_i`` the patch's rows)."""
     H, W = Xp.shape[1] - 2, Xp.shape[2] - 2
@@ -95,16 +112,17 @@ def _wino_input_tiles(Xp, n0, V, lo, hi):
         y = 2 * ((t % P) // tw)
         x = 2 * (t % tw)
         X0, X1, X2, X3 = Xp[n, y], Xp[n, y + 1], Xp[n, y + 2], Xp[n, y + 3]
-        _wino_input_row(X0, X2, -one, x, V[0, t], V[1, t], V[2, t], V[3, t])
-        _wino_input_row(X1, X2, one, x, V[4, t], V[5, t], V[6, t], V[7, t])
-        _wino_input_row(X2, X1, -one, x, V[8, t], V[9, t], V[10, t], V[11, t])
-        _wino_input_row(X1, X3, -one, x, V[12, t], V[13, t], V[14, t], V[15, t])
+        o = order
+        _wino_input_row(X0, X2, -one, x, V[o[0], t], V[o[1], t], V[o[2], t], V[o[3], t])
+        _wino_input_row(X1, X2, one, x, V[o[4], t], V[o[5], t], V[o[6], t], V[o[7], t])
+        _wino_input_row(X2, X1, -one, x, V[o[8], t], V[o[9], t], V[o[10], t], V[o[11], t])
+        _wino_input_row(X1, X3, -one, x, V[o[12], t], V[o[13], t], V[o[14], t], V[o[15], t])
 
 
 @numba.jit(**_JIT)
-def _wino_output_tiles(M, n0, bias, has_bias, Y, lo, hi):
+def _wino_output_tiles(M, n0, order, bias, has_bias, Y, lo, hi):
     """Tiles ``lo..hi-1``: the 2x2 outputs ``A^T m A`` (+ bias) into ``Y`` (N, H, W, K), one
-    channel vector at a time (the 16 products in registers)."""
+    channel vector at a time (the 16 products, ``m_e = M[order[e], t]``, in registers)."""
     _, H, W, K = Y.shape
     tw = W // 2
     P = (H // 2) * tw
@@ -113,10 +131,11 @@ def _wino_output_tiles(M, n0, bias, has_bias, Y, lo, hi):
         n = n0 + t // P
         y = 2 * ((t % P) // tw)
         x = 2 * (t % tw)
-        m0, m1, m2, m3 = M[0, t], M[1, t], M[2, t], M[3, t]
-        m4, m5, m6, m7 = M[4, t], M[5, t], M[6, t], M[7, t]
-        m8, m9, m10, m11 = M[8, t], M[9, t], M[10, t], M[11, t]
-        m12, m13, m14, m15 = M[12, t], M[13, t], M[14, t], M[15, t]
+        o = order
+        m0, m1, m2, m3 = M[o[0], t], M[o[1], t], M[o[2], t], M[o[3], t]
+        m4, m5, m6, m7 = M[o[4], t], M[o[5], t], M[o[6], t], M[o[7], t]
+        m8, m9, m10, m11 = M[o[8], t], M[o[9], t], M[o[10], t], M[o[11], t]
+        m12, m13, m14, m15 = M[o[12], t], M[o[13], t], M[o[14], t], M[o[15], t]
         y00, y01, y10, y11 = Y[n, y, x], Y[n, y, x + 1], Y[n, y + 1, x], Y[n, y + 1, x + 1]
         for k in range(K):
             b = bias[k] if has_bias else zero
@@ -172,20 +191,20 @@ def _wino_output_adjoint_tiles(dY, n0, dM, lo, hi):
         _wino_adjoint_row(G0, G1, zero, -one, x, dM[12, t], dM[13, t], dM[14, t], dM[15, t])
 
 
-def winograd_input(Xp, n0, n1, V):
+def winograd_input(Xp, n0, n1, V, order=IDENTITY):
     """Input transform of the tiles of images ``n0..n1-1`` of the padded ``Xp``
-    (N, H+2, W+2, C, from :func:`pad1`) into ``V`` (16, tiles, C), shared over threads by
-    tiles."""
+    (N, H+2, W+2, C, from :func:`pad1`) into ``V`` (16, tiles, C), product ``e`` in slot
+    ``order[e]`` (:data:`TURNED`: for the turned kernel), shared over threads by tiles."""
     T = V.shape[1]
-    parallel_for(_wino_input_tiles, T, 4 * V.size, Xp, n0, V)
+    parallel_for(_wino_input_tiles, T, 4 * V.size, Xp, n0, order, V)
 
 
-def winograd_output(M, n0, bias, Y):
-    """Output transform of ``M`` (16, tiles, K) into the images ``n0..`` of ``Y`` (N, H, W, K),
-    plus ``bias`` (K,) when given."""
+def winograd_output(M, n0, bias, Y, order=IDENTITY):
+    """Output transform of ``M`` (16, tiles, K), product ``e`` read from slot ``order[e]``,
+    into the images ``n0..`` of ``Y`` (N, H, W, K), plus ``bias`` (K,) when given."""
     T = M.shape[1]
     has_bias = bias is not None
-    parallel_for(_wino_output_tiles, T, 2 * M.size, M, n0,
+    parallel_for(_wino_output_tiles, T, 2 * M.size, M, n0, order,
                  bias if has_bias else M[0, 0], has_bias, Y)
 
 
@@ -196,15 +215,12 @@ def winograd_output_adjoint(dY, n0, dM):
 
 
 @numba.jit(**_JIT)
-def _wino_weight_rows(w, flip, U, lo, hi):
-    """Rows ``lo..hi-1`` of ``U``'s second axis: ``U[4 a + b] = (G g G^T)[a, b]`` for every
-    3x3 kernel ``g = w[k, c]`` (``w`` (K, C, 3, 3)), ``G = [[1, 0, 0], [1/2, 1/2, 1/2],
-    [1/2, -1/2, 1/2], [0, 0, 1]]``, into ``U[:, c, k]`` (rows = input channels ``c``); with
-    ``flip`` the kernel turned by 180 degrees into ``U[:, k, c]`` (rows = output channels
-    ``k``: the input gradient's convolution, channels swapped).  The kernels of one row are
-    gathered into a (3, 3, n) scratch, then transformed along ``n`` (vectorised)."""
-    K, C = w.shape[0], w.shape[1]
-    n = C if flip else K
+def _wino_weight_rows(w, U, lo, hi):
+    """Input channels ``lo..hi-1``: ``U[4 a + b, c] = (G g G^T)[a, b]`` for every 3x3 kernel
+    ``g = w[k, c]`` (``w`` (K, C, 3, 3)), ``G = [[1, 0, 0], [1/2, 1/2, 1/2],
+    [1/2, -1/2, 1/2], [0, 0, 1]]``, into ``U[:, c, k]``.  The kernels of one input channel are
+    gathered into a (3, 3, K) scratch, then transformed along ``k`` (vectorised)."""
+    n = w.shape[0]
     half = w.dtype.type(0.5)
     g = np.empty((3, 3, n), w.dtype)
     r = np.empty((4, 3, n), w.dtype)
@@ -212,12 +228,8 @@ def _wino_weight_rows(w, flip, U, lo, hi):
         for i in range(3):
             for j in range(3):
                 gij = g[i, j]
-                if flip:
-                    for m in range(n):
-                        gij[m] = w[row, m, 2 - i, 2 - j]
-                else:
-                    for m in range(n):
-                        gij[m] = w[m, row, i, j]
+                for m in range(n):
+                    gij[m] = w[m, row, i, j]
         for j in range(3):
             g0, g1, g2 = g[0, j], g[1, j], g[2, j]
             r0, r1, r2, r3 = r[0, j], r[1, j], r[2, j], r[3, j]
@@ -236,10 +248,10 @@ def _wino_weight_rows(w, flip, U, lo, hi):
                 u3[m] = s2[m]
 
 
-def winograd_weight(w, U, flip: bool = False):
-    """Weight transform of the (K, C, 3, 3) kernel ``w`` into ``U`` (16, C, K), or with
-    ``flip`` of the input gradient's kernel into ``U`` (16, K, C)."""
-    parallel_for(_wino_weight_rows, U.shape[1], 2 * U.size, w, flip, U)
+def winograd_weight(w, U):
+    """Weight transform of the (K, C, 3, 3) kernel ``w`` into ``U`` (16, C, K); the input
+    gradient's turned kernel is the same ``U`` in the :data:`TURNED` order, channels swapped."""
+    parallel_for(_wino_weight_rows, U.shape[1], 2 * U.size, w, U)
 
 
 @numba.jit(**_JIT)

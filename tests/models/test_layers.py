@@ -630,14 +630,18 @@ def test_winograd_transforms_match_their_matrices():
         np.testing.assert_allclose(V[:, t].reshape(4, 4, C),
                                    np.einsum("ai,ijc,bj->abc", Bt, d, Bt), atol=1e-12)
     w = rng.standard_normal((K, C, 3, 3))
-    U, Uf = np.zeros((16, C, K)), np.zeros((16, K, C))
+    U = np.zeros((16, C, K))
     k.winograd_weight(w, U)
-    k.winograd_weight(w, Uf, flip=True)
     np.testing.assert_allclose(U.reshape(4, 4, C, K), np.einsum("ai,kcij,bj->abck", G, w, G),
                                atol=1e-12)
+    # the kernel turned by 180 degrees, channels swapped, is U in the TURNED order, transposed
+    Uf = U[k.TURNED].transpose(0, 2, 1)
     np.testing.assert_allclose(Uf.reshape(4, 4, K, C),
                                np.einsum("ai,kcij,bj->abkc", G, w[:, :, ::-1, ::-1], G),
                                atol=1e-12)
+    Vt = np.zeros((16, 2 * P, C))
+    k.winograd_input(Xp, 1, 3, Vt, k.TURNED)            # product e in slot TURNED[e]
+    np.testing.assert_array_equal(Vt[k.TURNED], V)
     M = rng.standard_normal((16, P, K))
     bias = rng.standard_normal(K)
     Y = np.full((N, H, W, K), np.nan)
@@ -647,6 +651,9 @@ def test_winograd_transforms_match_their_matrices():
         ref = np.einsum("ai,ijk,bj->abk", At, M[:, t].reshape(4, 4, K), At) + bias
         np.testing.assert_allclose(Y[2, 2 * ty:2 * ty + 2, 2 * tx:2 * tx + 2], ref, atol=1e-12)
     assert np.isnan(Y[:2]).all()
+    Yt = np.full((N, H, W, K), np.nan)
+    k.winograd_output(M[k.TURNED], 2, bias, Yt, k.TURNED)  # read back in the same order
+    np.testing.assert_array_equal(Yt, Y)
     dY = rng.standard_normal((N, H, W, K))
     dM = np.zeros((16, P, K))
     k.winograd_output_adjoint(dY, 0, dM)
