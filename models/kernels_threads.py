@@ -198,8 +198,11 @@ def _gemm_parts(a, b, out, axis, edges, lo, hi):
 def matmul(a, b, out=None):
     """``out = a @ b`` (2-D, or stacks of equal 2-D shapes) on the process's threads.
 
-    One thread (or a GEMM under :data:`GEMM_MIN_SPLIT` multiply-accumulates): one
-    ``np.matmul`` call.  Otherwise the output is cut into :data:`GEMM_PARTS` parts, one
+    One thread, or a GEMM under :data:`GEMM_MIN_SPLIT` multiply-accumulates: one
+    ``np.matmul`` call on the calling thread (inside :class:`blas_on_one_thread` when the
+    process has more threads: OpenBLAS splits GEMMs from about 2^18 multiply-accumulates over
+    its own pool, and one of its threads descheduled by another process stalls the call; the
+    digits ViT trained 2.1x slower beside one busy process).  Otherwise the output is cut into :data:`GEMM_PARTS` parts, one
     single-threaded BLAS call each, taken by :func:`parallel_for`'s threads as they come (a
     descheduled thread leaves its parts to the others) inside :class:`blas_on_one_thread`:
 
@@ -222,8 +225,13 @@ def matmul(a, b, out=None):
         axis, size, least = 0, out.shape[0], GEMM_PARTS
     else:
         axis, size, least = (1, m, 2 * GEMM_PARTS) if m >= n else (2, n, 2 * GEMM_PARTS)
-    if numba.get_num_threads() <= 1 or macs < GEMM_MIN_SPLIT or size < least:
+    threads = numba.get_num_threads()
+    if threads <= 1:
         np.matmul(a, b, out=out)
+        return out
+    if macs < GEMM_MIN_SPLIT or size < least:
+        with blas_on_one_thread():      # else BLAS splits it over its own (late) threads
+            np.matmul(a, b, out=out)
         return out
     edges = [size * p // GEMM_PARTS for p in range(GEMM_PARTS + 1)]
     with blas_on_one_thread():
