@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import linear_sum_assignment
 
 from partition.hypergraph import (
     LayerHypergraph,
@@ -588,6 +587,14 @@ def _free_phase(k: int) -> np.ndarray:
     return partition_layer(weights[k - 1], None, parts, config, k)
 
 
+def _max_assignment(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows and columns of the permutation maximising the sum of ``M`` (the linear assignment
+    of :func:`scipy.optimize.linear_sum_assignment`, exact).  scipy.optimize is imported here:
+    it takes 0.2 s, which every rank importing :mod:`partition` would pay at start."""
+    from scipy.optimize import linear_sum_assignment  # noqa: PLC0415 (0.2 s to import)
+    return linear_sum_assignment(-M)
+
+
 def _align_parts(W, owner: np.ndarray, prev_owner: np.ndarray, parts: int) -> np.ndarray:
     """Permute the part ids of ``owner`` (rows of W) to minimise the cut size of eq. 1 with
     fixed vertices ``prev_owner``.
@@ -610,7 +617,7 @@ def _align_parts(W, owner: np.ndarray, prev_owner: np.ndarray, parts: int) -> np
         a, j = np.divmod(pairs[np.r_[True, pairs[1:] != pairs[:-1]]], n_cols)
     M = np.bincount(a * parts + np.asarray(prev_owner, dtype=np.int64)[j],
                     minlength=parts * parts).reshape(parts, parts)
-    rows, cols = linear_sum_assignment(-M)
+    rows, cols = _max_assignment(M)
     sigma = np.empty(parts, dtype=np.int64)
     sigma[rows] = cols
     return sigma[owner]
@@ -679,7 +686,7 @@ def _tile_relabelling(W_entry, entry, last, wrap, parts: int) -> np.ndarray:
     """
     overlap = np.zeros((parts, parts), dtype=np.int64)
     np.add.at(overlap, (entry, wrap), 1)
-    rows, cols = linear_sum_assignment(-overlap)
+    rows, cols = _max_assignment(overlap)
     sigma = np.empty(parts, dtype=np.int64)
     sigma[rows] = cols
     identity = np.arange(parts)
