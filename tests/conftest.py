@@ -26,3 +26,11 @@ os.environ.setdefault("SPARDIST_RESULTS", tempfile.mkdtemp(prefix="spardist-test
 from runner.launch import byte_compile_checkout
 
 byte_compile_checkout()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Test files that launch MPI jobs first (a stable sort, each file's tests in their order):
+    the suite's workers (``run_mpi.sh --test``: pytest-xdist, a file per worker) take files in
+    this order, so the long launches start early and the short files even out the end."""
+    launches = {item.path for item in items if item.get_closest_marker("mpi")}
+    items.sort(key=lambda item: item.path not in launches)
