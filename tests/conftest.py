@@ -29,8 +29,10 @@ byte_compile_checkout()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Test files that launch MPI jobs first (a stable sort, each file's tests in their order):
-    the suite's workers (``run_mpi.sh --test``: pytest-xdist, a file per worker) take files in
-    this order, so the long launches start early and the short files even out the end."""
-    launches = {item.path for item in items if item.get_closest_marker("mpi")}
+    """Test files that launch MPI jobs or wire labs first (a stable sort, each file's tests in
+    their order): the suite's workers (``run_mpi.sh --test``: pytest-xdist, a file per worker)
+    take files in this order, so the long launches start early and the short files even out
+    the end."""
+    launches = {item.path for item in items
+                if item.get_closest_marker("mpi") or item.get_closest_marker("wire")}
     items.sort(key=lambda item: item.path not in launches)

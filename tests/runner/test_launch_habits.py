@@ -181,22 +181,20 @@ def test_the_launcher_leaves_bytecode_for_every_rank(tmp_path):
         assert Path(importlib.util.cache_from_source(str(checkout / src))).is_file(), src
 
 
-def test_the_suite_runs_on_every_core_and_the_wire_lab_alone(monkeypatch):
-    """``run_mpi.sh --test`` without arguments: every test but the wire lab's on one worker per
-    core (a file's tests on one worker, so a module's MPI jobs launch once), then the wire
-    tests alone; with arguments, pytest exactly as typed; one core or no pytest-xdist: one
-    plain run."""
-    from runner.launch import MAX_TEST_WORKERS, suite_commands
+def test_the_suite_runs_on_every_core(monkeypatch):
+    """``run_mpi.sh --test`` without arguments: one pytest worker per core, a file's tests on one
+    worker (so a module's MPI jobs launch once); with arguments, pytest exactly as typed; one
+    core, one worker asked for, or no pytest-xdist: one plain run."""
+    from runner.launch import MAX_TEST_WORKERS, suite_command
 
     monkeypatch.delenv("SPARDIST_TEST_WORKERS", raising=False)
     pytest_cmd = [sys.executable, "-m", "pytest"]
-    parallel, wire = suite_commands([], cores=2, xdist=True)
-    assert parallel == pytest_cmd + ["-n", "2", "--dist", "loadfile", "-m", "not wire"]
-    assert wire == pytest_cmd + ["-m", "wire"]
-    assert suite_commands([], cores=64, xdist=True)[0][4] == str(MAX_TEST_WORKERS)
-    assert suite_commands(["-x", "tests/models"], cores=2, xdist=True) == [
-        pytest_cmd + ["-x", "tests/models"]]
-    assert suite_commands([], cores=1, xdist=True) == [pytest_cmd]
-    assert suite_commands([], cores=2, xdist=False) == [pytest_cmd]
+    assert suite_command([], cores=2, xdist=True) == pytest_cmd + ["-n", "2", "--dist",
+                                                                  "loadfile"]
+    assert suite_command([], cores=64, xdist=True)[4] == str(MAX_TEST_WORKERS)
+    assert suite_command(["-x", "tests/models"], cores=2, xdist=True) == pytest_cmd + [
+        "-x", "tests/models"]
+    assert suite_command([], cores=1, xdist=True) == pytest_cmd
+    assert suite_command([], cores=2, xdist=False) == pytest_cmd
     monkeypatch.setenv("SPARDIST_TEST_WORKERS", "1")
-    assert suite_commands([], cores=2, xdist=True) == [pytest_cmd]
+    assert suite_command([], cores=2, xdist=True) == pytest_cmd
