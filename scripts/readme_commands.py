@@ -10,8 +10,8 @@ clones ``--repo`` at ``--ref`` into a new directory (nothing of this checkout's 
 at the first non-zero exit, printing its output.  A command whose program this machine lacks
 (``salloc``, ``sbatch``, ``conda``, ``module``; ``sudo`` when not root and without sudo) or
 that needs a file the README does not create (``--hostfile hosts.txt``) is skipped with the
-reason; ``--skip-tests`` also skips ``./run_mpi.sh --test`` (the suite, 10+ minutes).  Exit
-status: 0 when every command that ran exited 0.
+reason; ``--skip-tests`` also skips ``./run_mpi.sh --test`` (the suite, 8-10 minutes on two
+cores).  Exit status: 0 when every command that ran exited 0.
 """
 
 from __future__ import annotations
