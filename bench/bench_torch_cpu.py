@@ -5,6 +5,7 @@ Prints (not a test)::
     python bench/bench_torch_cpu.py [--cells gpt-w128-c64:32 ... resnet18:128]
                                     [--threads 1 2] [--repeat 5] [--windows 2]
                                     [--malloc keep|default] [--busy N]
+                                    [--gemms MxKxN ...]
 
 PyTorch is an optional *bench* comparator only (never imported by the package)::
 
@@ -360,16 +361,17 @@ def time_repeat(pair: Pair, steps: int, windows: int, flip: bool) -> list[float]
     return [*best["proj"], *best["torch"]]
 
 
-def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
-    """Best float32 ``n^3`` matmul rates of NumPy's BLAS and of PyTorch:
+def gemm_peak(torch, shape=(2048, 2048, 2048), repeat: int = 8) -> list:
+    """Best float32 ``(m, k) @ (k, n)`` matmul rates of NumPy's BLAS and of PyTorch:
     ``[[numpy per wall s, numpy per CPU s], [torch ..., ...]]`` (GFLOP/s)."""
     import numpy as np
 
+    m, k, n = shape
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
-    c = np.empty_like(a)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    tc = torch.empty_like(ta)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = np.empty((m, n), np.float32)
+    ta, tb, tc = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c.copy())
     out = []
     for fn in (lambda: np.matmul(a, b, out=c), lambda: torch.matmul(ta, tb, out=tc)):
         fn()
@@ -379,8 +381,19 @@ def gemm_peak(torch, n: int = 2048, repeat: int = 8) -> list:
             fn()
             wall = min(wall, time.perf_counter() - w)
             cpu = min(cpu, time.process_time() - t)
-        out.append([2.0 * n ** 3 / wall / 1e9, 2.0 * n ** 3 / max(cpu, 1e-9) / 1e9])
+        out.append([2.0 * m * k * n / wall / 1e9, 2.0 * m * k * n / max(cpu, 1e-9) / 1e9])
     return out
+
+
+def parse_gemm(text: str) -> tuple[int, int, int]:
+    """``MxKxN`` -> ``(M, K, N)``, each >= 1."""
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise ValueError(f"--gemms takes MxKxN shapes of positive integers, got {text!r}")
+    return dims
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +422,9 @@ def child(args) -> int:
     print(json.dumps({"threads": n, "pools": pools, "numba_threads": numba.get_num_threads(),
                       "torch_threads": torch.get_num_threads(),
                       "gemm_numpy": peak_np, "gemm_torch": peak_torch}), flush=True)
+    for shape in args.gemms:
+        print(json.dumps({"gemm": shape, "rates": gemm_peak(torch, parse_gemm(shape))}),
+              flush=True)
     for cell in args.cells:
         name, batch = parse_cell(cell)
         load0 = os.getloadavg()[0]
@@ -451,6 +467,9 @@ def main(argv=None) -> int:
     parser.add_argument("--busy", type=int, default=0,
                         help="run the table beside this many busy processes ('while True: "
                              "pass', substrate.testing.busy_loops): the shared-core load")
+    parser.add_argument("--gemms", nargs="*", default=[], metavar="MxKxN",
+                        help="also time these float32 GEMM shapes, NumPy's BLAS against "
+                             "PyTorch's, at each thread count (e.g. a cell's largest GEMMs)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag in ("repeat", "windows"):
@@ -465,6 +484,11 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if args.busy < 0:
         parser.error(f"--busy must be >= 0, got {args.busy}")
+    try:
+        for shape in args.gemms:
+            parse_gemm(shape)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.child:
         return child(args)
     if args.busy:
@@ -504,7 +528,8 @@ def table(args) -> int:
     for n in args.threads:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(n),
                "--repeat", str(args.repeat), "--windows", str(args.windows),
-               "--window-s", str(args.window_s), "--cells", *args.cells]
+               "--window-s", str(args.window_s), "--cells", *args.cells,
+               "--gemms", *args.gemms]
         proc = subprocess.Popen(cmd, env=thread_env(n, args.malloc), stdout=subprocess.PIPE,
                                 text=True, cwd=str(ROOT))
         for line in proc.stdout:
@@ -516,7 +541,16 @@ def table(args) -> int:
                       f"{rec['gemm_numpy'][0]:.1f} GF/s ({rec['gemm_numpy'][1]:.1f} per CPU s), "
                       f"PyTorch {rec['gemm_torch'][0]:.1f} GF/s ({rec['gemm_torch'][1]:.1f} per "
                       f"CPU s)")
-                print(head, flush=True)
+                if not args.gemms:
+                    print(head, flush=True)
+                continue
+            if "gemm" in rec:
+                (nw, nc), (tw_, tc_) = rec["rates"]
+                print(f"[{n} thread(s)] GEMM {rec['gemm']}: NumPy {nc:.1f}, PyTorch {tc_:.1f} "
+                      f"GF/s per CPU s (NumPy / PyTorch time {tc_ / nc:.2f}; wall {nw:.1f} / "
+                      f"{tw_:.1f})", flush=True)
+                if rec["gemm"] == args.gemms[-1]:
+                    print(head, flush=True)
                 continue
             rows = np.array(rec["rows"])
             pc, pw, tc, tw = (float(np.median(rows[:, i])) for i in range(4))
