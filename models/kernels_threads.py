@@ -136,12 +136,10 @@ def parallel_for(kernel, n: int, work: int, *args) -> None:
 # ---------------------------------------------------------------------------------------------
 #: GEMMs with fewer multiply-accumulates run as one BLAS call on the calling thread
 GEMM_MIN_SPLIT = 1 << 22
-#: a split GEMM is cut into this many parts (fixed: the cut does not depend on the threads).
-#: Four against eight, two threads, project / PyTorch CPU side by side
-#: (``bench/bench_torch_cpu.py``, GPT w128 ctx64 and w256 ctx256, the digits ViT, ResNet-18 b32
-#: and b128): 1.09 1.10 0.88 1.38 1.27 against 1.17 1.11 0.87 1.46 1.28 on free cores, 1.02
-#: 1.14 0.86 1.29 1.23 against 1.18 1.12 1.11 1.35 1.28 beside two busy processes: fewer,
-#: larger BLAS calls, still two parts a thread to even out a late one
+#: a split GEMM is cut into this many parts (fixed: the cut does not depend on the threads):
+#: fewer, larger BLAS calls than eight (equal or faster in 9 of 10 cells of
+#: ``bench/bench_torch_cpu.py`` at two threads, free or shared cores), still two parts a
+#: thread to even out a late one
 GEMM_PARTS = 4
 
 _BLAS: list = []
@@ -202,9 +200,10 @@ def matmul(a, b, out=None):
     ``np.matmul`` call on the calling thread (inside :class:`blas_on_one_thread` when the
     process has more threads: OpenBLAS splits GEMMs from about 2^18 multiply-accumulates over
     its own pool, and one of its threads descheduled by another process stalls the call; the
-    digits ViT trained 2.1x slower beside one busy process).  Otherwise the output is cut into :data:`GEMM_PARTS` parts, one
-    single-threaded BLAS call each, taken by :func:`parallel_for`'s threads as they come (a
-    descheduled thread leaves its parts to the others) inside :class:`blas_on_one_thread`:
+    digits ViT trained 2.1x slower beside one busy process).  Otherwise the output is cut into
+    :data:`GEMM_PARTS` parts, one single-threaded BLAS call each, taken by
+    :func:`parallel_for`'s threads as they come (a descheduled thread leaves its parts to the
+    others) inside :class:`blas_on_one_thread`:
 
     * a stack of at least :data:`GEMM_PARTS` GEMMs (Winograd's 16 products per tile
       position) is cut into runs of whole GEMMs, so no operand is packed twice;
@@ -225,8 +224,7 @@ def matmul(a, b, out=None):
         axis, size, least = 0, out.shape[0], GEMM_PARTS
     else:
         axis, size, least = (1, m, 2 * GEMM_PARTS) if m >= n else (2, n, 2 * GEMM_PARTS)
-    threads = numba.get_num_threads()
-    if threads <= 1:
+    if numba.get_num_threads() <= 1:
         np.matmul(a, b, out=out)
         return out
     if macs < GEMM_MIN_SPLIT or size < least:

@@ -344,8 +344,8 @@ def suite_command(args: list[str], cores: int | None = None,
     loadfile``: a module's MPI jobs run in one launch per world size, which tests spread over
     workers would launch once each).  No test asserts a time that another worker's load could
     break: the wire lab's timed runs assert bytes, and of their times only bounds that a slower
-    machine still meets.  On two cores: 758 s serial, 545-553 s on two workers (the host 1.2x
-    slow)."""
+    machine still meets.  On two cores two workers take 0.6 of the serial time
+    (``docs/RESULTS.md``, the test suite)."""
     pytest = [sys.executable, "-m", "pytest"]
     if args:
         return pytest + args

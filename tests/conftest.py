@@ -28,7 +28,7 @@ from runner.launch import byte_compile_checkout
 byte_compile_checkout()
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     """Test files that launch MPI jobs or wire labs first (a stable sort, each file's tests in
     their order): the suite's workers (``run_mpi.sh --test``: pytest-xdist, a file per worker)
     take files in this order, so the long launches start early and the short files even out
