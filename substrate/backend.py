@@ -312,7 +312,10 @@ class Staged:
             dst, src = self.arr.reshape(-1), self.host.reshape(-1)
             if lo is not None:
                 dst, src = dst[lo:hi], src[lo:hi]
-            self._fence = self.backend.to_device(src, dst, wait=False)
+            # after the compute-stream work on the buffer that preceded the call: a receive-only
+            # buffer was never pulled through the side stream, and the copy must not land
+            # before (and be overwritten by) a write still queued there, e.g. its upload
+            self._fence = self.backend.to_device(src, dst, wait=False, after=self.ready)
         self.backend.pool.release(self.lease, self._fence)
         self.lease = self.host = None
 
@@ -449,12 +452,15 @@ class Backend:
         with self._lock:
             self._fences_done = max(self._fences_done, seq)
 
-    def to_device(self, src: np.ndarray, dst, wait: bool = True):
-        """Pinned host ``src`` into device ``dst`` on the side stream; with ``wait`` the compute
-        stream waits for the copy (no host sync; else :meth:`compute_waits` later).  Returns
-        the fence of the copy (for the pool)."""
+    def to_device(self, src: np.ndarray, dst, wait: bool = True, after=None):
+        """Pinned host ``src`` into device ``dst`` on the side stream, after ``after`` (an event
+        of the compute stream: the copy lands after the work queued there before it); with
+        ``wait`` the compute stream waits for the copy (no host sync; else
+        :meth:`compute_waits` later).  Returns the fence of the copy (for the pool)."""
         side = self.side_stream
         with self.device():
+            if after is not None:
+                side.wait_event(after)
             dst.set(src, stream=side)
             ev = side.record()
         fence = (next(self._fence_seq), ev)

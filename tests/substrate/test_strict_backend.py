@@ -51,7 +51,11 @@ def test_asynchronous_copies_land_when_the_stream_says_so():
         side = cp.cuda.Stream(non_blocking=True)
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(32), np.float64, 4)
         host[:] = 0
+        compute = cp.cuda.get_current_stream()
         dev = cp.arange(4.0)
+        with pytest.raises(RuntimeError, match="not ordered after the last write"):
+            dev.get(out=host, stream=side, blocking=False)   # would race the arange on a GPU
+        side.wait_event(compute.record())
         dev.get(out=host, stream=side, blocking=False)
         assert host.sum() == 0                             # not there before a sync
         side.synchronize()
@@ -59,11 +63,34 @@ def test_asynchronous_copies_land_when_the_stream_says_so():
         # host to device from pinned memory reads the source when the stream next works
         host[:] = 7
         dst = cp.zeros(4)
+        with pytest.raises(RuntimeError, match="not ordered after the last write"):
+            dst.set(host, stream=side)    # the zeros, still queued, would overwrite the copy
+        side.wait_event(compute.record())
         dst.set(host, stream=side)
         host[:] = 9                                        # overwritten too early
         ev = side.record()
         cp.cuda.get_current_stream().wait_event(ev)
         assert dst.get().tolist() == [9, 9, 9, 9]          # the GPU would read 9s too
+
+
+def test_cross_stream_order_is_checked_per_byte_range():
+    """Views of one allocation are written independently (DDP's buckets of one flat gradient):
+    a copy of one part is ordered by the writes to that part only."""
+    with strict_cupy() as cp:
+        side = cp.cuda.Stream(non_blocking=True)
+        compute = cp.cuda.get_current_stream()
+        host = np.frombuffer(cp.cuda.alloc_pinned_memory(64), np.float64, 8)
+        flat = cp.zeros(8)
+        flat[:4] += 1
+        side.wait_event(compute.record())
+        flat[4:] += 2                                      # written after the event
+        flat[:4].get(out=host[:4], stream=side, blocking=False)
+        with pytest.raises(RuntimeError, match="not ordered after the last write"):
+            flat[4:].get(out=host[4:], stream=side, blocking=False)
+        with pytest.raises(RuntimeError, match="not ordered after the last write"):
+            flat[::2].get(out=host[:4], stream=side, blocking=False)   # strided: both parts
+        side.synchronize()
+        assert host[:4].tolist() == [1, 1, 1, 1]
 
 
 def test_devices_are_per_thread_and_checked(monkeypatch):

@@ -24,6 +24,10 @@ What it enforces (as CuPy does, or stricter where a real GPU would give wrong da
   event after it.  Code that reads a staging buffer too early, or reuses one too soon, gets
   wrong data, as on a GPU.  ``Stream.done`` / ``Event.done`` report only what a sync has
   completed (a pessimistic device: nothing finishes on its own);
+* **cross-stream order**: an asynchronous copy into or out of an array raises unless its
+  stream is ordered after the array's last write on another stream (same stream, that stream
+  synchronized since, an event after the write waited for, or the legacy default stream's
+  implicit order): kernels run eagerly here, so such a race would otherwise pass unseen;
 * **CUDA-aware hand-off**: ``__cuda_array_interface__`` (what mpi4py reads) refuses memory
   whose last writer stream has not been synchronized since the write.
 
@@ -176,6 +180,7 @@ class Stream:
         self.device_id = _current_device()
         self._prev: list = []
         self.deps: list = []     # (stream, seq) this stream waits for (wait_event)
+        self.waited: dict = {}   # id(stream) -> (stream, latest event seq waited for)
 
     @property
     def ptr(self) -> int:
@@ -229,6 +234,21 @@ class Stream:
             pos = self._stamp(op=False)
             with self._lock:
                 self.deps.append((pos, event.stream, event.seq))
+                prev = self.waited.get(id(event.stream))
+                if prev is None or prev[1] < event.seq:
+                    self.waited[id(event.stream)] = (event.stream, event.seq)
+
+    def after(self, other: Stream, seq: int) -> bool:
+        """Whether work issued on this stream now runs after ``other``'s op ``seq``: the same
+        stream, ``other`` synchronized past it, an event after it waited for, or CUDA's legacy
+        default stream ordering the null stream and the blocking streams."""
+        if other is self or other.synced >= seq:
+            return True
+        waited = self.waited.get(id(other))
+        if waited is not None and waited[1] >= seq:
+            return True
+        return (other.is_null and not self.non_blocking) or \
+            (self.is_null and not other.non_blocking)
 
     def _resolve_deps(self, complete: bool, upto: int | None = None) -> None:
         with self._lock:
@@ -306,10 +326,41 @@ def get_elapsed_time(start: Event, end: Event) -> float:
     return (end.t - start.t) * 1e3
 
 
-# -- write stamps (the CUDA-aware hand-off check) ---------------------------------------------------------
+# -- write stamps (the CUDA-aware hand-off and cross-stream order checks) ---------------------------------
 
 _stamps: dict = {}
 _stamps_lock = threading.Lock()
+#: id(root) -> (weakref to root, [(lo, hi, stream, seq), ...]): the byte ranges written last,
+#: by stream (views of one allocation, e.g. DDP's buckets, are written independently)
+_writes: dict = {}
+#: ranges kept per allocation (oldest dropped first)
+MAX_WRITES = 256
+
+
+def _span(x: _np.ndarray) -> tuple[int, int]:
+    """Address range ``[lo, hi)`` a (possibly strided) array touches."""
+    if x.size == 0:
+        return 0, 0
+    lo = hi = x.__array_interface__["data"][0]
+    for n, stride in zip(x.shape, x.strides):
+        d = (n - 1) * stride
+        if d < 0:
+            lo += d
+        else:
+            hi += d
+    return lo, hi + x.itemsize
+
+
+def _record_write(r, ref, a: _np.ndarray, st: Stream, seq: int) -> None:
+    """Under ``_stamps_lock``: ``a`` (a view of root ``r``) written on ``st`` at ``seq``."""
+    lo, hi = _span(a)
+    ent = _writes.get(id(r))
+    if ent is None or ent[0]() is not r:
+        ent = _writes[id(r)] = (ref, [])
+    keep = [w for w in ent[1] if w[2].synced < w[3] and
+            not (w[2] is st and lo <= w[0] and w[1] <= hi)]
+    keep.append((lo, hi, st, seq))
+    ent[1][:] = keep[-MAX_WRITES:]
 
 
 def _root(a: _np.ndarray):
@@ -330,6 +381,7 @@ def _stamp_write(arrs) -> None:
             except TypeError:
                 continue
             _stamps[id(r)] = (ref, st, seq)
+            _record_write(r, ref, a._a, st, seq)
 
 
 def _order_before_op(st: Stream) -> None:
@@ -343,6 +395,22 @@ def _order_before_op(st: Stream) -> None:
                 other._flush()
     elif not st.non_blocking:
         Stream.null._flush()
+
+
+def _check_stream_order(a, st: Stream, what: str) -> None:
+    """An asynchronous copy on ``st`` that touches ``a`` must run after ``a``'s last write on
+    another stream: on a GPU the two race (a copy into a buffer landing before, and being
+    overwritten by, an upload still queued on the compute stream)."""
+    r = _root(a._a)
+    lo, hi = _span(a._a)
+    with _stamps_lock:
+        ent = _writes.get(id(r))
+        writes = list(ent[1]) if ent is not None and ent[0]() is r else []
+    for wlo, whi, writer, seq in writes:
+        if wlo < hi and lo < whi and not st.after(writer, seq):
+            raise RuntimeError(f"strictcupy: {what} on {st!r} is not ordered after the last "
+                               f"write to the same memory on {writer!r} (record an event after "
+                               "the write and make the copy's stream wait for it)")
 
 
 def _unsynced_writer(a) -> Stream | None:
@@ -646,6 +714,7 @@ class ndarray:
             if out is None or not is_pinned(out):
                 raise ValueError("strictcupy: get(blocking=False) needs out= in pinned memory")
             st = stream if stream is not None else get_current_stream()
+            _check_stream_order(self, st, "an asynchronous device-to-host copy")
             _order_before_op(st)
             snap = self._a.copy()          # stream order: what the copy reads is fixed now
             counter.d2h(self._a.nbytes)
@@ -676,6 +745,7 @@ class ndarray:
         counter.h2d(arr.nbytes)
         st = stream if stream is not None else get_current_stream()
         if is_pinned(arr):
+            _check_stream_order(self, st, "an asynchronous host-to-device copy")
             dst = self._a
 
             def land(dst=dst, arr=arr):
@@ -686,7 +756,9 @@ class ndarray:
                 st.pending.append((seq, "h2d", land))
             with _stamps_lock:
                 r = _root(self._a)
-                _stamps[id(r)] = (weakref.ref(r), st, seq)
+                ref = weakref.ref(r)
+                _stamps[id(r)] = (ref, st, seq)
+                _record_write(r, ref, self._a, st, seq)
             return
         with st:
             _np.copyto(self._a, arr)
@@ -778,7 +850,9 @@ class ndarray:
         _check_device(fakes)
         _order_before_op(get_current_stream())
         self._a[ix] = v
-        _stamp_write([self])
+        region = None if advanced else self._a[ix]     # basic indexing: the view written
+        _stamp_write([ndarray._from(region, self._dev)
+                      if isinstance(region, _np.ndarray) else self])
 
     # -- NumPy protocols --------------------------------------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
