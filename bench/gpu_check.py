@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/gpu_check.py [--out DIR] [--ranks 4] [--quick] [--strict]
                                         [--parts env,tests,systems,syncs,bench]
+                                        [--systems NAME,...] [--jobs J]
 
 writes ``DIR/gpu_check.md`` (and ``gpu_check.json``) with
 
 ``env``      CuPy, the devices and their binding, the MPI library and whether it is CUDA-aware;
 ``tests``    the real-GPU tests (``pytest -m gpu``) and the device-path tests on the strict CuPy
-             stand-in (``tests/test_gpu_*.py``, which need no GPU);
+             stand-in (``tests/*/test_gpu_*.py``, which need no GPU); ``gpu-tests`` runs the
+             real-GPU tests alone;
 ``systems``  every system's ``--device gpu`` command (:data:`COMMANDS`) at ``--ranks`` ranks on
              2 virtual nodes beside the same command on the CPU: traffic equal per phase,
              losses and accuracies within float round-off (:func:`compare_runs`), each rank's
@@ -19,6 +21,9 @@ writes ``DIR/gpu_check.md`` (and ``gpu_check.json``) with
              bare cuSPARSE products through CuPy (and the CPU's Numba kernels), and a staged
              exact-mode all-reduce with the reduction on the host and on the device (the
              ``SPARDIST_DEVICE_REDUCE_BYTES`` crossover).
+
+The report is rewritten after every part, so a run stopped early keeps what it finished.
+``--jobs`` runs that many system comparisons at once (a many-core GPU node).
 
 Without a GPU every part that needs one says so and is skipped; ``--strict`` runs the system
 comparison and the all-reduce probe on the stand-in instead (what the suite checks), so the
@@ -462,20 +467,23 @@ def environment() -> dict:
     return info
 
 
-def run_tests(strict_only: bool) -> dict:
+def run_tests(*, stand_in: bool, real: bool) -> dict:
     out = {}
-    suites = {"stand-in device paths": [
-        "tests/substrate/test_gpu_staging.py", "tests/substrate/test_gpu_binding.py",
-        "tests/simulation/test_gpu_timing.py", "tests/sparse_sgd/test_gpu.py",
-        "tests/project/test_gpu_systems.py", "tests/substrate/test_strict_backend.py"]}
-    if not strict_only:
+    suites = {}
+    if stand_in:
+        suites["stand-in device paths"] = [
+            "tests/substrate/test_gpu_staging.py", "tests/substrate/test_gpu_binding.py",
+            "tests/simulation/test_gpu_timing.py", "tests/sparse_sgd/test_gpu.py",
+            "tests/project/test_gpu_systems.py", "tests/substrate/test_strict_backend.py"]
+    if real:
         suites["real GPU (-m gpu)"] = ["-m", "gpu", "tests"]
     for name, args in suites.items():
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                *args], cwd=ROOT, capture_output=True, text=True, timeout=3600,
                               check=False)
-        tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
-        out[name] = {"returncode": proc.returncode, "summary": " ".join(tail)}
+        lines = proc.stdout.strip().splitlines()
+        out[name] = {"returncode": proc.returncode, "summary": " ".join(lines[-1:]),
+                     "failures": [x for x in lines if x.startswith(("FAILED", "ERROR"))][:20]}
     return out
 
 
@@ -485,6 +493,7 @@ def render(report: dict) -> str:
         lines += ["", "## Tests", "", "| suite | result |", "| --- | --- |"]
         lines += [f"| {k} | {v['summary']} (exit {v['returncode']}) |"
                   for k, v in report["tests"].items()]
+        lines += [f"- {x}" for v in report["tests"].values() for x in v.get("failures", [])]
     if "systems" in report:
         lines += ["", "## Every system with --device gpu beside its CPU run", "",
                   ("| command | ranks | mode | ok | loss rel. diff | accuracy diff | devices | "
@@ -516,6 +525,10 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--parts", default="env,tests,systems,syncs,bench")
     p.add_argument("--quick", action="store_true", help="a few systems, the native mode once")
+    p.add_argument("--systems", help="comma-separated names of COMMANDS to compare (default: "
+                                     "all, or a few with --quick)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="system comparisons run at once (each is a --ranks-rank job)")
     p.add_argument("--strict", action="store_true",
                    help="run the system comparison and the all-reduce probe on the strict "
                         "CuPy stand-in (no GPU needed)")
@@ -526,40 +539,65 @@ def main(argv=None) -> int:
     if args.allreduce_probe:
         _allreduce_probe_rank(args.allreduce_probe)
         return 0
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
     gpu = has_gpu()
     strict = args.strict or not gpu
-    report: dict = {"env": environment()}
-    if "tests" in parts:
-        report["tests"] = run_tests(strict_only=not gpu)
-    if "systems" in parts and (gpu or args.strict):
+    unknown = parts - {"env", "tests", "gpu-tests", "systems", "syncs", "bench"}
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from env, tests, gpu-tests, "
+                "systems, syncs, bench")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give 1 or more system comparisons at once")
+    if args.systems:
+        names = args.systems.split(",")
+        bad = [n for n in names if n not in COMMANDS]
+        if bad:
+            p.error(f"--systems: unknown {bad}; choose from {', '.join(COMMANDS)}")
+    else:
         names = (["ddp", "hsadmm", "ssfusion", "sparse_sgd-train"] if args.quick
                  else list(COMMANDS))
-        report["systems"] = [run_system(n, out, args.ranks, strict=strict) for n in names]
-        for n in ("ddp", "hsadmm", "ssfusion", "sparse_sgd-train", "sparse_sgd-infer"):
-            if n in names:
-                report["systems"].append(run_system(n, out, args.ranks, strict=strict,
-                                                    mode="native"))
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"env": environment()}
+
+    def save() -> None:
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "gpu_check.md").write_text(render(report))
+
+    save()
+    if "tests" in parts or "gpu-tests" in parts:
+        report["tests"] = run_tests(stand_in="tests" in parts, real=gpu)
+        save()
+    if "systems" in parts and (gpu or args.strict):
+        from concurrent.futures import ThreadPoolExecutor
+
+        work = [(n, "exact") for n in names]
+        work += [(n, "native") for n in ("ddp", "hsadmm", "ssfusion", "sparse_sgd-train",
+                                         "sparse_sgd-infer") if n in names]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            report["systems"] = list(pool.map(
+                lambda nm: run_system(nm[0], out, args.ranks, strict=strict, mode=nm[1]),
+                work))
+        save()
     elif "systems" in parts:
         report["systems_skipped"] = "no GPU (pass --strict to run them on the stand-in)"
     if "syncs" in parts:
         runs = dict(list(SYNC_RUNS.items())[:2]) if args.quick else None
         report["syncs"] = sync_table(out, checkout=Path(args.checkout), runs=runs,
                                      ranks=args.ranks)
+        save()
     if "bench" in parts:
-        bench: dict = {}
-        if gpu:
-            bench["resnet18_step"] = bench_resnet18()
-            bench["hsgd_spmm"] = bench_hsgd_spmm()
-        else:
-            bench["gpu"] = "no GPU: ResNet-18 and SpMM benchmarks not run"
+        bench = report["bench"] = {}
         if gpu or args.strict:
             bench["staged_allreduce_us"] = allreduce_probe(out, args.ranks, strict=strict)
-        report["bench"] = bench
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_check.md").write_text(render(report))
+            save()
+        if gpu:
+            bench["hsgd_spmm"] = bench_hsgd_spmm()
+            save()
+            bench["resnet18_step"] = bench_resnet18()
+        else:
+            bench["gpu"] = "no GPU: ResNet-18 and SpMM benchmarks not run"
+    save()
     print(render(report))
     failed = [r["name"] for r in report.get("systems", []) if r.get("ok") is False]
     return 1 if failed else 0

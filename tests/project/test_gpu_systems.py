@@ -46,3 +46,16 @@ def test_ssfusion_offload_keeps_momentum_on_the_gpu(tmp_path):
     res = run_mpi("dp_gpu_checks.py", 4, "offload_momentum", tmp_path, timeout=240,
                   env=strict_env())
     assert "OK offload_momentum" in res.stdout
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--parts", "env,bogus"], "--parts: unknown ['bogus']"),
+    (["--systems", "ddp,nope"], "--systems: unknown ['nope']"),
+    (["--jobs", "0"], "--jobs 0: give 1 or more"),
+])
+def test_gpu_check_refuses_unknown_parts_and_systems(tmp_path, capsys, argv, names):
+    from bench.gpu_check import main
+
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path)])
+    assert names in capsys.readouterr().err
