@@ -46,6 +46,7 @@ class BatchNorm2d(Layer):
         self.declare_param("bias", "bn", (num_features,), "zeros")
         self.declare_buffer("running_mean", (num_features,), 0.0)
         self.declare_buffer("running_var", (num_features,), 1.0)
+        self._ones_key = self._ones_vec = None
 
     def forward(self, x, training: bool = True):
         if x.ndim != 4 or x.shape[1] != self.num_features:
@@ -86,40 +87,59 @@ class BatchNorm2d(Layer):
         self._cache = ("rows", X, mean, inv_std, training)
         return Y.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
+    def _ones(self, xp, m: int, dtype):
+        """A ones vector of ``m`` entries (the per-channel sums are products with it), kept
+        while the batch shape stays."""
+        key = (xp.__name__, m, np.dtype(dtype))
+        if self._ones_key != key:
+            self._ones_key, self._ones_vec = key, xp.ones(m, dtype=dtype)
+        return self._ones_vec
+
     def _forward_xp(self, x, training: bool):
-        """Array-module path (CuPy, or NumPy without Numba): ``NCHW`` reductions."""
+        """Array-module path (CuPy, or NumPy without Numba) on the channels-last rows
+        ``(N*H*W, C)``: each per-channel sum is a product with a ones vector (one BLAS GEMV,
+        which reads the rows coalesced on a GPU, where a reduction over ``(N, H, W)`` of the
+        channels-last data does not), then the same formulas as the kernels."""
         xp = array_module(x)
-        gamma, beta = self.P["weight"], self.P["bias"]
+        N, C, H, W = x.shape
+        X = _rows(x)
         if training:
-            m = x.shape[0] * x.shape[2] * x.shape[3]
-            mean = x.mean(axis=(0, 2, 3))
-            xc = x - mean[:, None, None]
-            var = (xc * xc).mean(axis=(0, 2, 3))
+            m = X.shape[0]
+            ones = self._ones(xp, m, X.dtype)
+            mean = (ones @ X) / m
+            xc = X - mean
+            var = (ones @ (xc * xc)) / m
             inv_std = 1.0 / xp.sqrt(var + self.eps)
             self._update_running(mean, var, m)
         else:
-            xc = x - self.B["running_mean"][:, None, None]
+            xc = X - self.B["running_mean"]
             inv_std = 1.0 / xp.sqrt(self.B["running_var"] + self.eps)
-        x_hat = xc * inv_std[:, None, None]
-        self._cache = ("xp", x_hat, inv_std, training)
-        return x_hat * gamma[:, None, None] + beta[:, None, None]
+        xc *= inv_std                                      # x_hat
+        self._cache = ("xp", xc, inv_std, training)
+        y = xc * self.P["weight"] + self.P["bias"]
+        return y.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def backward(self, dy):
         if self._cache[0] == "rows":
             return self._backward_kernels(dy)
         _, x_hat, inv_std, training = self._cache
+        xp = array_module(dy)
+        N, C, H, W = dy.shape
+        dY = _rows(dy)
         gamma = self.P["weight"]
-        d_beta = dy.sum(axis=(0, 2, 3))
-        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3))
+        ones = self._ones(xp, dY.shape[0], dY.dtype)
+        d_beta = ones @ dY
+        d_gamma = ones @ (dY * x_hat)
         self.G["bias"][...] = d_beta
         self.G["weight"][...] = d_gamma
         self._emit_ready()
         self._cache = None
         if not training:
-            return dy * (gamma * inv_std)[:, None, None]
-        m = dy.shape[0] * dy.shape[2] * dy.shape[3]
-        scale = (gamma * inv_std / m)[:, None, None]
-        return scale * (m * dy - d_beta[:, None, None] - x_hat * d_gamma[:, None, None])
+            dX = dY * (gamma * inv_std)
+        else:
+            m = dY.shape[0]
+            dX = (gamma * inv_std / m) * (m * dY - d_beta - x_hat * d_gamma)
+        return dX.reshape(N, H, W, C).transpose(0, 3, 1, 2)
 
     def _backward_kernels(self, dy):
         k = _kernels()
