@@ -16,9 +16,10 @@ writes ``DIR/gpu_check.md`` (and ``gpu_check.json``) with
              device from ``summary.json``;
 ``syncs``    host syncs per step per rank of every system, counted on the stand-in
              (``tests/strictcupy/run_counted.py``): the table of docs/BENCHMARKS.md;
-``bench``    one ResNet-18 training step (CIFAR shape) on the GPU against PyTorch CUDA (when
-             ``torch.cuda`` is available), H-SGD's per-layer SpMM/SpBP on the GPU against the
-             bare cuSPARSE products through CuPy (and the CPU's Numba kernels), and a staged
+``bench``    one ResNet-18 training step (CIFAR shape, batch 128 and 32) on the GPU against
+             PyTorch CUDA (when ``torch.cuda`` is available), H-SGD's per-layer SpMM/SpBP on
+             the GPU against the bare cuSPARSE products through CuPy (and the CPU's Numba
+             kernels), and a staged
              exact-mode all-reduce with the reduction on the host and on the device (the
              ``SPARDIST_DEVICE_REDUCE_BYTES`` crossover).
 
@@ -594,7 +595,7 @@ def main(argv=None) -> int:
         if gpu:
             bench["hsgd_spmm"] = bench_hsgd_spmm()
             save()
-            bench["resnet18_step"] = bench_resnet18()
+            bench["resnet18_step"] = [bench_resnet18(b) for b in (128, 32)]
         else:
             bench["gpu"] = "no GPU: ResNet-18 and SpMM benchmarks not run"
     save()
