@@ -198,3 +198,47 @@ def test_the_suite_runs_on_every_core(monkeypatch):
     assert suite_command([], cores=2, xdist=False) == pytest_cmd
     monkeypatch.setenv("SPARDIST_TEST_WORKERS", "1")
     assert suite_command([], cores=2, xdist=True) == pytest_cmd
+
+
+def test_warm_kernels_compiles_each_family_once_and_only_on_a_cold_checkout(tmp_path,
+                                                                             monkeypatch):
+    """A cold checkout (a kernel source without cached kernels newer than it) runs one training
+    step per model family, at most ``workers`` at once; a warm one runs nothing."""
+    from runner import launch
+
+    for src in launch.WARM_SOURCES:
+        (tmp_path / src).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / src).write_text("# kernels\n")
+    started, live, most = [], [], []
+
+    class FakeRun:
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+            live.append(self)
+            most.append(len(live))
+            self.polls = 0
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2:
+                return None
+            live.remove(self)
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeRun)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    assert launch.warm_kernels(tmp_path, workers=2)
+    assert [c[2:4] for c in started] == [["models", "train"]] * len(launch.WARM_RUNS)
+    assert all(c[-4:-1] == ["--steps", "1", "--out"] for c in started)
+    assert max(most) == 2
+    # every source has kernels cached after it last changed: nothing runs
+    started.clear()
+    for src in launch.WARM_SOURCES:
+        cache = (tmp_path / src).parent / "__pycache__"
+        cache.mkdir(exist_ok=True)
+        (cache / f"{Path(src).stem}.kernel-10.py311.nbi").write_bytes(b"")
+    assert not launch.warm_kernels(tmp_path, workers=2) and not started
+    # one source edited after its cache: cold again
+    later = (tmp_path / launch.WARM_SOURCES[0]).stat().st_mtime + 10
+    os.utime(tmp_path / launch.WARM_SOURCES[0], (later, later))
+    assert launch.warm_kernels(tmp_path, workers=1) and len(started) == len(launch.WARM_RUNS)
