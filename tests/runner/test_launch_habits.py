@@ -242,3 +242,21 @@ def test_warm_kernels_compiles_each_family_once_and_only_on_a_cold_checkout(tmp_
     later = (tmp_path / launch.WARM_SOURCES[0]).stat().st_mtime + 10
     os.utime(tmp_path / launch.WARM_SOURCES[0], (later, later))
     assert launch.warm_kernels(tmp_path, workers=1) and len(started) == len(launch.WARM_RUNS)
+
+
+def test_warm_jobsim_starts_only_on_a_cold_cache(tmp_path, monkeypatch):
+    """The job simulation's engine is compiled in the background (an offline ``commvol scale``
+    at 32 GPUs) only while its cache is cold."""
+    from runner import launch
+
+    src = tmp_path / launch.JOBSIM_SOURCE
+    src.parent.mkdir(parents=True)
+    src.write_text("# kernels\n")
+    started = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or cmd)
+    assert launch.warm_jobsim(tmp_path)[2:4] == ["commvol", "scale"]
+    assert "32" in started[0]
+    cache = src.parent / "__pycache__"
+    cache.mkdir()
+    (cache / f"{src.stem}.simulate-700.py311.nbi").write_bytes(b"")
+    assert launch.warm_jobsim(tmp_path) is None and len(started) == 1
