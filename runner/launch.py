@@ -353,6 +353,12 @@ def _kernels_cached(source: Path) -> bool:
     return False
 
 
+def _quiet(args: list[str], root: Path) -> subprocess.Popen:
+    """``python -m ARGS`` in ``root``, no input, output discarded (a warm-up step)."""
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=root, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def warm_kernels(root: Path | None = None, workers: int | None = None) -> bool:
     """Compile the model kernels once, before many processes would each compile them.
 
@@ -373,10 +379,8 @@ def warm_kernels(root: Path | None = None, workers: int | None = None) -> bool:
         while pending or running:
             while pending and len(running) < workers:
                 i, args = pending.pop(0)
-                running.append(subprocess.Popen(
-                    [sys.executable, "-m", "models", "train", *args, "--steps", "1",
-                     "--out", str(Path(tmp) / str(i))], cwd=root, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                running.append(_quiet(["models", "train", *args, "--steps", "1",
+                                       "--out", str(Path(tmp) / str(i))], root))
             time.sleep(0.1)
             running = [p for p in running if p.poll() is None]
     return True
@@ -400,9 +404,7 @@ def warm_jobsim(root: Path | None = None) -> subprocess.Popen | None:
     root = root or Path(__file__).resolve().parents[1]
     if _kernels_cached(root / JOBSIM_SOURCE):
         return None
-    return subprocess.Popen([sys.executable, "-m", *JOBSIM_WARM_RUN], cwd=root,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return _quiet(JOBSIM_WARM_RUN, root)
 
 
 #: at most this many pytest workers for the whole suite (``SPARDIST_TEST_WORKERS`` overrides)

@@ -328,7 +328,6 @@ def get_elapsed_time(start: Event, end: Event) -> float:
 
 # -- write stamps (the CUDA-aware hand-off and cross-stream order checks) ---------------------------------
 
-_stamps: dict = {}
 _stamps_lock = threading.Lock()
 #: id(root) -> (weakref to root, [(lo, hi, stream, seq), ...]): the byte ranges written last,
 #: by stream (views of one allocation, e.g. DDP's buckets, are written independently)
@@ -380,7 +379,6 @@ def _stamp_write(arrs) -> None:
                 ref = weakref.ref(r)
             except TypeError:
                 continue
-            _stamps[id(r)] = (ref, st, seq)
             _record_write(r, ref, a._a, st, seq)
 
 
@@ -401,26 +399,26 @@ def _check_stream_order(a, st: Stream, what: str) -> None:
     """An asynchronous copy on ``st`` that touches ``a`` must run after ``a``'s last write on
     another stream: on a GPU the two race (a copy into a buffer landing before, and being
     overwritten by, an upload still queued on the compute stream)."""
-    r = _root(a._a)
-    lo, hi = _span(a._a)
-    with _stamps_lock:
-        ent = _writes.get(id(r))
-        writes = list(ent[1]) if ent is not None and ent[0]() is r else []
-    for wlo, whi, writer, seq in writes:
-        if wlo < hi and lo < whi and not st.after(writer, seq):
+    for writer, seq in _writes_over(a):
+        if not st.after(writer, seq):
             raise RuntimeError(f"strictcupy: {what} on {st!r} is not ordered after the last "
                                f"write to the same memory on {writer!r} (record an event after "
                                "the write and make the copy's stream wait for it)")
 
 
-def _unsynced_writer(a) -> Stream | None:
+def _writes_over(a) -> list:
+    """``(stream, seq)`` of the recorded writes that touch ``a``'s memory."""
     r = _root(a._a)
+    lo, hi = _span(a._a)
     with _stamps_lock:
-        ent = _stamps.get(id(r))
-    if ent is None or ent[0]() is not r:
-        return None
-    _, st, seq = ent
-    return None if st.synced >= seq else st
+        ent = _writes.get(id(r))
+        writes = list(ent[1]) if ent is not None and ent[0]() is r else []
+    return [(writer, seq) for wlo, whi, writer, seq in writes if wlo < hi and lo < whi]
+
+
+def _unsynced_writer(a) -> Stream | None:
+    """A stream that wrote ``a``'s memory and has not been synchronized since, else None."""
+    return next((st for st, seq in _writes_over(a) if st.synced < seq), None)
 
 
 # -- pinned memory ---------------------------------------------------------------------------------------
@@ -756,9 +754,7 @@ class ndarray:
                 st.pending.append((seq, "h2d", land))
             with _stamps_lock:
                 r = _root(self._a)
-                ref = weakref.ref(r)
-                _stamps[id(r)] = (ref, st, seq)
-                _record_write(r, ref, self._a, st, seq)
+                _record_write(r, weakref.ref(r), self._a, st, seq)
             return
         with st:
             _np.copyto(self._a, arr)
@@ -1104,7 +1100,7 @@ def reset_for_tests() -> None:
     for st in _all_streams():
         st._complete(st.last)
     with _stamps_lock:
-        _stamps.clear()
+        _writes.clear()
     counter.reset()
     _tls.__dict__.clear()
 
