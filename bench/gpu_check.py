@@ -285,7 +285,8 @@ def summarize_syncs(per_rank: list[dict]) -> dict:
 
 def bench_resnet18(batch: int = 128, steps: int = 10) -> dict:
     """One training step of ResNet-18 at CIFAR shape: spardist on CuPy vs PyTorch CUDA, both
-    timed by CUDA events over ``steps`` steps after a warm-up."""
+    timed by CUDA events over ``steps`` steps after a warm-up; PyTorch twice, with its default
+    TF32 convolutions and with TF32 off (fp32 products, as ours are)."""
     import cupy as cp
 
     from models.optim import SGD, SGDConfig
@@ -323,14 +324,23 @@ def bench_resnet18(batch: int = 128, steps: int = 10) -> dict:
 
         out["torch_ms"] = _cuda_ms(cp, theirs, steps, torch=torch)
         out["ratio"] = out["spardist_ms"] / out["torch_ms"]
+        # the same step with TF32 off in cuDNN and cuBLAS: fp32 products like ours
+        flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            out["torch_fp32_ms"] = _cuda_ms(cp, theirs, steps, torch=torch)
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
+        out["ratio_fp32"] = out["spardist_ms"] / out["torch_fp32_ms"]
         out["torch"] = torch.__version__
     except ImportError as exc:
         out["torch"] = f"not run: {exc}"
     return out
 
 
-def _cuda_ms(cp, fn, steps: int, torch=None) -> float:
-    fn()
+def _cuda_ms(cp, fn, steps: int, torch=None, warmup: int = 3) -> float:
+    for _ in range(warmup):  # the first steps compile kernels and fill allocator pools
+        fn()
     if torch is not None:
         torch.cuda.synchronize()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
