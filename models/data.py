@@ -48,6 +48,7 @@ __all__ = [
     "make_synthetic",
     "normalize",
     "num_batches",
+    "read_digits",
     "read_idx",
     "shard",
 ]
@@ -166,7 +167,7 @@ def _digits_file() -> Path | None:
     return None
 
 
-def _read_digits() -> tuple[np.ndarray, np.ndarray]:
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 digits as ``(images (N, 8, 8) float64 in 0..16, labels (N,) int64)``.
 
     Reads scikit-learn's bundled CSV (64 pixel columns, then the label) directly: importing
@@ -207,7 +208,7 @@ def load_digits(*, test_fraction: float = 0.2, split_seed: int = 0,
     """
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    images, target = _read_digits()
+    images, target = read_digits()
     x = (images.astype(np.float32) / 16.0)[:, None, :, :]
     y = target.astype(np.int64)
     perm = np.random.default_rng(split_seed).permutation(len(y))

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.data import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, DatasetFormatError, read_idx
+from models.data import (
+    IDX_IMAGES_MAGIC,
+    IDX_LABELS_MAGIC,
+    DatasetFormatError,
+    read_digits,
+    read_idx,
+)
 
 __all__ = ["Dataset", "class_targets", "digits_dataset", "images_to_features", "mnist_dataset",
            "train_test_split"]
@@ -51,14 +57,10 @@ def images_to_features(images: np.ndarray, neurons: int, threshold: float) -> np
 
 
 def digits_dataset(neurons: int, threshold: float = 0.25) -> Dataset:
-    """scikit-learn's 8x8 digits (1797 images, values 0..16) as binary vectors of length N."""
-    # scikit-learn is heavy (~1 s to import) and only the digits need it
-    from sklearn.datasets import load_digits  # noqa: PLC0415 (optional dataset source, ~1 s to import)
-
-    d = load_digits()
-    images = d.images.astype(np.float64) / 16.0
-    return Dataset(images_to_features(images, neurons, threshold), d.target.astype(np.int64),
-                   "digits")
+    """scikit-learn's 8x8 digits (1797 images, values 0..16) as binary vectors of length N,
+    read from its bundled file without importing scikit-learn (:func:`models.data.read_digits`)."""
+    images, target = read_digits()
+    return Dataset(images_to_features(images / 16.0, neurons, threshold), target, "digits")
 
 
 def mnist_dataset(images_path, labels_path, neurons: int, threshold: float = 0.5,

@@ -269,15 +269,16 @@ def test_digits_split_is_fixed_and_normalized():
 
 
 def test_digits_reader_matches_sklearn_without_importing_it(monkeypatch):
-    """The direct CSV read gives scikit-learn's arrays in its order, and loading digits in a
-    fresh interpreter leaves scikit-learn unimported (it costs every rank ~65 MiB)."""
+    """The direct CSV read gives scikit-learn's arrays in its order, and loading digits (the
+    models' and H-SGD's) in a fresh interpreter leaves scikit-learn unimported (it costs every
+    rank ~65 MiB and about a second)."""
     import subprocess
     import sys
 
     from sklearn.datasets import load_digits as sk
 
     from models import data as data_mod
-    images, target = data_mod._read_digits()
+    images, target = data_mod.read_digits()
     ref = sk()
     np.testing.assert_array_equal(images, ref.images)
     np.testing.assert_array_equal(target, ref.target)
@@ -287,8 +288,11 @@ def test_digits_reader_matches_sklearn_without_importing_it(monkeypatch):
     fallback = load_digits()
     np.testing.assert_array_equal(direct.train.x, fallback.train.x)
     np.testing.assert_array_equal(direct.test.y, fallback.test.y)
+    # H-SGD's binary digits read the same file: neither loader imports scikit-learn
     code = ("import sys; from models.data import load_digits; d = load_digits(); "
-            "assert len(d.train) == 1438; print('sklearn' in sys.modules)")
+            "from sparse_sgd.data import digits_dataset; h = digits_dataset(64); "
+            "assert len(d.train) == 1438 and h.features.shape == (1797, 64); "
+            "print('sklearn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr
