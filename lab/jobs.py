@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+from runner.launch import YIELD_ENV
+
 from .analysis import WIRE_JSON, wire_report
 from .netns import ROOT, LabError, autogroup_nice, find_hydra, netns_pids, run
 from .network import HOST_IF, Network
@@ -51,18 +53,6 @@ __all__ = ["DEFAULT_TIMEOUT", "YIELD_ENV", "Lab", "default_out", "write_json"]
 
 DEFAULT_TIMEOUT = 300.0
 LOG_NAME = "wirelab.log"              # the jobs' output, in the run's directory
-#: MPICH (ch4) environment that makes a waiting rank sleep 1 us after this many progress polls
-#: without progress instead of spinning: with more ranks than cores (2 x 2 on 2 vCPUs), a rank
-#: busy-polling for its neighbour's data otherwise holds the core the neighbour needs to send it.
-#: ``ENABLE_HEAVY_YIELD``: a rank initialised with ``MPI_THREAD_MULTIPLE`` (every spardist rank:
-#: the communication thread of ``--overlap``) yields in its progress loop with ``sched_yield``,
-#: which returns at once on a busy box; measured here, a thread waiting 2 s for a message burnt
-#: 0.44-0.50 s of CPU with or without the throttle (every replay rank of a 4 x 2 lab held a
-#: quarter of a vCPU while it waited), 0.17-0.22 s with a nanosleep yield, and 0.015 s with the
-#: nanosleep yield under a time-dilated lab's 1.6 ms timer slack.
-YIELD_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
-             "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64",
-             "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
 
 #: Linux ``prctl`` option that sets the calling thread's timer slack (``linux/prctl.h``)

@@ -34,6 +34,7 @@ from substrate.pinning import pinning_env
 
 __all__ = [
     "DEFAULT_JOB",
+    "YIELD_ENV",
     "descendants",
     "find_mpiexec",
     "git_commit",
@@ -42,6 +43,7 @@ __all__ = [
     "main",
     "mpi_env",
     "mpi_flavor",
+    "oversubscribed",
     "run_tree",
     "warm_jobsim",
     "warm_kernels",
@@ -165,11 +167,39 @@ def launch_command(np_: int, module: str | None, args: list[str] = (), *,
     return cmd + payload
 
 
-def mpi_env(np_: int, base: dict | None = None, flavor: str | None = None) -> dict:
+#: MPICH (ch4) environment that makes a waiting rank sleep 1 us after this many progress polls
+#: without progress instead of spinning: with more ranks than cores (2 x 2 on 2 vCPUs), a rank
+#: busy-polling for its neighbour's data otherwise holds the core the neighbour needs to send it.
+#: ``ENABLE_HEAVY_YIELD``: a rank initialised with ``MPI_THREAD_MULTIPLE`` (every spardist rank:
+#: the communication thread of ``--overlap``) yields in its progress loop with ``sched_yield``,
+#: which returns at once on a busy box; measured here, a thread waiting 2 s for a message burnt
+#: 0.44-0.50 s of CPU with or without the throttle (every replay rank of a 4 x 2 lab held a
+#: quarter of a vCPU while it waited), 0.17-0.22 s with a nanosleep yield, and 0.015 s with the
+#: nanosleep yield under a time-dilated lab's 1.6 ms timer slack.  :func:`mpi_env` sets it for
+#: an oversubscribed launch (4-rank jobs on 2 cores: H-SGD train 4.7-6.2 -> 3.7-3.8 s wall, 7.0-
+#: 12.2 -> 6.7-7.0 CPU s; H-SADMM 1.3-1.8 -> 1.3 s); the wire lab's hosts take it with ``--yield``.
+YIELD_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
+             "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64",
+             "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+
+
+def oversubscribed(np_: int, hostfile: str | None = None, cmd: list[str] | None = None) -> bool:
+    """Whether ``np_`` ranks of a launch share this host's cores: more ranks than cores, no
+    hostfile, and not started by ``srun`` (which places the ranks on the allocation's nodes)."""
+    if hostfile or (cmd and Path(cmd[0]).name == "srun"):
+        return False
+    return np_ > (os.cpu_count() or 1)
+
+
+def mpi_env(np_: int, base: dict | None = None, flavor: str | None = None,
+            shared_cores: bool | None = None) -> dict:
     """Environment for ``np_`` ranks on this host.
 
     * BLAS/OpenMP/Numba threads are capped at ``cores // np_`` (at least 1) unless already set,
       so oversubscribed ranks do not thrash.
+    * Ranks that share the cores (``shared_cores``, default :func:`oversubscribed`) wait in MPI
+      by sleeping, not spinning (:data:`YIELD_ENV`, unless the user set those variables): a
+      spinning rank holds the core its neighbour needs to send what it waits for.
     * The MPI library's collectives are pinned to the algorithms the ledger books
       (:func:`substrate.collectives.pinning_env`) unless the user set those variables: this must
       happen before ``MPI_Init``, so only a launcher can do it.  It matters for
@@ -187,6 +217,9 @@ def mpi_env(np_: int, base: dict | None = None, flavor: str | None = None) -> di
     # kept the layer kernels' own threads off the cores (ResNet-18, 2 threads: 0.92 -> 0.79 s a
     # step); read when NumPy loads OpenBLAS, so only a launcher can set it
     env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    if oversubscribed(np_) if shared_cores is None else shared_cores:
+        for var, value in YIELD_ENV.items():
+            env.setdefault(var, value)
     if flavor is None:
         try:
             flavor = mpi_flavor(find_mpiexec())
@@ -467,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dry_run:
         print(shlex.join(cmd))
         return 0
-    env = mpi_env(ns.np)
+    env = mpi_env(ns.np, shared_cores=oversubscribed(ns.np, ns.hostfile, cmd))
     if sys.stderr.isatty():     # rank 0's stderr is a pipe under mpiexec: tell it ours is not
         env.setdefault("SPARDIST_TTY", "1")
     return run_tree(cmd, env=env)

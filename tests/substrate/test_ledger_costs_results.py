@@ -272,6 +272,21 @@ def test_mpi_env_caps_threads_per_rank(monkeypatch):
     assert launch.mpi_env(4, {"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
 
 
+
+def test_ranks_sharing_the_cores_wait_by_sleeping(monkeypatch):
+    """More ranks than cores: MPICH's waiting ranks sleep instead of spinning (a user's own
+    setting wins); ranks with cores of their own, a hostfile's or srun's ranks keep spinning."""
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    shared = launch.mpi_env(4, {})
+    assert all(shared[k] == v for k, v in launch.YIELD_ENV.items())
+    mine = launch.mpi_env(4, {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "0"})
+    assert mine["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "0"
+    assert not set(launch.YIELD_ENV) & set(launch.mpi_env(2, {}))
+    assert launch.oversubscribed(4) and not launch.oversubscribed(2)
+    assert not launch.oversubscribed(4, hostfile="hosts")
+    assert not launch.oversubscribed(4, cmd=["/usr/bin/srun", "-n", "4"])
+    assert not set(launch.YIELD_ENV) & set(launch.mpi_env(4, {}, shared_cores=False))
+
 # -- closed forms for uneven chunks (rank counts that do not divide the count) -------
 from traffic_reference import simulated_bcast as _simulated_bcast
 from traffic_reference import simulated_ring as _simulated_ring
