@@ -9,7 +9,8 @@ the test suite.
 Which ``mpiexec``: ``SPARDIST_MPIEXEC`` if set, else the one installed in this Python's
 environment (the ``mpich`` wheel from PyPI), else the first on ``PATH``.  Oversubscription is
 enabled automatically when NP exceeds the cores (Open MPI needs a flag; MPICH's Hydra allows it by
-default); Open MPI run as root also gets ``--allow-run-as-root``.
+default), and then MPICH's waiting ranks sleep instead of spinning (:data:`YIELD_ENV`); Open MPI
+run as root also gets ``--allow-run-as-root``.
 """
 
 from __future__ import annotations
