@@ -177,7 +177,7 @@ def launch_command(np_: int, module: str | None, args: list[str] = (), *,
 #: 0.44-0.50 s of CPU with or without the throttle (every replay rank of a 4 x 2 lab held a
 #: quarter of a vCPU while it waited), 0.17-0.22 s with a nanosleep yield, and 0.015 s with the
 #: nanosleep yield under a time-dilated lab's 1.6 ms timer slack.  :func:`mpi_env` sets it for
-#: an oversubscribed launch (4-rank jobs on 2 cores: H-SGD train 4.7-6.2 -> 3.7-3.8 s wall, 7.0-
+#: an oversubscribed launch (4-rank jobs on 2 cores: H-SGD train 4.7-6.2 -> 3.7-3.8 s wall, 9.3-
 #: 12.2 -> 6.7-7.0 CPU s; H-SADMM 1.3-1.8 -> 1.3 s); the wire lab's hosts take it with ``--yield``.
 YIELD_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
              "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64",
